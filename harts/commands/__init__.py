@@ -1,0 +1,1 @@
+"""``harts`` subcommands, one module each (see ``harts.cli``)."""

@@ -1,0 +1,256 @@
+"""Prefix compaction: RolloutBatch -> CompactBatch (paper §2.1, §3.1, §3.2).
+
+Two semantic positions share a compact row iff their trajectories have identical token
+prefixes up to and including that position, across trees too. Compact rows are numbered
+in preorder of the token trie with children in token order, so every segment (maximal
+fork-free path) is a contiguous row range and a parent row always precedes its children.
+
+Algorithm (general input): stable lexicographic sort of the trajectories, adjacent LCPs,
+then trie construction in one pass over the sorted order: trajectory k shares its first
+``adj_lcp[k]`` rows with trajectory k-1 and appends fresh rows for the rest, O(S).
+Explicit rollout trees (``RolloutBatch.from_tree``) build the same trie from node spans
+without comparing token sequences, provided siblings (and roots) start with distinct
+tokens; otherwise they take the general path so the result is identical either way.
+
+Shapes (S = semantic positions, C = compact rows, N = trajectories):
+    tokens               int64 [C]   token id of each compact row
+    semantic_to_compact  int64 [S]   m: S -> C, original batch order
+    multiplicity         int64 [C]   q_c = |m^-1(c)|, sums to S
+    parent               int64 [C]   parent row, -1 for a first token
+    position             int64 [C]   index within its trajectories (RoPE position id)
+    row_segment          int64 [C]   segment of each row
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from harts.tree.batch import RolloutBatch
+from harts.tree.lcp import LCPIndex
+from harts.tree.segments import SegmentForest, segments_from_rows
+
+__all__ = ["CompactBatch", "compact", "lexicographic_order", "adjacent_lcp"]
+
+
+@dataclass(frozen=True, eq=False)
+class CompactBatch:
+    """A batch after prefix compaction; see the module docstring for shapes."""
+
+    batch: RolloutBatch
+    tokens: np.ndarray
+    semantic_to_compact: np.ndarray
+    multiplicity: np.ndarray
+    parent: np.ndarray
+    position: np.ndarray
+    row_segment: np.ndarray
+    segment_trees: SegmentForest
+    lcp_index: LCPIndex
+
+    @property
+    def num_compact_tokens(self) -> int:
+        """C: unique prefix-shared token rows (compact-token work of the whole batch)."""
+        return int(self.tokens.size)
+
+    @property
+    def num_semantic_tokens(self) -> int:
+        """S: semantic positions (raw tokens of every trajectory)."""
+        return self.batch.num_tokens
+
+    @property
+    def num_trajectories(self) -> int:
+        return self.batch.num_trajectories
+
+    @property
+    def traj_offsets(self) -> np.ndarray:
+        """int64 [N + 1]: trajectory j owns semantic positions [offsets[j], offsets[j+1])."""
+        return self.batch.offsets
+
+    @property
+    def compression(self) -> float:
+        """S / C: non-replay compact-row compression."""
+        return self.num_semantic_tokens / self.num_compact_tokens
+
+    @cached_property
+    def trajectory_last_row(self) -> np.ndarray:
+        """int64 [N]: compact row of each trajectory's last token."""
+        return self.semantic_to_compact[self.batch.offsets[1:] - 1]
+
+    def trajectory_rows(self, j: int) -> np.ndarray:
+        """int64 [len_j]: compact rows of trajectory j."""
+        o = self.batch.offsets
+        return self.semantic_to_compact[o[j] : o[j + 1]]
+
+    def __repr__(self) -> str:
+        f = self.segment_trees
+        return (
+            f"CompactBatch(trajectories={self.num_trajectories}, S={self.num_semantic_tokens}, "
+            f"C={self.num_compact_tokens}, compression={self.compression:.2f}x, "
+            f"trees={f.num_trees}, segments={f.num_segments})"
+        )
+
+
+def lexicographic_order(batch: RolloutBatch) -> np.ndarray:
+    """int64 [N]: trajectory indices in stable lexicographic token order.
+
+    Token ids are non-negative, so big-endian fixed-width bytes compare exactly like the
+    token sequences (a proper prefix sorts first) and ``sorted`` runs on memcmp.
+    """
+    width = ">u4" if batch.num_tokens == 0 or int(batch.tokens.max()) < 2**32 else ">u8"
+    keys = [t.astype(width).tobytes() for t in batch.trajectories()]
+    return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+
+
+def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    # compare in growing blocks: forks are usually early relative to long trajectories
+    lo = 0
+    block = 256
+    while lo < n:
+        hi = min(n, lo + block)
+        neq = np.flatnonzero(a[lo:hi] != b[lo:hi])
+        if neq.size:
+            return lo + int(neq[0])
+        lo = hi
+        block *= 4
+    return n
+
+
+def adjacent_lcp(seqs: list[np.ndarray]) -> np.ndarray:
+    """int64 [N]: LCP of each sequence with the one before it (0 for the first)."""
+    out = np.zeros(len(seqs), dtype=np.int64)
+    for k in range(1, len(seqs)):
+        out[k] = _first_mismatch(seqs[k - 1], seqs[k])
+    return out
+
+
+def compact(batch: RolloutBatch) -> CompactBatch:
+    """Compact a rollout batch into unique prefix-shared rows (see module docstring)."""
+    if batch.tree is not None and _tree_is_canonical(batch):
+        return _compact_from_tree(batch)
+    return _compact_sorted(batch)
+
+
+def _compact_sorted(batch: RolloutBatch) -> CompactBatch:
+    n = batch.num_trajectories
+    lengths = batch.lengths
+    order = lexicographic_order(batch)
+    trajs = batch.trajectories()
+    sorted_trajs = [trajs[j] for j in order]
+    lcp = adjacent_lcp(sorted_trajs)
+    sorted_len = lengths[order]
+    fresh = sorted_len - lcp  # rows each sorted trajectory adds
+    row_start = np.zeros(n, dtype=np.int64)
+    np.cumsum(fresh[:-1], out=row_start[1:])
+    c = int(fresh.sum())
+
+    m = np.empty(batch.num_tokens, dtype=np.int64)
+    first_parent = np.full(n, -1, dtype=np.int64)
+    prev = None
+    for k in range(n):
+        j = order[k]
+        dst = m[batch.offsets[j] : batch.offsets[j + 1]]
+        l = int(lcp[k])
+        if l:
+            dst[:l] = prev[:l]
+            first_parent[k] = prev[l - 1]
+        dst[l:] = np.arange(row_start[k], row_start[k] + fresh[k])
+        prev = dst
+
+    # rows of sorted trajectory k: positions lcp[k]..len-1, tokens from its own span
+    run = np.repeat(np.arange(n), fresh)
+    within = np.arange(c) - row_start[run]
+    position = lcp[run] + within
+    tokens = batch.tokens[batch.offsets[order][run] + position]
+    parent = np.arange(c, dtype=np.int64) - 1
+    has_rows = fresh > 0
+    parent[row_start[has_rows]] = first_parent[has_rows]
+    return _finish(batch, tokens, m, parent, position, LCPIndex(order, lengths, lcp))
+
+
+def _tree_is_canonical(batch: RolloutBatch) -> bool:
+    """True when the tree's structure equals the token trie's (distinct sibling first tokens)."""
+    tree = batch.tree
+    first = tree.tokens[tree.offsets[:-1]]
+    key = np.stack([tree.parent, first], axis=1)
+    return np.unique(key, axis=0).shape[0] == tree.num_nodes
+
+
+def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
+    tree = batch.tree
+    nn = tree.num_nodes
+    node_len = np.diff(tree.offsets)
+    first = tree.tokens[tree.offsets[:-1]]
+    # children sorted by first token: preorder of nodes == preorder of the token trie
+    kids: list[list[int]] = [[] for _ in range(nn)]
+    for v in np.lexsort((first, tree.parent)):
+        p = int(tree.parent[v])
+        if p >= 0:
+            kids[p].append(int(v))
+    roots = sorted(tree.roots.tolist(), key=lambda r: first[r])
+    node_order = []
+    stack = roots[::-1]
+    while stack:
+        u = stack.pop()
+        node_order.append(u)
+        stack.extend(reversed(kids[u]))
+    node_order = np.asarray(node_order, dtype=np.int64)
+    node_row = np.empty(nn, dtype=np.int64)
+    lens_in_order = node_len[node_order]
+    starts = np.zeros(nn, dtype=np.int64)
+    np.cumsum(lens_in_order[:-1], out=starts[1:])
+    node_row[node_order] = starts
+    c = int(node_len.sum())
+
+    node_pos = np.zeros(nn, dtype=np.int64)
+    for u in node_order:  # preorder: parents first
+        p = tree.parent[u]
+        if p >= 0:
+            node_pos[u] = node_pos[p] + node_len[p]
+    run = np.repeat(node_order, lens_in_order)
+    within = np.arange(c) - node_row[run]
+    position = node_pos[run] + within
+    tokens = tree.tokens[tree.offsets[run] + within]
+    parent = np.arange(c, dtype=np.int64) - 1
+    p = tree.parent[node_order]
+    parent[starts] = np.where(p >= 0, node_row[np.maximum(p, 0)] + node_len[np.maximum(p, 0)] - 1, -1)
+
+    m = np.empty(batch.num_tokens, dtype=np.int64)
+    paths = tree.leaf_paths()
+    for j, path in enumerate(paths):
+        lens = node_len[path]
+        g = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens - node_row[path], lens)
+        m[batch.offsets[j] : batch.offsets[j + 1]] = g
+
+    # leaves in trie preorder are the lexicographic order (no leaf prefixes another)
+    leaf_rank = np.empty(nn, dtype=np.int64)
+    leaf_rank[node_order] = np.arange(nn)
+    order = np.argsort(leaf_rank[tree.leaves], kind="stable")
+    rows_sorted = [m[batch.offsets[j] : batch.offsets[j + 1]] for j in order]
+    lcp = adjacent_lcp(rows_sorted)
+    return _finish(batch, tokens, m, parent, position, LCPIndex(order, batch.lengths, lcp))
+
+
+def _finish(
+    batch: RolloutBatch,
+    tokens: np.ndarray,
+    m: np.ndarray,
+    parent: np.ndarray,
+    position: np.ndarray,
+    lcp_index: LCPIndex,
+) -> CompactBatch:
+    c = tokens.size
+    forest, row_segment = segments_from_rows(parent, position)
+    return CompactBatch(
+        batch=batch,
+        tokens=tokens.astype(np.int64, copy=False),
+        semantic_to_compact=m,
+        multiplicity=np.bincount(m, minlength=c).astype(np.int64),
+        parent=parent,
+        position=position.astype(np.int64, copy=False),
+        row_segment=row_segment,
+        segment_trees=forest,
+        lcp_index=lcp_index,
+    )

@@ -1,0 +1,240 @@
+"""Explicit rollout trees: nodes holding token spans and a parent id.
+
+Every root-to-leaf path is one trajectory; trajectories are numbered by the order in
+which their leaf nodes appear in the input. A node is a dict::
+
+    {"id": "n3", "parent": "n1" | None, "tokens": [..],          # required, non-empty span
+     "action_mask": [..], "old_logprobs": [..], "ref_logprobs": [..],
+     "loss_weights": [..], "advantages": [..],                   # optional, one per token
+     "advantage": 0.5, "group_id": 7}                            # optional, leaves only
+
+Per-token metadata on a shared node describes its tokens for every trajectory that passes
+through it; per-trajectory advantages (the GRPO case) sit on leaves as ``advantage``.
+Several roots form a forest; each root's tree gets its own ``tree_id``.
+
+Shapes (Nn = nodes, N = leaves = trajectories):
+    parent        int64 [Nn]  (-1 for roots)
+    offsets       int64 [Nn + 1] into ``tokens``
+    leaves        int64 [N]   node index of each trajectory's leaf, in trajectory order
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from harts.tree.batch import PER_TOKEN_FIELDS, BatchValidationError, RolloutBatch
+
+__all__ = ["RolloutTree"]
+
+_NODE_TOKEN_FIELDS = ("action_mask", "advantages", *PER_TOKEN_FIELDS)
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutTree:
+    """A validated rollout forest in flat arrays (node order = input order)."""
+
+    node_ids: list[Any]
+    parent: np.ndarray
+    offsets: np.ndarray
+    tokens: np.ndarray
+    leaves: np.ndarray
+    root_of: np.ndarray
+    roots: np.ndarray
+    #: per-token node metadata (flat over node tokens), None where no node gave it
+    token_meta: dict[str, np.ndarray | None]
+    leaf_advantage: np.ndarray | None
+    leaf_group: np.ndarray | None
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_ids)
+
+    def path(self, leaf_node: int) -> list[int]:
+        """Node indices from the root to ``leaf_node``."""
+        out = []
+        v = int(leaf_node)
+        while v >= 0:
+            out.append(v)
+            v = int(self.parent[v])
+        return out[::-1]
+
+    @classmethod
+    def from_nodes(cls, nodes: Sequence[dict[str, Any]]) -> RolloutTree:
+        if len(nodes) == 0:
+            raise BatchValidationError("a rollout tree needs at least one node")
+        index: dict[Any, int] = {}
+        for i, node in enumerate(nodes):
+            if "id" not in node:
+                raise BatchValidationError(f"node #{i} has no 'id'")
+            nid = node["id"]
+            if nid in index:
+                raise BatchValidationError(f"duplicate node id {nid!r} (nodes #{index[nid]} and #{i})")
+            index[nid] = i
+        nn = len(nodes)
+        parent = np.full(nn, -1, dtype=np.int64)
+        spans = []
+        for i, node in enumerate(nodes):
+            nid = node["id"]
+            p = node.get("parent")
+            if p is not None:
+                if p not in index:
+                    raise BatchValidationError(f"node {nid!r}: parent {p!r} does not exist")
+                parent[i] = index[p]
+            toks = np.asarray(node.get("tokens", []))
+            if toks.ndim != 1 or toks.size == 0:
+                raise BatchValidationError(f"node {nid!r} has an empty token span")
+            if not np.issubdtype(toks.dtype, np.integer):
+                raise BatchValidationError(f"node {nid!r}: token ids must be integers, got {toks.dtype}")
+            spans.append(toks.astype(np.int64))
+        root_of = _roots_or_cycle(parent, [n["id"] for n in nodes])
+        lengths = np.array([s.size for s in spans], dtype=np.int64)
+        offsets = np.zeros(nn + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.concatenate(spans)
+
+        token_meta: dict[str, np.ndarray | None] = {}
+        for name in _NODE_TOKEN_FIELDS:
+            if not any(name in n for n in nodes):
+                token_meta[name] = None
+                continue
+            dtype = bool if name == "action_mask" else np.float64
+            flat = np.zeros(tokens.size, dtype=dtype)
+            if name == "action_mask":
+                # nodes without a mask: every token is an action except a root's first
+                flat[:] = True
+                flat[offsets[:-1][parent < 0]] = False
+            for i, node in enumerate(nodes):
+                if name not in node:
+                    continue
+                arr = np.asarray(node[name], dtype=dtype)
+                if arr.shape != (lengths[i],):
+                    raise BatchValidationError(
+                        f"node {node['id']!r}: {name} has {arr.size} values for {lengths[i]} tokens"
+                    )
+                if dtype is np.float64 and not np.all(np.isfinite(arr)):
+                    bad = int(np.flatnonzero(~np.isfinite(arr))[0])
+                    raise BatchValidationError(f"node {node['id']!r}: {name}[{bad}] is {arr[bad]} (must be finite)")
+                flat[offsets[i] : offsets[i + 1]] = arr
+            token_meta[name] = flat
+
+        if token_meta["action_mask"] is not None:
+            for r in np.flatnonzero(parent < 0):
+                if "action_mask" in nodes[r] and token_meta["action_mask"][offsets[r]]:
+                    raise BatchValidationError(
+                        f"node {nodes[r]['id']!r}: action_mask marks the root's first token as an "
+                        "action, but nothing predicts a first token (it has no log-prob)"
+                    )
+        has_child = np.zeros(nn, dtype=bool)
+        has_child[parent[parent >= 0]] = True
+        leaves = np.flatnonzero(~has_child)
+        leaf_adv = None
+        leaf_group = None
+        for name in ("advantage", "group_id"):
+            for i, node in enumerate(nodes):
+                if name in node and has_child[i]:
+                    raise BatchValidationError(
+                        f"node {node['id']!r}: '{name}' is per trajectory and belongs on a leaf, "
+                        "but this node has children"
+                    )
+        if any("advantage" in nodes[i] for i in leaves):
+            leaf_adv = np.zeros(leaves.size, dtype=np.float64)
+            for k, i in enumerate(leaves):
+                v = float(nodes[i].get("advantage", 0.0))
+                if not np.isfinite(v):
+                    raise BatchValidationError(f"node {nodes[i]['id']!r}: advantage is {v} (must be finite)")
+                leaf_adv[k] = v
+        if any("group_id" in nodes[i] for i in leaves):
+            leaf_group = np.array([int(nodes[i].get("group_id", -1)) for i in leaves], dtype=np.int64)
+        roots = np.flatnonzero(parent < 0)
+        return cls(
+            node_ids=[n["id"] for n in nodes],
+            parent=parent,
+            offsets=offsets,
+            tokens=tokens,
+            leaves=leaves,
+            root_of=root_of,
+            roots=roots,
+            token_meta=token_meta,
+            leaf_advantage=leaf_adv,
+            leaf_group=leaf_group,
+        )
+
+    def leaf_paths(self) -> list[np.ndarray]:
+        """Per trajectory, int64 node indices from root to leaf."""
+        return [np.asarray(self.path(v), dtype=np.int64) for v in self.leaves]
+
+    def to_batch(self, *, vocab_size: int | None = None) -> RolloutBatch:
+        """Expand every root-to-leaf path into a trajectory (metadata carried along)."""
+        paths = self.leaf_paths()
+        node_len = np.diff(self.offsets)
+        gathers = []
+        for p in paths:
+            starts = self.offsets[p]
+            lens = node_len[p]
+            total = int(lens.sum())
+            g = np.arange(total) - np.repeat(np.cumsum(lens) - lens - starts, lens)
+            gathers.append(g)
+        lengths = np.array([g.size for g in gathers], dtype=np.int64)
+        gather = np.concatenate(gathers)
+        offsets = np.zeros(len(paths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+
+        mask_src = self.token_meta["action_mask"]
+        if mask_src is None:
+            mask = np.ones(gather.size, dtype=bool)
+            mask[offsets[:-1]] = False
+        else:
+            mask = mask_src[gather]
+        if self.leaf_advantage is not None:
+            adv = np.repeat(self.leaf_advantage, lengths)
+        elif self.token_meta["advantages"] is not None:
+            adv = self.token_meta["advantages"][gather]
+        else:
+            adv = np.zeros(gather.size, dtype=np.float64)
+
+        def meta(name: str) -> np.ndarray | None:
+            src = self.token_meta[name]
+            return None if src is None else src[gather]
+
+        root_rank = np.full(self.num_nodes, -1, dtype=np.int64)
+        root_rank[self.roots] = np.arange(self.roots.size)
+        return RolloutBatch(
+            tokens=self.tokens[gather],
+            offsets=offsets,
+            action_mask=mask,
+            advantages=adv,
+            old_logprobs=meta("old_logprobs"),
+            ref_logprobs=meta("ref_logprobs"),
+            loss_weights=meta("loss_weights"),
+            group_ids=self.leaf_group,
+            tree_ids=root_rank[self.root_of[self.leaves]],
+            vocab_size=vocab_size,
+            tree=self,
+        )
+
+
+def _roots_or_cycle(parent: np.ndarray, ids: list[Any]) -> np.ndarray:
+    """Root node of every node; raises naming a node on a cycle."""
+    nn = parent.size
+    root_of = np.full(nn, -1, dtype=np.int64)
+    state = np.zeros(nn, dtype=np.int8)  # 0 new, 1 on the current walk, 2 done
+    for start in range(nn):
+        if state[start] == 2:
+            continue
+        walk = []
+        v = start
+        while v >= 0 and state[v] == 0:
+            state[v] = 1
+            walk.append(v)
+            v = int(parent[v])
+        if v >= 0 and state[v] == 1:
+            raise BatchValidationError(f"node {ids[v]!r} is on a parent cycle")
+        root = walk[-1] if v < 0 else int(root_of[v])
+        for u in walk:
+            root_of[u] = root
+            state[u] = 2
+    return root_of

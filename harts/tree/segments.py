@@ -1,0 +1,169 @@
+"""Segment forests: maximal fork-free token paths of rollout trees (paper §3.3).
+
+A segment v covers positions ``[start[v], end[v])`` of every trajectory through it and,
+in a compact batch, the contiguous compact rows ``[row[v], row[v] + end[v] - start[v])``.
+Segments are numbered in preorder (a parent's id is smaller than its children's; one
+tree's segments are contiguous) and ``children(v)`` lists children in their fixed order.
+
+Shapes (V = segments, E = V - num_trees child edges):
+    start, end, parent, row, tree   int64 [V]
+    child_ptr                       int64 [V + 1]   CSR over ``child_idx``
+    child_idx                       int64 [E]
+    roots                           int64 [num_trees]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SegmentForest", "segments_from_rows"]
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentForest:
+    start: np.ndarray
+    end: np.ndarray
+    parent: np.ndarray
+    row: np.ndarray
+    tree: np.ndarray
+    child_ptr: np.ndarray
+    child_idx: np.ndarray
+    roots: np.ndarray
+    #: optional display names (one per segment), e.g. from a ``harts calls`` tree file
+    names: list[str] | None = None
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.start.size)
+
+    @property
+    def num_trees(self) -> int:
+        return int(self.roots.size)
+
+    def __len__(self) -> int:
+        return self.num_trees
+
+    @property
+    def length(self) -> np.ndarray:
+        """int64 [V]: tokens per segment."""
+        return self.end - self.start
+
+    def children(self, v: int) -> np.ndarray:
+        return self.child_idx[self.child_ptr[v] : self.child_ptr[v + 1]]
+
+    @property
+    def num_children(self) -> np.ndarray:
+        return np.diff(self.child_ptr)
+
+    def name(self, v: int) -> str:
+        return self.names[v] if self.names is not None else f"s{v}"
+
+    def tree_segments(self, t: int) -> np.ndarray:
+        """Segment ids of tree t (a contiguous preorder range)."""
+        lo = int(self.roots[t])
+        hi = int(self.roots[t + 1]) if t + 1 < self.num_trees else self.num_segments
+        return np.arange(lo, hi)
+
+    def depth(self) -> np.ndarray:
+        """int64 [V]: segment-tree depth (root 0); counts state handoffs on the way down."""
+        d = np.zeros(self.num_segments, dtype=np.int64)
+        for v in range(self.num_segments):  # preorder: parents first
+            p = self.parent[v]
+            if p >= 0:
+                d[v] = d[p] + 1
+        return d
+
+    @classmethod
+    def from_parents(
+        cls,
+        lengths: Sequence[int] | np.ndarray,
+        parents: Sequence[int] | np.ndarray,
+        names: Sequence[str] | None = None,
+    ) -> tuple[SegmentForest, np.ndarray]:
+        """Build a forest from per-segment token counts and parent indices (-1 = root).
+
+        Input order is the fixed child order. Returns the forest (renumbered into
+        preorder) and ``new_id`` int64 [V], the preorder id of each input segment.
+        Validation (positive lengths, parents in range, no cycles) is the caller's job
+        for user input; here it is asserted.
+        """
+        lengths = np.asarray(lengths, dtype=np.int64)
+        parents = np.asarray(parents, dtype=np.int64)
+        v = lengths.size
+        assert parents.shape == (v,) and np.all(lengths > 0)
+        kids: list[list[int]] = [[] for _ in range(v)]
+        roots_in = []
+        for i in range(v):
+            p = int(parents[i])
+            (roots_in if p < 0 else kids[p]).append(i)
+        order = np.empty(v, dtype=np.int64)
+        k = 0
+        for r in roots_in:
+            stack = [r]
+            while stack:
+                u = stack.pop()
+                order[k] = u
+                k += 1
+                stack.extend(reversed(kids[u]))
+        assert k == v, "segment parents contain a cycle"
+        new_id = np.empty(v, dtype=np.int64)
+        new_id[order] = np.arange(v)
+        par = np.where(parents[order] >= 0, new_id[np.maximum(parents[order], 0)], -1)
+        length = lengths[order]
+        start = np.zeros(v, dtype=np.int64)
+        for u in range(v):
+            if par[u] >= 0:
+                start[u] = start[par[u]] + length[par[u]]
+        row = np.zeros(v, dtype=np.int64)
+        np.cumsum(length[:-1], out=row[1:])
+        forest = _assemble(start, start + length, par, row)
+        if names is not None:
+            forest = SegmentForest(**{**forest.__dict__, "names": [str(names[i]) for i in order]})
+        return forest, new_id
+
+
+def _assemble(start: np.ndarray, end: np.ndarray, parent: np.ndarray, row: np.ndarray) -> SegmentForest:
+    v = start.size
+    is_root = parent < 0
+    tree = np.cumsum(is_root) - 1
+    nonroot = np.flatnonzero(~is_root)
+    # preorder ids: a stable sort by parent keeps the fixed child order
+    child_idx = nonroot[np.argsort(parent[nonroot], kind="stable")]
+    counts = np.bincount(parent[nonroot], minlength=v)
+    child_ptr = np.zeros(v + 1, dtype=np.int64)
+    np.cumsum(counts, out=child_ptr[1:])
+    return SegmentForest(
+        start=start.astype(np.int64),
+        end=end.astype(np.int64),
+        parent=parent.astype(np.int64),
+        row=row.astype(np.int64),
+        tree=tree.astype(np.int64),
+        child_ptr=child_ptr,
+        child_idx=child_idx.astype(np.int64),
+        roots=np.flatnonzero(is_root).astype(np.int64),
+    )
+
+
+def segments_from_rows(parent_row: np.ndarray, position: np.ndarray) -> tuple[SegmentForest, np.ndarray]:
+    """Segments of a compact trie whose rows are numbered in preorder.
+
+    ``parent_row`` int64 [C] (-1 for a root row) and ``position`` int64 [C] describe the
+    trie. A row starts a segment iff it is a root or its parent has two or more children;
+    in preorder a single child directly follows its parent, so segments are contiguous.
+    Returns the forest and ``row_segment`` int64 [C].
+    """
+    c = parent_row.size
+    has_parent = parent_row >= 0
+    nchild = np.bincount(parent_row[has_parent], minlength=c)
+    starts = ~has_parent
+    starts[has_parent] = nchild[parent_row[has_parent]] >= 2
+    row_segment = np.cumsum(starts) - 1
+    seg_row = np.flatnonzero(starts)
+    seg_len = np.diff(np.append(seg_row, c))
+    seg_start = position[seg_row]
+    p = parent_row[seg_row]
+    seg_parent = np.where(p >= 0, row_segment[np.maximum(p, 0)], -1)
+    return _assemble(seg_start, seg_start + seg_len, seg_parent, seg_row), row_segment.astype(np.int64)
