@@ -109,9 +109,9 @@ def generate(
     Trajectories carry ``group_ids`` and ``tree_ids`` = task index, per-trajectory
     group-normalized advantages, and an action mask over assistant tokens.
     """
-    spec = PRESETS[name] if isinstance(name, str) else name
     if isinstance(name, str) and name not in PRESETS:
         raise ValueError(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}")
+    spec = PRESETS[name] if isinstance(name, str) else name
     if overrides:
         spec = replace(spec, **overrides)
     rng = np.random.default_rng([seed, step, 0x4A475453])

@@ -1,0 +1,269 @@
+"""HybridConfig: the architecture of a hybrid-attention LM, plus presets.
+
+One config describes every layer type harts executes. ``layer_pattern`` holds one letter
+per decoder layer:
+
+    K  Kimi Delta Attention (KDA, per-channel decay; Kimi Linear / Ling 3.0)
+    G  Gated DeltaNet (GDN, scalar decay; Qwen3-Next)
+    M  Multi-head Latent Attention (DeepSeek-V3 / Ling 3.0 MLA, optional output gate)
+    A  gated GQA/MHA full attention with q/k norm and partial RoPE (Qwen3-Next)
+
+FFN: layers ``< first_k_dense_replace`` (or every layer when ``num_experts == 0``) use a
+dense SwiGLU MLP of ``intermediate_size``; the rest use a no-drop top-k MoE. Field names
+follow transformers where one exists so state-dict adapters stay thin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["HybridConfig", "LAYER_TYPES"]
+
+#: layer letter -> (family, description)
+LAYER_TYPES = {
+    "K": ("linear", "Kimi Delta Attention"),
+    "G": ("linear", "Gated DeltaNet"),
+    "M": ("full", "Multi-head Latent Attention"),
+    "A": ("full", "gated grouped-query attention"),
+}
+
+
+@dataclass(kw_only=True)
+class HybridConfig:
+    """Hyperparameters of a ``HybridLM``; see the module docstring for the layer letters."""
+
+    #: one letter per decoder layer, from ``LAYER_TYPES``
+    layer_pattern: str = "KGMA"
+    vocab_size: int = 64
+    hidden_size: int = 32
+    rms_norm_eps: float = 1e-6
+    #: Qwen3-Next stores RMSNorm weights zero-centred and applies ``1 + weight``
+    norm_unit_offset: bool = False
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    #: parameter dtype name, "float32" or "float64"
+    dtype: str = "float32"
+
+    # ---- linear attention (K and G layers)
+    #: linear-attention execution chunk B (a power of two >= 8 in the reference path)
+    chunk_size: int = 64
+    #: short causal conv width w
+    linear_conv_kernel_dim: int = 4
+    #: GDN key heads (KDA uses ``linear_num_value_heads`` for q, k and v)
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 2
+    linear_key_head_dim: int = 8
+    linear_value_head_dim: int = 8
+
+    # ---- full attention: A layers (gated GQA)
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 8
+    #: fraction of ``head_dim`` rotated by RoPE in A layers
+    partial_rotary_factor: float = 0.5
+    attn_output_gate: bool = True
+    rope_theta: float = 10000.0
+
+    # ---- full attention: M layers (MLA); heads = num_attention_heads
+    q_lora_rank: int | None = 16
+    kv_lora_rank: int = 16
+    qk_nope_head_dim: int = 8
+    qk_rope_head_dim: int = 4
+    v_head_dim: int = 8
+    #: Ling 3.0's gated MLA: ``o_proj(attn * sigmoid(g_proj(x)))``
+    mla_output_gate: bool = True
+    #: DeepSeek-V3 checkpoints store the rope dims interleaved
+    rope_interleave: bool = False
+
+    # ---- FFN
+    hidden_act: str = "silu"
+    intermediate_size: int = 64
+    #: 0 = every FFN is dense
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 16
+    first_k_dense_replace: int = 1
+    num_shared_experts: int = 1
+    #: per shared expert; default ``moe_intermediate_size``
+    shared_expert_intermediate_size: int | None = None
+    #: Qwen3-Next: the shared expert output is scaled by sigmoid(shared_expert_gate(x))
+    shared_expert_gate: bool = False
+    #: "softmax" (Qwen3-Next) or "sigmoid" (DeepSeek-V3 / Ling / Kimi)
+    router_score: str = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    #: expert-bias (aux-loss-free) balancing: an ``e_score_correction_bias`` buffer added to
+    #: the scores used for expert choice only
+    router_bias: bool = True
+    router_z_loss_coef: float = 1e-3
+    router_aux_loss_coef: float = 1e-3
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_pattern)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i >= self.first_k_dense_replace
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return any(LAYER_TYPES[c][0] == "linear" for c in self.layer_pattern)
+
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[self.dtype]
+
+    def replace(self, **overrides: Any) -> HybridConfig:
+        """A copy with ``overrides`` applied (validated)."""
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"HybridConfig: unknown field(s) {unknown}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        bad = sorted(set(self.layer_pattern) - set(LAYER_TYPES))
+        if not self.layer_pattern or bad:
+            raise ValueError(
+                f"layer_pattern {self.layer_pattern!r}: letters must be from {''.join(LAYER_TYPES)}"
+                + (f", got {bad}" if bad else ", got an empty pattern")
+            )
+        if self.dtype not in ("float32", "float64", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
+        if self.chunk_size < 8 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"chunk_size must be a power of two >= 8, got {self.chunk_size}")
+        if self.linear_conv_kernel_dim < 1:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.linear_conv_kernel_dim}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        rot = int(self.head_dim * self.partial_rotary_factor)
+        if rot % 2 or not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} must give an "
+                "even, positive number of rotary dims"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise ValueError(f"router_score must be 'softmax' or 'sigmoid', got {self.router_score!r}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+                )
+            if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(
+                    f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
+                    f"1 <= topk_group ({self.topk_group}) <= n_group"
+                )
+            if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
+                raise ValueError("topk_group groups hold fewer experts than num_experts_per_tok")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def tiny(cls, **overrides: Any) -> HybridConfig:
+        """A few-thousand-parameter model with every layer type, for tests and CPU demos."""
+        base: dict[str, Any] = dict(
+            layer_pattern="KGMA",
+            vocab_size=64,
+            hidden_size=32,
+            chunk_size=8,
+            linear_conv_kernel_dim=4,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            num_shared_experts=1,
+            initializer_range=0.2,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def ling3_tiny(cls, **overrides: Any) -> HybridConfig:
+        """Ling-3.0-tiny as in the HARTS paper's Table 1 (24 layers, 6 x (3 KDA + 1 MLA))."""
+        base: dict[str, Any] = dict(
+            layer_pattern="KKKM" * 6,
+            vocab_size=157_184,
+            hidden_size=1536,
+            chunk_size=64,
+            linear_conv_kernel_dim=4,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=128,
+            q_lora_rank=768,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            mla_output_gate=True,
+            intermediate_size=4608,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            first_k_dense_replace=1,
+            num_shared_experts=1,
+            router_score="sigmoid",
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            dtype="bfloat16",
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> HybridConfig:
+        """``HybridConfig.preset("tiny")`` etc.; raises ValueError naming the known presets."""
+        presets = {"tiny": cls.tiny, "ling3_tiny": cls.ling3_tiny}
+        key = name.replace("-", "_")
+        if key not in presets:
+            raise ValueError(f"unknown model preset {name!r}; known: {sorted(presets)}")
+        return presets[key](**overrides)

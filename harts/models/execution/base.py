@@ -1,0 +1,67 @@
+"""RowContext: what a layer may ask about the rows it runs on.
+
+Layers are written once and never see trees or trajectories. Every decoder layer reads
+and writes ``T`` rows (semantic positions in trajectory mode, physical rows in compact
+mode) and delegates the three operations that couple rows to its context:
+
+    short_conv         causal depthwise conv over each row's true predecessors
+    linear_attention   the chunkwise delta-rule core (KDA / GDN)
+    attention          causal softmax attention (full-attention layers)
+
+plus two per-row inputs: ``position`` (RoPE id inside the original trajectory) and
+``row_weight`` (semantic multiplicity q; 1 per row in trajectory mode, 0 for padding),
+which MoE uses to weight its router losses and expert counts.
+
+Shapes: ``x_TD`` rows x features, ``q_THK`` rows x heads x dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RowContext"]
+
+
+class RowContext:
+    """Abstract base; ``TrajectoryContext`` and ``CompactContext`` implement it."""
+
+    #: T, the number of rows every layer reads and writes
+    num_rows: int
+    #: int64 [T] RoPE position id of each row
+    position: torch.Tensor
+    #: float [T] semantic multiplicity of each row (MoE loss/count weights)
+    row_weight: torch.Tensor
+    #: linear-attention chunk size B
+    chunk_size: int
+
+    def rope(self, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[T, rotary_dim]`` for ``position``, computed once per (dim, theta, dtype)."""
+        from harts.models.layers.rope import rope_cos_sin
+
+        cache = self.__dict__.setdefault("_rope_cache", {})
+        key = (rotary_dim, theta, dtype)
+        if key not in cache:
+            cache[key] = rope_cos_sin(self.position, rotary_dim, theta, dtype)
+        return cache[key]
+
+    def short_conv(
+        self, x_TD: torch.Tensor, weight_DW: torch.Tensor, bias_D: torch.Tensor | None, activation: str | None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def linear_attention(
+        self,
+        q_THK: torch.Tensor,
+        k_THK: torch.Tensor,
+        v_THV: torch.Tensor,
+        g: torch.Tensor,
+        beta_TH: torch.Tensor,
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attention(
+        self, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGE: torch.Tensor, *, scale: float
+    ) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,160 @@
+"""Compact execution: every layer reads and writes the P physical rows of a Layout (§3.4).
+
+The Layout (``harts.plan.layout``) fixes one physical row order for the whole model. This
+context maps the three row-coupling operations onto it:
+
+* short conv: ``tree_causal_conv1d`` over each row's true ancestors (``layout.ancestors``),
+  one post-conv result per physical row; replay never re-runs it.
+* linear attention: one packed ``chunk_linear_attn`` call per round over
+  ``x[round.la_rows]``; a sequence starts from zero (``init_state == -1``) or from a
+  boundary state exported by an earlier round; the round exports ``round.requests`` into
+  ``states[round.request_ids]``; outputs of non-replay positions go to ``round.out_rows``.
+  Replay positions only update state. Autograd sums every consumer's gradient into the
+  producing round through the shared state tensors.
+* attention: ``ancestor_view_attention`` (gather each branch's ancestor K/V, bottom-right
+  causal, scatter outputs) or ``tree_mask_attention`` (ancestor-or-self mask).
+
+Everything is rebuilt from the same fixed Layout on every call, so full-layer activation
+recomputation re-executes exactly the same rounds, replay and state handoffs.
+
+Shapes (P physical rows, T_r rows of round r): x_PD; la_rows_r [T_r]; states [H, K, V] each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harts.models.execution.base import RowContext
+
+__all__ = ["CompactContext", "RoundTensors"]
+
+
+def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class RoundTensors:
+    """One RoundView as device tensors (plus host copies of the small id arrays)."""
+
+    la_rows: torch.Tensor
+    cu_seqlens: torch.Tensor
+    out_pos: torch.Tensor  # positions within la_rows that produce output
+    out_rows: torch.Tensor
+    init_state: np.ndarray
+    requests: torch.Tensor | None
+    request_ids: np.ndarray
+    num_replay: int
+
+
+class CompactContext(RowContext):
+    def __init__(self, layout, *, attention: str = "gather", device: torch.device) -> None:  # noqa: ANN001
+        if attention not in ("gather", "mask"):
+            raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
+        self.layout = layout
+        self.attention_impl = attention
+        self.device = device
+        self.num_rows = int(layout.num_rows)
+        self.chunk_size = int(layout.chunk_size)
+        self.position = _t(layout.position, device)
+        self.row_weight = torch.as_tensor(layout.multiplicity, dtype=torch.float64, device=device)
+        self.rounds = [self._round(r) for r in layout.rounds]
+        self.num_boundary_states = int(layout.num_boundary_states)
+        self._ancestors: dict[int, torch.Tensor] = {}
+        self._attn: dict[str, torch.Tensor] = {}
+
+    def _round(self, r) -> RoundTensors:  # noqa: ANN001
+        is_output = np.asarray(r.is_output, dtype=bool)
+        requests = np.asarray(r.requests, dtype=np.int64).reshape(-1, 2)
+        return RoundTensors(
+            la_rows=_t(r.la_rows, self.device),
+            cu_seqlens=_t(r.cu_seqlens, self.device),
+            out_pos=_t(np.flatnonzero(is_output), self.device),
+            out_rows=_t(r.out_rows, self.device),
+            init_state=np.asarray(r.init_state, dtype=np.int64),
+            requests=_t(requests, self.device) if requests.shape[0] else None,
+            request_ids=np.asarray(r.request_ids, dtype=np.int64),
+            num_replay=int((~is_output).sum()),
+        )
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def num_calls(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def num_replay_rows(self) -> int:
+        return sum(r.num_replay for r in self.rounds)
+
+    # ------------------------------------------------------------------ ops
+    def short_conv(self, x_TD, weight_DW, bias_D, activation):  # type: ignore[override]
+        from harts.ops.conv import tree_causal_conv1d
+
+        k = weight_DW.shape[-1] - 1
+        if k not in self._ancestors:
+            self._ancestors[k] = _t(self.layout.ancestors(k), self.device)
+        return tree_causal_conv1d(x_TD, weight_DW, self._ancestors[k], bias_D, activation=activation)
+
+    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
+        from harts.ops.linear_attn import chunk_linear_attn
+
+        h, kd, vd = q_THK.shape[1], q_THK.shape[2], v_THV.shape[2]
+        states: list[torch.Tensor | None] = [None] * self.num_boundary_states
+        out_rows, out_vals = [], []
+        for r in self.rounds:
+            idx = r.la_rows
+            init = None
+            if (r.init_state >= 0).any():
+                zero = q_THK.new_zeros(h, kd, vd)
+                init = torch.stack([states[i] if i >= 0 else zero for i in r.init_state.tolist()])
+            o, _, req = chunk_linear_attn(
+                q_THK[idx],
+                k_THK[idx],
+                v_THV[idx],
+                g[idx],
+                beta_TH[idx],
+                cu_seqlens=r.cu_seqlens,
+                initial_state=init,
+                chunk_size=self.chunk_size,
+                state_requests=r.requests,
+                scale=scale,
+            )
+            for j, sid in enumerate(r.request_ids.tolist()):
+                states[sid] = req[j]
+            out_rows.append(r.out_rows)
+            out_vals.append(o[r.out_pos])
+        out = v_THV.new_zeros(self.num_rows, h, vd)
+        return out.index_copy(0, torch.cat(out_rows), torch.cat(out_vals))
+
+    def _attn_index(self, name: str) -> torch.Tensor:
+        if name not in self._attn:
+            self._attn[name] = _t(getattr(self.layout, name), self.device)
+        return self._attn[name]
+
+    def attention(self, q_THD, k_TGD, v_TGE, *, scale):  # type: ignore[override]
+        if self.attention_impl == "gather":
+            from harts.ops.attention import ancestor_view_attention
+
+            return ancestor_view_attention(
+                q_THD,
+                k_TGD,
+                v_TGE,
+                q_rows=self._attn_index("attn_q_rows"),
+                cu_q=self._attn_index("attn_cu_q"),
+                kv_rows=self._attn_index("attn_kv_rows"),
+                cu_kv=self._attn_index("attn_cu_kv"),
+                scale=scale,
+            )
+        from harts.ops.attention import tree_mask_attention
+
+        return tree_mask_attention(
+            q_THD,
+            k_TGD,
+            v_TGE,
+            tree_pre=self._attn_index("tree_pre"),
+            tree_end=self._attn_index("tree_end"),
+            scale=scale,
+        )

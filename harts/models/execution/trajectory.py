@@ -1,0 +1,48 @@
+"""Trajectory-wise execution (the baseline and oracle): every trajectory is its own sequence.
+
+Rows are the S semantic positions in original batch order; trajectory j owns rows
+``[offsets[j], offsets[j+1])``. Linear attention runs one packed call with cu_seqlens over
+trajectories and zero initial states; the short conv and attention are plain causal
+per-sequence ops. Nothing here uses compaction, a call plan or a Layout.
+
+Shapes: cu_seqlens int64 [N + 1]; position int64 [S]; row_weight [S] (all ones).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from harts.models.execution.base import RowContext
+from harts.tree.batch import RolloutBatch
+
+__all__ = ["TrajectoryContext"]
+
+
+class TrajectoryContext(RowContext):
+    def __init__(self, batch: RolloutBatch, chunk_size: int, device: torch.device) -> None:
+        offsets = batch.offsets
+        self.num_rows = batch.num_tokens
+        self.chunk_size = chunk_size
+        self.cu_seqlens = torch.as_tensor(offsets, dtype=torch.int64, device=device)
+        pos = np.arange(batch.num_tokens) - np.repeat(offsets[:-1], batch.lengths)
+        self.position = torch.as_tensor(pos, dtype=torch.int64, device=device)
+        self.row_weight = torch.ones(batch.num_tokens, dtype=torch.float64, device=device)
+
+    def short_conv(self, x_TD, weight_DW, bias_D, activation):  # type: ignore[override]
+        from harts.ops.conv import causal_conv1d_varlen
+
+        return causal_conv1d_varlen(x_TD, weight_DW, self.cu_seqlens, bias=bias_D, activation=activation)
+
+    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
+        from harts.ops.linear_attn import chunk_linear_attn
+
+        o, _, _ = chunk_linear_attn(
+            q_THK, k_THK, v_THV, g, beta_TH, cu_seqlens=self.cu_seqlens, chunk_size=self.chunk_size, scale=scale
+        )
+        return o
+
+    def attention(self, q_THD, k_TGD, v_TGE, *, scale):  # type: ignore[override]
+        from harts.ops.attention import varlen_causal_attention
+
+        return varlen_causal_attention(q_THD, k_TGD, v_TGE, cu_seqlens=self.cu_seqlens, scale=scale)

@@ -1,0 +1,241 @@
+"""HybridLM: one hybrid-attention LM, executed trajectory-wise or compactly on the same weights.
+
+    out = model(batch, mode="trajectory" | "compact", recompute=False, attention="gather" | "mask",
+                no_replay=False)
+
+``trajectory``: every trajectory is packed as its own sequence (the baseline and oracle).
+``compact``: ``compact(batch) -> plan_calls -> build_layout``; every layer reads and writes
+the P physical rows of that layout (paper §3.4), MoE weights its statistics by multiplicity
+q, and log-probs come from ``mapped_logprobs`` (logsumexp once per compact row, §3.5).
+
+``out.logprobs`` [S - N] is in original batch order: for trajectory j, entry
+``offsets[j] - j + i`` is log p(x_j[i+1] | x_j[:i+1]). ``out.moe_losses`` holds per-MoE-layer
+router z-loss and load-balancing aux loss ([L_moe] each), ``out.expert_counts`` the
+q-weighted top-k assignment counts [L_moe, E] (None without MoE layers).
+
+Shapes: h_TD hidden rows (T = S or P); logits never exceed [S - N, V] (trajectory) or
+[row_chunk, V] (compact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from harts.models.config import LAYER_TYPES, HybridConfig
+from harts.models.execution.base import RowContext
+from harts.models.layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, MLP, MoE, MultiheadLatentAttention
+from harts.models.layers.norms import RMSNorm
+from harts.tree.batch import RolloutBatch
+from harts.tree.compact import CompactBatch, compact
+
+__all__ = ["HybridLM", "ModelOutput", "CompactInputs", "DecoderLayer"]
+
+_MIXERS = {"K": KimiDeltaAttention, "G": GatedDeltaNet, "M": MultiheadLatentAttention, "A": GatedAttention}
+
+
+@dataclass
+class ModelOutput:
+    """What one forward returns; see the module docstring."""
+
+    logprobs: torch.Tensor
+    moe_losses: dict[str, torch.Tensor] | None = None
+    expert_counts: torch.Tensor | None = None
+    #: execution facts: mode, rows, calls, replay rows, ... (plain numbers)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def moe_objective(self, z_loss_coef: float, aux_loss_coef: float) -> torch.Tensor | float:
+        """``z_coef * sum(z_loss) + aux_coef * sum(aux_loss)`` over MoE layers (0.0 without MoE)."""
+        if not self.moe_losses:
+            return 0.0
+        return z_loss_coef * self.moe_losses["z_loss"].sum() + aux_loss_coef * self.moe_losses["aux_loss"].sum()
+
+
+@dataclass(frozen=True)
+class CompactInputs:
+    """A batch prepared for compact execution: compaction, call plan and physical layout.
+
+    Build once with ``HybridLM.prepare_compact`` and pass to ``model(inputs, mode="compact")``
+    to keep planning out of a timed region; the model executes the fixed plan and never re-plans.
+    """
+
+    cb: CompactBatch
+    plan: Any
+    layout: Any
+    no_replay: bool = False
+
+    @property
+    def batch(self) -> RolloutBatch:
+        return self.cb.batch
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h + mixer(norm h)``, then ``h + ffn(norm h)``."""
+
+    def __init__(self, config: HybridConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.letter = config.layer_pattern[layer_idx]
+        mixer = _MIXERS[self.letter](config)
+        if LAYER_TYPES[self.letter][0] == "linear":
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = MoE(config) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        eps, off = config.rms_norm_eps, config.norm_unit_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=off)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=off)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
+    def forward(self, h_TD: torch.Tensor, ctx: RowContext) -> tuple[torch.Tensor, ...]:
+        """Returns ``(h,)`` for a dense FFN, ``(h, z_loss, aux_loss, counts_E)`` for MoE."""
+        h_TD = h_TD + self.mixer(self.input_layernorm(h_TD), ctx)
+        x = self.post_attention_layernorm(h_TD)
+        if not self.is_moe:
+            return (h_TD + self.mlp(x),)
+        y, z_loss, aux_loss, counts = self.mlp(x, ctx.row_weight)
+        return h_TD + y, z_loss, aux_loss, counts
+
+
+class HybridLM(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_weights()
+        self.to(config.torch_dtype())
+
+    def _init_weights(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    # ------------------------------------------------------------------ inputs
+    def prepare_compact(self, batch: RolloutBatch | CompactBatch, *, no_replay: bool = False) -> CompactInputs:
+        """Compaction, call plan and layout for ``batch`` (numpy only, no model state)."""
+        from harts.plan.calls import plan_calls
+        from harts.plan.layout import build_layout
+
+        cb = batch if isinstance(batch, CompactBatch) else compact(batch)
+        plan = plan_calls(cb.segment_trees, self.config.chunk_size)
+        layout = build_layout(cb, plan, no_replay=True) if no_replay else build_layout(cb, plan)
+        return CompactInputs(cb=cb, plan=plan, layout=layout, no_replay=no_replay)
+
+    def _check_batch(self, batch: RolloutBatch) -> None:
+        top = int(batch.tokens.max())
+        if top >= self.config.vocab_size:
+            raise ValueError(f"batch has token id {top} but the model's vocab_size is {self.config.vocab_size}")
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        inputs: RolloutBatch | CompactBatch | CompactInputs,
+        mode: str = "trajectory",
+        recompute: bool = False,
+        attention: str = "gather",
+        no_replay: bool = False,
+    ) -> ModelOutput:
+        if attention not in ("gather", "mask"):
+            raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
+        device = self.embed_tokens.weight.device
+        if mode == "trajectory":
+            from harts.models.execution.trajectory import TrajectoryContext
+
+            batch = inputs.batch if isinstance(inputs, (CompactBatch, CompactInputs)) else inputs
+            self._check_batch(batch)
+            ctx: RowContext = TrajectoryContext(batch, self.config.chunk_size, device)
+            tokens = torch.as_tensor(batch.tokens, device=device)
+            info: dict[str, Any] = {"mode": "trajectory", "rows": batch.num_tokens, "calls": 1, "replay_rows": 0}
+        elif mode == "compact":
+            from harts.models.execution.compact import CompactContext
+
+            if not isinstance(inputs, CompactInputs) or inputs.no_replay != no_replay:
+                inputs = self.prepare_compact(inputs.cb if isinstance(inputs, CompactInputs) else inputs, no_replay=no_replay)
+            batch = inputs.batch
+            self._check_batch(batch)
+            ctx = CompactContext(inputs.layout, attention=attention, device=device)
+            tokens = torch.as_tensor(inputs.layout.tokens, device=device)
+            info = {
+                "mode": "compact",
+                "rows": ctx.num_rows,
+                "compact_rows": inputs.cb.num_compact_tokens,
+                "calls": ctx.num_calls,
+                "replay_rows": ctx.num_replay_rows,
+                "boundary_states": ctx.num_boundary_states,
+                "attention": attention,
+                "no_replay": no_replay,
+            }
+        else:
+            raise ValueError(f"mode must be 'trajectory' or 'compact', got {mode!r}")
+        info["recompute"] = recompute
+
+        h = self.embed_tokens(tokens)
+        z_losses, aux_losses, counts = [], [], []
+        for layer in self.layers:
+            if recompute and torch.is_grad_enabled():
+                outs = checkpoint(layer, h, ctx, use_reentrant=False)
+            else:
+                outs = layer(h, ctx)
+            h = outs[0]
+            if len(outs) > 1:
+                z_losses.append(outs[1])
+                aux_losses.append(outs[2])
+                counts.append(outs[3])
+        h = self.norm(h)
+
+        pred = batch.predicting_positions()
+        targets = torch.as_tensor(batch.next_token_targets(), device=device)
+        if mode == "trajectory":
+            rows = torch.as_tensor(pred, device=device)
+            logits = torch.nn.functional.linear(h[rows], self.lm_head_weight)
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+        else:
+            from harts.ops.logprob import mapped_logprobs
+
+            rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred], device=device)
+            logprobs = mapped_logprobs(h, self.lm_head_weight, rows, targets)
+
+        if not z_losses:
+            return ModelOutput(logprobs=logprobs, info=info)
+        return ModelOutput(
+            logprobs=logprobs,
+            moe_losses={"z_loss": torch.stack(z_losses), "aux_loss": torch.stack(aux_losses)},
+            expert_counts=torch.stack(counts),
+            info=info,
+        )
+
+    # ------------------------------------------------------------------ MoE balancing
+    @torch.no_grad()
+    def update_expert_bias(self, expert_counts: torch.Tensor, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): ``bias += rate * sign(mean(counts) - counts)``.
+
+        ``expert_counts`` [L_moe, E] is ``ModelOutput.expert_counts`` (q-weighted in compact mode,
+        so the update equals the trajectory-wise one).
+        """
+        moe = [layer.mlp for layer in self.layers if layer.is_moe]
+        if expert_counts.shape[0] != len(moe):
+            raise ValueError(f"expert_counts has {expert_counts.shape[0]} rows for {len(moe)} MoE layers")
+        for m, c in zip(moe, expert_counts):
+            b = m.gate.e_score_correction_bias
+            b += rate * torch.sign(c.mean() - c).to(b.dtype)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,67 @@
+"""Gated DeltaNet (GDN) layer, Qwen3-Next semantics.
+
+    [q k v z] = in_proj_qkvz x     grouped per key head: (q: K, k: K, v: r*V, z: r*V), r = Hv / Hk
+    [b a]     = in_proj_ba x       grouped per key head: (b: r, a: r)
+    q, k, v   = conv_silu(cat(q, k, v))      one depthwise conv over the concatenation
+    g         = -exp(A_log) * softplus(a + dt_bias)     scalar log-decay per value head
+    beta      = sigmoid(b)
+    o         = chunk_gated_delta_rule(l2norm q, l2norm k, v, g, beta)   (q, k repeated to Hv heads)
+    out       = out_proj(rmsnorm(o) * weight * silu(z))
+
+Shapes: x_TD; q/k_THK (H = Hv after repeat); v_THV; g_TH; beta_TH.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harts.models.config import HybridConfig
+from harts.models.execution.base import RowContext
+from harts.models.layers.kda import ShortConvolution
+from harts.models.layers.norms import RMSNormGated, l2norm
+
+__all__ = ["GatedDeltaNet"]
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.num_k_heads = hk = config.linear_num_key_heads
+        self.num_v_heads = hv = config.linear_num_value_heads
+        self.head_k_dim = k = config.linear_key_head_dim
+        self.head_v_dim = v = config.linear_value_head_dim
+        self.key_dim, self.value_dim = hk * k, hv * v
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = ShortConvolution(self.conv_dim, config.linear_conv_kernel_dim)
+        self.in_proj_qkvz = nn.Linear(d, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(d, 2 * hv, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.empty(hv).uniform_(1, 16).log())
+        self.norm = RMSNormGated(v, eps=config.rms_norm_eps, activation="silu")
+        self.out_proj = nn.Linear(self.value_dim, d, bias=False)
+
+    def forward(self, x_TD: torch.Tensor, ctx: RowContext) -> torch.Tensor:
+        t = x_TD.shape[0]
+        hk, hv, k, v = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        r = hv // hk
+        qkvz = self.in_proj_qkvz(x_TD).reshape(t, hk, 2 * k + 2 * r * v)
+        q, kk, vv, z = torch.split(qkvz, [k, k, r * v, r * v], dim=-1)
+        ba = self.in_proj_ba(x_TD).reshape(t, hk, 2 * r)
+        b, a = torch.split(ba, [r, r], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), kk.reshape(t, -1), vv.reshape(t, -1)], dim=-1)
+        mixed = ctx.short_conv(mixed, self.conv1d.weight_DW, None, "silu")
+        q, kk, vv = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(t, hk, k))
+        kk = l2norm(kk.reshape(t, hk, k))
+        if r > 1:
+            q = q.repeat_interleave(r, dim=1)
+            kk = kk.repeat_interleave(r, dim=1)
+        vv = vv.reshape(t, hv, v)
+        beta = torch.sigmoid(b.reshape(t, hv))
+        g = -self.A_log.exp() * F.softplus(a.reshape(t, hv) + self.dt_bias)
+        o = ctx.linear_attention(q, kk, vv, g, beta)
+        o = self.norm(o, z.reshape(t, hv, v))
+        return self.out_proj(o.reshape(t, hv * v))

@@ -1,0 +1,85 @@
+"""Kimi Delta Attention (KDA) layer, Kimi Linear / Ling 3.0 semantics.
+
+    q, k, v = conv_silu(q_proj x), conv_silu(k_proj x), conv_silu(v_proj x)   (short convs)
+    g       = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj x) + dt_bias)    per-channel log-decay
+    beta    = sigmoid(b_proj x)
+    o       = chunk_kda(l2norm q, l2norm k, v, g, beta)
+    out     = o_proj(rmsnorm(o) * weight * sigmoid(g_b_proj(g_a_proj x)))
+
+The three short convs are depthwise, so they run as one conv over ``cat(q, k, v)``; the
+parameters keep their separate names (``q_conv1d.weight`` etc., ``[dim, 1, w]``).
+Heads: KDA uses ``H = linear_num_value_heads`` for q, k and v.
+
+Shapes: x_TD; q/k_THK; v_THV; g_THK; beta_TH.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harts.models.config import HybridConfig
+from harts.models.execution.base import RowContext
+from harts.models.layers.norms import RMSNormGated, l2norm
+
+__all__ = ["KimiDeltaAttention", "ShortConvolution"]
+
+
+class ShortConvolution(nn.Module):
+    """Holds a depthwise causal conv weight ``[dim, 1, w]`` (the layout of nn.Conv1d / fla)."""
+
+    def __init__(self, dim: int, kernel_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, 1, kernel_size))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    @property
+    def weight_DW(self) -> torch.Tensor:
+        return self.weight[:, 0, :]
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.num_heads = h = config.linear_num_value_heads
+        self.head_k_dim = k = config.linear_key_head_dim
+        self.head_v_dim = v = config.linear_value_head_dim
+        w = config.linear_conv_kernel_dim
+        self.q_proj = nn.Linear(d, h * k, bias=False)
+        self.k_proj = nn.Linear(d, h * k, bias=False)
+        self.v_proj = nn.Linear(d, h * v, bias=False)
+        self.q_conv1d = ShortConvolution(h * k, w)
+        self.k_conv1d = ShortConvolution(h * k, w)
+        self.v_conv1d = ShortConvolution(h * v, w)
+        # low-rank forget gate (rank = head_v_dim, as in Kimi Linear)
+        self.f_a_proj = nn.Linear(d, v, bias=False)
+        self.f_b_proj = nn.Linear(v, h * k, bias=False)
+        self.b_proj = nn.Linear(d, h, bias=False)
+        self.A_log = nn.Parameter(torch.empty(h).uniform_(1, 16).log())
+        self.dt_bias = nn.Parameter(torch.ones(h * k))
+        self.g_a_proj = nn.Linear(d, v, bias=False)
+        self.g_b_proj = nn.Linear(v, h * v, bias=False)
+        self.o_norm = RMSNormGated(v, eps=config.rms_norm_eps, activation="sigmoid")
+        self.o_proj = nn.Linear(h * v, d, bias=False)
+
+    def forward(self, x_TD: torch.Tensor, ctx: RowContext) -> torch.Tensor:
+        t = x_TD.shape[0]
+        h, k, v = self.num_heads, self.head_k_dim, self.head_v_dim
+        mixed = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
+        weight = torch.cat([self.q_conv1d.weight_DW, self.k_conv1d.weight_DW, self.v_conv1d.weight_DW], dim=0)
+        mixed = ctx.short_conv(mixed, weight, None, "silu")
+        q, kk, vv = torch.split(mixed, [h * k, h * k, h * v], dim=-1)
+        q = l2norm(q.reshape(t, h, k))
+        kk = l2norm(kk.reshape(t, h, k))
+        vv = vv.reshape(t, h, v)
+        f = self.f_b_proj(self.f_a_proj(x_TD)) + self.dt_bias
+        g = -self.A_log.exp()[None, :, None] * F.softplus(f.reshape(t, h, k))
+        beta = torch.sigmoid(self.b_proj(x_TD))
+        o = ctx.linear_attention(q, kk, vv, g, beta)
+        gate = self.g_b_proj(self.g_a_proj(x_TD)).reshape(t, h, v)
+        o = self.o_norm(o, gate)
+        return self.o_proj(o.reshape(t, h * v))

@@ -1,0 +1,70 @@
+"""Multi-head Latent Attention (DeepSeek-V3 MLA; Ling 3.0's gated variant).
+
+    q            = q_b_proj(q_a_layernorm(q_a_proj x))        (or q_proj x without a q LoRA)
+    [c, k_rot]   = kv_a_proj_with_mqa x                       c: kv_lora_rank latent, k_rot shared by heads
+    [k_nope, v]  = kv_b_proj(kv_a_layernorm c)
+    q_rot, k_rot rotated by RoPE at the row's original position
+    o            = attention([q_nope, q_rot], [k_nope, k_rot], v), scale (nope + rope)^-1/2
+    out          = o_proj(o * sigmoid(g_proj x))               (gate only with mla_output_gate)
+
+Projections and RoPE run once per row; only the attention core sees the tree (through the
+context). Shapes: x_TD; q/k_THD with D = nope + rope; v_THE with E = v_head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harts.models.config import HybridConfig
+from harts.models.execution.base import RowContext
+from harts.models.layers.norms import RMSNorm
+from harts.models.layers.rope import apply_rope
+
+__all__ = ["MultiheadLatentAttention"]
+
+
+class MultiheadLatentAttention(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.num_heads = h = config.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.qk_head_dim = self.nope + self.rope_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.rope_theta = config.rope_theta
+        self.rope_interleave = config.rope_interleave
+        eps = config.rms_norm_eps
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, h * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if config.mla_output_gate else None
+        self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
+        self.scaling = self.qk_head_dim**-0.5
+
+    def forward(self, x_TD: torch.Tensor, ctx: RowContext) -> torch.Tensor:
+        t, h = x_TD.shape[0], self.num_heads
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x_TD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        q = q.reshape(t, h, self.qk_head_dim)
+        q_nope, q_rot = torch.split(q, [self.nope, self.rope_dim], dim=-1)
+        c, k_rot = torch.split(self.kv_a_proj_with_mqa(x_TD), [self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).reshape(t, h, self.nope + self.v_dim)
+        k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
+        cos, sin = ctx.rope(self.rope_dim, self.rope_theta, x_TD.dtype)
+        q_rot = apply_rope(q_rot, cos, sin, interleaved=self.rope_interleave)
+        k_rot = apply_rope(k_rot[:, None, :], cos, sin, interleaved=self.rope_interleave)
+        query = torch.cat([q_nope, q_rot], dim=-1)
+        key = torch.cat([k_nope, k_rot.expand(t, h, self.rope_dim)], dim=-1)
+        o = ctx.attention(query, key, v.contiguous(), scale=self.scaling).reshape(t, h * self.v_dim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x_TD))
+        return self.o_proj(o)

@@ -1,0 +1,140 @@
+"""Mixture-of-experts FFN with deterministic no-drop top-k routing and q-weighted statistics.
+
+Routing, dispatch and expert computation run on the rows given (compact rows in compact
+mode, never expanded by multiplicity). Each row carries a weight ``w_T`` (its semantic
+multiplicity q; 1 per row in trajectory mode, 0 for padding). With W = sum(w):
+
+    z_loss     = sum_t w_t * logsumexp(logits_t)^2 / W
+    P_e        = sum_t w_t * p_te / W                       routing-probability mass
+    f_e        = sum_t w_t * [e in topk(t)] / W              assignment fraction
+    aux_loss   = E * sum_e f_e * P_e                        (transformers' load_balancing_loss_func)
+    counts_e   = sum_t w_t * [e in topk(t)]                 detached, for expert-bias updates
+
+Because a compact row stands for q identical semantic rows with identical routing, every
+quantity equals its trajectory-wise value. ``p`` is softmax(logits) for softmax routing and
+sigmoid(logits) normalized over experts for sigmoid routing.
+
+Router (DeepSeek-V3 / Qwen3-Next): scores = softmax or sigmoid of ``gate.weight @ x``;
+experts are chosen on ``scores + e_score_correction_bias`` inside the ``topk_group`` best of
+``n_group`` groups (group score: sum of its top-2); weights are the unbiased scores of the
+chosen experts, optionally normalized, times ``routed_scaling_factor``.
+
+Shapes: x_TD, w_T, logits/scores_TE, topk_idx/topk_w_TK, counts_E.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harts.models.config import HybridConfig
+from harts.models.layers.mlp import MLP
+
+__all__ = ["TopKRouter", "Experts", "MoE", "moe_statistics"]
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.num_experts = e = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.score = config.router_score
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.weight = nn.Parameter(torch.empty(e, config.hidden_size))
+        nn.init.normal_(self.weight, std=config.initializer_range)
+        self.register_buffer("e_score_correction_bias", torch.zeros(e), persistent=config.router_bias)
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (logits_TE, scores_TE, topk_idx_TK, topk_w_TK); logits in >= float32."""
+        work = torch.promote_types(x_TD.dtype, torch.float32)
+        logits = F.linear(x_TD.to(work), self.weight.to(work))
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        with torch.no_grad():
+            choice = scores + self.e_score_correction_bias.to(work)
+            if self.n_group > 1:
+                t = choice.shape[0]
+                grouped = choice.reshape(t, self.n_group, -1)
+                group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+                keep = group_score.topk(self.topk_group, dim=-1).indices
+                group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+                choice = grouped.masked_fill(~group_mask[..., None], -math.inf).reshape(t, -1)
+            topk_idx = choice.topk(self.top_k, dim=-1, sorted=True).indices
+        topk_w = scores.gather(1, topk_idx)
+        if self.norm_topk_prob and self.top_k > 1:
+            topk_w = topk_w / (topk_w.sum(-1, keepdim=True) + 1e-20)
+        return logits, scores, topk_idx, topk_w * self.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored as 3-D tensors (transformers' layout)."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        e, d, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d).normal_(std=config.initializer_range))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i).normal_(std=config.initializer_range))
+
+    def forward(self, x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        rows, outs = [], []
+        hit = torch.unique(topk_idx).tolist()
+        for e in hit:
+            tok, slot = torch.nonzero(topk_idx == e, as_tuple=True)
+            gate, up = F.linear(x_TD[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[e])
+            outs.append(h * topk_w[tok, slot, None].to(h.dtype))
+            rows.append(tok)
+        if not outs:
+            return torch.zeros_like(x_TD)
+        return torch.zeros_like(x_TD).index_add(0, torch.cat(rows), torch.cat(outs))
+
+
+def moe_statistics(
+    logits_TE: torch.Tensor, scores_TE: torch.Tensor, topk_idx: torch.Tensor, w_T: torch.Tensor, score: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(z_loss, aux_loss, counts_E) weighted by row weights ``w_T`` (see module docstring)."""
+    e = logits_TE.shape[-1]
+    w = w_T.to(logits_TE.dtype)
+    total = w.sum()
+    z_loss = (w * torch.logsumexp(logits_TE, dim=-1).pow(2)).sum() / total
+    probs = scores_TE if score == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
+    mass = (w[:, None] * probs).sum(0) / total
+    assigned = torch.zeros_like(logits_TE).scatter_(1, topk_idx, 1.0)
+    counts = (w[:, None] * assigned).sum(0)
+    aux_loss = e * (counts.detach() / total * mass).sum()
+    return z_loss, aux_loss, counts.detach()
+
+
+class MoE(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = Experts(config)
+        self.score = config.router_score
+        if config.num_shared_experts:
+            per = config.shared_expert_intermediate_size or config.moe_intermediate_size
+            self.shared_experts = MLP(config.hidden_size, per * config.num_shared_experts)
+        else:
+            self.shared_experts = None
+        self.shared_expert_gate = (
+            nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate and self.shared_experts else None
+        )
+
+    def forward(
+        self, x_TD: torch.Tensor, w_T: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (y_TD, z_loss, aux_loss, counts_E)."""
+        logits, scores, topk_idx, topk_w = self.gate(x_TD)
+        y = self.experts(x_TD, topk_idx, topk_w)
+        if self.shared_experts is not None:
+            s = self.shared_experts(x_TD)
+            if self.shared_expert_gate is not None:
+                s = torch.sigmoid(self.shared_expert_gate(x_TD)) * s
+            y = y + s
+        z_loss, aux_loss, counts = moe_statistics(logits, scores, topk_idx, w_T, self.score)
+        return y, z_loss, aux_loss, counts

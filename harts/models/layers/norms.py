@@ -1,0 +1,63 @@
+"""RMS norms used by every layer type, and the l2 normalization of linear-attention q/k.
+
+Shapes: ``x_TD`` rows x features; the gated norm works on ``[..., V]`` head slices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["RMSNorm", "RMSNormGated", "l2norm"]
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` (``* (1 + weight)`` with ``unit_offset``, Qwen3-Next's zero-centred form).
+
+    Statistics are taken in at least float32, as in the reference implementations.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        work = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(work)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.to(work)
+        return (h * (1.0 + w if self.unit_offset else w)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"
+
+
+class RMSNormGated(nn.Module):
+    """Norm-then-gate over the last dim: ``rmsnorm(x) * weight * act(gate)`` (fla FusedRMSNormGated).
+
+    GDN uses ``activation="silu"``, KDA ``"sigmoid"``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, activation: str = "silu") -> None:
+        super().__init__()
+        if activation not in ("silu", "sigmoid"):
+            raise ValueError(f"RMSNormGated: activation must be silu or sigmoid, got {activation!r}")
+        self.eps = eps
+        self.activation = activation
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        work = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(work)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(work)
+        g = gate.to(work)
+        g = F.silu(g) if self.activation == "silu" else torch.sigmoid(g)
+        return (h * g).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (fla's ``use_qk_l2norm_in_kernel``)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -1,0 +1,46 @@
+"""Rotary position embeddings indexed by each row's ORIGINAL position id.
+
+Compact rows keep the position of their token inside its trajectory (``Layout.position``),
+so RoPE runs once per compact row and agrees with trajectory-wise execution.
+
+Shapes: ``position_T`` int64; ``x_THR`` rows x heads x rotary dims; ``cos_TR``/``sin_TR``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rope_cos_sin", "apply_rope"]
+
+
+def rope_cos_sin(
+    position_T: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[T, rotary_dim]`` in the half-split layout (``cat(freqs, freqs)``)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    freqs = position_T.to(torch.float64)[:, None] * inv_freq.to(position_T.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(
+    x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, *, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate the first ``R = cos.shape[-1]`` dims of every head; the rest pass through.
+
+    ``interleaved``: the rotary dims are stored as (x0, y0, x1, y1, ...) pairs (DeepSeek-V3
+    checkpoints with ``rope_interleave``); they are de-interleaved before the rotation.
+    """
+    r = cos_TR.shape[-1]
+    rot, rest = x_THD[..., :r], x_THD[..., r:]
+    if interleaved:
+        t, h = rot.shape[:2]
+        rot = rot.reshape(t, h, r // 2, 2).transpose(-1, -2).reshape(t, h, r)
+    cos, sin = cos_TR[:, None, :], sin_TR[:, None, :]
+    rot = rot * cos + _rotate_half(rot) * sin
+    return torch.cat([rot, rest], dim=-1) if rest.shape[-1] else rot

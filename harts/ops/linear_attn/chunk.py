@@ -1,0 +1,226 @@
+"""Chunkwise gated delta rule (KDA / GDN) over packed varlen sequences, with boundary-state export.
+
+This is the reference chunk operator of the paper's contract (Eq. 16): packed sequences with
+per-sequence initial states, final states, and the states after requested position counts, all
+differentiable through plain torch autograd. It follows the chunkwise form of fla's chunk_kda /
+chunk_gated_delta_rule (WY/UT representation per chunk, triangular solve, state propagation
+across chunks), written for clarity: vectorized over chunks and heads, one Python loop step per
+chunk index.
+
+Math for one chunk of length B with start state S0 [K, V] (G = in-chunk cumulative sum of g,
+so exp(G_t - G_s) <= 1 for s <= t; a = decayed state before token t's write):
+    delta_t = beta_t (v_t - a_t^T k_t)            (the delta-rule write; solving for all t at once:)
+    (I + M) delta = diag(beta) (V - (K * e^G) S0),  M_ts = beta_t sum_c k_t[c] k_s[c] e^{G_t[c] - G_s[c]}, s < t
+    delta = U - W S0 with W = (I + M)^-1 diag(beta) (K * e^G),  U = (I + M)^-1 diag(beta) V
+    O = scale * ((Q * e^G) S0 + A delta),   A_ts = sum_c q_t[c] k_s[c] e^{G_t[c] - G_s[c]}, s <= t
+    S_B = e^{G_B} * S0 + (K * e^{G_B - G})^T delta
+The state after r < B tokens of a chunk uses the same formula truncated to its first r tokens;
+that is how a non-chunk-aligned request (the no_replay ablation) is exported exactly.
+
+Each sequence's chunk grid starts at its own first row and every chunk only reads its own rows
+and its own start state, so a sequence's result never depends on the others packed beside it.
+The tail of the last chunk of a sequence is padded with q = k = v = g = beta = 0, which leaves
+the state untouched.
+
+Shapes: T packed rows, H heads, K key dim, V value dim, N sequences, R requests, B chunk size,
+n chunks of all sequences (after padding), a = sequences still running at one chunk index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harts.ops.linear_attn.utils import LinearAttnSpec, check_linear_attn_inputs
+
+__all__ = ["chunk_linear_attn"]
+
+#: sub-block size of the in-chunk decayed scores (fla's BC); see `_decayed_scores`
+SUB_BLOCK = 16
+
+
+def chunk_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state_requests: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunkwise gated delta rule on packed sequences, exporting requested states.
+
+    Args:
+        q: [T, H, K] queries.
+        k: [T, H, K] keys (callers normalise them; the op does not).
+        v: [T, H, V] values.
+        g: [T, H, K] per-channel log-decay (KDA) or [T, H] scalar log-decay (GDN), <= 0.
+        beta: [T, H] write strengths in (0, 1).
+        cu_seqlens: int [N + 1] boundaries of the packed sequences; each sequence's chunk grid
+            starts at its first row.
+        initial_state: [N, H, K, V] per-sequence initial states; None means zeros.
+        chunk_size: B, the execution chunk length.
+        state_requests: int [R, 2] rows (sequence, count): export the state after the first
+            `count` positions of that sequence (0 <= count <= its length). count a multiple of B
+            is the normal case (a chunk-boundary state); any other count is exact as well.
+        scale: query scale; default K ** -0.5.
+
+    Returns:
+        o: [T, H, V] outputs (dtype of v); final_state: [N, H, K, V]; requested: [R, H, K, V]
+        (states in the compute dtype: the input dtype, or float32 for half inputs).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive; got {chunk_size}")
+    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_requests, scale)
+    B, N = chunk_size, spec.num_seqs
+    dt, dev = spec.compute_dtype, q.device
+    plan = _ChunkTable(spec, B, dev)
+
+    # Pad the tail of each sequence's last chunk with zero rows, then lay chunks out as [n, H, B, .].
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([x.to(dt), x.new_zeros((1, *x.shape[1:]), dtype=dt)])
+        return x[plan.src].movedim(2, 1)  # [n, B, H, ...] -> [n, H, B, ...]
+
+    q_c, k_c, v_c, g_c, b_c = (chunked(x) for x in (q, k, v, g, beta))
+    q_c = q_c * spec.scale
+    G = g_c.cumsum(2)
+    # Bring a scalar decay to the [.., K] layout of the per-channel one by broadcasting.
+    Gk = G[..., None] if spec.scalar_decay else G
+    G_end = Gk[:, :, -1:]  # [n, H, 1, K or 1]
+
+    M = b_c[..., None] * _decayed_scores(k_c, k_c, G, strict=True)  # [n, H, B, B]
+    A = _decayed_scores(q_c, k_c, G, strict=False)
+    eye = torch.eye(B, dtype=dt, device=dev)
+    rhs = b_c[..., None] * torch.cat([k_c * Gk.exp(), v_c], dim=-1)
+    WU = torch.linalg.solve_triangular(eye + M, rhs, upper=False, unitriangular=True)
+    W, U = WU.split([spec.K, spec.V], dim=-1)
+    Q_g = q_c * Gk.exp()
+    K_end = k_c * (G_end - Gk).exp()
+    decay_end = G_end.exp().transpose(-1, -2)  # [n, H, K or 1, 1]
+
+    if initial_state is None:
+        S = q.new_zeros(N, spec.H, spec.K, spec.V, dtype=dt)
+    else:
+        S = initial_state.to(dt)
+    S = S[plan.order]  # sequences by descending chunk count: the running ones are a prefix
+    outputs: list[torch.Tensor] = []
+    starts: list[torch.Tensor] = []  # starts[j] = state at the start of chunk j, running prefix
+    finals: list[torch.Tensor] = []  # pieces of the final states, highest rank first
+    partial: dict[int, torch.Tensor] = {}
+    for j, (lo, hi) in enumerate(plan.step_slices):
+        a = hi - lo
+        if a < S.shape[0]:
+            finals.append(S[a:])
+            S = S[:a]
+        starts.append(S)
+        delta = U[lo:hi] - W[lo:hi] @ S
+        outputs.append(Q_g[lo:hi] @ S + A[lo:hi] @ delta)
+        for r, rank, count in plan.partial_requests.get(j, ()):
+            # state after `count` tokens of this chunk: the end-of-chunk formula over its first tokens
+            kept = torch.arange(B, device=dev) < count
+            G_r = Gk[lo + rank, :, count - 1 : count]  # [H, 1, K or 1]
+            decay = torch.where(kept[:, None], G_r - Gk[lo + rank], float("-inf")).exp()
+            k_r = (k_c[lo + rank] * decay).transpose(-1, -2)
+            partial[r] = G_r.exp().transpose(-1, -2) * S[rank] + k_r @ delta[rank]
+        S = decay_end[lo:hi] * S + K_end[lo:hi].transpose(-1, -2) @ delta
+    finals.append(S)
+    final_sorted = torch.cat(finals[::-1])
+    final = final_sorted[plan.rank]
+
+    requested: list[torch.Tensor] = []
+    for r, (seq, count) in enumerate(spec.requests):
+        c, rest = divmod(count, B)
+        rank = int(plan.rank[seq])
+        if rest:
+            requested.append(partial[r])
+        elif c < plan.num_chunks[seq]:
+            requested.append(starts[c][rank])
+        else:
+            requested.append(final_sorted[rank])
+    req = torch.stack(requested) if requested else S.new_zeros(0, spec.H, spec.K, spec.V)
+
+    if outputs:
+        o_flat = torch.cat(outputs).movedim(1, 2).reshape(-1, spec.H, spec.V)
+        o = o_flat[plan.row_index]
+    else:
+        o = v.new_zeros(0, spec.H, spec.V, dtype=dt)
+    return o.to(v.dtype), final, req
+
+
+class _ChunkTable:
+    """Host-side index tables of one call: chunks in time-major order over sorted sequences.
+
+    Sequences are ranked by descending chunk count, so at chunk index j the running sequences
+    are ranks [0, a_j) and their chunks are the contiguous slice step_slices[j] of the chunk
+    table; state propagation then slices instead of scattering.
+        src        int64 [n, B]  packed row of each chunk position, T for padding
+        row_index  int64 [T]     flat (chunk * B + offset) slot of each packed row
+        order      int64 [N]     sequence at each rank; rank = its inverse
+    """
+
+    def __init__(self, spec: LinearAttnSpec, B: int, device: torch.device) -> None:
+        lengths = torch.tensor(spec.lengths, dtype=torch.int64)
+        starts = torch.tensor(spec.starts, dtype=torch.int64)
+        self.num_chunks = (lengths + B - 1) // B
+        self.order = torch.sort(-self.num_chunks, stable=True).indices
+        self.rank = torch.empty_like(self.order)
+        self.rank[self.order] = torch.arange(len(self.order))
+        sorted_chunks = self.num_chunks[self.order]
+        max_chunks = int(sorted_chunks[0]) if len(sorted_chunks) else 0
+        running = [(sorted_chunks > j).sum().item() for j in range(max_chunks)]
+        self.step_slices: list[tuple[int, int]] = []
+        offset = 0
+        for a in running:
+            self.step_slices.append((offset, offset + a))
+            offset += a
+        chunk_seq = torch.cat([self.order[:a] for a in running]) if running else lengths.new_zeros(0)
+        chunk_j = torch.cat([torch.full((a,), j) for j, a in enumerate(running)]) if running else lengths.new_zeros(0)
+        pos = chunk_j[:, None] * B + torch.arange(B)
+        valid = pos < lengths[chunk_seq][:, None]
+        src = torch.where(valid, starts[chunk_seq][:, None] + pos, spec.T)
+        row_index = torch.empty(spec.T, dtype=torch.int64)
+        row_index[src[valid]] = torch.nonzero(valid.flatten()).flatten()
+        self.src = src.to(device)
+        self.row_index = row_index.to(device)
+        # non-aligned requests are computed inside the loop at their chunk: (request, rank, count)
+        self.partial_requests: dict[int, list[tuple[int, int, int]]] = {}
+        for r, (seq, count) in enumerate(spec.requests):
+            c, rest = divmod(count, B)
+            if rest:
+                self.partial_requests.setdefault(c, []).append((r, int(self.rank[seq]), rest))
+
+
+def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, *, strict: bool) -> torch.Tensor:
+    """scores[.., t, s] = sum_c a_t[c] b_s[c] exp(G_t[c] - G_s[c]) for s < t (strict) or s <= t, else 0.
+
+    a, b: [n, H, B, K]; G: [n, H, B, K] (per channel) or [n, H, B] (scalar); returns [n, H, B, B].
+    Every exponent evaluated is <= 0, so nothing overflows in float32 (exp(G_t) * exp(-G_s)
+    would). Per-channel decay uses fla's sub-block scheme: explicit pairwise decays inside each
+    diagonal SUB_BLOCK x SUB_BLOCK block, and for earlier blocks the factorisation through the
+    first row r of the query's block, exp(G_t - G_r) * exp(G_r - G_s), both factors <= 1.
+    """
+    B = a.shape[-2]
+    idx = torch.arange(B, device=a.device)
+    visible = idx[:, None] > idx[None, :] if strict else idx[:, None] >= idx[None, :]
+    if G.dim() == a.dim() - 1:
+        decay = torch.where(visible, G[..., :, None] - G[..., None, :], float("-inf")).exp()
+        return (a @ b.transpose(-1, -2)) * decay
+
+    c = SUB_BLOCK if B % SUB_BLOCK == 0 else B
+    nb = B // c
+    a_blk, b_blk, G_blk = (x.unflatten(-2, (nb, c)) for x in (a, b, G))  # [n, H, nb, c, K]
+    local = visible[:c, :c]
+    pair = torch.where(local[..., None], G_blk[..., :, None, :] - G_blk[..., None, :, :], float("-inf"))
+    diag = torch.einsum("...tk,...sk,...tsk->...ts", a_blk, b_blk, pair.exp())  # [n, H, nb, c, c]
+
+    G_ref = G_blk[..., :, :1, :]  # first row of each block: [n, H, nb, 1, K]
+    a_ref = a_blk * (G_blk - G_ref).exp()
+    earlier = idx[None, :] < (torch.arange(nb, device=a.device) * c)[:, None]  # [nb, B]
+    b_ref = b[..., None, :, :] * torch.where(earlier[..., None], G_ref - G[..., None, :, :], float("-inf")).exp()
+    off = a_ref @ b_ref.transpose(-1, -2)  # [n, H, nb, c, B]; zero for s in or after the block
+    eye = torch.eye(nb, dtype=a.dtype, device=a.device)
+    diag_full = torch.einsum("...its,ij->...itjs", diag, eye).flatten(-2)  # [n, H, nb, c, B]
+    return (off + diag_full).flatten(-3, -2)

@@ -1,0 +1,115 @@
+"""Input checks shared by every linear-attention implementation (naive, chunk, fla).
+
+Shapes: T packed rows, H heads, K key dim, V value dim, N sequences, R state requests.
+    q_THK, k_THK   query / key
+    v_THV          value
+    g              [T, H, K] per-channel log-decay (KDA) or [T, H] scalar log-decay (GDN)
+    beta_TH        delta-rule write strength in (0, 1)
+    cu_seqlens     int64 [N + 1] packed sequence boundaries
+    initial_state  [N, H, K, V] or None (zeros)
+    state_requests int64 [R, 2]: (sequence index, position count within that sequence)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LinearAttnSpec", "check_linear_attn_inputs"]
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttnSpec:
+    """Sizes and host-side copies of the index inputs of one linear-attention call."""
+
+    T: int
+    H: int
+    K: int
+    V: int
+    scalar_decay: bool
+    starts: list[int]
+    lengths: list[int]
+    requests: list[tuple[int, int]]
+    scale: float
+    compute_dtype: torch.dtype
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+
+def check_linear_attn_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    state_requests: torch.Tensor | None,
+    scale: float | None,
+) -> LinearAttnSpec:
+    """Validate shapes and indices; raise ValueError naming the offending argument."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [T, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    T, H, K = q.shape
+    if v.dim() != 3 or v.shape[:2] != (T, H):
+        raise ValueError(f"v must be [T={T}, H={H}, V]; got {tuple(v.shape)}")
+    V = v.shape[2]
+    if g.shape == (T, H, K):
+        scalar_decay = False
+    elif g.shape == (T, H):
+        scalar_decay = True
+    else:
+        raise ValueError(f"g must be [T, H, K]=({T}, {H}, {K}) (KDA) or [T, H]=({T}, {H}) (GDN); got {tuple(g.shape)}")
+    if beta.shape != (T, H):
+        raise ValueError(f"beta must be [T, H]=({T}, {H}); got {tuple(beta.shape)}")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    if not q.is_floating_point():
+        raise ValueError(f"q must be a floating tensor; got {q.dtype}")
+
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be an int tensor [N + 1] with N >= 1; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    if cu[0] != 0 or cu[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}; got {cu[0]} .. {cu[-1]}")
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    bad = [i for i, n in enumerate(lengths) if n < 0]
+    if bad:
+        raise ValueError(f"cu_seqlens must be non-decreasing; sequence {bad[0]} has negative length")
+    N = len(lengths)
+
+    if initial_state is not None and initial_state.shape != (N, H, K, V):
+        raise ValueError(f"initial_state must be [N, H, K, V]=({N}, {H}, {K}, {V}); got {tuple(initial_state.shape)}")
+
+    requests: list[tuple[int, int]] = []
+    if state_requests is not None:
+        if state_requests.dim() != 2 or state_requests.shape[1] != 2:
+            raise ValueError(f"state_requests must be [R, 2] (sequence, position count); got {tuple(state_requests.shape)}")
+        for r, (seq, count) in enumerate(state_requests.tolist()):
+            if not 0 <= seq < N:
+                raise ValueError(f"state_requests[{r}] names sequence {seq}, but there are {N} sequences")
+            if not 0 <= count <= lengths[seq]:
+                raise ValueError(
+                    f"state_requests[{r}] asks for the state after {count} positions of sequence {seq}, "
+                    f"which has {lengths[seq]} positions"
+                )
+            requests.append((int(seq), int(count)))
+
+    # Half-precision inputs run the recurrence in float32, as fla does.
+    compute_dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    return LinearAttnSpec(
+        T=T,
+        H=H,
+        K=K,
+        V=V,
+        scalar_decay=scalar_decay,
+        starts=cu[:-1],
+        lengths=lengths,
+        requests=requests,
+        scale=K**-0.5 if scale is None else float(scale),
+        compute_dtype=compute_dtype,
+    )

@@ -1,0 +1,36 @@
+"""The ``harts`` console script: instant help, stats on workloads and files, clean errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from harts.cli import main
+
+
+def test_help_lists_commands_without_heavy_imports():
+    code = "import sys; from harts.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_stats_workload_and_json(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["stats", "--workload", "tiny", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tiny[0]" in text and "compress" in text
+    data = json.loads(out.read_text())
+    assert data["batches"][0]["paths"] > 1
+
+
+def test_stats_on_file_and_errors(tmp_path, capsys):
+    import harts
+
+    path = tmp_path / "b.jsonl"
+    harts.workloads.generate("tiny").save(path)
+    assert main(["stats", str(path)]) == 0
+    assert str(path) in capsys.readouterr().out
+    assert main(["stats", str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such batch file" in capsys.readouterr().err
+    assert main(["stats", "--workload", "nope"]) == 2

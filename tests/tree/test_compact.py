@@ -1,0 +1,150 @@
+"""Compaction equals a naive dict-of-children trie on random and adversarial batches."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+import harts
+from harts.tree.compact import _compact_sorted
+from tests.tree.naive_trie import naive_compact, naive_work
+
+
+@st.composite
+def trajectory_lists(draw, max_traj: int = 10, alphabet: int = 3) -> list[list[int]]:
+    """Small alphabets force sharing; duplicates and prefixes are drawn on purpose."""
+    tok = st.integers(0, alphabet - 1)
+    base = draw(st.lists(st.lists(tok, min_size=1, max_size=12), min_size=1, max_size=max_traj))
+    out = list(base)
+    for t in base:
+        action = draw(st.sampled_from(["keep", "dup", "prefix", "extend"]))
+        if action == "dup":
+            out.append(list(t))
+        elif action == "prefix":
+            out.append(t[: draw(st.integers(1, len(t)))])
+        elif action == "extend":
+            out.append(t + draw(st.lists(tok, min_size=1, max_size=4)))
+    return draw(st.permutations(out))
+
+
+def check_against_naive(trajs: list[list[int]], cb: harts.CompactBatch) -> None:
+    ref = naive_compact(trajs)
+    assert cb.num_compact_tokens == len(ref["tokens"])
+    assert cb.num_semantic_tokens == sum(map(len, trajs))
+    np.testing.assert_array_equal(cb.tokens, ref["tokens"])
+    np.testing.assert_array_equal(cb.parent, ref["parent"])
+    np.testing.assert_array_equal(cb.position, ref["position"])
+    np.testing.assert_array_equal(cb.semantic_to_compact, ref["m"])
+    np.testing.assert_array_equal(cb.multiplicity, ref["q"])
+    assert cb.multiplicity.sum() == cb.num_semantic_tokens
+    assert cb.semantic_to_compact.dtype == np.int64
+    f = cb.segment_trees
+    got = np.stack([f.row, f.start, f.end, f.parent], axis=1).tolist()
+    assert got == ref["segments"]
+    # children lists agree with parents; rows of a segment are contiguous and fork-free
+    for v in range(f.num_segments):
+        assert all(f.parent[c] == v for c in f.children(v))
+        rows = np.arange(f.row[v], f.row[v] + f.end[v] - f.start[v])
+        assert np.all(cb.row_segment[rows] == v)
+
+
+@given(trajectory_lists())
+def test_compaction_matches_naive_trie(trajs):
+    batch = harts.RolloutBatch.from_trajectories(trajs)
+    check_against_naive(trajs, harts.compact(batch))
+
+
+@given(trajectory_lists(max_traj=6, alphabet=4))
+def test_lcp_index_matches_trie_recount(trajs):
+    cb = harts.compact(harts.RolloutBatch.from_trajectories(trajs))
+    idx = cb.lcp_index
+    sorted_trajs = [trajs[j] for j in idx.order]
+    assert sorted_trajs == sorted(trajs)
+    n = len(trajs)
+    for lo in range(n):
+        for hi in range(lo + 1, n + 1):
+            assert idx.work(lo, hi) == naive_work(sorted_trajs[lo:hi])
+    for a in range(n):
+        for b in range(n):
+            x, y = trajs[a], trajs[b]
+            common = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            assert idx.lcp(a, b) == common
+    assert idx.total_work() == cb.num_compact_tokens
+
+
+def test_vectorized_work_and_range_min():
+    trajs = [[1, 2, 3], [1, 2, 4], [1, 5], [2], [2, 3, 3, 3]]
+    idx = harts.compact(harts.RolloutBatch.from_trajectories(trajs)).lcp_index
+    lo = np.array([0, 1, 0, 2])
+    hi = np.array([5, 3, 2, 5])
+    np.testing.assert_array_equal(idx.work(lo, hi), [idx.work(int(a), int(b)) for a, b in zip(lo, hi)])
+    np.testing.assert_array_equal(
+        idx.range_min(lo + 1, hi), [int(idx.adj_lcp[a + 1 : b].min()) for a, b in zip(lo, hi)]
+    )
+
+
+def test_shared_prefix_across_trees_shares_rows():
+    # different tree ids, identical prefixes: rows are shared anyway (actual tokens decide)
+    batch = harts.RolloutBatch.from_trajectories([[7, 8, 9], [7, 8, 1]], tree_ids=[0, 1])
+    cb = harts.compact(batch)
+    assert cb.num_compact_tokens == 4
+    assert cb.segment_trees.num_trees == 1
+
+
+def test_identical_and_single_token_trajectories():
+    trajs = [[5], [5], [5, 6], [4]]
+    cb = harts.compact(harts.RolloutBatch.from_trajectories(trajs))
+    check_against_naive(trajs, cb)
+    assert cb.multiplicity.tolist() == [1, 3, 1]  # rows: 4, 5, 6 (preorder by token)
+
+
+@st.composite
+def rollout_trees(draw):
+    """Random explicit trees; sibling first tokens may collide (the general path then)."""
+    n = draw(st.integers(1, 12))
+    nodes = []
+    for i in range(n):
+        parent = None if i == 0 or draw(st.booleans()) and i < 3 else draw(st.integers(0, i - 1))
+        toks = draw(st.lists(st.integers(0, 3), min_size=1, max_size=5))
+        nodes.append({"id": f"n{i}", "parent": None if parent is None else f"n{parent}", "tokens": toks})
+    return draw(st.permutations(nodes))
+
+
+@given(rollout_trees())
+def test_tree_input_equals_token_trie(nodes):
+    batch = harts.RolloutBatch.from_tree(nodes)
+    cb = harts.compact(batch)
+    trajs = [t.tolist() for t in batch.trajectories()]
+    check_against_naive(trajs, cb)
+    ref = _compact_sorted(batch)
+    np.testing.assert_array_equal(cb.lcp_index.order, ref.lcp_index.order)
+    np.testing.assert_array_equal(cb.lcp_index.adj_lcp, ref.lcp_index.adj_lcp)
+
+
+def test_tree_input_takes_the_tree_path_without_token_sort(monkeypatch):
+    nodes = [
+        {"id": "r", "parent": None, "tokens": [1, 2, 3]},
+        {"id": "a", "parent": "r", "tokens": [4, 5]},
+        {"id": "b", "parent": "r", "tokens": [6]},
+    ]
+    batch = harts.RolloutBatch.from_tree(nodes)
+    mod = importlib.import_module("harts.tree.compact")
+
+    def boom(_):
+        raise AssertionError("tree input must not sort token sequences")
+
+    monkeypatch.setattr(mod, "lexicographic_order", boom)
+    cb = harts.compact(batch)
+    assert cb.num_compact_tokens == 6
+    assert cb.segment_trees.num_segments == 3
+
+
+def test_workload_tree_path_equals_sorted_path():
+    batch = harts.workloads.generate("small", step=1, seed=3)
+    a = harts.compact(batch)
+    b = _compact_sorted(batch)
+    for name in ("tokens", "semantic_to_compact", "multiplicity", "parent", "position", "row_segment"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
