@@ -22,6 +22,9 @@ _EXPORTS = {
     "compact": "harts.tree.compact",
     "SegmentForest": "harts.tree.segments",
     "LCPIndex": "harts.tree.lcp",
+    "HybridConfig": "harts.models.config",
+    "HybridLM": "harts.models.hybrid_lm",
+    "ModelOutput": "harts.models.hybrid_lm",
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES])

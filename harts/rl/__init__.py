@@ -1,0 +1,5 @@
+"""RL objectives on log-probs + RolloutBatch metadata (unaware of prefix sharing)."""
+
+from harts.rl.grpo import GRPOOutput, group_advantages, grpo_loss
+
+__all__ = ["GRPOOutput", "group_advantages", "grpo_loss"]

@@ -1,0 +1,115 @@
+"""GRPO-style token-level clipped policy loss, built only from log-probs + RolloutBatch metadata.
+
+The model hands over ``logprobs`` [S - N] in original order (entry ``offsets[j] - j + t - 1``
+is token t >= 1 of trajectory j). Per-token metadata of the batch is aligned by dropping
+every trajectory's first token. Nothing here knows about prefix sharing (paper Eq. 18):
+the same function consumes trajectory-wise and compact log-probs.
+
+Per action token (action_mask), with ratio r = exp(lp - old_lp):
+    pg   = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+    kl   = exp(ref - lp) - (ref - lp) - 1                      (k3 estimator, only with kl_coef)
+    l    = (pg + kl_coef * kl) * loss_weight
+Reduction: "token_mean" (sum l / sum mask*weight over the batch) or "sequence_mean" (mean over
+trajectories of each trajectory's token mean; trajectories without actions are skipped).
+Without ``old_logprobs`` the ratio is taken against the detached current log-probs (on-policy).
+
+Shapes: lp_L with L = S - N; meta_L the batch's per-token arrays minus first tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harts.tree.batch import RolloutBatch
+
+__all__ = ["GRPOOutput", "grpo_loss", "group_advantages", "per_logprob"]
+
+
+@dataclass
+class GRPOOutput:
+    loss: torch.Tensor
+    #: detached diagnostics: clip fraction, mean ratio, mean KL, action tokens
+    metrics: dict[str, float]
+
+
+def per_logprob(batch: RolloutBatch, values: np.ndarray) -> np.ndarray:
+    """Per-token array [S] -> the entries aligned with ``logprobs`` [S - N]."""
+    keep = np.ones(batch.num_tokens, dtype=bool)
+    keep[batch.offsets[:-1]] = False
+    return values[keep]
+
+
+def group_advantages(rewards: np.ndarray, group_ids: np.ndarray, *, eps: float = 1e-6, std: bool = True) -> np.ndarray:
+    """GRPO's group-relative advantages: (r - mean_group) / (std_group + eps), float64 [N]."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    group_ids = np.asarray(group_ids)
+    if rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must have the same shape")
+    out = np.empty_like(rewards)
+    for gid in np.unique(group_ids):
+        sel = group_ids == gid
+        r = rewards[sel]
+        out[sel] = (r - r.mean()) / (r.std() + eps) if std else r - r.mean()
+    return out
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    batch: RolloutBatch,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    kl_coef: float = 0.0,
+    reduction: str = "token_mean",
+) -> GRPOOutput:
+    """The clipped policy loss of ``logprobs`` under ``batch``'s metadata (module docstring)."""
+    n = batch.num_logprobs
+    if logprobs.shape != (n,):
+        raise ValueError(f"logprobs must have shape ({n},) for this batch, got {tuple(logprobs.shape)}")
+    if reduction not in ("token_mean", "sequence_mean"):
+        raise ValueError(f"reduction must be 'token_mean' or 'sequence_mean', got {reduction!r}")
+    if kl_coef and batch.ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs in the batch")
+    dev, dt = logprobs.device, logprobs.dtype
+
+    def meta(a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(per_logprob(batch, a), device=dev, dtype=dt)
+
+    mask = meta(batch.action_mask.astype(np.float64))
+    weight = mask if batch.loss_weights is None else mask * meta(batch.loss_weights)
+    adv = meta(batch.advantages)
+    old = logprobs.detach() if batch.old_logprobs is None else meta(batch.old_logprobs)
+    ratio = torch.exp(logprobs - old)
+    hi = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi)
+    per_tok = -torch.minimum(ratio * adv, clipped * adv)
+    kl = None
+    if kl_coef:
+        d = meta(batch.ref_logprobs) - logprobs
+        kl = torch.exp(d) - d - 1.0
+        per_tok = per_tok + kl_coef * kl
+
+    if reduction == "token_mean":
+        loss = (per_tok * weight).sum() / weight.sum().clamp_min(1e-12)
+    else:
+        traj = torch.as_tensor(
+            np.repeat(np.arange(batch.num_trajectories), batch.lengths - 1), device=dev, dtype=torch.int64
+        )
+        num = torch.zeros(batch.num_trajectories, device=dev, dtype=dt).index_add(0, traj, per_tok * weight)
+        den = torch.zeros(batch.num_trajectories, device=dev, dtype=dt).index_add(0, traj, weight)
+        has = den > 0
+        loss = (num[has] / den[has]).sum() / has.sum().clamp_min(1)
+
+    with torch.no_grad():
+        w = weight.sum().clamp_min(1e-12)
+        was_clipped = ((ratio - clipped).abs() > 0).to(dt)
+        metrics = {
+            "clip_frac": float((was_clipped * weight).sum() / w),
+            "ratio_mean": float((ratio * weight).sum() / w),
+            "kl_mean": float((kl * weight).sum() / w) if kl is not None else 0.0,
+            "action_tokens": float(mask.sum()),
+        }
+    return GRPOOutput(loss=loss, metrics=metrics)
