@@ -1,0 +1,421 @@
+"""Minimum-call planning for chunkwise linear attention (paper §3.3, Algorithm 1, Eqs. 11-15).
+
+A segment v covers trajectory positions [s_v, e_v); with chunk size B its entry anchor is
+a_v = floor(s_v / B) * B and its terminal anchor b_v = floor(e_v / B) * B (Eq. 2). One
+linear-attention *call* (round) runs a packed batch of input sequences; every sequence is a
+direct-continuation chain of segments. A side child u of v starts a new sequence from the
+state S_{b_v} and replays [b_v, e_v) first (state updates only). That state is usable in
+the same round iff it was ready before the round and v crosses no chunk boundary
+(e_v < a_v + B, Eq. 11); otherwise it is produced inside the call and usable one round later.
+
+Pass 1 (post-order DP, Eqs. 12-14) computes T_pre(v) (S_{a_v} ready before the round) and
+T_in(v) (entry state produced inside the current call) using each fork's largest and
+second-largest child T_pre. Pass 2 (recovery) propagates round budgets down each tree exactly
+as Algorithm 1's pseudocode: the direct continuation is the first child, in the fixed child
+order, that fits the continuation budget and covers every child exceeding the side budget.
+Trees are planned independently and merged by round; the call count is their maximum.
+
+Both passes run level by level over a breadth-first order with numpy segment reductions, so
+cost is O(V) array work plus a small constant per tree level (``plan_calls_naive`` is the
+per-node reference, used by tests and as the benchmark baseline).
+
+Shapes (V = segments, Q = sequences, Rq = requested boundary states, K = calls):
+    t_pre, t_in, seg_seq      int64 [V]      DP values; the sequence executing each segment
+    seq_round                 int64 [Q]      0-based call index; sequences sorted by (round, head id)
+    seq_ptr                   int64 [Q + 1]  CSR over ``seq_segments``
+    seq_segments              int64 [V]      each sequence's segments in execution (chain) order
+    seq_fork                  int64 [Q]      segment whose end the head forks from (-1: tree root)
+    seq_anchor                int64 [Q]      position where the LA input starts (multiple of B)
+    seq_init                  int64 [Q]      -1 zero state, else the requested state's index
+    req_seq, req_pos          int64 [Rq]     exporting sequence and trajectory position (multiple
+                                             of B), sorted by (req_seq, req_pos)
+    round_ptr                 int64 [K + 1]  sequences of call k are [round_ptr[k], round_ptr[k+1])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from harts.tree.segments import SegmentForest
+
+__all__ = ["CallPlan", "plan_calls", "plan_calls_naive", "mandatory_replay", "ranges_to_indices"]
+
+
+def ranges_to_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """int64 [sum(lengths)]: concatenation of ``arange(starts[i], starts[i] + lengths[i])``."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    excl = np.cumsum(lengths) - lengths
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - excl, lengths)
+
+
+def mandatory_replay(forest: SegmentForest, chunk_size: int) -> int:
+    """Eq. 15: R = sum over forks of (|ch(v)| - 1) * (e_v mod B)."""
+    nch = forest.num_children
+    return int(np.sum(np.maximum(nch - 1, 0) * (forest.end % chunk_size)))
+
+
+@dataclass(frozen=True, eq=False)
+class CallPlan:
+    """Rounds of packed linear-attention input sequences for one microbatch (see module doc)."""
+
+    chunk_size: int
+    num_calls: int
+    forest: SegmentForest
+    t_pre: np.ndarray
+    t_in: np.ndarray
+    seg_seq: np.ndarray
+    seq_round: np.ndarray
+    seq_ptr: np.ndarray
+    seq_segments: np.ndarray
+    seq_fork: np.ndarray
+    seq_anchor: np.ndarray
+    seq_init: np.ndarray
+    req_seq: np.ndarray
+    req_pos: np.ndarray
+    round_ptr: np.ndarray
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_sequences(self) -> int:
+        return int(self.seq_round.size)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.req_seq.size)
+
+    @property
+    def seq_head(self) -> np.ndarray:
+        """int64 [Q]: first segment of each sequence."""
+        return self.seq_segments[self.seq_ptr[:-1]]
+
+    @property
+    def seq_replay(self) -> np.ndarray:
+        """int64 [Q]: replayed positions [anchor, s_head) before each sequence's own tokens."""
+        return self.forest.start[self.seq_head] - self.seq_anchor
+
+    @property
+    def seq_tokens(self) -> np.ndarray:
+        """int64 [Q]: own (output-producing) tokens of each sequence."""
+        lens = self.forest.length[self.seq_segments]
+        return np.add.reduceat(lens, self.seq_ptr[:-1]) if lens.size else np.zeros(0, np.int64)
+
+    @property
+    def total_replay(self) -> int:
+        """R: replayed state-update positions over all calls (equals Eq. 15)."""
+        return int(self.seq_replay.sum())
+
+    @property
+    def round_replay(self) -> np.ndarray:
+        """int64 [K]: replay executed in each call."""
+        return np.bincount(self.seq_round, weights=self.seq_replay, minlength=self.num_calls).astype(np.int64)
+
+    @property
+    def seg_round(self) -> np.ndarray:
+        """int64 [V]: 0-based call in which each segment's own tokens run."""
+        return self.seq_round[self.seg_seq]
+
+    def sequence(self, q: int) -> np.ndarray:
+        """Segment ids of sequence q in execution order."""
+        return self.seq_segments[self.seq_ptr[q] : self.seq_ptr[q + 1]]
+
+    def requests_of(self, q: int) -> np.ndarray:
+        """Indices of the boundary states sequence q must export (sorted by position)."""
+        lo, hi = np.searchsorted(self.req_seq, [q, q + 1])
+        return np.arange(lo, hi)
+
+    # ------------------------------------------------------------ summaries
+    def summary(self) -> dict[str, Any]:
+        """The ``harts calls --json`` schema: calls, replay, per-round sequences by name."""
+        f = self.forest
+        replay = self.seq_replay
+        rounds = []
+        for k in range(self.num_calls):
+            seqs = [
+                {"segments": [f.name(int(v)) for v in self.sequence(q)], "replay": int(replay[q])}
+                for q in range(int(self.round_ptr[k]), int(self.round_ptr[k + 1]))
+            ]
+            rounds.append({"round": k + 1, "replay": int(sum(s["replay"] for s in seqs)), "sequences": seqs})
+        return {"calls": self.num_calls, "replay": self.total_replay, "rounds": rounds}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable form (arrays as lists); ``from_dict`` inverts it exactly."""
+        f = self.forest
+        out: dict[str, Any] = {"chunk_size": self.chunk_size, "num_calls": self.num_calls}
+        out["forest"] = {k: getattr(f, k).tolist() for k in _FOREST_ARRAYS}
+        out["forest"]["names"] = f.names
+        for k in _PLAN_ARRAYS:
+            out[k] = getattr(self, k).tolist()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CallPlan:
+        fd = d["forest"]
+        forest = SegmentForest(
+            **{k: np.asarray(fd[k], dtype=np.int64) for k in _FOREST_ARRAYS}, names=fd.get("names")
+        )
+        arrays = {k: np.asarray(d[k], dtype=np.int64) for k in _PLAN_ARRAYS}
+        return cls(chunk_size=int(d["chunk_size"]), num_calls=int(d["num_calls"]), forest=forest, **arrays)
+
+    def __repr__(self) -> str:
+        return (
+            f"CallPlan(calls={self.num_calls}, sequences={self.num_sequences}, "
+            f"replay={self.total_replay}, requests={self.num_requests}, chunk_size={self.chunk_size})"
+        )
+
+
+_FOREST_ARRAYS = ("start", "end", "parent", "row", "tree", "child_ptr", "child_idx", "roots")
+_PLAN_ARRAYS = (
+    "t_pre", "t_in", "seg_seq", "seq_round", "seq_ptr", "seq_segments",
+    "seq_fork", "seq_anchor", "seq_init", "req_seq", "req_pos", "round_ptr",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- planner
+def _check_chunk_size(chunk_size: int) -> int:
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    return int(chunk_size)
+
+
+def segment_depth(parent: np.ndarray) -> np.ndarray:
+    """int64 [V]: depth of every node of a parent-pointer forest, by pointer doubling."""
+    depth = (parent >= 0).astype(np.int64)
+    jump = parent.astype(np.int64, copy=True)
+    active = np.flatnonzero(jump >= 0)
+    while active.size:
+        j = jump[active]
+        # right-hand sides are read before the writes: a simultaneous (Jacobi) doubling step
+        depth[active] += depth[j]
+        jump[active] = jump[j]
+        active = active[jump[active] >= 0]
+    return depth
+
+
+def plan_calls(forest: SegmentForest, chunk_size: int) -> CallPlan:
+    """Algorithm 1 on every tree of ``forest``; sequences merged by round (see module doc)."""
+    b = _check_chunk_size(chunk_size)
+    v = forest.num_segments
+    if v == 0:
+        return _assemble(forest, b, *(np.zeros(0, np.int64) for _ in range(6)))
+    nch = forest.num_children
+    depth = segment_depth(forest.parent)
+    # breadth-first order: by depth, then preorder. The children of level d then form level
+    # d + 1, grouped by parent in parent order, so every per-fork reduction is a reduceat.
+    order = np.argsort(depth, kind="stable")
+    lvl_ptr = np.zeros(int(depth.max()) + 2, dtype=np.int64)
+    np.cumsum(np.bincount(depth), out=lvl_ptr[1:])
+    nch_b = nch[order]
+    first_child = forest.num_trees + np.cumsum(nch_b) - nch_b  # BFS position of the first child
+    start_b, end_b = forest.start[order], forest.end[order]
+    anchor_b = start_b // b * b
+    cross_b = end_b >= anchor_b + b  # Eq. 11 fails: S_{b_v} is produced inside the call
+    term_b = end_b // b * b  # b_v
+    internal = np.flatnonzero(nch_b > 0)
+    int_ptr = np.searchsorted(internal, lvl_ptr)
+    levels = lvl_ptr.size - 1
+
+    # ---- pass 1: T_pre / T_in bottom-up (Eqs. 12-14; Algorithm 1 lines 1-9)
+    tpre = np.ones(v, dtype=np.int64)
+    tin = np.ones(v, dtype=np.int64)
+    for d in range(levels - 2, -1, -1):
+        par = internal[int_ptr[d] : int_ptr[d + 1]]
+        if par.size == 0:
+            continue
+        lo, hi = lvl_ptr[d + 1], lvl_ptr[d + 2]
+        cnt = nch_b[par]
+        grp = first_child[par] - lo
+        tp, ti = tpre[lo:hi], tin[lo:hi]
+        m1 = np.maximum.reduceat(tp, grp)
+        m1c = np.repeat(m1, cnt)
+        is_max = tp == m1c
+        n_max = np.add.reduceat(is_max.astype(np.int64), grp)
+        # second largest of the multiset (0 = max of the empty set)
+        m2 = np.where(n_max >= 2, m1, np.maximum.reduceat(np.where(is_max, 0, tp), grp))
+        h = np.where(is_max, np.repeat(m2, cnt), m1c)  # h_o = max_{u != o} T_pre(u)
+        t = np.minimum.reduceat(np.maximum(ti, 1 + h), grp)
+        tin[par] = t
+        tpre[par] = np.where(cross_b[par], t, m1)
+
+    # ---- pass 2: recovery with round budgets, top-down (Algorithm 1 lines 10-25)
+    ready = np.ones(v, dtype=bool)
+    budget = tpre.copy()  # roots: K_round = T_pre(root); children are overwritten below
+    rnd = np.zeros(v, dtype=np.int64)
+    head = np.arange(v, dtype=np.int64)  # BFS position of the sequence head
+    init_prod = np.full(v, -1, dtype=np.int64)  # BFS head of the sequence exporting the init state
+    init_pos = np.zeros(v, dtype=np.int64)
+    for d in range(levels - 1):
+        par = internal[int_ptr[d] : int_ptr[d + 1]]
+        if par.size == 0:
+            continue
+        lo, hi = lvl_ptr[d + 1], lvl_ptr[d + 2]
+        cnt = nch_b[par]
+        grp = first_child[par] - lo
+        n = hi - lo
+        same = ready[par] & ~cross_b[par]
+        delta = (~same).astype(np.int64)
+        k_round = budget[par]
+        k_side = k_round - delta
+        same_c = np.repeat(same, cnt)
+        k_round_c = np.repeat(k_round, cnt)
+        k_side_c = np.repeat(k_side, cnt)
+        tp = tpre[lo:hi]
+        h_cap = np.where(same_c, tp, tin[lo:hi])
+        exceed = tp > k_side_c
+        f = np.add.reduceat(exceed.astype(np.int64), grp)
+        ok = (h_cap <= k_round_c) & (np.repeat(f, cnt) == exceed)
+        idx = np.arange(n, dtype=np.int64)
+        chosen = np.minimum.reduceat(np.where(ok, idx, n), grp)
+        assert np.all(chosen < grp + cnt), "recovery found no direct continuation (DP invariant broken)"
+        direct = np.zeros(n, dtype=bool)
+        direct[chosen] = True
+        ready[lo:hi] = np.where(direct, same_c, True)
+        budget[lo:hi] = np.where(direct, k_round_c, k_side_c)
+        rnd[lo:hi] = np.repeat(rnd[par], cnt) + np.where(direct, 0, np.repeat(delta, cnt))
+        head_c = np.repeat(head[par], cnt)
+        head[lo:hi] = np.where(direct, head_c, lo + idx)
+        # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
+        # initial state; otherwise from S_{b_v}, exported by the parent's sequence
+        side = ~direct
+        prod = np.where(same_c, init_prod[head_c], head_c)
+        pos = np.where(same_c, init_pos[head_c], np.repeat(term_b[par], cnt))
+        init_prod[lo:hi] = np.where(side, prod, -1)
+        init_pos[lo:hi] = np.where(side, pos, 0)
+
+    # back to segment ids
+    seg = np.empty(v, dtype=np.int64)
+    seg[order] = np.arange(v)
+
+    def to_seg(x: np.ndarray) -> np.ndarray:
+        return x[seg]
+
+    head_s = order[to_seg(head)]
+    ip = to_seg(init_prod)
+    prod_s = np.where(ip >= 0, order[np.maximum(ip, 0)], -1)
+    return _assemble(forest, b, to_seg(tpre), to_seg(tin), head_s, to_seg(rnd), prod_s, to_seg(init_pos))
+
+
+def _assemble(
+    forest: SegmentForest,
+    b: int,
+    tpre: np.ndarray,
+    tin: np.ndarray,
+    head: np.ndarray,
+    rnd: np.ndarray,
+    init_prod: np.ndarray,
+    init_pos: np.ndarray,
+) -> CallPlan:
+    """Build the CallPlan from per-segment results (segment ids; ``init_*`` valid on heads).
+
+    ``head[v]``: first segment of v's sequence; ``rnd[v]``: its 0-based round;
+    ``init_prod[h]``: head of the sequence exporting h's initial state (-1 zero state) and
+    ``init_pos[h]`` that state's position.
+    """
+    v = forest.num_segments
+    heads = np.flatnonzero(head == np.arange(v))
+    heads = heads[np.lexsort((heads, rnd[heads]))]
+    q = heads.size
+    seq_of_head = np.full(v, -1, dtype=np.int64)
+    seq_of_head[heads] = np.arange(q)
+    seg_seq = seq_of_head[head]
+    # preorder ids increase along a chain, so a stable sort keeps execution order
+    seq_segments = np.argsort(seg_seq, kind="stable").astype(np.int64)
+    seq_ptr = np.zeros(q + 1, dtype=np.int64)
+    np.cumsum(np.bincount(seg_seq, minlength=q), out=seq_ptr[1:])
+    seq_round = rnd[heads]
+    num_calls = int(seq_round.max()) + 1 if q else 0
+    round_ptr = np.zeros(num_calls + 1, dtype=np.int64)
+    np.cumsum(np.bincount(seq_round, minlength=num_calls), out=round_ptr[1:])
+
+    has = init_prod[heads] >= 0
+    scale = int(forest.end.max()) + 1 if v else 1
+    key = seq_of_head[np.maximum(init_prod[heads], 0)] * scale + init_pos[heads]
+    uniq, inv = np.unique(key[has], return_inverse=True)
+    seq_init = np.full(q, -1, dtype=np.int64)
+    seq_init[has] = inv
+    return CallPlan(
+        chunk_size=b,
+        num_calls=num_calls,
+        forest=forest,
+        t_pre=tpre.astype(np.int64),
+        t_in=tin.astype(np.int64),
+        seg_seq=seg_seq,
+        seq_round=seq_round.astype(np.int64),
+        seq_ptr=seq_ptr,
+        seq_segments=seq_segments,
+        seq_fork=forest.parent[heads],
+        seq_anchor=forest.start[heads] // b * b,
+        seq_init=seq_init,
+        req_seq=(uniq // scale).astype(np.int64),
+        req_pos=(uniq % scale).astype(np.int64),
+        round_ptr=round_ptr,
+    )
+
+
+# ---------------------------------------------------------------- reference
+def plan_calls_naive(forest: SegmentForest, chunk_size: int) -> CallPlan:
+    """Algorithm 1 node by node, transcribed line by line (reference and benchmark baseline)."""
+    b = _check_chunk_size(chunk_size)
+    v = forest.num_segments
+    start, end = forest.start.tolist(), forest.end.tolist()
+    ptr, kids_flat = forest.child_ptr.tolist(), forest.child_idx.tolist()
+    kids = [kids_flat[ptr[i] : ptr[i + 1]] for i in range(v)]
+    tpre, tin = [1] * v, [1] * v
+
+    def fits(u: int) -> bool:  # Eq. 11: e_v < a_v + B
+        return end[u] < start[u] // b * b + b
+
+    for u in range(v - 1, -1, -1):  # reverse preorder is a post-order
+        ch = kids[u]
+        if not ch:
+            continue
+        # largest and second-largest child T_pre (Algorithm 1 line 5)
+        m1 = m2 = 0
+        for c in ch:
+            if tpre[c] > m1:
+                m1, m2 = tpre[c], m1
+            elif tpre[c] > m2:
+                m2 = tpre[c]
+        best = None
+        for c in ch:
+            h = m2 if tpre[c] == m1 else m1
+            val = max(tin[c], 1 + h)
+            best = val if best is None else min(best, val)
+        tin[u] = best
+        tpre[u] = m1 if fits(u) else best
+
+    head, rnd = [0] * v, [0] * v
+    init_prod, init_pos = [-1] * v, [0] * v
+    # explicit stack instead of recursion: (v, ready, K_round, r, head of q)
+    stack = [(int(r), True, tpre[int(r)], 0, int(r)) for r in forest.roots[::-1]]
+    while stack:
+        u, ready, k_round, r, hq = stack.pop()
+        head[u], rnd[u] = hq, r
+        ch = kids[u]
+        if not ch:
+            continue
+        same = ready and fits(u)
+        delta = 0 if same else 1
+        k_side = k_round - delta
+        cap = {c: (tpre[c] if same else tin[c]) for c in ch}
+        f = sum(tpre[c] > k_side for c in ch)
+        o = next(c for c in ch if cap[c] <= k_round and f - (tpre[c] > k_side) == 0)
+        todo = [(o, same, k_round, r, hq)]
+        for c in ch:
+            if c == o:
+                continue
+            if same:  # launch in round r from S_{a_v}: the parent sequence's initial state
+                init_prod[c], init_pos[c] = init_prod[hq], init_pos[hq]
+            else:  # request S_{b_v}; launch in round r + 1
+                init_prod[c], init_pos[c] = hq, end[u] // b * b
+            todo.append((c, True, k_side, r + delta, c))
+        stack.extend(reversed(todo))
+
+    a = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    return _assemble(forest, b, a(tpre), a(tin), a(head), a(rnd), a(init_prod), a(init_pos))
