@@ -1,0 +1,88 @@
+"""``harts calls``: minimum-call linear-attention plan of a segment tree or a rollout batch.
+
+Input is a TREE.json segment file (see ``harts.plan.tree_file``) or a RolloutBatch file
+(``.jsonl`` / ``.parquet``), which is compacted and every tree in it planned together.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "plan minimum-call chunkwise linear-attention rounds for a TREE.json or a rollout batch file"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="TREE.json segment file, or a RolloutBatch .jsonl/.parquet file")
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="linear-attention chunk size B (default: the tree file's chunk_size, else 64)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--plot", metavar="OUT.png", default=None, help="draw the segment tree and the plan")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from harts.plan.calls import plan_calls
+
+    path = Path(args.path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such file: {path}")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        raise ValueError(f"--chunk-size must be a positive integer, got {args.chunk_size}")
+    if path.suffix in (".jsonl", ".parquet"):
+        import harts
+
+        forest = harts.compact(harts.RolloutBatch.load(str(path))).segment_trees
+        file_chunk = None
+    else:
+        from harts.plan.tree_file import load_tree
+
+        forest, file_chunk = load_tree(path)
+    chunk = args.chunk_size if args.chunk_size is not None else (file_chunk or 64)
+    plan = plan_calls(forest, chunk)
+
+    if args.json:
+        print(json.dumps(plan.summary()))
+    else:
+        _print_text(plan)
+    if args.plot:
+        from harts.plan.plot import plot_plan
+
+        plot_plan(plan, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+_MAX_LINES = 40
+
+
+def _print_text(plan) -> None:  # noqa: ANN001 - CallPlan, imported lazily
+    f = plan.forest
+    s = plan.summary()
+    print(
+        f"calls: {s['calls']}   replay R: {s['replay']}   sequences: {plan.num_sequences}   "
+        f"segments: {f.num_segments}   trees: {f.num_trees}   chunk size: {plan.chunk_size}   "
+        f"boundary states: {plan.num_requests}"
+    )
+    init = plan.seq_init
+    q = 0
+    for rnd in s["rounds"]:
+        print(f"call {rnd['round']}: {len(rnd['sequences'])} sequences, replay {rnd['replay']}")
+        for i, seq in enumerate(rnd["sequences"]):
+            if i == _MAX_LINES:
+                print(f"  ... ({len(rnd['sequences']) - i} more; use --json for all)")
+                q += len(rnd["sequences"]) - i
+                break
+            k = int(init[q])
+            src = "zero state" if k < 0 else f"state {k} (call {int(plan.seq_round[plan.req_seq[k]]) + 1})"
+            chain = " -> ".join(seq["segments"])
+            if len(chain) > 100:
+                chain = chain[:97] + "..."
+            print(f"  {chain}   (replay {seq['replay']}, from {src})")
+            q += 1
