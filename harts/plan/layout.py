@@ -127,7 +127,8 @@ def _subtree_end_rows(cb: CompactBatch) -> np.ndarray:
     v = f.num_segments
     nch = f.num_children
     # last descendant in preorder = last child's last descendant: pointer doubling
-    last = np.where(nch > 0, f.child_idx[np.maximum(f.child_ptr[1:] - 1, 0)], np.arange(v))
+    last = np.arange(v)
+    last[nch > 0] = f.child_idx[f.child_ptr[1:][nch > 0] - 1]
     while True:
         nxt = last[last]
         if np.array_equal(nxt, last):
@@ -189,8 +190,8 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     req_id_of = np.empty(req_order.size, dtype=np.int64)
     req_id_of[req_order] = np.arange(req_order.size)
     req_seq, req_pos = req_seq[req_order], req_pos_p[req_order]
-    init = init_p[perm]
-    init = np.where(init >= 0, req_id_of[np.maximum(init, 0)], -1)
+    init = init_p[perm].copy()
+    init[init >= 0] = req_id_of[init[init >= 0]]
     req_count = req_pos - la_start[req_seq]
 
     # ---- physical rows: own rows of each sequence, contiguous, padded to pad_to
