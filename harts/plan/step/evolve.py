@@ -7,7 +7,8 @@ Evolution never leaves contiguous partitions, so by Eq. 6 merging adjacent micro
 saves exactly the adjacent LCP at their boundary, and splitting M at sorted position t costs
 exactly ``adj[t]``. Merges go down from K0 and splits go up from K0 along one greedy path
 each, and every sampled target on a path is snapshotted; a target a path cannot reach (no
-capacity-feasible merge, or nothing left to split) fails.
+capacity-feasible merge, or nothing left to split) fails. Merge ties prefer the lighter
+merged microbatch; split ties follow the natural partition's tie-breaks.
 
 Shapes: ``cuts`` int64 [K + 1] as in ``natural.py``.
 """
@@ -36,8 +37,15 @@ def sample_ks(ks: list[int], q_max: int) -> list[int]:
     return sorted(keep)
 
 
-def evolve(cost: PrefixCost, p0: np.ndarray, targets: list[int], capacity: int) -> dict[int, np.ndarray]:
-    """Cuts for every reachable target K, evolved from the natural partition ``p0``."""
+def evolve(
+    cost: PrefixCost, p0: np.ndarray, targets: list[int], capacity: int, dp: int = 0
+) -> dict[int, np.ndarray]:
+    """Cuts for every reachable target K, evolved from the natural partition ``p0``.
+
+    With ``dp`` > 0 (an extension), a merge path that gets stuck above its smallest target
+    also yields the smallest DP-compatible K it passed (the "floor"), so sampled targets
+    below the reachable range are not all lost.
+    """
     k0 = p0.size - 1
     out: dict[int, np.ndarray] = {}
     if k0 in targets:
@@ -45,19 +53,24 @@ def evolve(cost: PrefixCost, p0: np.ndarray, targets: list[int], capacity: int) 
     down = sorted((k for k in targets if k < k0), reverse=True)
     up = sorted(k for k in targets if k > k0)
     if down:
-        out.update(_merge_path(cost, p0, down, capacity))
+        out.update(_merge_path(cost, p0, down, capacity, dp))
     if up:
         out.update(_split_path(cost, p0, up))
     return out
 
 
-def _merge_path(cost: PrefixCost, p0: np.ndarray, down: list[int], capacity: int) -> dict[int, np.ndarray]:
+def _merge_path(
+    cost: PrefixCost, p0: np.ndarray, down: list[int], capacity: int, dp: int
+) -> dict[int, np.ndarray]:
     cuts = p0.copy()
     out = {}
     want = iter(down)
     target = next(want)
+    floor = None
     while True:
         k = cuts.size - 1
+        if dp and k % dp == 0:
+            floor = cuts.copy()
         if k == target:
             out[k] = cuts.copy()
             target = next(want, None)
@@ -68,6 +81,8 @@ def _merge_path(cost: PrefixCost, p0: np.ndarray, down: list[int], capacity: int
         merged = cost.interval_work(cuts[:-2], cuts[2:])
         ok = merged <= capacity
         if not ok.any():
+            if floor is not None and floor.size - 1 not in out:
+                out[floor.size - 1] = floor
             return out
         saving = cost.adj[inner]
         # largest saving first, then the lighter merged microbatch

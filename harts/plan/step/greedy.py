@@ -11,13 +11,15 @@ cheapest feasible destination, otherwise the attempt is undone) and aligns K to 
 of D with the cheapest singleton splits. The preselected greedy candidate minimizes
 (K, total work).
 
-Insertion cost of x into every microbatch at once: members are kept as sorted keys
-``owner * (N + 1) + position``; one ``searchsorted`` finds x's predecessor and successor
-inside every microbatch, and Eq. 10 reduces to ``|x| - max(LCP(p, x), LCP(x, q))``.
+Insertion cost of x into every microbatch at once: Eq. 10 reduces to
+``|x| - max(LCP(p, x), LCP(x, q))`` = ``|x| -`` (longest prefix x shares with any member),
+and x's LCP to every sorted position is two running minima of ``adj`` outward from x, so
+one ``maximum.reduceat`` over members grouped by microbatch prices every microbatch.
 
 Shapes (N = trajectories, K = microbatches):
     owner  int64 [N]   microbatch of each sorted position (-1 while unplaced)
-    keys   int64 [<=N] sorted owner * (N + 1) + position of placed positions
+    kpos   int64 [N+1] placed positions grouped by microbatch, then the pad N
+    starts int64 [N+1] first index into kpos of each microbatch (first K entries used)
     work   int64 [K]
 """
 
@@ -31,53 +33,72 @@ __all__ = ["Grouping", "greedy_candidates", "processing_orders", "align_to_dp"]
 
 
 class Grouping:
-    """A mutable noncontiguous grouping with O(K log N) insertion costs for all microbatches."""
+    """A mutable noncontiguous grouping with O(N) vectorized insertion costs for all groups.
+
+    ``kpos[:m]`` lists the m placed positions grouped by microbatch (sorted inside each) and
+    ``starts[g]`` is the first index of group g, so the shared amount of x with every group
+    is one ``maximum.reduceat`` of x's LCP to every position.
+    """
 
     def __init__(self, cost: PrefixCost, owner: np.ndarray | None = None) -> None:
         self.cost = cost
-        self.stride = cost.n + 1
         if owner is None:
             self.owner = np.full(cost.n, -1, dtype=np.int64)
             self.work = np.zeros(0, dtype=np.int64)
-            self.keys = np.zeros(0, dtype=np.int64)
         else:
             self.owner = np.asarray(owner, dtype=np.int64).copy()
             self.work = cost.works(self.owner)
-            self._rekey()
+        self._rekey()
 
     @property
     def k(self) -> int:
         return int(self.work.size)
 
     def _rekey(self) -> None:
+        n = self.cost.n
         placed = np.flatnonzero(self.owner >= 0)
-        self.keys = np.sort(self.owner[placed] * self.stride + placed)
+        by = placed[np.argsort(self.owner[placed], kind="stable")]
+        self.m = by.size
+        # preallocated buffers: insertion shifts in place instead of reallocating
+        self.kpos = np.full(n + 1, n, dtype=np.int64)
+        self.kpos[: self.m] = by
+        self.starts = np.zeros(n + 1, dtype=np.int64)
+        self.starts[: self.k] = np.searchsorted(self.owner[by], np.arange(self.k))
 
-    def shared(self, x: int, groups: np.ndarray | None = None) -> np.ndarray:
-        """int64 [len(groups)]: longest prefix x shares with any member of each group."""
-        groups = np.arange(self.k) if groups is None else groups
-        keys = self.keys
-        q = groups * self.stride + x
-        idx = np.searchsorted(keys, q)
-        out = np.zeros(groups.size, dtype=np.int64)
-        if keys.size == 0:
-            return out
-        has_p = idx > 0
-        pk = keys[np.maximum(idx - 1, 0)]
-        has_p &= pk // self.stride == groups
-        has_s = idx < keys.size
-        sk = keys[np.minimum(idx, keys.size - 1)]
-        has_s &= sk // self.stride == groups
-        lp = self.cost.lcp(pk % self.stride, x)
-        ls = self.cost.lcp(x, sk % self.stride)
-        return np.maximum(np.where(has_p, lp, 0), np.where(has_s, ls, 0))
+    def lcp_to_all(self, x: int) -> np.ndarray:
+        """int64 [N + 1]: LCP of x with every sorted position (entry N is a 0 pad)."""
+        adj = self.cost.adj
+        out = np.empty(self.cost.n + 1, dtype=np.int64)
+        out[x] = self.cost.length[x]
+        out[:x] = np.minimum.accumulate(adj[x:0:-1])[::-1]
+        out[x + 1 :] = np.minimum.accumulate(adj[x + 1 :])
+        return out
+
+    def shared(self, x: int) -> np.ndarray:
+        """int64 [K]: longest prefix x shares with any member of each group (0 if empty)."""
+        k = self.k
+        if self.m == 0:
+            return np.zeros(k, dtype=np.int64)
+        starts = self.starts[:k]
+        v = self.lcp_to_all(x)[self.kpos[: self.m + 1]]
+        out = np.maximum.reduceat(v, starts)
+        ends = self.starts[1 : k + 1].copy()
+        ends[-1] = self.m
+        return np.where(ends > starts, out, 0)
 
     def place(self, x: int, g: int, delta: int) -> None:
+        m = self.m
         if g == self.k:
             self.work = np.append(self.work, 0)
+            self.starts[g] = m
         self.owner[x] = g
-        key = g * self.stride + x
-        self.keys = np.insert(self.keys, np.searchsorted(self.keys, key), key)
+        lo = int(self.starts[g])
+        hi = int(self.starts[g + 1]) if g + 1 < self.k else m
+        at = lo + int(np.searchsorted(self.kpos[lo:hi], x))
+        self.kpos[at + 1 : m + 1] = self.kpos[at:m]
+        self.kpos[at] = x
+        self.m = m + 1
+        self.starts[g + 1 : self.k] += 1
         self.work[g] += delta
 
     def insert(self, x: int, capacity: int, policy: str, exclude: int = -1) -> bool:
@@ -90,12 +111,13 @@ class Grouping:
             if exclude >= 0:
                 ok[exclude] = False
             if ok.any():
-                cand = np.flatnonzero(ok)
                 if policy == "best_fit":
-                    g = cand[np.argmax(after[cand])]
-                else:  # max_shared (== min_cost: Delta C = |x| - shared); ties -> fuller
-                    g = cand[np.lexsort((-after[cand], -sh[cand]))[0]]
-                self.place(x, int(g), int(length - sh[g]))
+                    g = int(np.argmax(np.where(ok, after, -1)))
+                else:
+                    # max_shared (== min_cost, Delta C = |x| - shared); ties -> the fuller one
+                    score = np.where(ok, sh * (2 * capacity + 2) + after, -1)
+                    g = int(np.argmax(score))
+                self.place(x, g, int(length - sh[g]))
                 return True
         if policy == "min_cost":
             return False
@@ -139,14 +161,15 @@ def eliminate_small(grp: Grouping, capacity: int, small_fraction: float) -> None
         if pick is None:
             return
         members = np.flatnonzero(grp.owner == pick)
-        saved = (grp.owner.copy(), grp.work.copy(), grp.keys.copy())
+        saved = (grp.owner.copy(), grp.work.copy())
         grp.owner[members] = -1
         grp._rekey()
         grp.work[pick] = 0
         if all(grp.insert(int(x), capacity, "min_cost", exclude=pick) for x in members):
             grp.remove_group(pick)
         else:
-            grp.owner, grp.work, grp.keys = saved
+            grp.owner, grp.work = saved
+            grp._rekey()
             failed.add(int(members[0]))
 
 

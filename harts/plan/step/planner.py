@@ -12,7 +12,9 @@ Pipeline (N trajectories, DP degree D, capacity T in compact tokens):
    (``refine.py``), and the greedy candidate gets sparse repair (``repair.py``);
 5. every candidate is scheduled (``schedule.py``) and the lexicographically smallest
    J = (total work, sum of slot maxima, max replica total) wins; earlier candidates win ties,
-   so exact candidates are never displaced by an equal later one.
+   so exact candidates are never displaced by an equal later one;
+6. extension: work-neutral balancing of the winner (``balance.py``), kept only when it
+   strictly lowers J (``balance_rounds=0`` gives the paper's pipeline exactly).
 
 Shapes (N = trajectories, K = microbatches): ``owner`` int64 [N] over sorted positions.
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from harts.plan.step.balance import balance
 from harts.plan.step.evolve import evolve, sample_ks
 from harts.plan.step.exact import exact_partitions
 from harts.plan.step.greedy import greedy_candidates
@@ -55,6 +58,10 @@ class PlannerParams:
     repair_iterations: int = 4
     #: greedy microbatches at most this fraction of T are candidates for elimination
     small_fraction: float = 0.5
+    #: also keep the smallest DP-compatible K a stuck merge path reached (extension)
+    merge_floor: bool = True
+    #: work-neutral balancing rounds on the selected plan (extension, ``balance.py``); 0 = off
+    balance_rounds: int = 8
 
 
 @dataclass(kw_only=True)
@@ -200,7 +207,7 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
         targets = sample_ks(ks, params.q_max)
         if greedy is not None and greedy_k not in targets and greedy_k <= n:
             targets = sorted([*targets, greedy_k])
-        evolved = evolve(cost, p0, targets, capacity)
+        evolved = evolve(cost, p0, targets, capacity, dp if params.merge_floor else 0)
         base = {k: (c, int(np.sum(cost.interval_work(c[:-1], c[1:])))) for k, c in evolved.items()}
         for k, (cuts, _) in sorted(base.items()):
             candidates.append((f"evolved K={k}", cuts_to_owner(cuts)))
@@ -225,6 +232,11 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
             f"no feasible plan found for dp={dp}, capacity={capacity} over {n} trajectories "
             f"(K range {ks[:1]}..{ks[-1:]}); try a larger capacity or a smaller dp"
         )
+    if params.balance_rounds > 0:
+        owner = balance(cost, best["owner"], dp, capacity, params.balance_rounds)
+        sched = plan_from_owner(cb, cost, owner, dp, capacity)
+        if _valid(owner, sched["work"], dp, capacity) and sched["objective"] < best["objective"]:
+            best, best_name = sched, best_name + " +balance"
     seconds = time.perf_counter() - t0
     info = {"winner": best_name, "candidates": len(candidates), "k0": int(p0.size - 1), "k_range": ks}
     return _to_step_plan(cb, best, dp, capacity, "harts", seconds, info)
