@@ -22,6 +22,8 @@ _EXPORTS = {
     "compact": "harts.tree.compact",
     "SegmentForest": "harts.tree.segments",
     "LCPIndex": "harts.tree.lcp",
+    "plan_step": "harts.plan.step.planner",
+    "StepPlan": "harts.plan.step.planner",
     "plan_calls": "harts.plan.calls",
     "CallPlan": "harts.plan.calls",
     "build_layout": "harts.plan.layout",
