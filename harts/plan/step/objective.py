@@ -106,14 +106,16 @@ class PrefixCost:
         return cost
 
     def works(self, owner: np.ndarray, k: int | None = None) -> np.ndarray:
-        """int64 [K]: compact work of every microbatch of a grouping, vectorized."""
+        """int64 [K]: compact work of every microbatch of a grouping (-1 = unplaced), vectorized."""
         owner = np.asarray(owner, dtype=np.int64)
         k = int(owner.max()) + 1 if k is None else k
-        pos = np.lexsort((np.arange(self.n), owner))
-        same = owner[pos[1:]] == owner[pos[:-1]]
+        placed = np.flatnonzero(owner >= 0)
+        pos = placed[np.argsort(owner[placed], kind="stable")]
+        g = owner[pos]
+        same = g[1:] == g[:-1]
         shared = self.lcp(pos[:-1][same], pos[1:][same])
-        w = np.bincount(owner, weights=self.length, minlength=k)
-        w -= np.bincount(owner[pos[1:][same]], weights=shared, minlength=k)
+        w = np.bincount(g, weights=self.length[pos], minlength=k)
+        w -= np.bincount(g[1:][same], weights=shared, minlength=k)
         return np.rint(w).astype(np.int64)
 
     def neighbour_shared(self, owner: np.ndarray) -> np.ndarray:

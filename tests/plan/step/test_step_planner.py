@@ -1,0 +1,207 @@
+"""Step planner: feasibility guarantees, exact DP vs brute force, Eq. 5/10 vs trie recounts."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import harts
+from harts.plan.step.exact import exact_partitions, partition_cost
+from harts.plan.step.greedy import Grouping, align_to_dp
+from harts.plan.step.natural import k_range, natural_partition
+from harts.plan.step.objective import PrefixCost
+from harts.plan.step.refine import refine_boundaries
+from harts.plan.step.repair import sparse_repair
+from harts.plan.step.schedule import build_schedule
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _workloads import random_forest_batch  # noqa: E402
+
+
+def trie_count(trajs: list[np.ndarray]) -> int:
+    """Unique prefixes of a set of trajectories, counted with a python set."""
+    return len({tuple(t[: i + 1].tolist()) for t in trajs for i in range(len(t))})
+
+
+def sorted_trajs(cb: harts.CompactBatch) -> list[np.ndarray]:
+    return [cb.batch.trajectory(int(j)) for j in cb.lcp_index.order]
+
+
+def check_plan(plan: harts.StepPlan, batch: harts.RolloutBatch, dp: int, capacity: int) -> None:
+    n = batch.num_trajectories
+    k = plan.num_microbatches
+    members = [j for mb in plan.microbatches for j in mb]
+    assert sorted(members) == list(range(n))  # exact coverage
+    assert all(len(mb) > 0 for mb in plan.microbatches)
+    assert k % dp == 0
+    assert len(plan.replica) == len(plan.slot) == len(plan.work) == k
+    for d in range(dp):
+        assert sum(1 for r in plan.replica if r == d) == k // dp
+    cells = {(r, s) for r, s in zip(plan.replica, plan.slot)}
+    assert len(cells) == k and cells == {(r, s) for r in range(dp) for s in range(k // dp)}
+    for mb, w in zip(plan.microbatches, plan.work):
+        assert w == trie_count([batch.trajectory(j) for j in mb])
+        assert w <= capacity
+    wm = plan.work_matrix()
+    assert plan.objective == (int(wm.sum()), int(wm.max(axis=0).sum()), int(wm.sum(axis=1).max()))
+    assert plan.plan_seconds >= 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), dp=st.integers(1, 4), slack=st.floats(1.0, 4.0), paths=st.integers(4, 40))
+def test_harts_plans_are_feasible(seed: int, dp: int, slack: float, paths: int) -> None:
+    rng = np.random.default_rng(seed)
+    batch = random_forest_batch(rng, trees=int(rng.integers(1, 5)), paths=paths, shared_root=int(rng.integers(0, 3)))
+    capacity = int(batch.lengths.max() * slack)
+    try:
+        plan = harts.plan_step(batch, dp=dp, capacity=capacity)
+    except ValueError as err:
+        assert "dp=" in str(err) or "capacity" in str(err)
+        return
+    check_plan(plan, batch, dp, capacity)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), dp=st.integers(1, 3))
+def test_large_mode_plans_are_feasible(seed: int, dp: int) -> None:
+    """n0 lowered so the sampled-K evolution / anchor refinement path runs on small inputs."""
+    rng = np.random.default_rng(seed)
+    batch = random_forest_batch(rng, trees=4, paths=60, shared_root=2)
+    capacity = int(batch.lengths.max() * 2)
+    plan = harts.plan_step(batch, dp=dp, capacity=capacity, n0=10, q_max=4)
+    check_plan(plan, batch, dp, capacity)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_interval_work_and_insertion_cost_match_trie(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    batch = random_forest_batch(rng, trees=3, paths=12, vocab=3)
+    cb = harts.compact(batch)
+    cost = PrefixCost(cb.lcp_index)
+    trajs = sorted_trajs(cb)
+    n = len(trajs)
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            assert cost.interval_work(a, b) == trie_count(trajs[a:b])
+    for _ in range(10):
+        s = rng.choice(n, size=int(rng.integers(1, n)), replace=False)
+        rest = [x for x in range(n) if x not in set(s.tolist())]
+        if not rest:
+            continue
+        x = int(rng.choice(rest))
+        before = trie_count([trajs[i] for i in s])
+        after = trie_count([trajs[i] for i in [*s.tolist(), x]])
+        assert cost.set_work(s) == before
+        assert cost.insertion_cost(s, x) == after - before
+        grp = Grouping(cost, np.where(np.isin(np.arange(n), s), 0, -1))
+        grp.work = np.array([before])
+        assert int(grp.shared(x)[0]) == int(cost.length[x]) - (after - before)
+
+
+def brute_force(cost: PrefixCost, capacity: int, k: int) -> tuple[int, int] | None:
+    n = cost.n
+    best = None
+    for inner in itertools.combinations(range(1, n), k - 1):
+        cuts = np.array([0, *inner, n])
+        w = cost.interval_work(cuts[:-1], cuts[1:])
+        if np.all(w <= capacity):
+            key = (int(w.sum()), int(w.max()))
+            best = key if best is None or key < best else best
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), slack=st.floats(1.0, 3.0))
+def test_exact_dp_equals_brute_force(seed: int, slack: float) -> None:
+    rng = np.random.default_rng(seed)
+    batch = random_forest_batch(rng, trees=3, paths=int(rng.integers(2, 10)), vocab=3)
+    cost = PrefixCost(harts.compact(batch).lcp_index)
+    capacity = int(cost.length.max() * slack)
+    ks = list(range(1, cost.n + 1))
+    got = exact_partitions(cost, capacity, ks)
+    for k in ks:
+        want = brute_force(cost, capacity, k)
+        if want is None:
+            assert k not in got
+        else:
+            assert partition_cost(cost, got[k]) == want
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_local_search_preserves_feasibility_and_never_worsens(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    batch = random_forest_batch(rng, trees=3, paths=30, vocab=3, shared_root=1)
+    cost = PrefixCost(harts.compact(batch).lcp_index)
+    capacity = int(cost.length.max() * 2)
+    p0 = natural_partition(cost, capacity)
+    w0 = cost.interval_work(p0[:-1], p0[1:])
+    assert np.all((w0 <= capacity) | (np.diff(p0) == 1))
+    refined = refine_boundaries(cost, p0, capacity, window=3)
+    w1 = cost.interval_work(refined[:-1], refined[1:])
+    assert refined.size == p0.size and np.all(np.diff(refined) > 0) and np.all(w1 <= capacity)
+    assert (w1.sum(), w1.max()) <= (w0.sum(), w0.max())
+    owner = rng.integers(0, 4, cost.n)
+    owner[:4] = np.arange(4)
+    cap = int(cost.works(owner).max())
+    repaired = sparse_repair(cost, owner, cap, window=4, iterations=4)
+    assert np.bincount(repaired, minlength=4).min() > 0
+    assert cost.works(repaired).max() <= cap and cost.works(repaired).sum() <= cost.works(owner).sum()
+    aligned = align_to_dp(cost, owner, 3)
+    assert aligned is not None and (aligned.max() + 1) % 3 == 0
+
+
+def test_k_range_matches_eqs_7_8() -> None:
+    assert k_range(total_work=1000, k0=7, n=20, dp=2, capacity=300) == [4, 6, 8]
+    assert k_range(total_work=1000, k0=3, n=20, dp=4, capacity=300) == [4]
+    assert k_range(total_work=100, k0=1, n=5, dp=1, capacity=300) == [1]
+
+
+def test_schedule_sorted_blocks_heavier_to_lighter() -> None:
+    replica, slot, j = build_schedule(np.array([10, 40, 30, 20]), 2)
+    assert slot.tolist() == [1, 0, 0, 1]
+    assert replica[1] == 0 and replica[2] == 1  # slot 0: 40 -> r0, 30 -> r1
+    assert replica[3] == 1 and replica[0] == 0  # slot 1: r1 (30) is lighter -> gets 20
+    assert j == (100, 60, 50)
+
+
+def test_errors_name_the_problem() -> None:
+    batch = harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 4, 5, 6, 7], [9]])
+    with pytest.raises(ValueError, match="trajectory 1 has 6 tokens"):
+        harts.plan_step(batch, dp=1, capacity=5)
+    with pytest.raises(ValueError, match="dp=4 exceeds the number of trajectories"):
+        harts.plan_step(batch, dp=4, capacity=100)
+    disjoint = harts.RolloutBatch.from_trajectories([[1] * 6, [2] * 6, [3] * 6])
+    with pytest.raises(ValueError, match="capacity=6 is too small"):
+        harts.plan_step(disjoint, dp=2, capacity=6)
+    with pytest.raises(ValueError, match="unknown planning method"):
+        harts.plan_step(batch, dp=1, capacity=100, method="magic")
+    with pytest.raises(ValueError, match="dp must be a positive"):
+        harts.plan_step(batch, dp=0, capacity=100)
+
+
+def test_ortools_baseline_is_feasible() -> None:
+    pytest.importorskip("ortools")
+    rng = np.random.default_rng(3)
+    batch = random_forest_batch(rng, trees=6, paths=40, shared_root=2)
+    capacity = int(batch.lengths.max() * 2)
+    for dp in (1, 2):
+        plan = harts.plan_step(batch, dp=dp, capacity=capacity, method="ortools", time_limit=2.0)
+        check_plan(plan, batch, dp, capacity)
+        harts_plan = harts.plan_step(batch, dp=dp, capacity=capacity)
+        assert harts_plan.method == "harts" and plan.method == "ortools"
+
+
+def test_workload_step_plan() -> None:
+    batch = harts.workloads.generate("small", step=0, seed=0)
+    cb = harts.compact(batch)
+    capacity = int(max(batch.lengths.max(), cb.num_compact_tokens // 6))
+    plan = harts.plan_step(cb, dp=2, capacity=capacity)
+    check_plan(plan, batch, 2, capacity)
