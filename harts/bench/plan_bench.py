@@ -1,0 +1,97 @@
+"""Step-planning benchmark: harts vs the OR-Tools baseline, per step (paper Tables 2 and 3).
+
+For each batch: paths, raw tokens, and for each planner its compact tokens, planning
+seconds (compaction excluded, done once and shared), scheduled slots, within-slot imbalance
+of every slot and the step-total imbalance (Eq. 23). The summary holds the Table 3 figures:
+within-slot P50/P95 over all slots of all steps, step-total P50/max over steps, and the
+Table 2 ratios baseline/harts (compact tokens, planning time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["plan_batches", "summarize", "plot"]
+
+
+def plan_batches(
+    sources: Iterable[tuple[int, Callable[[], Any]]],
+    *,
+    dp: int,
+    capacity: int,
+    baseline: str | None,
+    baseline_params: dict[str, Any] | None = None,
+    progress: Any = None,
+) -> list[dict[str, Any]]:
+    """One record per batch, in the JSON layout documented by ``harts plan``."""
+    from harts.plan.step.planner import plan_step
+    from harts.tree.compact import compact
+
+    steps = []
+    for step, make in sources:
+        batch = make()
+        cb = compact(batch)
+        rec: dict[str, Any] = {"step": step, "paths": batch.num_trajectories, "raw_tokens": batch.num_tokens}
+        rec["harts"] = plan_step(cb, dp=dp, capacity=capacity).summary()
+        if baseline:
+            rec[baseline] = plan_step(cb, dp=dp, capacity=capacity, method=baseline, **(baseline_params or {})).summary()
+        steps.append(rec)
+        if progress is not None:
+            progress.update(1)
+    return steps
+
+
+def _scope(steps: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    within = np.concatenate([s[key]["within_slot_imbalance"] for s in steps])
+    totals = np.array([s[key]["step_total_imbalance"] for s in steps])
+    return {
+        "compact_tokens": int(sum(s[key]["compact_tokens"] for s in steps)),
+        "plan_seconds": float(sum(s[key]["plan_seconds"] for s in steps)),
+        "max_plan_seconds": float(max(s[key]["plan_seconds"] for s in steps)),
+        "slots": int(sum(s[key]["slots"] for s in steps)),
+        "within_slot_p50": float(np.percentile(within, 50)),
+        "within_slot_p95": float(np.percentile(within, 95)),
+        "step_total_p50": float(np.percentile(totals, 50)),
+        "step_total_max": float(totals.max()),
+    }
+
+
+def summarize(steps: list[dict[str, Any]], baseline: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"harts": _scope(steps, "harts")}
+    if baseline:
+        out[baseline] = _scope(steps, baseline)
+        compact_ratio = [s[baseline]["compact_tokens"] / s["harts"]["compact_tokens"] for s in steps]
+        time_ratio = [s[baseline]["plan_seconds"] / s["harts"]["plan_seconds"] for s in steps]
+        out["compact_ratio_min"] = float(min(compact_ratio))
+        out["compact_ratio_max"] = float(max(compact_ratio))
+        out["time_ratio_min"] = float(min(time_ratio))
+        out["time_ratio_max"] = float(max(time_ratio))
+        out["harts_lower_every_step"] = bool(min(compact_ratio) > 1.0)
+    return out
+
+
+def plot(steps: list[dict[str, Any]], baseline: str | None, path: str) -> None:
+    """Compact tokens per step (bars) and within-slot imbalance distribution (box)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = np.arange(len(steps))
+    keys = ["harts"] + ([baseline] if baseline else [])
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        ax1.bar(x + i * width, [s[key]["compact_tokens"] for s in steps], width, label=key)
+    ax1.set_xticks(x + width * (len(keys) - 1) / 2, [str(s["step"]) for s in steps])
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("compact tokens")
+    ax1.legend()
+    data = [100 * np.concatenate([s[key]["within_slot_imbalance"] for s in steps]) for key in keys]
+    ax2.boxplot(data, tick_labels=keys)
+    ax2.set_ylabel("within-slot imbalance (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

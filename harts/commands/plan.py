@@ -1,0 +1,88 @@
+"""``harts plan``: plan microbatches x DP replicas x slots per step, harts vs a baseline."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Prefix-aware step planning (paper Tables 2-3): compact work, planning time, DP imbalance."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="*", help="RolloutBatch files (.jsonl or .parquet), one step each")
+    p.add_argument("--workload", default=None, help="built-in workload preset (tiny, small, medium, swe)")
+    p.add_argument("--steps", type=int, default=None, help="steps of the workload (default: all of the preset)")
+    p.add_argument("--dp", type=int, default=4, help="data-parallel degree D")
+    p.add_argument("--capacity", type=int, default=65536, help="microbatch capacity T in compact tokens")
+    p.add_argument("--baseline", choices=["ortools"], default=None, help="also run this baseline planner")
+    p.add_argument("--time-limit", type=float, default=10.0, help="OR-Tools CP-SAT seconds per replica")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (and CP-SAT seed)")
+    p.add_argument("--json", dest="json_out", default=None, help="write every number as JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG of compact work and imbalance here")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from harts.bench.plan_bench import plan_batches, plot, summarize
+    from harts.commands._format import format_table
+    from harts.tree.batch import RolloutBatch
+    from harts.tree.workloads import PRESETS, generate
+
+    if args.files and args.workload:
+        raise ValueError("give FILEs or --workload, not both")
+    if not args.files and not args.workload:
+        args.workload = "small"
+    if args.workload:
+        if args.workload not in PRESETS:
+            raise ValueError(f"unknown workload {args.workload!r}; presets: {', '.join(PRESETS)}")
+        n = PRESETS[args.workload].steps if args.steps is None else args.steps
+        sources = [(s + 1, lambda s=s: generate(args.workload, step=s, seed=args.seed)) for s in range(n)]
+    else:
+        sources = [(i + 1, lambda f=f: RolloutBatch.load(f)) for i, f in enumerate(args.files)]
+    base = args.baseline
+    params = {"time_limit": args.time_limit, "seed": args.seed} if base else None
+    with tqdm(total=len(sources), desc=f"plan D={args.dp}", unit="step") as bar:
+        steps = plan_batches(sources, dp=args.dp, capacity=args.capacity, baseline=base, baseline_params=params, progress=bar)
+    summary = summarize(steps, base)
+
+    headers = ["step", "paths", "raw tokens", "harts compact"]
+    if base:
+        headers += [f"{base} compact", "compact OR/H", "time OR/H"]
+    headers += ["harts s"] + ([f"{base} s"] if base else [])
+    rows = []
+    for s in steps:
+        h = s["harts"]
+        row = [s["step"], s["paths"], s["raw_tokens"], h["compact_tokens"]]
+        if base:
+            b = s[base]
+            row += [b["compact_tokens"], f"{b['compact_tokens'] / h['compact_tokens']:.6f}x",
+                    f"{b['plan_seconds'] / h['plan_seconds']:.3f}x"]
+        row += [f"{h['plan_seconds']:.3f}"] + ([f"{s[base]['plan_seconds']:.3f}"] if base else [])
+        rows.append(row)
+    print(format_table(headers, rows))
+    print()
+    keys = ["harts"] + ([base] if base else [])
+
+    def pair(field: str, pct: bool = True) -> str:
+        vals = [summary[k][field] * (100 if pct else 1) for k in keys]
+        return "/".join(f"{v:.4f}" if pct else f"{v}" for v in vals)
+
+    print(f"DP-replica balance (D={args.dp}, T={args.capacity}; {'/'.join(keys)}):")
+    print(format_table(
+        ["slots", "within-slot P50 %", "within-slot P95 %", "step-total P50 %", "step-total max %"],
+        [[pair("slots", pct=False), pair("within_slot_p50"), pair("within_slot_p95"),
+          pair("step_total_p50"), pair("step_total_max")]],
+    ))
+    if base:
+        print(f"\ncompact tokens {summary['harts']['compact_tokens']:,} (harts) vs "
+              f"{summary[base]['compact_tokens']:,} ({base}); planning {summary['harts']['plan_seconds']:.2f} s vs "
+              f"{summary[base]['plan_seconds']:.2f} s")
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump({"dp": args.dp, "capacity": args.capacity, "workload": args.workload, "seed": args.seed,
+                       "steps": steps, "summary": summary}, fh, indent=1)
+    if args.plot:
+        plot(steps, base, args.plot)
+    return 0
