@@ -56,6 +56,13 @@ class HybridConfig:
     linear_num_value_heads: int = 2
     linear_key_head_dim: int = 8
     linear_value_head_dim: int = 8
+    #: KDA gates: low-rank ``f_a_proj/f_b_proj`` and ``g_a_proj/g_b_proj`` (Kimi Linear, rank
+    #: ``linear_value_head_dim``); False = full-rank ``f_proj`` and ``g_proj`` (Ling 3.0 / BailingHybrid)
+    kda_low_rank_gates: bool = True
+    #: KDA safe gate (Ling 3.0): ``g = kda_lower_bound * sigmoid(exp(A_log) * (f + dt_bias))``
+    #: instead of ``-exp(A_log) * softplus(f + dt_bias)``
+    kda_safe_gate: bool = False
+    kda_lower_bound: float = -5.0
 
     # ---- full attention: A layers (gated GQA)
     num_attention_heads: int = 4
@@ -76,6 +83,12 @@ class HybridConfig:
     mla_output_gate: bool = True
     #: DeepSeek-V3 checkpoints store the rope dims interleaved
     rope_interleave: bool = False
+    #: False = MLA without RoPE (Kimi Linear: the ``qk_rope_head_dim`` part is not rotated)
+    mla_rope: bool = True
+    #: Ling 3.0 gates MLA per head: ``g_proj`` outputs one gate per head (broadcast over v_head_dim)
+    mla_head_gate: bool = False
+    #: eps of ``q_a_layernorm``/``kv_a_layernorm``; None = ``rms_norm_eps``
+    mla_norm_eps: float | None = None
 
     # ---- FFN
     hidden_act: str = "silu"

@@ -2,6 +2,8 @@
 
     q, k, v = conv_silu(q_proj x), conv_silu(k_proj x), conv_silu(v_proj x)   (short convs)
     g       = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj x) + dt_bias)    per-channel log-decay
+              (kda_safe_gate: lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with
+              kda_low_rank_gates=False one full-rank f_proj / g_proj replaces each a/b pair)
     beta    = sigmoid(b_proj x)
     o       = chunk_kda(l2norm q, l2norm k, v, g, beta)
     out     = o_proj(rmsnorm(o) * weight * sigmoid(g_b_proj(g_a_proj x)))
@@ -55,14 +57,22 @@ class KimiDeltaAttention(nn.Module):
         self.q_conv1d = ShortConvolution(h * k, w)
         self.k_conv1d = ShortConvolution(h * k, w)
         self.v_conv1d = ShortConvolution(h * v, w)
-        # low-rank forget gate (rank = head_v_dim, as in Kimi Linear)
-        self.f_a_proj = nn.Linear(d, v, bias=False)
-        self.f_b_proj = nn.Linear(v, h * k, bias=False)
+        self.low_rank_gates = config.kda_low_rank_gates
+        self.safe_gate, self.lower_bound = config.kda_safe_gate, config.kda_lower_bound
+        if self.low_rank_gates:
+            # low-rank forget/output gates (rank = head_v_dim, as in Kimi Linear)
+            self.f_a_proj = nn.Linear(d, v, bias=False)
+            self.f_b_proj = nn.Linear(v, h * k, bias=False)
+        else:  # full-rank gates (Ling 3.0 / BailingHybrid)
+            self.f_proj = nn.Linear(d, h * k, bias=False)
         self.b_proj = nn.Linear(d, h, bias=False)
         self.A_log = nn.Parameter(torch.empty(h).uniform_(1, 16).log())
         self.dt_bias = nn.Parameter(torch.ones(h * k))
-        self.g_a_proj = nn.Linear(d, v, bias=False)
-        self.g_b_proj = nn.Linear(v, h * v, bias=False)
+        if self.low_rank_gates:
+            self.g_a_proj = nn.Linear(d, v, bias=False)
+            self.g_b_proj = nn.Linear(v, h * v, bias=False)
+        else:
+            self.g_proj = nn.Linear(d, h * v, bias=False)
         self.o_norm = RMSNormGated(v, eps=config.rms_norm_eps, activation="sigmoid")
         self.o_proj = nn.Linear(h * v, d, bias=False)
 
@@ -76,10 +86,15 @@ class KimiDeltaAttention(nn.Module):
         q = l2norm(q.reshape(t, h, k))
         kk = l2norm(kk.reshape(t, h, k))
         vv = vv.reshape(t, h, v)
-        f = self.f_b_proj(self.f_a_proj(x_TD)) + self.dt_bias
-        g = -self.A_log.exp()[None, :, None] * F.softplus(f.reshape(t, h, k))
+        f = self.f_b_proj(self.f_a_proj(x_TD)) if self.low_rank_gates else self.f_proj(x_TD)
+        f = (f + self.dt_bias).reshape(t, h, k)
+        if self.safe_gate:  # bounded log-decay in (lower_bound, 0)
+            g = self.lower_bound * torch.sigmoid(self.A_log.exp()[None, :, None] * f)
+        else:
+            g = -self.A_log.exp()[None, :, None] * F.softplus(f)
         beta = torch.sigmoid(self.b_proj(x_TD))
         o = ctx.linear_attention(q, kk, vv, g, beta)
-        gate = self.g_b_proj(self.g_a_proj(x_TD)).reshape(t, h, v)
+        gate = self.g_b_proj(self.g_a_proj(x_TD)) if self.low_rank_gates else self.g_proj(x_TD)
+        gate = gate.reshape(t, h, v)
         o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(t, h * v))

@@ -5,7 +5,9 @@
     [k_nope, v]  = kv_b_proj(kv_a_layernorm c)
     q_rot, k_rot rotated by RoPE at the row's original position
     o            = attention([q_nope, q_rot], [k_nope, k_rot], v), scale (nope + rope)^-1/2
-    out          = o_proj(o * sigmoid(g_proj x))               (gate only with mla_output_gate)
+    out          = o_proj(o * sigmoid(g_proj x))               (gate only with mla_output_gate;
+                                                                per head with mla_head_gate)
+    mla_rope=False skips the rotation (Kimi Linear's NoPE MLA); mla_norm_eps sets the latent norms' eps.
 
 Projections and RoPE run once per row; only the attention core sees the tree (through the
 context). Shapes: x_TD; q/k_THD with D = nope + rope; v_THE with E = v_head_dim.
@@ -34,7 +36,9 @@ class MultiheadLatentAttention(nn.Module):
         self.kv_lora_rank = config.kv_lora_rank
         self.rope_theta = config.rope_theta
         self.rope_interleave = config.rope_interleave
-        eps = config.rms_norm_eps
+        eps = config.rms_norm_eps if config.mla_norm_eps is None else config.mla_norm_eps
+        self.use_rope = config.mla_rope
+        self.head_gate = config.mla_head_gate
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(d, h * self.qk_head_dim, bias=False)
         else:
@@ -44,7 +48,8 @@ class MultiheadLatentAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
-        self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if config.mla_output_gate else None
+        gate_dim = h if self.head_gate else h * self.v_dim
+        self.g_proj = nn.Linear(d, gate_dim, bias=False) if config.mla_output_gate else None
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
         self.scaling = self.qk_head_dim**-0.5
 
@@ -59,12 +64,16 @@ class MultiheadLatentAttention(nn.Module):
         c, k_rot = torch.split(self.kv_a_proj_with_mqa(x_TD), [self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c)).reshape(t, h, self.nope + self.v_dim)
         k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
-        cos, sin = ctx.rope(self.rope_dim, self.rope_theta, x_TD.dtype)
-        q_rot = apply_rope(q_rot, cos, sin, interleaved=self.rope_interleave)
-        k_rot = apply_rope(k_rot[:, None, :], cos, sin, interleaved=self.rope_interleave)
+        k_rot = k_rot[:, None, :]
+        if self.use_rope:
+            cos, sin = ctx.rope(self.rope_dim, self.rope_theta, x_TD.dtype)
+            q_rot = apply_rope(q_rot, cos, sin, interleaved=self.rope_interleave)
+            k_rot = apply_rope(k_rot, cos, sin, interleaved=self.rope_interleave)
         query = torch.cat([q_nope, q_rot], dim=-1)
         key = torch.cat([k_nope, k_rot.expand(t, h, self.rope_dim)], dim=-1)
         o = ctx.attention(query, key, v.contiguous(), scale=self.scaling).reshape(t, h * self.v_dim)
-        if self.g_proj is not None:
+        if self.g_proj is not None and self.head_gate:  # one gate per head (Ling 3.0)
+            o = (o.reshape(t, h, self.v_dim) * torch.sigmoid(self.g_proj(x_TD))[..., None]).reshape(t, -1)
+        elif self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x_TD))
         return self.o_proj(o)
