@@ -1,0 +1,142 @@
+"""One measured training step of a HybridLM and the agreement between two such steps.
+
+``run_step`` runs forward + GRPO loss (+ MoE router losses) + backward in one mode and keeps
+detached copies of everything that must agree between modes: log-probs, loss, MoE losses
+and counts, every parameter gradient. ``compare_runs`` reports max relative differences:
+
+    rel(a, b) = max|a - b| / max(max|b|, tiny)        per tensor; the max over parameters for grads
+
+Used by ``harts compare`` and the model tests. (Lives in rl/ because it needs the GRPO loss.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harts.models.hybrid_lm import CompactInputs, HybridLM
+from harts.rl.grpo import grpo_loss
+from harts.tree.batch import RolloutBatch
+
+__all__ = ["StepResult", "run_step", "compare_runs", "rel_diff"]
+
+_TINY = 1e-300
+
+
+@dataclass
+class StepResult:
+    logprobs: torch.Tensor
+    loss: float
+    z_loss: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+    expert_counts: torch.Tensor | None
+    grads: dict[str, torch.Tensor]
+    seconds: float
+    peak_bytes: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _peak_cpu_bytes(fn) -> int:  # noqa: ANN001
+    """Peak of live CPU tensor bytes while ``fn()`` runs (profiler alloc/free events in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cur = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.self_cpu_memory_usage
+        peak = max(peak, cur)
+    return int(peak)
+
+
+def run_step(
+    model: HybridLM,
+    inputs: RolloutBatch | CompactInputs,
+    *,
+    mode: str,
+    recompute: bool = False,
+    attention: str = "gather",
+    no_replay: bool = False,
+    measure_memory: bool = False,
+    warmup: int = 0,
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.0,
+) -> StepResult:
+    """Forward + GRPO loss + MoE objective + backward; returns detached results and timing.
+
+    ``warmup`` untimed steps run first. On CPU with ``measure_memory``, one more (profiled)
+    step measures peak live tensor bytes; the gradients reported are the timed step's.
+    """
+    batch = inputs.batch if isinstance(inputs, CompactInputs) else inputs
+    cfg = model.config
+    kl = kl_coef if batch.ref_logprobs is not None else 0.0
+    holder: dict[str, Any] = {}
+
+    def step() -> None:
+        out = model(inputs, mode=mode, recompute=recompute, attention=attention, no_replay=no_replay)
+        loss = grpo_loss(out.logprobs, batch, clip_eps=clip_eps, kl_coef=kl).loss
+        loss = loss + out.moe_objective(cfg.router_z_loss_coef, cfg.router_aux_loss_coef)
+        loss.backward()
+        holder["out"], holder["loss"] = out, loss
+
+    dev = next(model.parameters()).device
+    for _ in range(warmup):
+        step()
+        holder.clear()
+    model.zero_grad(set_to_none=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - t0
+    out, loss_value = holder["out"], float(holder["loss"].detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if dev.type == "cuda":
+        peak = int(torch.cuda.max_memory_allocated(dev))
+    elif measure_memory:
+        holder.clear()
+        model.zero_grad(set_to_none=True)
+        peak = _peak_cpu_bytes(step)
+    else:
+        peak = 0
+    moe = out.moe_losses
+    return StepResult(
+        logprobs=out.logprobs.detach(),
+        loss=loss_value,
+        z_loss=None if moe is None else moe["z_loss"].detach(),
+        aux_loss=None if moe is None else moe["aux_loss"].detach(),
+        expert_counts=out.expert_counts,
+        grads=grads,
+        seconds=seconds,
+        peak_bytes=peak,
+        info=dict(out.info),
+    )
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b| (b is the reference)."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(_TINY)) if b.numel() else 0.0
+
+
+def compare_runs(ref: StepResult, other: StepResult) -> dict[str, float]:
+    """Max relative differences of ``other`` against ``ref`` (see the module docstring)."""
+    if set(ref.grads) != set(other.grads):
+        missing = sorted(set(ref.grads) ^ set(other.grads))
+        raise ValueError(f"the two runs have gradients for different parameters: {missing[:5]}")
+    out = {
+        "logprobs": rel_diff(other.logprobs, ref.logprobs),
+        "loss": abs(other.loss - ref.loss) / max(abs(ref.loss), _TINY),
+    }
+    if ref.z_loss is not None:
+        out["router_z_loss"] = rel_diff(other.z_loss, ref.z_loss)
+        out["router_aux_loss"] = rel_diff(other.aux_loss, ref.aux_loss)
+        out["expert_counts"] = rel_diff(other.expert_counts, ref.expert_counts)
+    out["gradients"] = max((rel_diff(other.grads[n], g) for n, g in ref.grads.items()), default=0.0)
+    return out

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import json
+
+from harts.cli import main
+import pytest
+
+# TODO(issue 5): remove once harts/ops (conv, attention, logprob) is merged
+for _op in ("harts.ops.conv", "harts.ops.attention", "harts.ops.logprob", "harts.ops.linear_attn"):
+    pytest.importorskip(_op, reason="operators of issue 5 not merged yet")
+
+
+
+def test_compare_cli_default_agrees(tmp_path, capsys) -> None:
+    out = tmp_path / "cmp.json"
+    assert main(["compare", "--pattern", "KGMA", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "compression" in text and "speedup" in text
+    rec = json.loads(out.read_text())
+    assert rec["C"] < rec["S"] and rec["modes"]["compact"]["calls"] >= 1
+    assert max(rec["max_rel_diff"].values()) <= 1e-9, rec["max_rel_diff"]
+    assert rec["modes"]["trajectory"]["peak_bytes"] > 0
+
+
+def test_compare_cli_rejects_unknown_workload(capsys) -> None:
+    assert main(["compare", "--workload", "nope"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
