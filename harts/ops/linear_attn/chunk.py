@@ -13,7 +13,7 @@ so exp(G_t - G_s) <= 1 for s <= t; a = decayed state before token t's write):
     (I + M) delta = diag(beta) (V - (K * e^G) S0),  M_ts = beta_t sum_c k_t[c] k_s[c] e^{G_t[c] - G_s[c]}, s < t
     delta = U - W S0 with W = (I + M)^-1 diag(beta) (K * e^G),  U = (I + M)^-1 diag(beta) V
     O = scale * ((Q * e^G) S0 + A delta),   A_ts = sum_c q_t[c] k_s[c] e^{G_t[c] - G_s[c]}, s <= t
-    S_B = e^{G_B} * S0 + (K * e^{G_B - G})^T delta
+    S_B = e^{G_B} * S0 + (K * e^{G_B - G})^T delta = P S0 + R   (P, R formed for all chunks at once)
 The state after r < B tokens of a chunk uses the same formula truncated to its first r tokens;
 that is how a non-chunk-aligned request (the no_replay ablation) is exported exactly.
 
@@ -98,56 +98,49 @@ def chunk_linear_attn(
     WU = torch.linalg.solve_triangular(eye + M, rhs, upper=False, unitriangular=True)
     W, U = WU.split([spec.K, spec.V], dim=-1)
     Q_g = q_c * Gk.exp()
-    K_end = k_c * (G_end - Gk).exp()
-    decay_end = G_end.exp().transpose(-1, -2)  # [n, H, K or 1, 1]
+    K_end_t = (k_c * (G_end - Gk).exp()).transpose(-1, -2)  # [n, H, K, B]
+    # Chunk transition S_end = P S0 + R (P = diag(e^{G_B}) - K_end^T W, R = K_end^T U), formed for
+    # all chunks at once so that the sequential loop is one small matmul per chunk index.
+    P = torch.diag_embed(G_end.exp()[:, :, 0].expand(-1, -1, spec.K)) - K_end_t @ W
+    R = K_end_t @ U
 
     if initial_state is None:
         S = q.new_zeros(N, spec.H, spec.K, spec.V, dtype=dt)
     else:
         S = initial_state.to(dt)
-    S = S[plan.order]  # sequences by descending chunk count: the running ones are a prefix
-    outputs: list[torch.Tensor] = []
-    starts: list[torch.Tensor] = []  # starts[j] = state at the start of chunk j, running prefix
+    S = S[plan.order.to(dev)]  # sequences by descending chunk count: the running ones are a prefix
+    starts: list[torch.Tensor] = []  # starts[j] = start states of chunk j of the running prefix
     finals: list[torch.Tensor] = []  # pieces of the final states, highest rank first
-    partial: dict[int, torch.Tensor] = {}
-    for j, (lo, hi) in enumerate(plan.step_slices):
-        a = hi - lo
+    # One split per tensor (not a slice per step): a split's backward is one concatenation, while
+    # every slice's backward would allocate a zero gradient of the full size.
+    sizes = [hi - lo for lo, hi in plan.step_slices]
+    for P_j, R_j in zip(P.split(sizes), R.split(sizes)):
+        a = P_j.shape[0]
         if a < S.shape[0]:
             finals.append(S[a:])
             S = S[:a]
         starts.append(S)
-        delta = U[lo:hi] - W[lo:hi] @ S
-        outputs.append(Q_g[lo:hi] @ S + A[lo:hi] @ delta)
-        for r, rank, count in plan.partial_requests.get(j, ()):
-            # state after `count` tokens of this chunk: the end-of-chunk formula over its first tokens
-            kept = torch.arange(B, device=dev) < count
-            G_r = Gk[lo + rank, :, count - 1 : count]  # [H, 1, K or 1]
-            decay = torch.where(kept[:, None], G_r - Gk[lo + rank], float("-inf")).exp()
-            k_r = (k_c[lo + rank] * decay).transpose(-1, -2)
-            partial[r] = G_r.exp().transpose(-1, -2) * S[rank] + k_r @ delta[rank]
-        S = decay_end[lo:hi] * S + K_end[lo:hi].transpose(-1, -2) @ delta
+        S = P_j @ S + R_j
     finals.append(S)
     final_sorted = torch.cat(finals[::-1])
-    final = final_sorted[plan.rank]
+    S0 = torch.cat(starts) if starts else S.new_zeros(0, spec.H, spec.K, spec.V)  # [n, H, K, V]
 
-    requested: list[torch.Tensor] = []
-    for r, (seq, count) in enumerate(spec.requests):
-        c, rest = divmod(count, B)
-        rank = int(plan.rank[seq])
-        if rest:
-            requested.append(partial[r])
-        elif c < plan.num_chunks[seq]:
-            requested.append(starts[c][rank])
-        else:
-            requested.append(final_sorted[rank])
-    req = torch.stack(requested) if requested else S.new_zeros(0, spec.H, spec.K, spec.V)
+    delta = U - W @ S0
+    o_flat = (Q_g @ S0 + A @ delta).movedim(1, 2).reshape(-1, spec.H, spec.V)
+    o = o_flat[plan.row_index]
 
-    if outputs:
-        o_flat = torch.cat(outputs).movedim(1, 2).reshape(-1, spec.H, spec.V)
-        o = o_flat[plan.row_index]
-    else:
-        o = v.new_zeros(0, spec.H, spec.V, dtype=dt)
-    return o.to(v.dtype), final, req
+    # Requested states, grouped by how they are read, then put back in request order.
+    pieces = [S0[plan.req_start_chunk], final_sorted[plan.req_final_rank]]
+    ids, count = plan.req_mid_chunk, plan.req_mid_count
+    if len(ids):
+        # mid-chunk: the end-of-chunk formula over the chunk's first `count` tokens
+        kept = torch.arange(B, device=dev)[None, :] < count[:, None]  # [Rm, B]
+        G_r = Gk[ids, :, count - 1]  # [Rm, H, K or 1]
+        decay = torch.where(kept[:, None, :, None], G_r[:, :, None, :] - Gk[ids], float("-inf")).exp()
+        k_r = (k_c[ids] * decay).transpose(-1, -2)
+        pieces.append(G_r.exp()[..., None] * S0[ids] + k_r @ delta[ids])
+    requested = torch.cat(pieces)[plan.req_inverse]
+    return o.to(v.dtype), final_sorted[plan.rank.to(dev)], requested
 
 
 class _ChunkTable:
@@ -185,12 +178,26 @@ class _ChunkTable:
         row_index[src[valid]] = torch.nonzero(valid.flatten()).flatten()
         self.src = src.to(device)
         self.row_index = row_index.to(device)
-        # non-aligned requests are computed inside the loop at their chunk: (request, rank, count)
-        self.partial_requests: dict[int, list[tuple[int, int, int]]] = {}
+        # requests: a chunk's start state, a final state, or a mid-chunk state (chunk, count)
+        groups: tuple[list[int], list[int], list[int]] = ([], [], [])
+        start_chunk, final_rank, mid_chunk, mid_count = [], [], [], []
         for r, (seq, count) in enumerate(spec.requests):
             c, rest = divmod(count, B)
+            rank = int(self.rank[seq])
             if rest:
-                self.partial_requests.setdefault(c, []).append((r, int(self.rank[seq]), rest))
+                groups[2].append(r)
+                mid_chunk.append(self.step_slices[c][0] + rank)
+                mid_count.append(rest)
+            elif c < self.num_chunks[seq]:
+                groups[0].append(r)
+                start_chunk.append(self.step_slices[c][0] + rank)
+            else:
+                groups[1].append(r)
+                final_rank.append(rank)
+        as_index = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        self.req_start_chunk, self.req_final_rank = as_index(start_chunk), as_index(final_rank)
+        self.req_mid_chunk, self.req_mid_count = as_index(mid_chunk), as_index(mid_count)
+        self.req_inverse = torch.argsort(as_index(groups[0] + groups[1] + groups[2]))
 
 
 def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, *, strict: bool) -> torch.Tensor:

@@ -1,0 +1,13 @@
+"""Gated delta-rule linear attention (KDA per-channel decay, GDN scalar decay) on packed sequences.
+
+`chunk_linear_attn` is the chunkwise reference with boundary-state export, `naive_recurrent_linear_attn`
+the token-by-token oracle, and `fla_chunk_linear_attn` the CUDA fast path over fla-core.
+"""
+
+from __future__ import annotations
+
+from harts.ops.linear_attn.chunk import chunk_linear_attn
+from harts.ops.linear_attn.fla import fla_chunk_linear_attn
+from harts.ops.linear_attn.naive import naive_recurrent_linear_attn
+
+__all__ = ["chunk_linear_attn", "fla_chunk_linear_attn", "naive_recurrent_linear_attn"]

@@ -1,0 +1,194 @@
+"""CUDA fast path of `chunk_linear_attn` over fla-core's Triton kernels (imported lazily).
+
+Same contract as `harts.ops.linear_attn.chunk.chunk_linear_attn`. fla's `chunk_kda` /
+`chunk_gated_delta_rule` return outputs and final states only: the chunk-boundary states they
+compute inside a call can be neither returned with a gradient nor receive one (their backward
+takes a gradient for the final state only, see design/GPU.md). Boundary states are therefore
+exported by **splitting at chunk boundaries**:
+
+1. Each sequence is cut at every requested chunk-aligned count c*B and at the anchor a(p) =
+   floor(p/B)*B of every non-aligned count p. Piece r of every sequence runs in packed call r,
+   started from the final state of its piece r-1 (`output_final_state=True`). A cut on the
+   sequence's own chunk grid does not change which rows share a chunk, and fla carries the
+   state between chunks in float32 both inside a call and through `final_state`, so the pieces
+   reproduce the uncut call; the exported state is a real autograd node, so gradients from
+   its consumers flow back through fla's `dht`/`dh0` support.
+2. A non-aligned count p (the no_replay ablation) is read by one extra packed call of probe
+   sequences [a(p), p), each shorter than one chunk, started from the state at a(p).
+
+Calls per invocation: 1 + (most cuts in one sequence) + (1 if any non-aligned request).
+
+Guards: tensors must be on CUDA; chunk_size must be one fla supports (KDA: 32 or 64; GDN: 64).
+GDN's backward in fla-core 0.6.0 refuses to run on Hopper with Triton in [3.4, 3.7.1) (fla
+issue #640); when a GDN call needs gradients on such a setup this path falls back to the
+reference operator (with a one-time warning) instead of failing in backward.
+
+Shapes: T packed rows, H heads, K key dim, V value dim, N sequences, R requests, B chunk size.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from harts.ops.linear_attn.chunk import chunk_linear_attn
+from harts.ops.linear_attn.utils import LinearAttnSpec, check_linear_attn_inputs
+
+__all__ = ["fla_chunk_linear_attn", "fla_available"]
+
+_warned_gdn_fallback = False
+
+
+def fla_available() -> bool:
+    """True when fla-core imports and a CUDA device is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import fla.ops.kda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fla_chunk_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state_requests: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fla-core backed gated delta rule with boundary-state export (see the module docstring).
+
+    Args:
+        q: [T, H, K] queries (CUDA; bf16, fp16 or fp32).
+        k: [T, H, K] keys.
+        v: [T, H, V] values.
+        g: [T, H, K] per-channel log-decay (KDA, `chunk_kda`) or [T, H] scalar (GDN,
+            `chunk_gated_delta_rule`).
+        beta: [T, H] write strengths in (0, 1).
+        cu_seqlens: int [N + 1] packed sequence boundaries.
+        initial_state: [N, H, K, V] per-sequence initial states; None means zeros.
+        chunk_size: B; KDA accepts 32 or 64, GDN 64.
+        state_requests: int [R, 2] rows (sequence, position count) to export.
+        scale: query scale; default K ** -0.5.
+
+    Returns:
+        o: [T, H, V] (dtype of v); final_state: [N, H, K, V] float32; requested: [R, H, K, V] float32.
+    """
+    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_requests, scale)
+    if not q.is_cuda:
+        raise ValueError("fla_chunk_linear_attn needs CUDA tensors; use chunk_linear_attn on CPU")
+    allowed = (64,) if spec.scalar_decay else (32, 64)
+    if chunk_size not in allowed:
+        raise ValueError(f"fla supports chunk_size in {allowed} for {'GDN' if spec.scalar_decay else 'KDA'}; got {chunk_size}")
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
+    )
+    if spec.scalar_decay and needs_grad and _gdn_backward_broken():
+        global _warned_gdn_fallback
+        if not _warned_gdn_fallback:
+            warnings.warn(
+                "fla-core's GDN backward is disabled on Hopper with this Triton (fla #640); "
+                "falling back to the reference chunk_linear_attn for GDN calls that need gradients",
+                stacklevel=2,
+            )
+            _warned_gdn_fallback = True
+        return chunk_linear_attn(
+            q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, chunk_size=chunk_size,
+            state_requests=state_requests, scale=scale,
+        )
+
+    B, N, dev = chunk_size, spec.num_seqs, q.device
+    h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, spec.H, spec.K, spec.V, dtype=torch.float32)
+    # cuts[i]: sorted positions where sequence i is split (chunk-aligned, strictly inside it)
+    cuts: list[list[int]] = [[] for _ in range(N)]
+    for seq, count in spec.requests:
+        anchor = count // B * B
+        if 0 < anchor < spec.lengths[seq]:
+            cuts[seq].append(anchor)
+    cuts = [sorted(set(c)) for c in cuts]
+    bounds = [[0, *c, n] for c, n in zip(cuts, spec.lengths)]
+
+    # state_at[(i, pos)] for pos in bounds[i]: pos 0 is the initial state, the last the final one
+    state_at: dict[tuple[int, int], torch.Tensor] = {(i, 0): h0[i] for i in range(N)}
+    out_pieces: list[torch.Tensor] = []
+    out_rows: list[torch.Tensor] = []
+    for r in range(max(len(b) - 1 for b in bounds)):
+        seqs = [i for i in range(N) if len(bounds[i]) - 1 > r and bounds[i][r + 1] > bounds[i][r]]
+        if not seqs:
+            continue
+        spans = [(spec.starts[i] + bounds[i][r], spec.starts[i] + bounds[i][r + 1]) for i in seqs]
+        o, ht = _fla_call(q, k, v, g, beta, spans, torch.stack([state_at[(i, bounds[i][r])] for i in seqs]), spec, B)
+        out_pieces.append(o)
+        out_rows.append(torch.cat([torch.arange(a, b, device=dev) for a, b in spans]))
+        for j, i in enumerate(seqs):
+            state_at[(i, bounds[i][r + 1])] = ht[j]
+    for i in range(N):  # empty sequences keep their initial state
+        state_at.setdefault((i, spec.lengths[i]), h0[i])
+
+    probes = sorted({(seq, count) for seq, count in spec.requests if count % B})
+    if probes:
+        spans = [(spec.starts[i] + count // B * B, spec.starts[i] + count) for i, count in probes]
+        h_probe = torch.stack([state_at[(i, count // B * B)] for i, count in probes])
+        _, ht = _fla_call(q, k, v, g, beta, spans, h_probe, spec, B)
+        for j, key in enumerate(probes):
+            state_at[key] = ht[j]
+
+    if out_pieces:
+        # every row is in exactly one piece: sorting the pieces' rows restores packed order
+        o = torch.cat(out_pieces)[torch.argsort(torch.cat(out_rows))]
+    else:
+        o = v.new_zeros(0, spec.H, spec.V)
+    final = torch.stack([state_at[(i, spec.lengths[i])] for i in range(N)])
+    requested = [state_at[key] for key in spec.requests]
+    req = torch.stack(requested) if requested else h0.new_zeros(0, spec.H, spec.K, spec.V)
+    return o.to(v.dtype), final, req
+
+
+def _fla_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    spans: list[tuple[int, int]],
+    h0: torch.Tensor,
+    spec: LinearAttnSpec,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed fla call over the row spans [(start, end)]; returns (o [sum len, H, V], ht [n, H, K, V])."""
+    dev = q.device
+    rows = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
+    lengths = torch.tensor([b - a for a, b in spans], device=dev)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    args = [x[rows].unsqueeze(0).contiguous() for x in (q, k, v, g, beta)]
+    if spec.scalar_decay:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        o, ht = chunk_gated_delta_rule(
+            *args, scale=spec.scale, initial_state=h0.contiguous(), output_final_state=True, cu_seqlens=cu
+        )
+    else:
+        from fla.ops.kda import chunk_kda
+
+        o, ht = chunk_kda(
+            *args, scale=spec.scale, initial_state=h0.contiguous(), output_final_state=True, cu_seqlens=cu,
+            chunk_size=chunk_size,
+        )
+    return o[0], ht
+
+
+def _gdn_backward_broken() -> bool:
+    """fla-core 0.6.0 refuses GDN's gated chunk_bwd_dqkwg on Hopper with Triton in [3.4, 3.7.1)."""
+    import triton
+    from packaging.version import Version
+
+    major, _ = torch.cuda.get_device_capability()
+    return major == 9 and Version("3.4.0") <= Version(triton.__version__.split("+")[0]) < Version("3.7.1")
