@@ -16,8 +16,9 @@ order, that fits the continuation budget and covers every child exceeding the si
 Trees are planned independently and merged by round; the call count is their maximum.
 
 Both passes run level by level over a breadth-first order with numpy segment reductions, so
-cost is O(V) array work plus a small constant per tree level (``plan_calls_naive`` is the
-per-node reference, used by tests and as the benchmark baseline).
+cost is O(V) array work plus a small constant per tree level. A per-node plain-Python
+path (the pseudocode line by line) serves small and deep-narrow forests, where numpy's
+per-call overhead would dominate; tests check that both paths give identical plans.
 
 Shapes (V = segments, Q = sequences, Rq = requested boundary states, K = calls):
     t_pre, t_in, seg_seq      int64 [V]      DP values; the sequence executing each segment
@@ -41,7 +42,7 @@ import numpy as np
 
 from harts.tree.segments import SegmentForest
 
-__all__ = ["CallPlan", "plan_calls", "plan_calls_naive", "mandatory_replay", "ranges_to_indices"]
+__all__ = ["CallPlan", "plan_calls", "mandatory_replay", "ranges_to_indices", "segment_depth"]
 
 
 def ranges_to_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -184,6 +185,12 @@ def _check_chunk_size(chunk_size: int) -> int:
     return int(chunk_size)
 
 
+def _small_ints(x: np.ndarray) -> np.ndarray:
+    """Narrowest integer dtype for non-negative x: numpy's stable sort is a radix sort up to 16 bits."""
+    top = int(x.max()) if x.size else 0
+    return x.astype(np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64)
+
+
 def segment_depth(parent: np.ndarray) -> np.ndarray:
     """int64 [V]: depth of every node of a parent-pointer forest, by pointer doubling."""
     depth = (parent >= 0).astype(np.int64)
@@ -198,17 +205,40 @@ def segment_depth(parent: np.ndarray) -> np.ndarray:
     return depth
 
 
-def plan_calls(forest: SegmentForest, chunk_size: int) -> CallPlan:
-    """Algorithm 1 on every tree of ``forest``; sequences merged by round (see module doc)."""
+#: below this many segments the per-node path wins outright (numpy call overhead)
+SCALAR_MAX_SEGMENTS = 256
+#: the level-vectorized path needs this many segments per tree level on average to win
+MIN_LEVEL_WIDTH = 40
+
+
+def plan_calls(forest: SegmentForest, chunk_size: int, *, impl: str = "auto") -> CallPlan:
+    """Algorithm 1 on every tree of ``forest``; sequences merged by round (see module doc).
+
+    ``impl``: ``"levels"`` (numpy, one step per tree level), ``"scalar"`` (per node, plain
+    Python) or ``"auto"``: scalar for small or deep-and-narrow forests, levels otherwise.
+    Both give identical plans.
+    """
     b = _check_chunk_size(chunk_size)
+    if impl not in ("auto", "levels", "scalar"):
+        raise ValueError(f"impl must be 'auto', 'levels' or 'scalar', got {impl!r}")
     v = forest.num_segments
     if v == 0:
-        return _assemble(forest, b, *(np.zeros(0, np.int64) for _ in range(6)))
-    nch = forest.num_children
+        return _assemble(forest, b, *(np.zeros(0, np.int64) for _ in range(7)))
+    if impl == "scalar" or (impl == "auto" and v < SCALAR_MAX_SEGMENTS):
+        return _plan_scalar(forest, b)
     depth = segment_depth(forest.parent)
+    if impl == "auto" and v < MIN_LEVEL_WIDTH * (int(depth.max()) + 1):
+        return _plan_scalar(forest, b)
+    return _plan_levels(forest, b, depth)
+
+
+def _plan_levels(forest: SegmentForest, b: int, depth: np.ndarray) -> CallPlan:
+    """Both passes level by level over a breadth-first order (numpy segment reductions)."""
+    v = forest.num_segments
+    nch = forest.num_children
     # breadth-first order: by depth, then preorder. The children of level d then form level
     # d + 1, grouped by parent in parent order, so every per-fork reduction is a reduceat.
-    order = np.argsort(depth, kind="stable")
+    order = np.argsort(_small_ints(depth), kind="stable")
     lvl_ptr = np.zeros(int(depth.max()) + 2, dtype=np.int64)
     np.cumsum(np.bincount(depth), out=lvl_ptr[1:])
     nch_b = nch[order]
@@ -298,7 +328,7 @@ def plan_calls(forest: SegmentForest, chunk_size: int) -> CallPlan:
     head_s = order[to_seg(head)]
     ip = to_seg(init_prod)
     prod_s = np.where(ip >= 0, order[np.maximum(ip, 0)], -1)
-    return _assemble(forest, b, to_seg(tpre), to_seg(tin), head_s, to_seg(rnd), prod_s, to_seg(init_pos))
+    return _assemble(forest, b, to_seg(tpre), to_seg(tin), head_s, to_seg(rnd), prod_s, to_seg(init_pos), depth)
 
 
 def _assemble(
@@ -310,24 +340,26 @@ def _assemble(
     rnd: np.ndarray,
     init_prod: np.ndarray,
     init_pos: np.ndarray,
+    depth: np.ndarray,
 ) -> CallPlan:
     """Build the CallPlan from per-segment results (segment ids; ``init_*`` valid on heads).
 
     ``head[v]``: first segment of v's sequence; ``rnd[v]``: its 0-based round;
     ``init_prod[h]``: head of the sequence exporting h's initial state (-1 zero state) and
-    ``init_pos[h]`` that state's position.
+    ``init_pos[h]`` that state's position; ``depth[v]``: segment depth.
     """
     v = forest.num_segments
     heads = np.flatnonzero(head == np.arange(v))
-    heads = heads[np.lexsort((heads, rnd[heads]))]
+    heads = heads[np.argsort(_small_ints(rnd[heads]), kind="stable")]  # by (round, head id)
     q = heads.size
     seq_of_head = np.full(v, -1, dtype=np.int64)
     seq_of_head[heads] = np.arange(q)
     seg_seq = seq_of_head[head]
-    # preorder ids increase along a chain, so a stable sort keeps execution order
-    seq_segments = np.argsort(seg_seq, kind="stable").astype(np.int64)
     seq_ptr = np.zeros(q + 1, dtype=np.int64)
     np.cumsum(np.bincount(seg_seq, minlength=q), out=seq_ptr[1:])
+    # a chain has consecutive depths: a segment's place in its sequence is its depth below the head
+    seq_segments = np.empty(v, dtype=np.int64)
+    seq_segments[seq_ptr[seg_seq] + depth - depth[head]] = np.arange(v)
     seq_round = rnd[heads]
     num_calls = int(seq_round.max()) + 1 if q else 0
     round_ptr = np.zeros(num_calls + 1, dtype=np.int64)
@@ -358,64 +390,126 @@ def _assemble(
     )
 
 
-# ---------------------------------------------------------------- reference
-def plan_calls_naive(forest: SegmentForest, chunk_size: int) -> CallPlan:
-    """Algorithm 1 node by node, transcribed line by line (reference and benchmark baseline)."""
-    b = _check_chunk_size(chunk_size)
+# ------------------------------------------------------------------ per node
+def _plan_scalar(forest: SegmentForest, b: int) -> CallPlan:
+    """Algorithm 1 node by node in plain Python, building the plan arrays directly."""
     v = forest.num_segments
     start, end = forest.start.tolist(), forest.end.tolist()
-    ptr, kids_flat = forest.child_ptr.tolist(), forest.child_idx.tolist()
-    kids = [kids_flat[ptr[i] : ptr[i + 1]] for i in range(v)]
+    parent = forest.parent.tolist()
+    ptr, kid = forest.child_ptr.tolist(), forest.child_idx.tolist()
+    # Eq. 11 fails: S_{b_v} is produced inside the call
+    cross = [e >= s // b * b + b for s, e in zip(start, end)]
     tpre, tin = [1] * v, [1] * v
 
-    def fits(u: int) -> bool:  # Eq. 11: e_v < a_v + B
-        return end[u] < start[u] // b * b + b
-
-    for u in range(v - 1, -1, -1):  # reverse preorder is a post-order
-        ch = kids[u]
-        if not ch:
+    # pass 1: reverse preorder is a post-order (Algorithm 1 lines 1-9)
+    for u in range(v - 1, -1, -1):
+        lo, hi = ptr[u], ptr[u + 1]
+        if lo == hi:
             continue
-        # largest and second-largest child T_pre (Algorithm 1 line 5)
-        m1 = m2 = 0
-        for c in ch:
-            if tpre[c] > m1:
-                m1, m2 = tpre[c], m1
-            elif tpre[c] > m2:
-                m2 = tpre[c]
-        best = None
-        for c in ch:
-            h = m2 if tpre[c] == m1 else m1
-            val = max(tin[c], 1 + h)
-            best = val if best is None else min(best, val)
+        m1 = m2 = 0  # largest and second-largest child T_pre
+        for i in range(lo, hi):
+            t = tpre[kid[i]]
+            if t > m1:
+                m1, m2 = t, m1
+            elif t > m2:
+                m2 = t
+        best = 1 << 62
+        for i in range(lo, hi):
+            c = kid[i]
+            val = 1 + (m2 if tpre[c] == m1 else m1)  # 1 + h_o
+            if tin[c] > val:
+                val = tin[c]
+            if val < best:
+                best = val
         tin[u] = best
-        tpre[u] = m1 if fits(u) else best
+        tpre[u] = best if cross[u] else m1
 
-    head, rnd = [0] * v, [0] * v
-    init_prod, init_pos = [-1] * v, [0] * v
-    # explicit stack instead of recursion: (v, ready, K_round, r, head of q)
-    stack = [(int(r), True, tpre[int(r)], 0, int(r)) for r in forest.roots[::-1]]
+    # pass 2: Recover(v, ready, K_round, r, q) with an explicit stack (lines 10-25)
+    seq_segs: dict[int, list[int]] = {}  # head -> its segments in chain order
+    seq_rnd: dict[int, int] = {}
+    init_of: dict[int, tuple[int, int]] = {}  # head -> (producer head | -1, state position)
+    stack = [(r, True, tpre[r], 0, r) for r in reversed(forest.roots.tolist())]
     while stack:
         u, ready, k_round, r, hq = stack.pop()
-        head[u], rnd[u] = hq, r
-        ch = kids[u]
-        if not ch:
+        if hq == u:
+            seq_segs[u] = [u]
+            seq_rnd[u] = r
+        else:
+            seq_segs[hq].append(u)
+        lo, hi = ptr[u], ptr[u + 1]
+        if lo == hi:
             continue
-        same = ready and fits(u)
+        same = ready and not cross[u]
         delta = 0 if same else 1
         k_side = k_round - delta
-        cap = {c: (tpre[c] if same else tin[c]) for c in ch}
-        f = sum(tpre[c] > k_side for c in ch)
-        o = next(c for c in ch if cap[c] <= k_round and f - (tpre[c] > k_side) == 0)
-        todo = [(o, same, k_round, r, hq)]
-        for c in ch:
-            if c == o:
-                continue
-            if same:  # launch in round r from S_{a_v}: the parent sequence's initial state
-                init_prod[c], init_pos[c] = init_prod[hq], init_pos[hq]
-            else:  # request S_{b_v}; launch in round r + 1
-                init_prod[c], init_pos[c] = hq, end[u] // b * b
-            todo.append((c, True, k_side, r + delta, c))
-        stack.extend(reversed(todo))
+        f = 0
+        for i in range(lo, hi):
+            f += tpre[kid[i]] > k_side
+        o = -1
+        for i in range(lo, hi):
+            c = kid[i]
+            ex = tpre[c] > k_side
+            if (tpre[c] if same else tin[c]) <= k_round and f - ex == 0:
+                o = c
+                break
+        assert o >= 0, "recovery found no direct continuation (DP invariant broken)"
+        # a same-round side branch starts from S_{a_v}, the parent sequence's own initial
+        # state; otherwise it requests S_{b_v} and starts one round later
+        src = init_of.get(hq, (-1, 0)) if same else (hq, end[u] // b * b)
+        for i in range(hi - 1, lo - 1, -1):  # pushed in reverse: popped in child order
+            c = kid[i]
+            if c != o:
+                init_of[c] = src
+                stack.append((c, True, k_side, r + delta, c))
+        stack.append((o, same, k_round, r, hq))
 
-    a = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    return _assemble(forest, b, a(tpre), a(tin), a(head), a(rnd), a(init_prod), a(init_pos))
+    heads = sorted(seq_segs, key=lambda h: (seq_rnd[h], h))
+    seq_index = {h: i for i, h in enumerate(heads)}
+    seg_seq = [0] * v
+    flat: list[int] = []
+    seq_ptr = [0]
+    for i, h in enumerate(heads):
+        segs = seq_segs[h]
+        for u in segs:
+            seg_seq[u] = i
+        flat.extend(segs)
+        seq_ptr.append(len(flat))
+    keys = {}
+    for h in heads:
+        prod, pos = init_of.get(h, (-1, 0))
+        if prod >= 0:
+            keys[(seq_index[prod], pos)] = 0
+    req = sorted(keys)
+    req_id = {k: i for i, k in enumerate(req)}
+    seq_init = []
+    for h in heads:
+        prod, pos = init_of.get(h, (-1, 0))
+        seq_init.append(req_id[(seq_index[prod], pos)] if prod >= 0 else -1)
+    seq_round = [seq_rnd[h] for h in heads]
+    num_calls = seq_round[-1] + 1
+    round_ptr = [0] * (num_calls + 1)
+    for r in seq_round:
+        round_ptr[r + 1] += 1
+    for k in range(num_calls):
+        round_ptr[k + 1] += round_ptr[k]
+
+    def a(x: list[int]) -> np.ndarray:
+        return np.array(x, dtype=np.int64)
+
+    return CallPlan(
+        chunk_size=b,
+        num_calls=num_calls,
+        forest=forest,
+        t_pre=a(tpre),
+        t_in=a(tin),
+        seg_seq=a(seg_seq),
+        seq_round=a(seq_round),
+        seq_ptr=a(seq_ptr),
+        seq_segments=a(flat),
+        seq_fork=a([parent[h] for h in heads]),
+        seq_anchor=a([start[h] // b * b for h in heads]),
+        seq_init=a(seq_init),
+        req_seq=a([k[0] for k in req]),
+        req_pos=a([k[1] for k in req]),
+        round_ptr=a(round_ptr),
+    )

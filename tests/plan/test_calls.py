@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 import harts
-from harts.plan.calls import CallPlan, mandatory_replay, plan_calls, plan_calls_naive, segment_depth
+from harts.plan.calls import CallPlan, mandatory_replay, plan_calls, segment_depth
 from harts.plan.tree_file import parse_tree
 from harts.tree.segments import SegmentForest
 from tests.plan.helpers import brute_force_calls, check_plan, eq15, forests, random_forest_lists
@@ -36,12 +36,13 @@ def assert_same_plan(a: CallPlan, b: CallPlan) -> None:
 @settings(max_examples=150)
 def test_planner_matches_brute_force(fb):
     forest, b = fb
-    plan = plan_calls(forest, b)
     best, replays = brute_force_calls(forest, b)
-    assert plan.num_calls == best
-    # T_pre(root) per tree; the microbatch needs the maximum over its trees
-    assert plan.num_calls == int(plan.t_pre[forest.roots].max())
-    check_plan(plan)
+    for impl in ("levels", "scalar"):
+        plan = plan_calls(forest, b, impl=impl)
+        assert plan.num_calls == best
+        # T_pre(root) per tree; the microbatch needs the maximum over its trees
+        assert plan.num_calls == int(plan.t_pre[forest.roots].max())
+        check_plan(plan)
     # replay is fixed by the fork positions: every continuation choice gives Eq. 15
     assert replays == {eq15(forest, b)} == {mandatory_replay(forest, b)}
 
@@ -54,26 +55,27 @@ def test_brute_force_seeded_sweep():
         b = int(rng.choice([2, 3, 4, 8]))
         lengths, parents = random_forest_lists(rng, b, max_segments=9, max_fanout=6, max_trees=3)
         forest, _ = SegmentForest.from_parents(lengths, parents)
-        plan = plan_calls(forest, b)
         best, _ = brute_force_calls(forest, b)
-        assert plan.num_calls == best, (i, lengths, parents, b)
-        check_plan(plan)
+        for impl in ("levels", "scalar"):
+            plan = plan_calls(forest, b, impl=impl)
+            assert plan.num_calls == best, (i, lengths, parents, b, impl)
+            check_plan(plan)
         seen_calls.add(best)
     assert {1, 2, 3} <= seen_calls  # the sweep exercises non-trivial depths
 
 
 @given(forests(max_segments=40))
-def test_vectorized_equals_naive_reference(fb):
+def test_levels_equals_scalar(fb):
     forest, b = fb
-    assert_same_plan(plan_calls(forest, b), plan_calls_naive(forest, b))
+    assert_same_plan(plan_calls(forest, b, impl="levels"), plan_calls(forest, b, impl="scalar"))
 
 
-def test_vectorized_equals_naive_large_forest():
+def test_levels_equals_scalar_large_forest():
     rng = np.random.default_rng(7)
     lengths, parents = random_forest_lists(rng, 16, max_segments=4000, max_fanout=6, max_trees=40)
     forest, _ = SegmentForest.from_parents(lengths, parents)
-    plan = plan_calls(forest, 16)
-    assert_same_plan(plan, plan_calls_naive(forest, 16))
+    plan = plan_calls(forest, 16, impl="levels")
+    assert_same_plan(plan, plan_calls(forest, 16, impl="scalar"))
     check_plan(plan)
 
 
@@ -85,12 +87,12 @@ def test_deep_caterpillar():
         parents += [spine, spine]
         spine = len(lengths) - 1
     forest, _ = SegmentForest.from_parents(lengths, parents)
-    plan = plan_calls(forest, 64)
+    plan = plan_calls(forest, 64, impl="levels")
     # the spine must continue directly (it would need 2 more calls as a side branch)
     assert plan.num_calls == 2
     assert plan.num_sequences == 301
     check_plan(plan)
-    assert_same_plan(plan, plan_calls_naive(forest, 64))
+    assert_same_plan(plan, plan_calls(forest, 64, impl="scalar"))
     np.testing.assert_array_equal(segment_depth(forest.parent), forest.depth())
 
 
@@ -255,9 +257,9 @@ def test_compact_batch_forest():
             trajs.append(np.concatenate([[100 + t], base[:cut], rng.integers(0, 4, int(rng.integers(1, 80)))]))
     cb = harts.compact(harts.RolloutBatch.from_trajectories(trajs))
     for b in (4, 16, 64):
-        plan = harts.plan_calls(cb.segment_trees, b)
+        plan = harts.plan_calls(cb.segment_trees, b, impl="levels")
         check_plan(plan)
-        assert_same_plan(plan, plan_calls_naive(cb.segment_trees, b))
+        assert_same_plan(plan, plan_calls(cb.segment_trees, b, impl="scalar"))
     assert cb.segment_trees.num_trees == 3
 
 
@@ -276,6 +278,11 @@ def test_empty_and_single_segment():
     plan = plan_calls(forest, 4)
     assert plan.num_calls == 1 and plan.total_replay == 0 and plan.num_requests == 0
     assert plan.summary() == {"calls": 1, "replay": 0, "rounds": [{"round": 1, "replay": 0, "sequences": [{"segments": ["only"], "replay": 0}]}]}
+
+
+def test_bad_impl():
+    with pytest.raises(ValueError, match="impl"):
+        plan_calls(forest_of([("a", 3, None)]), 4, impl="fast")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

@@ -1,0 +1,257 @@
+"""Call-planner benchmark (paper §3.3): Algorithm 1 on 1 M-segment forests and on a workload step.
+
+    python -m harts.bench.calls_bench [--segments 1000000] [--json out.json]
+
+Part 1 plans forests of ``--segments`` segments of three shapes and prints, side by side from
+the same run, the level-vectorized planner (``impl="levels"``), the per-node planner
+(``impl="scalar"``, Algorithm 1 transcribed node by node: the baseline) and what
+``impl="auto"`` picks:
+  * ``swe-tiled``: copies of one ``swe`` step's segment forest (real fork shapes);
+  * ``random``: random recursive trees, heavy-tailed lengths, forks at kB-1, kB, kB+1;
+  * ``deep``: Figure-8-like caterpillars (a long chain, one side leaf per fork).
+``--deep-chain`` adds one single caterpillar of ``--segments`` segments (depth V/2), the
+worst case for level-wise processing.
+
+Part 2 splits one ``swe`` step into microbatches with the step planner (``plan_step``,
+``--dp``, ``--capacity``), compacts each microbatch (setup, not timed), then times planning
+every microbatch and compares it with the time to compact the whole step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from harts.plan.calls import plan_calls, segment_depth
+from harts.tree.segments import SegmentForest
+
+
+def _best_of(fn, repeat: int) -> tuple[object, float]:
+    best = float("inf")
+    out = None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def _from_arrays(start: np.ndarray, end: np.ndarray, parent: np.ndarray) -> SegmentForest:
+    """A SegmentForest from preorder arrays (parent[v] < v), built with numpy only."""
+    from harts.tree.segments import _assemble
+
+    length = end - start
+    row = np.cumsum(length) - length
+    return _assemble(start, end, parent, row)
+
+
+def tile_forest(forest: SegmentForest, copies: int) -> SegmentForest:
+    """``copies`` independent copies of a forest, each keeping its preorder numbering."""
+    v = forest.num_segments
+    off = np.repeat(np.arange(copies, dtype=np.int64) * v, v)
+    parent = np.tile(forest.parent, copies)
+    parent = np.where(parent >= 0, parent + off, -1)
+    return _from_arrays(np.tile(forest.start, copies), np.tile(forest.end, copies), parent)
+
+
+def _lengths_near_grid(rng: np.random.Generator, start: np.ndarray, b: int) -> np.ndarray:
+    """Heavy-tailed segment lengths; a third of the forks snapped to kB-1, kB or kB+1."""
+    raw = np.maximum(1, rng.lognormal(np.log(40.0), 1.6, start.size).astype(np.int64))
+    raw = np.minimum(raw, 40_000)
+    end = start + raw
+    snap = rng.random(start.size) < 0.33
+    target = (end // b) * b + rng.integers(-1, 2, start.size)
+    end = np.where(snap & (target > start), target, end)
+    return end - start
+
+
+def _preorder_from_parents(parent: np.ndarray) -> np.ndarray:
+    """Preorder permutation of a forest whose parents precede children (parent[v] < v)."""
+    # preorder = lexicographic order of root paths: sort by (tree, path ids) is costly; use
+    # subtree sizes + first-child offsets instead, computed level by level
+    v = parent.size
+    depth = segment_depth(parent)
+    size = np.ones(v, dtype=np.int64)
+    for d in range(int(depth.max()), 0, -1):
+        nodes = np.flatnonzero(depth == d)
+        np.add.at(size, parent[nodes], size[nodes])
+    pos = np.zeros(v, dtype=np.int64)
+    roots = np.flatnonzero(parent < 0)
+    pos[roots] = np.cumsum(size[roots]) - size[roots]
+    for d in range(1, int(depth.max()) + 1):
+        nodes = np.flatnonzero(depth == d)  # ascending ids: siblings in id order
+        p = parent[nodes]
+        # offset of each node among its siblings = exclusive cumsum of sizes within parent
+        o = np.argsort(p, kind="stable")
+        sp, sz = p[o], size[nodes][o]
+        cs = np.cumsum(sz) - sz
+        first = np.searchsorted(sp, sp)  # first index of each parent group
+        within = cs - cs[first]
+        pos[nodes[o]] = pos[sp] + 1 + within
+    return np.argsort(pos)
+
+
+def random_forest(rng: np.random.Generator, v: int, b: int, tree_size: int = 2000) -> SegmentForest:
+    """Random recursive trees (a node's parent is uniform among earlier nodes of its tree)."""
+    tree = np.arange(v) // tree_size
+    base = tree * tree_size
+    idx = np.arange(v)
+    par = np.where(idx > base, base + (rng.random(v) * (idx - base)).astype(np.int64), -1)
+    order = _preorder_from_parents(par)
+    new = np.empty(v, dtype=np.int64)
+    new[order] = np.arange(v)
+    parent = np.where(par[order] >= 0, new[np.maximum(par[order], 0)], -1)
+    start = np.zeros(v, dtype=np.int64)
+    end = np.zeros(v, dtype=np.int64)
+    depth = segment_depth(parent)
+    for d in range(int(depth.max()) + 1):
+        nodes = np.flatnonzero(depth == d)
+        start[nodes] = np.where(parent[nodes] >= 0, end[np.maximum(parent[nodes], 0)], 0)
+        end[nodes] = start[nodes] + _lengths_near_grid(rng, start[nodes], b)
+    return _from_arrays(start, end, parent)
+
+
+def caterpillars(rng: np.random.Generator, v: int, b: int, spine: int) -> SegmentForest:
+    """Trees of ``spine`` forks: chain node i has children (chain node i+1, side leaf)."""
+    per = 2 * spine + 1
+    trees = max(1, v // per)
+    # preorder within a tree: c0, c1, ..., c_spine (chain), then side leaves bottom-up
+    # (a side leaf is the last child of its fork, so it follows the fork's whole subtree)
+    parent_t = np.empty(per, dtype=np.int64)
+    parent_t[0] = -1
+    parent_t[1 : spine + 1] = np.arange(spine)
+    parent_t[spine + 1 :] = np.arange(spine - 1, -1, -1)
+    lens = _lengths_near_grid(rng, rng.integers(0, 10_000, trees * per), b).reshape(trees, per)
+    start = np.zeros((trees, per), dtype=np.int64)
+    end = np.zeros((trees, per), dtype=np.int64)
+    end[:, 0] = lens[:, 0]
+    for i in range(1, spine + 1):  # chain positions (vectorized over trees)
+        start[:, i] = end[:, i - 1]
+        end[:, i] = start[:, i] + lens[:, i]
+    start[:, spine + 1 :] = end[:, parent_t[spine + 1 :]]
+    end[:, spine + 1 :] = start[:, spine + 1 :] + lens[:, spine + 1 :]
+    off = (np.arange(trees) * per)[:, None]
+    parent = np.where(parent_t[None, :] >= 0, parent_t[None, :] + off, -1)
+    return _from_arrays(start.ravel(), end.ravel(), parent.ravel())
+
+
+def bench_forests(args: argparse.Namespace, swe_forest: SegmentForest | None) -> list[dict]:
+    rng = np.random.default_rng(args.seed)
+    b = args.chunk_size
+    shapes: list[tuple[str, SegmentForest]] = []
+    if swe_forest is not None:
+        shapes.append(("swe-tiled", tile_forest(swe_forest, -(-args.segments // swe_forest.num_segments))))
+    shapes.append(("random", random_forest(rng, args.segments, b)))
+    shapes.append(("deep", caterpillars(rng, args.segments, b, spine=2_000)))
+    if args.deep_chain:
+        shapes.append(("deep-chain", caterpillars(rng, args.segments, b, spine=args.segments // 2)))
+    rows = []
+    for name, forest in shapes:
+        depth = int(segment_depth(forest.parent).max())
+        row = {"shape": name, "segments": forest.num_segments, "trees": forest.num_trees}
+        plans = {}
+        for impl in ("auto", "levels", "scalar"):
+            if impl == "levels" and name == "deep-chain":
+                row["levels_s"] = None  # one numpy step per level: V/2 levels, not run
+                continue
+            plan, sec = _best_of(lambda: plan_calls(forest, b, impl=impl), 1 if impl == "scalar" else args.repeat)
+            row[f"{impl}_s"] = round(sec, 4)
+            plans[impl] = plan
+        p = plans["auto"]
+        row.update(calls=p.num_calls, sequences=p.num_sequences, replay=p.total_replay, depth=depth)
+        assert all(q.num_calls == p.num_calls and np.array_equal(q.seg_seq, p.seg_seq) for q in plans.values())
+        rows.append(row)
+        lv = row.get("levels_s")
+        print(
+            f"{name:>11}  V={row['segments']:>9,}  trees={row['trees']:>6,}  calls={p.num_calls}  "
+            f"auto {row['auto_s']:.3f} s | levels {'-' if lv is None else f'{lv:.3f} s'} | "
+            f"scalar (baseline) {row['scalar_s']:.3f} s"
+        )
+    return rows
+
+
+def bench_swe(args: argparse.Namespace) -> tuple[dict, SegmentForest]:
+    import harts
+
+    t0 = time.perf_counter()
+    batch = harts.workloads.generate(args.workload, step=args.step, seed=args.seed)
+    gen_s = time.perf_counter() - t0
+    cb, compact_s = _best_of(lambda: harts.compact(batch), 1)
+    whole, whole_s = _best_of(lambda: plan_calls(cb.segment_trees, args.chunk_size), args.repeat)
+    sp = harts.plan_step(cb, dp=args.dp, capacity=args.capacity)
+    mbs = [harts.compact(batch.select(m)) for m in sp.microbatches]  # setup, not timed
+
+    def plan_all():
+        return [plan_calls(c.segment_trees, args.chunk_size) for c in mbs]
+
+    plans, mb_s = _best_of(plan_all, args.repeat)
+    from harts.plan.layout import build_layout
+
+    t0 = time.perf_counter()
+    for c, p in zip(mbs, plans):
+        build_layout(c, p)
+    layout_s = time.perf_counter() - t0
+    calls = np.bincount([p.num_calls for p in plans])
+    res = {
+        "workload": args.workload,
+        "step": args.step,
+        "trajectories": batch.num_trajectories,
+        "semantic_tokens": cb.num_semantic_tokens,
+        "compact_tokens": cb.num_compact_tokens,
+        "generate_s": round(gen_s, 3),
+        "compact_s": round(compact_s, 3),
+        "whole_step_segments": cb.segment_trees.num_segments,
+        "whole_step_plan_s": round(whole_s, 5),
+        "whole_step_calls": whole.num_calls,
+        "dp": args.dp,
+        "capacity": args.capacity,
+        "microbatches": len(mbs),
+        "microbatch_segments": int(sum(c.segment_trees.num_segments for c in mbs)),
+        "microbatch_plan_s": round(mb_s, 5),
+        "plan_over_compact_pct": round(100 * mb_s / compact_s, 3),
+        "microbatch_layout_s": round(layout_s, 3),
+        "calls_histogram": {int(k): int(n) for k, n in enumerate(calls) if n},
+    }
+    print(
+        f"{args.workload} step {args.step}: {batch.num_trajectories} paths, S={cb.num_semantic_tokens:,}, "
+        f"C={cb.num_compact_tokens:,}; compaction {compact_s:.3f} s"
+    )
+    print(
+        f"  plan every microbatch ({len(mbs)} microbatches, dp={args.dp}, T={args.capacity}): "
+        f"{mb_s * 1e3:.1f} ms = {res['plan_over_compact_pct']:.2f}% of compaction "
+        f"(whole step as one forest: {whole_s * 1e3:.1f} ms, {whole.num_calls} calls)"
+    )
+    print(f"  calls per microbatch: {res['calls_histogram']}; build_layout for all: {layout_s:.2f} s")
+    return res, cb.segment_trees
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--segments", type=int, default=1_000_000)
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3, help="best of N runs (the scalar baseline runs once)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", default="swe")
+    p.add_argument("--step", type=int, default=0)
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--capacity", type=int, default=65_536)
+    p.add_argument("--no-swe", action="store_true", help="skip the workload part (and the swe-tiled shape)")
+    p.add_argument("--deep-chain", action="store_true", help="add the single deep caterpillar worst case")
+    p.add_argument("--json", dest="json_out", default=None)
+    args = p.parse_args(argv)
+    out: dict = {"chunk_size": args.chunk_size}
+    swe_forest = None
+    if not args.no_swe:
+        out["swe"], swe_forest = bench_swe(args)
+    out["forests"] = bench_forests(args, swe_forest)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(out, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
