@@ -1,0 +1,81 @@
+"""Full attention on compact rows through per-branch ancestor K/V views (paper §4.2, Eqs. 21-22).
+
+A branch b owns l_b query rows (its own tokens, which need outputs) and reads a KV view of
+h_b + l_b rows: the ancestors of its first own row (root first), then its own rows. Query i of
+the branch sees KV entry j iff j <= h_b + i: bottom-right causal alignment. The gathers are
+plain indexing, so in backward the gradients of every view that reads a shared ancestor row
+accumulate into that one compact row.
+
+Shapes: P physical rows, H query heads, G kv heads, D qk dim, E v dim, nb branches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harts.ops.attention.core import attend, check_qkv
+
+__all__ = ["ancestor_view_attention", "bottom_right_causal_mask"]
+
+
+def bottom_right_causal_mask(num_q: int, num_kv: int, device: torch.device | None = None) -> torch.Tensor:
+    """bool [num_q, num_kv]: query i sees key j iff j <= (num_kv - num_q) + i."""
+    return torch.ones(num_q, num_kv, dtype=torch.bool, device=device).tril(num_kv - num_q)
+
+
+def ancestor_view_attention(
+    q_PHD: torch.Tensor,
+    k_PGD: torch.Tensor,
+    v_PGE: torch.Tensor,
+    *,
+    q_rows: torch.Tensor,
+    cu_q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    cu_kv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attend each branch's own rows over its gathered ancestor+own K/V view; scatter back.
+
+    The mask of a branch with h = 3 ancestors and l = 2 own rows (bottom-right aligned; a
+    top-left alignment would wrongly hide the ancestors from the first queries)::
+
+                  kv:  a0 a1 a2 b0 b1
+        q  b0          x  x  x  x  .
+        q  b1          x  x  x  x  x
+
+    Args:
+        q_PHD: [P, H, D] queries on physical rows.
+        k_PGD: [P, G, D] keys (G divides H: grouped-query attention).
+        v_PGE: [P, G, E] values (E may differ from D: MLA).
+        q_rows: int [sum l_b] physical rows of each branch's own rows, branch by branch.
+        cu_q: int [nb + 1] boundaries of the branches in q_rows.
+        kv_rows: int [sum (h_b + l_b)] physical rows of each branch's KV view (ancestors root
+            first, then its own rows).
+        cu_kv: int [nb + 1] boundaries of the branches in kv_rows.
+        scale: softmax scale.
+
+    Returns:
+        o_PHE: [P, H, E]; rows not in q_rows are zero.
+    """
+    check_qkv(q_PHD, k_PGD, v_PGE)
+    if cu_q.shape != cu_kv.shape or cu_q.dim() != 1:
+        raise ValueError(f"cu_q and cu_kv must both be [nb + 1]; got {tuple(cu_q.shape)} and {tuple(cu_kv.shape)}")
+    bq, bkv = cu_q.tolist(), cu_kv.tolist()
+    if bq[0] != 0 or bq[-1] != q_rows.numel() or bkv[0] != 0 or bkv[-1] != kv_rows.numel():
+        raise ValueError("cu_q / cu_kv must run from 0 to the lengths of q_rows / kv_rows")
+    P, H = q_PHD.shape[:2]
+    E = v_PGE.shape[2]
+    outs = []
+    for b in range(len(bq) - 1):
+        lq, lkv = bq[b + 1] - bq[b], bkv[b + 1] - bkv[b]
+        if lkv < lq:
+            raise ValueError(f"branch {b} has {lq} query rows but only {lkv} kv rows (its view must end with its own rows)")
+        if lq == 0:
+            continue
+        qr, kvr = q_rows[bq[b] : bq[b + 1]], kv_rows[bkv[b] : bkv[b + 1]]
+        mask = bottom_right_causal_mask(lq, lkv, q_PHD.device)
+        outs.append(attend(q_PHD[qr], k_PGD[kvr], v_PGE[kvr], mask, scale))
+    out = q_PHD.new_zeros(P, H, E, dtype=v_PGE.dtype)
+    if not outs:
+        return out
+    return out.index_copy(0, q_rows.to(q_PHD.device), torch.cat(outs))

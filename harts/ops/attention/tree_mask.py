@@ -1,0 +1,131 @@
+"""Full attention on compact rows under a tree mask, with no K/V expansion (paper §3.4, view (b)).
+
+Row j is visible to row i iff j is an ancestor of i or i itself in the compact trie:
+    tree_pre[j] <= tree_pre[i] < tree_end[j]
+(tree_pre = preorder index, tree_end = end of the row's subtree in preorder). Padding rows
+(tree_pre = -1) see only themselves and are seen by no one. Two implementations of the same mask:
+
+- "dense" (the CPU reference): query rows in preorder, in chunks; each chunk attends over the
+  candidate rows that can be visible to any of its queries (pre[j] <= max pre and end[j] >
+  min pre), with the exact mask inside. Under autograd each chunk is checkpointed, so memory
+  stays at one chunk's scores in forward and backward.
+- "flex" (CUDA): torch FlexAttention with a BlockMask built from the same mask_mod; blocks
+  that hold no ancestor pair are skipped.
+
+Shapes: P physical rows, H query heads, G kv heads (G divides H), D qk dim, E v dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from harts.ops.attention.core import attend, check_qkv
+
+__all__ = ["tree_mask_attention", "tree_visibility"]
+
+
+def tree_visibility(tree_pre_q: torch.Tensor, tree_end_q: torch.Tensor, tree_pre_kv: torch.Tensor, tree_end_kv: torch.Tensor) -> torch.Tensor:
+    """bool [Lq, Lkv]: the tree mask between query rows and kv rows (padding: self only via the caller)."""
+    del tree_end_q
+    pq, pk = tree_pre_q[:, None], tree_pre_kv[None, :]
+    return (pk <= pq) & (pq < tree_end_kv[None, :]) & (pk >= 0) & (pq >= 0)
+
+
+def tree_mask_attention(
+    q_PHD: torch.Tensor,
+    k_PGD: torch.Tensor,
+    v_PGE: torch.Tensor,
+    *,
+    tree_pre: torch.Tensor,
+    tree_end: torch.Tensor,
+    scale: float,
+    impl: str = "auto",
+    row_chunk: int = 256,
+) -> torch.Tensor:
+    """Tree-masked attention over all physical rows.
+
+    The mask of a trunk p0 p1 with two branches a0 and b0 b1 (preorder p0 p1 a0 b0 b1)::
+
+                 kv: p0 p1 a0 b0 b1
+        q  p0        x  .  .  .  .
+        q  p1        x  x  .  .  .
+        q  a0        x  x  x  .  .
+        q  b0        x  x  .  x  .
+        q  b1        x  x  .  x  x
+
+    Args:
+        q_PHD: [P, H, D] queries.
+        k_PGD: [P, G, D] keys (G divides H).
+        v_PGE: [P, G, E] values (E may differ from D).
+        tree_pre: int [P] preorder index of each row in the compact trie, -1 for padding.
+        tree_end: int [P] end (exclusive) of each row's subtree in preorder.
+        scale: softmax scale.
+        impl: "auto" (flex on CUDA, dense elsewhere), "dense" or "flex".
+        row_chunk: query rows per chunk of the dense implementation.
+
+    Returns:
+        o_PHE: [P, H, E].
+    """
+    check_qkv(q_PHD, k_PGD, v_PGE)
+    P = q_PHD.shape[0]
+    if k_PGD.shape[0] != P or tree_pre.shape != (P,) or tree_end.shape != (P,):
+        raise ValueError(f"k, v, tree_pre and tree_end must all have P={P} rows")
+    if impl == "auto":
+        impl = "flex" if q_PHD.is_cuda else "dense"
+    if impl == "dense":
+        return _dense(q_PHD, k_PGD, v_PGE, tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device), scale, row_chunk)
+    if impl == "flex":
+        return _flex(q_PHD, k_PGD, v_PGE, tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device), scale)
+    raise ValueError(f"impl must be 'auto', 'dense' or 'flex'; got {impl!r}")
+
+
+def _dense(q, k, v, pre, end, scale: float, row_chunk: int) -> torch.Tensor:
+    P, H = q.shape[:2]
+    order = torch.argsort(pre)  # padding (-1) first; then each chunk is a preorder range
+    valid = pre >= 0
+    outs = []
+    for lo in range(0, P, row_chunk):
+        rows = order[lo : lo + row_chunk]
+        pre_rows = pre[rows]
+        # rows visible to some query of the chunk: ancestors of its first..last preorder rows
+        hit = valid & (pre <= pre_rows.max()) & (end > pre_rows.clamp(min=0).min())
+        hit[rows] = True  # padding queries see themselves
+        cand = torch.nonzero(hit).flatten()
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            outs.append(checkpoint(_dense_chunk, q, k, v, pre, end, rows, cand, scale, use_reentrant=False))
+        else:
+            outs.append(_dense_chunk(q, k, v, pre, end, rows, cand, scale))
+    out = q.new_zeros(P, H, v.shape[2], dtype=v.dtype)
+    return out.index_copy(0, order, torch.cat(outs)) if outs else out
+
+
+def _dense_chunk(q, k, v, pre, end, rows, cand, scale: float) -> torch.Tensor:
+    mask = tree_visibility(pre[rows], end[rows], pre[cand], end[cand]) | (rows[:, None] == cand[None, :])
+    return attend(q[rows], k[cand], v[cand], mask, scale)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, pre, end, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    P = q.shape[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pq, pk = pre[q_idx], pre[kv_idx]
+        return ((pk <= pq) & (pq < end[kv_idx]) & (pk >= 0) & (pq >= 0)) | (q_idx == kv_idx)
+
+    block_mask = create_block_mask(mask_mod, None, None, P, P, device=q.device)
+    o = _compiled_flex()(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return o[0].transpose(0, 1)

@@ -1,0 +1,172 @@
+"""Compact full attention: ancestor views == tree mask == per-path causal attention, values and
+every gradient, with GQA and MLA head shapes, against dense references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harts.ops.attention import (
+    ancestor_view_attention,
+    bottom_right_causal_mask,
+    tree_mask_attention,
+    varlen_causal_attention,
+)
+from harts.ops.attention.naive import (
+    ancestor_view_visibility,
+    causal_visibility,
+    naive_masked_attention,
+    tree_mask_visibility,
+)
+from tests.ops._trees import branches, paths, preorder, random_forest
+
+F64 = torch.float64
+HEADS = [pytest.param(4, 4, 8, 8, id="H4-G4-D8"), pytest.param(4, 2, 8, 8, id="H4-G2-D8"), pytest.param(2, 1, 12, 6, id="H2-G1-D12-E6")]
+
+
+def qkv(P, H, G, D, E):
+    return [
+        torch.randn(P, H, D, dtype=F64, requires_grad=True),
+        torch.randn(P, G, D, dtype=F64, requires_grad=True),
+        torch.randn(P, G, E, dtype=F64, requires_grad=True),
+    ]
+
+
+def grads(out, inputs, w):
+    return torch.autograd.grad((out * w).sum(), inputs)
+
+
+def assert_all_close(a_list, b_list, tol=1e-11):
+    for a, b in zip(a_list, b_list):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("H,G,D,E", HEADS)
+@pytest.mark.parametrize("P", [63, 65, 130], ids=lambda p: f"P{p}")
+def test_tree_attention_equals_per_path_causal_attention(P, H, G, D, E):
+    parent = random_forest(P, num_roots=2, branchy=0.25, seed=P + H)
+    pre, end = preorder(parent)
+    q_rows, cu_q, kv_rows, cu_kv = branches(parent)
+    x = qkv(P, H, G, D, E)
+    scale = D**-0.5
+    o_view = ancestor_view_attention(*x, q_rows=q_rows, cu_q=cu_q, kv_rows=kv_rows, cu_kv=cu_kv, scale=scale)
+    o_mask = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=scale, row_chunk=16)
+
+    # oracle: expand every root-to-leaf path and run plain causal attention on it
+    path_list = paths(parent)
+    rows = torch.tensor([r for p in path_list for r in p])
+    cu = torch.tensor([0] + [len(p) for p in path_list]).cumsum(0)
+    o_paths = varlen_causal_attention(*(t[rows] for t in x), cu_seqlens=cu, scale=scale)
+    torch.testing.assert_close(o_view[rows], o_paths, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(o_mask[rows], o_paths, rtol=1e-12, atol=1e-12)
+
+    # gradients: each compact row's output counted once (at its first occurrence on a path)
+    first = torch.zeros(rows.numel(), dtype=torch.bool)
+    seen: set[int] = set()
+    for n, r in enumerate(rows.tolist()):
+        first[n] = r not in seen
+        seen.add(r)
+    w = torch.randn(P, H, E, dtype=F64)
+    g_view = grads(o_view, x, w)
+    g_mask = grads(o_mask, x, w)
+    g_paths = torch.autograd.grad((o_paths[first] * w[rows[first]]).sum(), x)
+    assert_all_close(g_view, g_paths)
+    assert_all_close(g_mask, g_paths)
+
+
+@pytest.mark.parametrize("H,G,D,E", HEADS)
+def test_ops_match_dense_references(H, G, D, E):
+    P = 65
+    parent = random_forest(P, num_roots=3, branchy=0.3, seed=7)
+    pre, end = preorder(parent)
+    q_rows, cu_q, kv_rows, cu_kv = branches(parent)
+    x = qkv(P, H, G, D, E)
+    w = torch.randn(P, H, E, dtype=F64)
+    scale = 0.3
+    cases = [
+        (
+            ancestor_view_attention(*x, q_rows=q_rows, cu_q=cu_q, kv_rows=kv_rows, cu_kv=cu_kv, scale=scale),
+            ancestor_view_visibility(P, q_rows, cu_q, kv_rows, cu_kv),
+        ),
+        (tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=scale), tree_mask_visibility(pre, end)),
+    ]
+    cu = torch.tensor([0, 1, 30, 31, 65])
+    cases.append((varlen_causal_attention(*x, cu_seqlens=cu, scale=scale), causal_visibility(cu)))
+    for out, vis in cases:
+        ref = naive_masked_attention(*x, vis, scale)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        assert_all_close(grads(out, x, w), grads(ref, x, w))
+
+
+def test_bottom_right_alignment_is_required():
+    """A side branch of 2 own rows over 3 ancestors: top-left alignment hides ancestors and is wrong."""
+    assert bottom_right_causal_mask(2, 5).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    parent = torch.tensor([-1, 0, 1, 2, 3, 2, 5])  # trunk 0-1-2-3-4, branch 5-6 forks after row 2
+    P, H, D = 7, 2, 4
+    x = qkv(P, H, H, D, D)
+    q_rows, cu_q, kv_rows, cu_kv = branches(parent)
+    assert cu_q.tolist() == [0, 5, 7] and cu_kv.tolist() == [0, 5, 10]
+    o = ancestor_view_attention(*x, q_rows=q_rows, cu_q=cu_q, kv_rows=kv_rows, cu_kv=cu_kv, scale=0.5)
+    path = [0, 1, 2, 5, 6]
+    o_path = varlen_causal_attention(*(t[path] for t in x), cu_seqlens=torch.tensor([0, 5]), scale=0.5)
+    torch.testing.assert_close(o[[5, 6]], o_path[3:], rtol=1e-12, atol=1e-12)
+    # the same branch with top-left alignment (query i sees kv j <= i) gives different outputs
+    top_left = torch.ones(2, 5, dtype=torch.bool).tril()
+    view = torch.tensor(path)
+    from harts.ops.attention.core import attend
+
+    wrong = attend(x[0][[5, 6]], x[1][view], x[2][view], top_left, 0.5)
+    assert (wrong - o[[5, 6]]).abs().max() > 1e-3
+
+
+def test_padding_rows_see_only_themselves_and_unowned_rows_are_zero():
+    P, H, D = 6, 2, 4
+    x = qkv(P, H, H, D, D)
+    pre = torch.tensor([0, 1, -1, 2, -1, 3])
+    end = torch.tensor([4, 3, -1, 3, -1, 4])
+    o = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.5)
+    torch.testing.assert_close(o[[2, 4]], x[2][[2, 4]])
+    ref = naive_masked_attention(*x, tree_mask_visibility(pre, end), 0.5)
+    torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+    o_view = ancestor_view_attention(
+        *x, q_rows=torch.tensor([0, 1]), cu_q=torch.tensor([0, 2]), kv_rows=torch.tensor([0, 1]), cu_kv=torch.tensor([0, 2]), scale=0.5
+    )
+    assert torch.equal(o_view[2:], torch.zeros(4, H, D, dtype=F64))
+
+
+def test_bad_inputs_raise():
+    x = qkv(5, 3, 2, 4, 4)
+    with pytest.raises(ValueError, match="must divide"):
+        varlen_causal_attention(*x, cu_seqlens=torch.tensor([0, 5]), scale=1.0)
+    x = qkv(5, 2, 2, 4, 4)
+    with pytest.raises(ValueError, match="branch 0 has 3 query rows but only 2"):
+        ancestor_view_attention(
+            *x, q_rows=torch.tensor([0, 1, 2]), cu_q=torch.tensor([0, 3]), kv_rows=torch.tensor([0, 1]), cu_kv=torch.tensor([0, 2]), scale=1.0
+        )
+    with pytest.raises(ValueError, match="impl"):
+        tree_mask_attention(*x, tree_pre=torch.arange(5), tree_end=torch.arange(5) + 1, scale=1.0, impl="sdpa")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_flex_tree_mask_matches_dense_on_cuda(dtype):
+    P, H, G, D, E = 700, 4, 2, 64, 32
+    parent = random_forest(P, num_roots=3, branchy=0.05, seed=1)
+    pre, end = preorder(parent)
+    x64 = [t.detach().cuda() for t in qkv(P, H, G, D, E)]
+    x = [t.to(dtype).requires_grad_() for t in x64]
+    w = torch.randn(P, H, E, device="cuda", dtype=torch.float64)
+    out_flex = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=D**-0.5, impl="flex")
+    x_ref = [t.clone().requires_grad_() for t in x64]
+    out_ref = tree_mask_attention(*x_ref, tree_pre=pre, tree_end=end, scale=D**-0.5, impl="dense")
+    # tolerance from the dense path run at the same low precision (flash-attention's rule)
+    x_low = [t.detach().to(dtype).requires_grad_() for t in x64]
+    out_low = tree_mask_attention(*x_low, tree_pre=pre, tree_end=end, scale=D**-0.5, impl="dense")
+    err = lambda a: (a.double() - out_ref).abs().max().item()  # noqa: E731
+    assert err(out_flex) <= 2 * err(out_low) + 1e-6
+    g_ref = grads(out_ref, x_ref, w)
+    g_flex = grads(out_flex.double(), x, w)
+    g_low = grads(out_low.double(), x_low, w)
+    for a, lo, r in zip(g_flex, g_low, g_ref):
+        assert (a.double() - r).abs().max() <= 2 * (lo.double() - r).abs().max() + 1e-5
