@@ -1,0 +1,112 @@
+"""Mapped log-probabilities: compact logit rows -> per-semantic-position log p(target) (paper §3.5).
+
+    logprobs[s] = z[rows[s], targets[s]] - logsumexp_v z[rows[s], v],   z = hidden @ weight^T
+
+Several positions may read the same compact row with different targets (a fork). The forward
+computes logits only for the unique rows, chunk by chunk, takes logsumexp once per unique row and
+gathers each position's target logit from its row's chunk. The backward recomputes each chunk's
+logits and forms d(logits) = onehot-scatter(grad) - (sum of the row's position grads) * softmax,
+then accumulates d(hidden) and d(weight). Peak extra memory is a few row_chunk x V buffers; no
+n x V (or S x V) tensor is ever allocated (Eq. 19-20: backward sums every position's gradient
+into its compact row).
+
+Shapes: P hidden rows, D model dim, V vocabulary, n positions, U unique rows among rows_n.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mapped_logprobs"]
+
+
+def mapped_logprobs(
+    hidden_PD: torch.Tensor,
+    lm_head_weight_VD: torch.Tensor,
+    rows_n: torch.Tensor,
+    targets_n: torch.Tensor,
+    *,
+    row_chunk: int = 2048,
+) -> torch.Tensor:
+    """log_softmax(hidden[rows] @ weight^T)[targets] without materializing n x V logits.
+
+    Args:
+        hidden_PD: [P, D] final hidden states on compact/physical rows.
+        lm_head_weight_VD: [V, D] LM head weight.
+        rows_n: int [n] hidden row of each position (rows may repeat).
+        targets_n: int [n] target token of each position.
+        row_chunk: unique rows per logits chunk (bounds memory at row_chunk x V).
+
+    Returns:
+        logprobs_n: [n] in the compute dtype (float32 for half inputs, else the input dtype).
+    """
+    P, D = hidden_PD.shape
+    if lm_head_weight_VD.dim() != 2 or lm_head_weight_VD.shape[1] != D:
+        raise ValueError(f"lm_head_weight must be [V, D={D}]; got {tuple(lm_head_weight_VD.shape)}")
+    V = lm_head_weight_VD.shape[0]
+    if rows_n.dim() != 1 or targets_n.shape != rows_n.shape:
+        raise ValueError(f"rows and targets must be [n] of equal length; got {tuple(rows_n.shape)} and {tuple(targets_n.shape)}")
+    if rows_n.numel() and (int(rows_n.min()) < 0 or int(rows_n.max()) >= P):
+        raise ValueError(f"rows must lie in [0, {P}); got [{int(rows_n.min())}, {int(rows_n.max())}]")
+    if targets_n.numel() and (int(targets_n.min()) < 0 or int(targets_n.max()) >= V):
+        raise ValueError(f"targets must lie in [0, {V}); got [{int(targets_n.min())}, {int(targets_n.max())}]")
+    if row_chunk < 1:
+        raise ValueError(f"row_chunk must be positive; got {row_chunk}")
+    dev = hidden_PD.device
+    return _MappedLogprobs.apply(hidden_PD, lm_head_weight_VD, rows_n.to(dev), targets_n.to(dev), row_chunk)
+
+
+class _MappedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, rows, targets, row_chunk: int):  # type: ignore[override]
+        cdt = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
+        uniq, inv = torch.unique(rows, return_inverse=True)  # positions grouped per unique row
+        order = torch.argsort(inv, stable=True)
+        bounds = torch.arange(0, uniq.numel() + row_chunk, row_chunk, device=rows.device).clamp(max=uniq.numel())
+        pos_bounds = torch.searchsorted(inv[order], bounds).tolist()
+        bounds = bounds.tolist()
+        w = weight.to(cdt)
+        lse = hidden.new_empty(uniq.numel(), dtype=cdt)
+        target_logit = hidden.new_empty(rows.numel(), dtype=cdt)
+        for c in range(len(bounds) - 1):
+            lo, hi = bounds[c], bounds[c + 1]
+            if hi == lo:
+                continue
+            logits = hidden[uniq[lo:hi]].to(cdt) @ w.T  # [c, V]
+            lse[lo:hi] = torch.logsumexp(logits, dim=-1)
+            pos = order[pos_bounds[c] : pos_bounds[c + 1]]
+            target_logit[pos] = logits[inv[pos] - lo, targets[pos]]
+        ctx.save_for_backward(hidden, weight, uniq, inv, order, targets, lse)
+        ctx.bounds, ctx.pos_bounds, ctx.cdt = bounds, pos_bounds, cdt
+        return target_logit - lse[inv]
+
+    @staticmethod
+    def backward(ctx, grad_n):  # type: ignore[override]
+        hidden, weight, uniq, inv, order, targets, lse = ctx.saved_tensors
+        cdt = ctx.cdt
+        grad_n = grad_n.to(cdt)
+        w = weight.to(cdt)
+        # each unique row's softmax term is weighted by the sum of its positions' gradients
+        grad_row = grad_n.new_zeros(uniq.numel()).index_add_(0, inv, grad_n)
+        d_hidden = torch.zeros_like(hidden, dtype=cdt) if ctx.needs_input_grad[0] else None
+        d_weight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        for c in range(len(ctx.bounds) - 1):
+            lo, hi = ctx.bounds[c], ctx.bounds[c + 1]
+            if hi == lo:
+                continue
+            h = hidden[uniq[lo:hi]].to(cdt)
+            # recompute logits, then turn them into d(logits) in place: -grad_row * softmax + onehot
+            d_logits = (h @ w.T).sub_(lse[lo:hi, None]).exp_().mul_(-grad_row[lo:hi, None])
+            pos = order[ctx.pos_bounds[c] : ctx.pos_bounds[c + 1]]
+            d_logits.index_put_((inv[pos] - lo, targets[pos]), grad_n[pos], accumulate=True)
+            if d_hidden is not None:
+                d_hidden.index_add_(0, uniq[lo:hi], d_logits @ w)
+            if d_weight is not None:
+                d_weight.addmm_(d_logits.T, h)
+        return (
+            None if d_hidden is None else d_hidden.to(hidden.dtype),
+            None if d_weight is None else d_weight.to(weight.dtype),
+            None,
+            None,
+            None,
+        )
