@@ -118,6 +118,12 @@ class CallPlan:
         return np.bincount(self.seq_round, weights=self.seq_replay, minlength=self.num_calls).astype(np.int64)
 
     @property
+    def req_chunks(self) -> np.ndarray:
+        """int64 [Rq]: each requested state as a chunk count c (state after the first c*B
+        positions of the exporting sequence's LA input)."""
+        return (self.req_pos - self.seq_anchor[self.req_seq]) // self.chunk_size
+
+    @property
     def seg_round(self) -> np.ndarray:
         """int64 [V]: 0-based call in which each segment's own tokens run."""
         return self.seq_round[self.seg_seq]

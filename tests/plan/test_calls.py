@@ -130,6 +130,7 @@ def test_figure2():
     assert plan.seq_init[q2] == -1
     k = int(plan.seq_init[q4])
     assert plan.req_pos[k] == B and plan.seq_round[plan.req_seq[k]] == 0
+    assert plan.req_chunks.tolist() == [1]
     check_plan(plan)
 
 
