@@ -1,0 +1,50 @@
+"""``harts convert PATH``: check that a transformers checkpoint loads into harts.
+
+Reads config.json and the safetensors headers only (no tensor data): prints the
+architecture, the harts layer pattern, the parameter count and whether every on-disk tensor
+maps onto a harts parameter (and every harts parameter is found). Exit status 0 when the
+checkpoint converts completely, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Report architecture, layer pattern, parameters and tensor coverage of a transformers checkpoint."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="local checkpoint directory (config.json + safetensors, sharded or not)")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the report as JSON here")
+    p.add_argument("--show", type=int, default=10, help="how many missing/unmapped names to list (default 10)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from harts.integrations.hf import inspect_checkpoint
+
+    rep = inspect_checkpoint(args.path)
+    print(f"checkpoint     {rep.path}")
+    print(f"architecture   {rep.architecture} (model_type {rep.model_type})")
+    if rep.config_error is not None:
+        print(f"config         NOT SUPPORTED\n{rep.config_error}")
+    else:
+        cfg = rep.config
+        print(f"layer pattern  {rep.layer_pattern}  ({len(rep.layer_pattern)} layers)")
+        ffn = "dense" if not cfg["num_experts"] else (
+            f"{cfg['first_k_dense_replace']} dense, then MoE {cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}"
+        )
+        print(f"ffn            {ffn}")
+        print(f"parameters     {rep.num_parameters:,}")
+    print(f"tensors        {rep.mapped_tensors:,} of {rep.num_disk_tensors:,} on disk mapped, {len(rep.ignored):,} ignored")
+    for label, names in (("ignored", rep.ignored), ("missing", rep.missing), ("unmapped", rep.unmapped)):
+        for n in names[: args.show]:
+            print(f"  {label:9s} {n}")
+        if len(names) > args.show:
+            print(f"  {label:9s} ... {len(names) - args.show} more")
+    print(f"all mapped     {'yes' if rep.all_mapped else 'NO'}")
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(rep.to_dict(), fh, indent=2, default=str)
+    return 0 if rep.all_mapped else 1

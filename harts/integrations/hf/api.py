@@ -1,0 +1,278 @@
+"""Public entry points: transformers models and checkpoints <-> ``HybridLM``.
+
+    from_hf(hf_model, **overrides) -> HybridLM            an instantiated transformers model
+    from_pretrained(path, **overrides) -> HybridLM        a local config.json + safetensors directory
+    to_hf_state_dict(model) -> dict[str, Tensor]          transformers module names and layouts
+    save_hf_checkpoint(model, path)                       config.json + safetensors transformers loads
+    inspect_checkpoint(path) -> ConversionReport          names/shapes only (``harts convert``)
+
+``overrides`` may set harts-only fields (``chunk_size``, ``dtype``, router loss coefficients);
+architecture fields always come from the checkpoint. The source config (a plain dict) travels
+with the model as ``model.hf_source`` so ``save_hf_checkpoint`` can write it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harts.integrations.hf.base import HFAdapter, TensorGroup, UnsupportedConfigError
+from harts.models.config import HybridConfig
+
+__all__ = [
+    "ADAPTERS",
+    "ConversionReport",
+    "adapter_for",
+    "from_hf",
+    "from_pretrained",
+    "hf_config_from_dict",
+    "inspect_checkpoint",
+    "save_hf_checkpoint",
+    "to_hf_state_dict",
+]
+
+
+def _adapters() -> dict[str, HFAdapter]:
+    from harts.integrations.hf.bailing_hybrid import BailingHybridAdapter
+    from harts.integrations.hf.kimi_linear import KimiLinearAdapter
+    from harts.integrations.hf.qwen3_next import Qwen3NextAdapter
+
+    return {a.model_type: a for a in (BailingHybridAdapter(), Qwen3NextAdapter(), KimiLinearAdapter())}
+
+
+ADAPTERS: dict[str, HFAdapter] = _adapters()
+
+
+def adapter_for(model_type: str) -> HFAdapter:
+    if model_type not in ADAPTERS:
+        raise ValueError(f"unsupported model_type {model_type!r}; harts converts {sorted(ADAPTERS)}")
+    return ADAPTERS[model_type]
+
+
+def hf_config_from_dict(config: dict[str, Any]) -> Any:
+    """A transformers config object from a config.json dict (transformers derives defaults)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ValueError("config.json has no model_type")
+    adapter_for(model_type)
+    return CONFIG_MAPPING[model_type].from_dict(dict(config))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    names = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype}: harts models run in float32, float64 or bfloat16; pass dtype=...")
+    return names[dtype]
+
+
+def _to_harts(
+    adapter: HFAdapter, cfg: HybridConfig, canonical: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """(harts state dict, missing canonical names, unused canonical names)."""
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set(adapter.ignored_hf_names(cfg))
+    missing: list[str] = []
+    for g in adapter.tensor_groups(cfg):
+        absent = [n for n in g.hf if n not in canonical]
+        if absent:
+            missing += absent
+            continue
+        used.update(g.hf)
+        for name, t in zip(g.harts, g.convert_to_harts([canonical[n] for n in g.hf])):
+            out[name] = t
+    return out, missing, sorted(set(canonical) - used)
+
+
+def _build(cfg: HybridConfig, sd: dict[str, torch.Tensor], device: str | torch.device | None) -> Any:
+    from harts.models.hybrid_lm import HybridLM
+
+    with torch.device(device or "cpu"):
+        model = HybridLM(cfg)
+    dtype = cfg.torch_dtype()
+    result = model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"converted state dict does not fit HybridLM: missing {result.missing_keys[:8]}, "
+            f"unexpected {result.unexpected_keys[:8]}"
+        )
+    return model
+
+
+def _unmapped_error(arch: str, missing: list[str], unused: list[str]) -> ValueError:
+    parts = []
+    if missing:
+        parts.append(f"missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    if unused:
+        parts.append(f"unmapped tensors {unused[:10]}{' ...' if len(unused) > 10 else ''}")
+    return ValueError(f"{arch}: " + "; ".join(parts))
+
+
+def from_hf(hf_model: Any, *, device: str | torch.device | None = None, **overrides: Any) -> Any:
+    """A ``HybridLM`` with the weights of an instantiated transformers model (same semantics)."""
+    hf_cfg = hf_model.config
+    adapter = adapter_for(getattr(hf_cfg, "model_type", ""))
+    overrides.setdefault("dtype", _dtype_name(hf_model.get_input_embeddings().weight.dtype))
+    cfg = adapter.config_from_hf(hf_cfg, **overrides)
+    canonical = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    sd, missing, unused = _to_harts(adapter, cfg, canonical)
+    if missing or unused:
+        raise _unmapped_error(adapter.architecture, missing, unused)
+    model = _build(cfg, sd, device)
+    model.hf_source = {"model_type": adapter.model_type, "config": hf_cfg.to_dict()}
+    return model
+
+
+def _load_canonical(path: str) -> tuple[HFAdapter, Any, dict[str, torch.Tensor], list[str]]:
+    from harts.integrations.hf.checkpoint import materialize, open_checkpoint, plan_sources
+
+    ck = open_checkpoint(path)
+    hf_cfg = hf_config_from_dict(ck.config)
+    adapter = adapter_for(hf_cfg.model_type)
+    sources, ignored, bad = plan_sources(adapter, ck.shapes, adapter.num_hidden_layers_on_disk(hf_cfg))
+    if bad:
+        raise ValueError(f"{adapter.architecture}: incomplete tensor families on disk: {bad[:10]}")
+    raw = ck.read(sorted({n for s in sources.values() for n in s.names}))
+    canonical = {k: materialize(s, raw) for k, s in sources.items()}
+    return adapter, hf_cfg, canonical, ignored
+
+
+def from_pretrained(path: str, *, device: str | torch.device | None = None, **overrides: Any) -> Any:
+    """A ``HybridLM`` from a local transformers checkpoint directory (sharded or single file)."""
+    adapter, hf_cfg, canonical, _ = _load_canonical(path)
+    if "dtype" not in overrides:
+        emb = canonical.get("model.embed_tokens.weight")
+        overrides["dtype"] = _dtype_name(emb.dtype) if emb is not None else "float32"
+    cfg = adapter.config_from_hf(hf_cfg, **overrides)
+    sd, missing, unused = _to_harts(adapter, cfg, canonical)
+    if missing or unused:
+        raise _unmapped_error(adapter.architecture, missing, unused)
+    model = _build(cfg, sd, device)
+    model.hf_source = {"model_type": adapter.model_type, "config": hf_cfg.to_dict()}
+    return model
+
+
+def to_hf_state_dict(model: Any, *, model_type: str | None = None) -> dict[str, torch.Tensor]:
+    """transformers module state dict (names and layouts) for ``model``'s current weights.
+
+    ``model_type`` defaults to the architecture the model was loaded from; a harts-native
+    model must name one (and its HybridConfig must be expressible in that architecture).
+    """
+    source = getattr(model, "hf_source", None)
+    model_type = model_type or (source or {}).get("model_type")
+    if model_type is None:
+        raise ValueError("to_hf_state_dict: the model was not loaded from transformers; pass model_type=...")
+    adapter = adapter_for(model_type)
+    cfg: HybridConfig = model.config
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+    groups: list[TensorGroup] = adapter.tensor_groups(cfg)
+    covered: set[str] = set()
+    for g in groups:
+        absent = [n for n in g.harts if n not in sd]
+        if absent:
+            raise ValueError(f"to_hf_state_dict({model_type}): model lacks {absent} (config not expressible)")
+        covered.update(g.harts)
+        out.update(zip(g.hf, g.convert_to_hf([sd[n] for n in g.harts])))
+    left = sorted(set(sd) - covered)
+    if left:
+        raise ValueError(f"to_hf_state_dict({model_type}): harts tensors with no transformers counterpart: {left[:10]}")
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def save_hf_checkpoint(
+    model: Any, path: str, *, hf_config: dict[str, Any] | None = None, max_shard_size: int | None = None
+) -> list[str]:
+    """Write ``config.json`` + safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Tensors use transformers' module names (which transformers loads as they are).
+    ``max_shard_size`` in bytes splits the weights into shards with an index.
+    Returns the safetensors file names.
+    """
+    import json
+    import os
+
+    from harts.integrations.hf.checkpoint import write_safetensors
+
+    source = getattr(model, "hf_source", None)
+    config = dict(hf_config or (source or {}).get("config") or {})
+    if not config:
+        raise ValueError("save_hf_checkpoint: pass hf_config=... for a model not loaded from transformers")
+    adapter = adapter_for(config.get("model_type", ""))
+    sd = to_hf_state_dict(model, model_type=adapter.model_type)
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    config["architectures"] = [adapter.architecture]
+    config["dtype"] = model.config.dtype
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2, sort_keys=True, default=str)
+    return write_safetensors(sd, path, max_shard_bytes=max_shard_size)
+
+
+@dataclass
+class ConversionReport:
+    """What ``harts convert`` prints: checked on names and shapes, no tensor data read."""
+
+    path: str
+    model_type: str
+    architecture: str
+    layer_pattern: str = ""
+    num_parameters: int = 0
+    num_disk_tensors: int = 0
+    mapped_tensors: int = 0
+    #: on-disk tensors deliberately skipped (multi-token-prediction layers, tied lm_head)
+    ignored: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unmapped: list[str] = field(default_factory=list)
+    config_error: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def all_mapped(self) -> bool:
+        return self.config_error is None and not self.missing and not self.unmapped
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["all_mapped"] = self.all_mapped
+        return d
+
+
+def inspect_checkpoint(path: str) -> ConversionReport:
+    """Architecture, layer pattern, parameter count and tensor coverage of a checkpoint."""
+    from harts.integrations.hf.checkpoint import open_checkpoint, plan_sources
+
+    ck = open_checkpoint(path)
+    model_type = str(ck.config.get("model_type", ""))
+    adapter = adapter_for(model_type)
+    rep = ConversionReport(path=path, model_type=model_type, architecture=adapter.architecture,
+                           num_disk_tensors=len(ck.shapes))
+    hf_cfg = hf_config_from_dict(ck.config)
+    sources, ignored, bad = plan_sources(adapter, ck.shapes, adapter.num_hidden_layers_on_disk(hf_cfg))
+    rep.ignored, rep.unmapped = ignored, list(bad)
+    try:
+        cfg = adapter.config_from_hf(hf_cfg, dtype="float32")
+    except (UnsupportedConfigError, ValueError) as e:
+        rep.config_error = str(e)
+        return rep
+    rep.layer_pattern = cfg.layer_pattern
+    rep.config = cfg.to_dict()
+    used: set[str] = set()
+    for g in adapter.tensor_groups(cfg):
+        absent = [n for n in g.hf if n not in sources]
+        if absent:
+            rep.missing += absent
+            continue
+        used.update(g.hf)
+        if not all(h.endswith("e_score_correction_bias") for h in g.harts):  # a buffer, not a parameter
+            rep.num_parameters += sum(sources[n].numel for n in g.hf)
+    tied = adapter.ignored_hf_names(cfg) & set(sources)
+    rep.ignored += sorted(n for t in tied for n in sources[t].names)
+    rep.unmapped += sorted(n for k, s in sources.items() if k not in used and k not in tied for n in s.names)
+    rep.mapped_tensors = sum(len(sources[k].names) for k in used)
+    return rep
