@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         # user-facing errors (bad files, bad options) are one clear line, not a traceback
         print(f"harts {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # output piped into `head` and closed early: not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
