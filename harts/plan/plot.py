@@ -92,8 +92,9 @@ def plot_plan(plan: CallPlan, out: str | Path, *, title: str | None = None) -> N
         ax.text(x[u], y[u], label, fontsize=7, ha="center", va="center", zorder=4)
     ax.set_title(
         title
-        or f"chunk_size={b}: {plan.num_calls} calls, R={plan.total_replay} "
-        f"(thick: direct continuation; dashed: new sequence, r = replay)"
+        or f"chunk_size={b}: {plan.num_calls} calls, R={plan.total_replay}\n"
+        f"thick: direct continuation; dashed: new sequence, r = replay",
+        fontsize=9,
     )
     ax.margins(0.08)
     ax.set_axis_off()
