@@ -77,6 +77,17 @@ def test_chunk_16_and_qwen_style_moe_agree() -> None:
     check_agreement(HybridLM(cfg), mixed_batch(16, seed=2))
 
 
+def test_ling3_style_layer_options_agree() -> None:
+    torch.manual_seed(0)
+    cfg = HybridConfig.tiny(
+        dtype="float64", layer_pattern="KKM", kda_low_rank_gates=False, kda_safe_gate=True,
+        mla_head_gate=True, mla_norm_eps=1e-5, n_group=2, topk_group=2,
+    )
+    check_agreement(HybridLM(cfg), mixed_batch(B, seed=4))
+    cfg = cfg.replace(mla_rope=False, kda_safe_gate=False, layer_pattern="MK")
+    check_agreement(HybridLM(cfg), mixed_batch(16, seed=2))
+
+
 def test_recompute_reexecutes_the_plan() -> None:
     model = make_model("KM", moe=True)
     batch = mixed_batch(B)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 from harts.cli import main
+from tests.models._trees import mixed_batch
 import pytest
 
 # TODO(issue 5): remove once harts/ops (conv, attention, logprob) is merged
@@ -11,9 +12,10 @@ for _op in ("harts.ops.conv", "harts.ops.attention", "harts.ops.logprob", "harts
 
 
 
-def test_compare_cli_default_agrees(tmp_path, capsys) -> None:
-    out = tmp_path / "cmp.json"
-    assert main(["compare", "--pattern", "KGMA", "--json", str(out)]) == 0
+def test_compare_cli_agrees_on_a_batch_file(tmp_path, capsys) -> None:
+    out, path = tmp_path / "cmp.json", tmp_path / "batch.jsonl"
+    mixed_batch(8, vocab=64).save(str(path))
+    assert main(["compare", "--workload", str(path), "--pattern", "KGMA", "--recompute", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "compression" in text and "speedup" in text
     rec = json.loads(out.read_text())
