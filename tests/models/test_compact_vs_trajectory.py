@@ -13,10 +13,6 @@ from harts.models import HybridConfig, HybridLM
 from harts.rl.diff import compare_runs, run_step
 from tests.models._trees import batch_of, mixed_batch, tree_cases
 
-# TODO(issue 5): remove once harts/ops (conv, attention, logprob) is merged
-for _op in ("harts.ops.conv", "harts.ops.attention", "harts.ops.logprob", "harts.ops.linear_attn"):
-    pytest.importorskip(_op, reason="operators of issue 5 not merged yet")
-
 
 TOL = 1e-9
 B = 8

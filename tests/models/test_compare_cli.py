@@ -3,18 +3,13 @@ from __future__ import annotations
 import json
 
 from harts.cli import main
-from tests.models._trees import mixed_batch
-import pytest
-
-# TODO(issue 5): remove once harts/ops (conv, attention, logprob) is merged
-for _op in ("harts.ops.conv", "harts.ops.attention", "harts.ops.logprob", "harts.ops.linear_attn"):
-    pytest.importorskip(_op, reason="operators of issue 5 not merged yet")
+from tests.models._trees import batch_of, tree_cases
 
 
 
 def test_compare_cli_agrees_on_a_batch_file(tmp_path, capsys) -> None:
     out, path = tmp_path / "cmp.json", tmp_path / "batch.jsonl"
-    mixed_batch(8, vocab=64).save(str(path))
+    batch_of(tree_cases(8)["several_forks_in_one_chunk"]).save(str(path))
     assert main(["compare", "--workload", str(path), "--pattern", "KGMA", "--recompute", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "compression" in text and "speedup" in text

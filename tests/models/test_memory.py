@@ -8,11 +8,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harts.models import HybridConfig, HybridLM
 from harts.rl.grpo import grpo_loss
 from tests.models._trees import TreeBuilder, batch_of
-import pytest
-
-# TODO(issue 5): remove once harts/ops (conv, attention, logprob) is merged
-for _op in ("harts.ops.conv", "harts.ops.attention", "harts.ops.logprob", "harts.ops.linear_attn"):
-    pytest.importorskip(_op, reason="operators of issue 5 not merged yet")
 
 
 
