@@ -27,7 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads; default 1 (tiny tensors on a shared CPU), 0 = torch's default",
+    )
     p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
 
 
@@ -55,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     from harts.models import HybridConfig, HybridLM
     from harts.rl.diff import compare_runs, run_step
 
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     batch, source = _load_batch(args)
