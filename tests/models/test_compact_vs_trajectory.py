@@ -20,9 +20,8 @@ B = 8
 
 def make_model(pattern: str, moe: bool, dtype: str = "float64", **overrides) -> HybridLM:
     torch.manual_seed(0)
-    cfg = HybridConfig.tiny(
-        dtype=dtype, layer_pattern=pattern, chunk_size=B, num_experts=4 if moe else 0, **overrides
-    )
+    fields = dict(dtype=dtype, layer_pattern=pattern, chunk_size=B, num_experts=4 if moe else 0)
+    cfg = HybridConfig.tiny(**{**fields, **overrides})
     model = HybridLM(cfg)
     # non-trivial routing biases so expert choice differs from score order
     for layer in model.layers:
