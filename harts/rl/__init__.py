@@ -1,5 +1,6 @@
 """RL objectives on log-probs + RolloutBatch metadata (unaware of prefix sharing)."""
 
 from harts.rl.grpo import GRPOOutput, group_advantages, grpo_loss
+from harts.rl.ppo import ppo_policy_loss
 
-__all__ = ["GRPOOutput", "group_advantages", "grpo_loss"]
+__all__ = ["GRPOOutput", "group_advantages", "grpo_loss", "ppo_policy_loss"]

@@ -64,3 +64,16 @@ def test_on_policy_without_old_logprobs_and_errors() -> None:
 def test_group_advantages() -> None:
     a = group_advantages(np.array([1.0, 3.0, 5.0, 5.0]), np.array([0, 0, 1, 1]))
     assert a[:2] == pytest.approx([-1.0, 1.0], rel=1e-5) and a[2:] == pytest.approx([0.0, 0.0])
+
+
+def test_ppo_dual_clip() -> None:
+    from harts.rl.ppo import ppo_policy_loss
+
+    b = RolloutBatch.from_trajectories([[1, 2, 3]], advantages=[[0.0, -1.0, 1.0]], old_logprobs=[[0.0, -3.0, -1.0]])
+    lp = torch.tensor([-1.0, -1.0], dtype=torch.float64)  # ratios e^2 (A=-1) and 1 (A=+1)
+    plain = ppo_policy_loss(lp, b, dual_clip=None).loss.item()
+    dual = ppo_policy_loss(lp, b, dual_clip=3.0).loss.item()
+    assert plain == pytest.approx((math.exp(2.0) - 1.0) / 2)
+    assert dual == pytest.approx((3.0 - 1.0) / 2)
+    with pytest.raises(ValueError, match="old_logprobs"):
+        ppo_policy_loss(lp, RolloutBatch.from_trajectories([[1, 2, 3]]))
