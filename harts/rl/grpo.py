@@ -25,7 +25,7 @@ import torch
 
 from harts.tree.batch import RolloutBatch
 
-__all__ = ["GRPOOutput", "grpo_loss", "group_advantages", "per_logprob"]
+__all__ = ["GRPOOutput", "grpo_loss", "grpo_normalizer", "group_advantages", "per_logprob"]
 
 
 @dataclass
@@ -56,6 +56,17 @@ def group_advantages(rewards: np.ndarray, group_ids: np.ndarray, *, eps: float =
     return out
 
 
+def grpo_normalizer(batch: RolloutBatch, reduction: str = "token_mean") -> float:
+    """The denominator ``grpo_loss`` uses for the whole of ``batch`` (see ``normalizer``)."""
+    mask = per_logprob(batch, batch.action_mask.astype(np.float64))
+    weight = mask if batch.loss_weights is None else mask * per_logprob(batch, batch.loss_weights)
+    if reduction == "token_mean":
+        return max(float(weight.sum()), 1e-12)
+    traj = np.repeat(np.arange(batch.num_trajectories), batch.lengths - 1)
+    per_traj = np.bincount(traj, weights=weight, minlength=batch.num_trajectories)
+    return float(max(int((per_traj > 0).sum()), 1))
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     batch: RolloutBatch,
@@ -64,8 +75,15 @@ def grpo_loss(
     clip_eps_high: float | None = None,
     kl_coef: float = 0.0,
     reduction: str = "token_mean",
+    normalizer: float | None = None,
 ) -> GRPOOutput:
-    """The clipped policy loss of ``logprobs`` under ``batch``'s metadata (module docstring)."""
+    """The clipped policy loss of ``logprobs`` under ``batch``'s metadata (module docstring).
+
+    ``normalizer`` replaces the reduction's denominator (the batch's summed action weight for
+    ``token_mean``, its number of trajectories with actions for ``sequence_mean``) — pass the
+    whole step's value when ``batch`` is one microbatch of it, so that microbatch losses add
+    up to the step's loss exactly under gradient accumulation and data parallelism.
+    """
     n = batch.num_logprobs
     if logprobs.shape != (n,):
         raise ValueError(f"logprobs must have shape ({n},) for this batch, got {tuple(logprobs.shape)}")
@@ -93,7 +111,8 @@ def grpo_loss(
         per_tok = per_tok + kl_coef * kl
 
     if reduction == "token_mean":
-        loss = (per_tok * weight).sum() / weight.sum().clamp_min(1e-12)
+        den = weight.sum().clamp_min(1e-12) if normalizer is None else normalizer
+        loss = (per_tok * weight).sum() / den
     else:
         traj = torch.as_tensor(
             np.repeat(np.arange(batch.num_trajectories), batch.lengths - 1), device=dev, dtype=torch.int64
@@ -101,7 +120,8 @@ def grpo_loss(
         num = torch.zeros(batch.num_trajectories, device=dev, dtype=dt).index_add(0, traj, per_tok * weight)
         den = torch.zeros(batch.num_trajectories, device=dev, dtype=dt).index_add(0, traj, weight)
         has = den > 0
-        loss = (num[has] / den[has]).sum() / has.sum().clamp_min(1)
+        count = has.sum().clamp_min(1) if normalizer is None else normalizer
+        loss = (num[has] / den[has]).sum() / count
 
     with torch.no_grad():
         w = weight.sum().clamp_min(1e-12)

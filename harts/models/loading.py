@@ -1,0 +1,64 @@
+"""One way to name a model on the command line: a preset or a transformers checkpoint.
+
+``load_model("tiny")`` builds ``HybridLM(HybridConfig.preset("tiny"))`` with a seeded init;
+``load_model("/path/to/checkpoint")`` loads a local transformers checkpoint directory
+(BailingHybrid / Qwen3-Next / Kimi Linear; ``harts.integrations.hf``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from harts.models.config import HybridConfig
+from harts.models.hybrid_lm import HybridLM
+
+__all__ = ["load_model", "is_checkpoint"]
+
+
+def is_checkpoint(spec: str) -> bool:
+    """True when ``spec`` names a checkpoint directory rather than a preset."""
+    return os.path.isdir(spec)
+
+
+def load_model(
+    spec: str,
+    *,
+    vocab_size: int | None = None,
+    dtype: str | None = None,
+    layer_pattern: str | None = None,
+    chunk_size: int | None = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> HybridLM:
+    """A preset (``tiny``, ``ling3_tiny``) or a checkpoint directory, on ``device``.
+
+    For presets, ``vocab_size``/``dtype``/``layer_pattern``/``chunk_size`` override the
+    preset's fields. A checkpoint keeps its architecture: only ``dtype`` and ``chunk_size``
+    apply, and ``vocab_size`` is checked (a batch must fit the checkpoint's vocabulary).
+    """
+    if is_checkpoint(spec):
+        overrides: dict[str, Any] = {}
+        if dtype is not None:
+            overrides["dtype"] = dtype
+        if chunk_size is not None:
+            overrides["chunk_size"] = chunk_size
+        if layer_pattern is not None:
+            raise ValueError("a checkpoint's layer pattern is fixed; drop the pattern override")
+        model = HybridLM.from_pretrained(spec, **overrides)
+        if vocab_size is not None and vocab_size > model.config.vocab_size:
+            raise ValueError(
+                f"the batch needs vocab_size >= {vocab_size} but the checkpoint at {spec} has "
+                f"{model.config.vocab_size}"
+            )
+        return model.to(device)
+    fields: dict[str, Any] = {}
+    for name, value in (("vocab_size", vocab_size), ("dtype", dtype), ("layer_pattern", layer_pattern),
+                        ("chunk_size", chunk_size)):
+        if value is not None:
+            fields[name] = value
+    config = HybridConfig.preset(spec, **fields)
+    torch.manual_seed(seed)
+    return HybridLM(config).to(device)

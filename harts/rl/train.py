@@ -1,0 +1,229 @@
+"""The RL training loop: plan the step, run every microbatch compactly, one optimizer update.
+
+Per step (one RolloutBatch):
+
+1. ``plan_step(batch, dp=world, capacity=T)`` — every rank builds the same plan (numpy only,
+   deterministic), so no plan is communicated;
+2. rank d executes its replica's microbatches in slot order: compaction, call plan and layout
+   (``model.prepare_compact``), forward in ``mode`` ("compact" or the "trajectory" baseline),
+   GRPO loss normalized by the *whole step's* denominator, MoE router objective weighted by
+   the microbatch's share of the step's semantic tokens, backward (gradients accumulate);
+3. gradients and q-weighted expert counts are summed across ranks (``all_reduce``); because
+   every microbatch loss is already divided by the global denominator, the sum is exactly the
+   gradient of the step's loss — identical for any D and any microbatching;
+4. gradient clipping, optimizer step, expert-bias update from the summed counts.
+
+Data parallelism is plain ``torch.distributed`` (gloo on CPU, NCCL on CUDA): launch with
+``torchrun --nproc-per-node D``; without a process group the loop runs on one process with D = 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from harts.models.hybrid_lm import HybridLM
+from harts.plan.step import plan_step
+from harts.rl.grpo import grpo_loss, grpo_normalizer
+from harts.tree.batch import RolloutBatch
+
+__all__ = ["TrainConfig", "StepLog", "accumulate_step_gradients", "train", "train_step"]
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation and execution settings of ``train``."""
+
+    #: microbatch capacity T in compact tokens (planner); trajectories longer than T are an error
+    capacity: int = 65_536
+    #: "compact" (harts) or "trajectory" (the baseline, same planner and microbatches)
+    mode: str = "compact"
+    recompute: bool = False
+    attention: str = "gather"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    reduction: str = "token_mean"
+    #: aux-loss-free expert-bias update rate (0 disables)
+    expert_bias_rate: float = 1e-3
+    #: drop the batch's old/ref log-probs and train on-policy (synthetic workloads carry random ones)
+    on_policy: bool = True
+
+
+@dataclass
+class StepLog:
+    """What one step did (same on every rank except ``rank_seconds``)."""
+
+    step: int
+    paths: int
+    raw_tokens: int
+    microbatches: int
+    #: microbatches this rank executed, their rows (physical rows in compact mode), calls, replay rows
+    rank_microbatches: int
+    rank_rows: int
+    rank_calls: int
+    rank_replay_rows: int
+    loss: float
+    moe_objective: float
+    grad_norm: float
+    plan_seconds: float
+    prepare_seconds: float
+    train_seconds: float
+    #: semantic tokens per second of training time, per rank
+    tokens_per_second: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclass
+class _Accumulated:
+    loss: float
+    moe_objective: float
+    expert_counts: torch.Tensor | None
+    microbatches: int
+    rank_microbatches: int
+    rows: int
+    calls: int
+    replay_rows: int
+    plan_seconds: float
+    prepare_seconds: float
+
+
+def accumulate_step_gradients(model: HybridLM, batch: RolloutBatch, cfg: TrainConfig) -> _Accumulated:
+    """Steps 1-3 of the module docstring: afterwards every ``p.grad`` holds the gradient of
+    the whole step's loss (summed over this rank's microbatches and across ranks)."""
+    rank, world = _world()
+    if cfg.on_policy:
+        batch = replace(batch, old_logprobs=None, ref_logprobs=None)
+    kl = cfg.kl_coef if batch.ref_logprobs is not None else 0.0
+    t0 = time.perf_counter()
+    plan = plan_step(batch, dp=world, capacity=cfg.capacity)
+    plan_seconds = time.perf_counter() - t0
+    mine = sorted((k for k in range(len(plan.microbatches)) if plan.replica[k] == rank), key=lambda k: plan.slot[k])
+    normalizer = grpo_normalizer(batch, cfg.reduction)
+    z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
+
+    loss_sum = moe_sum = 0.0
+    counts_sum = None
+    rows = calls = replay = 0
+    prepare_seconds = 0.0
+    for k in mine:
+        sub = batch.select(plan.microbatches[k])
+        tp = time.perf_counter()
+        inputs = model.prepare_compact(sub) if cfg.mode == "compact" else sub
+        prepare_seconds += time.perf_counter() - tp
+        out = model(inputs, mode=cfg.mode, recompute=cfg.recompute, attention=cfg.attention)
+        loss = grpo_loss(out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction,
+                         normalizer=normalizer).loss
+        total = loss
+        if out.moe_losses is not None:
+            moe = (sub.num_tokens / batch.num_tokens) * out.moe_objective(z_coef, aux_coef)
+            total = total + moe
+            moe_sum += float(moe.detach())
+            c = out.expert_counts.detach()
+            counts_sum = c.clone() if counts_sum is None else counts_sum + c
+        total.backward()
+        loss_sum += float(loss.detach())
+        rows += int(out.info["rows"])
+        calls += int(out.info["calls"])
+        replay += int(out.info["replay_rows"])
+
+    if world > 1:
+        device = model.embed_tokens.weight.device
+        grads = []
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        scalars = torch.tensor([loss_sum, moe_sum], dtype=torch.float64, device=device)
+        dist.all_reduce(scalars)
+        loss_sum, moe_sum = float(scalars[0]), float(scalars[1])
+        if counts_sum is not None:
+            dist.all_reduce(counts_sum)
+    return _Accumulated(
+        loss=loss_sum, moe_objective=moe_sum, expert_counts=counts_sum, microbatches=len(plan.microbatches),
+        rank_microbatches=len(mine), rows=rows, calls=calls, replay_rows=replay,
+        plan_seconds=plan_seconds, prepare_seconds=prepare_seconds,
+    )
+
+
+def train_step(
+    model: HybridLM,
+    optimizer: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    cfg: TrainConfig,
+    *,
+    step: int = 0,
+) -> StepLog:
+    """One optimizer update on ``batch`` (see the module docstring)."""
+    _, world = _world()
+    optimizer.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    acc = accumulate_step_gradients(model, batch, cfg)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    if acc.expert_counts is not None and cfg.expert_bias_rate:
+        model.update_expert_bias(acc.expert_counts, rate=cfg.expert_bias_rate)
+    device = model.embed_tokens.weight.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    # planning is reported apart from the training interval (the paper's F/B/Grad vs Core)
+    train_seconds = time.perf_counter() - t0 - acc.plan_seconds
+    return StepLog(
+        step=step,
+        paths=batch.num_trajectories,
+        raw_tokens=batch.num_tokens,
+        microbatches=acc.microbatches,
+        rank_microbatches=acc.rank_microbatches,
+        rank_rows=acc.rows,
+        rank_calls=acc.calls,
+        rank_replay_rows=acc.replay_rows,
+        loss=acc.loss,
+        moe_objective=acc.moe_objective,
+        grad_norm=float(grad_norm),
+        plan_seconds=round(acc.plan_seconds, 4),
+        prepare_seconds=round(acc.prepare_seconds, 4),
+        train_seconds=round(train_seconds, 4),
+        tokens_per_second=round(batch.num_tokens / max(train_seconds, 1e-9) / world, 1),
+    )
+
+
+def train(
+    model: HybridLM,
+    batches: Iterable[RolloutBatch],
+    cfg: TrainConfig,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    on_step: Callable[[StepLog], None] | None = None,
+) -> list[StepLog]:
+    """Run ``train_step`` over ``batches``; returns the logs (``on_step`` sees each as it ends)."""
+    if cfg.mode not in ("compact", "trajectory"):
+        raise ValueError(f"mode must be 'compact' or 'trajectory', got {cfg.mode!r}")
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    logs = []
+    for i, batch in enumerate(batches):
+        log = train_step(model, optimizer, batch, cfg, step=i)
+        logs.append(log)
+        if on_step is not None:
+            on_step(log)
+    return logs
