@@ -152,7 +152,17 @@ class HybridLM(nn.Module):
         recompute: bool = False,
         attention: str = "gather",
         no_replay: bool = False,
+        fused_logprobs: bool | None = None,
     ) -> ModelOutput:
+        """Run ``inputs`` in ``mode`` (module docstring).
+
+        ``fused_logprobs``: compute log-probs with ``mapped_logprobs`` (chunked over rows,
+        never [S, V]). Default: True in compact mode; False in trajectory mode, whose plain
+        ``log_softmax`` over [S - N, V] is the oracle — benchmarks pass True there so the
+        baseline is not charged for a cross-entropy no real trainer would materialize.
+        """
+        if fused_logprobs is None:
+            fused_logprobs = mode == "compact"
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
         device = self.embed_tokens.weight.device
@@ -205,13 +215,15 @@ class HybridLM(nn.Module):
         targets = torch.as_tensor(batch.next_token_targets(), device=device)
         if mode == "trajectory":
             rows = torch.as_tensor(pred, device=device)
-            logits = torch.nn.functional.linear(h[rows], self.lm_head_weight)
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
         else:
+            rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred], device=device)
+        if fused_logprobs:
             from harts.ops.logprob import mapped_logprobs
 
-            rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred], device=device)
             logprobs = mapped_logprobs(h, self.lm_head_weight, rows, targets)
+        else:
+            logits = torch.nn.functional.linear(h[rows], self.lm_head_weight)
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
 
         if not z_losses:
             return ModelOutput(logprobs=logprobs, info=info)
