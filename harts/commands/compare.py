@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="built-in workload preset (tiny, small, ...) or a batch file (.jsonl/.parquet); default tiny",
     )
     p.add_argument("--step", type=int, default=0, help="workload step (built-in presets)")
-    p.add_argument("--model", default="tiny", help="model preset (tiny, ling3_tiny); default tiny")
+    p.add_argument("--model", default="tiny", metavar="PRESET|PATH",
+                   help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory; default tiny")
     p.add_argument("--pattern", default=None, help="override the layer pattern, e.g. KKKM")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.commands._format import format_table
-    from harts.models import HybridConfig, HybridLM
+    from harts.models.loading import load_model
     from harts.rl.diff import compare_runs, run_step
 
     if args.threads < 0:
@@ -64,13 +65,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     batch, source = _load_batch(args)
     vocab = max(int(batch.tokens.max()) + 1, batch.vocab_size or 0)
-    overrides: dict = {"dtype": args.dtype, "vocab_size": vocab}
-    if args.pattern:
-        overrides["layer_pattern"] = args.pattern
-    config = HybridConfig.preset(args.model, **overrides)
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
-    model = HybridLM(config).to(device)
+    model = load_model(args.model, vocab_size=vocab, dtype=args.dtype, layer_pattern=args.pattern,
+                       seed=args.seed, device=args.device)
+    config = model.config
     inputs = model.prepare_compact(batch, no_replay=args.no_replay)
 
     runs = {}
