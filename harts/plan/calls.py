@@ -15,10 +15,12 @@ as Algorithm 1's pseudocode: the direct continuation is the first child, in the 
 order, that fits the continuation budget and covers every child exceeding the side budget.
 Trees are planned independently and merged by round; the call count is their maximum.
 
-Both passes run level by level over a breadth-first order with numpy segment reductions, so
-cost is O(V) array work plus a small constant per tree level. A per-node plain-Python
-path (the pseudocode line by line) serves small and deep-narrow forests, where numpy's
-per-call overhead would dominate; tests check that both paths give identical plans.
+Here both passes run level by level over a breadth-first order with numpy segment
+reductions (``impl="levels"``): O(V) array work plus a few dozen numpy calls per tree level.
+``harts.plan.calls_nodes`` holds the per-node paths for the forests where that per-level
+cost dominates: ``"nodes"`` (internal segments on plain lists, spine nodes in closed form,
+leaves in bulk) for deep-and-narrow forests, and ``"scalar"`` (the pseudocode line by line)
+for small ones. Tests check that all paths give identical plans.
 
 Shapes (V = segments, Q = sequences, Rq = requested boundary states, K = calls):
     t_pre, t_in, seg_seq      int64 [V]      DP values; the sequence executing each segment
@@ -40,20 +42,33 @@ from typing import Any
 
 import numpy as np
 
+from harts.plan.calls_nodes import plan_nodes, plan_scalar
 from harts.tree.segments import SegmentForest
 
-__all__ = ["CallPlan", "plan_calls", "mandatory_replay", "ranges_to_indices", "segment_depth"]
+__all__ = ["CallPlan", "plan_calls", "mandatory_replay", "ranges_to_indices", "segment_depth", "forest_depth"]
 
 
 def ranges_to_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """int64 [sum(lengths)]: concatenation of ``arange(starts[i], starts[i] + lengths[i])``."""
+    """int64 [sum(lengths)]: concatenation of ``arange(starts[i], starts[i] + lengths[i])``.
+
+    Built in place as a cumulative sum of steps (1 inside a range, a jump at each range
+    start): one output-sized allocation, which matters for the S-sized attention views.
+    """
     starts = np.asarray(starts, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
+    keep = lengths > 0
+    if not keep.all():
+        starts, lengths = starts[keep], lengths[keep]
+    if lengths.size == 0:
         return np.zeros(0, dtype=np.int64)
-    excl = np.cumsum(lengths) - lengths
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - excl, lengths)
+    first = np.cumsum(lengths)
+    total = int(first[-1])
+    first -= lengths  # where each range begins in the output
+    out = np.ones(total, dtype=np.int64)
+    out[0] = starts[0]
+    out[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    np.cumsum(out, out=out)
+    return out
 
 
 def mandatory_replay(forest: SegmentForest, chunk_size: int) -> int:
@@ -211,30 +226,73 @@ def segment_depth(parent: np.ndarray) -> np.ndarray:
     return depth
 
 
-#: below this many segments the per-node path wins outright (numpy call overhead)
+def forest_depth(forest: SegmentForest) -> np.ndarray:
+    """int64 [V]: segment depths, like ``segment_depth`` but with chains contracted first.
+
+    Among internal segments in preorder, a segment whose parent is the previous internal
+    segment extends a chain (a caterpillar's spine is one chain), so its depth is an offset
+    from the chain's first segment; pointer doubling then runs over chain starts only, with
+    edge weights. Leaves take their parent's depth + 1.
+    """
+    v = forest.num_segments
+    parent = forest.parent
+    ids = np.flatnonzero(np.diff(forest.child_ptr) > 0)
+    n = ids.size
+    rank = np.full(v, -1, dtype=np.int64)
+    rank[ids] = np.arange(n)
+    prank = rank[parent[ids]]  # -1 for roots (a non-root's parent is internal)
+    idx = np.arange(n, dtype=np.int64)
+    first = (prank != idx - 1) | (prank < 0)
+    run = np.maximum.accumulate(np.where(first, idx, 0))  # chain start of each internal rank
+    starts = np.flatnonzero(first)
+    sp = prank[starts]
+    has = sp >= 0
+    # depth(start) = depth(run(sp)) + (sp - run(sp)) + 1: a weighted parent pointer over starts
+    pos = np.full(n, -1, dtype=np.int64)
+    pos[starts] = np.arange(starts.size)
+    jump = np.where(has, pos[run[np.maximum(sp, 0)]], -1)
+    dep = np.where(has, sp - run[np.maximum(sp, 0)] + 1, 0)
+    active = np.flatnonzero(jump >= 0)
+    while active.size:
+        j = jump[active]
+        dep[active] += dep[j]
+        jump[active] = jump[j]
+        active = active[jump[active] >= 0]
+    depth = np.zeros(v, dtype=np.int64)
+    depth[ids] = dep[pos[run]] + idx - run
+    leaf = np.flatnonzero((rank < 0) & (parent >= 0))
+    depth[leaf] = depth[parent[leaf]] + 1
+    return depth
+
+
+#: below this many segments the line-by-line path wins outright (numpy call overhead)
 SCALAR_MAX_SEGMENTS = 256
-#: the level-vectorized path needs this many segments per tree level on average to win
-MIN_LEVEL_WIDTH = 40
+#: the level-vectorized path needs this many segments per tree level on average to beat
+#: the per-internal-node path (measured on 1 M-segment caterpillars: break-even near 300)
+MIN_LEVEL_WIDTH = 300
 
 
 def plan_calls(forest: SegmentForest, chunk_size: int, *, impl: str = "auto") -> CallPlan:
     """Algorithm 1 on every tree of ``forest``; sequences merged by round (see module doc).
 
-    ``impl``: ``"levels"`` (numpy, one step per tree level), ``"scalar"`` (per node, plain
-    Python) or ``"auto"``: scalar for small or deep-and-narrow forests, levels otherwise.
-    Both give identical plans.
+    ``impl``: ``"levels"`` (numpy, one step per tree level), ``"nodes"`` (per internal
+    segment on plain Python lists, leaves in bulk: ``harts.plan.calls_nodes``), ``"scalar"``
+    (Algorithm 1 transcribed node by node) or ``"auto"``: scalar for small forests, nodes for
+    deep-and-narrow ones, levels otherwise. All give identical plans.
     """
     b = _check_chunk_size(chunk_size)
-    if impl not in ("auto", "levels", "scalar"):
-        raise ValueError(f"impl must be 'auto', 'levels' or 'scalar', got {impl!r}")
+    if impl not in ("auto", "levels", "nodes", "scalar"):
+        raise ValueError(f"impl must be 'auto', 'levels', 'nodes' or 'scalar', got {impl!r}")
     v = forest.num_segments
     if v == 0:
-        return _assemble(forest, b, *(np.zeros(0, np.int64) for _ in range(7)))
+        return _assemble(forest, b, *(np.zeros(0, np.int64) for _ in range(6)))
     if impl == "scalar" or (impl == "auto" and v < SCALAR_MAX_SEGMENTS):
-        return _plan_scalar(forest, b)
-    depth = segment_depth(forest.parent)
+        return CallPlan(chunk_size=b, forest=forest, **plan_scalar(forest, b))
+    if impl == "nodes":
+        return _assemble(forest, b, *plan_nodes(forest, b))
+    depth = forest_depth(forest)
     if impl == "auto" and v < MIN_LEVEL_WIDTH * (int(depth.max()) + 1):
-        return _plan_scalar(forest, b)
+        return _assemble(forest, b, *plan_nodes(forest, b))
     return _plan_levels(forest, b, depth)
 
 
@@ -334,7 +392,7 @@ def _plan_levels(forest: SegmentForest, b: int, depth: np.ndarray) -> CallPlan:
     head_s = order[to_seg(head)]
     ip = to_seg(init_prod)
     prod_s = np.where(ip >= 0, order[np.maximum(ip, 0)], -1)
-    return _assemble(forest, b, to_seg(tpre), to_seg(tin), head_s, to_seg(rnd), prod_s, to_seg(init_pos), depth)
+    return _assemble(forest, b, to_seg(tpre), to_seg(tin), head_s, to_seg(rnd), prod_s, to_seg(init_pos))
 
 
 def _assemble(
@@ -346,13 +404,12 @@ def _assemble(
     rnd: np.ndarray,
     init_prod: np.ndarray,
     init_pos: np.ndarray,
-    depth: np.ndarray,
 ) -> CallPlan:
     """Build the CallPlan from per-segment results (segment ids; ``init_*`` valid on heads).
 
     ``head[v]``: first segment of v's sequence; ``rnd[v]``: its 0-based round;
     ``init_prod[h]``: head of the sequence exporting h's initial state (-1 zero state) and
-    ``init_pos[h]`` that state's position; ``depth[v]``: segment depth.
+    ``init_pos[h]`` that state's position.
     """
     v = forest.num_segments
     heads = np.flatnonzero(head == np.arange(v))
@@ -363,9 +420,8 @@ def _assemble(
     seg_seq = seq_of_head[head]
     seq_ptr = np.zeros(q + 1, dtype=np.int64)
     np.cumsum(np.bincount(seg_seq, minlength=q), out=seq_ptr[1:])
-    # a chain has consecutive depths: a segment's place in its sequence is its depth below the head
-    seq_segments = np.empty(v, dtype=np.int64)
-    seq_segments[seq_ptr[seg_seq] + depth - depth[head]] = np.arange(v)
+    # a chain descends, and descendants have larger preorder ids: chain order is id order
+    seq_segments = np.argsort(_small_ints(seg_seq), kind="stable")
     seq_round = rnd[heads]
     num_calls = int(seq_round.max()) + 1 if q else 0
     round_ptr = np.zeros(num_calls + 1, dtype=np.int64)
@@ -393,129 +449,4 @@ def _assemble(
         req_seq=(uniq // scale).astype(np.int64),
         req_pos=(uniq % scale).astype(np.int64),
         round_ptr=round_ptr,
-    )
-
-
-# ------------------------------------------------------------------ per node
-def _plan_scalar(forest: SegmentForest, b: int) -> CallPlan:
-    """Algorithm 1 node by node in plain Python, building the plan arrays directly."""
-    v = forest.num_segments
-    start, end = forest.start.tolist(), forest.end.tolist()
-    parent = forest.parent.tolist()
-    ptr, kid = forest.child_ptr.tolist(), forest.child_idx.tolist()
-    # Eq. 11 fails: S_{b_v} is produced inside the call
-    cross = [e >= s // b * b + b for s, e in zip(start, end)]
-    tpre, tin = [1] * v, [1] * v
-
-    # pass 1: reverse preorder is a post-order (Algorithm 1 lines 1-9)
-    for u in range(v - 1, -1, -1):
-        lo, hi = ptr[u], ptr[u + 1]
-        if lo == hi:
-            continue
-        m1 = m2 = 0  # largest and second-largest child T_pre
-        for i in range(lo, hi):
-            t = tpre[kid[i]]
-            if t > m1:
-                m1, m2 = t, m1
-            elif t > m2:
-                m2 = t
-        best = 1 << 62
-        for i in range(lo, hi):
-            c = kid[i]
-            val = 1 + (m2 if tpre[c] == m1 else m1)  # 1 + h_o
-            if tin[c] > val:
-                val = tin[c]
-            if val < best:
-                best = val
-        tin[u] = best
-        tpre[u] = best if cross[u] else m1
-
-    # pass 2: Recover(v, ready, K_round, r, q) with an explicit stack (lines 10-25)
-    seq_segs: dict[int, list[int]] = {}  # head -> its segments in chain order
-    seq_rnd: dict[int, int] = {}
-    init_of: dict[int, tuple[int, int]] = {}  # head -> (producer head | -1, state position)
-    stack = [(r, True, tpre[r], 0, r) for r in reversed(forest.roots.tolist())]
-    while stack:
-        u, ready, k_round, r, hq = stack.pop()
-        if hq == u:
-            seq_segs[u] = [u]
-            seq_rnd[u] = r
-        else:
-            seq_segs[hq].append(u)
-        lo, hi = ptr[u], ptr[u + 1]
-        if lo == hi:
-            continue
-        same = ready and not cross[u]
-        delta = 0 if same else 1
-        k_side = k_round - delta
-        f = 0
-        for i in range(lo, hi):
-            f += tpre[kid[i]] > k_side
-        o = -1
-        for i in range(lo, hi):
-            c = kid[i]
-            ex = tpre[c] > k_side
-            if (tpre[c] if same else tin[c]) <= k_round and f - ex == 0:
-                o = c
-                break
-        assert o >= 0, "recovery found no direct continuation (DP invariant broken)"
-        # a same-round side branch starts from S_{a_v}, the parent sequence's own initial
-        # state; otherwise it requests S_{b_v} and starts one round later
-        src = init_of.get(hq, (-1, 0)) if same else (hq, end[u] // b * b)
-        for i in range(hi - 1, lo - 1, -1):  # pushed in reverse: popped in child order
-            c = kid[i]
-            if c != o:
-                init_of[c] = src
-                stack.append((c, True, k_side, r + delta, c))
-        stack.append((o, same, k_round, r, hq))
-
-    heads = sorted(seq_segs, key=lambda h: (seq_rnd[h], h))
-    seq_index = {h: i for i, h in enumerate(heads)}
-    seg_seq = [0] * v
-    flat: list[int] = []
-    seq_ptr = [0]
-    for i, h in enumerate(heads):
-        segs = seq_segs[h]
-        for u in segs:
-            seg_seq[u] = i
-        flat.extend(segs)
-        seq_ptr.append(len(flat))
-    keys = {}
-    for h in heads:
-        prod, pos = init_of.get(h, (-1, 0))
-        if prod >= 0:
-            keys[(seq_index[prod], pos)] = 0
-    req = sorted(keys)
-    req_id = {k: i for i, k in enumerate(req)}
-    seq_init = []
-    for h in heads:
-        prod, pos = init_of.get(h, (-1, 0))
-        seq_init.append(req_id[(seq_index[prod], pos)] if prod >= 0 else -1)
-    seq_round = [seq_rnd[h] for h in heads]
-    num_calls = seq_round[-1] + 1
-    round_ptr = [0] * (num_calls + 1)
-    for r in seq_round:
-        round_ptr[r + 1] += 1
-    for k in range(num_calls):
-        round_ptr[k + 1] += round_ptr[k]
-
-    def a(x: list[int]) -> np.ndarray:
-        return np.array(x, dtype=np.int64)
-
-    return CallPlan(
-        chunk_size=b,
-        num_calls=num_calls,
-        forest=forest,
-        t_pre=a(tpre),
-        t_in=a(tin),
-        seg_seq=a(seg_seq),
-        seq_round=a(seq_round),
-        seq_ptr=a(seq_ptr),
-        seq_segments=a(flat),
-        seq_fork=a([parent[h] for h in heads]),
-        seq_anchor=a([start[h] // b * b for h in heads]),
-        seq_init=a(seq_init),
-        req_seq=a([k[0] for k in req]),
-        req_pos=a([k[1] for k in req]),
-        round_ptr=a(round_ptr),
     )

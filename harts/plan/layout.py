@@ -34,6 +34,7 @@ import numpy as np
 
 from harts.plan.calls import CallPlan, ranges_to_indices, segment_depth
 from harts.tree.compact import CompactBatch
+from harts.tree.segments import SegmentForest
 
 __all__ = ["Layout", "RoundView", "build_layout"]
 
@@ -121,9 +122,8 @@ class Layout:
         )
 
 
-def _subtree_end_rows(cb: CompactBatch) -> np.ndarray:
-    """int64 [C]: one past the last compact row of each row's trie subtree (preorder rows)."""
-    f = cb.segment_trees
+def _subtree_end_rows(f: SegmentForest) -> np.ndarray:
+    """int64 [V]: one past the last compact row of each segment's trie subtree (preorder rows)."""
     v = f.num_segments
     nch = f.num_children
     # last descendant in preorder = last child's last descendant: pointer doubling
@@ -134,8 +134,7 @@ def _subtree_end_rows(cb: CompactBatch) -> np.ndarray:
         if np.array_equal(nxt, last):
             break
         last = nxt
-    seg_end_row = f.row[last] + f.length[last]
-    return seg_end_row[cb.row_segment]
+    return f.row[last] + f.length[last]
 
 
 def _sequence_schedule(plan: CallPlan, no_replay: bool) -> tuple[np.ndarray, ...]:
@@ -202,43 +201,89 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     padded = -(-own // pad_to) * pad_to
     phys_start = np.cumsum(padded) - padded
     p = int(padded.sum())
-    own_phys = ranges_to_indices(phys_start, own)
-    phys_to_compact = np.full(p, -1, dtype=np.int64)
-    phys_to_compact[own_phys] = comp_rows
+    if comp_rows.size != c:
+        raise AssertionError("plan does not cover every compact row once")
     compact_to_phys = np.full(c, -1, dtype=np.int64)
-    compact_to_phys[comp_rows] = own_phys
-    assert comp_rows.size == c and np.all(compact_to_phys >= 0), "plan does not cover every compact row once"
-    is_pad = phys_to_compact < 0
-    real = ~is_pad
-    pc = np.maximum(phys_to_compact, 0)
+    if p == c:  # no padding: physical row i holds comp_rows[i]
+        own_phys = np.arange(p, dtype=np.int64)
+        phys_to_compact = comp_rows
+        compact_to_phys[comp_rows] = own_phys
+        is_pad = np.zeros(p, dtype=bool)
+        pc = phys_to_compact
 
-    def per_row(x: np.ndarray) -> np.ndarray:
-        return np.where(real, x[pc], 0).astype(np.int64)
+        def per_row(x: np.ndarray) -> np.ndarray:
+            return x[pc].astype(np.int64, copy=False)
 
-    parent_c = cb.parent[pc]
-    parent_phys = np.where(real & (parent_c >= 0), compact_to_phys[np.maximum(parent_c, 0)], -1)
+        def on_own_rows(x: np.ndarray, fill: int) -> np.ndarray:
+            return x
 
-    # ---- replay rows: the last `replay` true ancestors of each head's first row, in order
-    first_row = f.row[heads]
-    max_rep = int(replay.max()) if q else 0
-    anc = np.full((q, max(max_rep, 1)), -1, dtype=np.int64)
-    cur = cb.parent[first_row]
-    for d in range(max_rep):
-        anc[:, d] = cur
-        cur = np.where(cur >= 0, cb.parent[np.maximum(cur, 0)], -1)
-    rq = np.repeat(np.arange(q), replay)
-    rt = np.arange(rq.size) - np.repeat(np.cumsum(replay) - replay, replay)
-    replay_phys = compact_to_phys[anc[rq, replay[rq] - 1 - rt]]
+    else:
+        own_phys = ranges_to_indices(phys_start, own)
+        phys_to_compact = np.full(p, -1, dtype=np.int64)
+        phys_to_compact[own_phys] = comp_rows
+        compact_to_phys[comp_rows] = own_phys
+        is_pad = phys_to_compact < 0
+        real = ~is_pad
+        pc = np.maximum(phys_to_compact, 0)
+
+        def per_row(x: np.ndarray) -> np.ndarray:
+            return np.where(real, x[pc], 0).astype(np.int64, copy=False)
+
+        def on_own_rows(x: np.ndarray, fill: int) -> np.ndarray:
+            out = np.full(p, fill, dtype=np.int64)
+            out[own_phys] = x
+            return out
+
+    assert np.all(compact_to_phys >= 0), "plan does not cover every compact row once"
+
+    # ---- attention view (a): ancestors of each head (root first) + own rows. A sequence's
+    # own rows are contiguous and in position order, so the ancestors inside one ancestor
+    # sequence are one physical range: walk up the sequence tree, one range per level.
+    seq_of_seg = new_of[plan.seg_seq]
+    h = f.start[heads]
+    rng_q, rng_lvl, rng_start, rng_len = [np.arange(q)], [np.full(q, -1)], [phys_start], [own]
+    sq = np.arange(q)
+    fork = f.parent[heads]
+    lvl = 0
+    while sq.size:
+        keep = fork >= 0
+        sq, fork = sq[keep], fork[keep]
+        up = seq_of_seg[fork]
+        rng_q.append(sq)
+        rng_lvl.append(np.full(sq.size, lvl))
+        rng_start.append(phys_start[up])
+        rng_len.append(f.end[fork] - f.start[heads[up]])
+        fork = f.parent[heads[up]]
+        lvl += 1
+    rq_, rl_ = np.concatenate(rng_q), np.concatenate(rng_lvl)
+    o = np.lexsort((-rl_, rq_))  # per branch: root-most range first, own rows last
+    kv_rows = ranges_to_indices(np.concatenate(rng_start)[o], np.concatenate(rng_len)[o])
+    kv_len = h + own
+    cu_q = np.zeros(q + 1, dtype=np.int64)
+    np.cumsum(own, out=cu_q[1:])
+    cu_kv = np.zeros(q + 1, dtype=np.int64)
+    np.cumsum(kv_len, out=cu_kv[1:])
+    assert kv_rows.size == cu_kv[-1]
+    # a row's parent token is the previous physical row, except at a head (the last row of
+    # the fork segment, which ends the first ancestor range: -1 for a root) and on padding
+    parent_phys = np.arange(-1, p - 1, dtype=np.int64)
+    parent_phys[phys_start] = np.where(h > 0, kv_rows[np.maximum(cu_kv[:-1] + h - 1, 0)], -1)
+    if p != c:
+        parent_phys[is_pad] = -1
+
+    # ---- replay rows: the last `replay` ancestor rows of each head, i.e. the tail of the
+    # branch's ancestor part in view (a)
+    replay_phys = kv_rows[ranges_to_indices(cu_kv[:-1] + h - replay, replay)]
 
     # ---- linear-attention input of all sequences: [replay rows, own rows (+ padding)]
     la_len = replay + padded
     la_off = np.cumsum(la_len) - la_len
-    la_rows = np.empty(int(la_len.sum()), dtype=np.int64)
+    # own rows (+ padding) continue the physical order; the few replay slots are overwritten
+    la_rows = ranges_to_indices(phys_start - replay, la_len)
     is_output = np.ones(la_rows.size, dtype=bool)
     rep_slots = ranges_to_indices(la_off, replay)
     la_rows[rep_slots] = replay_phys
     is_output[rep_slots] = False
-    la_rows[ranges_to_indices(la_off + replay, padded)] = ranges_to_indices(phys_start, padded)
 
     num_calls = int(seq_round.max()) + 1 if q else 0
     seq_rptr = np.searchsorted(seq_round, np.arange(num_calls + 1))
@@ -257,7 +302,7 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
                 la_rows=rows_k,
                 cu_seqlens=cu,
                 is_output=out_k,
-                out_rows=rows_k[out_k],
+                out_rows=np.arange(phys_start[s0], phys_start[s1 - 1] + padded[s1 - 1], dtype=np.int64),
                 init_state=init[s0:s1],
                 requests=np.stack([req_seq[r0:r1] - s0, req_count[r0:r1]], axis=1).astype(np.int64),
                 request_ids=np.arange(r0, r1, dtype=np.int64),
@@ -265,34 +310,11 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
             )
         )
 
-    # ---- attention view (a): ancestors of each head (root first) + own rows
-    seg_q, seg_w = [], []
-    sq = np.arange(q)
-    cur = f.parent[heads]
-    while sq.size:
-        keep = cur >= 0
-        sq, cur = sq[keep], cur[keep]
-        seg_q.append(sq)
-        seg_w.append(cur)
-        cur = f.parent[cur]
-    aq = np.concatenate(seg_q) if seg_q else np.zeros(0, np.int64)
-    aw = np.concatenate(seg_w) if seg_w else np.zeros(0, np.int64)
-    o = np.lexsort((aw, aq))  # ancestors have smaller preorder ids: root first
-    aq, aw = aq[o], aw[o]
-    anc_phys = compact_to_phys[ranges_to_indices(f.row[aw], f.length[aw])]
-    h = f.start[heads]
-    kv_len = h + own
-    kv_off = np.cumsum(kv_len) - kv_len
-    kv_rows = np.empty(int(kv_len.sum()), dtype=np.int64)
-    kv_rows[ranges_to_indices(kv_off, h)] = anc_phys
-    kv_rows[ranges_to_indices(kv_off + h, own)] = own_phys
-    cu_q = np.zeros(q + 1, dtype=np.int64)
-    np.cumsum(own, out=cu_q[1:])
-    cu_kv = np.zeros(q + 1, dtype=np.int64)
-    np.cumsum(kv_len, out=cu_kv[1:])
-
-    # ---- attention view (b): preorder intervals of the compact trie
-    tree_end_c = _subtree_end_rows(cb)
+    # ---- attention view (b): preorder intervals of the compact trie (a segment's rows share
+    # one subtree end); positions run on inside each segment
+    seg_len = f.length[segs]
+    tree_end = on_own_rows(np.repeat(_subtree_end_rows(f)[segs], seg_len), -1)
+    position = on_own_rows(ranges_to_indices(f.start[segs], seg_len), 0)
 
     return Layout(
         num_rows=p,
@@ -300,7 +322,7 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         no_replay=bool(no_replay),
         phys_to_compact=phys_to_compact,
         compact_to_phys=compact_to_phys,
-        position=per_row(cb.position),
+        position=position,
         multiplicity=per_row(cb.multiplicity),
         tokens=per_row(cb.tokens),
         is_pad=is_pad,
@@ -310,8 +332,8 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         attn_cu_q=cu_q,
         attn_kv_rows=kv_rows,
         attn_cu_kv=cu_kv,
-        tree_pre=np.where(real, phys_to_compact, -1),
-        tree_end=np.where(real, tree_end_c[pc], -1),
+        tree_pre=phys_to_compact.copy(),  # compact rows are preorder ids; -1 on padding
+        tree_end=tree_end,
         semantic_to_phys=compact_to_phys[cb.semantic_to_compact],
         parent_phys=parent_phys,
         seq_plan_index=perm,

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 
 import harts
-from harts.plan.calls import CallPlan, mandatory_replay, plan_calls, segment_depth
+from harts.plan.calls import CallPlan, forest_depth, mandatory_replay, plan_calls, ranges_to_indices, segment_depth
 from harts.plan.tree_file import parse_tree
 from harts.tree.segments import SegmentForest
-from tests.plan.helpers import brute_force_calls, check_plan, eq15, forests, random_forest_lists
+from tests.plan.helpers import brute_force_calls, check_plan, end_candidates, eq15, forests, random_forest_lists
 
 
 def forest_of(segs: list[tuple[str, int, str | None]]) -> SegmentForest:
@@ -37,7 +37,7 @@ def assert_same_plan(a: CallPlan, b: CallPlan) -> None:
 def test_planner_matches_brute_force(fb):
     forest, b = fb
     best, replays = brute_force_calls(forest, b)
-    for impl in ("levels", "scalar"):
+    for impl in ("levels", "nodes", "scalar"):
         plan = plan_calls(forest, b, impl=impl)
         assert plan.num_calls == best
         # T_pre(root) per tree; the microbatch needs the maximum over its trees
@@ -56,7 +56,7 @@ def test_brute_force_seeded_sweep():
         lengths, parents = random_forest_lists(rng, b, max_segments=9, max_fanout=6, max_trees=3)
         forest, _ = SegmentForest.from_parents(lengths, parents)
         best, _ = brute_force_calls(forest, b)
-        for impl in ("levels", "scalar"):
+        for impl in ("levels", "nodes", "scalar"):
             plan = plan_calls(forest, b, impl=impl)
             assert plan.num_calls == best, (i, lengths, parents, b, impl)
             check_plan(plan)
@@ -68,6 +68,7 @@ def test_brute_force_seeded_sweep():
 def test_levels_equals_scalar(fb):
     forest, b = fb
     assert_same_plan(plan_calls(forest, b, impl="levels"), plan_calls(forest, b, impl="scalar"))
+    assert_same_plan(plan_calls(forest, b, impl="nodes"), plan_calls(forest, b, impl="scalar"))
 
 
 def test_levels_equals_scalar_large_forest():
@@ -76,6 +77,7 @@ def test_levels_equals_scalar_large_forest():
     forest, _ = SegmentForest.from_parents(lengths, parents)
     plan = plan_calls(forest, 16, impl="levels")
     assert_same_plan(plan, plan_calls(forest, 16, impl="scalar"))
+    assert_same_plan(plan, plan_calls(forest, 16, impl="nodes"))
     check_plan(plan)
 
 
@@ -93,7 +95,68 @@ def test_deep_caterpillar():
     assert plan.num_sequences == 301
     check_plan(plan)
     assert_same_plan(plan, plan_calls(forest, 64, impl="scalar"))
+    assert_same_plan(plan, plan_calls(forest, 64, impl="nodes"))
     np.testing.assert_array_equal(segment_depth(forest.parent), forest.depth())
+    np.testing.assert_array_equal(forest_depth(forest), forest.depth())
+
+
+def spine_forest(rng: np.random.Generator, b: int) -> tuple[list[int], list[int]]:
+    """Caterpillar-like trees: long spines whose forks carry 0-3 leaves before and/or after
+    the continuing child, fork ends at kB-1, kB, kB+1 or inside a chunk, and now and then a
+    fork with two internal children (a nested caterpillar) or a leaf-only fork."""
+    lengths: list[int] = []
+    parents: list[int] = []
+    ends: list[int] = []
+
+    def add(par: int, start: int) -> int:
+        end = int(rng.choice(end_candidates(start, b)))
+        lengths.append(end - start)
+        parents.append(par)
+        ends.append(end)
+        return len(lengths) - 1
+
+    def spine(par: int, start: int, n: int) -> None:
+        u = add(par, start)
+        for i in range(n):
+            before, after = int(rng.integers(0, 3)), int(rng.integers(0, 2))
+            for _ in range(before):
+                add(u, ends[u])
+            if i > 0 and rng.random() < 0.1:  # a second internal child: a short nested spine
+                spine(u, ends[u], int(rng.integers(1, 4)))
+            nxt = add(u, ends[u])
+            for _ in range(after):
+                add(u, ends[u])
+            u = nxt
+        for _ in range(int(rng.integers(0, 3))):  # the spine ends in a leaf-only fork or a leaf
+            add(u, ends[u])
+
+    for _ in range(int(rng.integers(1, 3))):
+        spine(-1, 0, int(rng.integers(1, 40)))
+    return lengths, parents
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_nodes_path_on_spines(seed):
+    """The per-internal-node path's spine closed forms and leaf handling, vs the
+    line-by-line transcription and the level-vectorized planner."""
+    rng = np.random.default_rng(seed)
+    b = int(rng.choice([2, 3, 4, 8, 64]))
+    forest, _ = SegmentForest.from_parents(*spine_forest(rng, b))
+    plan = plan_calls(forest, b, impl="nodes")
+    check_plan(plan)
+    assert_same_plan(plan, plan_calls(forest, b, impl="scalar"))
+    assert_same_plan(plan, plan_calls(forest, b, impl="levels"))
+    np.testing.assert_array_equal(forest_depth(forest), forest.depth())
+
+
+def test_ranges_to_indices():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(0, 7))
+        starts, lengths = rng.integers(-3, 40, n), rng.integers(0, 4, n)
+        want = [x for s0, n0 in zip(starts.tolist(), lengths.tolist()) for x in range(s0, s0 + n0)]
+        got = ranges_to_indices(starts, lengths)
+        assert got.dtype == np.int64 and got.tolist() == want
 
 
 # ------------------------------------------------------------------ paper examples
@@ -261,6 +324,7 @@ def test_compact_batch_forest():
         plan = harts.plan_calls(cb.segment_trees, b, impl="levels")
         check_plan(plan)
         assert_same_plan(plan, plan_calls(cb.segment_trees, b, impl="scalar"))
+        assert_same_plan(plan, plan_calls(cb.segment_trees, b, impl="nodes"))
     assert cb.segment_trees.num_trees == 3
 
 

@@ -1,0 +1,355 @@
+"""Per-node Algorithm 1 (paper §3.3): the paths for deep and small forests, plus the reference.
+
+``plan_calls(impl="levels")`` spends a few dozen numpy calls per tree level, which is hopeless
+on a caterpillar thousands of levels deep. Here the two passes of Algorithm 1 walk *internal*
+segments (leaves are settled in bulk with numpy) on plain Python lists:
+
+  * Leaves have T_pre = T_in = 1, so a fork whose children are all leaves is a closed form,
+    and a fork with exactly one internal child c (a *spine* node: any number of leaf
+    children) is a closed form of (T_pre(c), T_in(c)):
+        T_in(v)  = min(max(T_in(c), 2), 1 + T_pre(c))   if v has a leaf child, else T_in(c)
+        T_pre(v) = T_in(v) if v crosses a chunk boundary (Eq. 11 fails), else T_pre(c).
+    (Eqs. 12-14 with every other child's T_pre = 1.) In preorder a spine node's internal
+    child is the next internal segment, so spines need no child lookup at all.
+  * Recovery visits internal segments in preorder; a leaf child only needs to know whether it
+    was chosen as the direct continuation, so the leaves' heads, rounds and initial-state
+    sources are filled afterwards with one numpy gather per array.
+
+``plan_scalar`` is Algorithm 1 transcribed line by line (every node, dictionaries, an
+explicit recursion stack, no numpy until the end): the independent baseline the tests and
+the benchmark compare with, and the fastest path for small forests (a microbatch of a few
+dozen segments), where numpy's per-call overhead dominates.
+
+Shapes (V = segments, I = internal segments, indexed by *rank* = position among internal
+segments in preorder): per-rank lists tp, ti (T_pre, T_in), rdy, bud (K_round), rnd, hd
+(head rank); the result arrays are int64 [V] per segment (see ``plan_nodes``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harts.tree.segments import SegmentForest
+
+__all__ = ["plan_nodes", "plan_scalar"]
+
+_FAIL = "recovery found no direct continuation (DP invariant broken)"
+
+
+def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
+    """Algorithm 1 over internal segments (see module doc).
+
+    Returns per segment (int64 [V]): t_pre, t_in, head (first segment of its sequence),
+    round (0-based), init_prod (head of the sequence exporting the head's initial state,
+    -1 = zero state; valid on heads), init_pos (that state's trajectory position).
+    """
+    v = forest.num_segments
+    ptr, kid, parent = forest.child_ptr, forest.child_idx, forest.parent
+    nch = np.diff(ptr)
+    ids = np.flatnonzero(nch > 0)  # internal segments, preorder
+    n_int = ids.size
+    rank = np.full(v, -1, dtype=np.int64)
+    rank[ids] = np.arange(n_int)
+    kid_rank = rank[kid]  # -1 for leaf children
+    nch_i = nch[ids]
+    nint = np.bincount(np.repeat(np.arange(n_int), nch_i)[kid_rank >= 0], minlength=n_int)
+    has_leaf = nint < nch_i
+    start_i, end_i = forest.start[ids], forest.end[ids]
+    cross_i = end_i >= start_i // b * b + b  # Eq. 11 fails: S_{b_v} is produced inside the call
+
+    # ---- pass 1 (Algorithm 1 lines 1-9). Forks of leaves only: T_in = 1 + [two or more
+    # leaves]; T_pre = T_in if crossing else 1. The rest bottom-up, in reverse preorder.
+    tin0 = np.where(nch_i >= 2, 2, 1)
+    tp = np.where(cross_i, tin0, 1).tolist()
+    ti = tin0.tolist()
+    walk = np.flatnonzero(nint > 0)[::-1]
+    one = nint[walk] == 1
+    general = not bool(one.all())
+    if general:  # forks with several internal children need their child lists
+        ptr_i = np.zeros(n_int + 1, dtype=np.int64)
+        np.cumsum(nch_i, out=ptr_i[1:])
+        kr_l = kid_rank.tolist()
+        lo_l = ptr_i.tolist()
+    for i, sp, lf, cr in zip(walk.tolist(), one.tolist(), has_leaf[walk].tolist(), cross_i[walk].tolist()):
+        if sp:  # spine node: its internal child is rank i + 1
+            x = tp[i + 1]
+            y = ti[i + 1]
+            if lf:
+                if y < 2:
+                    y = 2
+                if y > x + 1:
+                    y = x + 1
+            ti[i] = y
+            tp[i] = y if cr else x
+            continue
+        m1 = m2 = 0  # largest and second-largest child T_pre (leaves: 1)
+        kids = kr_l[lo_l[i] : lo_l[i + 1]]
+        for j in kids:
+            t = tp[j] if j >= 0 else 1
+            if t > m1:
+                m1, m2 = t, m1
+            elif t > m2:
+                m2 = t
+        best = 1 << 62
+        for j in kids:
+            if j >= 0:
+                val = 1 + (m2 if tp[j] == m1 else m1)  # 1 + h_o
+                if ti[j] > val:
+                    val = ti[j]
+            else:
+                val = 1 + (m2 if m1 == 1 else m1)
+            if val < best:
+                best = val
+        ti[i] = best
+        tp[i] = best if cr else m1
+
+    # ---- pass 2 (lines 10-25), internal segments in preorder. Per rank: ready, K_round,
+    # round, head rank; per head rank: producer head rank (-1 zero state) and position.
+    tpre_i = np.array(tp, dtype=np.int64)
+    is_root = parent[ids] < 0
+    rdy = [True] * n_int
+    bud = np.where(is_root, tpre_i, 0).tolist()
+    rnd = [0] * n_int
+    hd = list(range(n_int))
+    ipr = [-1] * n_int
+    ipo = [0] * n_int
+    dirc = [0] * n_int  # chosen direct child (segment id)
+    dl = [0] * n_int  # delta: 1 if side branches start one round later
+    first = kid[ptr[ids]]  # first child of each internal segment
+    # first leaf child of a spine node or leaf fork: its first child, or the second if the
+    # first is internal
+    first_leaf = np.where(kid_rank[ptr[ids]] >= 0, kid[np.minimum(ptr[ids] + 1, kid.size - 1)], first)
+    if general:
+        kid_l = kid.tolist()
+    kind = np.minimum(nint, 2).tolist()  # 0: children all leaves, 1: spine node, 2: general
+    c_first = (kid_rank[ptr[ids]] >= 0).tolist()  # spine: the internal child comes first
+    bv_l = (end_i // b * b).tolist()
+    ids_l = ids.tolist()
+    single = (nch_i == 1).tolist()
+    for i, kd, lf, cr, cf, fl, bv, one_kid in zip(
+        range(n_int), kind, has_leaf.tolist(), cross_i.tolist(), c_first, first_leaf.tolist(), bv_l, single
+    ):
+        kr = bud[i]
+        if rdy[i] and not cr:
+            d, ks = 0, kr
+        else:
+            d, ks = 1, kr - 1
+        if kd == 0:  # leaves only (T = 1 <= K_round): the first leaf, unless all exceed K_side
+            if ks < 1 and not one_kid:
+                raise AssertionError(_FAIL)
+            dirc[i] = fl
+            dl[i] = d
+            continue
+        h = hd[i]
+        if kd == 1:
+            c = i + 1
+            x = tp[c]
+            cap = x if d == 0 else ti[c]
+            if not lf or x > ks or (cf and cap <= kr):
+                # continue into the internal child (with leaves, x > ks forces it: leaves
+                # never exceed K_side >= 1, so f == 1 and only c satisfies f - ex == 0)
+                if cap > kr or (lf and ks < 1):
+                    raise AssertionError(_FAIL)
+                dirc[i] = ids_l[c]
+                rdy[c] = d == 0
+                bud[c] = kr
+                rnd[c] = rnd[i]
+                hd[c] = h
+            else:  # the first leaf continues; the internal child starts a side sequence
+                if ks < 1:
+                    raise AssertionError(_FAIL)
+                dirc[i] = fl
+                bud[c] = ks
+                rnd[c] = rnd[i] + d
+                if d:
+                    ipr[c], ipo[c] = h, bv
+                else:
+                    ipr[c], ipo[c] = ipr[h], ipo[h]
+            dl[i] = d
+            continue
+        lo, hi = lo_l[i], lo_l[i + 1]
+        ranks = kr_l[lo:hi]
+        f = 0
+        for j in ranks:
+            f += (tp[j] if j >= 0 else 1) > ks
+        o = -1
+        for n, j in enumerate(ranks):
+            t = tp[j] if j >= 0 else 1
+            if (t if d == 0 else (ti[j] if j >= 0 else 1)) <= kr and f - (t > ks) == 0:
+                o = lo + n
+                break
+        if o < 0:
+            raise AssertionError(_FAIL)
+        dirc[i] = kid_l[o]
+        dl[i] = d
+        for n, j in enumerate(ranks):
+            if j < 0:
+                continue
+            if lo + n == o:
+                rdy[j] = d == 0
+                bud[j] = kr
+                rnd[j] = rnd[i]
+                hd[j] = h
+            else:
+                bud[j] = ks
+                rnd[j] = rnd[i] + d
+                if d:
+                    ipr[j], ipo[j] = h, bv
+                else:
+                    ipr[j], ipo[j] = ipr[h], ipo[h]
+
+    # ---- back to segments; leaves in bulk
+    def arr(x: list) -> np.ndarray:
+        return np.array(x, dtype=np.int64)
+
+    hd_a, rnd_a, ipr_a, ipo_a, dl_a = arr(hd), arr(rnd), arr(ipr), arr(ipo), arr(dl)
+    tpre = np.ones(v, dtype=np.int64)
+    tin = np.ones(v, dtype=np.int64)
+    tpre[ids] = tpre_i
+    tin[ids] = ti
+    head = np.arange(v, dtype=np.int64)
+    head[ids] = ids[hd_a]
+    rnd_s = np.zeros(v, dtype=np.int64)
+    rnd_s[ids] = rnd_a
+    init_prod = np.full(v, -1, dtype=np.int64)
+    init_pos = np.zeros(v, dtype=np.int64)
+    init_prod[ids] = np.where(ipr_a >= 0, ids[np.maximum(ipr_a, 0)], -1)
+    init_pos[ids] = ipo_a
+    leaves = np.flatnonzero((nch == 0) & (parent >= 0))
+    p = rank[parent[leaves]]
+    direct = arr(dirc)[p] == leaves
+    hp = hd_a[p]
+    head[leaves] = np.where(direct, ids[hp], leaves)
+    rnd_s[leaves] = rnd_a[p] + np.where(direct, 0, dl_a[p])
+    # a side leaf of a same-round fork inherits its parent sequence's initial state, else
+    # it requests S_{b_v} from that sequence
+    same = dl_a[p] == 0
+    prod = np.where(same, ipr_a[hp], hp)
+    side = ~direct
+    init_prod[leaves] = np.where(side & (prod >= 0), ids[np.maximum(prod, 0)], -1)
+    init_pos[leaves] = np.where(side, np.where(same, ipo_a[hp], arr(bv_l)[p]), 0)
+    return tpre, tin, head, rnd_s, init_prod, init_pos
+
+
+# ------------------------------------------------------------------ line by line
+def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
+    """Algorithm 1 node by node in plain Python (every node visited, recursion as a stack);
+    returns the CallPlan fields (``num_calls`` and the plan arrays)."""
+    v = forest.num_segments
+    start, end = forest.start.tolist(), forest.end.tolist()
+    parent = forest.parent.tolist()
+    ptr, kid = forest.child_ptr.tolist(), forest.child_idx.tolist()
+    # Eq. 11 fails: S_{b_v} is produced inside the call
+    cross = [e >= s // b * b + b for s, e in zip(start, end)]
+    tpre, tin = [1] * v, [1] * v
+
+    # pass 1: reverse preorder is a post-order (Algorithm 1 lines 1-9)
+    for u in range(v - 1, -1, -1):
+        lo, hi = ptr[u], ptr[u + 1]
+        if lo == hi:
+            continue
+        m1 = m2 = 0  # largest and second-largest child T_pre
+        for i in range(lo, hi):
+            t = tpre[kid[i]]
+            if t > m1:
+                m1, m2 = t, m1
+            elif t > m2:
+                m2 = t
+        best = 1 << 62
+        for i in range(lo, hi):
+            c = kid[i]
+            val = 1 + (m2 if tpre[c] == m1 else m1)  # 1 + h_o
+            if tin[c] > val:
+                val = tin[c]
+            if val < best:
+                best = val
+        tin[u] = best
+        tpre[u] = best if cross[u] else m1
+
+    # pass 2: Recover(v, ready, K_round, r, q) with an explicit stack (lines 10-25)
+    seq_segs: dict[int, list[int]] = {}  # head -> its segments in chain order
+    seq_rnd: dict[int, int] = {}
+    init_of: dict[int, tuple[int, int]] = {}  # head -> (producer head | -1, state position)
+    stack = [(r, True, tpre[r], 0, r) for r in reversed(forest.roots.tolist())]
+    while stack:
+        u, ready, k_round, r, hq = stack.pop()
+        if hq == u:
+            seq_segs[u] = [u]
+            seq_rnd[u] = r
+        else:
+            seq_segs[hq].append(u)
+        lo, hi = ptr[u], ptr[u + 1]
+        if lo == hi:
+            continue
+        same = ready and not cross[u]
+        delta = 0 if same else 1
+        k_side = k_round - delta
+        f = 0
+        for i in range(lo, hi):
+            f += tpre[kid[i]] > k_side
+        o = -1
+        for i in range(lo, hi):
+            c = kid[i]
+            ex = tpre[c] > k_side
+            if (tpre[c] if same else tin[c]) <= k_round and f - ex == 0:
+                o = c
+                break
+        assert o >= 0, _FAIL
+        # a same-round side branch starts from S_{a_v}, the parent sequence's own initial
+        # state; otherwise it requests S_{b_v} and starts one round later
+        src = init_of.get(hq, (-1, 0)) if same else (hq, end[u] // b * b)
+        for i in range(hi - 1, lo - 1, -1):  # pushed in reverse: popped in child order
+            c = kid[i]
+            if c != o:
+                init_of[c] = src
+                stack.append((c, True, k_side, r + delta, c))
+        stack.append((o, same, k_round, r, hq))
+
+    heads = sorted(seq_segs, key=lambda h: (seq_rnd[h], h))
+    seq_index = {h: i for i, h in enumerate(heads)}
+    seg_seq = [0] * v
+    flat: list[int] = []
+    seq_ptr = [0]
+    for i, h in enumerate(heads):
+        segs = seq_segs[h]
+        for u in segs:
+            seg_seq[u] = i
+        flat.extend(segs)
+        seq_ptr.append(len(flat))
+    keys = {}
+    for h in heads:
+        prod, pos = init_of.get(h, (-1, 0))
+        if prod >= 0:
+            keys[(seq_index[prod], pos)] = 0
+    req = sorted(keys)
+    req_id = {k: i for i, k in enumerate(req)}
+    seq_init = []
+    for h in heads:
+        prod, pos = init_of.get(h, (-1, 0))
+        seq_init.append(req_id[(seq_index[prod], pos)] if prod >= 0 else -1)
+    seq_round = [seq_rnd[h] for h in heads]
+    num_calls = seq_round[-1] + 1
+    round_ptr = [0] * (num_calls + 1)
+    for r in seq_round:
+        round_ptr[r + 1] += 1
+    for k in range(num_calls):
+        round_ptr[k + 1] += round_ptr[k]
+
+    def a(x: list[int]) -> np.ndarray:
+        return np.array(x, dtype=np.int64)
+
+    return {
+        "num_calls": num_calls,
+        "t_pre": a(tpre),
+        "t_in": a(tin),
+        "seg_seq": a(seg_seq),
+        "seq_round": a(seq_round),
+        "seq_ptr": a(seq_ptr),
+        "seq_segments": a(flat),
+        "seq_fork": a([parent[h] for h in heads]),
+        "seq_anchor": a([start[h] // b * b for h in heads]),
+        "seq_init": a(seq_init),
+        "req_seq": a([k[0] for k in req]),
+        "req_pos": a([k[1] for k in req]),
+        "round_ptr": a(round_ptr),
+    }
