@@ -1,0 +1,49 @@
+"""``harts train`` / ``bench`` / ``compare`` take ``--model PATH`` (a transformers checkpoint)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harts.cli import main
+from tests.integrations._hf import make_hf_model
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    hf = make_hf_model("kimi_linear", vocab_size=256)
+    path = tmp_path / "kimi"
+    hf.save_pretrained(path)
+    return path
+
+
+def test_train_bench_compare_accept_checkpoint(checkpoint, tmp_path, capsys):
+    torch.set_num_threads(1)
+    out = tmp_path / "trained"
+    assert main(["train", "--model", str(checkpoint), "--workload", "tiny", "--steps", "1",
+                 "--capacity", "400", "--lr", "1e-2", "--save", str(out), "--json", str(tmp_path / "t.json")]) == 0
+    log = json.loads((tmp_path / "t.json").read_text())
+    assert log["steps"][0]["microbatches"] >= 2
+    # the trained weights come back as a transformers checkpoint that transformers loads
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    original = AutoModelForCausalLM.from_pretrained(checkpoint)
+    changed = [n for n, p in reloaded.named_parameters() if not torch.equal(p, original.state_dict()[n])]
+    assert changed, "training changed no weight"
+
+    assert main(["bench", "--model", str(checkpoint), "--workload", "tiny", "--steps", "1", "--no-warmup"]) == 0
+    assert "F/B/Grad" in capsys.readouterr().out
+    assert main(["compare", "--model", str(checkpoint), "--workload", "tiny", "--dtype", "float32"]) == 0
+    assert "gradients" in capsys.readouterr().out
+
+
+def test_checkpoint_vocab_too_small_is_an_error(tmp_path, capsys):
+    hf = make_hf_model("kimi_linear", vocab_size=64)
+    hf.save_pretrained(tmp_path / "small_vocab")
+    assert main(["bench", "--model", str(tmp_path / "small_vocab"), "--workload", "tiny", "--steps", "1"]) == 2
+    assert "needs vocab_size >= " in capsys.readouterr().err
