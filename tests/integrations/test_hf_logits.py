@@ -37,11 +37,14 @@ VARIANTS = [
                         rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})),
     ("kimi_linear", {}),  # low-rank gates, NoPE MLA, group routing
     ("kimi_linear", dict(q_lora_rank=12, mlp_layer_types=["dense", "dense", "sparse", "sparse"], n_group=1)),
+    ("qwen3_next", dict(num_experts_per_tok=1)),  # top-1 with normalized top-k: weight 1
 ]
 
 
 def _ids(v):
-    return f"{v[0]}-{'default' if not v[1] else 'variant'}"
+    if not v[1]:
+        return f"{v[0]}-default"
+    return f"{v[0]}-top1" if v[1].get("num_experts_per_tok") == 1 else f"{v[0]}-variant"
 
 
 @pytest.mark.parametrize("model_type,kw", VARIANTS, ids=[_ids(v) for v in VARIANTS])

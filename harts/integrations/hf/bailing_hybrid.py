@@ -55,8 +55,6 @@ def deepseek_moe_fields(hf_config: Any, problems: Problems) -> dict[str, Any]:
     if top_k is None:
         problems.add("num_experts_per_tok=None")
         top_k = 1
-    if num_experts and top_k == 1 and c.norm_topk_prob:
-        problems.add("num_experts_per_tok=1 with norm_topk_prob=True (harts' router normalizes only for top-k > 1)")
     problems.expect("hidden_act", c.hidden_act, "silu")
     out = dict(
         hidden_act="silu",

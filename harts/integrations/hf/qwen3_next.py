@@ -49,8 +49,6 @@ class Qwen3NextAdapter(HFAdapter):
         is_moe = [i not in only and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0 for i in range(L)]
         first_dense = dense_prefix(is_moe, "decoder_sparse_step / mlp_only_layers", p)
         num_experts = int(c.num_experts) if any(is_moe) else 0
-        if num_experts and c.num_experts_per_tok == 1 and c.norm_topk_prob:
-            p.add("num_experts_per_tok=1 with norm_topk_prob=True (harts' router normalizes only for top-k > 1)")
         shared = int(c.shared_expert_intermediate_size or 0)
         fields: dict[str, Any] = dict(
             layer_pattern="".join(letters.get(t, "G") for t in types),

@@ -65,7 +65,7 @@ class TopKRouter(nn.Module):
                 choice = grouped.masked_fill(~group_mask[..., None], -math.inf).reshape(t, -1)
             topk_idx = choice.topk(self.top_k, dim=-1, sorted=True).indices
         topk_w = scores.gather(1, topk_idx)
-        if self.norm_topk_prob and self.top_k > 1:
+        if self.norm_topk_prob:
             topk_w = topk_w / (topk_w.sum(-1, keepdim=True) + 1e-20)
         return logits, scores, topk_idx, topk_w * self.routed_scaling_factor
 
