@@ -3,9 +3,9 @@
     python -m harts.bench.calls_bench [--segments 1000000] [--json out.json]
 
 Part 1 plans forests of ``--segments`` segments of three shapes and prints, side by side from
-the same run, the level-vectorized planner (``impl="levels"``), the per-node planner
-(``impl="scalar"``, Algorithm 1 transcribed node by node: the baseline) and what
-``impl="auto"`` picks:
+the same run, the level-vectorized planner (``impl="levels"``), the per-internal-node planner
+(``impl="nodes"``), Algorithm 1 transcribed node by node (``impl="scalar"``: the baseline, run
+once) and what ``impl="auto"`` picks (best of ``--repeat`` runs for the others):
   * ``swe-tiled``: copies of one ``swe`` step's segment forest (real fork shapes);
   * ``random``: random recursive trees, heavy-tailed lengths, forks at kB-1, kB, kB+1;
   * ``deep``: Figure-8-like caterpillars (a long chain, one side leaf per fork).
@@ -14,7 +14,8 @@ worst case for level-wise processing.
 
 Part 2 splits one ``swe`` step into microbatches with the step planner (``plan_step``,
 ``--dp``, ``--capacity``), compacts each microbatch (setup, not timed), then times planning
-every microbatch and compares it with the time to compact the whole step.
+every microbatch and building every microbatch's physical layout (``build_layout``), and
+compares both with the time to compact the whole step.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 
 import numpy as np
 
-from harts.plan.calls import plan_calls, segment_depth
+from harts.plan.calls import forest_depth, plan_calls, segment_depth
 from harts.tree.segments import SegmentForest
 
 
@@ -150,12 +151,12 @@ def bench_forests(args: argparse.Namespace, swe_forest: SegmentForest | None) ->
         shapes.append(("deep-chain", caterpillars(rng, args.segments, b, spine=args.segments // 2)))
     rows = []
     for name, forest in shapes:
-        depth = int(segment_depth(forest.parent).max())
+        depth = int(forest_depth(forest).max())
         row = {"shape": name, "segments": forest.num_segments, "trees": forest.num_trees}
         plans = {}
-        for impl in ("auto", "levels", "scalar"):
+        for impl in ("auto", "levels", "nodes", "scalar"):
             if impl == "levels" and name == "deep-chain":
-                row["levels_s"] = None  # one numpy step per level: V/2 levels, not run
+                row["levels_s"] = None  # dozens of numpy calls per level, V/2 levels: not run
                 continue
             plan, sec = _best_of(lambda: plan_calls(forest, b, impl=impl), 1 if impl == "scalar" else args.repeat)
             row[f"{impl}_s"] = round(sec, 4)
@@ -168,7 +169,7 @@ def bench_forests(args: argparse.Namespace, swe_forest: SegmentForest | None) ->
         print(
             f"{name:>11}  V={row['segments']:>9,}  trees={row['trees']:>6,}  calls={p.num_calls}  "
             f"auto {row['auto_s']:.3f} s | levels {'-' if lv is None else f'{lv:.3f} s'} | "
-            f"scalar (baseline) {row['scalar_s']:.3f} s"
+            f"nodes {row['nodes_s']:.3f} s | scalar (baseline) {row['scalar_s']:.3f} s"
         )
     return rows
 
@@ -190,10 +191,11 @@ def bench_swe(args: argparse.Namespace) -> tuple[dict, SegmentForest]:
     plans, mb_s = _best_of(plan_all, args.repeat)
     from harts.plan.layout import build_layout
 
-    t0 = time.perf_counter()
-    for c, p in zip(mbs, plans):
-        build_layout(c, p)
-    layout_s = time.perf_counter() - t0
+    def layout_all():
+        for c, p in zip(mbs, plans):
+            build_layout(c, p)
+
+    _, layout_s = _best_of(layout_all, args.repeat)
     calls = np.bincount([p.num_calls for p in plans])
     res = {
         "workload": args.workload,
@@ -212,7 +214,8 @@ def bench_swe(args: argparse.Namespace) -> tuple[dict, SegmentForest]:
         "microbatch_segments": int(sum(c.segment_trees.num_segments for c in mbs)),
         "microbatch_plan_s": round(mb_s, 5),
         "plan_over_compact_pct": round(100 * mb_s / compact_s, 3),
-        "microbatch_layout_s": round(layout_s, 3),
+        "microbatch_layout_s": round(layout_s, 4),
+        "layout_over_compact_pct": round(100 * layout_s / compact_s, 3),
         "calls_histogram": {int(k): int(n) for k, n in enumerate(calls) if n},
     }
     print(
@@ -224,7 +227,11 @@ def bench_swe(args: argparse.Namespace) -> tuple[dict, SegmentForest]:
         f"{mb_s * 1e3:.1f} ms = {res['plan_over_compact_pct']:.2f}% of compaction "
         f"(whole step as one forest: {whole_s * 1e3:.1f} ms, {whole.num_calls} calls)"
     )
-    print(f"  calls per microbatch: {res['calls_histogram']}; build_layout for all: {layout_s:.2f} s")
+    print(
+        f"  build_layout for every microbatch: {layout_s * 1e3:.1f} ms = "
+        f"{res['layout_over_compact_pct']:.2f}% of compaction"
+    )
+    print(f"  calls per microbatch: {res['calls_histogram']}")
     return res, cb.segment_trees
 
 

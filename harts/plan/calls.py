@@ -285,7 +285,7 @@ def plan_calls(forest: SegmentForest, chunk_size: int, *, impl: str = "auto") ->
         raise ValueError(f"impl must be 'auto', 'levels', 'nodes' or 'scalar', got {impl!r}")
     v = forest.num_segments
     if v == 0:
-        return _assemble(forest, b, *(np.zeros(0, np.int64) for _ in range(6)))
+        return _assemble(forest, b, *(np.zeros(0, np.int64) for _ in range(7)))
     if impl == "scalar" or (impl == "auto" and v < SCALAR_MAX_SEGMENTS):
         return CallPlan(chunk_size=b, forest=forest, **plan_scalar(forest, b))
     if impl == "nodes":
@@ -392,7 +392,9 @@ def _plan_levels(forest: SegmentForest, b: int, depth: np.ndarray) -> CallPlan:
     head_s = order[to_seg(head)]
     ip = to_seg(init_prod)
     prod_s = np.where(ip >= 0, order[np.maximum(ip, 0)], -1)
-    return _assemble(forest, b, to_seg(tpre), to_seg(tin), head_s, to_seg(rnd), prod_s, to_seg(init_pos))
+    dep = depth[order]  # BFS positions -> depth
+    offset = to_seg(dep - dep[head])  # a chain has consecutive depths
+    return _assemble(forest, b, to_seg(tpre), to_seg(tin), head_s, to_seg(rnd), prod_s, to_seg(init_pos), offset)
 
 
 def _assemble(
@@ -404,12 +406,13 @@ def _assemble(
     rnd: np.ndarray,
     init_prod: np.ndarray,
     init_pos: np.ndarray,
+    offset: np.ndarray,
 ) -> CallPlan:
     """Build the CallPlan from per-segment results (segment ids; ``init_*`` valid on heads).
 
     ``head[v]``: first segment of v's sequence; ``rnd[v]``: its 0-based round;
     ``init_prod[h]``: head of the sequence exporting h's initial state (-1 zero state) and
-    ``init_pos[h]`` that state's position.
+    ``init_pos[h]`` that state's position; ``offset[v]``: v's place in its sequence.
     """
     v = forest.num_segments
     heads = np.flatnonzero(head == np.arange(v))
@@ -420,8 +423,8 @@ def _assemble(
     seg_seq = seq_of_head[head]
     seq_ptr = np.zeros(q + 1, dtype=np.int64)
     np.cumsum(np.bincount(seg_seq, minlength=q), out=seq_ptr[1:])
-    # a chain descends, and descendants have larger preorder ids: chain order is id order
-    seq_segments = np.argsort(_small_ints(seg_seq), kind="stable")
+    seq_segments = np.empty(v, dtype=np.int64)
+    seq_segments[seq_ptr[seg_seq] + offset] = np.arange(v)
     seq_round = rnd[heads]
     num_calls = int(seq_round.max()) + 1 if q else 0
     round_ptr = np.zeros(num_calls + 1, dtype=np.int64)

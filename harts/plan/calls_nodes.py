@@ -1,4 +1,4 @@
-"""Per-node Algorithm 1 (paper §3.3): the paths for deep and small forests, plus the reference.
+"""Per-node Algorithm 1 (paper §3.3): ``plan_calls(impl="nodes")`` and ``impl="scalar"``.
 
 ``plan_calls(impl="levels")`` spends a few dozen numpy calls per tree level, which is hopeless
 on a caterpillar thousands of levels deep. Here the two passes of Algorithm 1 walk *internal*
@@ -10,7 +10,10 @@ segments (leaves are settled in bulk with numpy) on plain Python lists:
         T_in(v)  = min(max(T_in(c), 2), 1 + T_pre(c))   if v has a leaf child, else T_in(c)
         T_pre(v) = T_in(v) if v crosses a chunk boundary (Eq. 11 fails), else T_pre(c).
     (Eqs. 12-14 with every other child's T_pre = 1.) In preorder a spine node's internal
-    child is the next internal segment, so spines need no child lookup at all.
+    child is the next internal segment, so spines need no child lookup at all. Recovery at
+    a spine node is likewise a closed form: leaves never exceed K_side >= 1, so the internal
+    child continues if it exceeds K_side, or if it comes first and fits K_round; otherwise
+    the first leaf does.
   * Recovery visits internal segments in preorder; a leaf child only needs to know whether it
     was chosen as the direct continuation, so the leaves' heads, rounds and initial-state
     sources are filled afterwards with one numpy gather per array.
@@ -22,7 +25,8 @@ dozen segments), where numpy's per-call overhead dominates.
 
 Shapes (V = segments, I = internal segments, indexed by *rank* = position among internal
 segments in preorder): per-rank lists tp, ti (T_pre, T_in), rdy, bud (K_round), rnd, hd
-(head rank); the result arrays are int64 [V] per segment (see ``plan_nodes``).
+(head rank), ofs (place in the sequence); the results are int64 [V] per segment (see
+``plan_nodes``).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
 
     Returns per segment (int64 [V]): t_pre, t_in, head (first segment of its sequence),
     round (0-based), init_prod (head of the sequence exporting the head's initial state,
-    -1 = zero state; valid on heads), init_pos (that state's trajectory position).
+    -1 = zero state; valid on heads), init_pos (that state's trajectory position), offset
+    (place in its sequence).
     """
     v = forest.num_segments
     ptr, kid, parent = forest.child_ptr, forest.child_idx, forest.parent
@@ -111,6 +116,7 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     bud = np.where(is_root, tpre_i, 0).tolist()
     rnd = [0] * n_int
     hd = list(range(n_int))
+    ofs = [0] * n_int  # place in the sequence
     ipr = [-1] * n_int
     ipo = [0] * n_int
     dirc = [0] * n_int  # chosen direct child (segment id)
@@ -155,6 +161,7 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
                 bud[c] = kr
                 rnd[c] = rnd[i]
                 hd[c] = h
+                ofs[c] = ofs[i] + 1
             else:  # the first leaf continues; the internal child starts a side sequence
                 if ks < 1:
                     raise AssertionError(_FAIL)
@@ -190,6 +197,7 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
                 bud[j] = kr
                 rnd[j] = rnd[i]
                 hd[j] = h
+                ofs[j] = ofs[i] + 1
             else:
                 bud[j] = ks
                 rnd[j] = rnd[i] + d
@@ -202,7 +210,7 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     def arr(x: list) -> np.ndarray:
         return np.array(x, dtype=np.int64)
 
-    hd_a, rnd_a, ipr_a, ipo_a, dl_a = arr(hd), arr(rnd), arr(ipr), arr(ipo), arr(dl)
+    hd_a, rnd_a, ipr_a, ipo_a, dl_a, ofs_a = arr(hd), arr(rnd), arr(ipr), arr(ipo), arr(dl), arr(ofs)
     tpre = np.ones(v, dtype=np.int64)
     tin = np.ones(v, dtype=np.int64)
     tpre[ids] = tpre_i
@@ -211,6 +219,8 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     head[ids] = ids[hd_a]
     rnd_s = np.zeros(v, dtype=np.int64)
     rnd_s[ids] = rnd_a
+    offset = np.zeros(v, dtype=np.int64)
+    offset[ids] = ofs_a
     init_prod = np.full(v, -1, dtype=np.int64)
     init_pos = np.zeros(v, dtype=np.int64)
     init_prod[ids] = np.where(ipr_a >= 0, ids[np.maximum(ipr_a, 0)], -1)
@@ -221,6 +231,7 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     hp = hd_a[p]
     head[leaves] = np.where(direct, ids[hp], leaves)
     rnd_s[leaves] = rnd_a[p] + np.where(direct, 0, dl_a[p])
+    offset[leaves] = np.where(direct, ofs_a[p] + 1, 0)
     # a side leaf of a same-round fork inherits its parent sequence's initial state, else
     # it requests S_{b_v} from that sequence
     same = dl_a[p] == 0
@@ -228,7 +239,7 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     side = ~direct
     init_prod[leaves] = np.where(side & (prod >= 0), ids[np.maximum(prod, 0)], -1)
     init_pos[leaves] = np.where(side, np.where(same, ipo_a[hp], arr(bv_l)[p]), 0)
-    return tpre, tin, head, rnd_s, init_prod, init_pos
+    return tpre, tin, head, rnd_s, init_prod, init_pos, offset
 
 
 # ------------------------------------------------------------------ line by line

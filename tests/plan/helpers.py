@@ -44,6 +44,41 @@ def random_forest_lists(
     return lengths, parents
 
 
+def spine_forest(rng: np.random.Generator, b: int, max_spine: int = 40) -> tuple[list[int], list[int]]:
+    """Caterpillar-like trees: long spines whose forks carry 0-3 leaves before and/or after
+    the continuing child, fork ends at kB-1, kB, kB+1 or inside a chunk, and now and then a
+    fork with two internal children (a nested caterpillar) or a leaf-only fork."""
+    lengths: list[int] = []
+    parents: list[int] = []
+    ends: list[int] = []
+
+    def add(par: int, start: int) -> int:
+        end = int(rng.choice(end_candidates(start, b)))
+        lengths.append(end - start)
+        parents.append(par)
+        ends.append(end)
+        return len(lengths) - 1
+
+    def spine(par: int, start: int, n: int) -> None:
+        u = add(par, start)
+        for i in range(n):
+            before, after = int(rng.integers(0, 3)), int(rng.integers(0, 2))
+            for _ in range(before):
+                add(u, ends[u])
+            if i > 0 and rng.random() < 0.1:  # a second internal child: a short nested spine
+                spine(u, ends[u], int(rng.integers(1, 4)))
+            nxt = add(u, ends[u])
+            for _ in range(after):
+                add(u, ends[u])
+            u = nxt
+        for _ in range(int(rng.integers(0, 3))):  # the spine ends in a leaf-only fork or a leaf
+            add(u, ends[u])
+
+    for _ in range(int(rng.integers(1, 3))):
+        spine(-1, 0, int(rng.integers(1, max_spine)))
+    return lengths, parents
+
+
 @st.composite
 def forests(draw, max_segments: int = 10, max_fanout: int = 6, max_trees: int = 3):
     """(forest, B): small forests whose forks sit at kB-1, kB, kB+1 and inside chunks."""

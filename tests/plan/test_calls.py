@@ -12,7 +12,7 @@ import harts
 from harts.plan.calls import CallPlan, forest_depth, mandatory_replay, plan_calls, ranges_to_indices, segment_depth
 from harts.plan.tree_file import parse_tree
 from harts.tree.segments import SegmentForest
-from tests.plan.helpers import brute_force_calls, check_plan, end_candidates, eq15, forests, random_forest_lists
+from tests.plan.helpers import brute_force_calls, check_plan, eq15, forests, random_forest_lists, spine_forest
 
 
 def forest_of(segs: list[tuple[str, int, str | None]]) -> SegmentForest:
@@ -98,41 +98,6 @@ def test_deep_caterpillar():
     assert_same_plan(plan, plan_calls(forest, 64, impl="nodes"))
     np.testing.assert_array_equal(segment_depth(forest.parent), forest.depth())
     np.testing.assert_array_equal(forest_depth(forest), forest.depth())
-
-
-def spine_forest(rng: np.random.Generator, b: int) -> tuple[list[int], list[int]]:
-    """Caterpillar-like trees: long spines whose forks carry 0-3 leaves before and/or after
-    the continuing child, fork ends at kB-1, kB, kB+1 or inside a chunk, and now and then a
-    fork with two internal children (a nested caterpillar) or a leaf-only fork."""
-    lengths: list[int] = []
-    parents: list[int] = []
-    ends: list[int] = []
-
-    def add(par: int, start: int) -> int:
-        end = int(rng.choice(end_candidates(start, b)))
-        lengths.append(end - start)
-        parents.append(par)
-        ends.append(end)
-        return len(lengths) - 1
-
-    def spine(par: int, start: int, n: int) -> None:
-        u = add(par, start)
-        for i in range(n):
-            before, after = int(rng.integers(0, 3)), int(rng.integers(0, 2))
-            for _ in range(before):
-                add(u, ends[u])
-            if i > 0 and rng.random() < 0.1:  # a second internal child: a short nested spine
-                spine(u, ends[u], int(rng.integers(1, 4)))
-            nxt = add(u, ends[u])
-            for _ in range(after):
-                add(u, ends[u])
-            u = nxt
-        for _ in range(int(rng.integers(0, 3))):  # the spine ends in a leaf-only fork or a leaf
-            add(u, ends[u])
-
-    for _ in range(int(rng.integers(1, 3))):
-        spine(-1, 0, int(rng.integers(1, 40)))
-    return lengths, parents
 
 
 @pytest.mark.parametrize("seed", range(60))

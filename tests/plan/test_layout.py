@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import harts
 from harts.plan.calls import plan_calls
 from harts.plan.layout import build_layout
-from tests.plan.helpers import random_forest_lists
+from tests.plan.helpers import random_forest_lists, spine_forest
 
 
 def batch_from_forest(rng: np.random.Generator, lengths: list[int], parents: list[int]) -> harts.RolloutBatch:
@@ -180,6 +180,18 @@ def test_layout_properties(cbb, pad_to, no_replay):
     else:
         assert all((r.is_output).all() for r in lay.rounds)
         assert lay.num_calls >= plan.num_calls
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_layout_on_spine_forests(seed):
+    """Long spines with side leaves and nested spines: deep sequence trees, whose ancestor
+    ranges (view a), replay rows and parent rows cross several sequences."""
+    rng = np.random.default_rng(100 + seed)
+    b = int(rng.choice([2, 3, 4]))
+    cb = harts.compact(batch_from_forest(rng, *spine_forest(rng, b, max_spine=15)))
+    plan = plan_calls(cb.segment_trees, b, impl="nodes")
+    for pad_to, no_replay in ((1, False), (4, False), (1, True), (3, True)):
+        check_layout(cb, build_layout(cb, plan, pad_to=pad_to, no_replay=no_replay), b, pad_to, no_replay)
 
 
 def test_multiple_trees_share_rounds():
