@@ -185,3 +185,19 @@ def test_g_shape_is_checked():
     q, k, v, g, beta = make_inputs(16, 2, 4, 4, "kda")
     with pytest.raises(ValueError, match="g must be"):
         chunk_linear_attn(q, k, v, g[..., :3], beta, cu_seqlens=torch.tensor([0, 16]))
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_tokens_without_decay_keep_exact_gradients(kind):
+    """g = 0 rows make in-chunk decay differences exactly 0, the edge of the clamp in the op."""
+    T, H, K, V, B = 65, 2, 8, 8, 32
+    inputs = make_inputs(T, H, K, V, kind)
+    inputs[3][::3] = 0.0
+    inputs[3][40:50] = 0.0
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    cu = torch.tensor([0, 65])
+    out = chunk_linear_attn(*leaves, cu_seqlens=cu, chunk_size=B)[:2]
+    ref = naive_recurrent_linear_attn(*leaves, cu_seqlens=cu)[:2]
+    w = [torch.randn_like(r) for r in ref]
+    for a, b in zip(torch.autograd.grad(weighted_loss(out, w), leaves), torch.autograd.grad(weighted_loss(ref, w), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)

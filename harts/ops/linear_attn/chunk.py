@@ -91,8 +91,8 @@ def chunk_linear_attn(
     Gk = G[..., None] if spec.scalar_decay else G
     G_end = Gk[:, :, -1:]  # [n, H, 1, K or 1]
 
-    M = b_c[..., None] * _decayed_scores(k_c, k_c, G, strict=True)  # [n, H, B, B]
-    A = _decayed_scores(q_c, k_c, G, strict=False)
+    kk, A = _decayed_scores(k_c, q_c, k_c, G)  # [n, H, B, B] each
+    M = b_c[..., None] * kk
     eye = torch.eye(B, dtype=dt, device=dev)
     rhs = b_c[..., None] * torch.cat([k_c * Gk.exp(), v_c], dim=-1)
     WU = torch.linalg.solve_triangular(eye + M, rhs, upper=False, unitriangular=True)
@@ -200,34 +200,43 @@ class _ChunkTable:
         self.req_inverse = torch.argsort(as_index(groups[0] + groups[1] + groups[2]))
 
 
-def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, *, strict: bool) -> torch.Tensor:
-    """scores[.., t, s] = sum_c a_t[c] b_s[c] exp(G_t[c] - G_s[c]) for s < t (strict) or s <= t, else 0.
+def _decayed_scores(
+    a: torch.Tensor, a2: torch.Tensor, b: torch.Tensor, G: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-chunk decayed scores for two query-side tensors sharing one decay computation.
 
-    a, b: [n, H, B, K]; G: [n, H, B, K] (per channel) or [n, H, B] (scalar); returns [n, H, B, B].
-    Every exponent evaluated is <= 0, so nothing overflows in float32 (exp(G_t) * exp(-G_s)
-    would). Per-channel decay uses fla's sub-block scheme: explicit pairwise decays inside each
-    diagonal SUB_BLOCK x SUB_BLOCK block, and for earlier blocks the factorisation through the
-    first row r of the query's block, exp(G_t - G_r) * exp(G_r - G_s), both factors <= 1.
+    scores[.., t, s] = sum_c x_t[c] b_s[c] exp(G_t[c] - G_s[c]); returned for x = a masked to
+    s < t (strict: the delta-rule system) and for x = a2 masked to s <= t (the output scores).
+    a, a2, b: [n, H, B, K]; G: [n, H, B, K] (per channel) or [n, H, B] (scalar); returns two
+    [n, H, B, B]. Exponents are clamped at 0 and the invisible pairs masked out of the result,
+    so every exp is <= 1 and nothing overflows in float32 (exp(G_t) * exp(-G_s) would).
+    Per-channel decay uses fla's sub-block scheme: explicit pairwise decays inside each diagonal
+    SUB_BLOCK x SUB_BLOCK block, and for earlier blocks the factorisation through the first row
+    r of the query's block, exp(G_t - G_r) * exp(G_r - G_s), both factors <= 1.
     """
     B = a.shape[-2]
     idx = torch.arange(B, device=a.device)
-    visible = idx[:, None] > idx[None, :] if strict else idx[:, None] >= idx[None, :]
+    strict, incl = idx[:, None] > idx[None, :], idx[:, None] >= idx[None, :]
     if G.dim() == a.dim() - 1:
-        decay = torch.where(visible, G[..., :, None] - G[..., None, :], float("-inf")).exp()
-        return (a @ b.transpose(-1, -2)) * decay
+        decay = (G[..., :, None] - G[..., None, :]).clamp(max=0).exp()
+        bt = b.transpose(-1, -2)
+        return (a @ bt) * decay * strict, (a2 @ bt) * decay * incl
 
     c = SUB_BLOCK if B % SUB_BLOCK == 0 else B
     nb = B // c
-    a_blk, b_blk, G_blk = (x.unflatten(-2, (nb, c)) for x in (a, b, G))  # [n, H, nb, c, K]
-    local = visible[:c, :c]
-    pair = torch.where(local[..., None], G_blk[..., :, None, :] - G_blk[..., None, :, :], float("-inf"))
-    diag = torch.einsum("...tk,...sk,...tsk->...ts", a_blk, b_blk, pair.exp())  # [n, H, nb, c, c]
+    a_blk, a2_blk, b_blk, G_blk = (x.unflatten(-2, (nb, c)) for x in (a, a2, b, G))  # [n, H, nb, c, K]
+    pair = (G_blk[..., :, None, :] - G_blk[..., None, :, :]).clamp(max=0).exp()  # [n, H, nb, c, c, K]
+    b_pair = b_blk[..., None, :, :] * pair
+    diag = [torch.einsum("...tk,...tsk->...ts", x, b_pair) for x in (a_blk, a2_blk)]  # [n, H, nb, c, c]
 
     G_ref = G_blk[..., :, :1, :]  # first row of each block: [n, H, nb, 1, K]
-    a_ref = a_blk * (G_blk - G_ref).exp()
     earlier = idx[None, :] < (torch.arange(nb, device=a.device) * c)[:, None]  # [nb, B]
-    b_ref = b[..., None, :, :] * torch.where(earlier[..., None], G_ref - G[..., None, :, :], float("-inf")).exp()
-    off = a_ref @ b_ref.transpose(-1, -2)  # [n, H, nb, c, B]; zero for s in or after the block
+    b_ref = b[..., None, :, :] * (G_ref - G[..., None, :, :]).clamp(max=0).exp()  # [n, H, nb, B, K]
+    q_decay = (G_blk - G_ref).exp()  # <= 1: rows at or after their block's first row
     eye = torch.eye(nb, dtype=a.dtype, device=a.device)
-    diag_full = torch.einsum("...its,ij->...itjs", diag, eye).flatten(-2)  # [n, H, nb, c, B]
-    return (off + diag_full).flatten(-3, -2)
+    out = []
+    for x, d, mask in ((a_blk, diag[0], strict), (a2_blk, diag[1], incl)):
+        off = ((x * q_decay) @ b_ref.transpose(-1, -2)) * earlier[:, None, :]  # [n, H, nb, c, B]
+        diag_full = torch.einsum("...its,ij->...itjs", d * mask[:c, :c], eye).flatten(-2)
+        out.append((off + diag_full).flatten(-3, -2))
+    return out[0], out[1]
