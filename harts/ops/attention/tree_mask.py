@@ -27,9 +27,9 @@ from harts.ops.attention.core import attend, check_qkv
 __all__ = ["tree_mask_attention", "tree_visibility"]
 
 
-def tree_visibility(tree_pre_q: torch.Tensor, tree_end_q: torch.Tensor, tree_pre_kv: torch.Tensor, tree_end_kv: torch.Tensor) -> torch.Tensor:
-    """bool [Lq, Lkv]: the tree mask between query rows and kv rows (padding: self only via the caller)."""
-    del tree_end_q
+def tree_visibility(tree_pre_q: torch.Tensor, tree_pre_kv: torch.Tensor, tree_end_kv: torch.Tensor) -> torch.Tensor:
+    """bool [Lq, Lkv]: kv row j is an ancestor-or-self of query row i (padding rows: nothing;
+    the caller adds each padding row's view of itself)."""
     pq, pk = tree_pre_q[:, None], tree_pre_kv[None, :]
     return (pk <= pq) & (pq < tree_end_kv[None, :]) & (pk >= 0) & (pq >= 0)
 
@@ -103,7 +103,7 @@ def _dense(q, k, v, pre, end, scale: float, row_chunk: int) -> torch.Tensor:
 
 
 def _dense_chunk(q, k, v, pre, end, rows, cand, scale: float) -> torch.Tensor:
-    mask = tree_visibility(pre[rows], end[rows], pre[cand], end[cand]) | (rows[:, None] == cand[None, :])
+    mask = tree_visibility(pre[rows], pre[cand], end[cand]) | (rows[:, None] == cand[None, :])
     return attend(q[rows], k[cand], v[cand], mask, scale)
 
 
