@@ -95,7 +95,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], mode: str, *, recompute: bool,
-              attention: str, plan_seconds: float, warmup: bool) -> BenchSide:
+              attention: str, plan_seconds: float, warmup: bool, la_backend: str) -> BenchSide:
     device = model.embed_tokens.weight.device
     normalizer = grpo_normalizer(batch)
     z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
@@ -107,7 +107,8 @@ def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], mod
     prep_seconds = time.perf_counter() - t0 if mode == "compact" else 0.0
 
     def one(sub: RolloutBatch, inputs) -> dict:  # noqa: ANN001
-        out = model(inputs, mode=mode, recompute=recompute, attention=attention, fused_logprobs=True)
+        out = model(inputs, mode=mode, recompute=recompute, attention=attention, fused_logprobs=True,
+                    linear_attention_backend=la_backend)
         loss = grpo_loss(out.logprobs, sub, normalizer=normalizer).loss
         if out.moe_losses is not None:
             loss = loss + (sub.num_tokens / batch.num_tokens) * out.moe_objective(z_coef, aux_coef)
@@ -137,7 +138,7 @@ def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], mod
 
 
 def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int = 0, recompute: bool = False,
-               attention: str = "gather", warmup: bool = True) -> StepBench:
+               attention: str = "gather", warmup: bool = True, la_backend: str = "reference") -> StepBench:
     """Time one step both ways on ``model`` (its weights are not changed)."""
     batch = replace(batch, old_logprobs=None, ref_logprobs=None)
     t0 = time.perf_counter()
@@ -145,8 +146,8 @@ def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int
     plan_seconds = time.perf_counter() - t0
     groups = [plan.microbatches[k] for k in np.argsort(plan.slot, kind="stable")]
     baseline = _run_side(model, batch, pack_raw(batch, capacity), "trajectory", recompute=recompute,
-                         attention=attention, plan_seconds=0.0, warmup=warmup)
+                         attention=attention, plan_seconds=0.0, warmup=warmup, la_backend=la_backend)
     harts = _run_side(model, batch, groups, "compact", recompute=recompute, attention=attention,
-                      plan_seconds=plan_seconds, warmup=warmup)
+                      plan_seconds=plan_seconds, warmup=warmup, la_backend=la_backend)
     return StepBench(step=step, paths=batch.num_trajectories, raw_tokens=batch.num_tokens,
                      baseline=baseline, harts=harts)

@@ -24,6 +24,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float3
     p.add_argument("--pattern", default=None, help="override a preset's layer pattern, e.g. KKKM")
     p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "auto"],
+                   help="linear-attention core: torch reference, fla-core (CUDA), or auto; default reference")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads on CPU; default 1, 0 = torch's default")
 

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
                   f"recompute {'on' if args.recompute else 'off'}", flush=True)
         r = bench_step(model, batch, capacity=args.capacity, step=step, recompute=args.recompute,
-                       attention=args.attention, warmup=not args.no_warmup)
+                       attention=args.attention, warmup=not args.no_warmup, la_backend=args.la_backend)
         results.append(r)
         print(f"step {step}: baseline {r.baseline.train_seconds:.3f} s, harts {r.harts.train_seconds:.3f} s "
               f"(+{r.harts.plan_seconds:.3f} s planning): F/B/Grad {r.fbg_speedup:.2f}x", flush=True)

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     vocab = max(int(first.tokens.max()) + 1, first.vocab_size or 0)
     model = build_model(args, vocab)
     cfg = TrainConfig(capacity=args.capacity, mode=args.mode, recompute=args.recompute,
-                      attention=args.attention, lr=args.lr, kl_coef=args.kl_coef)
+                      attention=args.attention, lr=args.lr, kl_coef=args.kl_coef,
+                      linear_attention_backend=args.la_backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     if rank == 0:
         print(f"model {args.model}: {model.config.layer_pattern} x hidden {model.config.hidden_size}, "

@@ -153,6 +153,7 @@ class HybridLM(nn.Module):
         attention: str = "gather",
         no_replay: bool = False,
         fused_logprobs: bool | None = None,
+        linear_attention_backend: str = "reference",
     ) -> ModelOutput:
         """Run ``inputs`` in ``mode`` (module docstring).
 
@@ -160,6 +161,9 @@ class HybridLM(nn.Module):
         never [S, V]). Default: True in compact mode; False in trajectory mode, whose plain
         ``log_softmax`` over [S - N, V] is the oracle — benchmarks pass True there so the
         baseline is not charged for a cross-entropy no real trainer would materialize.
+
+        ``linear_attention_backend``: "reference" (torch, any device), "fla" (fla-core on
+        CUDA) or "auto" (fla when available); both modes use the same backend.
         """
         if fused_logprobs is None:
             fused_logprobs = mode == "compact"
@@ -171,7 +175,7 @@ class HybridLM(nn.Module):
 
             batch = inputs.batch if isinstance(inputs, (CompactBatch, CompactInputs)) else inputs
             self._check_batch(batch)
-            ctx: RowContext = TrajectoryContext(batch, self.config.chunk_size, device)
+            ctx: RowContext = TrajectoryContext(batch, self.config.chunk_size, device, la_backend=linear_attention_backend)
             tokens = torch.as_tensor(batch.tokens, device=device)
             info: dict[str, Any] = {"mode": "trajectory", "rows": batch.num_tokens, "calls": 1, "replay_rows": 0}
         elif mode == "compact":
@@ -181,7 +185,7 @@ class HybridLM(nn.Module):
                 inputs = self.prepare_compact(inputs.cb if isinstance(inputs, CompactInputs) else inputs, no_replay=no_replay)
             batch = inputs.batch
             self._check_batch(batch)
-            ctx = CompactContext(inputs.layout, attention=attention, device=device)
+            ctx = CompactContext(inputs.layout, attention=attention, device=device, la_backend=linear_attention_backend)
             tokens = torch.as_tensor(inputs.layout.tokens, device=device)
             info = {
                 "mode": "compact",

@@ -44,6 +44,8 @@ class TrainConfig:
     mode: str = "compact"
     recompute: bool = False
     attention: str = "gather"
+    #: linear-attention core: "reference", "fla" (CUDA) or "auto"
+    linear_attention_backend: str = "reference"
     lr: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -125,7 +127,8 @@ def accumulate_step_gradients(model: HybridLM, batch: RolloutBatch, cfg: TrainCo
         tp = time.perf_counter()
         inputs = model.prepare_compact(sub) if cfg.mode == "compact" else sub
         prepare_seconds += time.perf_counter() - tp
-        out = model(inputs, mode=cfg.mode, recompute=cfg.recompute, attention=cfg.attention)
+        out = model(inputs, mode=cfg.mode, recompute=cfg.recompute, attention=cfg.attention,
+                    linear_attention_backend=cfg.linear_attention_backend)
         loss = grpo_loss(out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction,
                          normalizer=normalizer).loss
         total = loss

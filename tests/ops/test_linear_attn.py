@@ -201,3 +201,15 @@ def test_tokens_without_decay_keep_exact_gradients(kind):
     w = [torch.randn_like(r) for r in ref]
     for a, b in zip(torch.autograd.grad(weighted_loss(out, w), leaves), torch.autograd.grad(weighted_loss(ref, w), leaves)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_backend_dispatch_on_cpu():
+    from harts.ops.linear_attn import chunk_linear_attn, linear_attn_op
+
+    cpu = torch.device("cpu")
+    assert linear_attn_op("reference", cpu) is chunk_linear_attn
+    assert linear_attn_op("auto", cpu) is chunk_linear_attn
+    with pytest.raises(ValueError, match="'fla' needs a CUDA device"):
+        linear_attn_op("fla", cpu)
+    with pytest.raises(ValueError, match="must be one of"):
+        linear_attn_op("triton", cpu)

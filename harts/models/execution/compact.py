@@ -51,7 +51,11 @@ class RoundTensors:
 
 
 class CompactContext(RowContext):
-    def __init__(self, layout, *, attention: str = "gather", device: torch.device) -> None:  # noqa: ANN001
+    def __init__(self, layout, *, attention: str = "gather", device: torch.device,  # noqa: ANN001
+                 la_backend: str = "reference") -> None:
+        from harts.ops.linear_attn import linear_attn_op
+
+        self.la_op = linear_attn_op(la_backend, device)
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
         self.layout = layout
@@ -99,8 +103,6 @@ class CompactContext(RowContext):
         return tree_causal_conv1d(x_TD, weight_DW, self._ancestors[k], bias_D, activation=activation)
 
     def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
-        from harts.ops.linear_attn import chunk_linear_attn
-
         h, kd, vd = q_THK.shape[1], q_THK.shape[2], v_THV.shape[2]
         states: list[torch.Tensor | None] = [None] * self.num_boundary_states
         out_rows, out_vals = [], []
@@ -110,7 +112,7 @@ class CompactContext(RowContext):
             if (r.init_state >= 0).any():
                 zero = q_THK.new_zeros(h, kd, vd)
                 init = torch.stack([states[i] if i >= 0 else zero for i in r.init_state.tolist()])
-            o, _, req = chunk_linear_attn(
+            o, _, req = self.la_op(
                 q_THK[idx],
                 k_THK[idx],
                 v_THV[idx],

@@ -20,7 +20,12 @@ __all__ = ["TrajectoryContext"]
 
 
 class TrajectoryContext(RowContext):
-    def __init__(self, batch: RolloutBatch, chunk_size: int, device: torch.device) -> None:
+    def __init__(
+        self, batch: RolloutBatch, chunk_size: int, device: torch.device, la_backend: str = "reference"
+    ) -> None:
+        from harts.ops.linear_attn import linear_attn_op
+
+        self.la_op = linear_attn_op(la_backend, device)
         offsets = batch.offsets
         self.num_rows = batch.num_tokens
         self.chunk_size = chunk_size
@@ -35,9 +40,7 @@ class TrajectoryContext(RowContext):
         return causal_conv1d_varlen(x_TD, weight_DW, self.cu_seqlens, bias=bias_D, activation=activation)
 
     def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
-        from harts.ops.linear_attn import chunk_linear_attn
-
-        o, _, _ = chunk_linear_attn(
+        o, _, _ = self.la_op(
             q_THK, k_THK, v_THV, g, beta_TH, cu_seqlens=self.cu_seqlens, chunk_size=self.chunk_size, scale=scale
         )
         return o

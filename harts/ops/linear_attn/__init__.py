@@ -7,7 +7,14 @@ the token-by-token oracle, and `fla_chunk_linear_attn` the CUDA fast path over f
 from __future__ import annotations
 
 from harts.ops.linear_attn.chunk import chunk_linear_attn
+from harts.ops.linear_attn.dispatch import LINEAR_ATTN_BACKENDS, linear_attn_op
 from harts.ops.linear_attn.fla import fla_chunk_linear_attn
 from harts.ops.linear_attn.naive import naive_recurrent_linear_attn
 
-__all__ = ["chunk_linear_attn", "fla_chunk_linear_attn", "naive_recurrent_linear_attn"]
+__all__ = [
+    "LINEAR_ATTN_BACKENDS",
+    "chunk_linear_attn",
+    "fla_chunk_linear_attn",
+    "linear_attn_op",
+    "naive_recurrent_linear_attn",
+]

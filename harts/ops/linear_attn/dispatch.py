@@ -1,0 +1,35 @@
+"""Backend choice for the linear-attention core: the torch reference or fla-core on CUDA.
+
+Both implement one contract (``chunk_linear_attn``'s signature: packed sequences, initial
+states, requested boundary states, all differentiable), so executors pick by name:
+
+    "reference"  ``chunk_linear_attn`` (any device; the numerics every test checks)
+    "fla"        ``fla_chunk_linear_attn`` (CUDA + fla-core; an error elsewhere)
+    "auto"       "fla" on CUDA when fla-core imports, else "reference"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from harts.ops.linear_attn.chunk import chunk_linear_attn
+from harts.ops.linear_attn.fla import fla_available, fla_chunk_linear_attn
+
+__all__ = ["LINEAR_ATTN_BACKENDS", "linear_attn_op"]
+
+LINEAR_ATTN_BACKENDS = ("reference", "fla", "auto")
+
+
+def linear_attn_op(backend: str, device: torch.device) -> Callable:
+    """The operator for ``backend`` on ``device`` (see the module docstring)."""
+    if backend not in LINEAR_ATTN_BACKENDS:
+        raise ValueError(f"linear-attention backend must be one of {LINEAR_ATTN_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "fla" if device.type == "cuda" and fla_available() else "reference"
+    if backend == "reference":
+        return chunk_linear_attn
+    if device.type != "cuda" or not fla_available():
+        raise ValueError("linear-attention backend 'fla' needs a CUDA device and fla-core (pip install harts[gpu])")
+    return fla_chunk_linear_attn
