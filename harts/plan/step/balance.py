@@ -1,77 +1,234 @@
-"""Work-neutral balancing of the selected grouping (an extension beyond paper §3.2).
+"""Work-neutral rebalancing of the selected grouping (an extension beyond paper §3.2).
 
 J (Eq. 4) ranks plans by total work first; its second and third components (slot-critical
 and replica-cumulative work) only break ties. On workloads whose trajectories are long
 relative to T, the compact-work-best grouping leaves a tail of light microbatches, and
-sorted blocks of D then pair unequal works. This pass moves single trajectories between
-microbatches without increasing total compact work: moving x from A to B changes the
-total by ``s(x, A - x) - s(x, B)`` (Eq. 10 both ways), so only moves with
-``s(x, B) >= s(x, A - x)`` qualify. Each round applies a set of moves touching disjoint
-microbatches that most reduce ``sum_k w_k**2`` (equal works are what sorted blocks of D
-need), reschedules, and keeps the round only if J strictly improves lexicographically.
-K, coverage, nonemptiness and capacity are preserved.
+sorted blocks of D then pair unequal works. Two passes fix that without ever raising
+total work, and the result is kept only when J improves (``planner.py`` checks):
 
-Shapes (N = trajectories, K = microbatches, X = donor trajectories):
-    owner int64 [N]; work int64 [K]; s_XK int64 [X, K] shared prefix of donor x with group k
+1. *Merging*: the 2D lightest microbatches are paired lightest-with-heaviest and each pair
+   merged, when every merged pair fits T; K drops by D (stays DP-compatible) and the total
+   drops by the prefix each pair shares (Eq. 5; never negative). Repeated while it fits.
+2. *Piece moves*: a piece S of microbatch A is a run of A's sorted members whose internal
+   adjacent LCPs all exceed a fork level of A (a subtree below one of A's two lowest
+   forks, or a single trajectory). If S's sorted range holds no member of B, moving it
+   changes the works exactly by (Eq. 5/10)
+
+       w_A -= C(S) - s_A,   w_B += C(S) - s_B,   total += s_A - s_B
+
+   with ``s_A`` (``s_B``) the longest prefix S shares with A - S (with B). Only moves with
+   ``s_B >= s_A`` qualify (work-neutral or better). Each round scores the candidates by the
+   schedule they produce (J's slot-critical sum over sorted blocks of D, exactly, batched)
+   and applies the best one that lowers (total, slot-critical, sum of squared works).
+
+K (after merging), coverage, nonemptiness and capacity are preserved.
+
+Shapes (N = trajectories, K = microbatches, P = pieces, C = scored (piece, destination) pairs):
+    owner int64 [N]; work int64 [K]
+    lo_P, hi_P int64 [P]  first and last sorted position of each piece; src_P its microbatch
+    cw_P int64 [P] C(S); sa_P int64 [P] s_A
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from harts.plan.step.greedy import Grouping
 from harts.plan.step.objective import PrefixCost
 from harts.plan.step.schedule import build_schedule
 
-__all__ = ["balance"]
+__all__ = ["balance", "merge_light", "pieces"]
 
 
-def _round(cost: PrefixCost, owner: np.ndarray, capacity: int) -> np.ndarray | None:
-    grp = Grouping(cost, owner)
-    work = grp.work
-    k = work.size
-    size = np.bincount(owner, minlength=k)
-    own = cost.neighbour_shared(owner)
-    mean = work.mean()
-    donors = np.flatnonzero((size[owner] > 1) & (work[owner] > mean))
-    if donors.size == 0:
-        return None
-    s_XK = np.stack([grp.shared(int(x)) for x in donors])
-    a = owner[donors]
-    length = cost.length[donors]
-    delta = own[donors][:, None] - s_XK  # total-work change, must be <= 0
-    wa = (work[a] - (length - own[donors]))[:, None]
-    wb = work[None, :] + length[:, None] - s_XK
-    ok = (delta <= 0) & (wb <= capacity) & (np.arange(k)[None, :] != a[:, None])
-    dvar = wa.astype(np.float64) ** 2 + wb.astype(np.float64) ** 2 - work[a][:, None] ** 2.0 - work[None, :] ** 2.0
-    ok &= dvar < 0
-    xi, bi = np.nonzero(ok)
-    if xi.size == 0:
-        return None
-    order = np.lexsort((dvar[xi, bi], delta[xi, bi]))
-    used = np.zeros(k, dtype=bool)
-    new = owner.copy()
-    moved = 0
-    for t in order:
-        x, b = int(donors[xi[t]]), int(bi[t])
-        src = int(owner[x])
-        if used[src] or used[b]:
+def merge_light(cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int) -> np.ndarray:
+    """Merge the 2D lightest microbatches pairwise (lightest with heaviest) while all fit T."""
+    owner = np.asarray(owner, dtype=np.int64).copy()
+    while True:
+        work = cost.works(owner)
+        k = work.size
+        if k < 2 * dp:
+            return owner
+        light = np.argsort(work, kind="stable")[: 2 * dp]
+        a, b = light[:dp], light[::-1][:dp]
+        trial = owner.copy()
+        remap = np.arange(k)
+        remap[b] = a
+        trial = remap[trial]
+        merged = cost.works(trial, k)[a]
+        if np.any(merged > capacity):
+            return owner
+        _, owner = np.unique(trial, return_inverse=True)
+        owner = owner.astype(np.int64)
+
+
+def pieces(cost: PrefixCost, owner: np.ndarray, levels: int = 2) -> tuple[np.ndarray, ...]:
+    """(lo_P, hi_P, src_P, cw_P, sa_P, first_P, last_P): subtrees below each microbatch's
+    ``levels`` lowest forks (first/last index the members' (owner, position) order).
+
+    Singletons are always included; a piece equal to its whole microbatch is not.
+    """
+    n = cost.n
+    by = np.lexsort((np.arange(n), owner))
+    g = owner[by]
+    k = int(g.max()) + 1
+    starts = np.searchsorted(g, np.arange(k + 1))
+    lcp = np.zeros(n + 1, dtype=np.int64)  # lcp[i] = LCP(by[i-1], by[i]) inside a group, else -1
+    same = g[1:] == g[:-1]
+    lcp[1:n] = np.where(same, cost.lcp(by[:-1], by[1:]), -1)
+    lcp[0] = lcp[n] = -1
+    out_lo, out_hi, out_src, out_sa, out_first, out_last = [], [], [], [], [], []
+    for a in range(k):
+        s, e = int(starts[a]), int(starts[a + 1])
+        if e - s < 2:
             continue
-        used[src] = used[b] = True
-        new[x] = b
-        moved += 1
-    return new if moved else None
+        inner = lcp[s + 1 : e]
+        for v in np.unique(inner)[:levels]:
+            cut = np.flatnonzero(inner <= v) + 1
+            bounds = np.concatenate([[0], cut, [e - s]])
+            for i0, i1 in zip(bounds[:-1], bounds[1:]):
+                if i1 - i0 == e - s or i1 - i0 == 1:
+                    continue
+                out_first.append(s + i0)
+                out_last.append(s + i1 - 1)
+    single = np.flatnonzero(np.diff(starts)[g] > 1)  # index into ``by`` of every singleton piece
+    first = np.concatenate([np.asarray(out_first, dtype=np.int64), single])
+    last = np.concatenate([np.asarray(out_last, dtype=np.int64), single])
+    left = np.maximum(lcp[first], 0)
+    right = np.maximum(lcp[last + 1], 0)
+    lo, hi = by[first], by[last]
+    src = g[first]
+    # members of a piece are consecutive in ``by``: C(S) from prefix sums of length and lcp
+    len_prefix = np.concatenate([[0], np.cumsum(cost.length[by])])
+    lcp_prefix = np.concatenate([[0], np.cumsum(np.maximum(lcp[:n], 0))])
+    cw = len_prefix[last + 1] - len_prefix[first] - (lcp_prefix[last + 1] - lcp_prefix[first + 1])
+    return lo, hi, src, cw, np.maximum(left, right), first, last
 
 
-def balance(cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int, rounds: int) -> np.ndarray:
-    """Up to ``rounds`` work-neutral balancing rounds; returns the best grouping under J."""
-    owner = best = np.asarray(owner, dtype=np.int64)
-    best_j = build_schedule(cost.works(owner), dp)[2]
-    for _ in range(rounds):
-        owner = _round(cost, owner, capacity)
-        if owner is None:
+def _slot_critical(w_CK: np.ndarray, dp: int) -> np.ndarray:
+    """Sum over sorted blocks of D of the block maximum, for every row."""
+    s = -np.sort(-w_CK, axis=1)
+    return s[:, ::dp].sum(axis=1)
+
+
+def _move_round(
+    cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int, limit: int, per_round: int, window: int = 16
+) -> list[np.ndarray]:
+    """Improving moves of one round: the best first, then up to ``per_round`` disjoint ones.
+
+    Returns a list of groupings to try in order (the multi-move one first, the single best
+    move second); empty when no scored move improves (total, slot-critical, sum w**2).
+    """
+    n = cost.n
+    work = cost.works(owner)
+    k = work.size
+    lo, hi, src, cw, sa, _, _ = pieces(cost, owner)
+    if lo.size == 0:
+        return []
+    stride = n + 1
+    keys = np.sort(owner * stride + np.arange(n))
+    m = keys.size
+    # destinations: microbatches owning a position within ``window`` of the piece (where
+    # s_B >= s_A can hold for a subtree), microbatches of the source's slot, and the 2D
+    # lightest (every one can take a piece that shares only the global root)
+    d = np.concatenate([np.arange(-window, 0), np.arange(1, window + 1)])
+    near = owner[np.clip(np.concatenate([lo[:, None] + d[d < 0], hi[:, None] + d[d > 0]], axis=1), 0, n - 1)]
+    _, slot, _ = build_schedule(work, dp)
+    by_slot = np.argsort(slot, kind="stable").reshape(-1, dp)
+    light = np.argsort(work, kind="stable")[: 2 * dp]
+    extra = np.concatenate([by_slot[slot[src]], np.broadcast_to(light, (lo.size, light.size))], axis=1)
+    cand = np.concatenate([near, extra], axis=1)
+    pair = np.unique(np.arange(lo.size)[:, None] * k + cand)
+    p, b = pair // k, pair % k
+    # s_B >= s_A is required, so w_B' <= w_B + C(S) - s_A must fit T (cheap necessary test)
+    ok = (b != src[p]) & (work[b] + cw[p] - sa[p] <= capacity)
+    p, b = p[ok], b[ok]
+    i0 = np.searchsorted(keys, b * stride + lo[p])
+    i1 = np.searchsorted(keys, b * stride + hi[p], side="right")
+    ok = i0 == i1  # no member of B inside S's sorted range
+    p, b, i0 = p[ok], b[ok], i0[ok]
+    pred = keys[np.clip(i0 - 1, 0, m - 1)]
+    succ = keys[np.clip(i0, 0, m - 1)]
+    has_p = (i0 > 0) & (pred // stride == b)
+    has_s = (i0 < m) & (succ // stride == b)
+    sb = np.maximum(
+        np.where(has_p, cost.lcp(np.where(has_p, pred % stride, lo[p]), lo[p]), 0),
+        np.where(has_s, cost.lcp(hi[p], np.where(has_s, succ % stride, hi[p])), 0),
+    )
+    wa = work[src[p]] - (cw[p] - sa[p])
+    wb = work[b] + cw[p] - sb
+    ok = (sb >= sa[p]) & (wb <= capacity)
+    p, b, sb, wa, wb = p[ok], b[ok], sb[ok], wa[ok], wb[ok]
+    if p.size == 0:
+        return []
+    a = src[p]
+    dsq = wa.astype(np.float64) ** 2 + wb.astype(np.float64) ** 2 - work[a] ** 2.0 - work[b] ** 2.0
+    dwork = sa[p] - sb
+    keep = np.flatnonzero((dwork < 0) | (dsq < 0))
+    if keep.size == 0:
+        return []
+    keep = keep[np.lexsort((dsq[keep], dwork[keep]))][:limit]
+    w_CK = np.broadcast_to(work, (keep.size, k)).copy()
+    rows = np.arange(keep.size)
+    w_CK[rows, a[keep]] = wa[keep]
+    w_CK[rows, b[keep]] = wb[keep]
+    crit = _slot_critical(w_CK, dp)
+    base_crit = int(_slot_critical(work[None, :], dp)[0])
+    improving = (dwork[keep] < 0) | (crit < base_crit) | ((crit == base_crit) & (dsq[keep] < 0))
+    improving &= (dwork[keep] < 0) | (crit <= base_crit)
+    order = np.flatnonzero(improving)
+    if order.size == 0:
+        return []
+    order = order[np.lexsort((dsq[keep[order]], crit[order], dwork[keep[order]]))]
+    pos = np.arange(n)
+
+    def apply(new: np.ndarray, t: int) -> None:
+        members = (owner == a[t]) & (pos >= lo[p[t]]) & (pos <= hi[p[t]])
+        new[members] = b[t]
+
+    single = owner.copy()
+    apply(single, int(keep[order[0]]))
+    multi = owner.copy()
+    used = np.zeros(k, dtype=bool)
+    applied = 0
+    for r in order.tolist():
+        t = int(keep[r])
+        if used[a[t]] or used[b[t]]:
+            continue
+        used[a[t]] = used[b[t]] = True
+        apply(multi, t)
+        applied += 1
+        if applied >= per_round:
             break
-        j = build_schedule(cost.works(owner), dp)[2]
-        if j < best_j:
-            best, best_j = owner, j
+    return [multi, single] if applied > 1 else [single]
+
+
+def balance(
+    cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int, rounds: int, limit: int = 1024, per_round: int = 16
+) -> np.ndarray:
+    """Merging, then up to ``rounds`` piece moves; returns the best grouping under J.
+
+    A grouping replaces the current best when its J is lower, or equal with a lower sum of
+    squared microbatch works (a tie-break toward equal works, never at J's expense).
+    """
+    owner = np.asarray(owner, dtype=np.int64)
+
+    def key(o: np.ndarray) -> tuple:
+        w = cost.works(o)
+        return (build_schedule(w, dp)[2], float((w.astype(np.float64) ** 2).sum()))
+
+    best, best_key = owner, key(owner)
+    merged = merge_light(cost, owner, dp, capacity)
+    cur = merged
+    if key(merged) < best_key:
+        best, best_key = merged, key(merged)
+    cur_key = key(cur)
+    for _ in range(rounds):
+        for nxt in _move_round(cost, cur, dp, capacity, limit, per_round):
+            k_nxt = key(nxt)
+            if k_nxt < cur_key:
+                cur, cur_key = nxt, k_nxt
+                break
+        else:
+            break
+        if cur_key < best_key:
+            best, best_key = cur, cur_key
     return best

@@ -13,8 +13,10 @@ Pipeline (N trajectories, DP degree D, capacity T in compact tokens):
 5. every candidate is scheduled (``schedule.py``) and the lexicographically smallest
    J = (total work, sum of slot maxima, max replica total) wins; earlier candidates win ties,
    so exact candidates are never displaced by an equal later one;
-6. extension: work-neutral balancing of the winner (``balance.py``), kept only when it
-   strictly lowers J (``balance_rounds=0`` gives the paper's pipeline exactly).
+6. extensions: converged sparse repair (``repair.deep_repair``) of the greedy candidate and
+   the lowest-work base candidates, added as extra candidates, and work-neutral balancing of
+   the winner (``balance.py``), kept only when it strictly lowers J. ``deep_rounds=0,
+   balance_rounds=0, merge_floor=False`` gives the paper's pipeline exactly.
 
 Shapes (N = trajectories, K = microbatches): ``owner`` int64 [N] over sorted positions.
 """
@@ -34,7 +36,7 @@ from harts.plan.step.greedy import greedy_candidates
 from harts.plan.step.natural import cuts_to_owner, k_range, natural_partition
 from harts.plan.step.objective import PrefixCost, imbalance
 from harts.plan.step.refine import refine_boundaries, select_anchors
-from harts.plan.step.repair import sparse_repair
+from harts.plan.step.repair import deep_repair, sparse_repair
 from harts.plan.step.schedule import build_schedule
 
 __all__ = ["StepPlan", "PlannerParams", "plan_step", "check_inputs", "plan_from_owner"]
@@ -61,7 +63,14 @@ class PlannerParams:
     #: also keep the smallest DP-compatible K a stuck merge path reached (extension)
     merge_floor: bool = True
     #: work-neutral balancing rounds on the selected plan (extension, ``balance.py``); 0 = off
-    balance_rounds: int = 8
+    balance_rounds: int = 64
+    #: rounds of converged sparse repair on the best candidates (extension,
+    #: ``repair.deep_repair``); 0 = off
+    deep_rounds: int = 64
+    #: lexicographic window of the converged repair's moves and swaps
+    deep_window: int = 32
+    #: how many of the lowest-work base candidates also get the converged repair
+    deep_candidates: int = 2
 
 
 @dataclass(kw_only=True)
@@ -189,6 +198,20 @@ def _valid(owner: np.ndarray, work: np.ndarray, dp: int, capacity: int) -> bool:
     return k % dp == 0 and bool(np.all(work <= capacity)) and np.bincount(owner, minlength=k).min() > 0
 
 
+def _deep_candidates(
+    cost: PrefixCost, candidates: list[tuple[str, np.ndarray]], capacity: int, params: PlannerParams
+) -> list[tuple[str, np.ndarray]]:
+    """Converged repair of the greedy candidates and of the lowest-work other candidates."""
+    greedy = [c for c in candidates if c[0].startswith("greedy")]
+    rest = [c for c in candidates if not c[0].startswith("greedy")]
+    rest.sort(key=lambda c: int(cost.works(c[1]).sum()))
+    out = []
+    for name, owner in [*greedy[-1:], *rest[: params.deep_candidates]]:
+        fixed = deep_repair(cost, owner, capacity, window=params.deep_window, rounds=params.deep_rounds)
+        out.append((f"{name} +deep", fixed))
+    return out
+
+
 def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPlan:
     t0 = time.perf_counter()
     cost = PrefixCost(cb.lcp_index)
@@ -218,6 +241,8 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
         candidates.append((f"greedy K={greedy_k}", greedy))
         repaired = sparse_repair(cost, greedy, capacity, window=params.window, iterations=params.repair_iterations)
         candidates.append((f"greedy+repair K={greedy_k}", repaired))
+    if params.deep_rounds > 0:
+        candidates.extend(_deep_candidates(cost, candidates, capacity, params))
 
     best = None
     best_name = ""
@@ -235,7 +260,8 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
     if params.balance_rounds > 0:
         owner = balance(cost, best["owner"], dp, capacity, params.balance_rounds)
         sched = plan_from_owner(cb, cost, owner, dp, capacity)
-        if _valid(owner, sched["work"], dp, capacity) and sched["objective"] < best["objective"]:
+        # balance() returns its input unless J drops, or ties with more equal works
+        if _valid(owner, sched["work"], dp, capacity) and sched["objective"] <= best["objective"]:
             best, best_name = sched, best_name + " +balance"
     seconds = time.perf_counter() - t0
     info = {"winner": best_name, "candidates": len(candidates), "k0": int(p0.size - 1), "k_range": ks}

@@ -205,3 +205,53 @@ def test_workload_step_plan() -> None:
     capacity = int(max(batch.lengths.max(), cb.num_compact_tokens // 6))
     plan = harts.plan_step(cb, dp=2, capacity=capacity)
     check_plan(plan, batch, 2, capacity)
+
+
+def _j_and_valid(cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int) -> tuple[int, int, int]:
+    work = cost.works(owner)
+    assert work.size % dp == 0
+    assert np.bincount(owner, minlength=work.size).min() > 0
+    assert np.all(work <= capacity)
+    return build_schedule(work, dp)[2]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), dp=st.integers(1, 3))
+def test_deep_repair_and_balance_keep_feasibility_and_never_worsen_j(seed: int, dp: int) -> None:
+    from harts.plan.step.balance import balance, merge_light
+    from harts.plan.step.repair import deep_repair
+
+    rng = np.random.default_rng(seed)
+    batch = random_forest_batch(rng, trees=4, paths=40, vocab=3, shared_root=2)
+    cb = harts.compact(batch)
+    cost = PrefixCost(cb.lcp_index)
+    k = 3 * dp
+    owner = rng.integers(0, k, cost.n)
+    owner[:k] = np.arange(k)
+    capacity = int(cost.works(owner).max())
+    w0 = cost.works(owner)
+    deep = deep_repair(cost, owner, capacity, window=6, rounds=20)
+    assert np.array_equal(np.bincount(deep, minlength=k) > 0, np.ones(k, dtype=bool))
+    assert cost.works(deep).max() <= capacity and cost.works(deep).sum() <= w0.sum()
+    j0 = _j_and_valid(cost, deep, dp, capacity)
+    merged = merge_light(cost, deep, dp, capacity)
+    assert _j_and_valid(cost, merged, dp, capacity)[0] <= j0[0]
+    balanced = balance(cost, deep, dp, capacity, rounds=10)
+    j1 = _j_and_valid(cost, balanced, dp, capacity)
+    assert j1 <= j0
+    # every microbatch's work is the trie count of its members
+    trajs = sorted_trajs(cb)
+    for g in range(int(balanced.max()) + 1):
+        assert cost.works(balanced)[g] == trie_count([trajs[i] for i in np.flatnonzero(balanced == g)])
+
+
+def test_paper_pipeline_reachable_and_extensions_never_worse() -> None:
+    batch = harts.workloads.generate("small", step=0, seed=0)
+    cb = harts.compact(batch)
+    capacity = int(max(batch.lengths.max(), cb.num_compact_tokens // 6))
+    paper = harts.plan_step(cb, dp=2, capacity=capacity, n0=10, balance_rounds=0, merge_floor=False, deep_rounds=0)
+    full = harts.plan_step(cb, dp=2, capacity=capacity, n0=10)
+    check_plan(paper, batch, 2, capacity)
+    check_plan(full, batch, 2, capacity)
+    assert "+deep" not in paper.info["winner"] and "+balance" not in paper.info["winner"]
+    assert full.objective <= paper.objective
