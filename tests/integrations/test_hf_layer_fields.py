@@ -63,7 +63,7 @@ def test_safe_gate_bounds_the_decay():
 
     x = 10 * torch.randn(6, cfg.hidden_size, dtype=torch.float64)
     layer(x, Ctx())
-    g = seen["g"]
+    g = seen["g"].detach()
     assert g.shape == (6, cfg.linear_num_value_heads, cfg.linear_key_head_dim)
     # lower_bound * sigmoid(.) lies in [lower_bound, 0] whatever the input scale
     assert bool((g <= 0).all() and (g >= -2.0).all()) and float(g.min()) < -1.0 and float(g.max()) > -1.0
