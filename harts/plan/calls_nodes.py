@@ -58,7 +58,17 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     kid_rank = rank[kid]  # -1 for leaf children
     nch_i = nch[ids]
     nint = np.bincount(np.repeat(np.arange(n_int), nch_i)[kid_rank >= 0], minlength=n_int)
-    has_leaf = nint < nch_i
+    nleaf = nch_i - nint
+    has_leaf = nleaf > 0
+    # first leaf child of each internal segment (-1 if none) and its place among the children
+    edge_par = np.repeat(np.arange(n_int), nch_i)
+    le = np.flatnonzero(kid_rank < 0)
+    lp = edge_par[le]
+    lfirst = np.ones(lp.size, dtype=bool)
+    lfirst[1:] = lp[1:] != lp[:-1]
+    fl_edge = np.full(n_int, -1, dtype=np.int64)
+    fl_edge[lp[lfirst]] = le[lfirst]
+    first_leaf = np.where(fl_edge >= 0, kid[np.maximum(fl_edge, 0)], -1)
     start_i, end_i = forest.start[ids], forest.end[ids]
     cross_i = end_i >= start_i // b * b + b  # Eq. 11 fails: S_{b_v} is produced inside the call
 
@@ -70,11 +80,15 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     walk = np.flatnonzero(nint > 0)[::-1]
     one = nint[walk] == 1
     general = not bool(one.all())
-    if general:  # forks with several internal children need their child lists
-        ptr_i = np.zeros(n_int + 1, dtype=np.int64)
-        np.cumsum(nch_i, out=ptr_i[1:])
-        kr_l = kid_rank.tolist()
-        lo_l = ptr_i.tolist()
+    if general:  # forks with several internal children: CSR over their internal children
+        ie = np.flatnonzero(kid_rank >= 0)
+        gptr = np.zeros(n_int + 1, dtype=np.int64)
+        np.cumsum(nint, out=gptr[1:])
+        g_lo = gptr.tolist()
+        g_kid = kid_rank[ie].tolist()  # ranks, in child order
+        g_pos = (ie - ptr[ids][edge_par[ie]]).tolist()  # place among all children
+        nleaf_l = nleaf.tolist()
+        fl_pos = (fl_edge - ptr[ids]).tolist()  # place of the first leaf (negative: none)
     for i, sp, lf, cr in zip(walk.tolist(), one.tolist(), has_leaf[walk].tolist(), cross_i[walk].tolist()):
         if sp:  # spine node: its internal child is rank i + 1
             x = tp[i + 1]
@@ -87,22 +101,22 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             ti[i] = y
             tp[i] = y if cr else x
             continue
-        m1 = m2 = 0  # largest and second-largest child T_pre (leaves: 1)
-        kids = kr_l[lo_l[i] : lo_l[i + 1]]
+        # largest and second-largest child T_pre: leaves (T = 1) first, then internal children
+        nl = nleaf_l[i]
+        m1 = 1 if nl else 0
+        m2 = 1 if nl >= 2 else 0
+        kids = g_kid[g_lo[i] : g_lo[i + 1]]
         for j in kids:
-            t = tp[j] if j >= 0 else 1
+            t = tp[j]
             if t > m1:
                 m1, m2 = t, m1
             elif t > m2:
                 m2 = t
-        best = 1 << 62
+        best = 1 + (m2 if m1 == 1 else m1) if nl else 1 << 62  # a leaf continues: 1 + h_o
         for j in kids:
-            if j >= 0:
-                val = 1 + (m2 if tp[j] == m1 else m1)  # 1 + h_o
-                if ti[j] > val:
-                    val = ti[j]
-            else:
-                val = 1 + (m2 if m1 == 1 else m1)
+            val = 1 + (m2 if tp[j] == m1 else m1)  # 1 + h_o
+            if ti[j] > val:
+                val = ti[j]
             if val < best:
                 best = val
         ti[i] = best
@@ -121,12 +135,6 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ipo = [0] * n_int
     dirc = [0] * n_int  # chosen direct child (segment id)
     dl = [0] * n_int  # delta: 1 if side branches start one round later
-    first = kid[ptr[ids]]  # first child of each internal segment
-    # first leaf child of a spine node or leaf fork: its first child, or the second if the
-    # first is internal
-    first_leaf = np.where(kid_rank[ptr[ids]] >= 0, kid[np.minimum(ptr[ids] + 1, kid.size - 1)], first)
-    if general:
-        kid_l = kid.tolist()
     kind = np.minimum(nint, 2).tolist()  # 0: children all leaves, 1: spine node, 2: general
     c_first = (kid_rank[ptr[ids]] >= 0).tolist()  # spine: the internal child comes first
     bv_l = (end_i // b * b).tolist()
@@ -174,25 +182,35 @@ def plan_nodes(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
                     ipr[c], ipo[c] = ipr[h], ipo[h]
             dl[i] = d
             continue
-        lo, hi = lo_l[i], lo_l[i + 1]
-        ranks = kr_l[lo:hi]
-        f = 0
+        # general fork: f = children exceeding K_side (leaves exceed only if K_side < 1); the
+        # first child in order that fits K_round and covers all of f. Leaves are alike, so
+        # the first leaf stands for all of them.
+        lo, hi = g_lo[i], g_lo[i + 1]
+        ranks = g_kid[lo:hi]
+        nl = nleaf_l[i]
+        f = nl if ks < 1 else 0
         for j in ranks:
-            f += (tp[j] if j >= 0 else 1) > ks
+            if tp[j] > ks:
+                f += 1
+        leaf_ok = nl and f - (ks < 1) == 0  # a leaf always fits K_round >= 1
+        at = fl_pos[i] if leaf_ok else 1 << 62  # internal children after it lose
         o = -1
-        for n, j in enumerate(ranks):
-            t = tp[j] if j >= 0 else 1
-            if (t if d == 0 else (ti[j] if j >= 0 else 1)) <= kr and f - (t > ks) == 0:
-                o = lo + n
+        for j, ps in zip(ranks, g_pos[lo:hi]):
+            if ps > at:
                 break
-        if o < 0:
+            t = tp[j]
+            if (t if d == 0 else ti[j]) <= kr and f - (t > ks) == 0:
+                o = j
+                break
+        if o >= 0:
+            dirc[i] = ids_l[o]
+        elif leaf_ok:
+            dirc[i] = fl
+        else:
             raise AssertionError(_FAIL)
-        dirc[i] = kid_l[o]
         dl[i] = d
-        for n, j in enumerate(ranks):
-            if j < 0:
-                continue
-            if lo + n == o:
+        for j in ranks:
+            if j == o:
                 rdy[j] = d == 0
                 bud[j] = kr
                 rnd[j] = rnd[i]
