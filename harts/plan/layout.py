@@ -201,11 +201,14 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     padded = -(-own // pad_to) * pad_to
     phys_start = np.cumsum(padded) - padded
     p = int(padded.sum())
-    if comp_rows.size != c:
+    # segments' row ranges partition the compact rows, so every row is covered exactly once
+    # iff every segment runs exactly once (a V-sized check instead of a C-sized one)
+    if comp_rows.size != c or not np.all(np.bincount(segs, minlength=f.num_segments) == 1):
         raise AssertionError("plan does not cover every compact row once")
-    compact_to_phys = np.full(c, -1, dtype=np.int64)
+    compact_to_phys = np.empty(c, dtype=np.int64)
+    all_rows = np.arange(p, dtype=np.int64)  # shared by the views that are plain row ranges
     if p == c:  # no padding: physical row i holds comp_rows[i]
-        own_phys = np.arange(p, dtype=np.int64)
+        own_phys = all_rows
         phys_to_compact = comp_rows
         compact_to_phys[comp_rows] = own_phys
         is_pad = np.zeros(p, dtype=bool)
@@ -234,7 +237,6 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
             out[own_phys] = x
             return out
 
-    assert np.all(compact_to_phys >= 0), "plan does not cover every compact row once"
 
     # ---- attention view (a): ancestors of each head (root first) + own rows. A sequence's
     # own rows are contiguous and in position order, so the ancestors inside one ancestor
@@ -302,7 +304,7 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
                 la_rows=rows_k,
                 cu_seqlens=cu,
                 is_output=out_k,
-                out_rows=np.arange(phys_start[s0], phys_start[s1 - 1] + padded[s1 - 1], dtype=np.int64),
+                out_rows=all_rows[phys_start[s0] : phys_start[s1 - 1] + padded[s1 - 1]],
                 init_state=init[s0:s1],
                 requests=np.stack([req_seq[r0:r1] - s0, req_count[r0:r1]], axis=1).astype(np.int64),
                 request_ids=np.arange(r0, r1, dtype=np.int64),
@@ -332,7 +334,7 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         attn_cu_q=cu_q,
         attn_kv_rows=kv_rows,
         attn_cu_kv=cu_kv,
-        tree_pre=phys_to_compact.copy(),  # compact rows are preorder ids; -1 on padding
+        tree_pre=phys_to_compact,  # compact rows are preorder ids; -1 on padding
         tree_end=tree_end,
         semantic_to_phys=compact_to_phys[cb.semantic_to_compact],
         parent_phys=parent_phys,
