@@ -51,8 +51,9 @@ __all__ = ["CallPlan", "plan_calls", "mandatory_replay", "ranges_to_indices", "s
 def ranges_to_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """int64 [sum(lengths)]: concatenation of ``arange(starts[i], starts[i] + lengths[i])``.
 
-    Built in place as a cumulative sum of steps (1 inside a range, a jump at each range
-    start): one output-sized allocation, which matters for the S-sized attention views.
+    One output-sized allocation (this builds the S-sized attention views): a few long ranges
+    are written slice by slice from one shared arange; many short ones as an in-place
+    cumulative sum of steps (1 inside a range, a jump at each range start).
     """
     starts = np.asarray(starts, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -63,6 +64,14 @@ def ranges_to_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     first = np.cumsum(lengths)
     total = int(first[-1])
+    if lengths.size <= 16 or lengths.size * 4096 <= total:
+        out = np.empty(total, dtype=np.int64)
+        base = np.arange(int(lengths.max()), dtype=np.int64)
+        a = 0
+        for s0, n in zip(starts.tolist(), lengths.tolist()):
+            np.add(base[:n], s0, out=out[a : a + n])
+            a += n
+        return out
     first -= lengths  # where each range begins in the output
     out = np.ones(total, dtype=np.int64)
     out[0] = starts[0]
