@@ -249,7 +249,8 @@ def forest_depth(forest: SegmentForest) -> np.ndarray:
     n = ids.size
     rank = np.full(v, -1, dtype=np.int64)
     rank[ids] = np.arange(n)
-    prank = rank[parent[ids]]  # -1 for roots (a non-root's parent is internal)
+    par = parent[ids]
+    prank = np.where(par >= 0, rank[np.maximum(par, 0)], -1)  # a non-root's parent is internal
     idx = np.arange(n, dtype=np.int64)
     first = (prank != idx - 1) | (prank < 0)
     run = np.maximum.accumulate(np.where(first, idx, 0))  # chain start of each internal rank
