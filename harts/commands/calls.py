@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "plan minimum-call chunkwise linear-attention rounds for a TREE.json or a rollout batch file"
+HELP = "Plan minimum-call chunkwise linear-attention rounds for a TREE.json or a rollout batch file"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
