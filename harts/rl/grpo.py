@@ -56,10 +56,15 @@ def group_advantages(rewards: np.ndarray, group_ids: np.ndarray, *, eps: float =
     return out
 
 
+def action_weight(batch: RolloutBatch) -> np.ndarray:
+    """float64 [S - N]: action mask times loss weight, aligned with ``logprobs``."""
+    mask = per_logprob(batch, batch.action_mask.astype(np.float64))
+    return mask if batch.loss_weights is None else mask * per_logprob(batch, batch.loss_weights)
+
+
 def grpo_normalizer(batch: RolloutBatch, reduction: str = "token_mean") -> float:
     """The denominator ``grpo_loss`` uses for the whole of ``batch`` (see ``normalizer``)."""
-    mask = per_logprob(batch, batch.action_mask.astype(np.float64))
-    weight = mask if batch.loss_weights is None else mask * per_logprob(batch, batch.loss_weights)
+    weight = action_weight(batch)
     if reduction == "token_mean":
         return max(float(weight.sum()), 1e-12)
     traj = np.repeat(np.arange(batch.num_trajectories), batch.lengths - 1)
@@ -97,7 +102,7 @@ def grpo_loss(
         return torch.as_tensor(per_logprob(batch, a), device=dev, dtype=dt)
 
     mask = meta(batch.action_mask.astype(np.float64))
-    weight = mask if batch.loss_weights is None else mask * meta(batch.loss_weights)
+    weight = torch.as_tensor(action_weight(batch), device=dev, dtype=dt)
     adv = meta(batch.advantages)
     old = logprobs.detach() if batch.old_logprobs is None else meta(batch.old_logprobs)
     ratio = torch.exp(logprobs - old)
