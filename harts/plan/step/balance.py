@@ -7,8 +7,11 @@ sorted blocks of D then pair unequal works. Two passes fix that without ever rai
 total work, and the result is kept only when J improves (``planner.py`` checks):
 
 1. *Merging*: the 2D lightest microbatches are paired lightest-with-heaviest and each pair
-   merged, when every merged pair fits T; K drops by D (stays DP-compatible) and the total
-   drops by the prefix each pair shares (Eq. 5; never negative). Repeated while it fits.
+   merged, or else the D lightest are each absorbed by the heaviest other microbatch they
+   fit with, when every merged pair fits T; K drops by D (stays DP-compatible) and the total
+   drops by the prefix each pair shares (Eq. 5; never negative). One level at a time,
+   while the key drops; merging and move rounds alternate (moves reshape the light tail so
+   another merge may fit), and a last merge chain starts from the best grouping.
 2. *Piece moves*: a piece S of microbatch A is a run of A's sorted members whose internal
    adjacent LCPs all exceed a fork level of A (a subtree below one of A's two lowest
    forks, or a single trajectory). If S's sorted range holds no member of B, moving it
@@ -39,25 +42,51 @@ from harts.plan.step.schedule import build_schedule
 __all__ = ["balance", "merge_light", "pieces"]
 
 
-def merge_light(cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int) -> np.ndarray:
-    """Merge the 2D lightest microbatches pairwise (lightest with heaviest) while all fit T."""
+def _merge_pairs(work: np.ndarray, dp: int, capacity: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Candidate D disjoint (kept, absorbed) pairings, tried in order.
+
+    First the 2D lightest paired lightest-with-heaviest; then the D lightest each absorbed
+    by the heaviest other microbatch whose work plus its own fits T (works add at most).
+    """
+    order = np.argsort(work, kind="stable")
+    light = order[: 2 * dp]
+    out = [(light[:dp], light[::-1][:dp])]
+    src = order[:dp]
+    used = np.zeros(work.size, dtype=bool)
+    used[src] = True
+    keep = []
+    for s in src.tolist():
+        fits = np.flatnonzero(~used & (work + work[s] <= capacity))
+        if fits.size == 0:
+            return out
+        t = int(fits[np.argmax(work[fits])])
+        used[t] = True
+        keep.append(t)
+    out.append((np.asarray(keep, dtype=np.int64), src))
+    return out
+
+
+def merge_light(cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int, times: int = -1) -> np.ndarray:
+    """Merge D light microbatches into D others (``_merge_pairs``) while all fit T, at most
+    ``times`` times (negative: no limit). K drops by D; total work never rises (Eq. 5)."""
     owner = np.asarray(owner, dtype=np.int64).copy()
-    while True:
+    while times != 0:
+        times -= 1
         work = cost.works(owner)
         k = work.size
         if k < 2 * dp:
             return owner
-        light = np.argsort(work, kind="stable")[: 2 * dp]
-        a, b = light[:dp], light[::-1][:dp]
-        trial = owner.copy()
-        remap = np.arange(k)
-        remap[b] = a
-        trial = remap[trial]
-        merged = cost.works(trial, k)[a]
-        if np.any(merged > capacity):
+        for a, b in _merge_pairs(work, dp, capacity):
+            remap = np.arange(k)
+            remap[b] = a
+            trial = remap[owner]
+            if np.all(cost.works(trial, k)[a] <= capacity):
+                break
+        else:
             return owner
         _, owner = np.unique(trial, return_inverse=True)
         owner = owner.astype(np.int64)
+    return owner
 
 
 def pieces(cost: PrefixCost, owner: np.ndarray, levels: int = 2) -> tuple[np.ndarray, ...]:
@@ -216,19 +245,42 @@ def balance(
         return (build_schedule(w, dp)[2], float((w.astype(np.float64) ** 2).sum()))
 
     best, best_key = owner, key(owner)
-    merged = merge_light(cost, owner, dp, capacity)
-    cur = merged
-    if key(merged) < best_key:
-        best, best_key = merged, key(merged)
-    cur_key = key(cur)
-    for _ in range(rounds):
-        for nxt in _move_round(cost, cur, dp, capacity, limit, per_round):
-            k_nxt = key(nxt)
-            if k_nxt < cur_key:
-                cur, cur_key = nxt, k_nxt
+    cur, cur_key = owner, best_key
+    left = rounds
+    # merging and moves alternate: moves reshape the tail so that another merge may fit
+    while True:
+        while True:  # one merge level at a time, while it lowers the key
+            merged = merge_light(cost, cur, dp, capacity, times=1)
+            merged_key = key(merged)
+            if merged.max() == cur.max() or not merged_key < cur_key:
                 break
-        else:
-            break
+            cur, cur_key = merged, merged_key
         if cur_key < best_key:
             best, best_key = cur, cur_key
-    return best
+        moved = 0
+        while left > 0:
+            for nxt in _move_round(cost, cur, dp, capacity, limit, per_round):
+                k_nxt = key(nxt)
+                if k_nxt < cur_key:
+                    cur, cur_key = nxt, k_nxt
+                    break
+            else:
+                break
+            left -= 1
+            moved += 1
+            if cur_key < best_key:
+                best, best_key = cur, cur_key
+        if moved == 0 or left <= 0:
+            break
+        nxt = merge_light(cost, cur, dp, capacity, times=1)
+        if nxt.max() == cur.max() or not key(nxt) < cur_key:
+            break
+    # the moves end on a new light tail: merge it from the best grouping while J drops
+    while True:
+        merged = merge_light(cost, best, dp, capacity, times=1)
+        if merged.max() == best.max():
+            return best
+        merged_key = key(merged)
+        if not merged_key < best_key:
+            return best
+        best, best_key = merged, merged_key

@@ -15,8 +15,9 @@ Pipeline (N trajectories, DP degree D, capacity T in compact tokens):
    so exact candidates are never displaced by an equal later one;
 6. extensions: converged sparse repair (``repair.deep_repair``) of the greedy candidate and
    the lowest-work base candidates, added as extra candidates, and work-neutral balancing of
-   the winner (``balance.py``), kept only when it strictly lowers J. ``deep_rounds=0,
-   balance_rounds=0, merge_floor=False`` gives the paper's pipeline exactly.
+   the winner (``balance.py``), kept only when it strictly lowers J, then within-slot piece
+   swaps (``swap.py``), kept when J does not rise and slots get more even. ``deep_rounds=0,
+   balance_rounds=0, swap_rounds=0, merge_floor=False`` gives the paper's pipeline exactly.
 
 Shapes (N = trajectories, K = microbatches): ``owner`` int64 [N] over sorted positions.
 """
@@ -38,6 +39,7 @@ from harts.plan.step.objective import PrefixCost, imbalance
 from harts.plan.step.refine import refine_boundaries, select_anchors
 from harts.plan.step.repair import deep_repair, sparse_repair
 from harts.plan.step.schedule import build_schedule
+from harts.plan.step.swap import repack_tail, slot_swaps
 
 __all__ = ["StepPlan", "PlannerParams", "plan_step", "check_inputs", "plan_from_owner"]
 
@@ -64,6 +66,8 @@ class PlannerParams:
     merge_floor: bool = True
     #: work-neutral balancing rounds on the selected plan (extension, ``balance.py``); 0 = off
     balance_rounds: int = 64
+    #: accepted within-slot piece swaps/moves after balancing (extension, ``swap.py``); 0 = off
+    swap_rounds: int = 32
     #: rounds of converged sparse repair on the best candidates (extension,
     #: ``repair.deep_repair``); 0 = off
     deep_rounds: int = 64
@@ -263,6 +267,14 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
         # balance() returns its input unless J drops, or ties with more equal works
         if _valid(owner, sched["work"], dp, capacity) and sched["objective"] <= best["objective"]:
             best, best_name = sched, best_name + " +balance"
+    if params.swap_rounds > 0:
+        owner = repack_tail(cost, best["owner"], dp, capacity)
+        owner = slot_swaps(cost, owner, dp, capacity, rounds=params.swap_rounds)
+        sched = plan_from_owner(cb, cost, owner, dp, capacity)
+        # slot_swaps() never raises total work and never worsens J; it may only even out slots
+        changed = not np.array_equal(owner, best["owner"])
+        if changed and _valid(owner, sched["work"], dp, capacity) and sched["objective"] <= best["objective"]:
+            best, best_name = sched, best_name + " +swap"
     seconds = time.perf_counter() - t0
     info = {"winner": best_name, "candidates": len(candidates), "k0": int(p0.size - 1), "k_range": ks}
     return _to_step_plan(cb, best, dp, capacity, "harts", seconds, info)

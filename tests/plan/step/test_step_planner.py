@@ -255,3 +255,31 @@ def test_paper_pipeline_reachable_and_extensions_never_worse() -> None:
     check_plan(full, batch, 2, capacity)
     assert "+deep" not in paper.info["winner"] and "+balance" not in paper.info["winner"]
     assert full.objective <= paper.objective
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), dp=st.integers(1, 3), threshold=st.sampled_from([0.0, 0.01]))
+def test_slot_swaps_and_tail_repack_keep_feasibility_and_never_worsen_j(seed: int, dp: int, threshold: float) -> None:
+    from harts.plan.step.swap import repack_tail, slot_swaps
+
+    rng = np.random.default_rng(seed)
+    batch = random_forest_batch(rng, trees=5, paths=40, vocab=3, shared_root=int(rng.integers(0, 3)))
+    cb = harts.compact(batch)
+    cost = PrefixCost(cb.lcp_index)
+    k = 3 * dp
+    owner = rng.integers(0, k, cost.n)
+    owner[:k] = np.arange(k)
+    capacity = int(cost.works(owner).max())
+    w0 = cost.works(owner)
+    j0 = _j_and_valid(cost, owner, dp, capacity)
+    trajs = sorted_trajs(cb)
+    for out in (
+        repack_tail(cost, owner, dp, capacity, blocks=(1, 2, 3)),
+        slot_swaps(cost, owner, dp, capacity, rounds=10, threshold=threshold),
+    ):
+        w = cost.works(out)
+        assert w.size == k and np.all(np.bincount(out, minlength=k) > 0)
+        assert w.max() <= capacity and w.sum() <= w0.sum()
+        assert _j_and_valid(cost, out, dp, capacity) <= j0
+        for g in range(k):
+            assert w[g] == trie_count([trajs[i] for i in np.flatnonzero(out == g)])
