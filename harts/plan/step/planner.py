@@ -66,6 +66,8 @@ class PlannerParams:
     merge_floor: bool = True
     #: work-neutral balancing rounds on the selected plan (extension, ``balance.py``); 0 = off
     balance_rounds: int = 64
+    #: how many of the best distinct candidates are balanced (the lowest J afterwards wins)
+    balance_candidates: int = 1
     #: accepted within-slot piece swaps/moves after balancing (extension, ``swap.py``); 0 = off
     swap_rounds: int = 32
     #: rounds of converged sparse repair on the best candidates (extension,
@@ -216,6 +218,29 @@ def _deep_candidates(
     return out
 
 
+def _polish(
+    cb: Any, cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int, params: PlannerParams
+) -> tuple[dict[str, Any], str]:
+    """Balancing (``balance.py``), then tail repack and slot swaps (``swap.py``); each result
+    is kept only when valid with J not above the previous one."""
+    suffix = ""
+    if params.balance_rounds > 0:
+        owner = balance(cost, sched["owner"], dp, capacity, params.balance_rounds)
+        nxt = plan_from_owner(cb, cost, owner, dp, capacity)
+        # balance() returns its input unless J drops, or ties with more equal works
+        if _valid(owner, nxt["work"], dp, capacity) and nxt["objective"] <= sched["objective"]:
+            sched, suffix = nxt, suffix + " +balance"
+    if params.swap_rounds > 0:
+        owner = repack_tail(cost, sched["owner"], dp, capacity)
+        owner = slot_swaps(cost, owner, dp, capacity, rounds=params.swap_rounds)
+        nxt = plan_from_owner(cb, cost, owner, dp, capacity)
+        # never raises total work nor J; it may only even out slots
+        changed = not np.array_equal(owner, sched["owner"])
+        if changed and _valid(owner, nxt["work"], dp, capacity) and nxt["objective"] <= sched["objective"]:
+            sched, suffix = nxt, suffix + " +swap"
+    return sched, suffix
+
+
 def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPlan:
     t0 = time.perf_counter()
     cost = PrefixCost(cb.lcp_index)
@@ -248,33 +273,32 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
     if params.deep_rounds > 0:
         candidates.extend(_deep_candidates(cost, candidates, capacity, params))
 
-    best = None
-    best_name = ""
-    for name, owner in candidates:
+    scored = []
+    for i, (name, owner) in enumerate(candidates):
         sched = plan_from_owner(cb, cost, owner, dp, capacity)
-        if not _valid(owner, sched["work"], dp, capacity):
-            continue
-        if best is None or sched["objective"] < best["objective"]:
-            best, best_name = sched, name
-    if best is None:
+        if _valid(owner, sched["work"], dp, capacity):
+            scored.append((sched["objective"], i, name, sched))
+    if not scored:
         raise ValueError(
             f"no feasible plan found for dp={dp}, capacity={capacity} over {n} trajectories "
             f"(K range {ks[:1]}..{ks[-1:]}); try a larger capacity or a smaller dp"
         )
-    if params.balance_rounds > 0:
-        owner = balance(cost, best["owner"], dp, capacity, params.balance_rounds)
-        sched = plan_from_owner(cb, cost, owner, dp, capacity)
-        # balance() returns its input unless J drops, or ties with more equal works
-        if _valid(owner, sched["work"], dp, capacity) and sched["objective"] <= best["objective"]:
-            best, best_name = sched, best_name + " +balance"
-    if params.swap_rounds > 0:
-        owner = repack_tail(cost, best["owner"], dp, capacity)
-        owner = slot_swaps(cost, owner, dp, capacity, rounds=params.swap_rounds)
-        sched = plan_from_owner(cb, cost, owner, dp, capacity)
-        # slot_swaps() never raises total work and never worsens J; it may only even out slots
-        changed = not np.array_equal(owner, best["owner"])
-        if changed and _valid(owner, sched["work"], dp, capacity) and sched["objective"] <= best["objective"]:
-            best, best_name = sched, best_name + " +swap"
+    # lowest J first, earlier candidates first among equal J
+    scored.sort(key=lambda t: (t[0], t[1]))
+    _, _, best_name, best = scored[0]
+    if params.balance_rounds > 0 or params.swap_rounds > 0:
+        # the winner and the next-best distinct groupings are polished; lowest J wins
+        seen: list[np.ndarray] = []
+        for _, _, name, sched0 in scored:
+            if len(seen) >= max(1, params.balance_candidates):
+                break
+            if any(np.array_equal(sched0["owner"], o) for o in seen):
+                continue
+            seen.append(sched0["owner"])
+            sched, suffix = _polish(cb, cost, sched0, dp, capacity, params)
+            first = sched0 is scored[0][3]
+            if sched["objective"] < best["objective"] or (first and sched["objective"] <= best["objective"]):
+                best, best_name = sched, name + suffix
     seconds = time.perf_counter() - t0
     info = {"winner": best_name, "candidates": len(candidates), "k0": int(p0.size - 1), "k_range": ks}
     return _to_step_plan(cb, best, dp, capacity, "harts", seconds, info)

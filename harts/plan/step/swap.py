@@ -53,39 +53,53 @@ def _state(cost: PrefixCost, owner: np.ndarray, dp: int) -> tuple[np.ndarray, np
     return work, slot, (j, _spread(work, slot))
 
 
+def _share(cost: PrefixCost, owner: np.ndarray, lo: np.ndarray, hi: np.ndarray, g: int) -> np.ndarray:
+    """int64 [P]: longest prefix each piece (sorted range lo..hi) shares with microbatch g's
+    members outside that range (its sorted neighbours in g, as in Eq. 10)."""
+    pos = np.flatnonzero(owner == g)
+    i0 = np.searchsorted(pos, lo)
+    i1 = np.searchsorted(pos, hi, side="right")
+    pred = pos[np.clip(i0 - 1, 0, pos.size - 1)]
+    succ = pos[np.clip(i1, 0, pos.size - 1)]
+    left = np.where(i0 > 0, cost.lcp(np.minimum(pred, lo), lo), 0)
+    right = np.where(i1 < pos.size, cost.lcp(hi, np.maximum(succ, hi)), 0)
+    return np.maximum(left, right)
+
+
 def _slot_candidates(
+    cost: PrefixCost,
+    owner: np.ndarray,
     work: np.ndarray,
     members: np.ndarray,
-    src: np.ndarray,
-    cw: np.ndarray,
-    sa: np.ndarray,
+    pieces_: tuple[np.ndarray, ...],
     capacity: int,
 ) -> list[tuple[float, float, int, int, int]]:
-    """(rise flag, |w_A' - w_B'|, piece of A, piece of B or -1, B) for pairs in one slot."""
+    """(estimated total rise > 0, |w_A' - w_B'|, piece of A, piece of B or -1, B) for the
+    best few pieces of every pair in one slot; works estimated with Eq. 10 sharing."""
+    lo, hi, src, cw, sa = pieces_[:5]
     out: list[tuple[float, float, int, int, int]] = []
-    for ia in range(members.size):
-        for ib in range(members.size):
-            a, b = int(members[ia]), int(members[ib])
+    for a in members.tolist():
+        ps = np.flatnonzero(src == a)
+        if ps.size == 0:
+            continue
+        for b in members.tolist():
             if work[a] <= work[b]:
                 continue
-            ps = np.flatnonzero(src == a)
-            if ps.size == 0:
-                continue
             pr = np.concatenate([[-1], np.flatnonzero(src == b)])
-            out_s = cw[ps] - sa[ps]
-            cw_r = np.where(pr >= 0, cw[np.maximum(pr, 0)], 0)
-            out_r = np.where(pr >= 0, cw_r - sa[np.maximum(pr, 0)], 0)
-            sa_r = np.where(pr >= 0, sa[np.maximum(pr, 0)], 0)
-            wa = work[a] - out_s[:, None] + cw_r[None, :]
-            wb = work[b] - out_r[None, :] + cw[ps][:, None]
-            gap = work[a] - work[b]
+            r = np.maximum(pr, 0)
+            has = pr >= 0
+            out_r = np.where(has, cw[r] - sa[r], 0)
+            in_r = np.where(has, cw[r] - _share(cost, owner, lo[r], hi[r], a), 0)
+            in_s = cw[ps] - _share(cost, owner, lo[ps], hi[ps], b)
+            wa = work[a] - (cw[ps] - sa[ps])[:, None] + in_r[None, :]
+            wb = work[b] - out_r[None, :] + in_s[:, None]
             new_gap = np.abs(wa - wb)
-            ok = (wa <= capacity) & (wb <= capacity) & (new_gap < gap)
+            ok = (wa <= capacity) & (wb <= capacity) & (new_gap < work[a] - work[b])
             ok &= np.maximum(wa, wb) <= work[a]
             si, ri = np.nonzero(ok)
             if si.size == 0:
                 continue
-            rise = (sa[ps][si] + sa_r[ri]) > 0
+            rise = (wa[si, ri] + wb[si, ri]) > work[a] + work[b]
             order = np.lexsort((new_gap[si, ri], rise))[:4]
             for t in order.tolist():
                 out.append((float(rise[t]), float(new_gap[si[t], ri[t]]), int(ps[si[t]]), int(pr[ri[t]]), b))
@@ -114,11 +128,12 @@ def slot_swaps(
             break
         n = cost.n
         by = np.lexsort((np.arange(n), owner))
-        _, _, src, cw, sa, first, last = pieces(cost, owner)
+        pcs = pieces(cost, owner)
+        src, first, last = pcs[2], pcs[5], pcs[6]
         applied = False
         for j in bad[np.argsort(-imb[bad], kind="stable")].tolist():
             members = np.flatnonzero(slot == j)
-            cands = _slot_candidates(work, members, src, cw, sa, capacity)
+            cands = _slot_candidates(cost, owner, work, members, pcs, capacity)
             cands.sort(key=lambda c: (c[0], c[1]))
             for _, _, ps, pr, b in cands[:exact_checks]:
                 trial = owner.copy()

@@ -283,3 +283,13 @@ def test_slot_swaps_and_tail_repack_keep_feasibility_and_never_worsen_j(seed: in
         assert _j_and_valid(cost, out, dp, capacity) <= j0
         for g in range(k):
             assert w[g] == trie_count([trajs[i] for i in np.flatnonzero(out == g)])
+
+
+def test_polishing_more_candidates_never_worsens_j() -> None:
+    batch = harts.workloads.generate("small", step=1, seed=0)
+    cb = harts.compact(batch)
+    capacity = int(max(batch.lengths.max(), cb.num_compact_tokens // 10))
+    one = harts.plan_step(cb, dp=2, capacity=capacity, balance_candidates=1)
+    three = harts.plan_step(cb, dp=2, capacity=capacity, balance_candidates=3)
+    check_plan(three, batch, 2, capacity)
+    assert three.objective <= one.objective
