@@ -80,6 +80,27 @@ def deepseek_moe_fields(hf_config: Any, problems: Problems) -> dict[str, Any]:
     return out
 
 
+def kda_mla_fields(c: Any, p: Problems) -> dict[str, Any]:
+    """The HybridConfig fields BailingHybrid and Kimi Linear spell the same way: the K/M layer
+    pattern from ``layer_types``, sizes, and the KDA heads (q, k and v share ``linear_num_heads``)."""
+    letters = {"linear_attention": "K", "full_attention": "M"}
+    types = [str(t) for t in list(c.layer_types)[: c.num_hidden_layers]]
+    bad = sorted(set(types) - set(letters))
+    if bad:
+        p.add(f"layer_types: unknown entries {bad}")
+    return dict(
+        layer_pattern="".join(letters.get(t, "K") for t in types),
+        vocab_size=int(c.vocab_size),
+        hidden_size=int(c.hidden_size),
+        rms_norm_eps=float(c.rms_norm_eps),
+        linear_conv_kernel_dim=int(c.linear_conv_kernel_dim),
+        linear_num_key_heads=int(c.linear_num_heads),
+        linear_num_value_heads=int(c.linear_num_heads),
+        linear_key_head_dim=int(c.linear_head_dim),
+        linear_value_head_dim=int(c.linear_head_dim),
+    )
+
+
 def mla_fields(hf_config: Any) -> dict[str, Any]:
     c = hf_config
     return dict(
@@ -132,22 +153,10 @@ class BailingHybridAdapter(HFAdapter):
         c = hf_config
         p = Problems(self.architecture)
         check_common(c, p)
-        letters = {"linear_attention": "K", "full_attention": "M"}
-        bad = sorted(set(c.layer_types) - set(letters))
-        if bad:
-            p.add(f"layer_types: unknown entries {bad}")
         theta, _ = rope_theta_of(c, p)
         fields: dict[str, Any] = dict(
-            layer_pattern="".join(letters.get(t, "K") for t in c.layer_types[: c.num_hidden_layers]),
-            vocab_size=int(c.vocab_size),
-            hidden_size=int(c.hidden_size),
-            rms_norm_eps=float(c.rms_norm_eps),
+            **kda_mla_fields(c, p),
             tie_word_embeddings=self.tie_word_embeddings(c),
-            linear_conv_kernel_dim=int(c.linear_conv_kernel_dim),
-            linear_num_key_heads=int(c.linear_num_heads),
-            linear_num_value_heads=int(c.linear_num_heads),
-            linear_key_head_dim=int(c.linear_head_dim),
-            linear_value_head_dim=int(c.linear_head_dim),
             kda_low_rank_gates=False,
             kda_safe_gate=bool(c.kda_safe_gate),
             kda_lower_bound=float(c.kda_lower_bound),

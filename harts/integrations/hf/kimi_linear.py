@@ -20,7 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from harts.integrations.hf.bailing_hybrid import check_common, deepseek_moe_fields, mla_fields, mla_groups
+from harts.integrations.hf.bailing_hybrid import (
+    check_common,
+    deepseek_moe_fields,
+    kda_mla_fields,
+    mla_fields,
+    mla_groups,
+)
 from harts.integrations.hf.base import HFAdapter, Problems, TensorGroup, conv_group, ident, reshape_group
 from harts.models.config import HybridConfig
 
@@ -47,22 +53,9 @@ class KimiLinearAdapter(HFAdapter):
         c = hf_config
         p = Problems(self.architecture)
         check_common(c, p)
-        letters = {"linear_attention": "K", "full_attention": "M"}
-        types = list(c.layer_types)[: c.num_hidden_layers]
-        bad = sorted({str(t) for t in types} - set(letters))
-        if bad:
-            p.add(f"layer_types: unknown entries {bad}")
         fields: dict[str, Any] = dict(
-            layer_pattern="".join(letters.get(t, "K") for t in types),
-            vocab_size=int(c.vocab_size),
-            hidden_size=int(c.hidden_size),
-            rms_norm_eps=float(c.rms_norm_eps),
+            **kda_mla_fields(c, p),
             tie_word_embeddings=self.tie_word_embeddings(c),
-            linear_conv_kernel_dim=int(c.linear_conv_kernel_dim),
-            linear_num_key_heads=int(c.linear_num_heads),
-            linear_num_value_heads=int(c.linear_num_heads),
-            linear_key_head_dim=int(c.linear_head_dim),
-            linear_value_head_dim=int(c.linear_head_dim),
             kda_low_rank_gates=True,
             kda_safe_gate=False,
             mla_output_gate=False,
