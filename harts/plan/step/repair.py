@@ -45,6 +45,16 @@ def _shared(cost: PrefixCost, keys: np.ndarray, x: np.ndarray, g: np.ndarray, sk
     return out
 
 
+def _swapped_work(
+    cost: PrefixCost, keys: np.ndarray, work: np.ndarray, length: np.ndarray, own: np.ndarray,
+    x: np.ndarray, y: np.ndarray, a: np.ndarray, b: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Works of A' = A - x + y and B' = B - y + x for swapping x (in A) with y (in B)."""
+    wa = work[a] - (length[x] - own[x]) + length[y] - _shared(cost, keys, y, a, x)
+    wb = work[b] - (length[y] - own[y]) + length[x] - _shared(cost, keys, x, b, y)
+    return wa, wb
+
+
 def sparse_repair(
     cost: PrefixCost, owner: np.ndarray, capacity: int, *, window: int = 8, iterations: int = 4
 ) -> np.ndarray:
@@ -92,9 +102,7 @@ def sparse_repair(
         x, y, a, b = x[ok], y[ok], a[ok], b[ok]
         if x.size == 0:
             break
-        # A' = A - x + y and B' = B - y + x
-        wa = work[a] - (length[x] - own[x]) + length[y] - _shared(cost, keys, y, a, x)
-        wb = work[b] - (length[y] - own[y]) + length[x] - _shared(cost, keys, x, b, y)
+        wa, wb = _swapped_work(cost, keys, work, length, own, x, y, a, b)
         gain = work[a] + work[b] - wa - wb
         ok = (wa <= capacity) & (wb <= capacity)
         if not ok.any():
@@ -173,8 +181,7 @@ def deep_repair(
         x, y, a, b = sx[ok], sy[ok], a[ok], b[ok]
         if x.size == 0:
             break
-        wa = work[a] - (length[x] - own[x]) + length[y] - _shared(cost, keys, y, a, x)
-        wb = work[b] - (length[y] - own[y]) + length[x] - _shared(cost, keys, x, b, y)
+        wa, wb = _swapped_work(cost, keys, work, length, own, x, y, a, b)
         gain = work[a] + work[b] - wa - wb
         cand = np.flatnonzero((gain > 0) & (wa <= capacity) & (wb <= capacity))
         if cand.size == 0:
