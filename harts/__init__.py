@@ -25,6 +25,7 @@ _EXPORTS = {
     "plan_step": "harts.plan.step.planner",
     "StepPlan": "harts.plan.step.planner",
     "plan_calls": "harts.plan.calls",
+    "plan_calls_many": "harts.plan.calls",
     "CallPlan": "harts.plan.calls",
     "build_layout": "harts.plan.layout",
     "Layout": "harts.plan.layout",

@@ -320,3 +320,28 @@ def test_bad_impl():
 def test_bad_chunk_size(bad):
     with pytest.raises(ValueError, match="chunk_size"):
         plan_calls(forest_of([("a", 3, None)]), bad)
+
+
+def test_plan_calls_many_equals_planning_each_forest():
+    from harts.plan.calls import plan_calls_many
+
+    fields = ("t_pre", "t_in", "seg_seq", "seq_round", "seq_ptr", "seq_segments", "seq_fork", "seq_anchor",
+              "seq_init", "req_seq", "req_pos", "round_ptr")
+    rng = np.random.default_rng(7)
+    for b in (2, 8, 64):
+        forests = []
+        for _ in range(40):
+            lengths, parents = random_forest_lists(rng, b, max_segments=int(rng.integers(1, 14)))
+            forests.append(SegmentForest.from_parents(lengths, parents)[0])
+        batch = harts.workloads.generate("small", step=0)
+        forests += [harts.compact(batch.select(list(range(k, batch.num_trajectories, 5)))).segment_trees
+                    for k in range(5)]
+        many = plan_calls_many(forests, b)
+        assert len(many) == len(forests)
+        for forest, got in zip(forests, many):
+            want = plan_calls(forest, b)
+            assert got.forest is forest and got.num_calls == want.num_calls
+            for name in fields:
+                np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+            check_plan(got)
+    assert plan_calls_many([], 64) == []
