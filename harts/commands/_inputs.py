@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -28,6 +28,24 @@ def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float3
                    help="linear-attention core: torch reference, fla-core (CUDA), or auto; default reference")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads on CPU; default 1, 0 = torch's default")
+
+
+def batch_sources(
+    files: list[str], workload: str | None, steps: int | None, seed: int, *, default: str = "small"
+) -> list[tuple[str, Callable[[], Any]]]:
+    """``(label, make_batch)`` per step: each file is one step, or the preset's steps (lazy)."""
+    from harts.tree.batch import RolloutBatch
+    from harts.tree.workloads import PRESETS, generate
+
+    if files and workload:
+        raise ValueError("give FILEs or --workload, not both")
+    if files:
+        return [(f, lambda f=f: RolloutBatch.load(f)) for f in files]
+    name = workload or default
+    if name not in PRESETS:
+        raise ValueError(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}")
+    n = PRESETS[name].steps if steps is None else steps
+    return [(f"{name}[{s}]", lambda s=s: generate(name, step=s, seed=seed)) for s in range(n)]
 
 
 def workload_batches(args: argparse.Namespace) -> Iterator[Any]:

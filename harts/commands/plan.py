@@ -27,20 +27,10 @@ def run(args: argparse.Namespace) -> int:
 
     from harts.bench.plan_bench import plan_batches, plot, summarize
     from harts.commands._format import format_table
-    from harts.tree.batch import RolloutBatch
-    from harts.tree.workloads import PRESETS, generate
+    from harts.commands._inputs import batch_sources
 
-    if args.files and args.workload:
-        raise ValueError("give FILEs or --workload, not both")
-    if not args.files and not args.workload:
-        args.workload = "small"
-    if args.workload:
-        if args.workload not in PRESETS:
-            raise ValueError(f"unknown workload {args.workload!r}; presets: {', '.join(PRESETS)}")
-        n = PRESETS[args.workload].steps if args.steps is None else args.steps
-        sources = [(s + 1, lambda s=s: generate(args.workload, step=s, seed=args.seed)) for s in range(n)]
-    else:
-        sources = [(i + 1, lambda f=f: RolloutBatch.load(f)) for i, f in enumerate(args.files)]
+    labelled = batch_sources(args.files, args.workload, args.steps, args.seed)
+    sources = [(i + 1, make) for i, (_, make) in enumerate(labelled)]
     base = args.baseline
     params = {"time_limit": args.time_limit, "seed": args.seed} if base else None
     with tqdm(total=len(sources), desc=f"plan D={args.dp}", unit="step") as bar:

@@ -23,25 +23,14 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from harts.commands._format import format_table
-    from harts.tree.batch import RolloutBatch
+    from harts.commands._inputs import batch_sources
     from harts.tree.compact import compact
     from harts.tree.stats import batch_stats
-    from harts.tree.workloads import PRESETS, generate
+    from harts.tree.workloads import PRESETS
 
-    if args.file and args.workload:
-        raise ValueError("give a FILE or --workload, not both")
-    if not args.file and not args.workload:
-        args.workload = "small"
-    if args.workload:
-        if args.workload not in PRESETS:
-            raise ValueError(f"unknown workload {args.workload!r}; presets: {', '.join(PRESETS)}")
-        spec = PRESETS[args.workload]
-        n_steps = spec.steps if args.steps is None else args.steps
-        chunk = args.chunk_size or spec.chunk_size
-        sources = [(f"{args.workload}[{s}]", lambda s=s: generate(args.workload, step=s, seed=args.seed)) for s in range(n_steps)]
-    else:
-        chunk = args.chunk_size or 64
-        sources = [(args.file, lambda: RolloutBatch.load(args.file))]
+    sources = batch_sources([args.file] if args.file else [], args.workload, args.steps, args.seed)
+    preset = PRESETS.get(args.workload or "small") if not args.file else None
+    chunk = args.chunk_size or (preset.chunk_size if preset else 64)
 
     rows, records = [], []
     for label, make in tqdm(sources, desc="stats", unit="step", disable=len(sources) < 2):
