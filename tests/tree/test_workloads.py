@@ -62,3 +62,14 @@ def test_forks_land_on_and_beside_chunk_boundaries():
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown workload 'nope'"):
         generate("nope")
+
+
+def test_late_forks_raise_prefix_sharing():
+    """late_forks > 0 moves trunk forks toward the end: more shared prefix, same task count."""
+    for step in range(3):
+        uniform = generate("medium", step=step)
+        late = generate("medium", step=step, late_forks=3.0)
+        assert np.unique(late.tree_ids).size == np.unique(uniform.tree_ids).size
+        ratio_u = uniform.num_tokens / harts.compact(uniform).num_compact_tokens
+        ratio_l = late.num_tokens / harts.compact(late).num_compact_tokens
+        assert ratio_l > ratio_u
