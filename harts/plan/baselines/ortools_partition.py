@@ -10,8 +10,10 @@
      * the replica's trajectories, in lexicographic order, define a compressed trie (one
        node per maximal fork-free token run, built from adjacent LCPs with a stack); node v
        has weight w_v = its token count;
-     * B bins, B = the number of microbatches of a lexicographic first-fit packing, which is
-       also the solution hint;
+     * B bins, B = the number of microbatches of the hint: the lower-work of two packings,
+       (a) lexicographic first-fit over the replica's trajectories and (b) whole trees
+       first-fit decreasing, trees larger than T cut by (a) inside the tree (so the model
+       starts from a packing that splits no tree it need not split);
      * booleans x[i, b] (trajectory i in bin b, ``sum_b x[i, b] = 1``) and y[v, b] (node v
        materialized in bin b) with ``y[leaf(i), b] >= x[i, b]`` and
        ``y[parent(v), b] >= y[v, b]``;
@@ -131,11 +133,55 @@ def _first_fit_lex(cost: PrefixCost, members: np.ndarray, capacity: int) -> np.n
     return bins
 
 
-def solve_replica(cost: PrefixCost, members: np.ndarray, capacity: int, params: ORToolsParams) -> np.ndarray:
-    """Bin of each member (0..B-1, all used) from the CP-SAT model of the module docstring."""
+def _tree_ffd(cost: PrefixCost, members: np.ndarray, trees: list[np.ndarray], capacity: int) -> np.ndarray:
+    """Hint (b): whole trees (sorted positions, all within ``members``) first-fit decreasing
+    into bins by exact compact work; a tree larger than T gets its own lexicographic cuts."""
+    where = {int(p): i for i, p in enumerate(members.tolist())}
+    bins = np.full(members.size, -1, dtype=np.int64)
+    content: list[np.ndarray] = []
+    size = np.array([cost.set_work(t) for t in trees], dtype=np.int64)
+    for t in np.argsort(-size, kind="stable").tolist():
+        idx = np.array([where[int(p)] for p in trees[t]], dtype=np.int64)
+        if size[t] > capacity:
+            cut = _first_fit_lex(cost, trees[t], capacity)
+            bins[idx] = len(content) + cut
+            content.extend(trees[t][cut == c] for c in range(int(cut.max()) + 1))
+            continue
+        for g, m in enumerate(content):
+            merged = np.sort(np.concatenate([m, trees[t]]))
+            if cost.set_work(merged) <= capacity:
+                content[g] = merged
+                bins[idx] = g
+                break
+        else:
+            bins[idx] = len(content)
+            content.append(trees[t])
+    return bins
+
+
+def _packing_work(cost: PrefixCost, members: np.ndarray, bins: np.ndarray) -> int:
+    return sum(cost.set_work(members[bins == b]) for b in range(int(bins.max()) + 1))
+
+
+def solve_replica(
+    cost: PrefixCost,
+    members: np.ndarray,
+    capacity: int,
+    params: ORToolsParams,
+    trees: list[np.ndarray] | None = None,
+) -> np.ndarray:
+    """Bin of each member (0..B-1, all used) from the CP-SAT model of the module docstring.
+
+    ``trees``: the replica's rollout trees as sorted positions (for hint (b)); None = (a) only.
+    """
     from ortools.sat.python import cp_model
 
     hint = _first_fit_lex(cost, members, capacity)
+    if trees is not None and len(trees) > 1:
+        alt = _tree_ffd(cost, members, trees, capacity)
+        key_lex = (_packing_work(cost, members, hint), int(hint.max()))
+        if (_packing_work(cost, members, alt), int(alt.max())) < key_lex:
+            hint = alt
     nb = int(hint.max()) + 1
     if members.size <= 1 or nb == members.size:
         return hint
@@ -199,8 +245,9 @@ def ortools_plan(cb: Any, dp: int, capacity: int, params: ORToolsParams) -> Step
     shard = shard_ffd(unit_work, dp)
     per_replica = []
     for d in range(dp):
-        members = np.sort(np.concatenate([units[u] for u in np.flatnonzero(shard == d)]))
-        per_replica.append((members, solve_replica(cost, members, capacity, params)))
+        mine = [units[u] for u in np.flatnonzero(shard == d)]
+        members = np.sort(np.concatenate(mine))
+        per_replica.append((members, solve_replica(cost, members, capacity, params, mine)))
     k = max(int(bins.max()) + 1 for _, bins in per_replica)
     owner = np.empty(cost.n, dtype=np.int64)
     replica_list, slot_list = [], []

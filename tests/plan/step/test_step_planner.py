@@ -199,6 +199,28 @@ def test_ortools_baseline_is_feasible() -> None:
         assert harts_plan.method == "harts" and plan.method == "ortools"
 
 
+def test_ortools_baseline_keeps_trees_that_fit_whole() -> None:
+    """Minimizing compact work, the per-replica model never cuts a tree that fits T (D = 1:
+    no equalizing splits). Four trees of 100 compact tokens at T = 180: a lexicographic
+    first-fit start has 3 bins and cuts trees; the tree packing needs 4 and cuts none."""
+    pytest.importorskip("ortools")
+    paths, tree_ids = [], []
+    for t in range(4):
+        prefix = [10 * t + 1] * 40
+        for b in range(3):
+            paths.append(prefix + [100 + 10 * t + b] * 20)
+            tree_ids.append(t)
+    batch = harts.RolloutBatch.from_trajectories(paths, tree_ids=tree_ids)
+    plan = harts.plan_step(batch, dp=1, capacity=180, method="ortools", time_limit=5.0)
+    check_plan(plan, batch, 1, 180)
+    owner = np.empty(batch.num_trajectories, dtype=np.int64)
+    for k, mb in enumerate(plan.microbatches):
+        owner[mb] = k
+    for t in range(4):
+        assert np.unique(owner[np.asarray(tree_ids) == t]).size == 1, f"tree {t} was cut"
+    assert sum(plan.work) == 400
+
+
 def test_workload_step_plan() -> None:
     batch = harts.workloads.generate("small", step=0, seed=0)
     cb = harts.compact(batch)
