@@ -3,6 +3,8 @@ every gradient, with GQA and MLA head shapes, against dense references."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -150,8 +152,11 @@ def test_bad_inputs_raise():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_flex_tree_mask_matches_dense_on_cuda(dtype):
-    P, H, G, D, E = 700, 4, 2, 64, 32
+@pytest.mark.parametrize("D,E", [(64, 32), (192, 128)], ids=["D64-E32", "mla-D192-E128"])
+def test_flex_tree_mask_matches_dense_on_cuda(dtype, D, E):
+    # D192/E128 are the MLA head dims of ling3_tiny: torch 2.11's default float32 forward tile
+    # for them needs more shared memory than a Hopper SM has (see flex_kernel_options)
+    P, H, G = 700, 4, 2
     parent = random_forest(P, num_roots=3, branchy=0.05, seed=1)
     pre, end = preorder(parent)
     x64 = [t.detach().cuda() for t in qkv(P, H, G, D, E)]
@@ -170,3 +175,43 @@ def test_flex_tree_mask_matches_dense_on_cuda(dtype):
     g_low = grads(out_low.double(), x_low, w)
     for a, lo, r in zip(g_flex, g_low, g_ref):
         assert (a.double() - r).abs().max() <= 2 * (lo.double() - r).abs().max() + 1e-5
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+def test_flex_tree_mask_compiles_once_for_many_row_counts():
+    """Every microbatch has its own P: the compiled FlexAttention must not recompile per P.
+
+    With a static compile per P, dynamo hits its recompile limit (8) after a few microbatches
+    and flex_attention silently runs eagerly, materializing [H, P, P] scores (OOM on CUDA at
+    training sizes). Run on CPU, where inductor compiles FlexAttention too.
+    """
+    from torch._dynamo.utils import counters
+
+    from harts.ops.attention.tree_mask import _compiled_flex
+
+    torch._dynamo.reset()
+    _compiled_flex.cache_clear()
+    before = counters["stats"]["unique_graphs"]
+    sizes = [130, 170, 200, 260, 300, 333, 345, 400, 410, 440]
+    with torch.no_grad():
+        for P in sizes:
+            parent = random_forest(P, num_roots=2, branchy=0.1, seed=P)
+            pre, end = preorder(parent)
+            x = [t.detach().float() for t in qkv(P, 2, 1, 16, 8)]
+            o_flex = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.25, impl="flex")
+            o_dense = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.25, impl="dense")
+            torch.testing.assert_close(o_flex, o_dense, rtol=1e-5, atol=1e-5)
+    # a dynamic compile needs at most a few graphs (sizes 0/1/2 of the block-count dims are
+    # specialized); one graph per P would be len(sizes) and the eager fallback beyond 8
+    assert counters["stats"]["unique_graphs"] - before <= 3
+
+
+def test_flex_kernel_options_only_shrink_float32_wide_heads_on_cuda():
+    from harts.ops.attention.tree_mask import flex_kernel_options
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    opts = flex_kernel_options(cuda, torch.float32, 192, 128)
+    assert opts is not None and opts["fwd_BLOCK_M"] * 192 * 4 + opts["fwd_BLOCK_N"] * (192 + 128) * 4 < 227 * 1024
+    assert flex_kernel_options(cuda, torch.float32, 128, 128) is None
+    assert flex_kernel_options(cuda, torch.bfloat16, 192, 128) is None
+    assert flex_kernel_options(cpu, torch.float32, 192, 128) is None

@@ -111,7 +111,10 @@ def _dense_chunk(q, k, v, pre, end, rows, cand, scale: float) -> torch.Tensor:
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic shapes: every microbatch has its own P, and a static compile per P hits dynamo's
+    # recompile limit (8) after a few microbatches; past it flex_attention runs eagerly, which
+    # materializes the [H, P, P] score matrix (hundreds of GB at P = 64k)
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def _flex(q, k, v, pre, end, scale: float) -> torch.Tensor:
@@ -127,5 +130,19 @@ def _flex(q, k, v, pre, end, scale: float) -> torch.Tensor:
     o = _compiled_flex()(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+        kernel_options=flex_kernel_options(q.device, q.dtype, q.shape[2], v.shape[2]),
     )
     return o[0].transpose(0, 1)
+
+
+def flex_kernel_options(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int) -> dict | None:
+    """FlexAttention forward tile sizes where torch's defaults overflow shared memory, else None.
+
+    torch 2.11 on Hopper tiles a float32 forward with head dims above 128 (MLA: 192 / 128) as
+    64 x 64 rows in 3 stages, which needs ~274 KiB of shared memory against 227 KiB; the
+    H100 table of later torch releases uses 32 x 64 rows in one stage, 8 warps, for float32 at
+    192. That tile is used here for every float32 head dim above 128. CPU kernels take none.
+    """
+    if device.type != "cuda" or dtype != torch.float32 or max(qk_dim, v_dim) <= 128:
+        return None
+    return {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 64, "fwd_num_stages": 1, "fwd_num_warps": 8}
