@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "auto"],
+                   help="linear-attention core for both modes: torch reference, fla-core (CUDA), or auto")
     p.add_argument(
         "--threads", type=int, default=1,
         help="torch intra-op threads; default 1 (tiny tensors on a shared CPU), 0 = torch's default",
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     for mode in ("trajectory", "compact"):
         runs[mode] = run_step(
             model, inputs, mode=mode, recompute=args.recompute, attention=args.attention,
-            no_replay=args.no_replay, measure_memory=True, warmup=1,
+            no_replay=args.no_replay, measure_memory=True, warmup=1, linear_attention_backend=args.la_backend,
         )
     diff = compare_runs(runs["trajectory"], runs["compact"])
     cb, t, c = inputs.cb, runs["trajectory"], runs["compact"]
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"model {args.model} ({config.layer_pattern}, {model.num_parameters():,} params, {args.dtype}), "
-        f"recompute={args.recompute}, attention={args.attention}, no_replay={args.no_replay}"
+        f"recompute={args.recompute}, attention={args.attention}, no_replay={args.no_replay}, "
+        f"la_backend={args.la_backend}, device={args.device}"
     )
     print(
         f"compact plan: {c.info['calls']} linear-attention calls, {c.info['replay_rows']:,} replay rows, "
@@ -110,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
             "recompute": args.recompute,
             "attention": args.attention,
             "no_replay": args.no_replay,
+            "la_backend": args.la_backend,
+            "device": args.device,
             "S": cb.num_semantic_tokens,
             "C": cb.num_compact_tokens,
             "compression": cb.compression,

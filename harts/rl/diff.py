@@ -64,11 +64,13 @@ def run_step(
     warmup: int = 0,
     clip_eps: float = 0.2,
     kl_coef: float = 0.0,
+    linear_attention_backend: str = "reference",
 ) -> StepResult:
     """Forward + GRPO loss + MoE objective + backward; returns detached results and timing.
 
     ``warmup`` untimed steps run first. On CPU with ``measure_memory``, one more (profiled)
     step measures peak live tensor bytes; the gradients reported are the timed step's.
+    ``linear_attention_backend``: "reference", "fla" or "auto" (see ``HybridLM.forward``).
     """
     batch = inputs.batch if isinstance(inputs, CompactInputs) else inputs
     cfg = model.config
@@ -76,7 +78,8 @@ def run_step(
     holder: dict[str, Any] = {}
 
     def step() -> None:
-        out = model(inputs, mode=mode, recompute=recompute, attention=attention, no_replay=no_replay)
+        out = model(inputs, mode=mode, recompute=recompute, attention=attention, no_replay=no_replay,
+                    linear_attention_backend=linear_attention_backend)
         loss = grpo_loss(out.logprobs, batch, clip_eps=clip_eps, kl_coef=kl).loss
         loss = loss + out.moe_objective(cfg.router_z_loss_coef, cfg.router_aux_loss_coef)
         loss.backward()

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# harts on one CUDA GPU: the GPU tests, model agreement on device, and a training-step speed figure.
+#
+#   harts/bench/gpu_check.sh [OUT_DIR]          # from the repo root; fla-core must import
+#
+# 1. tests   pytest -m gpu: fla-core KDA (float32, bfloat16) and GDN against the reference op
+#            with exported boundary states and their consumers' gradients, split exactness,
+#            the GDN backward guard, FlexAttention tree mask against the dense mask.
+# 2. compare harts compare --device cuda, float32: trajectory-wise vs compact, one forward +
+#            backward, for la-backend {fla, reference} x attention {mask, gather}. Model:
+#            ling3_tiny's dimensions (chunk 64, 16 heads of 128: what fla's kernels take) with
+#            pattern KGMA, so KDA, GDN (fla forward, reference backward on Hopper, fla #640),
+#            MLA and GQA all run; workload tiny.
+# 3. bench   harts bench --device cuda --la-backend fla --dtype bfloat16 --recompute: the
+#            small workload's 3 steps at capacity 65,536 (BENCH_WORK for others),
+#            ling3_tiny's dimensions with pattern KKKM (one period of the paper model's
+#            6 x (3 KDA + 1 MLA); 128 experts; 0.99 B parameters at the small workload's 512-token
+#            vocabulary, 1.47 B at 157k), baseline and harts side by
+#            side; JSON per run.
+#
+# Every step writes OUT_DIR/<name>.log (and .json); OUT_DIR/summary.txt has one line per run
+# with its exit status and wall time. The exit status is the number of failed runs.
+#
+# Environment:
+#   PYTHON        interpreter (default python3)
+#   PARALLEL=1    run steps 1-2 as concurrent processes, together with an untimed bench on the
+#                 small workload that autotunes the bf16 kernels: cold Triton autotuning is
+#                 CPU-bound compilation, so this cuts a cold run's wall time several-fold.
+#                 The timed benches (step 3) always run alone.
+#   STEPS         which of "tests compare bench" to run (default all three)
+#   BENCH_MODEL   bench model flags (default "--model ling3_tiny --pattern KKKM")
+#   BENCH_WORK    bench workload flags (default "--workload small": 3 steps of ~38k raw tokens;
+#                 "--workload medium --steps 1" is 3.6 M raw tokens, which did not finish in
+#                 340 s on an H200 with this model)
+#   BENCH_ATTN    attention implementations to bench (default "gather mask")
+#   TEST_FILES    GPU test files (default: the fla and the attention tests)
+#   PYTEST_XDIST  extra pytest flags, e.g. "-n 4" (tests autotune different shapes: parallel helps)
+#   COMPARE_LA, COMPARE_ATTN   compare grid (default "fla reference" x "mask gather")
+set -uo pipefail
+
+OUT=${1:-gpu_check_out}
+PY=${PYTHON:-python3}
+STEPS=${STEPS:-tests compare bench}
+BENCH_MODEL=${BENCH_MODEL:---model ling3_tiny --pattern KKKM}
+BENCH_WORK=${BENCH_WORK:---workload small}
+BENCH_ATTN=${BENCH_ATTN:-gather mask}
+TEST_FILES=${TEST_FILES:-tests/ops/test_linear_attn_fla.py tests/ops/test_attention.py}
+COMPARE_LA=${COMPARE_LA:-fla reference}
+COMPARE_ATTN=${COMPARE_ATTN:-mask gather}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+export PYTHONUNBUFFERED=1
+
+# run NAME CMD...: CMD's output to OUT/NAME.log; one summary line
+run() {
+    local name=$1 t0 rc
+    shift
+    t0=$(date +%s)
+    echo "[gpu_check] start $name: $*"
+    "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    printf '%-28s rc=%-3s %5ss  %s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$*" | tee -a "$SUMMARY"
+    return $rc
+}
+
+HARTS=("$PY" -m harts.cli)
+COMPARE=(compare --device cuda --dtype float32 --model ling3_tiny --pattern KGMA --workload tiny)
+BENCH=(bench --device cuda --la-backend fla --dtype bfloat16 --recompute --capacity 65536)
+
+phase_a=()
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+if want tests; then
+    for f in $TEST_FILES; do
+        name=$(basename "$f" .py)
+        phase_a+=("run ${name} $PY -m pytest -m gpu $f -v -p no:cacheprovider ${PYTEST_XDIST:-}")
+    done
+fi
+if want compare; then
+    for la in $COMPARE_LA; do
+        for attn in $COMPARE_ATTN; do
+            phase_a+=("run compare_${la}_${attn} ${HARTS[*]} ${COMPARE[*]} --la-backend $la --attention $attn --json $OUT/compare_${la}_${attn}.json")
+        done
+    done
+fi
+if want bench && [[ ${PARALLEL:-0} == 1 ]]; then
+    for attn in $BENCH_ATTN; do
+        phase_a+=("run bench_warm_${attn} ${HARTS[*]} ${BENCH[*]} $BENCH_MODEL --workload small --steps 1 --attention $attn --json $OUT/bench_warm_${attn}.json")
+    done
+fi
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    "$PY" -c "import fla; print('fla-core', fla.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+
+if [[ ${PARALLEL:-0} == 1 ]]; then
+    pids=()
+    for cmd in "${phase_a[@]}"; do
+        eval "$cmd" &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p"; done
+else
+    for cmd in "${phase_a[@]}"; do eval "$cmd"; done
+fi
+
+if want compare; then
+    # same weights, same batch: the fla and reference cores must give the same losses too
+    "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/compare_backends.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for attn in ("mask", "gather"):
+    runs = {la: out / f"compare_{la}_{attn}.json" for la in ("fla", "reference")}
+    if not all(p.exists() for p in runs.values()):
+        print(f"attention {attn}: a compare run is missing")
+        continue
+    r = {la: json.loads(p.read_text()) for la, p in runs.items()}
+    for mode in ("trajectory", "compact"):
+        a, b = r["fla"]["modes"][mode]["loss"], r["reference"]["modes"][mode]["loss"]
+        print(f"attention {attn}, {mode}: loss fla {a:.8g} vs reference {b:.8g}, rel diff {abs(a - b) / max(abs(b), 1e-300):.2e}")
+PYEOF
+fi
+
+if want bench; then
+    for attn in $BENCH_ATTN; do
+        # shellcheck disable=SC2086
+        run "bench_${attn}" "${HARTS[@]}" "${BENCH[@]}" $BENCH_MODEL $BENCH_WORK --attention "$attn" \
+            --json "$OUT/bench_${attn}.json"
+    done
+fi
+
+
+for f in "$OUT"/compare_*.log "$OUT"/bench_*.log; do
+    [[ -e $f ]] || continue
+    echo "=== $f"
+    grep -v "^\s*$" "$f" | tail -n 25
+done
+for f in "$OUT"/test_*.log; do
+    [[ -e $f ]] || continue
+    echo "=== $f"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|skipped" "$f" | tail -n 15
+done
+echo "=== summary"
+cat "$SUMMARY"
+exit "$(grep -vc 'rc=0 ' "$SUMMARY")"
