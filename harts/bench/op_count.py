@@ -1,0 +1,95 @@
+"""Count the aten operators one training step issues, trajectory-wise vs compact, by call site.
+
+On a GPU, a step whose kernels are small is bound by how many operators it launches, not by
+its FLOPs; this benchmark shows where each execution mode issues them. One forward + backward
+of the GRPO-free sum of log-probs (with ``--recompute``: full-layer recomputation) runs under
+a ``TorchDispatchMode`` that attributes every aten call to the innermost harts function on
+the Python stack (``other`` = autograd internals and code outside harts)::
+
+    python -m harts.bench.op_count --workload small --pattern KKKM [--recompute] [--json out.json]
+
+It prints the total per mode and the top call sites side by side. Counts, not times: the
+same on any machine for the same inputs and backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from typing import Any
+
+__all__ = ["count_ops", "main"]
+
+
+def count_ops(model: Any, batch: Any, mode: str, recompute: bool, **kwargs: Any) -> collections.Counter:
+    """Counter {call site: aten operator calls} for one forward + backward of ``model``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sites: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            frame = sys._getframe(1)
+            site = "other"
+            while frame is not None:
+                name = frame.f_code.co_filename
+                if "/harts/" in name and not name.endswith("op_count.py"):
+                    site = f"{name.split('/harts/')[-1]}:{frame.f_code.co_name}"
+                    break
+                frame = frame.f_back
+            self.sites[site] += 1
+            return func(*args, **(kwargs or {}))
+
+    model.zero_grad(set_to_none=True)
+    with _Count() as counter:
+        out = model(batch, mode=mode, recompute=recompute, **kwargs)
+        out.logprobs.sum().backward()
+    return counter.sites
+
+
+def main(argv: list[str] | None = None) -> int:
+    from harts.commands._inputs import add_model_arguments, build_model
+    from harts.tree.batch import RolloutBatch
+    from harts.tree.workloads import PRESETS, generate
+
+    p = argparse.ArgumentParser(prog="python -m harts.bench.op_count", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="small", help="preset name or a RolloutBatch file")
+    p.add_argument("--step", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    add_model_arguments(p, default_dtype="float32")
+    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--top", type=int, default=12, help="call sites to print")
+    p.add_argument("--json", dest="json_out", default=None)
+    args = p.parse_args(argv)
+
+    if args.workload in PRESETS:
+        batch = generate(args.workload, step=args.step, seed=args.seed)
+    else:
+        batch = RolloutBatch.load(args.workload)
+    model = build_model(args, int(batch.vocab_size or batch.tokens.max() + 1))
+    kwargs = {"linear_attention_backend": args.la_backend} if args.la_backend != "reference" else {}
+    counts = {mode: count_ops(model, batch, mode, args.recompute, **kwargs) for mode in ("trajectory", "compact")}
+    totals = {mode: sum(c.values()) for mode, c in counts.items()}
+    print(f"{args.workload}[{args.step}]: {batch.num_trajectories} paths, {batch.num_tokens:,} tokens; "
+          f"aten operators per forward + backward{' (recompute)' if args.recompute else ''}")
+    print(f"  total: trajectory {totals['trajectory']:,}  compact {totals['compact']:,}  "
+          f"(compact / trajectory {totals['compact'] / max(totals['trajectory'], 1):.2f}x)")
+    sites = sorted(set(counts["trajectory"]) | set(counts["compact"]),
+                   key=lambda s: -(counts["trajectory"][s] + counts["compact"][s]))
+    width = max(len(s) for s in sites[: args.top])
+    print(f"  {'call site':<{width}}  trajectory     compact")
+    for s in sites[: args.top]:
+        print(f"  {s:<{width}}  {counts['trajectory'][s]:>10,}  {counts['compact'][s]:>10,}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"workload": args.workload, "step": args.step, "totals": totals,
+                       "sites": {m: dict(c) for m, c in counts.items()}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
