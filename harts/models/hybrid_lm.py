@@ -3,7 +3,10 @@
     out = model(batch, mode="trajectory" | "compact", recompute=False, attention="gather" | "mask",
                 no_replay=False)
 
-``trajectory``: every trajectory is packed as its own sequence (the baseline and oracle).
+``trajectory``: every trajectory is packed as its own sequence (the baseline and oracle);
+its attention runs one causal call per trajectory ("gather") or one call over the packed rows
+under a document-causal mask ("mask": FlexAttention on CUDA, the packed-varlen call a
+production baseline makes).
 ``compact``: ``compact(batch) -> plan_calls -> build_layout``; every layer reads and writes
 the P physical rows of that layout (paper §3.4), MoE weights its statistics by multiplicity
 q, and log-probs come from ``mapped_logprobs`` (logsumexp once per compact row, §3.5).
@@ -175,7 +178,9 @@ class HybridLM(nn.Module):
 
             batch = inputs.batch if isinstance(inputs, (CompactBatch, CompactInputs)) else inputs
             self._check_batch(batch)
-            ctx: RowContext = TrajectoryContext(batch, self.config.chunk_size, device, la_backend=linear_attention_backend)
+            ctx: RowContext = TrajectoryContext(
+                batch, self.config.chunk_size, device, la_backend=linear_attention_backend, attention=attention
+            )
             tokens = torch.as_tensor(batch.tokens, device=device)
             info: dict[str, Any] = {"mode": "trajectory", "rows": batch.num_tokens, "calls": 1, "replay_rows": 0}
         elif mode == "compact":

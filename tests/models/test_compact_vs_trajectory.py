@@ -62,6 +62,19 @@ def test_recompute_and_attention_agree(recompute: bool, attention: str) -> None:
     check_agreement(make_model("GKAM", moe=True), mixed_batch(B, seed=1), recompute=recompute, attention=attention)
 
 
+def test_trajectory_mask_attention_equals_per_trajectory_calls() -> None:
+    """The baseline's one-call document-causal mask ("mask") equals one call per trajectory."""
+    model = make_model("MA", moe=True)
+    batch = mixed_batch(B, seed=2)
+    inputs = model.prepare_compact(batch)
+    ref = run_step(model, inputs, mode="trajectory", kl_coef=0.1)
+    got = run_step(model, inputs, mode="trajectory", kl_coef=0.1, attention="mask")
+    diff = compare_runs(ref, got)
+    assert max(diff.values()) <= TOL, diff
+    with pytest.raises(ValueError, match="attention must be"):
+        model(batch, mode="trajectory", attention="dense")
+
+
 def test_chunk_16_and_qwen_style_moe_agree() -> None:
     torch.manual_seed(0)
     cfg = HybridConfig.tiny(

@@ -2,10 +2,14 @@
 
 Rows are the S semantic positions in original batch order; trajectory j owns rows
 ``[offsets[j], offsets[j+1])``. Linear attention runs one packed call with cu_seqlens over
-trajectories and zero initial states; the short conv and attention are plain causal
-per-sequence ops. Nothing here uses compaction, a call plan or a Layout.
+trajectories and zero initial states; the short conv is a plain causal per-sequence op.
+Attention is causal within each trajectory: one call per trajectory (``attention="gather"``),
+or one call over all S rows under the document-causal mask (``"mask"``): the tree mask of a
+forest of chains, with preorder = row index and each row's subtree ending at its
+trajectory's end (FlexAttention on CUDA). Nothing here uses compaction, a call plan or a Layout.
 
-Shapes: cu_seqlens int64 [N + 1]; position int64 [S]; row_weight [S] (all ones).
+Shapes: cu_seqlens int64 [N + 1]; position int64 [S]; row_weight [S] (all ones);
+chain_end int64 [S] (end row of each row's trajectory).
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ __all__ = ["TrajectoryContext"]
 
 class TrajectoryContext(RowContext):
     def __init__(
-        self, batch: RolloutBatch, chunk_size: int, device: torch.device, la_backend: str = "reference"
+        self,
+        batch: RolloutBatch,
+        chunk_size: int,
+        device: torch.device,
+        la_backend: str = "reference",
+        attention: str = "gather",
     ) -> None:
         from harts.ops.linear_attn import linear_attn_op
 
@@ -33,6 +42,13 @@ class TrajectoryContext(RowContext):
         pos = np.arange(batch.num_tokens) - np.repeat(offsets[:-1], batch.lengths)
         self.position = torch.as_tensor(pos, dtype=torch.int64, device=device)
         self.row_weight = torch.ones(batch.num_tokens, dtype=torch.float64, device=device)
+        if attention not in ("gather", "mask"):
+            raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
+        self.attention_impl = attention
+        if attention == "mask":
+            self.chain_pre = torch.arange(batch.num_tokens, dtype=torch.int64, device=device)
+            end = np.repeat(offsets[1:], batch.lengths)
+            self.chain_end = torch.as_tensor(end, dtype=torch.int64, device=device)
 
     def short_conv(self, x_TD, weight_DW, bias_D, activation):  # type: ignore[override]
         from harts.ops.conv import causal_conv1d_varlen
@@ -46,6 +62,10 @@ class TrajectoryContext(RowContext):
         return o
 
     def attention(self, q_THD, k_TGD, v_TGE, *, scale):  # type: ignore[override]
-        from harts.ops.attention import varlen_causal_attention
+        from harts.ops.attention import tree_mask_attention, varlen_causal_attention
 
+        if self.attention_impl == "mask":
+            return tree_mask_attention(
+                q_THD, k_TGD, v_TGE, tree_pre=self.chain_pre, tree_end=self.chain_end, scale=scale
+            )
         return varlen_causal_attention(q_THD, k_TGD, v_TGE, cu_seqlens=self.cu_seqlens, scale=scale)
