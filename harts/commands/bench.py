@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--capacity", type=int, default=65_536, help="microbatch capacity T (tokens)")
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument("--attention", default="gather", choices=["gather", "mask"])
+    p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
+                   help="full attention: one call per branch (gather), one FlexAttention call over "
+                        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first microbatch of each side")
     p.add_argument("--json", dest="json_out", default=None)
 

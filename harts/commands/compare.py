@@ -24,7 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pattern", default=None, help="override the layer pattern, e.g. KKKM")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument("--attention", default="gather", choices=["gather", "mask"])
+    p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
+                   help="full attention: one call per branch (gather), one FlexAttention call over "
+                        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")

@@ -21,7 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument("--attention", default="gather", choices=["gather", "mask"])
+    p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
+                   help="full attention: one call per branch (gather), one FlexAttention call over "
+                        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="save the trained weights (a transformers checkpoint when --model was one, else harts.pt)")
     p.add_argument("--json", dest="json_out", default=None)

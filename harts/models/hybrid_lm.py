@@ -1,7 +1,7 @@
 """HybridLM: one hybrid-attention LM, executed trajectory-wise or compactly on the same weights.
 
-    out = model(batch, mode="trajectory" | "compact", recompute=False, attention="gather" | "mask",
-                no_replay=False)
+    out = model(batch, mode="trajectory" | "compact", recompute=False,
+                attention="gather" | "mask" | "auto", no_replay=False)
 
 ``trajectory``: every trajectory is packed as its own sequence (the baseline and oracle);
 its attention runs one causal call per trajectory ("gather") or one call over the packed rows
@@ -170,9 +170,13 @@ class HybridLM(nn.Module):
         """
         if fused_logprobs is None:
             fused_logprobs = mode == "compact"
-        if attention not in ("gather", "mask"):
-            raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
+        if attention not in ("gather", "mask", "auto"):
+            raise ValueError(f"attention must be 'gather', 'mask' or 'auto', got {attention!r}")
         device = self.embed_tokens.weight.device
+        if attention == "auto":
+            # one FlexAttention call per layer on CUDA (launch-bound otherwise); per-branch
+            # dense calls on CPU, where the dense tree mask costs more than the loop
+            attention = "mask" if device.type == "cuda" else "gather"
         if mode == "trajectory":
             from harts.models.execution.trajectory import TrajectoryContext
 

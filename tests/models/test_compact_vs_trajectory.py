@@ -73,6 +73,10 @@ def test_trajectory_mask_attention_equals_per_trajectory_calls() -> None:
     assert max(diff.values()) <= TOL, diff
     with pytest.raises(ValueError, match="attention must be"):
         model(batch, mode="trajectory", attention="dense")
+    # "auto" is the per-call path on CPU (mask on CUDA): bit-identical to "gather" here
+    for mode in ("trajectory", "compact"):
+        auto = model(inputs, mode=mode, attention="auto").logprobs
+        assert torch.equal(auto, model(inputs, mode=mode, attention="gather").logprobs)
 
 
 def test_chunk_16_and_qwen_style_moe_agree() -> None:
