@@ -187,10 +187,11 @@ def test_flex_tree_mask_compiles_once_for_many_row_counts():
     """
     from torch._dynamo.utils import counters
 
-    from harts.ops.attention.tree_mask import _compiled_flex
+    from harts.ops.attention.tree_mask import _compiled_block_mask, _compiled_flex
 
     torch._dynamo.reset()
     _compiled_flex.cache_clear()
+    _compiled_block_mask.cache_clear()
     before = counters["stats"]["unique_graphs"]
     sizes = [130, 170, 200, 260, 300, 333, 345, 400, 410, 440]
     with torch.no_grad():
@@ -202,8 +203,38 @@ def test_flex_tree_mask_compiles_once_for_many_row_counts():
             o_dense = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.25, impl="dense")
             torch.testing.assert_close(o_flex, o_dense, rtol=1e-5, atol=1e-5)
     # a dynamic compile needs at most a few graphs (sizes 0/1/2 of the block-count dims are
-    # specialized); one graph per P would be len(sizes) and the eager fallback beyond 8
-    assert counters["stats"]["unique_graphs"] - before <= 3
+    # specialized): <= 3 for flex_attention, <= 2 for the compiled block-mask builder; one
+    # graph per P would be 2 * len(sizes) and the eager fallback beyond 8 each
+    assert counters["stats"]["unique_graphs"] - before <= 5
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+def test_flex_block_mask_is_built_once_per_cache_and_matches_eager(monkeypatch):
+    """Every attention layer of a microbatch shares one BlockMask (``mask_cache``), built by the
+    compiled builder; its blocks equal those of eager create_block_mask."""
+    from harts.ops.attention import tree_mask as tm
+
+    P = 300
+    parent = random_forest(P, num_roots=2, branchy=0.1, seed=7)
+    pre, end = preorder(parent)
+    compiled = tm.tree_block_mask(pre, end)
+    eager = tm._build_block_mask(pre, end)
+    assert torch.equal(compiled.kv_num_blocks, eager.kv_num_blocks)
+    assert torch.equal(compiled.kv_indices, eager.kv_indices)
+    assert torch.equal(compiled.full_kv_num_blocks, eager.full_kv_num_blocks)
+
+    builds = []
+    real = tm.tree_block_mask
+    monkeypatch.setattr(tm, "tree_block_mask", lambda a, b: builds.append(1) or real(a, b))
+    cache: dict = {}
+    x = [t.detach().float() for t in qkv(P, 2, 1, 16, 8)]
+    with torch.no_grad():
+        outs = [tm.tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.25, impl="flex", mask_cache=cache)
+                for _ in range(3)]
+        dense = tm.tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.25, impl="dense")
+    assert len(builds) == 1 and "flex_block_mask" in cache
+    for o in outs:
+        torch.testing.assert_close(o, dense, rtol=1e-5, atol=1e-5)
 
 
 def test_flex_kernel_options_only_shrink_float32_wide_heads_on_cuda():

@@ -60,6 +60,7 @@ class CompactContext(RowContext):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
         self.layout = layout
         self.attention_impl = attention
+        self._mask_cache: dict = {}  # one FlexAttention BlockMask for every layer of this layout
         self.device = device
         self.num_rows = int(layout.num_rows)
         self.chunk_size = int(layout.chunk_size)
@@ -159,4 +160,5 @@ class CompactContext(RowContext):
             tree_pre=self._attn_index("tree_pre"),
             tree_end=self._attn_index("tree_end"),
             scale=scale,
+            mask_cache=self._mask_cache,
         )

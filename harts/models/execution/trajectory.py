@@ -45,6 +45,7 @@ class TrajectoryContext(RowContext):
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
         self.attention_impl = attention
+        self._mask_cache: dict = {}  # one FlexAttention BlockMask for every layer of this batch
         if attention == "mask":
             self.chain_pre = torch.arange(batch.num_tokens, dtype=torch.int64, device=device)
             end = np.repeat(offsets[1:], batch.lengths)
@@ -66,6 +67,7 @@ class TrajectoryContext(RowContext):
 
         if self.attention_impl == "mask":
             return tree_mask_attention(
-                q_THD, k_TGD, v_TGE, tree_pre=self.chain_pre, tree_end=self.chain_end, scale=scale
+                q_THD, k_TGD, v_TGE, tree_pre=self.chain_pre, tree_end=self.chain_end, scale=scale,
+                mask_cache=self._mask_cache,
             )
         return varlen_causal_attention(q_THD, k_TGD, v_TGE, cu_seqlens=self.cu_seqlens, scale=scale)

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harts.ops.attention.core import attend, check_qkv
 
-__all__ = ["tree_mask_attention", "tree_visibility"]
+__all__ = ["tree_block_mask", "tree_mask_attention", "tree_visibility"]
 
 
 def tree_visibility(tree_pre_q: torch.Tensor, tree_pre_kv: torch.Tensor, tree_end_kv: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,7 @@ def tree_mask_attention(
     scale: float,
     impl: str = "auto",
     row_chunk: int = 256,
+    mask_cache: dict | None = None,
 ) -> torch.Tensor:
     """Tree-masked attention over all physical rows.
 
@@ -65,6 +66,9 @@ def tree_mask_attention(
         scale: softmax scale.
         impl: "auto" (flex on CUDA, dense elsewhere), "dense" or "flex".
         row_chunk: query rows per chunk of the dense implementation.
+        mask_cache: a dict owned by the caller for one (tree_pre, tree_end): the flex
+            implementation stores its BlockMask there and reuses it (every attention layer of
+            a microbatch, and its recomputation, shares one mask).
 
     Returns:
         o_PHE: [P, H, E].
@@ -78,7 +82,12 @@ def tree_mask_attention(
     if impl == "dense":
         return _dense(q_PHD, k_PGD, v_PGE, tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device), scale, row_chunk)
     if impl == "flex":
-        return _flex(q_PHD, k_PGD, v_PGE, tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device), scale)
+        block_mask = mask_cache.get("flex_block_mask") if mask_cache is not None else None
+        if block_mask is None:
+            block_mask = tree_block_mask(tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device))
+            if mask_cache is not None:
+                mask_cache["flex_block_mask"] = block_mask
+        return _flex(q_PHD, k_PGD, v_PGE, block_mask, scale)
     raise ValueError(f"impl must be 'auto', 'dense' or 'flex'; got {impl!r}")
 
 
@@ -117,16 +126,42 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def _flex(q, k, v, pre, end, scale: float) -> torch.Tensor:
+def _build_block_mask(pre: torch.Tensor, end: torch.Tensor):  # noqa: ANN202
     from torch.nn.attention.flex_attention import create_block_mask
 
-    P = q.shape[0]
+    P = pre.shape[0]
 
     def mask_mod(b, h, q_idx, kv_idx):
         pq, pk = pre[q_idx], pre[kv_idx]
         return ((pk <= pq) & (pq < end[kv_idx]) & (pk >= 0) & (pq >= 0)) | (q_idx == kv_idx)
 
-    block_mask = create_block_mask(mask_mod, None, None, P, P, device=q.device)
+    return create_block_mask(mask_mod, None, None, P, P, device=pre.device)
+
+
+@functools.cache
+def _compiled_block_mask():
+    # eager create_block_mask evaluates mask_mod on the whole [P, P] grid: int64 [P, P]
+    # intermediates, ~2.5 GB at P = 16 k and P^2 beyond; compiled, the grid is reduced to
+    # blocks without being materialized. Dynamic shapes: one graph for every P.
+    return torch.compile(_build_block_mask, dynamic=True)
+
+
+def tree_block_mask(tree_pre: torch.Tensor, tree_end: torch.Tensor):  # noqa: ANN201
+    """FlexAttention ``BlockMask`` of the ancestor-or-self mask (module docstring) over P rows.
+
+    Built by the compiled builder; if compiling fails on this torch / device, the eager
+    builder (same blocks, [P, P] intermediates) is used with a warning.
+    """
+    try:
+        return _compiled_block_mask()(tree_pre, tree_end)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, say why
+        import warnings
+
+        warnings.warn(f"compiled FlexAttention block-mask builder failed ({exc!r}); building it eagerly", stacklevel=2)
+        return _build_block_mask(tree_pre, tree_end)
+
+
+def _flex(q, k, v, block_mask, scale: float) -> torch.Tensor:
     o = _compiled_flex()(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
