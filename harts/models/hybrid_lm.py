@@ -5,8 +5,8 @@
 
 ``trajectory``: every trajectory is packed as its own sequence (the baseline and oracle);
 its attention runs one causal call per trajectory ("gather") or one call over the packed rows
-under a document-causal mask ("mask": FlexAttention on CUDA, the packed-varlen call a
-production baseline makes).
+under a document-causal mask ("mask": FlexAttention on CUDA; one packed call, as a
+production trainer's varlen attention makes).
 ``compact``: ``compact(batch) -> plan_calls -> build_layout``; every layer reads and writes
 the P physical rows of that layout (paper §3.4), MoE weights its statistics by multiplicity
 q, and log-probs come from ``mapped_logprobs`` (logsumexp once per compact row, §3.5).
