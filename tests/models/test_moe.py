@@ -38,3 +38,90 @@ def test_group_routing_stays_in_top_groups() -> None:
     _, _, idx, w = moe.gate(torch.randn(50, cfg.hidden_size, dtype=torch.float64))
     assert (idx // 2).eq((idx // 2)[:, :1]).all()  # both experts from the one chosen group
     torch.testing.assert_close(w.sum(-1), torch.full((50,), cfg.routed_scaling_factor, dtype=torch.float64))
+
+
+def _expert_grads(moe: MoE, x: torch.Tensor, w: torch.Tensor, impl: str) -> list[torch.Tensor]:
+    moe.experts.impl = impl
+    y, z, aux, counts = moe(x, w)
+    loss = (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum() + z + aux
+    params = [x, moe.experts.gate_up_proj, moe.experts.down_proj, moe.gate.weight]
+    return [y.detach(), counts, *torch.autograd.grad(loss, params)]
+
+
+@pytest.mark.parametrize("rows,experts,topk", [(50, 8, 3), (3, 16, 2), (1, 4, 4), (0, 8, 2)])
+def test_grouped_experts_equal_loop(rows: int, experts: int, topk: int) -> None:
+    """The grouped-GEMM path equals the per-expert reference, output and every gradient,
+    including experts that get no row (3 rows x 2 of 16 experts) and an empty input."""
+    torch.manual_seed(2)
+    cfg = HybridConfig.tiny(dtype="float32", num_experts=experts, num_experts_per_tok=topk, initializer_range=0.3)
+    moe = MoE(cfg)
+    x = torch.randn(rows, cfg.hidden_size, requires_grad=True)
+    w = torch.arange(1, rows + 1, dtype=torch.float32)
+    ref = _expert_grads(moe, x, w, "loop") if rows else None
+    got = _expert_grads(moe, x, w, "grouped") if rows else None
+    if rows == 0:
+        moe.experts.impl = "grouped"
+        y = moe.experts(x, torch.zeros(0, topk, dtype=torch.long), torch.zeros(0, topk))
+        assert y.shape == (0, cfg.hidden_size)
+        return
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_experts_bf16_close_and_deterministic() -> None:
+    torch.manual_seed(3)
+    cfg = HybridConfig.tiny(dtype="float32", num_experts=8, num_experts_per_tok=2, initializer_range=0.3)
+    moe = MoE(cfg)
+    x32 = torch.randn(64, cfg.hidden_size)
+    idx = torch.randint(0, 8, (64, 2))
+    w = torch.rand(64, 2)
+    moe.experts.impl = "loop"
+    ref = moe.experts(x32, idx, w)
+    moe = moe.to(torch.bfloat16)
+    moe.experts.impl = "grouped"
+    a = moe.experts(x32.bfloat16(), idx, w)
+    b = moe.experts(x32.bfloat16(), idx, w)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a.float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+
+
+def test_experts_auto_impl_and_bad_impl() -> None:
+    cfg = HybridConfig.tiny(dtype="float64", num_experts=4, num_experts_per_tok=2)
+    moe = MoE(cfg).double()
+    x = torch.randn(5, cfg.hidden_size, dtype=torch.float64)
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 1], [0, 3]])
+    w = torch.rand(5, 2, dtype=torch.float64)
+    y = moe.experts(x, idx, w)  # float64: auto takes the reference loop
+    moe.experts.impl = "loop"
+    assert torch.equal(y, moe.experts(x, idx, w))
+    with pytest.raises(ValueError, match="impl"):
+        moe.experts.impl = "fast"
+
+
+@pytest.mark.gpu
+def test_grouped_experts_cuda_no_host_sync() -> None:
+    """bf16 on CUDA: forward and backward never synchronize with the host, and match the loop."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(4)
+    cfg = HybridConfig.tiny(dtype="float32", hidden_size=256, num_experts=32, num_experts_per_tok=4,
+                            moe_intermediate_size=128, initializer_range=0.05)
+    moe = MoE(cfg).cuda().to(torch.bfloat16)
+    x = torch.randn(4096, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    wt = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    moe.experts.impl = "loop"
+    ref = _expert_grads(moe, x, wt, "loop")
+    moe.experts.impl = "grouped"
+    _expert_grads(moe, x, wt, "grouped")  # warm-up (lazy init may sync once)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        idx = moe.gate(x)[2]
+        y = moe.experts(x, idx, moe.gate(x)[3])
+        y.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    got = _expert_grads(moe, x, wt, "grouped")
+    for a, b in zip(ref, got):
+        scale = a.float().abs().max().item() + 1e-6
+        assert (a.float() - b.float()).abs().max().item() <= 0.03 * scale

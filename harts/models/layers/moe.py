@@ -33,7 +33,7 @@ from torch import nn
 from harts.models.config import HybridConfig
 from harts.models.layers.mlp import MLP
 
-__all__ = ["TopKRouter", "Experts", "MoE", "moe_statistics"]
+__all__ = ["TopKRouter", "Experts", "MoE", "grouped_mm_supported", "moe_statistics"]
 
 
 class TopKRouter(nn.Module):
@@ -71,16 +71,77 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored as 3-D tensors (transformers' layout)."""
+    """E SwiGLU experts stored as 3-D tensors (transformers' layout).
 
-    def __init__(self, config: HybridConfig) -> None:
+    Two implementations of the same function (``impl``):
+
+    * ``"grouped"``: every (row, chosen expert) pair is sorted by expert (stable, so ties keep
+      row order), the rows are gathered once, and each projection is one ``torch._grouped_mm``
+      over the per-expert groups (offsets from a scatter-add histogram, never read on the host).
+      The combine gathers each row's K outputs back and sums them in top-k slot order: no
+      atomics, so it is deterministic. No ``.item()``, ``.tolist()`` or ``unique``: the forward
+      and backward never synchronize with the host, and no token is dropped.
+    * ``"loop"``: the reference (one pair of GEMMs per hit expert; a host sync on ``unique``).
+      It is what the tests compare ``"grouped"`` against, and the path for float64 (which
+      ``torch._grouped_mm`` does not take).
+    * ``"auto"`` (default): ``"grouped"`` where ``torch._grouped_mm`` supports the dtype
+      (bfloat16, float16, float32), else ``"loop"``.
+    """
+
+    IMPLS = ("auto", "grouped", "loop")
+
+    def __init__(self, config: HybridConfig, impl: str = "auto") -> None:
         super().__init__()
         e, d, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d).normal_(std=config.initializer_range))
         self.down_proj = nn.Parameter(torch.empty(e, d, i).normal_(std=config.initializer_range))
+        self.impl = impl
+
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        if value not in self.IMPLS:
+            raise ValueError(f"MoE experts impl must be one of {self.IMPLS}; got {value!r}")
+        self._impl = value
 
     def forward(self, x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """y_TD = sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x_t).
+
+        Args:
+            x_TD: [T, D] rows.
+            topk_idx: int [T, K] chosen experts per row.
+            topk_w: [T, K] their combine weights.
+        """
+        impl = self._impl
+        if impl == "auto":
+            impl = "grouped" if grouped_mm_supported(x_TD) else "loop"
+        if impl == "grouped":
+            return self._forward_grouped(x_TD, topk_idx, topk_w)
+        return self._forward_loop(x_TD, topk_idx, topk_w)
+
+    def _forward_grouped(self, x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        t, k = topk_idx.shape
+        if t == 0 or k == 0:
+            return torch.zeros_like(x_TD)
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)  # end row of each expert's group
+        xs = x_TD[order // k]  # [T*K, D]
+        gate_up = torch._grouped_mm(xs, self.gate_up_proj.to(xs.dtype).transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(xs.dtype).transpose(1, 2), offs=offs)
+        h = h * topk_w.reshape(-1)[order, None].to(h.dtype)
+        # back to (row, slot) order, then sum the K slots of each row
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return h[back].view(t, k, -1).sum(1)
+
+    def _forward_loop(self, x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         rows, outs = [], []
         hit = torch.unique(topk_idx).tolist()
         for e in hit:
@@ -92,6 +153,11 @@ class Experts(nn.Module):
         if not outs:
             return torch.zeros_like(x_TD)
         return torch.zeros_like(x_TD).index_add(0, torch.cat(rows), torch.cat(outs))
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes tensors like ``x`` (this torch build, dtype)."""
+    return hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 def moe_statistics(
