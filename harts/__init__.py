@@ -16,7 +16,12 @@ _MODULES = {"workloads": "harts.tree.workloads"}
 
 _EXPORTS = {
     "RolloutBatch": "harts.tree.batch",
-    "BatchValidationError": "harts.tree.batch",
+    "BatchValidationError": "harts.errors",
+    "HartsError": "harts.errors",
+    "UserError": "harts.errors",
+    "TreeFileError": "harts.errors",
+    "CapacityError": "harts.errors",
+    "OutputPathError": "harts.errors",
     "RolloutTree": "harts.tree.rollout_tree",
     "CompactBatch": "harts.tree.compact",
     "compact": "harts.tree.compact",

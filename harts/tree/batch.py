@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from harts.errors import BatchValidationError
+
 if TYPE_CHECKING:
     from harts.tree.rollout_tree import RolloutTree
 
@@ -35,10 +37,6 @@ __all__ = ["RolloutBatch", "BatchValidationError", "PER_TOKEN_FIELDS"]
 
 #: Optional per-token float metadata, in file-schema order.
 PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "loss_weights")
-
-
-class BatchValidationError(ValueError):
-    """A rollout batch or tree is malformed; the message names the offending item."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,25 +1,36 @@
-"""RolloutBatch files: JSON Lines and Parquet, with one schema.
+"""RolloutBatch files: JSON Lines and Parquet, with one schema and one validator.
 
 One record per trajectory, in batch order:
 
 =============  ==========================  ==========================================
 field          type                        meaning
 =============  ==========================  ==========================================
-tokens         list[int]    (required)     token ids, non-empty
+tokens         list[int]    (required)     token ids, non-empty, 0 <= id < vocab_size
+advantages     float | list[float] (req.)  per trajectory or per token (finite); write 0
+                                           explicitly for no learning signal
 action_mask    list[bool]   (optional)     per token; default: all but the first
-advantages     float | list[float] (opt.)  per trajectory or per token; default 0
-old_logprobs   list[float]  (optional)     per token (entry 0 ignored)
-ref_logprobs   list[float]  (optional)     per token (entry 0 ignored)
-loss_weights   list[float]  (optional)     per token
+old_logprobs   list[float]  (optional)     per token, <= 0 (entry 0 ignored)
+ref_logprobs   list[float]  (optional)     per token, <= 0 (entry 0 ignored)
+loss_weights   list[float]  (optional)     per token, >= 0
 group_id       int          (optional)     e.g. the GRPO group / task
 tree_id        int          (optional)     rollout tree the trajectory came from
 =============  ==========================  ==========================================
 
 JSONL may start with a header line ``{"format": "harts.rollout_batch", "version": 1,
-"vocab_size": V}``; Parquet keeps the same keys in the schema metadata. Optional fields
-are all-or-nothing across trajectories (a file where only some trajectories carry
-``old_logprobs`` is rejected, naming the first one without). ``save`` writes per-token
-advantages, so ``load(save(b))`` reproduces ``b`` exactly.
+"vocab_size": V}`` (the first non-blank line only); Parquet keeps the same keys in the schema
+metadata. Only version 1 exists. Optional fields are all-or-nothing across trajectories (a file
+where only some trajectories carry ``old_logprobs`` is rejected, naming the first one without);
+``null`` (a Parquet null) means the field is absent. ``advantages`` may be a number in one record
+and a list in another. ``save`` writes per-token advantages, so ``load(save(b))`` reproduces ``b``
+exactly.
+
+Both formats are read into the same Python records and checked by one validator
+(``_check_record``), so a rule and its message are the same for both: every error is a
+``harts.BatchValidationError`` naming the file, the trajectory with its JSONL line or Parquet
+row, the field and the position, e.g. ``b.parquet: trajectory 3 (row 3): advantages must be a
+number or a list of numbers, got string 'high'``. Token ids must be integers in both formats
+(``1.0`` is rejected); log-probs above ``LOGPROB_TOLERANCE`` are rejected (a log-probability
+is never positive; the tolerance absorbs rounding).
 """
 
 from __future__ import annotations
@@ -30,14 +41,22 @@ import re
 from pathlib import Path
 from typing import Any
 
-from harts.tree.batch import PER_TOKEN_FIELDS, BatchValidationError, RolloutBatch
+import numpy as np
 
-__all__ = ["load_batch", "save_batch", "FORMAT"]
+from harts.errors import BatchValidationError
+from harts.tree.batch import PER_TOKEN_FIELDS, RolloutBatch
+
+__all__ = ["load_batch", "save_batch", "FORMAT", "VERSION", "LOGPROB_TOLERANCE"]
 
 FORMAT = "harts.rollout_batch"
+VERSION = 1
+#: largest log-prob accepted in a file (a log-probability is <= 0; this absorbs rounding)
+LOGPROB_TOLERANCE = 1e-4
 _OPTIONAL_LISTS = ("action_mask", *PER_TOKEN_FIELDS)
 _OPTIONAL_IDS = ("group_id", "tree_id")
-_KNOWN = {"tokens", "advantages", *_OPTIONAL_LISTS, *_OPTIONAL_IDS}
+_KNOWN = ("tokens", "advantages", *_OPTIONAL_LISTS, *_OPTIONAL_IDS)
+_HEADER_KEYS = ("format", "version", "vocab_size")
+_INT64_MAX = (1 << 63) - 1
 
 
 def _kind(path: str | Path) -> str:
@@ -46,24 +65,31 @@ def _kind(path: str | Path) -> str:
         return "jsonl"
     if suffix in (".parquet", ".pq"):
         return "parquet"
-    raise ValueError(f"{path}: unknown batch file type {suffix!r} (use .jsonl or .parquet)")
+    raise BatchValidationError(f"{path}: unknown batch file type {suffix!r} (use .jsonl or .parquet)")
 
 
 def load_batch(path: str | Path, *, vocab_size: int | None = None) -> RolloutBatch:
-    """Read a batch file; ``vocab_size`` overrides the file's header when given."""
+    """Read a batch file; ``vocab_size`` overrides the file's header when given.
+
+    Raises ``BatchValidationError`` (naming file, trajectory with line or row, field and
+    position) for anything but a valid file.
+    """
     path = Path(path)
+    kind = _kind(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such batch file")
-    if _kind(path) == "jsonl":
-        records, meta = _read_jsonl(path)
-    else:
-        records, meta = _read_parquet(path)
-    if vocab_size is None:
-        vocab_size = meta.get("vocab_size")
+        raise BatchValidationError(f"{path}: no such batch file")
+    if path.is_dir():
+        raise BatchValidationError(f"{path}: is a directory, not a batch file")
     try:
-        return _from_records(records, vocab_size)
+        records, meta = _read_jsonl(path) if kind == "jsonl" else _read_parquet(path)
+        unit = "line" if kind == "jsonl" else "row"
+        if vocab_size is None:
+            vocab_size = meta.get("vocab_size")
+        return _from_records(records, vocab_size, unit)
     except BatchValidationError as err:
         raise BatchValidationError(f"{path}: {err}") from None
+    except OSError as err:
+        raise BatchValidationError(f"{path}: cannot read the batch file ({err.strerror or err})") from None
 
 
 def save_batch(batch: RolloutBatch, path: str | Path) -> None:
@@ -71,7 +97,7 @@ def save_batch(batch: RolloutBatch, path: str | Path) -> None:
     path = Path(path)
     if _kind(path) == "jsonl":
         with path.open("w") as fh:
-            fh.write(json.dumps({"format": FORMAT, "version": 1, "vocab_size": batch.vocab_size}) + "\n")
+            fh.write(json.dumps({"format": FORMAT, "version": VERSION, "vocab_size": batch.vocab_size}) + "\n")
             for rec in _to_records(batch):
                 fh.write(json.dumps(rec) + "\n")
     else:
@@ -80,7 +106,7 @@ def save_batch(batch: RolloutBatch, path: str | Path) -> None:
 
         recs = _to_records(batch)
         cols = {k: [r[k] for r in recs] for k in recs[0]}
-        meta = {"format": FORMAT, "version": "1", "vocab_size": json.dumps(batch.vocab_size)}
+        meta = {"format": FORMAT, "version": str(VERSION), "vocab_size": json.dumps(batch.vocab_size)}
         table = pa.table(cols).replace_schema_metadata(meta)
         pq.write_table(table, path)
 
@@ -106,81 +132,247 @@ def _to_records(batch: RolloutBatch) -> list[dict[str, Any]]:
     return out
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    records: list[dict[str, Any]] = []
+# ---------------------------------------------------------------------- readers
+# Each reader returns ``(records, meta)``: records are ``(location, dict)`` pairs of plain
+# Python values (the location is the 1-based JSONL line or the 0-based Parquet row), meta is
+# the checked header (``vocab_size`` only, for now).
+def _read_jsonl(path: Path) -> tuple[list[tuple[int, Any]], dict[str, Any]]:
+    records: list[tuple[int, Any]] = []
     meta: dict[str, Any] = {}
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise BatchValidationError(f"line {lineno}: not UTF-8 text (byte {err.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise BatchValidationError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            if not isinstance(obj, dict):
-                raise BatchValidationError(f"{path}:{lineno}: expected a JSON object per line")
-            if obj.get("format") == FORMAT:
-                meta = obj
+                raise BatchValidationError(f"line {lineno}: not valid JSON ({err.msg})") from None
+            except RecursionError:
+                raise BatchValidationError(f"line {lineno}: JSON nested too deeply") from None
+            if isinstance(obj, dict) and obj.get("format") == FORMAT:
+                if records or meta:
+                    raise BatchValidationError(
+                        f"line {lineno}: a {FORMAT!r} header may only be the first line of the file"
+                    )
+                meta = _check_header(obj, f"line {lineno}: header")
                 continue
-            obj["_line"] = lineno
-            records.append(obj)
+            records.append((lineno, obj))
     return records, meta
 
 
-def _read_parquet(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path)
+def _read_parquet(path: Path) -> tuple[list[tuple[int, Any]], dict[str, Any]]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover - pyarrow is an optional extra
+        raise BatchValidationError("reading Parquet needs pyarrow: pip install 'harts[parquet]'") from None
+    try:
+        table = pq.read_table(path)
+        cols = table.to_pydict()
+    except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as err:
+        msg = " ".join(str(err).split())[:200]
+        raise BatchValidationError(f"not a readable Parquet file ({type(err).__name__}: {msg})") from None
     raw = table.schema.metadata or {}
-    meta: dict[str, Any] = {}
-    if b"vocab_size" in raw:
-        meta["vocab_size"] = json.loads(raw[b"vocab_size"])
-    cols = table.to_pydict()
-    n = table.num_rows
-    records = [{k: cols[k][i] for k in cols if cols[k][i] is not None} for i in range(n)]
+    header: dict[str, Any] = {}
+    for key, value in raw.items():
+        k = key.decode("utf-8", "replace")
+        if k not in _HEADER_KEYS:
+            continue  # pyarrow / pandas keep their own schema metadata
+        text = value.decode("utf-8", "replace")
+        if k == "format":
+            header[k] = text
+        else:
+            try:
+                header[k] = json.loads(text)
+            except (json.JSONDecodeError, RecursionError):
+                raise BatchValidationError(f"schema metadata: {k} is {text[:40]!r}, not a JSON value") from None
+    meta = _check_header(header, "schema metadata") if header else {}
+    names = list(cols)
+    records = [(i, {k: cols[k][i] for k in names}) for i in range(table.num_rows)]
     return records, meta
 
 
-def _from_records(records: list[dict[str, Any]], vocab_size: int | None) -> RolloutBatch:
+def _check_header(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    unknown = sorted(set(obj) - set(_HEADER_KEYS))
+    if unknown:
+        raise BatchValidationError(f"{where}: unknown field(s) {unknown}; a header holds {list(_HEADER_KEYS)}")
+    fmt = obj.get("format", FORMAT)
+    if fmt != FORMAT:
+        raise BatchValidationError(f"{where}: format is {fmt!r}, expected {FORMAT!r}")
+    version = obj.get("version", VERSION)
+    if version != VERSION and str(version) != str(VERSION):
+        raise BatchValidationError(
+            f"{where}: version {version!r} is not supported; this harts reads version {VERSION} "
+            "(write the file with a matching harts, or fix the header)"
+        )
+    vocab = obj.get("vocab_size")
+    if vocab is not None and (not _is_int(vocab) or not 1 <= vocab <= _INT64_MAX):
+        raise BatchValidationError(f"{where}: vocab_size must be a positive integer or null, got {_describe(vocab)}")
+    return {"vocab_size": vocab}
+
+
+# -------------------------------------------------------------------- validator
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _describe(v: Any) -> str:
+    """A value as the file spelled it: ``string 'high'``, ``boolean true``, ``null``, ``a list``."""
+    if v is None:
+        return "null"
+    if isinstance(v, (bool, np.bool_)):
+        return f"boolean {str(bool(v)).lower()}"
+    if isinstance(v, str):
+        return f"string {v[:40]!r}" + ("..." if len(v) > 40 else "")
+    if isinstance(v, (list, tuple)):
+        return f"a list of {len(v)}"
+    if isinstance(v, dict):
+        return "an object"
+    if isinstance(v, (int, np.integer)):
+        text = str(int(v))
+        return f"integer {text if len(text) <= 30 else text[:27] + '...'}"
+    if isinstance(v, (float, np.floating)):
+        return f"number {float(v)!r}"
+    return type(v).__name__
+
+
+_TYPES = {"int": (int,), "number": (int, float), "bool": (bool,)}
+_WANT = {"int": "an integer", "number": "a finite number", "bool": "true or false"}
+
+
+def _typed_list(value: Any, n: int | None, field: str, kind: str) -> np.ndarray:
+    """``value`` as a checked 1-D array: a list of ``kind`` values (``n`` of them, if given)."""
+    if not isinstance(value, list):
+        what = {"int": "integers", "number": "numbers", "bool": "booleans"}[kind]
+        per = " (one per token)" if n is not None else ""
+        raise BatchValidationError(f"{field} must be a list of {what}{per}, got {_describe(value)}")
+    if n is not None and len(value) != n:
+        raise BatchValidationError(f"{field} has {len(value)} values for {n} tokens")
+    allowed = _TYPES[kind]
+    if not set(map(type, value)) <= set(allowed):
+        t, v = next((t, v) for t, v in enumerate(value) if type(v) not in allowed)
+        raise BatchValidationError(f"{field}, position {t} is {_describe(v)} (must be {_WANT[kind]})")
+    if kind == "bool":
+        return np.array(value, dtype=bool)
+    if kind == "int":
+        if value and (max(value) > _INT64_MAX or min(value) < -_INT64_MAX):
+            t = next(t for t, v in enumerate(value) if not -_INT64_MAX <= v <= _INT64_MAX)
+            raise BatchValidationError(f"{field}, position {t} is {_describe(value[t])} (does not fit int64)")
+        return np.array(value, dtype=np.int64)
+    try:
+        arr = np.array(value, dtype=np.float64)
+    except OverflowError:
+        t = next(t for t, v in enumerate(value) if isinstance(v, int) and abs(v) > 1e308)
+        raise BatchValidationError(f"{field}, position {t} is {_describe(value[t])} (too large for a float)") from None
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        t = int(bad[0])
+        raise BatchValidationError(f"{field}, position {t} is {value[t]} (must be a finite number)")
+    return arr
+
+
+def _check_record(rec: Any) -> dict[str, Any]:
+    """One trajectory's record as arrays; raises naming the field (the caller adds the location)."""
+    if not isinstance(rec, dict):
+        raise BatchValidationError(f"expected an object with 'tokens' and 'advantages', got {_describe(rec)}")
+    unknown = sorted(k for k in rec if k not in _KNOWN)
+    if unknown:
+        raise BatchValidationError(f"unknown field(s) {unknown}; known: {list(_KNOWN)}")
+    rec = {k: v for k, v in rec.items() if v is not None}  # null = absent (Parquet nulls)
+    if "tokens" not in rec:
+        raise BatchValidationError("missing required field 'tokens'")
+    tokens = _typed_list(rec["tokens"], None, "tokens", "int")
+    if tokens.size == 0:
+        raise BatchValidationError("tokens is empty (a trajectory needs at least one token)")
+    neg = np.flatnonzero(tokens < 0)
+    if neg.size:
+        raise BatchValidationError(f"tokens, position {int(neg[0])} is a negative token id {int(tokens[neg[0]])}")
+    n = tokens.size
+    out: dict[str, Any] = {"tokens": tokens}
+    if "advantages" not in rec:
+        raise BatchValidationError(
+            "missing required field 'advantages' (a number, or one per token; write 0 for no learning signal)"
+        )
+    adv = rec["advantages"]
+    if isinstance(adv, list):
+        out["advantages"] = _typed_list(adv, n, "advantages", "number")
+    elif _is_number(adv):
+        if isinstance(adv, int) and abs(adv) > 1e308 or not math.isfinite(float(adv)):
+            raise BatchValidationError(f"advantages is {adv} (must be a finite number)")
+        out["advantages"] = np.full(n, float(adv))
+    else:
+        raise BatchValidationError(
+            f"advantages must be a number or a list of numbers (one per token), got {_describe(adv)}"
+        )
+    if "action_mask" in rec:
+        out["action_mask"] = _typed_list(rec["action_mask"], n, "action_mask", "bool")
+    for name in PER_TOKEN_FIELDS:
+        if name not in rec:
+            continue
+        arr = _typed_list(rec[name], n, name, "number")
+        if name == "loss_weights":
+            bad = np.flatnonzero(arr < 0)
+            if bad.size:
+                t = int(bad[0])
+                raise BatchValidationError(f"loss_weights, position {t} is {float(arr[t])!r} (weights must be >= 0)")
+        else:
+            bad = np.flatnonzero(arr[1:] > LOGPROB_TOLERANCE) + 1
+            if bad.size:
+                t = int(bad[0])
+                raise BatchValidationError(
+                    f"{name}, position {t} is {float(arr[t])!r}: a log-probability is <= 0 (was a probability "
+                    "or a negated log-prob written?)"
+                )
+        out[name] = arr
+    for name in _OPTIONAL_IDS:
+        if name in rec:
+            v = rec[name]
+            if not _is_int(v) or not -_INT64_MAX <= v <= _INT64_MAX:
+                raise BatchValidationError(f"{name} must be an integer, got {_describe(v)}")
+            out[name] = int(v)
+    return out
+
+
+def _from_records(records: list[tuple[int, Any]], vocab_size: int | None, unit: str) -> RolloutBatch:
     if not records:
         raise BatchValidationError("the file holds no trajectories")
 
     def where(j: int) -> str:
-        line = records[j].get("_line")
-        return f"trajectory {j}" + (f" (line {line})" if line is not None else "")
+        return f"trajectory {j} ({unit} {records[j][0]})"
 
-    for j, rec in enumerate(records):
-        if "tokens" not in rec:
-            raise BatchValidationError(f"{where(j)}: missing required field 'tokens'")
-        unknown = set(rec) - _KNOWN - {"_line"}
-        if unknown:
-            raise BatchValidationError(f"{where(j)}: unknown field(s) {sorted(unknown)}")
+    checked = []
+    for j, (_, rec) in enumerate(records):
+        try:
+            checked.append(_check_record(rec))
+        except BatchValidationError as err:
+            raise BatchValidationError(f"{where(j)}: {err}") from None
     kwargs: dict[str, Any] = {}
-    for name in (*_OPTIONAL_LISTS, *_OPTIONAL_IDS, "advantages"):
-        present = [name in r for r in records]
+    for name in (*_OPTIONAL_LISTS, *_OPTIONAL_IDS):
+        present = [name in r for r in checked]
         if not any(present):
             continue
         if not all(present):
             j = present.index(False)
-            raise BatchValidationError(f"{where(j)}: has no '{name}' but other trajectories do")
-        values = [r[name] for r in records]
-        if name in PER_TOKEN_FIELDS or name == "advantages":
-            values = [_nan_checked(v, name, where(j)) for j, v in enumerate(values)]
+            k = present.index(True)
+            raise BatchValidationError(
+                f"{where(j)}: has no '{name}' but {where(k)} does (optional fields are all-or-nothing)"
+            )
         key = {"group_id": "group_ids", "tree_id": "tree_ids"}.get(name, name)
-        kwargs[key] = values
+        kwargs[key] = [r[name] for r in checked]
     try:
-        return RolloutBatch.from_trajectories([r["tokens"] for r in records], vocab_size=vocab_size, **kwargs)
+        return RolloutBatch.from_trajectories(
+            [r["tokens"] for r in checked], advantages=[r["advantages"] for r in checked],
+            vocab_size=vocab_size, **kwargs,
+        )
     except BatchValidationError as err:
-        # anchor "trajectory j" in the message to its file line
+        # anchor "trajectory j" in the message to its file line / row
         msg = re.sub(r"trajectory (\d+)", lambda m: where(int(m.group(1))), str(err), count=1)
         raise BatchValidationError(msg) from None
-
-
-def _nan_checked(value: Any, name: str, where: str) -> Any:
-    """JSON has no NaN literal but Python's json reads ``NaN``; reject it with a location."""
-    seq = value if isinstance(value, list) else [value]
-    for t, v in enumerate(seq):
-        if v is None or (isinstance(v, float) and not math.isfinite(v)):
-            at = f", position {t}" if isinstance(value, list) else ""
-            raise BatchValidationError(f"{where}: {name}{at} is {v} (must be a finite number)")
-    return value if isinstance(value, list) else float(value)

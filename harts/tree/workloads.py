@@ -273,7 +273,8 @@ class _Builder:
         if s.with_logprobs:
             n = batch.num_tokens
             extra["old_logprobs"] = -self.rng.exponential(1.0, size=n)
-            extra["ref_logprobs"] = extra["old_logprobs"] + self.rng.normal(0.0, 0.05, size=n)
+            # a log-probability is <= 0 (batch files reject positive ones)
+            extra["ref_logprobs"] = np.minimum(extra["old_logprobs"] + self.rng.normal(0.0, 0.05, size=n), 0.0)
         return replace(
             batch, group_ids=task, tree_ids=task, advantages=np.repeat(adv, batch.lengths), **extra
         )

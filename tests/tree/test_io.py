@@ -59,14 +59,19 @@ def test_per_trajectory_advantage_and_header(tmp_path):
 @pytest.mark.parametrize(
     "lines, message",
     [
-        (['{"tokens": [1, 2]}', "{oops"], r"b.jsonl:2: not valid JSON"),
-        (['{"tokens": [1, 2]}', '{"advantages": 1.0}'], r"trajectory 1 \(line 2\): missing required field 'tokens'"),
-        (['{"tokens": [1, 2], "old_logprobs": [0, -1]}', '{"tokens": [3]}'], r"trajectory 1 \(line 2\): has no 'old_logprobs'"),
+        (['{"tokens": [1, 2], "advantages": 0}', "{oops"], r"b.jsonl: line 2: not valid JSON"),
+        (['{"tokens": [1, 2], "advantages": 0}', '{"advantages": 1.0}'],
+         r"trajectory 1 \(line 2\): missing required field 'tokens'"),
+        (['{"tokens": [1, 2], "advantages": 0, "old_logprobs": [0, -1]}', '{"tokens": [3], "advantages": 0}'],
+         r"trajectory 1 \(line 2\): has no 'old_logprobs' but trajectory 0 \(line 1\) does"),
         (['{"tokens": [1, 2], "advantages": NaN}'], r"trajectory 0 \(line 1\): advantages is nan"),
-        (['{"tokens": [1, 2], "loss_weights": [1.0, null]}'], r"trajectory 0 \(line 1\): loss_weights, position 1 is None"),
-        (['{"tokens": [1, 2]}', '{"tokens": []}'], r"trajectory 1 \(line 2\) is empty"),
-        (['{"tokens": [1, 2], "colour": 3}'], r"unknown field\(s\) \['colour'\]"),
-        (['{"tokens": [1, 2], "action_mask": [false]}'], r"trajectory 0 \(line 1\) has 1 values for 2 tokens"),
+        (['{"tokens": [1, 2], "advantages": 0, "loss_weights": [1.0, null]}'],
+         r"trajectory 0 \(line 1\): loss_weights, position 1 is null \(must be a finite number\)"),
+        (['{"tokens": [1, 2], "advantages": 0}', '{"tokens": [], "advantages": 0}'],
+         r"trajectory 1 \(line 2\): tokens is empty"),
+        (['{"tokens": [1, 2], "advantages": 0, "colour": 3}'], r"unknown field\(s\) \['colour'\]"),
+        (['{"tokens": [1, 2], "advantages": 0, "action_mask": [false]}'],
+         r"trajectory 0 \(line 1\): action_mask has 1 values for 2 tokens"),
         ([], "holds no trajectories"),
     ],
 )
@@ -77,10 +82,10 @@ def test_bad_jsonl(tmp_path, lines, message):
 
 
 def test_vocab_override_and_errors(tmp_path):
-    p = write_lines(tmp_path / "b.jsonl", ['{"tokens": [1, 20]}'])
+    p = write_lines(tmp_path / "b.jsonl", ['{"tokens": [1, 20], "advantages": 1}'])
     with pytest.raises(BatchValidationError, match="token id 20 is out of vocabulary"):
         RolloutBatch.load(p, vocab_size=8)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(BatchValidationError, match="missing.jsonl: no such batch file"):
         RolloutBatch.load(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="unknown batch file type '.csv'"):
         RolloutBatch.from_trajectories([[1]]).save(tmp_path / "x.csv")

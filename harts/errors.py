@@ -1,0 +1,56 @@
+"""The errors harts raises for bad input, at the bottom of the package (imports nothing of harts).
+
+Every error a user can cause by what they pass in -- a malformed batch or tree file, an option
+out of range, a device that does not exist, an output path that cannot be written -- is a
+``UserError``; its message names the offending item (file, record, field, option) and says what
+to do instead. The ``harts`` command prints ``harts: error: <message>`` for these and exits with
+status 2, without a traceback (``HARTS_DEBUG=1`` shows it). Any other exception is a bug of
+ours and keeps its traceback (exit status 1).
+
+``UserError`` derives from ``ValueError`` so that code written against the older
+``ValueError``-based errors keeps working.
+
+Hierarchy::
+
+    HartsError
+     └── UserError (ValueError)
+          ├── BatchValidationError    a rollout batch, rollout tree or batch file is malformed
+          ├── TreeFileError           a TREE.json segment file is malformed
+          ├── CapacityError           a trajectory does not fit the microbatch capacity
+          └── OutputPathError         an output path cannot be written, or would be overwritten
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HartsError",
+    "UserError",
+    "BatchValidationError",
+    "TreeFileError",
+    "CapacityError",
+    "OutputPathError",
+]
+
+
+class HartsError(Exception):
+    """Base class of every exception harts raises on purpose."""
+
+
+class UserError(HartsError, ValueError):
+    """Bad input or options; the message names the item and the fix (the CLI exits 2)."""
+
+
+class BatchValidationError(UserError):
+    """A rollout batch or tree is malformed; the message names the offending item."""
+
+
+class TreeFileError(UserError):
+    """A TREE.json segment file is malformed; the message names the offending segment."""
+
+
+class CapacityError(UserError):
+    """A trajectory is longer than the microbatch capacity (the message suggests one that fits)."""
+
+
+class OutputPathError(UserError):
+    """An output path is not writable, is the wrong kind of file, or exists (without --overwrite)."""
