@@ -5,33 +5,52 @@ Both sides train on the whole step (every trajectory), as in the paper's Table 4
 * baseline: the trees are expanded into trajectories and packed, in batch order, into
   microbatches of at most T raw tokens (a longer trajectory goes alone); each microbatch runs
   ``mode="trajectory"``;
-* harts: ``plan_step(dp=1, capacity=T)`` groups trajectories by compact work; each
+* harts: ``plan_step(dp=D, capacity=T)`` groups trajectories by compact work; each
   microbatch is compacted, call-planned and laid out, then runs ``mode="compact"``.
 
+Both sides get the same kernels and options (linear-attention backend, attention
+implementation, fused log-probs, grouped-GEMM MoE, recomputation).
+
 Each microbatch does forward, GRPO loss normalized by the step's denominator, MoE router
-objective, backward (gradients accumulate; no optimizer update). Reported per step:
+objective, backward (gradients accumulate; no optimizer update). With ``dp = D > 1`` one
+replica's share is timed: harts runs the microbatches the step planner gives replica
+``replica``; the baseline's microbatches are dealt to D replicas by raw tokens (largest first,
+to the lightest replica) and replica ``replica``'s are run. Every replica's predicted work is
+reported (harts: compact tokens from the plan; baseline: raw tokens).
+
+Reported per step and side: rows, tokens/s (harts: compact rows and raw-equivalent), model
+TFLOP/s and MFU (``harts.bench.flops``), a per-component time breakdown from region timers
+(``harts.models.regions``: CUDA events on GPU), the untimed warm-up's time, and peak memory.
+Per step:
 
     compression   raw rows / non-replay compact rows of the harts microbatches
     F/B/Grad      baseline time / harts time (forward + backward + gradients)
     Core          baseline time / (harts planning + harts time), planning = step planner +
                   per-microbatch compaction, call planning and layout
-and the peak device memory of each side (CUDA ``max_memory_allocated``; not measured on CPU).
 """
 
 from __future__ import annotations
 
+import heapq
+import os
+import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
 
+from harts.bench.flops import FlopModel
+from harts.models import regions
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 
-__all__ = ["BenchSide", "StepBench", "bench_step", "pack_raw"]
+__all__ = ["BenchSide", "StepBench", "bench_step", "deal_to_replicas", "pack_raw"]
+
+#: breakdown components: the model's regions, plus "other layers" (the rest of forward/backward)
+COMPONENTS = ("linear_attention", "attention", "moe", "lm_head", "other")
 
 
 @dataclass
@@ -44,6 +63,30 @@ class BenchSide:
     plan_seconds: float
     train_seconds: float
     peak_memory_gb: float | None
+    #: raw (semantic) tokens this side's microbatches stand for
+    raw_tokens: int = 0
+    #: rows whose logits the LM head computes; visible full-attention pairs
+    logit_rows: int = 0
+    attention_pairs: int = 0
+    #: useful training FLOPs (harts.bench.flops), recomputation excluded
+    flops: float = 0.0
+    #: untimed first microbatch (compile, autotune, allocator), seconds
+    warmup_seconds: float = 0.0
+    #: seconds per component and phase: {component: {forward, backward, recompute}}; "other"
+    #: is the timed step minus the regions
+    breakdown: dict = field(default_factory=dict)
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / max(self.train_seconds, 1e-12)
+
+    @property
+    def raw_tokens_per_second(self) -> float:
+        return self.raw_tokens / max(self.train_seconds, 1e-12)
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / max(self.train_seconds, 1e-12) / 1e12
 
 
 @dataclass
@@ -53,23 +96,46 @@ class StepBench:
     raw_tokens: int
     baseline: BenchSide
     harts: BenchSide
+    dp: int = 1
+    replica: int = 0
+    #: predicted work of every replica: harts compact tokens, baseline raw tokens
+    predicted_harts: list[int] = field(default_factory=list)
+    predicted_baseline: list[int] = field(default_factory=list)
+    optimizer_seconds: float | None = None
+    peak_tflops: float | None = None
 
+    # With dp > 1 the two sides' replica shares hold different trajectories, so speedups compare
+    # raw tokens per second; with dp = 1 both run the whole step and this is the time ratio.
     @property
     def compression(self) -> float:
-        return self.baseline.rows / max(self.harts.rows, 1)
+        """Raw tokens / compact rows of the harts microbatches timed."""
+        return self.harts.raw_tokens / max(self.harts.rows, 1)
+
+    def _rate(self, side: BenchSide, seconds: float) -> float:
+        return side.raw_tokens / max(seconds, 1e-12)
 
     @property
     def fbg_speedup(self) -> float:
-        return self.baseline.train_seconds / max(self.harts.train_seconds, 1e-12)
+        return self._rate(self.harts, self.harts.train_seconds) / max(self._rate(self.baseline, self.baseline.train_seconds), 1e-12)
 
     @property
     def core_speedup(self) -> float:
-        return self.baseline.train_seconds / max(self.harts.train_seconds + self.harts.plan_seconds, 1e-12)
+        harts = self._rate(self.harts, self.harts.train_seconds + self.harts.plan_seconds)
+        return harts / max(self._rate(self.baseline, self.baseline.train_seconds), 1e-12)
+
+    def mfu(self, side: BenchSide) -> float | None:
+        return None if not self.peak_tflops else side.tflops / self.peak_tflops
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(compression=round(self.compression, 4), fbg_speedup=round(self.fbg_speedup, 4),
                  core_speedup=round(self.core_speedup, 4))
+        for name in ("baseline", "harts"):
+            side = getattr(self, name)
+            mfu = self.mfu(side)
+            d[name].update(rows_per_second=round(side.rows_per_second, 1),
+                           raw_tokens_per_second=round(side.raw_tokens_per_second, 1),
+                           tflops=round(side.tflops, 3), mfu=None if mfu is None else round(mfu, 4))
         return d
 
 
@@ -89,13 +155,41 @@ def pack_raw(batch: RolloutBatch, capacity: int) -> list[list[int]]:
     return out
 
 
+def deal_to_replicas(work: list[int], dp: int) -> list[int]:
+    """Replica of each item: largest work first, each to the replica with the least work so far
+    (ties to the lower replica). Deterministic."""
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1; got {dp}")
+    heap = [(0, d) for d in range(dp)]
+    owner = [0] * len(work)
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        load, d = heapq.heappop(heap)
+        owner[i] = d
+        heapq.heappush(heap, (load + work[i], d))
+    return owner
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def _counts(sub: RolloutBatch, inputs, mode: str) -> tuple[int, int, int]:  # noqa: ANN001
+    """(rows, logit rows, visible attention pairs) of one microbatch (host data only)."""
+    pred = sub.predicting_positions()
+    if mode == "trajectory":
+        lengths = sub.lengths.astype(np.int64)
+        return int(sub.num_tokens), int(len(pred)), int((lengths * (lengths + 1) // 2).sum())
+    layout = inputs.layout
+    own = ~np.asarray(layout.is_pad, dtype=bool)
+    pairs = int((np.asarray(layout.position)[own] + 1).sum())
+    logit_rows = int(np.unique(np.asarray(layout.semantic_to_phys)[pred]).size)
+    return int(inputs.cb.num_compact_tokens), logit_rows, pairs
+
+
 def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], mode: str, *, recompute: bool,
-              attention: str, plan_seconds: float, warmup: bool, la_backend: str) -> BenchSide:
+              attention: str, plan_seconds: float, warmup: bool, la_backend: str, flop_model: FlopModel,
+              progress: bool = False, profile_dir: str | None = None) -> BenchSide:
     device = model.embed_tokens.weight.device
     normalizer = grpo_normalizer(batch)
     z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
@@ -105,6 +199,10 @@ def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], mod
         sub = batch.select(mb)
         prepared.append((sub, model.prepare_compact(sub) if mode == "compact" else sub))
     prep_seconds = time.perf_counter() - t0 if mode == "compact" else 0.0
+    raw = logit_rows = pairs = 0
+    for sub, inputs in prepared:
+        _, lr, pr = _counts(sub, inputs, mode)
+        raw, logit_rows, pairs = raw + sub.num_tokens, logit_rows + lr, pairs + pr
 
     def one(sub: RolloutBatch, inputs) -> dict:  # noqa: ANN001
         out = model(inputs, mode=mode, recompute=recompute, attention=attention, fused_logprobs=True,
@@ -115,39 +213,117 @@ def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], mod
         loss.backward()
         return out.info
 
-    if warmup:  # compile / autotune / allocator warm-up on the first microbatch, untimed
+    warm = 0.0
+    if warmup and prepared:  # compile / autotune / allocator warm-up on the first microbatch, untimed
+        _sync(device)
+        t0 = time.perf_counter()
         one(*prepared[0])
+        _sync(device)
+        warm = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     rows = calls = replay = 0
-    t0 = time.perf_counter()
-    for sub, inputs in prepared:
-        info = one(sub, inputs)
-        rows += int(info.get("compact_rows", info["rows"]))
-        calls += int(info["calls"])
-        replay += int(info["replay_rows"])
-    _sync(device)
-    seconds = time.perf_counter() - t0
+    bar = _progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches", progress)
+    with regions.RegionTimer(device) as timer:
+        t0 = time.perf_counter()
+        for sub, inputs in prepared:
+            info = one(sub, inputs)
+            rows += int(info.get("compact_rows", info["rows"]))
+            calls += int(info["calls"])
+            replay += int(info["replay_rows"])
+            if bar is not None:
+                bar.update(1)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    breakdown = timer.totals()
+    in_regions = sum(sum(v.values()) for v in breakdown.values())
+    breakdown["other"] = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "total": max(seconds - in_regions, 0.0)}
+    for v in breakdown.values():
+        v.setdefault("total", sum(v.values()))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     model.zero_grad(set_to_none=True)
+    if profile_dir and prepared:
+        _profile(one, prepared[0], device, os.path.join(profile_dir, f"{'baseline' if mode == 'trajectory' else 'harts'}.json"))
+        model.zero_grad(set_to_none=True)
     return BenchSide(microbatches=len(groups), rows=rows, calls=calls, replay_rows=replay,
                      plan_seconds=round(plan_seconds + prep_seconds, 4), train_seconds=round(seconds, 4),
-                     peak_memory_gb=None if peak is None else round(peak, 3))
+                     peak_memory_gb=None if peak is None else round(peak, 3), raw_tokens=raw,
+                     logit_rows=logit_rows, attention_pairs=pairs,
+                     flops=flop_model.training_flops(rows, logit_rows, pairs), warmup_seconds=round(warm, 3),
+                     breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()})
+
+
+def _progress(total: int, desc: str, enabled: bool):  # noqa: ANN202
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="mb", file=sys.stderr, leave=False)
+
+
+def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN001
+    """One microbatch under the torch profiler; a Chrome trace at ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        one(*item)
+        _sync(device)
+    prof.export_chrome_trace(path)
+
+
+def _optimizer_seconds(model: HybridLM) -> float:
+    """One AdamW step (lr 0: weights unchanged) over gradients of the parameters' size, after an
+    untimed first step that creates the optimizer state; the same for both sides."""
+    device = model.embed_tokens.weight.device
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, fused=device.type == "cuda" or None)
+    opt.step()
+    _sync(device)
+    t0 = time.perf_counter()
+    opt.step()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    del opt
+    model.zero_grad(set_to_none=True)
+    return seconds
 
 
 def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int = 0, recompute: bool = False,
-               attention: str = "gather", warmup: bool = True, la_backend: str = "reference") -> StepBench:
-    """Time one step both ways on ``model`` (its weights are not changed)."""
+               attention: str = "gather", warmup: bool = True, la_backend: str = "reference", dp: int = 1,
+               replica: int = 0, optimizer: bool = False, peak_tflops: float | None = None,
+               progress: bool = False, profile_dir: str | None = None) -> StepBench:
+    """Time one step (or replica ``replica``'s share of it at ``dp`` replicas) both ways on
+    ``model`` (its weights are not changed). ``optimizer`` also times one AdamW step;
+    ``profile_dir`` writes a Chrome trace of one microbatch per side."""
+    if not 0 <= replica < dp:
+        raise ValueError(f"--replica must lie in [0, {dp}) for --dp {dp}; got {replica}")
     batch = replace(batch, old_logprobs=None, ref_logprobs=None)
     t0 = time.perf_counter()
-    plan = plan_step(batch, dp=1, capacity=capacity)
+    plan = plan_step(batch, dp=dp, capacity=capacity)
     plan_seconds = time.perf_counter() - t0
-    groups = [plan.microbatches[k] for k in np.argsort(plan.slot, kind="stable")]
-    baseline = _run_side(model, batch, pack_raw(batch, capacity), "trajectory", recompute=recompute,
-                         attention=attention, plan_seconds=0.0, warmup=warmup, la_backend=la_backend)
-    harts = _run_side(model, batch, groups, "compact", recompute=recompute, attention=attention,
-                      plan_seconds=plan_seconds, warmup=warmup, la_backend=la_backend)
+    order = np.argsort(plan.slot, kind="stable")
+    groups = [plan.microbatches[k] for k in order if plan.replica[k] == replica]
+    predicted_harts = [int(x) for x in plan.work_matrix().sum(1)]
+    raw_groups = pack_raw(batch, capacity)
+    raw_work = [int(batch.lengths[g].sum()) for g in raw_groups]
+    owner = deal_to_replicas(raw_work, dp)
+    predicted_base = [sum(w for w, o in zip(raw_work, owner) if o == d) for d in range(dp)]
+    base_groups = [g for g, o in zip(raw_groups, owner) if o == replica]
+    flop_model = FlopModel.from_model(model)
+    kw = dict(recompute=recompute, attention=attention, warmup=warmup, la_backend=la_backend,
+              flop_model=flop_model, progress=progress, profile_dir=profile_dir)
+    baseline = _run_side(model, batch, base_groups, "trajectory", plan_seconds=0.0, **kw)
+    harts = _run_side(model, batch, groups, "compact", plan_seconds=plan_seconds, **kw)
     return StepBench(step=step, paths=batch.num_trajectories, raw_tokens=batch.num_tokens,
-                     baseline=baseline, harts=harts)
+                     baseline=baseline, harts=harts, dp=dp, replica=replica, predicted_harts=predicted_harts,
+                     predicted_baseline=predicted_base,
+                     optimizer_seconds=round(_optimizer_seconds(model), 4) if optimizer else None,
+                     peak_tflops=peak_tflops)

@@ -1,9 +1,12 @@
 """``harts bench``: training-step speed of harts against the trajectory-wise baseline.
 
-See ``harts.bench.step_bench``: whole steps, same weights, baseline microbatches packed by raw
-tokens, harts microbatches from the prefix-aware planner, both at capacity T. Prints per step
-the paper's Table 4 metrics (non-replay compact-row compression, F/B/Grad and Core speedup)
-beside each side's time and peak memory, and writes JSON with ``--json``.
+See ``harts.bench.step_bench``: whole steps (or one data-parallel replica's share with
+``--dp D --replica R``), same weights, baseline microbatches packed by raw tokens, harts
+microbatches from the prefix-aware planner, both at capacity T. Prints per step the paper's
+Table 4 metrics (non-replay compact-row compression, F/B/Grad and Core speedup) beside each
+side's time, tokens/s, model TFLOP/s, MFU and peak memory; a per-component time breakdown;
+the warm-up time; every replica's predicted work. ``--json`` writes it all, ``--profile DIR``
+writes a Chrome trace of one microbatch per side.
 """
 
 from __future__ import annotations
@@ -12,60 +15,124 @@ import argparse
 
 from harts.commands._inputs import add_model_arguments, add_workload_arguments
 
-HELP = "Time training steps compactly vs trajectory-wise (F/B/Grad and Core speedup, memory)."
+HELP = "Time training steps compactly vs trajectory-wise (F/B/Grad, Core, tokens/s, MFU, breakdown, memory)."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, default="small")
     add_model_arguments(p)
-    p.add_argument("--capacity", type=int, default=65_536, help="microbatch capacity T (tokens)")
+    p.add_argument("--capacity", type=int, default=65_536, help="microbatch capacity T (tokens); default 65536")
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
     p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
                    help="full attention: one call per branch (gather), one FlexAttention call over "
                         "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas the step is planned for; default 1")
+    p.add_argument("--replica", type=int, default=0,
+                   help="which replica's share of the step to time (0 .. dp-1); default 0")
+    p.add_argument("--optimizer", action="store_true", help="also time one AdamW step (same for both sides)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="device peak for MFU (TFLOP/s); default: dense bf16 peak of known GPUs (H100/H200 989.4)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a Chrome trace (torch profiler) of one microbatch per side into DIR")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first microbatch of each side")
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="write the figures as JSON")
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x / 1e3:,.1f}k"
 
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import sys
 
-    from harts.bench.step_bench import bench_step
+    import torch
+
+    from harts.bench.flops import peak_tflops
+    from harts.bench.step_bench import COMPONENTS, bench_step
     from harts.commands._format import format_table
     from harts.commands._inputs import build_model, workload_batches
 
+    if args.dp < 1:
+        raise ValueError(f"--dp must be >= 1; got {args.dp}")
+    if not 0 <= args.replica < args.dp:
+        raise ValueError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ValueError(f"--peak-tflops must be positive; got {args.peak_tflops}")
     results = []
     model = None
+    peak = args.peak_tflops
     for step, batch in enumerate(workload_batches(args)):
         if model is None:
             vocab = max(int(batch.tokens.max()) + 1, batch.vocab_size or 0)
             model = build_model(args, vocab)
+            if peak is None:
+                peak = peak_tflops(torch.device(args.device))
             print(f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
                   f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
-                  f"recompute {'on' if args.recompute else 'off'}", flush=True)
+                  f"recompute {'on' if args.recompute else 'off'}; dp {args.dp}, replica {args.replica}; "
+                  f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}", flush=True)
         r = bench_step(model, batch, capacity=args.capacity, step=step, recompute=args.recompute,
-                       attention=args.attention, warmup=not args.no_warmup, la_backend=args.la_backend)
+                       attention=args.attention, warmup=not args.no_warmup, la_backend=args.la_backend,
+                       dp=args.dp, replica=args.replica, optimizer=args.optimizer, peak_tflops=peak,
+                       progress=sys.stderr.isatty(), profile_dir=args.profile)
         results.append(r)
         print(f"step {step}: baseline {r.baseline.train_seconds:.3f} s, harts {r.harts.train_seconds:.3f} s "
-              f"(+{r.harts.plan_seconds:.3f} s planning): F/B/Grad {r.fbg_speedup:.2f}x", flush=True)
+              f"(+{r.harts.plan_seconds:.3f} s planning): F/B/Grad {r.fbg_speedup:.2f}x "
+              f"(warm-up {r.baseline.warmup_seconds:.1f} / {r.harts.warmup_seconds:.1f} s, untimed)", flush=True)
 
     def mem(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f}"
 
-    rows = [[r.step, r.paths, r.raw_tokens, f"{r.compression:.2f}x", f"{r.baseline.microbatches}/{r.harts.microbatches}",
+    def mfu(r, side) -> str:  # noqa: ANN001
+        m = r.mfu(side)
+        return "n/a" if m is None else f"{100 * m:.1f}%"
+
+    rows = [[r.step, r.paths, r.harts.raw_tokens, f"{r.compression:.2f}x", f"{r.baseline.microbatches}/{r.harts.microbatches}",
              r.harts.calls, r.harts.replay_rows, f"{r.baseline.train_seconds:.3f}", f"{r.harts.train_seconds:.3f}",
              f"{r.harts.plan_seconds:.3f}", f"{r.fbg_speedup:.2f}x", f"{r.core_speedup:.2f}x",
              f"{mem(r.baseline.peak_memory_gb)}/{mem(r.harts.peak_memory_gb)}"] for r in results]
     print(format_table(["step", "paths", "raw tok", "compress", "mbs base/harts", "calls", "replay",
                         "base s", "harts s", "plan s", "F/B/Grad", "Core", "peak GiB base/harts"], rows))
+    print()
+    rows = []
+    for r in results:
+        for name, side in (("baseline", r.baseline), ("harts", r.harts)):
+            rows.append([r.step, name, f"{side.rows:,}", _fmt_rate(side.rows_per_second),
+                         _fmt_rate(side.raw_tokens_per_second), f"{side.flops / 1e12:.4g}", f"{side.tflops:.4g}",
+                         mfu(r, side)])
+    print(format_table(["step", "side", "rows", "rows/s", "raw tok/s", "model TFLOP", "TFLOP/s", "MFU"], rows))
+    print()
+    rows = []
+    for r in results:
+        for name, side in (("baseline", r.baseline), ("harts", r.harts)):
+            b = side.breakdown
+            cells = [f"{b.get(c, {}).get('total', 0.0):.3f}" for c in COMPONENTS]
+            rec = sum(v.get("recompute", 0.0) for v in b.values())
+            rows.append([r.step, name, *cells, f"{rec:.3f}", f"{side.plan_seconds:.3f}"])
+    print("time by component, seconds (forward + backward + recompute; 'other' = norms, projections outside "
+          "the regions, embedding, loss, glue):")
+    print(format_table(["step", "side", "lin. attn", "attention", "MoE", "LM head+logp", "other",
+                        "of which recompute", "prep/plan"], rows))
+    for r in results:
+        if r.optimizer_seconds is not None:
+            print(f"step {r.step}: optimizer (AdamW, one step) {r.optimizer_seconds:.3f} s")
+        if r.dp > 1:
+            print(f"step {r.step}: predicted work per replica (timed: {r.replica}): harts compact "
+                  f"{r.predicted_harts}, baseline raw {r.predicted_baseline}")
     if len(results) > 1:
         tb = sum(r.baseline.train_seconds for r in results)
         th = sum(r.harts.train_seconds for r in results)
         tp = sum(r.harts.plan_seconds for r in results)
-        print(f"all steps: F/B/Grad {tb / th:.2f}x, Core {tb / (th + tp):.2f}x")
+        rb = sum(r.baseline.raw_tokens for r in results) / max(tb, 1e-12)
+        print(f"all steps: F/B/Grad {sum(r.harts.raw_tokens for r in results) / max(th, 1e-12) / max(rb, 1e-12):.2f}x, "
+              f"Core {sum(r.harts.raw_tokens for r in results) / max(th + tp, 1e-12) / max(rb, 1e-12):.2f}x")
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump({"model": args.model, "device": args.device, "dtype": args.dtype, "capacity": args.capacity,
-                       "recompute": args.recompute, "steps": [r.to_dict() for r in results]}, fh, indent=2)
+            json.dump({"model": args.model, "pattern": model.config.layer_pattern if model else None,
+                       "device": args.device, "dtype": args.dtype, "capacity": args.capacity,
+                       "recompute": args.recompute, "attention": args.attention, "la_backend": args.la_backend,
+                       "dp": args.dp, "replica": args.replica, "peak_tflops": peak,
+                       "steps": [r.to_dict() for r in results]}, fh, indent=2)
         print(f"wrote {args.json_out}")
     return 0

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from harts.models import regions
 from harts.models.config import LAYER_TYPES, HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, MLP, MoE, MultiheadLatentAttention
@@ -105,7 +106,9 @@ class DecoderLayer(nn.Module):
         x = self.post_attention_layernorm(h_TD)
         if not self.is_moe:
             return (h_TD + self.mlp(x),)
+        (x,) = regions.enter("moe", x)
         y, z_loss, aux_loss, counts = self.mlp(x, ctx.row_weight)
+        y, z_loss, aux_loss = regions.exit("moe", y, z_loss, aux_loss)
         return h_TD + y, z_loss, aux_loss, counts
 
 
@@ -230,13 +233,15 @@ class HybridLM(nn.Module):
             rows = torch.as_tensor(pred, device=device)
         else:
             rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred], device=device)
+        h, head_weight = regions.enter("lm_head", h, self.lm_head_weight)
         if fused_logprobs:
             from harts.ops.logprob import mapped_logprobs
 
-            logprobs = mapped_logprobs(h, self.lm_head_weight, rows, targets)
+            logprobs = mapped_logprobs(h, head_weight, rows, targets)
         else:
-            logits = torch.nn.functional.linear(h[rows], self.lm_head_weight)
+            logits = torch.nn.functional.linear(h[rows], head_weight)
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+        (logprobs,) = regions.exit("lm_head", logprobs)
 
         if not z_losses:
             return ModelOutput(logprobs=logprobs, info=info)

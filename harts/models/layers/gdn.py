@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harts.models import regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.kda import ShortConvolution
@@ -62,6 +63,7 @@ class GatedDeltaNet(nn.Module):
         vv = vv.reshape(t, hv, v)
         beta = torch.sigmoid(b.reshape(t, hv))
         g = -self.A_log.exp() * F.softplus(a.reshape(t, hv) + self.dt_bias)
-        o = ctx.linear_attention(q, kk, vv, g, beta)
+        q, kk, vv, g, beta = regions.enter("linear_attention", q, kk, vv, g, beta)
+        (o,) = regions.exit("linear_attention", ctx.linear_attention(q, kk, vv, g, beta))
         o = self.norm(o, z.reshape(t, hv, v))
         return self.out_proj(o.reshape(t, hv * v))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harts.models import regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNorm
@@ -53,7 +54,9 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x_TD).reshape(t, g, hd)
         cos, sin = ctx.rope(self.rotary_dim, self.rope_theta, x_TD.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = ctx.attention(q, k, v, scale=self.scaling).reshape(t, h * hd)
+        q, k, v = regions.enter("attention", q, k, v)
+        (o,) = regions.exit("attention", ctx.attention(q, k, v, scale=self.scaling))
+        o = o.reshape(t, h * hd)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harts.models import regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNormGated, l2norm
@@ -93,7 +94,8 @@ class KimiDeltaAttention(nn.Module):
         else:
             g = -self.A_log.exp()[None, :, None] * F.softplus(f)
         beta = torch.sigmoid(self.b_proj(x_TD))
-        o = ctx.linear_attention(q, kk, vv, g, beta)
+        q, kk, vv, g, beta = regions.enter("linear_attention", q, kk, vv, g, beta)
+        (o,) = regions.exit("linear_attention", ctx.linear_attention(q, kk, vv, g, beta))
         gate = self.g_b_proj(self.g_a_proj(x_TD)) if self.low_rank_gates else self.g_proj(x_TD)
         gate = gate.reshape(t, h, v)
         o = self.o_norm(o, gate)

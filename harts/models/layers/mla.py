@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harts.models import regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNorm
@@ -71,7 +72,9 @@ class MultiheadLatentAttention(nn.Module):
             k_rot = apply_rope(k_rot, cos, sin, interleaved=self.rope_interleave)
         query = torch.cat([q_nope, q_rot], dim=-1)
         key = torch.cat([k_nope, k_rot.expand(t, h, self.rope_dim)], dim=-1)
-        o = ctx.attention(query, key, v.contiguous(), scale=self.scaling).reshape(t, h * self.v_dim)
+        query, key, v = regions.enter("attention", query, key, v.contiguous())
+        (o,) = regions.exit("attention", ctx.attention(query, key, v, scale=self.scaling))
+        o = o.reshape(t, h * self.v_dim)
         if self.g_proj is not None and self.head_gate:  # one gate per head (Ling 3.0)
             o = (o.reshape(t, h, self.v_dim) * torch.sigmoid(self.g_proj(x_TD))[..., None]).reshape(t, -1)
         elif self.g_proj is not None:

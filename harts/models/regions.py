@@ -1,0 +1,159 @@
+"""Per-component time of a training step, forward, backward and recomputation.
+
+The model marks its expensive components as named regions (the linear-attention core, the
+full-attention core, the MoE block, the LM head with its log-probs). While a ``RegionTimer``
+is active (``with RegionTimer(device) as timer:``), every region records its time:
+
+* forward: an event before the region and one after it;
+* backward: ``enter`` routes the region's inputs through an identity autograd node and
+  ``exit`` routes its outputs through another. Autograd runs the output node's backward first
+  (the start of the region's backward) and the input node's backward once every input
+  gradient exists (its end), so the pair brackets the region's backward kernels;
+* recomputation (``torch.utils.checkpoint`` re-running a layer inside backward) is recorded
+  under its own phase, so a reader can see what recompute costs.
+
+On CUDA the marks are ``torch.cuda.Event``s (recorded on the current stream, read after the
+step's final synchronization: no host sync inside the step); on CPU they are host clocks.
+With no active timer ``enter`` / ``exit`` return their arguments untouched.
+
+Usage in a module::
+
+    q, k = regions.enter("attention", q, k)
+    o = core(q, k)
+    (o,) = regions.exit("attention", o)
+"""
+
+from __future__ import annotations
+
+import time
+import torch
+
+__all__ = ["RegionTimer", "enter", "exit", "PHASES"]
+
+PHASES = ("forward", "backward", "recompute")
+
+_ACTIVE: RegionTimer | None = None
+
+
+class RegionTimer:
+    """Collects region times while active; ``totals()`` after the work has finished.
+
+    Times are exclusive: a region that runs inside another (checkpoint's recomputation of a
+    layer runs inside the backward of the region that first unpacks a recomputed tensor) is
+    subtracted from its parent, so the regions' times add up to at most the step's time.
+    A region left open by an aborted recomputation (checkpoint stops recomputing once it has
+    every tensor it needs) is dropped, and its time stays with its parent.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        # closed regions: (name, phase, start, end, [(child start, child end), ...])
+        self._closed: list[tuple[str, str, object, object, list]] = []
+        self._stack: list[tuple[str, str, object, list]] = []  # open regions, innermost last
+
+    def __enter__(self) -> RegionTimer:
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("a RegionTimer is already active")
+        _ACTIVE = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _ACTIVE
+        _ACTIVE = None
+
+    def _mark(self) -> object:
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def start(self, name: str, phase: str) -> None:
+        self._stack.append((name, phase, self._mark(), []))
+
+    def stop(self, name: str, phase: str) -> None:
+        if not any(n == name and p == phase for n, p, _, _ in self._stack):
+            return  # a backward end whose start never ran (no gradient reached the outputs)
+        end = self._mark()
+        while True:
+            n, p, start, children = self._stack.pop()
+            if n == name and p == phase:
+                break
+        self._closed.append((name, phase, start, end, children))
+        if self._stack:
+            self._stack[-1][3].append((start, end))
+
+    def _seconds(self, a: object, b: object) -> float:
+        return a.elapsed_time(b) / 1e3 if self._cuda else b - a  # type: ignore[union-attr,operator]
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        """``{region: {phase: exclusive seconds}}``; synchronizes the device first."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        out: dict[str, dict[str, float]] = {}
+        for name, phase, a, b, children in self._closed:
+            sec = self._seconds(a, b) - sum(self._seconds(c, d) for c, d in children)
+            out.setdefault(name, dict.fromkeys(PHASES, 0.0))[phase] += sec
+        return out
+
+
+def _phase() -> str:
+    # a forward inside a running backward graph task is checkpoint's recomputation
+    return "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity on the region's inputs; its backward marks the end of the region's backward."""
+
+    @staticmethod
+    def forward(ctx, name: str, timer: RegionTimer, *xs: torch.Tensor):  # type: ignore[override]
+        ctx.name, ctx.timer = name, timer
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.timer.stop(ctx.name, "backward")
+        return (None, None, *grads)
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the region's outputs; its backward marks the start of the region's backward."""
+
+    @staticmethod
+    def forward(ctx, name: str, timer: RegionTimer, *xs: torch.Tensor):  # type: ignore[override]
+        ctx.name, ctx.timer = name, timer
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.timer.start(ctx.name, "backward")
+        return (None, None, *grads)
+
+
+def _differentiable(xs: tuple[torch.Tensor, ...]) -> bool:
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+
+
+def enter(name: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Start region ``name`` on inputs ``xs`` (returned, possibly wrapped for backward timing)."""
+    timer = _ACTIVE
+    if timer is None:
+        return xs
+    timer.start(name, _phase())
+    if _phase() == "forward" and _differentiable(xs):
+        return _BackwardEnd.apply(name, timer, *xs)
+    return xs
+
+
+def exit(name: str, *ys: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: A001
+    """End region ``name`` with outputs ``ys`` (returned, possibly wrapped for backward timing)."""
+    timer = _ACTIVE
+    if timer is None:
+        return ys
+    phase = _phase()
+    timer.stop(name, phase)
+    if phase == "forward" and _differentiable(ys):
+        return _BackwardStart.apply(name, timer, *ys)
+    return ys

@@ -1,0 +1,53 @@
+"""Region timers: the model's numbers are untouched, every region is timed in each phase."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import harts
+from harts.models import regions
+from harts.tree.workloads import generate
+
+
+def _run(model: harts.HybridLM, batch, recompute: bool) -> list[torch.Tensor]:  # noqa: ANN001
+    model.zero_grad(set_to_none=True)
+    out = model(batch, mode="compact", recompute=recompute)
+    (out.logprobs.sum() + out.moe_objective(0.01, 0.01)).backward()
+    return [out.logprobs.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_timer_changes_nothing_and_times_every_region(recompute: bool) -> None:
+    torch.manual_seed(0)
+    batch = generate("tiny", step=0)
+    model = harts.HybridLM(harts.HybridConfig.tiny(dtype="float64", vocab_size=int(batch.tokens.max()) + 1))
+    ref = _run(model, batch, recompute)
+    with regions.RegionTimer("cpu") as timer:
+        t0 = time.perf_counter()
+        got = _run(model, batch, recompute)
+        elapsed = time.perf_counter() - t0
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    totals = timer.totals()
+    assert set(totals) == {"linear_attention", "attention", "moe", "lm_head"}
+    for name, phases in totals.items():
+        assert phases["forward"] > 0 and phases["backward"] > 0, name
+    # recomputed layers: the mixers re-run inside backward (MoE may be cut short by checkpoint)
+    assert (totals["linear_attention"]["recompute"] > 0) == recompute
+    assert (totals["attention"]["recompute"] > 0) == recompute
+    # exclusive times never add up to more than the wall time
+    assert sum(sum(p.values()) for p in totals.values()) <= elapsed
+    # inactive again: regions are pass-through
+    x = torch.ones(2, requires_grad=True)
+    assert regions.enter("attention", x)[0] is x
+
+
+def test_only_one_timer_at_a_time() -> None:
+    with regions.RegionTimer("cpu"):
+        with pytest.raises(RuntimeError, match="already active"):
+            with regions.RegionTimer("cpu"):
+                pass
