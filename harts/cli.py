@@ -4,16 +4,47 @@ Each subcommand lives in ``harts/commands/<name>.py`` and exposes ``HELP`` (one 
 ``add_arguments(parser)`` and ``run(args) -> int``. Command modules import only the
 standard library at module level, so building the parser (and ``harts --help``) is
 instant; heavy imports happen inside ``run`` after the arguments are parsed.
+
+Errors: every user error is a ``harts.errors.UserError``; ``main`` prints it as
+``harts: error: <message>`` on stderr and returns 2, without a traceback unless the environment
+sets ``HARTS_DEBUG=1``. Bad options are argparse's (usage, the option named, exit 2). Ctrl-C
+returns 130 (``harts train`` saves what it finished first, see ``harts.commands.train``). Any
+other exception is a bug: it keeps its traceback (exit status 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
+import traceback
 
 import harts.commands
+from harts.errors import UserError
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default, unless its help already mentions one or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "%(default)" in text
+            or "default" in text.lower()
+            or not action.option_strings
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def debug_enabled() -> bool:
+    """``HARTS_DEBUG=1``: user errors show their traceback too."""
+    return os.environ.get("HARTS_DEBUG", "").strip() not in ("", "0", "false", "no")
 
 
 def _command_modules() -> dict[str, object]:
@@ -29,10 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harts",
         description="Train hybrid-attention LMs on agentic RL rollout trees with prefix sharing.",
+        epilog="Errors print 'harts: error: ...' and exit 2 (HARTS_DEBUG=1 shows the traceback).",
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in _command_modules().items():
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=HelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
@@ -46,10 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args._run(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
+    except UserError as err:
         # user-facing errors (bad files, bad options) are one clear line, not a traceback
-        print(f"harts {args.command}: error: {err}", file=sys.stderr)
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"harts: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"harts: {args.command} interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # output piped into `head` and closed early: not an error of ours
         sys.stderr.close()

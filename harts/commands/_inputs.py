@@ -1,33 +1,125 @@
-"""Shared command-line inputs: a workload preset or batch file, and a model preset or checkpoint."""
+"""Shared command-line inputs and checks.
+
+* option types that name the option in their error (``positive_int``, ``nonneg_int``, ...);
+* a workload preset or batch files as lazy per-step sources, and ``scan_steps``, which reads
+  every step once before any work starts (trajectory lengths, token ids) so that a problem in
+  step k is reported in seconds, not after k steps;
+* a model preset or checkpoint (``build_model``) with its device and vocabulary checked first;
+* output paths checked before any work (``check_output_file`` / ``check_output_dir``) and
+  written atomically (``write_json``).
+
+Everything here raises ``harts.errors.UserError`` for bad input (the CLI prints one line and
+exits 2). Module level imports only the standard library, so building the parser stays instant.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from harts.errors import CapacityError, OutputPathError, UserError
 
+# ------------------------------------------------------------------ option types
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the option in the error)."""
+    v = _int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {text!r}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer (>= 0), got {text!r}")
+    return v
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed, 0 <= seed < 2**32 (numpy's and torch's common range)."""
+    v = nonneg_int(text)
+    if v >= 2**32:
+        raise argparse.ArgumentTypeError(f"must be below 2**32, got {text!r}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v >= 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+# ------------------------------------------------------------------- arguments
 def add_workload_arguments(p: argparse.ArgumentParser, default: str = "tiny") -> None:
     p.add_argument(
         "--workload", default=default, metavar="NAME|FILE",
-        help=f"built-in workload preset (tiny, small, medium, swe) or a batch file (.jsonl/.parquet); default {default}",
+        help="built-in workload preset (tiny, small, medium, swe) or a batch file (.jsonl/.parquet)",
     )
-    p.add_argument("--steps", type=int, default=None, help="steps to run (default: the preset's; 1 for a file)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="steps to run (default: the preset's; 1 for a file, which repeats)")
+    p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float32") -> None:
     p.add_argument("--model", default="tiny", metavar="PRESET|PATH",
                    help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory "
-                        "(BailingHybrid / Qwen3-Next / Kimi Linear); default tiny")
+                        "(BailingHybrid / Qwen3-Next / Kimi Linear)")
     p.add_argument("--pattern", default=None, help="override a preset's layer pattern, e.g. KKKM")
     p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
     p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "auto"],
-                   help="linear-attention core: torch reference, fla-core (CUDA), or auto; default reference")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads on CPU; default 1, 0 = torch's default")
+                   help="linear-attention core: torch reference, fla-core (CUDA), or auto")
+    p.add_argument("--threads", type=nonneg_int, default=1,
+                   help="torch intra-op threads on CPU; 0 = torch's default")
+
+
+def add_output_arguments(p: argparse.ArgumentParser, *, what: str = "the figures") -> None:
+    """``--json FILE`` and ``--overwrite`` (every command that writes files has both)."""
+    p.add_argument("--json", dest="json_out", default=None, metavar="FILE",
+                   help=f"also write {what} as JSON to FILE (checked before any work)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing output files (without it, an existing output is an error)")
+
+
+# ---------------------------------------------------------------------- sources
+def _memo(make: Callable[[], Any]) -> Callable[[], Any]:
+    cache: list[Any] = []
+
+    def get() -> Any:
+        if not cache:
+            cache.append(make())
+        return cache[0]
+
+    return get
 
 
 def batch_sources(
@@ -38,43 +130,292 @@ def batch_sources(
     from harts.tree.workloads import PRESETS, generate
 
     if files and workload:
-        raise ValueError("give FILEs or --workload, not both")
+        raise UserError("give FILEs or --workload, not both")
     if files:
         return [(f, lambda f=f: RolloutBatch.load(f)) for f in files]
     name = workload or default
     if name not in PRESETS:
-        raise ValueError(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}")
+        hint = " (a batch file is given as FILE, without --workload)" if os.path.exists(name) else ""
+        raise UserError(f"--workload {name!r} is not a preset; presets: {', '.join(PRESETS)}{hint}")
     n = PRESETS[name].steps if steps is None else steps
     return [(f"{name}[{s}]", lambda s=s: generate(name, step=s, seed=seed)) for s in range(n)]
 
 
-def workload_batches(args: argparse.Namespace) -> Iterator[Any]:
-    """Yield the RolloutBatch of every requested step."""
+def step_sources(workload: str, steps: int | None, seed: int) -> list[tuple[str, Callable[[], Any]]]:
+    """``(label, make_batch)`` per step of ``--workload NAME|FILE``: a preset's steps, or the
+    file repeated ``steps`` times (read once)."""
     from harts.tree.batch import RolloutBatch
     from harts.tree.workloads import PRESETS, generate
 
-    w = args.workload
-    if w in PRESETS:
-        n = PRESETS[w].steps if args.steps is None else args.steps
-        for s in range(n):
-            yield generate(w, step=s, seed=args.seed)
-    elif os.path.exists(w):
-        batch = RolloutBatch.load(w)
-        for _ in range(1 if args.steps is None else args.steps):
-            yield batch
-    else:
-        raise ValueError(f"--workload {w!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
+    if workload in PRESETS:
+        n = PRESETS[workload].steps if steps is None else steps
+        return [(f"{workload}[{s}]", lambda s=s: generate(workload, step=s, seed=seed)) for s in range(n)]
+    if os.path.exists(workload) or workload.endswith((".jsonl", ".parquet")):
+        load = _memo(lambda: RolloutBatch.load(workload))
+        return [(workload, load)] * (1 if steps is None else steps)
+    raise UserError(f"--workload {workload!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> Any:
-    """The model named by ``--model`` on ``--device`` (threads set first)."""
+def workload_batches(args: argparse.Namespace) -> Iterator[Any]:
+    """Yield the RolloutBatch of every requested step (``--workload``, ``--steps``, ``--seed``)."""
+    for _, make in step_sources(args.workload, args.steps, args.seed):
+        yield make()
+
+
+@dataclass
+class StepSummary:
+    """What the checks before the first step need to know about one step's batch."""
+
+    step: int
+    label: str
+    trajectories: int
+    tokens: int
+    #: the longest trajectory: its index and length
+    longest: int
+    longest_len: int
+    #: the largest token id: where it is (trajectory, position)
+    max_token: int
+    max_token_at: tuple[int, int]
+    #: the batch's declared vocabulary (file header), if any
+    vocab_size: int | None
+
+    def where(self) -> str:
+        return f"step {self.step} ({self.label})"
+
+
+def summarize(step: int, label: str, batch: Any) -> StepSummary:
+    import numpy as np
+
+    lengths = batch.lengths
+    j = int(np.argmax(lengths))
+    k = int(np.argmax(batch.tokens))
+    jt = int(np.searchsorted(batch.offsets, k, side="right") - 1)
+    return StepSummary(
+        step=step, label=label, trajectories=batch.num_trajectories, tokens=batch.num_tokens,
+        longest=j, longest_len=int(lengths[j]), max_token=int(batch.tokens[k]),
+        max_token_at=(jt, int(k - batch.offsets[jt])), vocab_size=batch.vocab_size,
+    )
+
+
+def check_capacity(summaries: list[StepSummary], capacity: int, dp: int = 1, *, dp_name: str = "data-parallel ranks") -> None:
+    """Every trajectory of every step fits ``--capacity`` and every step has >= ``dp`` trajectories."""
+    fits = max(s.longest_len for s in summaries)
+    for s in summaries:
+        if s.longest_len > capacity:
+            raise CapacityError(
+                f"{s.where()}: trajectory {s.longest} has {s.longest_len:,} tokens, more than --capacity "
+                f"{capacity:,} (a trajectory is never split across microbatches); the smallest capacity "
+                f"that fits every step is --capacity {fits}"
+            )
+    for s in summaries:
+        if s.trajectories < dp:
+            raise UserError(
+                f"{s.where()} has {s.trajectories} trajectories, fewer than the {dp} {dp_name} "
+                f"(every replica needs a microbatch); use at most {s.trajectories}"
+            )
+
+
+def check_plannable(batch: Any, summary: StepSummary, capacity: int, dp: int) -> None:
+    """The step planner can split ``batch`` into a multiple of ``dp`` microbatches of ``capacity``
+    (with D > 1 a small capacity can need more microbatches than there are trajectories)."""
+    from harts.plan.step.planner import check_inputs
+    from harts.tree.compact import compact
+
+    try:
+        check_inputs(compact(batch), dp, capacity)
+    except ValueError as err:
+        raise CapacityError(f"{summary.where()}: {err}; raise --capacity") from None
+
+
+def needed_vocab(summaries: list[StepSummary]) -> tuple[int, str]:
+    """The vocabulary every step fits, and where the largest token id sits."""
+    top = max(summaries, key=lambda s: s.max_token)
+    vocab = max(top.max_token + 1, *(s.vocab_size or 0 for s in summaries))
+    j, t = top.max_token_at
+    return vocab, f"token id {top.max_token:,} ({top.where()}, trajectory {j}, position {t})"
+
+
+# ------------------------------------------------------------------------ model
+def check_device(spec: str) -> None:
+    """``--device`` names a device this torch build can use, or raise naming the fix."""
+    import torch
+
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {spec!r} is not a device name; use cpu, cuda, cuda:1, ...") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        if not torch.backends.cuda.is_built():
+            raise UserError(
+                f"--device {spec}: this torch build ({torch.__version__}) has no CUDA support; "
+                "run on --device cpu or install a CUDA build of torch"
+            )
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise UserError(f"--device {spec}: no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)")
+        if dev.index is not None and dev.index >= n:
+            raise UserError(f"--device {spec}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
+        return
+    if dev.type == "mps" and torch.backends.mps.is_available():
+        return
+    raise UserError(f"--device {spec}: not available here; use cpu or cuda")
+
+
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
+
+
+def _memory_bytes(device: str) -> int | None:
+    """Total memory of ``device`` (RAM for cpu), or None when unknown."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev.index or 0).total_memory)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_vocab(args: argparse.Namespace, vocab_size: int, where: str | None = None, *, training: bool = True) -> None:
+    """The vocabulary the batch needs fits the model named by ``--model``.
+
+    A checkpoint must already cover it (read from its config.json, before loading). A preset's
+    embedding and output layers are sized from it: refuse when they alone would not fit the
+    device's memory (parameters + gradients, + two AdamW moments when ``training``).
+    """
+    from harts.models.loading import is_checkpoint
+
+    origin = f" for {where}" if where else ""
+    if is_checkpoint(args.model):
+        cfg_path = Path(args.model) / "config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (OSError, ValueError):
+            return  # load_model reports an unreadable checkpoint
+        have = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+        if isinstance(have, int) and vocab_size > have:
+            raise UserError(
+                f"the batch needs vocab_size >= {vocab_size:,}{origin}, but the checkpoint --model "
+                f"{args.model} has a vocabulary of {have:,}: the batch was tokenized for another model"
+            )
+        return
+    from harts.models.config import HybridConfig
+
+    try:
+        cfg = HybridConfig.preset(args.model)
+    except ValueError as err:
+        raise UserError(f"--model {args.model!r}: {err} (or give a checkpoint directory)") from None
+    dtype = getattr(args, "dtype", None) or cfg.dtype
+    copies = (1 if cfg.tie_word_embeddings else 2) * (4 if training else 2)
+    need = vocab_size * cfg.hidden_size * _DTYPE_BYTES.get(dtype, 4) * copies
+    have = _memory_bytes(args.device)
+    if have is not None and need > have:
+        raise UserError(
+            f"the batch needs vocab_size >= {vocab_size:,}{origin}: the {args.model} preset's "
+            f"embedding and output layers would then take {need / 2**30:,.1f} GiB "
+            f"({'training' if training else 'forward + backward'}), more than the {have / 2**30:,.1f} GiB "
+            f"of {args.device}. Token ids index the embedding table: remap them to a dense range "
+            "0..V-1, or use a checkpoint (--model DIR) whose vocabulary covers them"
+        )
+
+
+def build_model(args: argparse.Namespace, vocab_size: int, *, where: str | None = None, training: bool = True) -> Any:
+    """The model named by ``--model`` on ``--device`` (device, vocabulary and threads checked first;
+    ``where`` names the largest token id for the vocabulary error)."""
     import torch
 
     from harts.models.loading import load_model
 
+    check_device(args.device)
+    check_vocab(args, vocab_size, where, training=training)
     if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+        raise UserError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load_model(args.model, vocab_size=vocab_size, dtype=args.dtype, layer_pattern=args.pattern,
-                      seed=args.seed, device=args.device)
+    try:
+        return load_model(args.model, vocab_size=vocab_size, dtype=args.dtype, layer_pattern=args.pattern,
+                          seed=args.seed, device=args.device)
+    except (ValueError, OSError) as err:
+        if isinstance(err, UserError):
+            raise
+        raise UserError(f"--model {args.model}: {err}") from None
+
+
+# ---------------------------------------------------------------------- outputs
+def _nearest_existing(p: Path) -> Path:
+    p = p.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _check_creatable(p: Path, option: str, *, is_dir: bool = False) -> None:
+    anc = _nearest_existing(p if is_dir else p.parent)
+    if not anc.is_dir():
+        raise OutputPathError(f"{option} {p}: cannot be created, {anc} is a file, not a directory")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{option} {p}: cannot be created, {anc} is not writable")
+
+
+def check_output_file(path: str | None, option: str, overwrite: bool) -> None:
+    """``path`` can be written as a file (missing parent directories are created when writing)."""
+    if not path or path == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise OutputPathError(f"{option} {p}: is a directory; give a file name")
+    if p.exists():
+        if not overwrite:
+            raise OutputPathError(f"{option} {p}: exists; pass --overwrite to replace it, or choose another name")
+        if not os.access(p, os.W_OK):
+            raise OutputPathError(f"{option} {p}: exists and is not writable")
+        return
+    _check_creatable(p, option)
+
+
+def check_output_dir(path: str | None, option: str, overwrite: bool) -> None:
+    """``path`` can be written as a directory: missing, or empty, or ``overwrite``."""
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise OutputPathError(f"{option} {p}: exists and is not a directory; give a directory name")
+    if p.is_dir():
+        if any(p.iterdir()) and not overwrite:
+            raise OutputPathError(f"{option} {p}: exists and is not empty; pass --overwrite to write into it")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise OutputPathError(f"{option} {p}: is not writable")
+        return
+    _check_creatable(p, option, is_dir=True)
+
+
+def write_atomic(path: str | Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` then rename onto ``path``: an interrupted write never leaves half a file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.parent / f".{p.name}.{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str, obj: Any, *, indent: int | None = 2, default: Callable[[Any], Any] | None = None) -> None:
+    """Write ``obj`` as JSON to ``path`` (atomically; ``-`` = stdout)."""
+    if path == "-":
+        print(json.dumps(obj, indent=indent, default=default))
+        return
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w") as fh:
+            json.dump(obj, fh, indent=indent, default=default)
+
+    try:
+        write_atomic(path, write)
+    except OSError as err:
+        raise OutputPathError(f"--json {path}: cannot write ({err.strerror or err})") from None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from harts.commands._inputs import positive_int
+
 HELP = "Plan minimum-call chunkwise linear-attention rounds for a TREE.json or a rollout batch file"
 
 
@@ -15,25 +17,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="TREE.json segment file, or a RolloutBatch .jsonl/.parquet file")
     parser.add_argument(
         "--chunk-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="linear-attention chunk size B (default: the tree file's chunk_size, else 64)",
     )
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--json", dest="json_out", nargs="?", const="-", default=None, metavar="FILE",
+                        help="write the plan as JSON to FILE; a bare --json (or --json -) prints only the "
+                             "JSON, on stdout")
     parser.add_argument("--plot", metavar="OUT.png", default=None, help="draw the segment tree and the plan")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace existing output files (without it, an existing output is an error)")
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
+    from harts.commands._inputs import check_output_file, write_json
+    from harts.errors import UserError
     from harts.plan.calls import plan_calls
 
+    check_output_file(args.json_out, "--json", args.overwrite)
+    check_output_file(args.plot, "--plot", args.overwrite)
     path = Path(args.path)
     if not path.exists():
-        raise FileNotFoundError(f"no such file: {path}")
-    if args.chunk_size is not None and args.chunk_size < 1:
-        raise ValueError(f"--chunk-size must be a positive integer, got {args.chunk_size}")
+        raise UserError(f"{path}: no such file (give a TREE.json or a .jsonl/.parquet batch file)")
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory (give a TREE.json or a .jsonl/.parquet batch file)")
     if path.suffix in (".jsonl", ".parquet"):
         import harts
 
@@ -46,15 +55,19 @@ def run(args: argparse.Namespace) -> int:
     chunk = args.chunk_size if args.chunk_size is not None else (file_chunk or 64)
     plan = plan_calls(forest, chunk)
 
-    if args.json:
-        print(json.dumps(plan.summary()))
+    quiet = args.json_out == "-"  # stdout holds only the JSON
+    if quiet:
+        write_json("-", plan.summary(), indent=None)
     else:
         _print_text(plan)
+        if args.json_out:
+            write_json(args.json_out, plan.summary())
+            print(f"wrote {args.json_out}")
     if args.plot:
         from harts.plan.plot import plot_plan
 
         plot_plan(plan, args.plot)
-        if not args.json:
+        if not quiet:
             print(f"plot written to {args.plot}")
     return 0
 

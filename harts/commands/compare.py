@@ -10,38 +10,41 @@ from __future__ import annotations
 
 import argparse
 
+from harts.commands._inputs import add_output_arguments, nonneg_int, seed_int
+
 HELP = "Run a batch through the model trajectory-wise and compactly; print agreement, time and memory."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workload", default="tiny", metavar="NAME|FILE",
-        help="built-in workload preset (tiny, small, ...) or a batch file (.jsonl/.parquet); default tiny",
+        help="built-in workload preset (tiny, small, ...) or a batch file (.jsonl/.parquet)",
     )
-    p.add_argument("--step", type=int, default=0, help="workload step (built-in presets)")
+    p.add_argument("--step", type=nonneg_int, default=0, help="workload step (built-in presets)")
     p.add_argument("--model", default="tiny", metavar="PRESET|PATH",
-                   help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory; default tiny")
+                   help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory")
     p.add_argument("--pattern", default=None, help="override the layer pattern, e.g. KKKM")
-    p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    p.add_argument("--dtype", default="float64", choices=["float64", "float32"], help="parameter dtype")
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
     p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
                    help="full attention: one call per branch (gather), one FlexAttention call over "
                         "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
     p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "auto"],
                    help="linear-attention core for both modes: torch reference, fla-core (CUDA), or auto")
     p.add_argument(
-        "--threads", type=int, default=1,
-        help="torch intra-op threads; default 1 (tiny tensors on a shared CPU), 0 = torch's default",
+        "--threads", type=nonneg_int, default=1,
+        help="torch intra-op threads; 1 suits tiny tensors on a shared CPU, 0 lets torch choose",
     )
-    p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
+    add_output_arguments(p, what="the results")
 
 
 def _load_batch(args: argparse.Namespace):  # noqa: ANN202
     import os
 
+    from harts.errors import UserError
     from harts.tree.batch import RolloutBatch
     from harts.tree.workloads import PRESETS, generate
 
@@ -50,36 +53,43 @@ def _load_batch(args: argparse.Namespace):  # noqa: ANN202
         return generate(w, step=args.step, seed=args.seed), w
     if os.path.exists(w) or w.endswith((".jsonl", ".parquet")):
         return RolloutBatch.load(w), w
-    raise ValueError(f"--workload {w!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
+    raise UserError(f"--workload {w!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     import numpy as np
-    import torch
 
     from harts.commands._format import format_table
-    from harts.models.loading import load_model
+    from harts.commands._inputs import build_model, check_device, check_output_file, needed_vocab, summarize, write_json
+    from harts.commands._progress import progress
     from harts.rl.diff import compare_runs, run_step
 
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_output_file(args.json_out, "--json", args.overwrite)
+    check_device(args.device)
     batch, source = _load_batch(args)
-    vocab = max(int(batch.tokens.max()) + 1, batch.vocab_size or 0)
-    model = load_model(args.model, vocab_size=vocab, dtype=args.dtype, layer_pattern=args.pattern,
-                       seed=args.seed, device=args.device)
+    vocab, where = needed_vocab([summarize(args.step, source, batch)])
+    model = build_model(args, vocab, where=where, training=False)
     config = model.config
+    # phases: compaction + call plan, then per mode a warmup, the timed step and (CPU) the
+    # profiled memory pass
+    per_mode = 2 + (next(model.parameters()).device.type != "cuda")
+    bar = progress(1 + 2 * per_mode, "compare", "phase")
+    bar.set_postfix_str("prepare compact", refresh=False)
     inputs = model.prepare_compact(batch, no_replay=args.no_replay)
+    bar.update()
 
     runs = {}
     for mode in ("trajectory", "compact"):
+        def on_phase(phase: str, mode: str = mode) -> None:  # a phase of run_step ended
+            bar.update()
+
+        bar.set_postfix_str(mode, refresh=False)
         runs[mode] = run_step(
             model, inputs, mode=mode, recompute=args.recompute, attention=args.attention,
             no_replay=args.no_replay, measure_memory=True, warmup=1, linear_attention_backend=args.la_backend,
+            on_phase=on_phase,
         )
+    bar.close()
     diff = compare_runs(runs["trajectory"], runs["compact"])
     cb, t, c = inputs.cb, runs["trajectory"], runs["compact"]
 
@@ -125,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
             "max_rel_diff": diff,
             "speedup": speed,
         }
-        with open(args.json_out, "w") as fh:
-            json.dump(record, fh, indent=2, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        write_json(args.json_out, record, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
         print(f"wrote {args.json_out}")
     return 0

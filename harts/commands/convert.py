@@ -10,21 +10,34 @@ from __future__ import annotations
 
 import argparse
 
+from harts.commands._inputs import add_output_arguments, nonneg_int
+
 HELP = "Report architecture, layer pattern, parameters and tensor coverage of a transformers checkpoint."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="local checkpoint directory (config.json + safetensors, sharded or not)")
-    p.add_argument("--json", dest="json_out", default=None, help="also write the report as JSON here")
-    p.add_argument("--show", type=int, default=10, help="how many missing/unmapped names to list (default 10)")
+    add_output_arguments(p, what="the report")
+    p.add_argument("--show", type=nonneg_int, default=10, help="how many missing/unmapped names to list")
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
+    import os
 
+    from harts.commands._inputs import check_output_file, write_json
+    from harts.errors import UserError
     from harts.integrations.hf import inspect_checkpoint
 
-    rep = inspect_checkpoint(args.path)
+    check_output_file(args.json_out, "--json", args.overwrite)
+    if not os.path.isdir(args.path):
+        what = "is a file" if os.path.exists(args.path) else "does not exist"
+        raise UserError(f"{args.path} {what}; give a checkpoint directory (config.json + *.safetensors)")
+    try:
+        rep = inspect_checkpoint(args.path)
+    except (ValueError, OSError) as err:
+        if isinstance(err, UserError):
+            raise
+        raise UserError(f"{args.path}: not a readable checkpoint ({err})") from None
     print(f"checkpoint     {rep.path}")
     print(f"architecture   {rep.architecture} (model_type {rep.model_type})")
     if rep.config_error is not None:
@@ -45,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {label:9s} ... {len(names) - args.show} more")
     print(f"all mapped     {'yes' if rep.all_mapped else 'NO'}")
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(rep.to_dict(), fh, indent=2, default=str)
+        write_json(args.json_out, rep.to_dict(), default=str)
+        print(f"wrote {args.json_out}")
     return 0 if rep.all_mapped else 1

@@ -4,36 +4,60 @@ from __future__ import annotations
 
 import argparse
 
+from harts.commands._inputs import add_output_arguments, positive_float, positive_int, seed_int
+
 HELP = "Prefix-aware step planning (paper Tables 2-3): compact work, planning time, DP imbalance."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="*", help="RolloutBatch files (.jsonl or .parquet), one step each")
     p.add_argument("--workload", default=None, help="built-in workload preset (tiny, small, medium, swe)")
-    p.add_argument("--steps", type=int, default=None, help="steps of the workload (default: all of the preset)")
-    p.add_argument("--dp", type=int, default=4, help="data-parallel degree D")
-    p.add_argument("--capacity", type=int, default=65536, help="microbatch capacity T in compact tokens")
+    p.add_argument("--steps", type=positive_int, default=None, help="steps of the workload (default: all of the preset)")
+    p.add_argument("--dp", type=positive_int, default=4, help="data-parallel degree D")
+    p.add_argument("--capacity", type=positive_int, default=65536, help="microbatch capacity T in compact tokens")
     p.add_argument("--baseline", choices=["ortools"], default=None, help="also run this baseline planner")
-    p.add_argument("--time-limit", type=float, default=10.0, help="OR-Tools CP-SAT seconds per replica")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (and CP-SAT seed)")
-    p.add_argument("--json", dest="json_out", default=None, help="write every number as JSON here")
-    p.add_argument("--plot", default=None, help="write a PNG of compact work and imbalance here")
+    p.add_argument("--time-limit", type=positive_float, default=10.0, help="OR-Tools CP-SAT seconds per replica")
+    p.add_argument("--seed", type=seed_int, default=0, help="workload seed (and CP-SAT seed)")
+    add_output_arguments(p, what="every number")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG of compact work and imbalance here")
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
-    from tqdm import tqdm
+    from harts.errors import UserError
 
     from harts.bench.plan_bench import plan_batches, plot, summarize
     from harts.commands._format import format_table
-    from harts.commands._inputs import batch_sources
+    from harts.commands._inputs import (
+        batch_sources, check_capacity, check_output_file, check_plannable, summarize as summarize_step, write_json,
+    )
+    from harts.commands._progress import progress
 
+    check_output_file(args.json_out, "--json", args.overwrite)
+    check_output_file(args.plot, "--plot", args.overwrite)
+    if args.baseline == "ortools":
+        try:
+            import ortools  # noqa: F401
+        except ImportError:
+            raise UserError("--baseline ortools needs OR-Tools: pip install 'harts[ortools]'") from None
     labelled = batch_sources(args.files, args.workload, args.steps, args.seed)
-    sources = [(i + 1, make) for i, (_, make) in enumerate(labelled)]
+    # every step is read (and checked against --capacity and --dp) before any planning starts;
+    # files are kept from this pass, presets are generated again when planned
+    summaries, kept = [], {}
+    with progress(len(labelled), "checking inputs", "step", leave=False, disable=len(labelled) < 2) as bar:
+        for i, (label, make) in enumerate(labelled):
+            batch = make()
+            st = summarize_step(i, label, batch)
+            summaries.append(st)
+            if args.dp > 1 and st.longest_len <= args.capacity and st.trajectories >= args.dp:
+                check_plannable(batch, st, args.capacity, args.dp)
+            if args.files:
+                kept[i] = batch
+            bar.update()
+    check_capacity(summaries, args.capacity, args.dp, dp_name="replicas of --dp")
+    sources = [(i + 1, (lambda b=kept[i]: b) if i in kept else make) for i, (_, make) in enumerate(labelled)]
     base = args.baseline
     params = {"time_limit": args.time_limit, "seed": args.seed} if base else None
-    with tqdm(total=len(sources), desc=f"plan D={args.dp}", unit="step") as bar:
+    with progress(len(sources), f"plan D={args.dp}", "step") as bar:
         steps = plan_batches(sources, dp=args.dp, capacity=args.capacity, baseline=base, baseline_params=params, progress=bar)
     summary = summarize(steps, base)
 
@@ -70,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
               f"{summary[base]['compact_tokens']:,} ({base}); planning {summary['harts']['plan_seconds']:.2f} s vs "
               f"{summary[base]['plan_seconds']:.2f} s")
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump({"dp": args.dp, "capacity": args.capacity, "workload": args.workload, "seed": args.seed,
-                       "steps": steps, "summary": summary}, fh, indent=1)
+        write_json(args.json_out, {"dp": args.dp, "capacity": args.capacity, "workload": args.workload,
+                                   "seed": args.seed, "steps": steps, "summary": summary}, indent=1)
+        print(f"wrote {args.json_out}")
     if args.plot:
         plot(steps, base, args.plot)
     return 0

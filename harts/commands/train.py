@@ -2,43 +2,134 @@
 
 Single process by default; data parallel with ``torchrun --nproc-per-node D $(which harts) train``
 (gloo on CPU, NCCL on CUDA). ``--mode trajectory`` runs the baseline on the same plan.
+
+Before the first step, everything that could stop the run later is checked: the output paths
+(``--save``, ``--json``: writable, not overwriting without ``--overwrite``), the device, every
+step's batch (read once; each trajectory must fit ``--capacity``, and the error names the smallest
+capacity that fits every step), and the vocabulary the batches need against the model. Progress
+goes to stderr (steps, and microbatches within a step); stdout keeps the step lines and the table.
+
+Interruptions: SIGINT (Ctrl-C) and SIGTERM stop the run after the last *completed* step. A step
+interrupted while its gradients are being computed is discarded: only ``p.grad`` had changed, so
+the weights and the optimizer state are those after the previous step. A signal arriving during
+the update itself (clipping, optimizer step, expert-bias update; milliseconds) lets that step
+finish first. Then the completed steps' table is printed, ``--save`` gets those weights (written
+atomically, so a second Ctrl-C cannot leave half a checkpoint), ``--json`` gets the completed
+steps' logs with an ``interrupted`` entry, and the exit status is 130 (SIGINT) or 143 (SIGTERM).
+If no step completed, nothing is saved. A second signal aborts at once. (With torchrun every rank
+receives the signal; only rank 0 writes.)
 """
 
 from __future__ import annotations
 
 import argparse
 
-from harts.commands._inputs import add_model_arguments, add_workload_arguments
+from harts.commands._inputs import (
+    add_model_arguments,
+    add_output_arguments,
+    add_workload_arguments,
+    nonneg_float,
+    positive_float,
+    positive_int,
+)
 
 HELP = "GRPO training on rollout trees (compact execution; --mode trajectory for the baseline)."
+
+#: batches read by the checks before step 0 are kept for training up to this many tokens in all
+#: (above it, preset steps are generated again when they run; a file is read once either way)
+KEEP_TOKENS = 20_000_000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, default="tiny")
     add_model_arguments(p)
-    p.add_argument("--mode", default="compact", choices=["compact", "trajectory"])
-    p.add_argument("--capacity", type=int, default=65_536, help="microbatch capacity T (compact tokens)")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--mode", default="compact", choices=["compact", "trajectory"],
+                   help="compact (harts) or trajectory (the baseline, same plan)")
+    p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (compact tokens)")
+    p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="KL penalty coefficient (needs ref_logprobs)")
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
     p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
                    help="full attention: one call per branch (gather), one FlexAttention call over "
                         "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
     p.add_argument("--save", default=None, metavar="DIR",
-                   help="save the trained weights (a transformers checkpoint when --model was one, else harts.pt)")
-    p.add_argument("--json", dest="json_out", default=None)
+                   help="save the trained weights here (a transformers checkpoint when --model was one, "
+                        "else DIR/harts.pt); also on Ctrl-C / SIGTERM, after the last completed step")
+    add_output_arguments(p, what="the step logs")
+
+
+class _Interrupted(BaseException):
+    """Raised by the signal handler (a BaseException, so no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT/SIGTERM: raise ``_Interrupted`` while interruptible, else remember for later."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.interruptible = True
+        self._previous: dict[int, object] = {}
+
+    def handler(self, signum: int, frame: object) -> None:  # noqa: ARG002
+        if self.signum is None:
+            self.signum = signum
+            if self.interruptible:
+                raise _Interrupted(signum)
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self.handler)
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous.clear()
+
+    def check(self) -> None:
+        """Become interruptible; a signal that arrived while we were not is acted on now."""
+        self.interruptible = True
+        if self.signum is not None:
+            raise _Interrupted(self.signum)
+
+    def defer(self) -> None:
+        self.interruptible = False
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
+    signals = _Signals()
+    signals.install()
+    try:
+        return _run(args, signals)
+    finally:
+        signals.restore()
+
+
+def _run(args: argparse.Namespace, signals: _Signals) -> int:
     import os
+    import signal as signal_mod
+    import sys
 
     import torch
     import torch.distributed as dist
+    from tqdm import tqdm
 
-    from harts.commands._format import format_table
-    from harts.commands._inputs import build_model, workload_batches
-    from harts.models.loading import is_checkpoint
+    from harts.commands._inputs import (
+        build_model, check_capacity, check_device, check_output_dir, check_output_file, check_plannable,
+        needed_vocab, step_sources, summarize,
+    )
+    from harts.commands._progress import progress
+    from harts.errors import UserError
     from harts.rl.train import TrainConfig, train_step
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -48,49 +139,150 @@ def run(args: argparse.Namespace) -> int:
         if args.device == "cuda":
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     rank = dist.get_rank() if distributed else 0
-
-    batches = workload_batches(args)
-    first = next(batches)
-    vocab = max(int(first.tokens.max()) + 1, first.vocab_size or 0)
-    model = build_model(args, vocab)
-    cfg = TrainConfig(capacity=args.capacity, mode=args.mode, recompute=args.recompute,
-                      attention=args.attention, lr=args.lr, kl_coef=args.kl_coef,
-                      linear_attention_backend=args.la_backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    if rank == 0:
-        print(f"model {args.model}: {model.config.layer_pattern} x hidden {model.config.hidden_size}, "
-              f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; mode {args.mode}")
-    logs = []
-    step = 0
-    for batch in [first, *batches]:
-        log = train_step(model, optimizer, batch, cfg, step=step)
-        logs.append(log)
+    world = dist.get_world_size() if distributed else 1
+    logs: list = []
+    model = None
+    try:
+        # ---------------------------------------------------------- checks before step 0
         if rank == 0:
-            print(f"step {step}: loss {log.loss:+.5f}  grad-norm {log.grad_norm:.4f}  "
-                  f"{log.microbatches} microbatches  {log.train_seconds:.2f} s  "
-                  f"{log.tokens_per_second:,.0f} tok/s/rank", flush=True)
-        step += 1
+            check_output_dir(args.save, "--save", args.overwrite)
+            check_output_file(args.json_out, "--json", args.overwrite)
+        check_device(args.device)
+        sources = step_sources(args.workload, args.steps, args.seed)
+        summaries, kept, kept_tokens = [], {}, 0
+        with progress(len(sources), "checking inputs", "step", leave=False,
+                      disable=rank != 0 or len(sources) < 2) as bar:
+            for i, (label, make) in enumerate(sources):
+                batch = make()
+                st = summarize(i, label, batch)
+                summaries.append(st)
+                if world > 1 and st.longest_len <= args.capacity and st.trajectories >= world:
+                    check_plannable(batch, st, args.capacity, world)
+                if kept_tokens + batch.num_tokens <= KEEP_TOKENS:
+                    kept[i] = batch
+                    kept_tokens += batch.num_tokens
+                del batch
+                bar.update()
+        check_capacity(summaries, args.capacity, world)
+        vocab, where = needed_vocab(summaries)
+        model = build_model(args, vocab, where=where)
+        cfg = TrainConfig(capacity=args.capacity, mode=args.mode, recompute=args.recompute,
+                          attention=args.attention, lr=args.lr, kl_coef=args.kl_coef,
+                          linear_attention_backend=args.la_backend)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        if rank == 0:
+            print(f"model {args.model}: {model.config.layer_pattern} x hidden {model.config.hidden_size}, "
+                  f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; mode {args.mode}",
+                  flush=True)
+
+        # ------------------------------------------------------------------ training
+        steps_bar = progress(len(sources), "train", "step", disable=rank != 0)
+        try:
+            for i, (_, make) in enumerate(sources):
+                signals.check()
+                batch = kept.pop(i) if i in kept else make()
+                mb_bar = progress(None, f"step {i}", "mb", leave=False, position=1, disable=rank != 0)
+
+                def on_progress(done: int, total: int, bar=mb_bar) -> None:  # noqa: ANN001
+                    bar.total = total
+                    bar.update(done - bar.n)
+
+                try:
+                    log = train_step(model, optimizer, batch, cfg, step=i, progress=on_progress,
+                                     on_update=signals.defer)
+                finally:
+                    mb_bar.close()
+                logs.append(log)
+                if rank == 0:
+                    tqdm.write(f"step {i}: loss {log.loss:+.5f}  grad-norm {log.grad_norm:.4f}  "
+                               f"{log.microbatches} microbatches  {log.train_seconds:.2f} s  "
+                               f"{log.tokens_per_second:,.0f} tok/s/rank", file=sys.stdout)
+                    sys.stdout.flush()
+                steps_bar.update()
+            signals.check()  # a signal during the last update
+        finally:
+            steps_bar.close()
+    except (_Interrupted, Exception) as err:
+        if isinstance(err, _Interrupted):
+            signum = err.signum
+        elif signals.signum is not None and not isinstance(err, UserError):
+            signum = signals.signum  # the interrupt surfaced through torch as another exception
+        else:
+            raise
+        signals.restore()  # a second signal aborts at once
+        name = signal_mod.Signals(signum).name
+        if rank == 0:
+            done = f"after step {len(logs) - 1}" if logs else "before the first step completed"
+            print(f"harts: interrupted by {name} {done}", file=sys.stderr, flush=True)
+            _finish(args, model if logs else None, logs, world, interrupted=name)
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+        return 128 + signum
     if rank == 0:
+        _finish(args, model, logs, world, interrupted=None)
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+def _finish(args: argparse.Namespace, model, logs: list, world: int, *, interrupted: str | None) -> None:  # noqa: ANN001
+    """Table, then the checkpoint, then the JSON (a JSON failure cannot lose the checkpoint)."""
+    import sys
+
+    from harts.commands._format import format_table
+    from harts.commands._inputs import write_json
+    from harts.errors import OutputPathError
+
+    if logs:
         rows = [[l.step, l.paths, l.raw_tokens, l.microbatches, l.rank_rows, l.rank_calls, l.rank_replay_rows,
                  f"{l.loss:+.5f}", f"{l.grad_norm:.4f}", f"{l.plan_seconds:.3f}", f"{l.prepare_seconds:.3f}",
                  f"{l.train_seconds:.3f}"] for l in logs]
         print(format_table(["step", "paths", "raw tok", "mbs", "rows", "calls", "replay", "loss", "|g|",
-                            "plan s", "prepare s", "train s"], rows))
-        if args.json_out:
-            with open(args.json_out, "w") as fh:
-                json.dump({"mode": args.mode, "model": args.model, "world_size": dist.get_world_size() if distributed else 1,
-                           "steps": [l.to_dict() for l in logs]}, fh, indent=2)
-            print(f"wrote {args.json_out}")
-        if args.save:
-            os.makedirs(args.save, exist_ok=True)
-            if is_checkpoint(args.model):
-                from harts.integrations.hf import save_hf_checkpoint
+                            "plan s", "prepare s", "train s"], rows), flush=True)
+    save_error = None
+    if args.save:
+        if model is None:
+            print(f"nothing saved to {args.save}: no step completed", file=sys.stderr)
+        else:
+            try:
+                save_model(model, args.model, args.save)
+                print(f"saved to {args.save}" + (f" (weights after step {logs[-1].step})" if interrupted else ""))
+            except OSError as err:
+                save_error = OutputPathError(f"--save {args.save}: cannot write the weights ({err.strerror or err})")
+    if args.json_out:
+        record = {"mode": args.mode, "model": args.model, "world_size": world,
+                  "steps": [l.to_dict() for l in logs]}
+        if interrupted:
+            record["interrupted"] = {"signal": interrupted, "completed_steps": len(logs)}
+        write_json(args.json_out, record)
+        print(f"wrote {args.json_out}")
+    if save_error is not None:
+        raise save_error
 
-                save_hf_checkpoint(model, args.save)
-            else:
-                torch.save({"config": model.config.__dict__, "state_dict": model.state_dict()},
-                           os.path.join(args.save, "harts.pt"))
-            print(f"saved to {args.save}")
-    if distributed:
-        dist.destroy_process_group()
-    return 0
+
+def save_model(model, spec: str, out: str) -> None:  # noqa: ANN001
+    """What ``--save`` writes: a transformers checkpoint when ``spec`` was one, else ``out/harts.pt``
+    (``{"config": ..., "state_dict": ...}``). Files appear atomically (written aside, then renamed)."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+
+    from harts.commands._inputs import write_atomic
+    from harts.models.loading import is_checkpoint
+
+    os.makedirs(out, exist_ok=True)
+    if is_checkpoint(spec):
+        from harts.integrations.hf import save_hf_checkpoint
+
+        tmp = tempfile.mkdtemp(prefix=".harts-save-", dir=out)
+        try:
+            save_hf_checkpoint(model, tmp)
+            for name in sorted(os.listdir(tmp)):
+                os.replace(os.path.join(tmp, name), os.path.join(out, name))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        state = {"config": model.config.__dict__, "state_dict": model.state_dict()}
+        write_atomic(os.path.join(out, "harts.pt"), lambda p: torch.save(state, p))

@@ -11,7 +11,11 @@ Used by ``harts compare`` and the model tests. (Lives in rl/ because it needs th
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,12 +43,42 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null for the block.
+
+    The torch profiler's kineto backend logs ``USDT: ... profiler_start`` / ``profiler_stop``
+    from C++ straight to fd 2 (no log level or environment variable turns it off), which would
+    interleave with the command's progress and output. Python-level writes to ``sys.stderr``
+    are flushed first; nothing of ours runs inside the block.
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield  # no usable fd 2 (embedded interpreters): nothing to silence
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _peak_cpu_bytes(fn) -> int:  # noqa: ANN001
     """Peak of live CPU tensor bytes while ``fn()`` runs (profiler alloc/free events in order)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
         fn()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     cur = peak = 0
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
         cur += e.self_cpu_memory_usage
@@ -65,12 +99,15 @@ def run_step(
     clip_eps: float = 0.2,
     kl_coef: float = 0.0,
     linear_attention_backend: str = "reference",
+    on_phase: Callable[[str], None] | None = None,
 ) -> StepResult:
     """Forward + GRPO loss + MoE objective + backward; returns detached results and timing.
 
     ``warmup`` untimed steps run first. On CPU with ``measure_memory``, one more (profiled)
     step measures peak live tensor bytes; the gradients reported are the timed step's.
     ``linear_attention_backend``: "reference", "fla" or "auto" (see ``HybridLM.forward``).
+    ``on_phase(name)`` is called as each phase ends: "warmup" (after all warmup steps), "timed",
+    and "memory" (the profiled CPU pass, when it runs).
     """
     batch = inputs.batch if isinstance(inputs, CompactInputs) else inputs
     cfg = model.config
@@ -89,6 +126,8 @@ def run_step(
     for _ in range(warmup):
         step()
         holder.clear()
+    if warmup and on_phase is not None:
+        on_phase("warmup")
     model.zero_grad(set_to_none=True)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -98,6 +137,8 @@ def run_step(
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
+    if on_phase is not None:
+        on_phase("timed")
     out, loss_value = holder["out"], float(holder["loss"].detach())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if dev.type == "cuda":
@@ -106,6 +147,8 @@ def run_step(
         holder.clear()
         model.zero_grad(set_to_none=True)
         peak = _peak_cpu_bytes(step)
+        if on_phase is not None:
+            on_phase("memory")
     else:
         peak = 0
     moe = out.moe_losses

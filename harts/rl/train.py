@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
+from harts.errors import CapacityError, UserError
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 
-__all__ = ["TrainConfig", "StepLog", "accumulate_step_gradients", "train", "train_step"]
+__all__ = ["TrainConfig", "StepLog", "accumulate_step_gradients", "check_capacity", "train", "train_step"]
 
 
 @dataclass(kw_only=True)
@@ -104,17 +105,45 @@ class _Accumulated:
     prepare_seconds: float
 
 
-def accumulate_step_gradients(model: HybridLM, batch: RolloutBatch, cfg: TrainConfig) -> _Accumulated:
+def check_capacity(batch: RolloutBatch, capacity: int, *, step: int | None = None) -> None:
+    """Every trajectory of ``batch`` fits ``capacity``; else ``CapacityError`` naming the longest
+    trajectory and the smallest capacity that fits (a trajectory is never split)."""
+    lengths = batch.lengths
+    j = int(lengths.argmax())
+    if int(lengths[j]) > capacity:
+        at = f"step {step}: " if step is not None else ""
+        raise CapacityError(
+            f"{at}trajectory {j} has {int(lengths[j]):,} tokens, more than capacity={capacity:,} "
+            f"(a trajectory is never split across microbatches); capacity={int(lengths[j])} is the "
+            "smallest that fits this batch"
+        )
+
+
+def accumulate_step_gradients(
+    model: HybridLM,
+    batch: RolloutBatch,
+    cfg: TrainConfig,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> _Accumulated:
     """Steps 1-3 of the module docstring: afterwards every ``p.grad`` holds the gradient of
-    the whole step's loss (summed over this rank's microbatches and across ranks)."""
+    the whole step's loss (summed over this rank's microbatches and across ranks).
+
+    ``progress(done, total)`` is called once the step is planned (``done = 0``) and after each of
+    this rank's microbatches. Only ``p.grad`` changes here, so interrupting this function leaves
+    the weights and the optimizer state as they were (the next ``zero_grad`` discards the rest).
+    """
     rank, world = _world()
     if cfg.on_policy:
         batch = replace(batch, old_logprobs=None, ref_logprobs=None)
     kl = cfg.kl_coef if batch.ref_logprobs is not None else 0.0
+    check_capacity(batch, cfg.capacity)
     t0 = time.perf_counter()
     plan = plan_step(batch, dp=world, capacity=cfg.capacity)
     plan_seconds = time.perf_counter() - t0
     mine = sorted((k for k in range(len(plan.microbatches)) if plan.replica[k] == rank), key=lambda k: plan.slot[k])
+    if progress is not None:
+        progress(0, len(mine))
     normalizer = grpo_normalizer(batch, cfg.reduction)
     z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
 
@@ -122,7 +151,7 @@ def accumulate_step_gradients(model: HybridLM, batch: RolloutBatch, cfg: TrainCo
     counts_sum = None
     rows = calls = replay = 0
     prepare_seconds = 0.0
-    for k in mine:
+    for done, k in enumerate(mine, start=1):
         sub = batch.select(plan.microbatches[k])
         tp = time.perf_counter()
         inputs = model.prepare_compact(sub) if cfg.mode == "compact" else sub
@@ -143,6 +172,8 @@ def accumulate_step_gradients(model: HybridLM, batch: RolloutBatch, cfg: TrainCo
         rows += int(out.info["rows"])
         calls += int(out.info["calls"])
         replay += int(out.info["replay_rows"])
+        if progress is not None:
+            progress(done, len(mine))
 
     if world > 1:
         device = model.embed_tokens.weight.device
@@ -176,12 +207,23 @@ def train_step(
     cfg: TrainConfig,
     *,
     step: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    on_update: Callable[[], None] | None = None,
 ) -> StepLog:
-    """One optimizer update on ``batch`` (see the module docstring)."""
+    """One optimizer update on ``batch`` (see the module docstring).
+
+    ``progress(done, total)`` follows this rank's microbatches (see
+    ``accumulate_step_gradients``). ``on_update()`` is called when the gradients are complete,
+    right before the weights change (clipping, optimizer step, expert-bias update): until then
+    the step can be abandoned with the model and optimizer untouched; from then on it should
+    run to the end (``harts train`` stops taking interrupts there).
+    """
     _, world = _world()
     optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    acc = accumulate_step_gradients(model, batch, cfg)
+    acc = accumulate_step_gradients(model, batch, cfg, progress=progress)
+    if on_update is not None:
+        on_update()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     if acc.expert_counts is not None and cfg.expert_bias_rate:
@@ -218,9 +260,16 @@ def train(
     optimizer: torch.optim.Optimizer | None = None,
     on_step: Callable[[StepLog], None] | None = None,
 ) -> list[StepLog]:
-    """Run ``train_step`` over ``batches``; returns the logs (``on_step`` sees each as it ends)."""
+    """Run ``train_step`` over ``batches``; returns the logs (``on_step`` sees each as it ends).
+
+    ``batches`` may be a lazy iterable; give a list to have every step checked against
+    ``cfg.capacity`` before the first one runs.
+    """
     if cfg.mode not in ("compact", "trajectory"):
-        raise ValueError(f"mode must be 'compact' or 'trajectory', got {cfg.mode!r}")
+        raise UserError(f"mode must be 'compact' or 'trajectory', got {cfg.mode!r}")
+    if isinstance(batches, (list, tuple)):
+        for i, b in enumerate(batches):
+            check_capacity(b, cfg.capacity, step=i)
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     logs = []
