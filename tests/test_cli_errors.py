@@ -1,0 +1,192 @@
+"""Every command survives bad input: one clear ``harts: error:`` line and exit 2, checked before any
+work starts, never a traceback; unexpected exceptions keep theirs (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import harts
+from harts.cli import build_parser, main
+from harts.errors import UserError
+from harts.tree.workloads import generate
+
+TRAIN_FAST = ["train", "--workload", "tiny", "--steps", "1", "--pattern", "KM"]
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exit_:  # argparse errors
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def assert_user_error(capsys, *argv, match: str) -> str:
+    code, out, err = run(capsys, *argv)
+    assert code == 2, (out, err)
+    assert match in err, err
+    assert "step 0:" not in out  # nothing ran
+    return err
+
+
+# ---------------------------------------------------------------- option values
+@pytest.mark.parametrize("argv, match", [
+    (["train", "--steps", "0"], "argument --steps: must be a positive integer"),
+    (["train", "--seed", "-1"], "argument --seed: must be a non-negative integer"),
+    (["train", "--capacity", "0"], "argument --capacity: must be a positive integer"),
+    (["train", "--lr", "nan"], "argument --lr: must be a finite number > 0"),
+    (["stats", "--workload", "tiny", "--chunk-size", "-4"], "argument --chunk-size: must be a positive integer"),
+    (["stats", "--workload", "tiny", "--chunk-size", "0"], "argument --chunk-size: must be a positive integer"),
+    (["plan", "--workload", "tiny", "--dp", "0"], "argument --dp: must be a positive integer"),
+    (["compare", "--threads", "-2"], "argument --threads: must be a non-negative integer"),
+])
+def test_bad_option_values_name_the_option(capsys, argv, match):
+    assert_user_error(capsys, *argv, match=match)
+
+
+def test_every_command_takes_json_file_and_help_shows_defaults(capsys):
+    parser = build_parser()
+    positional = {"calls": ["t.json"], "convert": ["ckpt"]}
+    commands = parser._subparsers._group_actions[0].choices
+    assert set(commands) >= {"stats", "calls", "plan", "compare", "bench", "train", "convert"}
+    for name in commands:
+        args = parser.parse_args([name, *positional.get(name, []), "--json", "out.json"])
+        assert args.json_out == "out.json", name
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 65536)" in text and "(default: tiny)" in text and "(default: cpu)" in text
+
+
+# ------------------------------------------------------------ checks before work
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device(capsys):
+    assert_user_error(capsys, *TRAIN_FAST, "--device", "cuda", match="--device cuda: ")
+    assert_user_error(capsys, "compare", "--device", "cuda:3", match="--device cuda:3: ")
+    assert_user_error(capsys, *TRAIN_FAST, "--device", "potato", match="'potato' is not a device name")
+
+
+def test_save_paths_are_checked_before_training(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert_user_error(capsys, *TRAIN_FAST, "--save", afile, match="exists and is not a directory")
+    assert_user_error(capsys, *TRAIN_FAST, "--save", afile / "sub", match=f"{afile} is a file, not a directory")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "harts.pt").write_text("old")
+    assert_user_error(capsys, *TRAIN_FAST, "--save", full, match="pass --overwrite")
+    assert_user_error(capsys, *TRAIN_FAST, "--json", afile, match="exists; pass --overwrite")
+    assert_user_error(capsys, "stats", "--workload", "tiny", "--json", tmp_path, match="is a directory")
+    assert (full / "harts.pt").read_text() == "old" and afile.read_text() == "x"
+
+
+def test_json_into_missing_directory_keeps_the_checkpoint(tmp_path, capsys):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "new" / "dir" / "log.json"
+    code, out, _ = run(capsys, *TRAIN_FAST, "--save", ckpt, "--json", log)
+    assert code == 0
+    assert json.loads(log.read_text())["steps"][0]["step"] == 0
+    state = torch.load(ckpt / "harts.pt", weights_only=False)
+    assert "state_dict" in state
+    # --overwrite replaces both
+    code, _, _ = run(capsys, *TRAIN_FAST, "--save", ckpt, "--json", log, "--overwrite")
+    assert code == 0
+
+
+def test_huge_token_id_is_refused_before_allocating(tmp_path, capsys):
+    path = tmp_path / "b.jsonl"
+    path.write_text(json.dumps({"tokens": [1, 2_000_000_000], "advantages": 1.0}) + "\n"
+                    + json.dumps({"tokens": [1, 2], "advantages": -1.0}) + "\n")
+    err = assert_user_error(capsys, "train", "--workload", path, match="needs vocab_size >= 2,000,000,001")
+    assert "token id 2,000,000,000" in err and "trajectory 0, position 1" in err and "GiB" in err
+    assert_user_error(capsys, "compare", "--workload", path, match="needs vocab_size >= 2,000,000,001")
+
+
+def _seed_where_step1_is_longer() -> tuple[int, int, int]:
+    for seed in range(50):
+        a, b = (int(generate("tiny", step=s, seed=seed).lengths.max()) for s in (0, 1))
+        if b > a:
+            return seed, a, b
+    pytest.skip("no seed with a longer step 1")
+
+
+def test_capacity_of_every_step_is_checked_before_step_0(capsys):
+    seed, first, second = _seed_where_step1_is_longer()
+    err = assert_user_error(capsys, "train", "--workload", "tiny", "--seed", seed, "--capacity", first,
+                            match="step 1 (tiny[1]): trajectory")
+    assert f"more than --capacity {first:,}" in err
+    assert f"the smallest capacity that fits every step is --capacity {second}" in err
+    # and that suggestion does fit
+    code, out, _ = run(capsys, "train", "--workload", "tiny", "--seed", seed, "--capacity", second, "--pattern", "KM")
+    assert code == 0 and "step 1:" in out
+
+
+def test_plan_capacity_and_dp_are_checked(capsys):
+    assert_user_error(capsys, "plan", "--workload", "tiny", "--capacity", "100", match="--capacity 222")
+    assert_user_error(capsys, "plan", "--workload", "tiny", "--dp", "40", match="fewer than the 40 replicas of --dp")
+
+
+def test_calls_json_file(tmp_path, capsys):
+    tree = tmp_path / "t.json"
+    tree.write_text(json.dumps({"segments": [{"id": "R", "tokens": 70, "parent": None},
+                                             {"id": "a", "tokens": 2, "parent": "R"},
+                                             {"id": "b", "tokens": 2, "parent": "R"}]}))
+    code, out, _ = run(capsys, "calls", tree, "--json", tmp_path / "plan.json")
+    assert code == 0 and "calls: 2" in out
+    assert json.loads((tmp_path / "plan.json").read_text())["calls"] == 2
+
+
+def test_missing_inputs(tmp_path, capsys):
+    assert_user_error(capsys, "stats", tmp_path / "nope.jsonl", match="no such batch file")
+    assert_user_error(capsys, "calls", tmp_path / "nope.json", match="no such file")
+    assert_user_error(capsys, "train", "--workload", tmp_path / "nope.parquet", match="no such batch file")
+    assert_user_error(capsys, "convert", tmp_path / "nope", match="does not exist")
+    assert_user_error(capsys, "train", "--model", "gigantic", "--steps", "1", match="--model 'gigantic'")
+    assert_user_error(capsys, "stats", "--workload", "nope", match="not a preset")
+
+
+# --------------------------------------------------------------- the error path
+def test_user_error_one_line_debug_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch, capsys):
+    import harts.commands.stats as stats
+
+    def boom(args):  # noqa: ANN001
+        raise UserError("the item and the fix")
+
+    monkeypatch.setattr(stats, "run", boom)
+    monkeypatch.delenv("HARTS_DEBUG", raising=False)
+    code = main(["stats"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == "harts: error: the item and the fix\n"
+    monkeypatch.setenv("HARTS_DEBUG", "1")
+    assert main(["stats"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.endswith("harts: error: the item and the fix\n")
+
+    def bug(args):  # noqa: ANN001
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setattr(stats, "run", bug)
+    with pytest.raises(KeyError):
+        main(["stats"])
+
+
+def test_console_script_exit_codes(tmp_path):
+    """Through the real entry point: exit 2 and one line for a user error."""
+    code = "import sys; from harts.cli import main; sys.exit(main())"
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"tokens": [1, 2], "advantages": "high"}\n')
+    out = subprocess.run([sys.executable, "-c", code, "stats", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr == (f"harts: error: {bad}: trajectory 0 (line 1): advantages must be a number or a list "
+                          "of numbers (one per token), got string 'high'\n")
+
+
+def test_user_errors_are_value_errors():
+    assert issubclass(harts.UserError, ValueError) and issubclass(harts.BatchValidationError, harts.UserError)
+    assert issubclass(harts.CapacityError, harts.UserError) and issubclass(harts.TreeFileError, harts.UserError)
