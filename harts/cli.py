@@ -67,8 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
     for name, mod in _command_modules().items():
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=HelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _typed_errors=getattr(mod, "TYPED_ERRORS", False))
     return parser
+
+
+def _prepare_json_output(args: argparse.Namespace) -> None:
+    """Before any command runs: ``--json FILE`` must be writable (and, for commands with
+    ``--overwrite``, not an existing file without it); its missing directories are created."""
+    path = getattr(args, "json_out", None)
+    if not path or path == "-":
+        return
+    from harts.commands._inputs import check_output_file
+
+    check_output_file(path, "--json", getattr(args, "overwrite", True))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,23 +90,33 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        _prepare_json_output(args)
         return int(args._run(args) or 0)
-    except UserError as err:
-        # user-facing errors (bad files, bad options) are one clear line, not a traceback
-        if debug_enabled():
-            traceback.print_exc()
-        print(f"harts: error: {err}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:
+        # output piped into `head` and closed early: not an error of ours
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         if debug_enabled():
             traceback.print_exc()
         print(f"harts: {args.command} interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # output piped into `head` and closed early: not an error of ours
-        sys.stderr.close()
-        return 0
+    except Exception as err:
+        if not _is_user_error(err, args):
+            raise  # a bug of ours: keep the traceback (exit status 1)
+        # user-facing errors (bad files, bad options) are one clear line, not a traceback
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"harts: error: {err}", file=sys.stderr)
+        return 2
 
+
+def _is_user_error(err: Exception, args: argparse.Namespace) -> bool:
+    """A ``UserError``; for commands that predate ``harts.errors`` (no ``TYPED_ERRORS = True``
+    in their module, e.g. ``bench``), also any ``ValueError`` / ``FileNotFoundError``, as before."""
+    if isinstance(err, UserError):
+        return True
+    return not args._typed_errors and isinstance(err, (ValueError, FileNotFoundError))
 
 if __name__ == "__main__":
     sys.exit(main())

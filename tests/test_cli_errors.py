@@ -87,6 +87,15 @@ def test_save_paths_are_checked_before_training(tmp_path, capsys):
     assert (full / "harts.pt").read_text() == "old" and afile.read_text() == "x"
 
 
+def test_json_output_is_checked_before_any_command_runs(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    # bench predates the typed errors; the --json check still runs before it does any work
+    assert_user_error(capsys, "bench", "--workload", "tiny", "--json", tmp_path, match="is a directory")
+    assert_user_error(capsys, "convert", tmp_path, "--json", afile / "r.json", match="is a file, not a directory")
+    assert_user_error(capsys, "plan", "--workload", "tiny", "--json", afile, match="exists; pass --overwrite")
+
+
 def test_json_into_missing_directory_keeps_the_checkpoint(tmp_path, capsys):
     ckpt, log = tmp_path / "ckpt", tmp_path / "new" / "dir" / "log.json"
     code, out, _ = run(capsys, *TRAIN_FAST, "--save", ckpt, "--json", log)

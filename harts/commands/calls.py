@@ -10,6 +10,9 @@ import argparse
 
 from harts.commands._inputs import positive_int
 
+#: every user error here is a harts.errors.UserError (see harts.cli)
+TYPED_ERRORS = True
+
 HELP = "Plan minimum-call chunkwise linear-attention rounds for a TREE.json or a rollout batch file"
 
 

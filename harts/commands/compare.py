@@ -12,6 +12,9 @@ import argparse
 
 from harts.commands._inputs import add_output_arguments, nonneg_int, seed_int
 
+#: every user error here is a harts.errors.UserError (see harts.cli)
+TYPED_ERRORS = True
+
 HELP = "Run a batch through the model trajectory-wise and compactly; print agreement, time and memory."
 
 

@@ -12,6 +12,9 @@ import argparse
 
 from harts.commands._inputs import add_output_arguments, nonneg_int
 
+#: every user error here is a harts.errors.UserError (see harts.cli)
+TYPED_ERRORS = True
+
 HELP = "Report architecture, layer pattern, parameters and tensor coverage of a transformers checkpoint."
 
 

@@ -6,6 +6,9 @@ import argparse
 
 from harts.commands._inputs import add_output_arguments, positive_float, positive_int, seed_int
 
+#: every user error here is a harts.errors.UserError (see harts.cli)
+TYPED_ERRORS = True
+
 HELP = "Prefix-aware step planning (paper Tables 2-3): compact work, planning time, DP imbalance."
 
 

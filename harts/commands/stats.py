@@ -6,6 +6,9 @@ import argparse
 
 from harts.commands._inputs import add_output_arguments, positive_int, seed_int
 
+#: every user error here is a harts.errors.UserError (see harts.cli)
+TYPED_ERRORS = True
+
 HELP = "Print paths, raw/compact tokens, compression, forks and depth for a batch or workload."
 
 

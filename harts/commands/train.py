@@ -23,6 +23,8 @@ receives the signal; only rank 0 writes.)
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 from harts.commands._inputs import (
     add_model_arguments,
@@ -32,6 +34,9 @@ from harts.commands._inputs import (
     positive_float,
     positive_int,
 )
+
+#: every user error here is a harts.errors.UserError (see harts.cli)
+TYPED_ERRORS = True
 
 HELP = "GRPO training on rollout trees (compact execution; --mode trajectory for the baseline)."
 
@@ -67,11 +72,17 @@ class _Interrupted(BaseException):
 
 
 class _Signals:
-    """SIGINT/SIGTERM: raise ``_Interrupted`` while interruptible, else remember for later."""
+    """SIGINT/SIGTERM: raise ``_Interrupted`` inside a ``window()``, else remember for later.
+
+    Outside the windows (progress-bar bookkeeping, printing, the optimizer update, saving) a
+    signal is only recorded and acted on when the next window opens, so it never lands halfway
+    through a tqdm call or a weight update. The windows cover the slow parts: reading and
+    checking the steps, building the model, and computing each step's gradients.
+    """
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.interruptible = True
+        self.interruptible = False
         self._previous: dict[int, object] = {}
 
     def handler(self, signum: int, frame: object) -> None:  # noqa: ARG002
@@ -104,6 +115,15 @@ class _Signals:
 
     def defer(self) -> None:
         self.interruptible = False
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[None]:
+        """Interruptible inside the block (a signal recorded earlier is raised on entry)."""
+        self.check()
+        try:
+            yield
+        finally:
+            self.interruptible = False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,32 +164,35 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     model = None
     try:
         # ---------------------------------------------------------- checks before step 0
-        if rank == 0:
-            check_output_dir(args.save, "--save", args.overwrite)
-            check_output_file(args.json_out, "--json", args.overwrite)
-        check_device(args.device)
-        sources = step_sources(args.workload, args.steps, args.seed)
+        with signals.window():
+            if rank == 0:
+                check_output_dir(args.save, "--save", args.overwrite)
+                check_output_file(args.json_out, "--json", args.overwrite)
+            check_device(args.device)
+            sources = step_sources(args.workload, args.steps, args.seed)
         summaries, kept, kept_tokens = [], {}, 0
         with progress(len(sources), "checking inputs", "step", leave=False,
                       disable=rank != 0 or len(sources) < 2) as bar:
             for i, (label, make) in enumerate(sources):
-                batch = make()
-                st = summarize(i, label, batch)
-                summaries.append(st)
-                if world > 1 and st.longest_len <= args.capacity and st.trajectories >= world:
-                    check_plannable(batch, st, args.capacity, world)
-                if kept_tokens + batch.num_tokens <= KEEP_TOKENS:
-                    kept[i] = batch
-                    kept_tokens += batch.num_tokens
-                del batch
+                with signals.window():
+                    batch = make()
+                    st = summarize(i, label, batch)
+                    summaries.append(st)
+                    if world > 1 and st.longest_len <= args.capacity and st.trajectories >= world:
+                        check_plannable(batch, st, args.capacity, world)
+                    if kept_tokens + batch.num_tokens <= KEEP_TOKENS:
+                        kept[i] = batch
+                        kept_tokens += batch.num_tokens
+                    del batch
                 bar.update()
-        check_capacity(summaries, args.capacity, world)
-        vocab, where = needed_vocab(summaries)
-        model = build_model(args, vocab, where=where)
-        cfg = TrainConfig(capacity=args.capacity, mode=args.mode, recompute=args.recompute,
-                          attention=args.attention, lr=args.lr, kl_coef=args.kl_coef,
-                          linear_attention_backend=args.la_backend)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        with signals.window():
+            check_capacity(summaries, args.capacity, world)
+            vocab, where = needed_vocab(summaries)
+            model = build_model(args, vocab, where=where)
+            cfg = TrainConfig(capacity=args.capacity, mode=args.mode, recompute=args.recompute,
+                              attention=args.attention, lr=args.lr, kl_coef=args.kl_coef,
+                              linear_attention_backend=args.la_backend)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         if rank == 0:
             print(f"model {args.model}: {model.config.layer_pattern} x hidden {model.config.hidden_size}, "
                   f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; mode {args.mode}",
@@ -179,17 +202,20 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
         steps_bar = progress(len(sources), "train", "step", disable=rank != 0)
         try:
             for i, (_, make) in enumerate(sources):
-                signals.check()
-                batch = kept.pop(i) if i in kept else make()
                 mb_bar = progress(None, f"step {i}", "mb", leave=False, position=1, disable=rank != 0)
 
                 def on_progress(done: int, total: int, bar=mb_bar) -> None:  # noqa: ANN001
+                    signals.defer()  # not inside tqdm
                     bar.total = total
                     bar.update(done - bar.n)
+                    signals.check()
 
                 try:
-                    log = train_step(model, optimizer, batch, cfg, step=i, progress=on_progress,
-                                     on_update=signals.defer)
+                    with signals.window():
+                        batch = kept.pop(i) if i in kept else make()
+                        # on_update closes the window before the weights change
+                        log = train_step(model, optimizer, batch, cfg, step=i, progress=on_progress,
+                                         on_update=signals.defer)
                 finally:
                     mb_bar.close()
                 logs.append(log)
@@ -199,7 +225,8 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                                f"{log.tokens_per_second:,.0f} tok/s/rank", file=sys.stdout)
                     sys.stdout.flush()
                 steps_bar.update()
-            signals.check()  # a signal during the last update
+            with signals.window():
+                pass  # a signal during the last step's update or bookkeeping
         finally:
             steps_bar.close()
     except (_Interrupted, Exception) as err:

@@ -18,7 +18,7 @@ tree_id        int          (optional)     rollout tree the trajectory came from
 
 JSONL may start with a header line ``{"format": "harts.rollout_batch", "version": 1,
 "vocab_size": V}`` (the first non-blank line only); Parquet keeps the same keys in the schema
-metadata. Only version 1 exists. Optional fields are all-or-nothing across trajectories (a file
+metadata (where keys of other tools, e.g. pandas', are left alone). Only version 1 exists. Optional fields are all-or-nothing across trajectories (a file
 where only some trajectories carry ``old_logprobs`` is rejected, naming the first one without);
 ``null`` (a Parquet null) means the field is absent. ``advantages`` may be a number in one record
 and a list in another. ``save`` writes per-token advantages, so ``load(save(b))`` reproduces ``b``
