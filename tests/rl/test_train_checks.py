@@ -1,0 +1,40 @@
+"""The training loop's checks and hooks: capacity of every step before step 0, microbatch progress,
+and the point after which a step is no longer abandoned (``on_update``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harts import CapacityError, HybridConfig, HybridLM
+from harts.rl.train import TrainConfig, train, train_step
+from harts.tree.workloads import generate
+
+
+def _model() -> HybridLM:
+    torch.manual_seed(0)
+    return HybridLM(HybridConfig.tiny(dtype="float64", vocab_size=256, num_experts=0, layer_pattern="KM"))
+
+
+def test_train_checks_every_step_before_the_first():
+    short = generate("tiny", step=1, seed=0)
+    long = generate("tiny", step=0, seed=0)
+    assert int(long.lengths.max()) > int(short.lengths.max())
+    capacity = int(short.lengths.max())
+    model = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CapacityError, match=rf"step 1: trajectory \d+ has .* capacity={int(long.lengths.max())} is the smallest"):
+        train(model, [short, long], TrainConfig(capacity=capacity))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # step 0 never ran
+
+
+def test_train_step_reports_microbatches_then_update():
+    batch = generate("tiny", step=0, seed=2)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    events: list = []
+    log = train_step(model, opt, batch, TrainConfig(capacity=300), progress=lambda d, t: events.append((d, t)),
+                     on_update=lambda: events.append("update"))
+    total = log.rank_microbatches
+    assert total > 2
+    assert events == [(d, total) for d in range(total + 1)] + ["update"]
