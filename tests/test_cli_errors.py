@@ -71,6 +71,8 @@ def test_unavailable_device(capsys):
     assert_user_error(capsys, *TRAIN_FAST, "--device", "cuda", match="--device cuda: ")
     assert_user_error(capsys, "compare", "--device", "cuda:3", match="--device cuda:3: ")
     assert_user_error(capsys, *TRAIN_FAST, "--device", "potato", match="'potato' is not a device name")
+    assert_user_error(capsys, *TRAIN_FAST, "--la-backend", "fla", match="--la-backend fla on --device cpu: ")
+    assert_user_error(capsys, *TRAIN_FAST, "--pattern", "XYZ", match="layer_pattern 'XYZ'")
 
 
 def test_save_paths_are_checked_before_training(tmp_path, capsys):

@@ -263,6 +263,19 @@ def check_device(spec: str) -> None:
     raise UserError(f"--device {spec}: not available here; use cpu or cuda")
 
 
+def check_la_backend(backend: str, device: str) -> None:
+    """``--la-backend`` can run on ``--device`` (fla needs CUDA and fla-core)."""
+    import torch
+
+    from harts.ops.linear_attn.dispatch import linear_attn_op
+
+    try:
+        linear_attn_op(backend, torch.device(device))
+    except ValueError as err:
+        raise UserError(f"--la-backend {backend} on --device {device}: {err}; use --la-backend reference "
+                        "(any device) or auto") from None
+
+
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 
 
@@ -330,6 +343,7 @@ def build_model(args: argparse.Namespace, vocab_size: int, *, where: str | None 
     from harts.models.loading import load_model
 
     check_device(args.device)
+    check_la_backend(getattr(args, "la_backend", "reference"), args.device)
     check_vocab(args, vocab_size, where, training=training)
     if args.threads < 0:
         raise UserError(f"--threads must be >= 0, got {args.threads}")
