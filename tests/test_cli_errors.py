@@ -138,9 +138,15 @@ def test_capacity_of_every_step_is_checked_before_step_0(capsys):
     assert code == 0 and "step 1:" in out
 
 
-def test_plan_capacity_and_dp_are_checked(capsys):
+def test_plan_capacity_and_dp_are_checked(tmp_path, capsys):
     assert_user_error(capsys, "plan", "--workload", "tiny", "--capacity", "100", match="--capacity 222")
     assert_user_error(capsys, "plan", "--workload", "tiny", "--dp", "40", match="fewer than the 40 replicas of --dp")
+    # 5 unshared trajectories of 100 tokens at T = 100 need 8 microbatches for D = 4, but only 4 can be filled
+    path = tmp_path / "five.jsonl"
+    harts.RolloutBatch.from_trajectories([[j * 100 + i + 1 for i in range(100)] for j in range(5)],
+                                         advantages=[1.0] * 5).save(path)
+    assert_user_error(capsys, "plan", path, "--dp", "4", "--capacity", "100",
+                      match=f"step 0 ({path}): capacity=100 is too small")
 
 
 def test_calls_json_file(tmp_path, capsys):

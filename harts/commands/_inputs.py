@@ -221,6 +221,9 @@ def check_plannable(batch: Any, summary: StepSummary, capacity: int, dp: int) ->
     from harts.plan.step.planner import check_inputs
     from harts.tree.compact import compact
 
+    n = summary.trajectories
+    if dp * max(1, -(-summary.tokens // (capacity * dp))) <= dp * (n // dp):
+        return  # even the raw tokens (>= the compact work) fit: no need to compact
     try:
         check_inputs(compact(batch), dp, capacity)
     except ValueError as err:
