@@ -26,7 +26,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-SLOW = settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+SLOW = settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 
 # ------------------------------------------------------------------ valid bases
 VOCAB = 32
@@ -158,6 +158,16 @@ def check_batch_file(path) -> None:
         assert batch.num_trajectories >= 1
         assert np.isfinite(batch.advantages).all()
         assert (batch.tokens >= 0).all() and (batch.vocab_size is None or (batch.tokens < batch.vocab_size).all())
+        # a correct load is a batch harts itself writes and reads back unchanged
+        again = path.with_name("again" + path.suffix)
+        batch.save(again)
+        back = RolloutBatch.load(again)
+        for name in ("tokens", "offsets", "action_mask", "advantages", "old_logprobs", "ref_logprobs",
+                     "loss_weights", "group_ids", "tree_ids"):
+            a, b = getattr(batch, name), getattr(back, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                np.testing.assert_array_equal(a, b, err_msg=name)
     code = main(["stats", str(path), "--chunk-size", "4"])
     assert code == (0 if loaded else 2)
 
