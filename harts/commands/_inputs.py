@@ -338,6 +338,16 @@ def check_vocab(args: argparse.Namespace, vocab_size: int, where: str | None = N
         )
 
 
+def checkpoint_errors() -> tuple[type[BaseException], ...]:
+    """What reading a malformed checkpoint raises: ValueError / OSError, and safetensors' own error."""
+    errors: tuple[type[BaseException], ...] = (ValueError, OSError)
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors is an optional extra
+        return errors
+    return (*errors, SafetensorError)
+
+
 def build_model(args: argparse.Namespace, vocab_size: int, *, where: str | None = None, training: bool = True) -> Any:
     """The model named by ``--model`` on ``--device`` (device, vocabulary and threads checked first;
     ``where`` names the largest token id for the vocabulary error)."""
@@ -355,7 +365,7 @@ def build_model(args: argparse.Namespace, vocab_size: int, *, where: str | None 
     try:
         return load_model(args.model, vocab_size=vocab_size, dtype=args.dtype, layer_pattern=args.pattern,
                           seed=args.seed, device=args.device)
-    except (ValueError, OSError) as err:
+    except checkpoint_errors() as err:
         if isinstance(err, UserError):
             raise
         raise UserError(f"--model {args.model}: {err}") from None

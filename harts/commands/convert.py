@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from harts.commands._inputs import check_output_file, write_json
+    from harts.commands._inputs import check_output_file, checkpoint_errors, write_json
     from harts.errors import UserError
     from harts.integrations.hf import inspect_checkpoint
 
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.path} {what}; give a checkpoint directory (config.json + *.safetensors)")
     try:
         rep = inspect_checkpoint(args.path)
-    except (ValueError, OSError) as err:
+    except checkpoint_errors() as err:
         if isinstance(err, UserError):
             raise
         raise UserError(f"{args.path}: not a readable checkpoint ({err})") from None
