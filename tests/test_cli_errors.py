@@ -166,6 +166,11 @@ def test_missing_inputs(tmp_path, capsys):
     assert_user_error(capsys, "convert", tmp_path / "nope", match="does not exist")
     assert_user_error(capsys, "train", "--model", "gigantic", "--steps", "1", match="--model 'gigantic'")
     assert_user_error(capsys, "stats", "--workload", "nope", match="not a preset")
+    bad = tmp_path / "ckpt"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]}))
+    (bad / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert_user_error(capsys, "convert", bad, match=f"{bad}: not a readable checkpoint")
 
 
 # --------------------------------------------------------------- the error path
