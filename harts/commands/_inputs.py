@@ -1,9 +1,10 @@
 """Shared command-line inputs and checks.
 
 * option types that name the option in their error (``positive_int``, ``nonneg_int``, ...);
-* a workload preset or batch files as lazy per-step sources, and ``scan_steps``, which reads
-  every step once before any work starts (trajectory lengths, token ids) so that a problem in
-  step k is reported in seconds, not after k steps;
+* a workload preset or batch files as lazy per-step sources; commands read every step once
+  before any work starts (``summarize``: trajectory lengths, token ids) and check them
+  (``check_capacity``, ``needed_vocab``), so that a problem in step k is reported in seconds,
+  not after k steps;
 * a model preset or checkpoint (``build_model``) with its device and vocabulary checked first;
 * output paths checked before any work (``check_output_file`` / ``check_output_dir``) and
   written atomically (``write_json``).
@@ -94,12 +95,13 @@ def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float3
                    help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory "
                         "(BailingHybrid / Qwen3-Next / Kimi Linear)")
     p.add_argument("--pattern", default=None, help="override a preset's layer pattern, e.g. KKKM")
-    p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"],
+                   help="parameter dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
     p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "auto"],
                    help="linear-attention core: torch reference, fla-core (CUDA), or auto")
     p.add_argument("--threads", type=nonneg_int, default=1,
-                   help="torch intra-op threads on CPU; 0 = torch's default")
+                   help="torch intra-op threads on CPU; 0 lets torch choose")
 
 
 def add_output_arguments(p: argparse.ArgumentParser, *, what: str = "the figures") -> None:
