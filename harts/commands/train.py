@@ -18,6 +18,9 @@ atomically, so a second Ctrl-C cannot leave half a checkpoint), ``--json`` gets 
 steps' logs with an ``interrupted`` entry, and the exit status is 130 (SIGINT) or 143 (SIGTERM).
 If no step completed, nothing is saved. A second signal aborts at once. (With torchrun every rank
 receives the signal; only rank 0 writes.)
+
+Failures: if a step fails before changing the weights (out of memory, a bug), the completed steps
+are kept the same way (``--json`` gets a ``failed`` entry) before the error is reported.
 """
 
 from __future__ import annotations
@@ -162,6 +165,13 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     world = dist.get_world_size() if distributed else 1
     logs: list = []
     model = None
+    # True from the moment a step starts changing the weights until it has returned its log
+    state = {"in_update": False}
+
+    def on_update() -> None:
+        signals.defer()
+        state["in_update"] = True
+
     try:
         # ---------------------------------------------------------- checks before step 0
         with signals.window():
@@ -215,10 +225,11 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                         batch = kept.pop(i) if i in kept else make()
                         # on_update closes the window before the weights change
                         log = train_step(model, optimizer, batch, cfg, step=i, progress=on_progress,
-                                         on_update=signals.defer)
+                                         on_update=on_update)
                 finally:
                     mb_bar.close()
                 logs.append(log)
+                state["in_update"] = False
                 if rank == 0:
                     tqdm.write(f"step {i}: loss {log.loss:+.5f}  grad-norm {log.grad_norm:.4f}  "
                                f"{log.microbatches} microbatches  {log.train_seconds:.2f} s  "
@@ -235,6 +246,8 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
         elif signals.signum is not None and not isinstance(err, UserError):
             signum = signals.signum  # the interrupt surfaced through torch as another exception
         else:
+            if rank == 0 and logs and not state["in_update"]:
+                _save_after_failure(args, model, logs, world, err)
             raise
         signals.restore()  # a second signal aborts at once
         name = signal_mod.Signals(signum).name
@@ -252,7 +265,22 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     return 0
 
 
-def _finish(args: argparse.Namespace, model, logs: list, world: int, *, interrupted: str | None) -> None:  # noqa: ANN001
+def _save_after_failure(args: argparse.Namespace, model, logs: list, world: int, err: BaseException) -> None:  # noqa: ANN001
+    """A step failed (out of memory, a bug, ...) before changing the weights: keep the completed
+    steps -- table, ``--save``, ``--json`` with a ``failed`` entry -- then the error propagates."""
+    import sys
+
+    print(f"harts: step {len(logs)} failed ({type(err).__name__}); keeping the {len(logs)} completed step(s)",
+          file=sys.stderr, flush=True)
+    try:
+        _finish(args, model, logs, world, interrupted=None,
+                failed={"step": len(logs), "error": f"{type(err).__name__}: {err}"})
+    except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
+        print(f"harts: could not keep them either: {save_err}", file=sys.stderr, flush=True)
+
+
+def _finish(args: argparse.Namespace, model, logs: list, world: int, *, interrupted: str | None,  # noqa: ANN001
+            failed: dict | None = None) -> None:
     """Table, then the checkpoint, then the JSON (a JSON failure cannot lose the checkpoint)."""
     import sys
 
@@ -273,7 +301,8 @@ def _finish(args: argparse.Namespace, model, logs: list, world: int, *, interrup
         else:
             try:
                 save_model(model, args.model, args.save)
-                print(f"saved to {args.save}" + (f" (weights after step {logs[-1].step})" if interrupted else ""))
+                partial = interrupted or failed
+                print(f"saved to {args.save}" + (f" (weights after step {logs[-1].step})" if partial else ""))
             except OSError as err:
                 save_error = OutputPathError(f"--save {args.save}: cannot write the weights ({err.strerror or err})")
     if args.json_out:
@@ -281,6 +310,8 @@ def _finish(args: argparse.Namespace, model, logs: list, world: int, *, interrup
                   "steps": [l.to_dict() for l in logs]}
         if interrupted:
             record["interrupted"] = {"signal": interrupted, "completed_steps": len(logs)}
+        if failed:
+            record["failed"] = {**failed, "completed_steps": len(logs)}
         write_json(args.json_out, record)
         print(f"wrote {args.json_out}")
     if save_error is not None:

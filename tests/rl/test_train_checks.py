@@ -38,3 +38,35 @@ def test_train_step_reports_microbatches_then_update():
     total = log.rank_microbatches
     assert total > 2
     assert events == [(d, total) for d in range(total + 1)] + ["update"]
+
+
+def test_cli_keeps_completed_steps_when_a_later_step_fails(tmp_path, monkeypatch, capsys):
+    """A step that fails before touching the weights (here: a simulated out-of-memory) costs only
+    that step: the table, --save and --json hold the completed ones, then the error propagates."""
+    import json
+
+    import harts.rl.train as rl_train
+    from harts.cli import main
+
+    real = rl_train.train_step
+    seen = []
+
+    def flaky(model, optimizer, batch, cfg, *, step, **kw):  # noqa: ANN001
+        if step == 2:
+            raise RuntimeError("simulated out of memory")
+        log = real(model, optimizer, batch, cfg, step=step, **kw)
+        seen.append({n: p.detach().clone() for n, p in model.state_dict().items()})
+        return log
+
+    monkeypatch.setattr(rl_train, "train_step", flaky)
+    save, log = tmp_path / "ckpt", tmp_path / "log.json"
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        main(["train", "--workload", "tiny", "--steps", "4", "--pattern", "KM", "--save", str(save),
+              "--json", str(log)])
+    out, err = capsys.readouterr()
+    assert "harts: step 2 failed (RuntimeError); keeping the 2 completed step(s)" in err
+    record = json.loads(log.read_text())
+    assert [s["step"] for s in record["steps"]] == [0, 1]
+    assert record["failed"]["step"] == 2 and "simulated out of memory" in record["failed"]["error"]
+    saved = torch.load(save / "harts.pt", weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[n], v) for n, v in seen[-1].items())
