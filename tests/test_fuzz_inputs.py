@@ -25,7 +25,7 @@ from harts.plan.tree_file import load_tree
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-FAST = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+FAST = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 SLOW = settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 
 # ------------------------------------------------------------------ valid bases
