@@ -45,10 +45,20 @@ def fla_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import fla.ops.kda  # noqa: F401
+        _import_fla()
     except ImportError:
         return False
     return True
+
+
+def _import_fla() -> None:
+    """Import fla-core's KDA and GDN ops, pinning their Triton configs first (``fla_configs``)."""
+    from harts.ops.linear_attn.fla_configs import configure_fla_cache
+
+    if "fla" not in __import__("sys").modules:
+        configure_fla_cache()
+    import fla.ops.gated_delta_rule  # noqa: F401
+    import fla.ops.kda  # noqa: F401
 
 
 def fla_chunk_linear_attn(
@@ -164,6 +174,7 @@ def _fla_call(
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One packed fla call over the row spans [(start, end)]; returns (o [sum len, H, V], ht [n, H, K, V])."""
+    _import_fla()
     dev = q.device
     rows = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
     lengths = torch.tensor([b - a for a, b in spans], device=dev)

@@ -1,0 +1,68 @@
+"""Autotune fla-core's kernels on ling3_tiny's shapes and write harts' pinned configs.
+
+    python -m harts.bench.tune_fla --out harts/ops/linear_attn/fla_configs
+
+Runs fla's ``chunk_kda`` (bfloat16; ``--dtypes bfloat16,float32`` for both) and ``chunk_gated_delta_rule`` forward and
+backward (GDN backward only where fla allows it) on packed varlen sequences with initial and
+final states, heads H = 16 of K = V = 128, chunk 64 -- the calls harts makes -- with
+``HARTS_FLA_AUTOTUNE=1`` so fla autotunes, then writes every autotuned kernel's chosen configs
+into ``OUT/<GPU name>/`` (see ``harts.ops.linear_attn.fla_configs``). Needs CUDA and fla-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="root directory; configs go to OUT/<GPU name>/")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16,float32 (default bfloat16)")
+    args = p.parse_args(argv)
+    os.environ["HARTS_FLA_AUTOTUNE"] = "1"
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_fla: needs a CUDA device")
+    from harts.ops.linear_attn.fla import _gdn_backward_broken, _import_fla
+    from harts.ops.linear_attn.fla_configs import dump_fla_autotune, gpu_dir_name
+
+    _import_fla()
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    out = os.path.join(args.out, gpu_dir_name(torch.cuda.get_device_name(0)))
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    H, D, dev = args.heads, args.dim, "cuda"
+    lengths = [1, 63, 64, 65, 1000, 4096]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
+    T, N = sum(lengths), len(lengths)
+    for dtype in dtypes:
+        for gdn in (False, True):
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            q = torch.nn.functional.normalize(torch.randn(1, T, H, D, device=dev), dim=-1).to(dtype).requires_grad_()
+            k = torch.nn.functional.normalize(torch.randn(1, T, H, D, device=dev), dim=-1).to(dtype).requires_grad_()
+            v = torch.randn(1, T, H, D, device=dev, dtype=dtype, requires_grad=True)
+            g = (-torch.rand(1, T, H, *(() if gdn else (D,)), device=dev) * 0.1).to(dtype).requires_grad_()
+            beta = torch.rand(1, T, H, device=dev, dtype=dtype).requires_grad_()
+            h0 = torch.randn(N, H, D, D, device=dev, requires_grad=True)
+            fn = chunk_gated_delta_rule if gdn else chunk_kda
+            o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+            if not (gdn and _gdn_backward_broken()):
+                (o.float().square().sum() + ht.square().sum()).backward()
+            torch.cuda.synchronize()
+            names = dump_fla_autotune(out)  # after every stage: a time limit keeps what was tuned
+            print(f"{'GDN' if gdn else 'KDA'} {dtype}: {time.perf_counter() - t0:.1f} s; "
+                  f"{len(names)} kernel configs in {out}", flush=True)
+    print(f"kernels: {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

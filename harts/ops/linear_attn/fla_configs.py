@@ -1,0 +1,99 @@
+"""Pinned Triton configs for fla-core's kernels: no autotuning on a fresh machine.
+
+fla-core autotunes each kernel over up to a dozen configs the first time it sees a key
+(head counts and dims, chunk size, dtypes): on a cold H200 the first harts training step spent
+over 200 s there. fla can instead read the chosen configs from JSON files
+(``FLA_CACHE_MODE`` / ``FLA_CONFIG_DIR``, read when fla is imported). harts ships the configs
+that fla's own autotuner picked on the GPUs listed under ``fla_configs/<GPU name>/`` and points
+fla at them before fla is imported, unless the user set ``FLA_CONFIG_DIR`` or
+``FLA_CACHE_MODE`` themselves, or set ``HARTS_FLA_AUTOTUNE=1`` to autotune as usual.
+
+Mode "full": an exact key match, else a key of the same structure (numeric values such as
+head dims may differ), else the kernel's default config (the config chosen most often).
+Kernels without a file autotune as before.
+
+Regenerate on a new GPU or fla/Triton version::
+
+    python -m harts.bench.tune_fla --out harts/ops/linear_attn/fla_configs
+
+which runs fla's KDA kernels forward and backward on ling3_tiny's shapes (autotuning them)
+and writes one ``<kernel>.json`` per autotuned kernel via ``dump_fla_autotune``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+__all__ = ["CONFIG_ROOT", "configure_fla_cache", "dump_fla_autotune", "gpu_dir_name"]
+
+CONFIG_ROOT = Path(__file__).with_name("fla_configs")
+
+
+def gpu_dir_name(device_name: str) -> str:
+    """fla's sanitized GPU name (``NVIDIA H200`` -> ``NVIDIA_H200``)."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
+
+
+def configure_fla_cache() -> str | None:
+    """Point fla at harts' pinned configs for this GPU; call before fla is first imported.
+
+    Returns the directory used, or None when the user's settings, ``HARTS_FLA_AUTOTUNE=1``,
+    a missing GPU or a GPU without shipped configs leave fla's autotuning on.
+    """
+    if os.environ.get("HARTS_FLA_AUTOTUNE") == "1":
+        return None
+    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    d = CONFIG_ROOT / gpu_dir_name(torch.cuda.get_device_name(0))
+    if not d.is_dir():
+        return None
+    os.environ["FLA_CONFIG_DIR"] = str(d)
+    os.environ["FLA_CACHE_MODE"] = "full"
+    return str(d)
+
+
+def dump_fla_autotune(out_dir: str | os.PathLike) -> list[str]:
+    """Write the configs every autotuned fla kernel of this process chose, one JSON file per
+    kernel in fla's config-file format; returns the kernel names written."""
+    import gc
+    import warnings
+
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    from fla.ops.utils.cache import AutotuneKey
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    with warnings.catch_warnings():  # isinstance on some gc objects warns (deprecated proxies)
+        warnings.simplefilter("ignore")
+        tuners = [obj for obj in gc.get_objects() if isinstance(obj, Autotuner) and obj.cache]
+    for obj in tuners:
+        fn = obj.fn
+        while hasattr(fn, "fn"):  # heuristics -> JITFunction -> the Python function
+            fn = fn.fn
+        if not str(getattr(fn, "__module__", "")).startswith("fla."):
+            continue
+        name = getattr(obj, "kernel_name", None) or fn.__name__
+        entries = {}
+        chosen = Counter()
+        for key, cfg in obj.cache.items():
+            config = {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                      "num_ctas": getattr(cfg, "num_ctas", 1), "maxnreg": getattr(cfg, "maxnreg", None)}
+            norm = AutotuneKey.normalize_autotune_key(tuple(key))
+            entries[AutotuneKey.key_hash(tuple(key))] = {"autotune_key": norm, "config": config}
+            chosen[json.dumps(config, sort_keys=True)] += 1
+        default = json.loads(chosen.most_common(1)[0][0])
+        with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:
+            json.dump({"kernel_name": name, "triton_version": triton.__version__, "autotune_entries": entries,
+                       "default_config": default}, fh, indent=1, sort_keys=True)
+        written.append(name)
+    return sorted(written)

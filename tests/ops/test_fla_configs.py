@@ -1,0 +1,56 @@
+"""Pinned fla-core Triton configs: the shipped files are in fla's format, and pinning is opt-out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harts.ops.linear_attn import fla_configs
+from harts.ops.linear_attn.fla_configs import CONFIG_ROOT, configure_fla_cache, gpu_dir_name
+
+
+def test_gpu_dir_name_matches_fla_sanitizer() -> None:
+    assert gpu_dir_name("NVIDIA H200") == "NVIDIA_H200"
+    assert gpu_dir_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3"
+    assert gpu_dir_name("  ") == "unknown_gpu"
+
+
+def test_shipped_configs_are_fla_config_files() -> None:
+    files = sorted(CONFIG_ROOT.glob("*/*.json"))
+    assert files, "no pinned configs shipped"
+    for f in files:
+        data = json.loads(f.read_text())
+        assert data["kernel_name"] == f.stem
+        configs = [e["config"] for e in data["autotune_entries"].values()] + [data["default_config"]]
+        for entry in data["autotune_entries"].values():
+            assert isinstance(entry["autotune_key"], list)
+        for c in configs:
+            assert isinstance(c["kwargs"], dict)
+            assert c["num_warps"] in (1, 2, 4, 8, 16, 32) and c["num_stages"] >= 1 and c["num_ctas"] >= 1
+
+
+def test_configure_leaves_user_settings_and_cpu_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    monkeypatch.setenv("HARTS_FLA_AUTOTUNE", "1")
+    assert configure_fla_cache() is None
+    monkeypatch.delenv("HARTS_FLA_AUTOTUNE")
+    monkeypatch.setenv("FLA_CACHE_MODE", "strict")
+    assert configure_fla_cache() is None
+    monkeypatch.delenv("FLA_CACHE_MODE")
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    d = configure_fla_cache()
+    assert d is not None and d.endswith("NVIDIA_H200")
+    import os
+
+    assert os.environ["FLA_CONFIG_DIR"] == d and os.environ["FLA_CACHE_MODE"] == "full"
+    monkeypatch.delenv("FLA_CONFIG_DIR")
+    monkeypatch.delenv("FLA_CACHE_MODE")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Some Other GPU")
+    assert configure_fla_cache() is None and "FLA_CONFIG_DIR" not in os.environ
+    assert fla_configs.CONFIG_ROOT.is_dir()
