@@ -65,8 +65,8 @@ run() {
 }
 
 HARTS=("$PY" -m harts.cli)
-COMPARE=(compare --device cuda --dtype float32 --model ling3_tiny --pattern KGMA --workload tiny)
-BENCH=(bench --device cuda --la-backend fla --dtype bfloat16 --recompute --capacity 65536)
+COMPARE=(compare --overwrite --device cuda --dtype float32 --model ling3_tiny --pattern KGMA --workload tiny)
+BENCH=(bench --overwrite --device cuda --la-backend fla --dtype bfloat16 --recompute --capacity 65536)
 
 phase_a=()
 want() { [[ " $STEPS " == *" $1 "* ]]; }

@@ -13,29 +13,32 @@ from __future__ import annotations
 
 import argparse
 
-from harts.commands._inputs import add_model_arguments, add_workload_arguments
+from harts.commands._inputs import (
+    add_model_arguments, add_output_arguments, add_workload_arguments, nonneg_int, positive_float, positive_int,
+)
 
+TYPED_ERRORS = True
 HELP = "Time training steps compactly vs trajectory-wise (F/B/Grad, Core, tokens/s, MFU, breakdown, memory)."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, default="small")
     add_model_arguments(p)
-    p.add_argument("--capacity", type=int, default=65_536, help="microbatch capacity T (tokens); default 65536")
+    p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (tokens)")
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
     p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
                    help="full attention: one call per branch (gather), one FlexAttention call over "
                         "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas the step is planned for; default 1")
-    p.add_argument("--replica", type=int, default=0,
-                   help="which replica's share of the step to time (0 .. dp-1); default 0")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas the step is planned for")
+    p.add_argument("--replica", type=nonneg_int, default=0,
+                   help="which replica's share of the step to time (0 .. dp-1)")
     p.add_argument("--optimizer", action="store_true", help="also time one AdamW step (same for both sides)")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=positive_float, default=None,
                    help="device peak for MFU (TFLOP/s); default: dense bf16 peak of known GPUs (H100/H200 989.4)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a Chrome trace (torch profiler) of one microbatch per side into DIR")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first microbatch of each side")
-    p.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="write the figures as JSON")
+    add_output_arguments(p, what="every figure")
 
 
 def _fmt_rate(x: float) -> str:
@@ -43,7 +46,7 @@ def _fmt_rate(x: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
+    import os
     import sys
 
     import torch
@@ -51,31 +54,45 @@ def run(args: argparse.Namespace) -> int:
     from harts.bench.flops import peak_tflops
     from harts.bench.step_bench import COMPONENTS, bench_step
     from harts.commands._format import format_table
-    from harts.commands._inputs import build_model, workload_batches
+    from harts.commands._inputs import (
+        build_model, check_capacity, check_output_dir, check_output_file, check_plannable, needed_vocab, step_sources, summarize,
+        write_json,
+    )
+    from harts.commands._progress import progress
+    from harts.errors import UserError
 
-    if args.dp < 1:
-        raise ValueError(f"--dp must be >= 1; got {args.dp}")
-    if not 0 <= args.replica < args.dp:
-        raise ValueError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        raise ValueError(f"--peak-tflops must be positive; got {args.peak_tflops}")
+    if args.replica >= args.dp:
+        raise UserError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
+    check_output_file(args.json_out, "--json", args.overwrite)
+    check_output_dir(args.profile, "--profile", args.overwrite)
+    # every step is read and checked before the first one runs
+    sources = step_sources(args.workload, args.steps, args.seed)
+    summaries = []
+    with progress(len(sources), "checking inputs", "step", leave=False, disable=len(sources) < 2) as bar:
+        for i, (label, make) in enumerate(sources):
+            batch = make()
+            st = summarize(i, label, batch)
+            if args.dp > 1 and st.longest_len <= args.capacity and st.trajectories >= args.dp:
+                check_plannable(batch, st, args.capacity, args.dp)
+            summaries.append(st)
+            del batch  # steps are made again when they run: a paper-scale step is ~0.5 GB of ids
+            bar.update()
+    check_capacity(summaries, args.capacity, args.dp, dp_name="replicas (--dp)")
+    vocab, where = needed_vocab(summaries)
+    model = build_model(args, vocab, where=where)
+    peak = args.peak_tflops or peak_tflops(torch.device(args.device))
+    print(f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
+          f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
+          f"recompute {'on' if args.recompute else 'off'}; dp {args.dp}, replica {args.replica}; "
+          f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}", flush=True)
     results = []
-    model = None
-    peak = args.peak_tflops
-    for step, batch in enumerate(workload_batches(args)):
-        if model is None:
-            vocab = max(int(batch.tokens.max()) + 1, batch.vocab_size or 0)
-            model = build_model(args, vocab)
-            if peak is None:
-                peak = peak_tflops(torch.device(args.device))
-            print(f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
-                  f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
-                  f"recompute {'on' if args.recompute else 'off'}; dp {args.dp}, replica {args.replica}; "
-                  f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}", flush=True)
+    for step, (_, make) in enumerate(sources):
+        batch = make()
         r = bench_step(model, batch, capacity=args.capacity, step=step, recompute=args.recompute,
                        attention=args.attention, warmup=not args.no_warmup, la_backend=args.la_backend,
                        dp=args.dp, replica=args.replica, optimizer=args.optimizer, peak_tflops=peak,
-                       progress=sys.stderr.isatty(), profile_dir=args.profile)
+                       progress=sys.stderr.isatty(),
+                       profile_dir=os.path.join(args.profile, f"step{step}") if args.profile else None)
         results.append(r)
         print(f"step {step}: baseline {r.baseline.train_seconds:.3f} s, harts {r.harts.train_seconds:.3f} s "
               f"(+{r.harts.plan_seconds:.3f} s planning): F/B/Grad {r.fbg_speedup:.2f}x "
@@ -128,11 +145,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"all steps: F/B/Grad {sum(r.harts.raw_tokens for r in results) / max(th, 1e-12) / max(rb, 1e-12):.2f}x, "
               f"Core {sum(r.harts.raw_tokens for r in results) / max(th + tp, 1e-12) / max(rb, 1e-12):.2f}x")
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump({"model": args.model, "pattern": model.config.layer_pattern if model else None,
-                       "device": args.device, "dtype": args.dtype, "capacity": args.capacity,
-                       "recompute": args.recompute, "attention": args.attention, "la_backend": args.la_backend,
-                       "dp": args.dp, "replica": args.replica, "peak_tflops": peak,
-                       "steps": [r.to_dict() for r in results]}, fh, indent=2)
+        write_json(args.json_out, {
+            "model": args.model, "pattern": model.config.layer_pattern, "device": args.device, "dtype": args.dtype,
+            "capacity": args.capacity, "recompute": args.recompute, "attention": args.attention,
+            "la_backend": args.la_backend, "dp": args.dp, "replica": args.replica, "peak_tflops": peak,
+            "steps": [r.to_dict() for r in results]})
         print(f"wrote {args.json_out}")
     return 0

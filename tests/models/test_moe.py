@@ -43,7 +43,7 @@ def test_group_routing_stays_in_top_groups() -> None:
 def _expert_grads(moe: MoE, x: torch.Tensor, w: torch.Tensor, impl: str) -> list[torch.Tensor]:
     moe.experts.impl = impl
     y, z, aux, counts = moe(x, w)
-    loss = (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum() + z + aux
+    loss = (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=y.device).view_as(y)).sum() + z + aux
     params = [x, moe.experts.gate_up_proj, moe.experts.down_proj, moe.gate.weight]
     return [y.detach(), counts, *torch.autograd.grad(loss, params)]
 
