@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from harts.plan.calls import forest_depth, plan_calls, plan_calls_many, segment_depth
+from harts.plan.calls import plan_calls, plan_calls_many
+from harts.tree.segments import parent_depth, preorder_from_parents
 from harts.tree.segments import SegmentForest
 
 
@@ -69,45 +70,19 @@ def _lengths_near_grid(rng: np.random.Generator, start: np.ndarray, b: int) -> n
     return end - start
 
 
-def _preorder_from_parents(parent: np.ndarray) -> np.ndarray:
-    """Preorder permutation of a forest whose parents precede children (parent[v] < v)."""
-    # preorder = lexicographic order of root paths: sort by (tree, path ids) is costly; use
-    # subtree sizes + first-child offsets instead, computed level by level
-    v = parent.size
-    depth = segment_depth(parent)
-    size = np.ones(v, dtype=np.int64)
-    for d in range(int(depth.max()), 0, -1):
-        nodes = np.flatnonzero(depth == d)
-        np.add.at(size, parent[nodes], size[nodes])
-    pos = np.zeros(v, dtype=np.int64)
-    roots = np.flatnonzero(parent < 0)
-    pos[roots] = np.cumsum(size[roots]) - size[roots]
-    for d in range(1, int(depth.max()) + 1):
-        nodes = np.flatnonzero(depth == d)  # ascending ids: siblings in id order
-        p = parent[nodes]
-        # offset of each node among its siblings = exclusive cumsum of sizes within parent
-        o = np.argsort(p, kind="stable")
-        sp, sz = p[o], size[nodes][o]
-        cs = np.cumsum(sz) - sz
-        first = np.searchsorted(sp, sp)  # first index of each parent group
-        within = cs - cs[first]
-        pos[nodes[o]] = pos[sp] + 1 + within
-    return np.argsort(pos)
-
-
 def random_forest(rng: np.random.Generator, v: int, b: int, tree_size: int = 2000) -> SegmentForest:
     """Random recursive trees (a node's parent is uniform among earlier nodes of its tree)."""
     tree = np.arange(v) // tree_size
     base = tree * tree_size
     idx = np.arange(v)
     par = np.where(idx > base, base + (rng.random(v) * (idx - base)).astype(np.int64), -1)
-    order = _preorder_from_parents(par)
+    order = preorder_from_parents(par)
     new = np.empty(v, dtype=np.int64)
     new[order] = np.arange(v)
     parent = np.where(par[order] >= 0, new[np.maximum(par[order], 0)], -1)
     start = np.zeros(v, dtype=np.int64)
     end = np.zeros(v, dtype=np.int64)
-    depth = segment_depth(parent)
+    depth = parent_depth(parent)
     for d in range(int(depth.max()) + 1):
         nodes = np.flatnonzero(depth == d)
         start[nodes] = np.where(parent[nodes] >= 0, end[np.maximum(parent[nodes], 0)], 0)
@@ -151,7 +126,7 @@ def bench_forests(args: argparse.Namespace, swe_forest: SegmentForest | None) ->
         shapes.append(("deep-chain", caterpillars(rng, args.segments, b, spine=args.segments // 2)))
     rows = []
     for name, forest in shapes:
-        depth = int(forest_depth(forest).max())
+        depth = int(forest.depth().max())
         row = {"shape": name, "segments": forest.num_segments, "trees": forest.num_trees}
         plans = {}
         for impl in ("auto", "levels", "nodes", "scalar"):

@@ -51,8 +51,6 @@ __all__ = [
     "plan_calls_many",
     "mandatory_replay",
     "ranges_to_indices",
-    "segment_depth",
-    "forest_depth",
 ]
 
 
@@ -229,60 +227,6 @@ def _small_ints(x: np.ndarray) -> np.ndarray:
     return x.astype(np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64)
 
 
-def segment_depth(parent: np.ndarray) -> np.ndarray:
-    """int64 [V]: depth of every node of a parent-pointer forest, by pointer doubling."""
-    depth = (parent >= 0).astype(np.int64)
-    jump = parent.astype(np.int64, copy=True)
-    active = np.flatnonzero(jump >= 0)
-    while active.size:
-        j = jump[active]
-        # right-hand sides are read before the writes: a simultaneous (Jacobi) doubling step
-        depth[active] += depth[j]
-        jump[active] = jump[j]
-        active = active[jump[active] >= 0]
-    return depth
-
-
-def forest_depth(forest: SegmentForest) -> np.ndarray:
-    """int64 [V]: segment depths, like ``segment_depth`` but with chains contracted first.
-
-    Among internal segments in preorder, a segment whose parent is the previous internal
-    segment extends a chain (a caterpillar's spine is one chain), so its depth is an offset
-    from the chain's first segment; pointer doubling then runs over chain starts only, with
-    edge weights. Leaves take their parent's depth + 1.
-    """
-    v = forest.num_segments
-    parent = forest.parent
-    ids = np.flatnonzero(np.diff(forest.child_ptr) > 0)
-    n = ids.size
-    rank = np.full(v, -1, dtype=np.int64)
-    rank[ids] = np.arange(n)
-    par = parent[ids]
-    prank = np.where(par >= 0, rank[np.maximum(par, 0)], -1)  # a non-root's parent is internal
-    idx = np.arange(n, dtype=np.int64)
-    first = (prank != idx - 1) | (prank < 0)
-    run = np.maximum.accumulate(np.where(first, idx, 0))  # chain start of each internal rank
-    starts = np.flatnonzero(first)
-    sp = prank[starts]
-    has = sp >= 0
-    # depth(start) = depth(run(sp)) + (sp - run(sp)) + 1: a weighted parent pointer over starts
-    pos = np.full(n, -1, dtype=np.int64)
-    pos[starts] = np.arange(starts.size)
-    jump = np.where(has, pos[run[np.maximum(sp, 0)]], -1)
-    dep = np.where(has, sp - run[np.maximum(sp, 0)] + 1, 0)
-    active = np.flatnonzero(jump >= 0)
-    while active.size:
-        j = jump[active]
-        dep[active] += dep[j]
-        jump[active] = jump[j]
-        active = active[jump[active] >= 0]
-    depth = np.zeros(v, dtype=np.int64)
-    depth[ids] = dep[pos[run]] + idx - run
-    leaf = np.flatnonzero((rank < 0) & (parent >= 0))
-    depth[leaf] = depth[parent[leaf]] + 1
-    return depth
-
-
 #: below this many segments the line-by-line path wins outright (numpy call overhead)
 SCALAR_MAX_SEGMENTS = 256
 #: the level-vectorized path needs this many segments per tree level on average to beat
@@ -308,7 +252,7 @@ def plan_calls(forest: SegmentForest, chunk_size: int, *, impl: str = "auto") ->
         return CallPlan(chunk_size=b, forest=forest, **plan_scalar(forest, b))
     if impl == "nodes":
         return _assemble(forest, b, *plan_nodes(forest, b))
-    depth = forest_depth(forest)
+    depth = forest.depth()
     if impl == "auto" and v < MIN_LEVEL_WIDTH * (int(depth.max()) + 1):
         return _assemble(forest, b, *plan_nodes(forest, b))
     return _plan_levels(forest, b, depth)

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harts.plan.calls import CallPlan, ranges_to_indices, segment_depth
+from harts.plan.calls import CallPlan, ranges_to_indices
 from harts.tree.compact import CompactBatch
-from harts.tree.segments import SegmentForest
+from harts.tree.segments import SegmentForest, parent_depth
 
 __all__ = ["Layout", "RoundView", "build_layout"]
 
@@ -122,21 +122,6 @@ class Layout:
         )
 
 
-def _subtree_end_rows(f: SegmentForest) -> np.ndarray:
-    """int64 [V]: one past the last compact row of each segment's trie subtree (preorder rows)."""
-    v = f.num_segments
-    nch = f.num_children
-    # last descendant in preorder = last child's last descendant: pointer doubling
-    last = np.arange(v)
-    last[nch > 0] = f.child_idx[f.child_ptr[1:][nch > 0] - 1]
-    while True:
-        nxt = last[last]
-        if np.array_equal(nxt, last):
-            break
-        last = nxt
-    return f.row[last] + f.length[last]
-
-
 def _sequence_schedule(plan: CallPlan, no_replay: bool) -> tuple[np.ndarray, ...]:
     """Per plan sequence: round, LA start position, init request; and the request list.
 
@@ -150,7 +135,7 @@ def _sequence_schedule(plan: CallPlan, no_replay: bool) -> tuple[np.ndarray, ...
     q = plan.num_sequences
     fork = plan.seq_fork
     prod = np.where(fork >= 0, plan.seg_seq[np.maximum(fork, 0)], -1)
-    rnd = segment_depth(prod)  # each side sequence waits for its producer's call
+    rnd = parent_depth(prod)  # each side sequence waits for its producer's call
     has = prod >= 0
     scale = int(f.end.max()) + 1 if f.num_segments else 1
     key = prod * scale + np.where(has, f.end[np.maximum(fork, 0)], 0)
@@ -315,7 +300,7 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     # ---- attention view (b): preorder intervals of the compact trie (a segment's rows share
     # one subtree end); positions run on inside each segment
     seg_len = f.length[segs]
-    tree_end = on_own_rows(np.repeat(_subtree_end_rows(f)[segs], seg_len), -1)
+    tree_end = on_own_rows(np.repeat(f.subtree_end_rows()[segs], seg_len), -1)
     position = on_own_rows(ranges_to_indices(f.start[segs], seg_len), 0)
 
     return Layout(

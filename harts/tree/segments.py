@@ -19,7 +19,53 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SegmentForest", "segments_from_rows"]
+__all__ = ["SegmentForest", "parent_depth", "preorder_from_parents", "segments_from_rows"]
+
+
+def parent_depth(parent: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
+    """int64 [N]: depth of every node of a parent-pointer forest (-1 = root), by pointer doubling.
+
+    ``parent`` int [N] in any order (no preorder needed); ``weight`` int64 [N] is the length
+    of each node's edge to its parent (default 1; ignored on roots). O(N log depth).
+    """
+    jump = np.asarray(parent).astype(np.int64, copy=True)
+    has = jump >= 0
+    depth = has.astype(np.int64) if weight is None else np.where(has, weight, 0).astype(np.int64)
+    active = np.flatnonzero(has)
+    while active.size:
+        j = jump[active]
+        # right-hand sides are read before the writes: a simultaneous (Jacobi) doubling step
+        depth[active] += depth[j]
+        jump[active] = jump[j]
+        active = active[jump[active] >= 0]
+    return depth
+
+
+def preorder_from_parents(parent: np.ndarray) -> np.ndarray:
+    """int64 [N]: preorder permutation of a forest whose parents precede children
+    (``parent[v] < v``; -1 = root); siblings keep id order. O(N) array work per level."""
+    # preorder = lexicographic order of root paths: sort by (tree, path ids) is costly; use
+    # subtree sizes + first-child offsets instead, computed level by level
+    v = parent.size
+    depth = parent_depth(parent)
+    size = np.ones(v, dtype=np.int64)
+    for d in range(int(depth.max()), 0, -1):
+        nodes = np.flatnonzero(depth == d)
+        np.add.at(size, parent[nodes], size[nodes])
+    pos = np.zeros(v, dtype=np.int64)
+    roots = np.flatnonzero(parent < 0)
+    pos[roots] = np.cumsum(size[roots]) - size[roots]
+    for d in range(1, int(depth.max()) + 1):
+        nodes = np.flatnonzero(depth == d)  # ascending ids: siblings in id order
+        p = parent[nodes]
+        # offset of each node among its siblings = exclusive cumsum of sizes within parent
+        o = np.argsort(p, kind="stable")
+        sp, sz = p[o], size[nodes][o]
+        cs = np.cumsum(sz) - sz
+        first = np.searchsorted(sp, sp)  # first index of each parent group
+        within = cs - cs[first]
+        pos[nodes[o]] = pos[sp] + 1 + within
+    return np.argsort(pos)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,13 +114,50 @@ class SegmentForest:
         return np.arange(lo, hi)
 
     def depth(self) -> np.ndarray:
-        """int64 [V]: segment-tree depth (root 0); counts state handoffs on the way down."""
-        d = np.zeros(self.num_segments, dtype=np.int64)
-        for v in range(self.num_segments):  # preorder: parents first
-            p = self.parent[v]
-            if p >= 0:
-                d[v] = d[p] + 1
-        return d
+        """int64 [V]: segment-tree depth (root 0); counts state handoffs on the way down.
+
+        Chains are contracted first: among internal segments in preorder, a segment whose
+        parent is the previous internal segment extends a chain (a caterpillar's spine is one
+        chain), so its depth is an offset from the chain's first segment; weighted pointer
+        doubling then runs over chain starts only. Leaves take their parent's depth + 1.
+        """
+        v = self.num_segments
+        parent = self.parent
+        ids = np.flatnonzero(np.diff(self.child_ptr) > 0)
+        n = ids.size
+        rank = np.full(v, -1, dtype=np.int64)
+        rank[ids] = np.arange(n)
+        par = parent[ids]
+        prank = np.where(par >= 0, rank[np.maximum(par, 0)], -1)  # a non-root's parent is internal
+        idx = np.arange(n, dtype=np.int64)
+        first = (prank != idx - 1) | (prank < 0)
+        run = np.maximum.accumulate(np.where(first, idx, 0))  # chain start of each internal rank
+        starts = np.flatnonzero(first)
+        sp = prank[starts]
+        has = sp >= 0
+        # depth(start) = depth(run(sp)) + (sp - run(sp)) + 1: a weighted parent pointer over starts
+        pos = np.full(n, -1, dtype=np.int64)
+        pos[starts] = np.arange(starts.size)
+        jump = np.where(has, pos[run[np.maximum(sp, 0)]], -1)
+        dep = parent_depth(jump, weight=np.where(has, sp - run[np.maximum(sp, 0)] + 1, 0))
+        depth = np.zeros(v, dtype=np.int64)
+        depth[ids] = dep[pos[run]] + idx - run
+        leaf = np.flatnonzero((rank < 0) & (parent >= 0))
+        depth[leaf] = depth[parent[leaf]] + 1
+        return depth
+
+    def subtree_end_rows(self) -> np.ndarray:
+        """int64 [V]: one past the last compact row of each segment's subtree (preorder rows)."""
+        nch = self.num_children
+        # last descendant in preorder = last child's last descendant: pointer doubling
+        last = np.arange(self.num_segments)
+        last[nch > 0] = self.child_idx[self.child_ptr[1:][nch > 0] - 1]
+        while True:
+            nxt = last[last]
+            if np.array_equal(nxt, last):
+                break
+            last = nxt
+        return self.row[last] + self.length[last]
 
     @classmethod
     def from_parents(

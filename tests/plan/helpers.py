@@ -202,3 +202,13 @@ def check_plan(plan: CallPlan) -> None:
     # replay bookkeeping
     assert plan.total_replay == eq15(f, b)
     assert plan.round_replay.sum() == plan.total_replay
+
+
+def naive_depth(forest: SegmentForest) -> np.ndarray:
+    """int64 [V]: segment depth by walking parents in preorder (the reference for ``depth()``)."""
+    d = np.zeros(forest.num_segments, dtype=np.int64)
+    for v in range(forest.num_segments):  # preorder: parents first
+        p = int(forest.parent[v])
+        if p >= 0:
+            d[v] = d[p] + 1
+    return d

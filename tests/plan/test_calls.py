@@ -9,10 +9,19 @@ import pytest
 from hypothesis import given, settings
 
 import harts
-from harts.plan.calls import CallPlan, forest_depth, mandatory_replay, plan_calls, ranges_to_indices, segment_depth
+from harts.plan.calls import CallPlan, mandatory_replay, plan_calls, ranges_to_indices
+from harts.tree.segments import parent_depth, preorder_from_parents
 from harts.plan.tree_file import parse_tree
 from harts.tree.segments import SegmentForest
-from tests.plan.helpers import brute_force_calls, check_plan, eq15, forests, random_forest_lists, spine_forest
+from tests.plan.helpers import (
+    brute_force_calls,
+    check_plan,
+    eq15,
+    forests,
+    naive_depth,
+    random_forest_lists,
+    spine_forest,
+)
 
 
 def forest_of(segs: list[tuple[str, int, str | None]]) -> SegmentForest:
@@ -96,8 +105,8 @@ def test_deep_caterpillar():
     check_plan(plan)
     assert_same_plan(plan, plan_calls(forest, 64, impl="scalar"))
     assert_same_plan(plan, plan_calls(forest, 64, impl="nodes"))
-    np.testing.assert_array_equal(segment_depth(forest.parent), forest.depth())
-    np.testing.assert_array_equal(forest_depth(forest), forest.depth())
+    np.testing.assert_array_equal(parent_depth(forest.parent), naive_depth(forest))
+    np.testing.assert_array_equal(forest.depth(), naive_depth(forest))
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -111,7 +120,28 @@ def test_nodes_path_on_spines(seed):
     check_plan(plan)
     assert_same_plan(plan, plan_calls(forest, b, impl="scalar"))
     assert_same_plan(plan, plan_calls(forest, b, impl="levels"))
-    np.testing.assert_array_equal(forest_depth(forest), forest.depth())
+    np.testing.assert_array_equal(forest.depth(), naive_depth(forest))
+
+
+@given(forests(max_segments=40))
+def test_forest_utilities(fb):
+    forest, _ = fb
+    np.testing.assert_array_equal(forest.depth(), naive_depth(forest))
+    np.testing.assert_array_equal(parent_depth(forest.parent), naive_depth(forest))
+    # preorder of a forest already numbered in preorder is the identity
+    np.testing.assert_array_equal(preorder_from_parents(forest.parent), np.arange(forest.num_segments))
+    ends = forest.subtree_end_rows()
+    for v in range(forest.num_segments):
+        desc = [u for u in range(forest.num_segments) if _is_ancestor(forest, v, u)]
+        assert ends[v] == max(int(forest.row[u] + forest.length[u]) for u in desc)
+
+
+def _is_ancestor(forest: SegmentForest, v: int, u: int) -> bool:
+    while u >= 0:
+        if u == v:
+            return True
+        u = int(forest.parent[u])
+    return False
 
 
 def test_ranges_to_indices():
