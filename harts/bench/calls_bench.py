@@ -3,9 +3,9 @@
     python -m harts.bench.calls_bench [--segments 1000000] [--json out.json]
 
 Part 1 plans forests of ``--segments`` segments of three shapes and prints, side by side from
-the same run, the level-vectorized planner (``impl="levels"``), the per-internal-node planner
-(``impl="nodes"``), Algorithm 1 transcribed node by node (``impl="scalar"``: the baseline, run
-once) and what ``impl="auto"`` picks (best of ``--repeat`` runs for the others):
+the same run, the level-vectorized engine (``impl="levels"``), the per-internal-node engine
+(``impl="nodes"``) and what ``impl="auto"`` picks (best of ``--repeat`` runs each). Algorithm 1
+transcribed line by line is the tests' oracle (``tests/plan/oracle.py``), not timed here:
   * ``swe-tiled``: copies of one ``swe`` step's segment forest (real fork shapes);
   * ``random``: random recursive trees, heavy-tailed lengths, forks at kB-1, kB, kB+1;
   * ``deep``: Figure-8-like caterpillars (a long chain, one side leaf per fork).
@@ -129,11 +129,11 @@ def bench_forests(args: argparse.Namespace, swe_forest: SegmentForest | None) ->
         depth = int(forest.depth().max())
         row = {"shape": name, "segments": forest.num_segments, "trees": forest.num_trees}
         plans = {}
-        for impl in ("auto", "levels", "nodes", "scalar"):
+        for impl in ("auto", "levels", "nodes"):
             if impl == "levels" and name == "deep-chain":
                 row["levels_s"] = None  # dozens of numpy calls per level, V/2 levels: not run
                 continue
-            plan, sec = _best_of(lambda: plan_calls(forest, b, impl=impl), 1 if impl == "scalar" else args.repeat)
+            plan, sec = _best_of(lambda: plan_calls(forest, b, impl=impl), args.repeat)
             row[f"{impl}_s"] = round(sec, 4)
             plans[impl] = plan
         p = plans["auto"]
@@ -144,7 +144,7 @@ def bench_forests(args: argparse.Namespace, swe_forest: SegmentForest | None) ->
         print(
             f"{name:>11}  V={row['segments']:>9,}  trees={row['trees']:>6,}  calls={p.num_calls}  "
             f"auto {row['auto_s']:.3f} s | levels {'-' if lv is None else f'{lv:.3f} s'} | "
-            f"nodes {row['nodes_s']:.3f} s | scalar (baseline) {row['scalar_s']:.3f} s"
+            f"nodes {row['nodes_s']:.3f} s"
         )
     return rows
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--segments", type=int, default=1_000_000)
     p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=3, help="best of N runs (the scalar planner baseline runs once)")
+    p.add_argument("--repeat", type=int, default=3, help="best of N runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workload", default="swe")
     p.add_argument("--step", type=int, default=0)

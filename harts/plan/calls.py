@@ -17,10 +17,11 @@ Trees are planned independently and merged by round; the call count is their max
 
 Here both passes run level by level over a breadth-first order with numpy segment
 reductions (``impl="levels"``): O(V) array work plus a few dozen numpy calls per tree level.
-``harts.plan.calls_nodes`` holds the per-node paths for the forests where that per-level
-cost dominates: ``"nodes"`` (internal segments on plain lists, spine nodes in closed form,
-leaves in bulk) for deep-and-narrow forests, and ``"scalar"`` (the pseudocode line by line)
-for small ones. Tests check that all paths give identical plans.
+``harts.plan.calls_nodes`` holds the per-node engine for the forests where that per-level
+cost dominates (``"nodes"``: internal segments on plain lists, spine nodes in closed form,
+leaves in bulk), deep-and-narrow and small forests. ``plan_calls_many`` plans many small
+forests (one step's microbatches) as one disjoint union. Algorithm 1 transcribed line by
+line is the test oracle (``tests/plan/oracle.py``); tests check both engines against it.
 
 Shapes (V = segments, Q = sequences, Rq = requested boundary states, K = calls):
     t_pre, t_in, seg_seq      int64 [V]      DP values; the sequence executing each segment
@@ -42,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from harts.plan.calls_nodes import plan_nodes, plan_scalar
+from harts.plan.calls_nodes import plan_nodes
 from harts.tree.segments import SegmentForest
 
 __all__ = [
@@ -227,30 +228,34 @@ def _small_ints(x: np.ndarray) -> np.ndarray:
     return x.astype(np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64)
 
 
-#: below this many segments the line-by-line path wins outright (numpy call overhead)
-SCALAR_MAX_SEGMENTS = 256
-#: the level-vectorized path needs this many segments per tree level on average to beat
-#: the per-internal-node path (measured on 1 M-segment caterpillars: break-even near 300)
+#: the level-vectorized engine needs this many segments per tree level on average to beat
+#: the per-internal-node engine (measured on 1 M-segment caterpillars: break-even near 300)
 MIN_LEVEL_WIDTH = 300
 
 
 def plan_calls(forest: SegmentForest, chunk_size: int, *, impl: str = "auto") -> CallPlan:
     """Algorithm 1 on every tree of ``forest``; sequences merged by round (see module doc).
 
-    ``impl``: ``"levels"`` (numpy, one step per tree level), ``"nodes"`` (per internal
-    segment on plain Python lists, leaves in bulk: ``harts.plan.calls_nodes``), ``"scalar"``
-    (Algorithm 1 transcribed node by node) or ``"auto"``: scalar for small forests, nodes for
-    deep-and-narrow ones, levels otherwise. All give identical plans.
+    Args:
+        forest: V segments in preorder (``SegmentForest``).
+        chunk_size: the linear-attention chunk B (positive integer).
+        impl: the engine. ``"levels"`` (numpy, one step per tree level), ``"nodes"`` (per
+            internal segment on plain Python lists, leaves in bulk: ``harts.plan.calls_nodes``)
+            or ``"auto"``: levels when the forest is wide (at least ``MIN_LEVEL_WIDTH``
+            segments per level on average), nodes otherwise (deep forests, small forests).
+            Both give the identical plan (tested against the line-by-line oracle). Many small
+            forests (one step's microbatches) are planned together by ``plan_calls_many``.
+
+    Returns:
+        the ``CallPlan`` (arrays as in the module doc).
     """
     b = _check_chunk_size(chunk_size)
-    if impl not in ("auto", "levels", "nodes", "scalar"):
-        raise ValueError(f"impl must be 'auto', 'levels', 'nodes' or 'scalar', got {impl!r}")
+    if impl not in ("auto", "levels", "nodes"):
+        raise ValueError(f"impl must be 'auto', 'levels' or 'nodes', got {impl!r}")
     v = forest.num_segments
     if v == 0:
         return _assemble(forest, b, *(np.zeros(0, np.int64) for _ in range(7)))
-    if impl == "scalar" or (impl == "auto" and v < SCALAR_MAX_SEGMENTS):
-        return CallPlan(chunk_size=b, forest=forest, **plan_scalar(forest, b))
-    if impl == "nodes":
+    if impl == "nodes" or (impl == "auto" and v < 2 * MIN_LEVEL_WIDTH):
         return _assemble(forest, b, *plan_nodes(forest, b))
     depth = forest.depth()
     if impl == "auto" and v < MIN_LEVEL_WIDTH * (int(depth.max()) + 1):

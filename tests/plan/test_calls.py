@@ -13,6 +13,7 @@ from harts.plan.calls import CallPlan, mandatory_replay, plan_calls, ranges_to_i
 from harts.tree.segments import parent_depth, preorder_from_parents
 from harts.plan.tree_file import parse_tree
 from harts.tree.segments import SegmentForest
+from tests.plan.oracle import plan_oracle
 from tests.plan.helpers import (
     brute_force_calls,
     check_plan,
@@ -46,8 +47,8 @@ def assert_same_plan(a: CallPlan, b: CallPlan) -> None:
 def test_planner_matches_brute_force(fb):
     forest, b = fb
     best, replays = brute_force_calls(forest, b)
-    for impl in ("levels", "nodes", "scalar"):
-        plan = plan_calls(forest, b, impl=impl)
+    for impl in ("levels", "nodes", "oracle"):
+        plan = plan_oracle(forest, b) if impl == "oracle" else plan_calls(forest, b, impl=impl)
         assert plan.num_calls == best
         # T_pre(root) per tree; the microbatch needs the maximum over its trees
         assert plan.num_calls == int(plan.t_pre[forest.roots].max())
@@ -65,8 +66,8 @@ def test_brute_force_seeded_sweep():
         lengths, parents = random_forest_lists(rng, b, max_segments=9, max_fanout=6, max_trees=3)
         forest, _ = SegmentForest.from_parents(lengths, parents)
         best, _ = brute_force_calls(forest, b)
-        for impl in ("levels", "nodes", "scalar"):
-            plan = plan_calls(forest, b, impl=impl)
+        for impl in ("levels", "nodes", "oracle"):
+            plan = plan_oracle(forest, b) if impl == "oracle" else plan_calls(forest, b, impl=impl)
             assert plan.num_calls == best, (i, lengths, parents, b, impl)
             check_plan(plan)
         seen_calls.add(best)
@@ -74,18 +75,18 @@ def test_brute_force_seeded_sweep():
 
 
 @given(forests(max_segments=40))
-def test_levels_equals_scalar(fb):
+def test_engines_equal_oracle(fb):
     forest, b = fb
-    assert_same_plan(plan_calls(forest, b, impl="levels"), plan_calls(forest, b, impl="scalar"))
-    assert_same_plan(plan_calls(forest, b, impl="nodes"), plan_calls(forest, b, impl="scalar"))
+    assert_same_plan(plan_calls(forest, b, impl="levels"), plan_oracle(forest, b))
+    assert_same_plan(plan_calls(forest, b, impl="nodes"), plan_oracle(forest, b))
 
 
-def test_levels_equals_scalar_large_forest():
+def test_engines_equal_oracle_large_forest():
     rng = np.random.default_rng(7)
     lengths, parents = random_forest_lists(rng, 16, max_segments=4000, max_fanout=6, max_trees=40)
     forest, _ = SegmentForest.from_parents(lengths, parents)
     plan = plan_calls(forest, 16, impl="levels")
-    assert_same_plan(plan, plan_calls(forest, 16, impl="scalar"))
+    assert_same_plan(plan, plan_oracle(forest, 16))
     assert_same_plan(plan, plan_calls(forest, 16, impl="nodes"))
     check_plan(plan)
 
@@ -103,7 +104,7 @@ def test_deep_caterpillar():
     assert plan.num_calls == 2
     assert plan.num_sequences == 301
     check_plan(plan)
-    assert_same_plan(plan, plan_calls(forest, 64, impl="scalar"))
+    assert_same_plan(plan, plan_oracle(forest, 64))
     assert_same_plan(plan, plan_calls(forest, 64, impl="nodes"))
     np.testing.assert_array_equal(parent_depth(forest.parent), naive_depth(forest))
     np.testing.assert_array_equal(forest.depth(), naive_depth(forest))
@@ -118,7 +119,7 @@ def test_nodes_path_on_spines(seed):
     forest, _ = SegmentForest.from_parents(*spine_forest(rng, b))
     plan = plan_calls(forest, b, impl="nodes")
     check_plan(plan)
-    assert_same_plan(plan, plan_calls(forest, b, impl="scalar"))
+    assert_same_plan(plan, plan_oracle(forest, b))
     assert_same_plan(plan, plan_calls(forest, b, impl="levels"))
     np.testing.assert_array_equal(forest.depth(), naive_depth(forest))
 
@@ -319,7 +320,7 @@ def test_compact_batch_forest():
     for b in (4, 16, 64):
         plan = harts.plan_calls(cb.segment_trees, b, impl="levels")
         check_plan(plan)
-        assert_same_plan(plan, plan_calls(cb.segment_trees, b, impl="scalar"))
+        assert_same_plan(plan, plan_oracle(cb.segment_trees, b))
         assert_same_plan(plan, plan_calls(cb.segment_trees, b, impl="nodes"))
     assert cb.segment_trees.num_trees == 3
 
@@ -343,7 +344,7 @@ def test_empty_and_single_segment():
 
 def test_bad_impl():
     with pytest.raises(ValueError, match="impl"):
-        plan_calls(forest_of([("a", 3, None)]), 4, impl="fast")
+        plan_calls(forest_of([("a", 3, None)]), 4, impl="scalar")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
