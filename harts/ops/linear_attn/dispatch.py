@@ -4,7 +4,12 @@ Both implement one contract (``chunk_linear_attn``'s signature: packed sequences
 states, requested boundary states, all differentiable), so executors pick by name:
 
     "reference"  ``chunk_linear_attn`` (any device; the numerics every test checks)
-    "fla"        ``fla_chunk_linear_attn`` (CUDA + fla-core; an error elsewhere)
+    "fla"        ``fla_chunk_linear_attn`` (CUDA + fla-core; an error elsewhere): boundary
+                 states by splitting sequences at requested chunk boundaries
+    "tree"       ``tree_chunk_linear_attn`` (CUDA + fla-core + Triton): one packed call per
+                 round, requested states exported and their gradients injected by harts' own
+                 state scans (``tree_scan``); GDN runs through it too. Opt-in until it has
+                 been measured on a GPU (see the module's docstring)
     "auto"       "fla" on CUDA when fla-core imports, else "reference"
 """
 
@@ -19,7 +24,7 @@ from harts.ops.linear_attn.fla import fla_available, fla_chunk_linear_attn
 
 __all__ = ["LINEAR_ATTN_BACKENDS", "linear_attn_op"]
 
-LINEAR_ATTN_BACKENDS = ("reference", "fla", "auto")
+LINEAR_ATTN_BACKENDS = ("reference", "fla", "tree", "auto")
 
 
 def linear_attn_op(backend: str, device: torch.device) -> Callable:
@@ -31,5 +36,9 @@ def linear_attn_op(backend: str, device: torch.device) -> Callable:
     if backend == "reference":
         return chunk_linear_attn
     if device.type != "cuda" or not fla_available():
-        raise ValueError("linear-attention backend 'fla' needs a CUDA device and fla-core (pip install harts[gpu])")
+        raise ValueError(f"linear-attention backend {backend!r} needs a CUDA device and fla-core (pip install harts[gpu])")
+    if backend == "tree":
+        from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+        return tree_chunk_linear_attn
     return fla_chunk_linear_attn

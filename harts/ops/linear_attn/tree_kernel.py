@@ -1,0 +1,249 @@
+"""One-pass tree linear attention on CUDA: boundary states out, their gradients in (KDA and GDN).
+
+Same contract as ``chunk_linear_attn`` (packed varlen rounds, one initial state per sequence,
+requested states after chunk-aligned position counts, everything differentiable), built from
+fla-core's intra-chunk kernels and harts' own state scans (``tree_scan``):
+
+    forward   chunk_local_cumsum(g) -> chunk_kda_fwd_intra (w, u, kg, Aqk, Akk)       [fla]
+              tree_scan_fwd: states h per chunk, v_new, final states, EXPORTED states  [harts]
+              chunk_gla_fwd_o_gk -> o                                                  [fla]
+    backward  recompute_w_u_fwd, tree_scan_fwd (h, v_new), chunk_kda_bwd_dAv           [fla/harts]
+              tree_scan_bwd: dh with the requested states' gradients INJECTED at their
+              chunk boundaries, dh0, dv                                                [harts]
+              chunk_kda_bwd_wy_dqkg_fused, chunk_kda_bwd_intra, reverse cumsum of dg   [fla]
+
+So a round runs as one packed call whatever it exports, with no split and no second scan
+(fla's own chunk_kda returns only final states and takes a gradient only for them).
+
+* GDN (scalar decay g [T, H]) runs through the same kernels with the decay broadcast over the
+  key channels (a per-channel decay equal on every channel is the scalar-decay rule); its
+  gradient is summed back over the channels. This is also how GDN trains on Hopper with
+  Triton < 3.7.1, where fla refuses its own GDN backward (fla #640).
+* Requests must be chunk-aligned (count % B == 0), or a sequence's full length, or 0: what
+  replay plans produce. A non-aligned request (the ``no_replay`` ablation) is served by the
+  split path (``fla_chunk_linear_attn``) instead.
+* Host metadata (chunk indices and offsets, export / injection maps) is built with numpy and
+  uploaded once per distinct round (cached), so the layers of a microbatch reuse it.
+
+Shapes: T packed rows, H heads, K key dim, V value dim, N sequences, R requests, B chunk
+size, NT chunks of all sequences, E distinct exported states.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harts.ops.linear_attn.utils import check_linear_attn_inputs
+
+__all__ = ["StateIO", "plan_state_io", "tree_chunk_linear_attn"]
+
+
+@dataclass(frozen=True)
+class StateIO:
+    """Where every requested state comes from, and the per-chunk export / injection maps.
+
+    ``source[r]`` indexes ``cat([exported [E], final [N], initial [N]])``: request r is an
+    exported chunk-start state, a sequence's final state, or its initial state.
+    """
+
+    chunk_offsets: np.ndarray  # int64 [N + 1]
+    chunk_indices: np.ndarray  # int64 [NT, 2] (sequence, chunk within it), fla's layout
+    export_index: np.ndarray  # int32 [NT]: slot of the state at the start of each chunk, or -1
+    inject_index: np.ndarray  # int32 [NT]: slot whose gradient joins at the end of each chunk, or -1
+    num_exported: int
+    source: np.ndarray  # int64 [R]
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.chunk_offsets[-1])
+
+
+def plan_state_io(lengths: list[int], requests: list[tuple[int, int]], chunk_size: int) -> StateIO:
+    """Map requests (sequence, position count) onto chunks (see ``StateIO``).
+
+    Raises ValueError for a request that is neither 0, nor chunk-aligned, nor the full length.
+    """
+    B = chunk_size
+    n = len(lengths)
+    chunks = np.array([(m + B - 1) // B for m in lengths], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+    nt = int(offsets[-1])
+    seq_of_chunk = np.repeat(np.arange(n, dtype=np.int64), chunks)
+    within = np.arange(nt, dtype=np.int64) - offsets[:-1][seq_of_chunk]
+    export_index = np.full(nt, -1, dtype=np.int32)
+    inject_index = np.full(nt, -1, dtype=np.int32)
+    slots: dict[int, int] = {}
+    source = np.empty(len(requests), dtype=np.int64)
+    for r, (seq, count) in enumerate(requests):
+        if count == lengths[seq]:
+            source[r] = -1 - seq  # final (resolved below, once E is known)
+        elif count == 0:
+            source[r] = -1 - n - seq  # initial
+        elif count % B == 0:
+            chunk = int(offsets[seq]) + count // B  # the state at the start of this chunk
+            if chunk not in slots:
+                slots[chunk] = len(slots)
+                export_index[chunk] = slots[chunk]
+                inject_index[chunk - 1] = slots[chunk]  # = the end of the chunk before it
+            source[r] = slots[chunk]
+        else:
+            raise ValueError(
+                f"request {r} asks for the state after {count} positions of sequence {seq}: not a multiple of "
+                f"the chunk size {B}, the sequence's length ({lengths[seq]}) or 0"
+            )
+    e = len(slots)
+    final = source < 0
+    source[final] = e + (-1 - source[final])  # -1 - seq -> E + seq, -1 - N - seq -> E + N + seq
+    return StateIO(chunk_offsets=offsets, chunk_indices=np.stack([seq_of_chunk, within], 1),
+                   export_index=export_index, inject_index=inject_index, num_exported=e, source=source)
+
+
+@dataclass(frozen=True)
+class _DeviceMeta:
+    io: StateIO
+    cu_seqlens: torch.Tensor
+    chunk_offsets: torch.Tensor
+    chunk_indices: torch.Tensor
+    export_index: torch.Tensor
+    inject_index: torch.Tensor
+    source: torch.Tensor
+
+
+_META_CACHE: OrderedDict = OrderedDict()
+_META_CACHE_SIZE = 256
+
+
+def _device_meta(starts: list[int], lengths: list[int], requests: list[tuple[int, int]], chunk_size: int,
+                 device: torch.device) -> _DeviceMeta:
+    key = (tuple(lengths), tuple(requests), chunk_size, str(device))
+    hit = _META_CACHE.get(key)
+    if hit is not None:
+        _META_CACHE.move_to_end(key)
+        return hit
+    io = plan_state_io(lengths, requests, chunk_size)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    def up(a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(a), device=device)
+
+    meta = _DeviceMeta(io=io, cu_seqlens=up(cu), chunk_offsets=up(io.chunk_offsets),
+                       chunk_indices=up(io.chunk_indices), export_index=up(io.export_index),
+                       inject_index=up(io.inject_index), source=up(io.source))
+    _META_CACHE[key] = meta
+    if len(_META_CACHE) > _META_CACHE_SIZE:
+        _META_CACHE.popitem(last=False)
+    return meta
+
+
+class _TreeKDA(torch.autograd.Function):
+    """KDA chunk op over [1, T, H, *] with export / injection (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, meta: _DeviceMeta, scale: float, chunk_size: int):  # type: ignore[override]
+        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+
+        from harts.ops.linear_attn.tree_scan import tree_scan_fwd
+
+        B, cu, ci = chunk_size, meta.cu_seqlens, meta.chunk_indices
+        gc = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
+        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu,
+                                                   chunk_size=B, chunk_indices=ci)
+        h, v_new, final, exported = tree_scan_fwd(
+            kg, w, u, gc, cu_seqlens=cu, chunk_offsets=meta.chunk_offsets, num_chunks=meta.io.num_chunks,
+            chunk_size=B, initial_state=h0, export_index=meta.export_index, num_exported=meta.io.num_exported)
+        o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=B,
+                               chunk_indices=ci)
+        ctx.save_for_backward(q, k, v, gc, beta, Aqk, Akk, h0)
+        ctx.meta, ctx.scale, ctx.chunk_size, ctx.has_h0, ctx.g_dtype = meta, scale, chunk_size, h0 is not None, g.dtype
+        return o.to(q.dtype), final, exported
+
+    @staticmethod
+    def backward(ctx, do, dfinal, dexported):  # type: ignore[override]
+        from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+        from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+        from fla.ops.kda.wy_fast import recompute_w_u_fwd
+        from fla.ops.utils import chunk_local_cumsum
+
+        from harts.ops.linear_attn.tree_scan import tree_scan_bwd, tree_scan_fwd
+
+        q, k, v, gc, beta, Aqk, Akk, h0 = ctx.saved_tensors
+        meta, scale, B = ctx.meta, ctx.scale, ctx.chunk_size
+        cu, ci, co, nt = meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets, meta.io.num_chunks
+        do = do.contiguous()
+        w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gc, q=q, cu_seqlens=cu, chunk_indices=ci)
+        h, v_new, _, _ = tree_scan_fwd(kg, w, u, gc, cu_seqlens=cu, chunk_offsets=co, num_chunks=nt, chunk_size=B,
+                                       initial_state=h0, export_index=None, num_exported=0,
+                                       output_final_state=False)
+        dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=B,
+                                     chunk_indices=ci)
+        dh, dh0, dv = tree_scan_bwd(qg, kg, w, gc, do, dv, scale=scale, cu_seqlens=cu, chunk_offsets=co,
+                                    num_chunks=nt, chunk_size=B, dht=dfinal.contiguous(),
+                                    inject=dexported, inject_index=meta.inject_index,
+                                    want_initial_state_grad=ctx.has_h0)
+        dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
+            q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=scale,
+            cu_seqlens=cu, chunk_size=B, chunk_indices=ci, chunk_offsets=co)
+        dq, dk, db, dg = chunk_kda_bwd_intra(q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
+                                             dg=dg, cu_seqlens=cu, chunk_indices=ci, chunk_size=B)
+        dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), db.to(beta.dtype),
+                dh0 if ctx.has_h0 else None, None, None, None)
+
+
+def tree_chunk_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state_requests: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One-pass gated delta rule with boundary-state export (module docstring).
+
+    Args:
+        q, k: [T, H, K] (CUDA); v: [T, H, V]; g: [T, H, K] (KDA) or [T, H] (GDN) log-decay;
+        beta: [T, H]; cu_seqlens: int [N + 1]; initial_state: [N, H, K, V] or None;
+        chunk_size: B (fla's KDA kernels: 64); state_requests: int [R, 2] (sequence, count).
+
+    Returns:
+        o [T, H, V] (dtype of v), final_state [N, H, K, V] float32, requested [R, H, K, V] float32.
+    """
+    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_requests, scale)
+    if not q.is_cuda:
+        raise ValueError("tree_chunk_linear_attn needs CUDA tensors; use chunk_linear_attn on CPU")
+    if chunk_size != 64:
+        raise ValueError(f"the tree kernel runs fla's KDA intra-chunk kernels at chunk_size 64; got {chunk_size}")
+    if any(c % chunk_size and c not in (0, spec.lengths[s]) for s, c in spec.requests):
+        from harts.ops.linear_attn.fla import fla_chunk_linear_attn
+
+        return fla_chunk_linear_attn(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                     chunk_size=chunk_size, state_requests=state_requests, scale=scale)
+    from harts.ops.linear_attn.fla import _import_fla
+
+    _import_fla()
+    N, H, K, V = spec.num_seqs, spec.H, spec.K, spec.V
+    if spec.T == 0:  # nothing to run: every state is its sequence's initial state
+        initial = initial_state.float() if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
+        req = initial[[s for s, _ in spec.requests]] if spec.requests else initial.new_zeros(0, H, K, V)
+        return v.new_zeros(0, H, V), initial, req
+    meta = _device_meta(spec.starts, spec.lengths, spec.requests, chunk_size, q.device)
+    gk = g[..., None].expand(spec.T, H, K) if spec.scalar_decay else g
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    o, final, exported = _TreeKDA.apply(
+        q.unsqueeze(0).contiguous(), k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(),
+        gk.unsqueeze(0).contiguous(), beta.unsqueeze(0).contiguous(), h0, meta, spec.scale, chunk_size)
+    initial = h0 if h0 is not None else final.new_zeros(N, H, K, V)
+    requested = torch.cat([exported, final, initial])[meta.source] if spec.requests else final.new_zeros(0, H, K, V)
+    return o[0].to(v.dtype), final, requested

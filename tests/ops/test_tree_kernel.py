@@ -1,0 +1,121 @@
+"""The one-pass tree kernel (``tree_chunk_linear_attn``) against the reference operator (CUDA only).
+
+Adversarial rounds: sequences of 1, 63, 64, 65, 129 and 700 rows, requests at every chunk
+boundary of the long ones (>= 6 handoffs), repeated requests, initial and final states, a
+consumer round that starts 9 sequences (fan-out >= 8) from the exported states. KDA and GDN,
+float32 (tight) and bfloat16, whose tolerance is fla's own split path's error on the same rows
+(no hand-picked bound).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harts.ops.linear_attn import chunk_linear_attn, fla_chunk_linear_attn
+from harts.ops.linear_attn.fla import fla_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fla_available(), reason="needs CUDA and fla-core")]
+
+LENGTHS = [1, 63, 64, 65, 129, 700]
+
+
+def _inputs(kind: str, H: int = 4, K: int = 64, V: int = 64):  # noqa: ANN202
+    torch.manual_seed(0)
+    T, dev = sum(LENGTHS), "cuda"
+    q = torch.randn(T, H, K, device=dev, dtype=torch.float64)
+    k = F.normalize(torch.randn(T, H, K, device=dev, dtype=torch.float64), dim=-1)
+    v = torch.randn(T, H, V, device=dev, dtype=torch.float64)
+    g = -F.softplus(torch.randn(*(T, H, K) if kind == "kda" else (T, H), device=dev, dtype=torch.float64)) * 0.2
+    beta = torch.rand(T, H, device=dev, dtype=torch.float64).clamp(0.05, 0.95)
+    h0 = torch.randn(len(LENGTHS), H, K, V, device=dev, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device=dev)
+    long = len(LENGTHS) - 1
+    req = [[long, c] for c in range(64, 700, 64)] + [[4, 64], [4, 128], [4, 129], [3, 64], [0, 0], [2, 64], [long, 64]]
+    return [q, k, v, g, beta], h0, cu, torch.tensor(req, device=dev)
+
+
+def _run(op, x, h0, cu, req):  # noqa: ANN001, ANN202
+    o, final, states = op(*x, cu_seqlens=cu, initial_state=h0, chunk_size=64, state_requests=req)
+    n2 = 9
+    rows = torch.arange(130, device="cuda").repeat(n2)
+    cu2 = torch.arange(n2 + 1, device="cuda") * 130
+    o2, final2, _ = op(*(t[rows] for t in x), cu_seqlens=cu2, initial_state=states[:n2], chunk_size=64)
+    return [o, final, states, o2, final2]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+
+
+def _errors(op, kind: str, dtype: torch.dtype, weights=None):  # noqa: ANN001, ANN202
+    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn  # noqa: F401  (import check)
+
+    x64, h0, cu, req = _inputs(kind)
+    leaves64 = [t.clone().requires_grad_() for t in [*x64, h0]]
+    leaves = [t.to(dtype).clone().requires_grad_() for t in x64] + [h0.float().clone().requires_grad_()]
+    ref = _run(chunk_linear_attn, leaves64[:5], leaves64[5], cu, req)
+    out = _run(op, leaves[:5], leaves[5], cu, req)
+    w = weights or [torch.randn_like(r) for r in ref]
+    g_ref = torch.autograd.grad(sum((r * wi).sum() for r, wi in zip(ref, w)), leaves64)
+    g_out = torch.autograd.grad(sum((o.double() * wi).sum() for o, wi in zip(out, w)), leaves)
+    names = ["o", "final", "states", "o2", "final2", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    return dict(zip(names, [_rel(a, b) for a, b in zip(out + list(g_out), ref + list(g_ref))])), w
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_tree_kernel_float32_matches_reference(kind: str) -> None:
+    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+    errs, _ = _errors(tree_chunk_linear_attn, kind, torch.float32)
+    for name, e in errs.items():
+        assert e < 5e-3, f"{kind} {name}: {e:.2e}"
+
+
+def test_tree_kernel_bf16_within_fla_split_error() -> None:
+    """bf16: every output and gradient within 1.5x the fla split path's error (+ the float32
+    kernel's own error), on the same rows and weights."""
+    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+    f32, _ = _errors(tree_chunk_linear_attn, "kda", torch.float32)
+    split, w = _errors(fla_chunk_linear_attn, "kda", torch.bfloat16)
+    tree, _ = _errors(tree_chunk_linear_attn, "kda", torch.bfloat16, weights=w)
+    for name in tree:
+        assert tree[name] <= 1.5 * split[name] + f32[name], f"{name}: tree {tree[name]:.2e}, split {split[name]:.2e}"
+
+
+def test_requested_state_gradient_alone_reaches_every_input() -> None:
+    """Only the exported states get a gradient: an injection bug cannot hide behind outputs."""
+    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+    x64, h0, cu, req = _inputs("kda")
+    leaves64 = [t.clone().requires_grad_() for t in [*x64, h0]]
+    leaves = [t.float().clone().requires_grad_() for t in [*x64, h0]]
+    _, _, s_ref = chunk_linear_attn(*leaves64[:5], cu_seqlens=cu, initial_state=leaves64[5], chunk_size=64,
+                                    state_requests=req)
+    _, _, s_out = tree_chunk_linear_attn(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], chunk_size=64,
+                                         state_requests=req)
+    w = torch.randn_like(s_ref)
+    g_ref = torch.autograd.grad((s_ref * w).sum(), leaves64)
+    g_out = torch.autograd.grad((s_out.double() * w).sum(), leaves)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], g_out, g_ref):
+        assert b.abs().max() > 0 or name == "q"  # q never reaches a state
+        assert _rel(a, b) < 5e-3, name
+
+
+def test_replay_rows_give_trajectory_outputs_bit_for_bit() -> None:
+    """float32: a branch restarted from the exported state at its chunk anchor, replaying the rows
+    between anchor and fork, reproduces the trajectory-wise outputs after the fork exactly."""
+    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+    x64, _, _, _ = _inputs("kda")
+    x = [t.float() for t in x64]
+    L, anchor, fork = 700, 320, 347
+    cu = torch.tensor([0, L], device="cuda")
+    traj, _, (s_anchor,) = tree_chunk_linear_attn(*(t[:L] for t in x), cu_seqlens=cu, chunk_size=64,
+                                                  state_requests=torch.tensor([[0, anchor]], device="cuda"))
+    rows = torch.arange(anchor, L, device="cuda")
+    branch, _, _ = tree_chunk_linear_attn(*(t[rows] for t in x), cu_seqlens=torch.tensor([0, L - anchor], device="cuda"),
+                                          initial_state=s_anchor[None], chunk_size=64)
+    assert torch.equal(branch[fork - anchor:], traj[fork:L])
