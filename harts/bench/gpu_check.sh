@@ -3,11 +3,13 @@
 #
 #   harts/bench/gpu_check.sh [OUT_DIR]          # from the repo root; fla-core must import
 #
-# 1. tests   pytest -m gpu: fla-core KDA (float32, bfloat16) and GDN against the reference op
+# 1. tests   pytest -m gpu: the one-pass tree kernel (KDA and GDN, float32 and bf16, injected state
+#            gradients alone, replay bit-identity) and its state scans; the grouped-GEMM MoE
+#            without host syncs; fla-core KDA (float32, bfloat16) and GDN against the reference op
 #            with exported boundary states and their consumers' gradients, split exactness,
 #            the GDN backward guard, FlexAttention tree mask against the dense mask.
 # 2. compare harts compare --device cuda, float32: trajectory-wise vs compact, one forward +
-#            backward, for la-backend {fla, reference} x attention {mask, gather}. Model:
+#            backward, for la-backend {tree, fla, reference} x attention {mask, gather}. Model:
 #            ling3_tiny's dimensions (chunk 64, 16 heads of 128: what fla's kernels take) with
 #            pattern KGMA, so KDA, GDN (fla forward, reference backward on Hopper, fla #640),
 #            MLA and GQA all run; workload tiny.
@@ -33,6 +35,7 @@
 #                 "--workload medium --steps 1" is 3.6 M raw tokens, which did not finish in
 #                 340 s on an H200 with this model)
 #   BENCH_ATTN    attention implementations to bench (default "gather mask")
+#   BENCH_LA      linear-attention backend of the bench (default fla; "tree" for the one-pass kernel)
 #   TEST_FILES    GPU test files (default: the fla and the attention tests)
 #   PYTEST_XDIST  extra pytest flags, e.g. "-n 4" (tests autotune different shapes: parallel helps)
 #   COMPARE_LA, COMPARE_ATTN   compare grid (default "fla reference" x "mask gather")
@@ -44,8 +47,8 @@ STEPS=${STEPS:-tests compare bench}
 BENCH_MODEL=${BENCH_MODEL:---model ling3_tiny --pattern KKKM}
 BENCH_WORK=${BENCH_WORK:---workload small}
 BENCH_ATTN=${BENCH_ATTN:-gather mask}
-TEST_FILES=${TEST_FILES:-tests/ops/test_linear_attn_fla.py tests/ops/test_attention.py}
-COMPARE_LA=${COMPARE_LA:-fla reference}
+TEST_FILES=${TEST_FILES:-tests/ops/test_linear_attn_fla.py tests/ops/test_tree_kernel.py tests/ops/test_tree_scan.py tests/models/test_moe.py tests/ops/test_attention.py}
+COMPARE_LA=${COMPARE_LA:-tree fla reference}
 COMPARE_ATTN=${COMPARE_ATTN:-mask gather}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
@@ -66,7 +69,7 @@ run() {
 
 HARTS=("$PY" -m harts.cli)
 COMPARE=(compare --overwrite --device cuda --dtype float32 --model ling3_tiny --pattern KGMA --workload tiny)
-BENCH=(bench --overwrite --device cuda --la-backend fla --dtype bfloat16 --recompute --capacity 65536)
+BENCH=(bench --overwrite --device cuda --la-backend ${BENCH_LA:-fla} --dtype bfloat16 --recompute --capacity 65536)
 
 phase_a=()
 want() { [[ " $STEPS " == *" $1 "* ]]; }

@@ -98,8 +98,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float3
     p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"],
                    help="parameter dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
-    p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "auto"],
-                   help="linear-attention core: torch reference, fla-core (CUDA), or auto")
+    p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "tree", "auto"],
+                   help="linear-attention core: torch reference, fla-core split path (CUDA), the one-pass tree kernel (CUDA), or auto (fla on CUDA)")
     p.add_argument("--threads", type=nonneg_int, default=1,
                    help="torch intra-op threads on CPU; 0 lets torch choose")
 

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")
     p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
-    p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "auto"],
+    p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "tree", "auto"],
                    help="linear-attention core for both modes: torch reference, fla-core (CUDA), or auto")
     p.add_argument(
         "--threads", type=nonneg_int, default=1,
