@@ -52,7 +52,7 @@ def count_ops(model: Any, batch: Any, mode: str, recompute: bool, **kwargs: Any)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harts.commands._inputs import add_model_arguments, build_model
+    from harts.integrations.loading import load_model
     from harts.tree.batch import RolloutBatch
     from harts.tree.workloads import PRESETS, generate
 
@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="small", help="preset name or a RolloutBatch file")
     p.add_argument("--step", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    add_model_arguments(p, default_dtype="float32")
+    p.add_argument("--model", default="tiny", metavar="PRESET|PATH", help="model preset or checkpoint directory")
+    p.add_argument("--pattern", default=None, help="override a preset's layer pattern, e.g. KKKM")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--la-backend", default="reference", help="linear-attention core (see harts.ops.linear_attn)")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--top", type=int, default=12, help="call sites to print")
     p.add_argument("--json", dest="json_out", default=None)
@@ -70,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         batch = generate(args.workload, step=args.step, seed=args.seed)
     else:
         batch = RolloutBatch.load(args.workload)
-    model = build_model(args, int(batch.vocab_size or batch.tokens.max() + 1))
+    model = load_model(args.model, vocab_size=int(batch.vocab_size or batch.tokens.max() + 1), dtype=args.dtype,
+                       layer_pattern=args.pattern, seed=args.seed, device=args.device)
     kwargs = {"linear_attention_backend": args.la_backend} if args.la_backend != "reference" else {}
     counts = {mode: count_ops(model, batch, mode, args.recompute, **kwargs) for mode in ("trajectory", "compact")}
     totals = {mode: sum(c.values()) for mode, c in counts.items()}

@@ -37,7 +37,10 @@ def plan_batches(
         rec: dict[str, Any] = {"step": step, "paths": batch.num_trajectories, "raw_tokens": batch.num_tokens}
         rec["harts"] = plan_step(cb, dp=dp, capacity=capacity).summary()
         if baseline:
-            rec[baseline] = plan_step(cb, dp=dp, capacity=capacity, method=baseline, **(baseline_params or {})).summary()
+            from harts.plan.baselines.ortools_partition import ortools_step
+
+            assert baseline == "ortools", baseline
+            rec[baseline] = ortools_step(cb, dp=dp, capacity=capacity, **(baseline_params or {})).summary()
         steps.append(rec)
         if progress is not None:
             progress.update(1)

@@ -220,7 +220,7 @@ def check_capacity(summaries: list[StepSummary], capacity: int, dp: int = 1, *, 
 def check_plannable(batch: Any, summary: StepSummary, capacity: int, dp: int) -> None:
     """The step planner can split ``batch`` into a multiple of ``dp`` microbatches of ``capacity``
     (with D > 1 a small capacity can need more microbatches than there are trajectories)."""
-    from harts.plan.step.planner import check_inputs
+    from harts.plan.step.step_plan import check_inputs
     from harts.tree.compact import compact
 
     n = summary.trajectories
@@ -304,7 +304,7 @@ def check_vocab(args: argparse.Namespace, vocab_size: int, where: str | None = N
     embedding and output layers are sized from it: refuse when they alone would not fit the
     device's memory (parameters + gradients, + two AdamW moments when ``training``).
     """
-    from harts.models.loading import is_checkpoint
+    from harts.integrations.loading import is_checkpoint
 
     origin = f" for {where}" if where else ""
     if is_checkpoint(args.model):
@@ -355,7 +355,7 @@ def build_model(args: argparse.Namespace, vocab_size: int, *, where: str | None 
     ``where`` names the largest token id for the vocabulary error)."""
     import torch
 
-    from harts.models.loading import load_model
+    from harts.integrations.loading import load_model
 
     check_device(args.device)
     check_la_backend(getattr(args, "la_backend", "reference"), args.device)

@@ -328,7 +328,7 @@ def save_model(model, spec: str, out: str) -> None:  # noqa: ANN001
     import torch
 
     from harts.commands._inputs import write_atomic
-    from harts.models.loading import is_checkpoint
+    from harts.integrations.loading import is_checkpoint
 
     os.makedirs(out, exist_ok=True)
     if is_checkpoint(spec):

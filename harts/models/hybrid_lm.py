@@ -269,24 +269,3 @@ class HybridLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-    # ------------------------------------------------------------------ transformers (harts[hf])
-    @classmethod
-    def from_hf(cls, hf_model: Any, **overrides: Any) -> HybridLM:
-        """Same weights and semantics as a transformers BailingHybrid / Qwen3-Next / Kimi Linear model."""
-        from harts.integrations.hf import from_hf
-
-        return from_hf(hf_model, **overrides)
-
-    @classmethod
-    def from_pretrained(cls, path: str, **overrides: Any) -> HybridLM:
-        """Load a local transformers checkpoint directory (config.json + safetensors, sharded or not)."""
-        from harts.integrations.hf import from_pretrained
-
-        return from_pretrained(path, **overrides)
-
-    def to_hf_state_dict(self, **kwargs: Any) -> dict[str, torch.Tensor]:
-        """transformers module names and layouts; see ``harts.integrations.hf.to_hf_state_dict``."""
-        from harts.integrations.hf import to_hf_state_dict
-
-        return to_hf_state_dict(self, **kwargs)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from harts.models.loading import load_model
+from harts.integrations.loading import load_model
 from harts.rl.train import TrainConfig, train_step
 from harts.tree.workloads import generate
 

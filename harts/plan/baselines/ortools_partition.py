@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 
 from harts.plan.step.objective import PrefixCost, schedule_objective
-from harts.plan.step.planner import StepPlan, _to_step_plan
+from harts.plan.step.step_plan import StepPlan, check_inputs, to_step_plan
 
-__all__ = ["ORToolsParams", "ortools_plan", "shard_ffd", "replica_trie"]
+__all__ = ["ORToolsParams", "ortools_plan", "ortools_step", "shard_ffd", "replica_trie"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -234,6 +234,16 @@ def _split_to(cost: PrefixCost, members: np.ndarray, bins: np.ndarray, k: int) -
     return bins
 
 
+def ortools_step(batch: Any, *, dp: int, capacity: int, **params: Any) -> StepPlan:
+    """``plan_step``'s counterpart for the baseline: a ``RolloutBatch`` (compacted here, not
+    timed) or ``CompactBatch``, D replicas, capacity T; ``params`` are ``ORToolsParams`` fields."""
+    from harts.tree.compact import CompactBatch, compact
+
+    cb = batch if isinstance(batch, CompactBatch) else compact(batch)
+    check_inputs(cb, dp, capacity)
+    return ortools_plan(cb, int(dp), int(capacity), ORToolsParams(**params))
+
+
 def ortools_plan(cb: Any, dp: int, capacity: int, params: ORToolsParams) -> StepPlan:
     """The §5.2 baseline plan (see module docstring)."""
     t0 = time.perf_counter()
@@ -269,4 +279,4 @@ def ortools_plan(cb: Any, dp: int, capacity: int, params: ORToolsParams) -> Step
     best = {"owner": owner, "work": work_K, "replica": replica_K, "slot": slot_K, "objective": schedule_objective(work_DJ)}
     seconds = time.perf_counter() - t0
     info = {"time_limit": params.time_limit, "num_workers": params.num_workers, "seed": params.seed}
-    return _to_step_plan(cb, best, dp, capacity, "ortools", seconds, info)
+    return to_step_plan(cb, best, dp, capacity, "ortools", seconds, info)

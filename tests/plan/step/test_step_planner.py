@@ -181,7 +181,7 @@ def test_errors_name_the_problem() -> None:
     disjoint = harts.RolloutBatch.from_trajectories([[1] * 6, [2] * 6, [3] * 6])
     with pytest.raises(ValueError, match="capacity=6 is too small"):
         harts.plan_step(disjoint, dp=2, capacity=6)
-    with pytest.raises(ValueError, match="unknown planning method"):
+    with pytest.raises(TypeError, match="method"):  # the OR-Tools baseline is ortools_step
         harts.plan_step(batch, dp=1, capacity=100, method="magic")
     with pytest.raises(ValueError, match="dp must be a positive"):
         harts.plan_step(batch, dp=0, capacity=100)
@@ -189,11 +189,12 @@ def test_errors_name_the_problem() -> None:
 
 def test_ortools_baseline_is_feasible() -> None:
     pytest.importorskip("ortools")
+    from harts.plan.baselines.ortools_partition import ortools_step
     rng = np.random.default_rng(3)
     batch = random_forest_batch(rng, trees=6, paths=40, shared_root=2)
     capacity = int(batch.lengths.max() * 2)
     for dp in (1, 2):
-        plan = harts.plan_step(batch, dp=dp, capacity=capacity, method="ortools", time_limit=2.0)
+        plan = ortools_step(batch, dp=dp, capacity=capacity, time_limit=2.0)
         check_plan(plan, batch, dp, capacity)
         harts_plan = harts.plan_step(batch, dp=dp, capacity=capacity)
         assert harts_plan.method == "harts" and plan.method == "ortools"
@@ -204,6 +205,7 @@ def test_ortools_baseline_keeps_trees_that_fit_whole() -> None:
     no equalizing splits). Four trees of 100 compact tokens at T = 180: a lexicographic
     first-fit start has 3 bins and cuts trees; the tree packing needs 4 and cuts none."""
     pytest.importorskip("ortools")
+    from harts.plan.baselines.ortools_partition import ortools_step
     paths, tree_ids = [], []
     for t in range(4):
         prefix = [10 * t + 1] * 40
@@ -211,7 +213,7 @@ def test_ortools_baseline_keeps_trees_that_fit_whole() -> None:
             paths.append(prefix + [100 + 10 * t + b] * 20)
             tree_ids.append(t)
     batch = harts.RolloutBatch.from_trajectories(paths, tree_ids=tree_ids)
-    plan = harts.plan_step(batch, dp=1, capacity=180, method="ortools", time_limit=5.0)
+    plan = ortools_step(batch, dp=1, capacity=180, time_limit=5.0)
     check_plan(plan, batch, 1, 180)
     owner = np.empty(batch.num_trajectories, dtype=np.int64)
     for k, mb in enumerate(plan.microbatches):

@@ -40,6 +40,8 @@ def load_model(
     apply, and ``vocab_size`` is checked (a batch must fit the checkpoint's vocabulary).
     """
     if is_checkpoint(spec):
+        from harts.integrations.hf import from_pretrained  # transformers-side code: only for checkpoints
+
         overrides: dict[str, Any] = {}
         if dtype is not None:
             overrides["dtype"] = dtype
@@ -47,7 +49,7 @@ def load_model(
             overrides["chunk_size"] = chunk_size
         if layer_pattern is not None:
             raise ValueError("a checkpoint's layer pattern is fixed; drop the pattern override")
-        model = HybridLM.from_pretrained(spec, **overrides)
+        model = from_pretrained(spec, **overrides)
         if vocab_size is not None and vocab_size > model.config.vocab_size:
             raise ValueError(
                 f"the batch needs vocab_size >= {vocab_size} but the checkpoint at {spec} has "

@@ -1,0 +1,142 @@
+"""What the step planner hands out: ``StepPlan`` and the helpers every planner shares (paper §3.2).
+
+``plan_step`` (``planner.py``) and the OR-Tools baseline (``harts.plan.baselines``) both turn
+a grouping of trajectories (``owner``) into a ``StepPlan`` through ``plan_from_owner`` and
+``to_step_plan``; both import this module, neither imports the other's internals.
+
+Shapes (N = trajectories, K = microbatches, D = replicas, J = slots): ``owner`` int64 [N] over
+sorted positions; ``work`` int64 [K]; ``work_matrix()`` int64 [D, J].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from harts.plan.step.objective import PrefixCost, imbalance
+from harts.plan.step.schedule import build_schedule
+
+__all__ = ["StepPlan", "check_inputs", "plan_from_owner", "to_step_plan"]
+
+
+@dataclass(kw_only=True)
+class StepPlan:
+    """Microbatches x DP replicas x slots for one training step.
+
+    ``microbatches[k]`` lists batch trajectory indices (lexicographic order) and runs on
+    replica ``replica[k]`` in slot ``slot[k]``; microbatches are listed by (slot, replica).
+    """
+
+    microbatches: list[list[int]]
+    replica: list[int]
+    slot: list[int]
+    work: list[int]
+    objective: tuple[int, int, int]
+    plan_seconds: float
+    dp: int
+    capacity: int
+    method: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.microbatches) // self.dp
+
+    @property
+    def compact_tokens(self) -> int:
+        return int(sum(self.work))
+
+    def work_matrix(self) -> np.ndarray:
+        """int64 [D, J]: compact work of replica d in slot j."""
+        w = np.zeros((self.dp, self.num_slots), dtype=np.int64)
+        w[self.replica, self.slot] = self.work
+        return w
+
+    def within_slot_imbalance(self) -> list[float]:
+        """Eq. 23 for every slot."""
+        w = self.work_matrix()
+        return [imbalance(w[:, j]) for j in range(w.shape[1])]
+
+    def step_total_imbalance(self) -> float:
+        """Eq. 23 over replica totals of the step."""
+        return imbalance(self.work_matrix().sum(axis=1))
+
+    def for_replica(self, d: int) -> list[list[int]]:
+        """The microbatches replica d runs, in slot order."""
+        ks = sorted((k for k in range(self.num_microbatches) if self.replica[k] == d), key=self.slot.__getitem__)
+        return [self.microbatches[k] for k in ks]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "compact_tokens": self.compact_tokens,
+            "plan_seconds": self.plan_seconds,
+            "slots": self.num_slots,
+            "microbatches": self.num_microbatches,
+            "objective": list(self.objective),
+            "within_slot_imbalance": self.within_slot_imbalance(),
+            "step_total_imbalance": self.step_total_imbalance(),
+        }
+
+
+def check_inputs(cb: Any, dp: int, capacity: int) -> None:
+    """Clear errors for D, T and trajectories that cannot be planned."""
+    n = cb.num_trajectories
+    if int(dp) != dp or dp < 1:
+        raise ValueError(f"dp must be a positive integer, got {dp!r}")
+    if int(capacity) != capacity or capacity < 1:
+        raise ValueError(f"capacity must be a positive integer number of compact tokens, got {capacity!r}")
+    if dp > n:
+        raise ValueError(f"dp={dp} exceeds the number of trajectories ({n}): every replica needs a microbatch")
+    lengths = cb.batch.lengths
+    too_long = np.flatnonzero(lengths > capacity)
+    if too_long.size:
+        j = int(too_long[0])
+        raise ValueError(
+            f"trajectory {j} has {int(lengths[j])} tokens, more than capacity={capacity} "
+            f"({too_long.size} trajectories are too long); a trajectory is never split"
+        )
+    g = cb.lcp_index.total_work()
+    need = dp * max(1, -(-g // (capacity * dp)))
+    if need > dp * (n // dp):
+        raise ValueError(
+            f"capacity={capacity} is too small: {g} compact tokens need at least {need} microbatches "
+            f"(a multiple of dp={dp}), but {n} trajectories fill at most {dp * (n // dp)} nonempty ones"
+        )
+
+
+def plan_from_owner(cb: Any, cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int) -> dict[str, Any]:
+    """Schedule one grouping and return its parts (used by both planners)."""
+    work = cost.works(owner)
+    replica, slot, j = build_schedule(work, dp)
+    return {"owner": owner, "work": work, "replica": replica, "slot": slot, "objective": j}
+
+
+def to_step_plan(
+    cb: Any, best: dict[str, Any], dp: int, capacity: int, method: str, seconds: float, info: dict
+) -> StepPlan:
+    """The StepPlan of a scheduled grouping ``best`` (a ``plan_from_owner`` result) of ``cb``."""
+    order = cb.lcp_index.order
+    owner = best["owner"]
+    k = best["work"].size
+    by_group = np.argsort(owner, kind="stable")
+    bounds = np.searchsorted(owner[by_group], np.arange(k + 1))
+    members = [order[by_group[bounds[g] : bounds[g + 1]]].tolist() for g in range(k)]
+    listing = np.lexsort((best["replica"], best["slot"]))
+    return StepPlan(
+        microbatches=[members[g] for g in listing],
+        replica=best["replica"][listing].tolist(),
+        slot=best["slot"][listing].tolist(),
+        work=best["work"][listing].tolist(),
+        objective=tuple(int(v) for v in best["objective"]),
+        plan_seconds=seconds,
+        dp=dp,
+        capacity=capacity,
+        method=method,
+        info=info,
+    )
