@@ -24,19 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from harts.errors import BatchValidationError
-
-if TYPE_CHECKING:
-    from harts.tree.rollout_tree import RolloutTree
+from harts.tree import io
+from harts.tree.rollout_tree import RolloutTree
+from harts.tree.schema import PER_TOKEN_FIELDS
 
 __all__ = ["RolloutBatch", "BatchValidationError", "PER_TOKEN_FIELDS"]
-
-#: Optional per-token float metadata, in file-schema order.
-PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "loss_weights")
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,25 +172,23 @@ class RolloutBatch:
         )
 
     @classmethod
-    def from_tree(cls, nodes: Sequence[dict[str, Any]], *, vocab_size: int | None = None) -> RolloutBatch:
-        """Build a batch from explicit rollout-tree nodes (see ``harts.tree.rollout_tree``)."""
-        from harts.tree.rollout_tree import RolloutTree
-
-        return RolloutTree.from_nodes(nodes).to_batch(vocab_size=vocab_size)
+    def from_tree(
+        cls, nodes: Sequence[dict[str, Any]] | RolloutTree, *, vocab_size: int | None = None
+    ) -> RolloutBatch:
+        """Build a batch from explicit rollout-tree nodes (see ``harts.tree.rollout_tree``) or
+        a built ``RolloutTree``: every root-to-leaf path is a trajectory, in leaf order."""
+        tree = nodes if isinstance(nodes, RolloutTree) else RolloutTree.from_nodes(nodes)
+        return cls(**tree.batch_fields(), vocab_size=vocab_size, tree=tree)
 
     # ------------------------------------------------------------------ files
     @classmethod
     def load(cls, path: str, *, vocab_size: int | None = None) -> RolloutBatch:
         """Read a ``.jsonl`` or ``.parquet`` batch file (schema: ``harts.tree.io``)."""
-        from harts.tree.io import load_batch
-
-        return load_batch(path, vocab_size=vocab_size)
+        return io.load_batch(path, vocab_size=vocab_size, build=cls.from_trajectories)
 
     def save(self, path: str) -> None:
         """Write a ``.jsonl`` or ``.parquet`` batch file (schema: ``harts.tree.io``)."""
-        from harts.tree.io import save_batch
-
-        save_batch(self, path)
+        io.save_batch(self, path)
 
     def select(self, indices: Sequence[int] | np.ndarray) -> RolloutBatch:
         """A new batch holding trajectories ``indices`` in that order (metadata kept)."""

@@ -39,12 +39,16 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from harts.errors import BatchValidationError
-from harts.tree.batch import PER_TOKEN_FIELDS, RolloutBatch
+from harts.tree.schema import PER_TOKEN_FIELDS
+
+if TYPE_CHECKING:  # annotations only: the batch builds on this module, not the reverse
+    from harts.tree.batch import RolloutBatch
 
 __all__ = ["load_batch", "save_batch", "FORMAT", "VERSION", "LOGPROB_TOLERANCE"]
 
@@ -68,8 +72,13 @@ def _kind(path: str | Path) -> str:
     raise BatchValidationError(f"{path}: unknown batch file type {suffix!r} (use .jsonl or .parquet)")
 
 
-def load_batch(path: str | Path, *, vocab_size: int | None = None) -> RolloutBatch:
+def load_batch(
+    path: str | Path, *, vocab_size: int | None = None, build: Callable[..., RolloutBatch] | None = None
+) -> RolloutBatch:
     """Read a batch file; ``vocab_size`` overrides the file's header when given.
+
+    ``build`` is ``RolloutBatch.from_trajectories`` (what ``RolloutBatch.load`` passes; the
+    default imports it), called with the checked records' fields.
 
     Raises ``BatchValidationError`` (naming file, trajectory with line or row, field and
     position) for anything but a valid file.
@@ -85,7 +94,11 @@ def load_batch(path: str | Path, *, vocab_size: int | None = None) -> RolloutBat
         unit = "line" if kind == "jsonl" else "row"
         if vocab_size is None:
             vocab_size = meta.get("vocab_size")
-        return _from_records(records, vocab_size, unit)
+        if build is None:
+            from harts.tree.batch import RolloutBatch
+
+            build = RolloutBatch.from_trajectories
+        return _from_records(records, vocab_size, unit, build)
     except BatchValidationError as err:
         raise BatchValidationError(f"{path}: {err}") from None
     except OSError as err:
@@ -341,7 +354,9 @@ def _check_record(rec: Any) -> dict[str, Any]:
     return out
 
 
-def _from_records(records: list[tuple[int, Any]], vocab_size: int | None, unit: str) -> RolloutBatch:
+def _from_records(
+    records: list[tuple[int, Any]], vocab_size: int | None, unit: str, build: Callable[..., RolloutBatch]
+) -> RolloutBatch:
     if not records:
         raise BatchValidationError("the file holds no trajectories")
 
@@ -368,7 +383,7 @@ def _from_records(records: list[tuple[int, Any]], vocab_size: int | None, unit: 
         key = {"group_id": "group_ids", "tree_id": "tree_ids"}.get(name, name)
         kwargs[key] = [r[name] for r in checked]
     try:
-        return RolloutBatch.from_trajectories(
+        return build(
             [r["tokens"] for r in checked], advantages=[r["advantages"] for r in checked],
             vocab_size=vocab_size, **kwargs,
         )

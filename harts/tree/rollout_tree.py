@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from harts.tree.batch import PER_TOKEN_FIELDS, BatchValidationError, RolloutBatch
+from harts.errors import BatchValidationError
+from harts.tree.schema import PER_TOKEN_FIELDS
 
 __all__ = ["RolloutTree"]
 
@@ -167,8 +168,14 @@ class RolloutTree:
         """Per trajectory, int64 node indices from root to leaf."""
         return [np.asarray(self.path(v), dtype=np.int64) for v in self.leaves]
 
-    def to_batch(self, *, vocab_size: int | None = None) -> RolloutBatch:
-        """Expand every root-to-leaf path into a trajectory (metadata carried along)."""
+    def batch_fields(self) -> dict[str, Any]:
+        """Every root-to-leaf path expanded into a trajectory (metadata carried along): the
+        ``RolloutBatch`` fields (``RolloutBatch.from_tree`` builds the batch from them).
+
+        Returns tokens int64 [S], offsets int64 [N + 1], action_mask bool [S], advantages
+        float64 [S], the optional per-token metadata float64 [S] | None, group_ids and tree_ids
+        int64 [N] | None.
+        """
         paths = self.leaf_paths()
         node_len = np.diff(self.offsets)
         gathers = []
@@ -202,7 +209,7 @@ class RolloutTree:
 
         root_rank = np.full(self.num_nodes, -1, dtype=np.int64)
         root_rank[self.roots] = np.arange(self.roots.size)
-        return RolloutBatch(
+        return dict(
             tokens=self.tokens[gather],
             offsets=offsets,
             action_mask=mask,
@@ -212,8 +219,6 @@ class RolloutTree:
             loss_weights=meta("loss_weights"),
             group_ids=self.leaf_group,
             tree_ids=root_rank[self.root_of[self.leaves]],
-            vocab_size=vocab_size,
-            tree=self,
         )
 
 

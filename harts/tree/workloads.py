@@ -266,7 +266,7 @@ class _Builder:
             for i, (t, m, p) in enumerate(zip(self.node_tokens, self.node_mask, self.node_parent))
         ]
         tree = RolloutTree.from_nodes(nodes)
-        batch = tree.to_batch(vocab_size=s.vocab_size)
+        batch = RolloutBatch.from_tree(tree, vocab_size=s.vocab_size)
         task = np.array([self.leaf_task[int(v)] for v in tree.leaves], dtype=np.int64)
         adv = self._group_advantages(task)
         extra = {}
