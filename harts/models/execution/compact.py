@@ -33,7 +33,14 @@ __all__ = ["CompactContext", "RoundTensors"]
 
 
 def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)
+    """int64 index array on ``device``, uploaded without waiting for the device (the pageable
+    source is staged before the call returns, so a non-blocking copy is safe)."""
+    return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _host(a: np.ndarray) -> torch.Tensor:
+    """int64 metadata kept on the host: linear-attention ops read it without a device sync."""
+    return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -41,11 +48,11 @@ class RoundTensors:
     """One RoundView as device tensors (plus host copies of the small id arrays)."""
 
     la_rows: torch.Tensor
-    cu_seqlens: torch.Tensor
+    cu_seqlens: torch.Tensor  # host (CPU) tensor: the op plans from it without a device sync
     out_pos: torch.Tensor  # positions within la_rows that produce output
     out_rows: torch.Tensor
     init_state: np.ndarray
-    requests: torch.Tensor | None
+    requests: torch.Tensor | None  # host (CPU) tensor, like cu_seqlens
     request_ids: np.ndarray
     num_replay: int
 
@@ -76,11 +83,11 @@ class CompactContext(RowContext):
         requests = np.asarray(r.requests, dtype=np.int64).reshape(-1, 2)
         return RoundTensors(
             la_rows=_t(r.la_rows, self.device),
-            cu_seqlens=_t(r.cu_seqlens, self.device),
+            cu_seqlens=_host(r.cu_seqlens),
             out_pos=_t(np.flatnonzero(is_output), self.device),
             out_rows=_t(r.out_rows, self.device),
             init_state=np.asarray(r.init_state, dtype=np.int64),
-            requests=_t(requests, self.device) if requests.shape[0] else None,
+            requests=_host(requests) if requests.shape[0] else None,
             request_ids=np.asarray(r.request_ids, dtype=np.int64),
             num_replay=int((~is_output).sum()),
         )

@@ -38,7 +38,8 @@ class TrajectoryContext(RowContext):
         offsets = batch.offsets
         self.num_rows = batch.num_tokens
         self.chunk_size = chunk_size
-        self.cu_seqlens = torch.as_tensor(offsets, dtype=torch.int64, device=device)
+        self.cu_seqlens = torch.as_tensor(offsets, dtype=torch.int64).to(device, non_blocking=True)
+        self.cu_seqlens_host = torch.as_tensor(offsets, dtype=torch.int64)  # for the LA op: no device sync
         pos = np.arange(batch.num_tokens) - np.repeat(offsets[:-1], batch.lengths)
         self.position = torch.as_tensor(pos, dtype=torch.int64, device=device)
         self.row_weight = torch.ones(batch.num_tokens, dtype=torch.float64, device=device)
@@ -58,7 +59,7 @@ class TrajectoryContext(RowContext):
 
     def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
         o, _, _ = self.la_op(
-            q_THK, k_THK, v_THV, g, beta_TH, cu_seqlens=self.cu_seqlens, chunk_size=self.chunk_size, scale=scale
+            q_THK, k_THK, v_THV, g, beta_TH, cu_seqlens=self.cu_seqlens_host, chunk_size=self.chunk_size, scale=scale
         )
         return o
 

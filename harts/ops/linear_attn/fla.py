@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 
 from harts.ops.linear_attn.chunk import chunk_linear_attn
@@ -137,7 +138,7 @@ def fla_chunk_linear_attn(
         spans = [(spec.starts[i] + bounds[i][r], spec.starts[i] + bounds[i][r + 1]) for i in seqs]
         o, ht = _fla_call(q, k, v, g, beta, spans, torch.stack([state_at[(i, bounds[i][r])] for i in seqs]), spec, B)
         out_pieces.append(o)
-        out_rows.append(torch.cat([torch.arange(a, b, device=dev) for a, b in spans]))
+        out_rows.append(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans]))
         for j, i in enumerate(seqs):
             state_at[(i, bounds[i][r + 1])] = ht[j]
     for i in range(N):  # empty sequences keep their initial state
@@ -153,7 +154,8 @@ def fla_chunk_linear_attn(
 
     if out_pieces:
         # every row is in exactly one piece: sorting the pieces' rows restores packed order
-        o = torch.cat(out_pieces)[torch.argsort(torch.cat(out_rows))]
+        order = torch.from_numpy(np.argsort(np.concatenate(out_rows), kind="stable")).to(dev, non_blocking=True)
+        o = torch.cat(out_pieces)[order]
     else:
         o = v.new_zeros(0, spec.H, spec.V)
     final = torch.stack([state_at[(i, spec.lengths[i])] for i in range(N)])
@@ -176,9 +178,11 @@ def _fla_call(
     """One packed fla call over the row spans [(start, end)]; returns (o [sum len, H, V], ht [n, H, K, V])."""
     _import_fla()
     dev = q.device
-    rows = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
-    lengths = torch.tensor([b - a for a, b in spans], device=dev)
-    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    # index arrays built on the host and uploaded once, without waiting for the device
+    rows_np = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans])
+    cu_np = np.concatenate([[0], np.cumsum([b - a for a, b in spans])]).astype(np.int64)
+    rows = torch.from_numpy(rows_np).to(dev, non_blocking=True)
+    cu = torch.from_numpy(cu_np).to(dev, non_blocking=True)
     args = [x[rows].unsqueeze(0).contiguous() for x in (q, k, v, g, beta)]
     if spec.scalar_decay:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule

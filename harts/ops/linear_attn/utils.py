@@ -19,6 +19,10 @@ import torch
 __all__ = ["LinearAttnSpec", "check_linear_attn_inputs"]
 
 
+# ``cu_seqlens`` and ``state_requests`` are read on the host (``tolist``): pass them as CPU tensors
+# (the execution contexts do) and no call waits for the device; device tensors work but sync.
+
+
 @dataclass(frozen=True, slots=True)
 class LinearAttnSpec:
     """Sizes and host-side copies of the index inputs of one linear-attention call."""
