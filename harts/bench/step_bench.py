@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from harts.bench.flops import FlopModel
-from harts.models import regions
+import harts.models.regions as regions
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer

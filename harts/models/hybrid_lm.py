@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harts.models import regions
+import harts.models.regions as regions
 from harts.models.config import LAYER_TYPES, HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, MLP, MoE, MultiheadLatentAttention

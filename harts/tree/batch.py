@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from harts.errors import BatchValidationError
-from harts.tree import io
+from harts.tree.io import load_batch, save_batch
 from harts.tree.rollout_tree import RolloutTree
 from harts.tree.schema import PER_TOKEN_FIELDS
 
@@ -184,11 +184,11 @@ class RolloutBatch:
     @classmethod
     def load(cls, path: str, *, vocab_size: int | None = None) -> RolloutBatch:
         """Read a ``.jsonl`` or ``.parquet`` batch file (schema: ``harts.tree.io``)."""
-        return io.load_batch(path, vocab_size=vocab_size, build=cls.from_trajectories)
+        return load_batch(path, vocab_size=vocab_size, build=cls.from_trajectories)
 
     def save(self, path: str) -> None:
         """Write a ``.jsonl`` or ``.parquet`` batch file (schema: ``harts.tree.io``)."""
-        io.save_batch(self, path)
+        save_batch(self, path)
 
     def select(self, indices: Sequence[int] | np.ndarray) -> RolloutBatch:
         """A new batch holding trajectories ``indices`` in that order (metadata kept)."""

@@ -40,15 +40,34 @@ import math
 import re
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from harts.errors import BatchValidationError
 from harts.tree.schema import PER_TOKEN_FIELDS
 
-if TYPE_CHECKING:  # annotations only: the batch builds on this module, not the reverse
-    from harts.tree.batch import RolloutBatch
+#: what ``load_batch`` returns: whatever its ``build`` (``RolloutBatch.from_trajectories``) makes
+B = TypeVar("B")
+
+
+class BatchArrays(Protocol):
+    """What ``save_batch`` reads of a ``RolloutBatch`` (the batch builds on this module, so
+    this module names the fields instead of importing the class)."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    action_mask: np.ndarray
+    advantages: np.ndarray
+    old_logprobs: np.ndarray | None
+    ref_logprobs: np.ndarray | None
+    loss_weights: np.ndarray | None
+    group_ids: np.ndarray | None
+    tree_ids: np.ndarray | None
+    vocab_size: int | None
+
+    @property
+    def num_trajectories(self) -> int: ...
 
 __all__ = ["load_batch", "save_batch", "FORMAT", "VERSION", "LOGPROB_TOLERANCE"]
 
@@ -72,13 +91,10 @@ def _kind(path: str | Path) -> str:
     raise BatchValidationError(f"{path}: unknown batch file type {suffix!r} (use .jsonl or .parquet)")
 
 
-def load_batch(
-    path: str | Path, *, vocab_size: int | None = None, build: Callable[..., RolloutBatch] | None = None
-) -> RolloutBatch:
-    """Read a batch file; ``vocab_size`` overrides the file's header when given.
-
-    ``build`` is ``RolloutBatch.from_trajectories`` (what ``RolloutBatch.load`` passes; the
-    default imports it), called with the checked records' fields.
+def load_batch(path: str | Path, *, build: Callable[..., B], vocab_size: int | None = None) -> B:
+    """Read a batch file; ``vocab_size`` overrides the file's header when given. Use
+    ``RolloutBatch.load``: it passes ``build=RolloutBatch.from_trajectories``, which is called
+    with the checked records' fields (tokens, advantages, optional metadata, vocab_size).
 
     Raises ``BatchValidationError`` (naming file, trajectory with line or row, field and
     position) for anything but a valid file.
@@ -94,10 +110,6 @@ def load_batch(
         unit = "line" if kind == "jsonl" else "row"
         if vocab_size is None:
             vocab_size = meta.get("vocab_size")
-        if build is None:
-            from harts.tree.batch import RolloutBatch
-
-            build = RolloutBatch.from_trajectories
         return _from_records(records, vocab_size, unit, build)
     except BatchValidationError as err:
         raise BatchValidationError(f"{path}: {err}") from None
@@ -105,7 +117,7 @@ def load_batch(
         raise BatchValidationError(f"{path}: cannot read the batch file ({err.strerror or err})") from None
 
 
-def save_batch(batch: RolloutBatch, path: str | Path) -> None:
+def save_batch(batch: BatchArrays, path: str | Path) -> None:
     """Write ``batch`` as JSONL or Parquet (by suffix)."""
     path = Path(path)
     if _kind(path) == "jsonl":
@@ -124,7 +136,7 @@ def save_batch(batch: RolloutBatch, path: str | Path) -> None:
         pq.write_table(table, path)
 
 
-def _to_records(batch: RolloutBatch) -> list[dict[str, Any]]:
+def _to_records(batch: BatchArrays) -> list[dict[str, Any]]:
     out = []
     for j in range(batch.num_trajectories):
         sl = slice(int(batch.offsets[j]), int(batch.offsets[j + 1]))
@@ -355,8 +367,8 @@ def _check_record(rec: Any) -> dict[str, Any]:
 
 
 def _from_records(
-    records: list[tuple[int, Any]], vocab_size: int | None, unit: str, build: Callable[..., RolloutBatch]
-) -> RolloutBatch:
+    records: list[tuple[int, Any]], vocab_size: int | None, unit: str, build: Callable[..., B]
+) -> B:
     if not records:
         raise BatchValidationError("the file holds no trajectories")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harts.models import regions
+import harts.models.regions as regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNorm
