@@ -33,8 +33,9 @@ def mapped_logprobs(
     Args:
         hidden_PD: [P, D] final hidden states on compact/physical rows.
         lm_head_weight_VD: [V, D] LM head weight.
-        rows_n: int [n] hidden row of each position (rows may repeat).
-        targets_n: int [n] target token of each position.
+        rows_n: int [n] hidden row of each position (rows may repeat); on the host (CPU), the
+            index plan costs no device synchronization (a device tensor is copied back once).
+        targets_n: int [n] target token of each position (host or device, as rows_n).
         row_chunk: unique rows per logits chunk (bounds memory at row_chunk x V).
 
     Returns:
@@ -46,28 +47,41 @@ def mapped_logprobs(
     V = lm_head_weight_VD.shape[0]
     if rows_n.dim() != 1 or targets_n.shape != rows_n.shape:
         raise ValueError(f"rows and targets must be [n] of equal length; got {tuple(rows_n.shape)} and {tuple(targets_n.shape)}")
-    if rows_n.numel() and (int(rows_n.min()) < 0 or int(rows_n.max()) >= P):
-        raise ValueError(f"rows must lie in [0, {P}); got [{int(rows_n.min())}, {int(rows_n.max())}]")
-    if targets_n.numel() and (int(targets_n.min()) < 0 or int(targets_n.max()) >= V):
-        raise ValueError(f"targets must lie in [0, {V}); got [{int(targets_n.min())}, {int(targets_n.max())}]")
     if row_chunk < 1:
         raise ValueError(f"row_chunk must be positive; got {row_chunk}")
-    dev = hidden_PD.device
-    return _MappedLogprobs.apply(hidden_PD, lm_head_weight_VD, rows_n.to(dev), targets_n.to(dev), row_chunk)
+    # the index plan (unique rows, their positions, chunk bounds) is made where rows_n lives:
+    # host tensors (what HybridLM passes) cost the device no synchronization at all
+    rows_h, targets_h = rows_n.detach().cpu(), targets_n.detach().cpu()
+    if rows_h.numel() and (int(rows_h.min()) < 0 or int(rows_h.max()) >= P):
+        raise ValueError(f"rows must lie in [0, {P}); got [{int(rows_h.min())}, {int(rows_h.max())}]")
+    if targets_h.numel() and (int(targets_h.min()) < 0 or int(targets_h.max()) >= V):
+        raise ValueError(f"targets must lie in [0, {V}); got [{int(targets_h.min())}, {int(targets_h.max())}]")
+    plan = _IndexPlan(rows_h, row_chunk, hidden_PD.device)
+    targets = targets_h.to(hidden_PD.device, non_blocking=True)
+    return _MappedLogprobs.apply(hidden_PD, lm_head_weight_VD, targets, plan)
+
+
+class _IndexPlan:
+    """Unique rows, positions grouped by row, chunk bounds: built on the host, uploaded once."""
+
+    def __init__(self, rows: torch.Tensor, row_chunk: int, device: torch.device) -> None:
+        uniq, inv = torch.unique(rows, return_inverse=True)
+        order = torch.argsort(inv, stable=True)
+        bounds = torch.arange(0, uniq.numel() + row_chunk, row_chunk).clamp(max=uniq.numel())
+        self.pos_bounds: list[int] = torch.searchsorted(inv[order], bounds).tolist()
+        self.bounds: list[int] = bounds.tolist()
+        self.num_unique = int(uniq.numel())
+        self.uniq, self.inv, self.order = (t.to(device, non_blocking=True) for t in (uniq, inv, order))
 
 
 class _MappedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, rows, targets, row_chunk: int):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, plan: _IndexPlan):  # type: ignore[override]
         cdt = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
-        uniq, inv = torch.unique(rows, return_inverse=True)  # positions grouped per unique row
-        order = torch.argsort(inv, stable=True)
-        bounds = torch.arange(0, uniq.numel() + row_chunk, row_chunk, device=rows.device).clamp(max=uniq.numel())
-        pos_bounds = torch.searchsorted(inv[order], bounds).tolist()
-        bounds = bounds.tolist()
+        uniq, inv, order, bounds, pos_bounds = plan.uniq, plan.inv, plan.order, plan.bounds, plan.pos_bounds
         w = weight.to(cdt)
-        lse = hidden.new_empty(uniq.numel(), dtype=cdt)
-        target_logit = hidden.new_empty(rows.numel(), dtype=cdt)
+        lse = hidden.new_empty(plan.num_unique, dtype=cdt)
+        target_logit = hidden.new_empty(targets.numel(), dtype=cdt)
         for c in range(len(bounds) - 1):
             lo, hi = bounds[c], bounds[c + 1]
             if hi == lo:
@@ -76,28 +90,29 @@ class _MappedLogprobs(torch.autograd.Function):
             lse[lo:hi] = torch.logsumexp(logits, dim=-1)
             pos = order[pos_bounds[c] : pos_bounds[c + 1]]
             target_logit[pos] = logits[inv[pos] - lo, targets[pos]]
-        ctx.save_for_backward(hidden, weight, uniq, inv, order, targets, lse)
-        ctx.bounds, ctx.pos_bounds, ctx.cdt = bounds, pos_bounds, cdt
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.plan, ctx.cdt = plan, cdt
         return target_logit - lse[inv]
 
     @staticmethod
     def backward(ctx, grad_n):  # type: ignore[override]
-        hidden, weight, uniq, inv, order, targets, lse = ctx.saved_tensors
-        cdt = ctx.cdt
+        hidden, weight, targets, lse = ctx.saved_tensors
+        plan, cdt = ctx.plan, ctx.cdt
+        uniq, inv, order = plan.uniq, plan.inv, plan.order
         grad_n = grad_n.to(cdt)
         w = weight.to(cdt)
         # each unique row's softmax term is weighted by the sum of its positions' gradients
-        grad_row = grad_n.new_zeros(uniq.numel()).index_add_(0, inv, grad_n)
+        grad_row = grad_n.new_zeros(plan.num_unique).index_add_(0, inv, grad_n)
         d_hidden = torch.zeros_like(hidden, dtype=cdt) if ctx.needs_input_grad[0] else None
         d_weight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
-        for c in range(len(ctx.bounds) - 1):
-            lo, hi = ctx.bounds[c], ctx.bounds[c + 1]
+        for c in range(len(plan.bounds) - 1):
+            lo, hi = plan.bounds[c], plan.bounds[c + 1]
             if hi == lo:
                 continue
             h = hidden[uniq[lo:hi]].to(cdt)
             # recompute logits, then turn them into d(logits) in place: -grad_row * softmax + onehot
             d_logits = (h @ w.T).sub_(lse[lo:hi, None]).exp_().mul_(-grad_row[lo:hi, None])
-            pos = order[ctx.pos_bounds[c] : ctx.pos_bounds[c + 1]]
+            pos = order[plan.pos_bounds[c] : plan.pos_bounds[c + 1]]
             d_logits.index_put_((inv[pos] - lo, targets[pos]), grad_n[pos], accumulate=True)
             if d_hidden is not None:
                 d_hidden.index_add_(0, uniq[lo:hi], d_logits @ w)
@@ -106,7 +121,6 @@ class _MappedLogprobs(torch.autograd.Function):
         return (
             None if d_hidden is None else d_hidden.to(hidden.dtype),
             None if d_weight is None else d_weight.to(weight.dtype),
-            None,
             None,
             None,
         )
