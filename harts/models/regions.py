@@ -104,32 +104,19 @@ def _phase() -> str:
     return "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
-class _BackwardEnd(torch.autograd.Function):
-    """Identity on the region's inputs; its backward marks the end of the region's backward."""
+class _BackwardMark(torch.autograd.Function):
+    """Identity on tensors; its backward marks the start (on a region's outputs) or the end (on
+    its inputs) of the region's backward."""
 
     @staticmethod
-    def forward(ctx, name: str, timer: RegionTimer, *xs: torch.Tensor):  # type: ignore[override]
-        ctx.name, ctx.timer = name, timer
+    def forward(ctx, name: str, timer: RegionTimer, is_end: bool, *xs: torch.Tensor):  # type: ignore[override]
+        ctx.name, ctx.timer, ctx.is_end = name, timer, is_end
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.timer.stop(ctx.name, "backward")
-        return (None, None, *grads)
-
-
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the region's outputs; its backward marks the start of the region's backward."""
-
-    @staticmethod
-    def forward(ctx, name: str, timer: RegionTimer, *xs: torch.Tensor):  # type: ignore[override]
-        ctx.name, ctx.timer = name, timer
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.timer.start(ctx.name, "backward")
-        return (None, None, *grads)
+        (ctx.timer.stop if ctx.is_end else ctx.timer.start)(ctx.name, "backward")
+        return (None, None, None, *grads)
 
 
 def _differentiable(xs: tuple[torch.Tensor, ...]) -> bool:
@@ -143,7 +130,7 @@ def enter(name: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return xs
     timer.start(name, _phase())
     if _phase() == "forward" and _differentiable(xs):
-        return _BackwardEnd.apply(name, timer, *xs)
+        return _BackwardMark.apply(name, timer, True, *xs)
     return xs
 
 
@@ -155,5 +142,5 @@ def exit(name: str, *ys: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: A00
     phase = _phase()
     timer.stop(name, phase)
     if phase == "forward" and _differentiable(ys):
-        return _BackwardStart.apply(name, timer, *ys)
+        return _BackwardMark.apply(name, timer, False, *ys)
     return ys
