@@ -29,7 +29,8 @@
 #                 small workload that autotunes the bf16 kernels: cold Triton autotuning is
 #                 CPU-bound compilation, so this cuts a cold run's wall time several-fold.
 #                 The timed benches (step 3) always run alone.
-#   STEPS         which of "tests compare bench" to run (default all three)
+#   STEPS         which of "tests compare la bench" to run (default "tests compare bench"; "la" runs
+#                 python -m harts.bench.la_bench on LA_WORK's rounds, default medium)
 #   BENCH_MODEL   bench model flags (default "--model ling3_tiny --pattern KKKM")
 #   BENCH_WORK    bench workload flags (default "--workload small": 3 steps of ~38k raw tokens;
 #                 "--workload medium --steps 1" is 3.6 M raw tokens, which did not finish in
@@ -126,6 +127,12 @@ for attn in ("mask", "gather"):
 PYEOF
 fi
 
+if want la; then
+    # the linear-attention core alone on real rounds: tree kernel vs fla split path vs plain fla
+    run la_bench "$PY" -m harts.bench.la_bench --workload "${LA_WORK:-medium}" --device cuda \
+        --json "$OUT/la_bench.json"
+fi
+
 if want bench; then
     for attn in $BENCH_ATTN; do
         # shellcheck disable=SC2086
@@ -135,7 +142,7 @@ if want bench; then
 fi
 
 
-for f in "$OUT"/compare_*.log "$OUT"/bench_*.log; do
+for f in "$OUT"/compare_*.log "$OUT"/la_bench.log "$OUT"/bench_*.log; do
     [[ -e $f ]] || continue
     echo "=== $f"
     grep -v "^\s*$" "$f" | tail -n 25
