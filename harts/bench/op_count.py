@@ -18,12 +18,18 @@ import argparse
 import collections
 import json
 import sys
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harts.models.execution.config import ExecutionConfig
+    from harts.models.hybrid_lm import HybridLM
+    from harts.tree.batch import RolloutBatch
 
 __all__ = ["count_ops", "main"]
 
 
-def count_ops(model: Any, batch: Any, mode: str, recompute: bool, **kwargs: Any) -> collections.Counter:
+def count_ops(model: HybridLM, batch: RolloutBatch, execution: ExecutionConfig) -> collections.Counter:
     """Counter {call site: aten operator calls} for one forward + backward of ``model``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -46,13 +52,14 @@ def count_ops(model: Any, batch: Any, mode: str, recompute: bool, **kwargs: Any)
 
     model.zero_grad(set_to_none=True)
     with _Count() as counter:
-        out = model(batch, mode=mode, recompute=recompute, **kwargs)
+        out = model(batch, execution)
         out.logprobs.sum().backward()
     return counter.sites
 
 
 def main(argv: list[str] | None = None) -> int:
     from harts.integrations.loading import load_model
+    from harts.models.execution.config import ExecutionConfig
     from harts.tree.batch import RolloutBatch
     from harts.tree.workloads import PRESETS, generate
 
@@ -76,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         batch = RolloutBatch.load(args.workload)
     model = load_model(args.model, vocab_size=int(batch.vocab_size or batch.tokens.max() + 1), dtype=args.dtype,
                        layer_pattern=args.pattern, seed=args.seed, device=args.device)
-    kwargs = {"linear_attention_backend": args.la_backend} if args.la_backend != "reference" else {}
-    counts = {mode: count_ops(model, batch, mode, args.recompute, **kwargs) for mode in ("trajectory", "compact")}
+    # per-trajectory / per-branch attention calls, as the counts were always taken
+    execution = ExecutionConfig(attention="gather", recompute=args.recompute, linear_attention_backend=args.la_backend)
+    counts = {mode: count_ops(model, batch, replace(execution, mode=mode)) for mode in ("trajectory", "compact")}
     totals = {mode: sum(c.values()) for mode, c in counts.items()}
     print(f"{args.workload}[{args.step}]: {batch.num_trajectories} paths, {batch.num_tokens:,} tokens; "
           f"aten operators per forward + backward{' (recompute)' if args.recompute else ''}")

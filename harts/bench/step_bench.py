@@ -42,6 +42,7 @@ import torch
 
 from harts.bench.flops import FlopModel
 import harts.models.regions as regions
+from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
@@ -187,9 +188,10 @@ def _counts(sub: RolloutBatch, inputs, mode: str) -> tuple[int, int, int]:  # no
     return int(inputs.cb.num_compact_tokens), logit_rows, pairs
 
 
-def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], mode: str, *, recompute: bool,
-              attention: str, plan_seconds: float, warmup: bool, la_backend: str, flop_model: FlopModel,
+def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], execution: ExecutionConfig, *,
+              plan_seconds: float, warmup: bool, flop_model: FlopModel,
               progress: bool = False, profile_dir: str | None = None) -> BenchSide:
+    mode = execution.mode
     device = model.embed_tokens.weight.device
     normalizer = grpo_normalizer(batch)
     z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
@@ -197,7 +199,7 @@ def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], mod
     t0 = time.perf_counter()
     for mb in groups:
         sub = batch.select(mb)
-        prepared.append((sub, model.prepare_compact(sub) if mode == "compact" else sub))
+        prepared.append((sub, model.prepare_compact(sub, execution) if mode == "compact" else sub))
     prep_seconds = time.perf_counter() - t0 if mode == "compact" else 0.0
     raw = logit_rows = pairs = 0
     for sub, inputs in prepared:
@@ -205,8 +207,7 @@ def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], mod
         raw, logit_rows, pairs = raw + sub.num_tokens, logit_rows + lr, pairs + pr
 
     def one(sub: RolloutBatch, inputs) -> dict:  # noqa: ANN001
-        out = model(inputs, mode=mode, recompute=recompute, attention=attention, fused_logprobs=True,
-                    linear_attention_backend=la_backend)
+        out = model(inputs, execution)
         loss = grpo_loss(out.logprobs, sub, normalizer=normalizer).loss
         if out.moe_losses is not None:
             loss = loss + (sub.num_tokens / batch.num_tokens) * out.moe_objective(z_coef, aux_coef)
@@ -296,12 +297,13 @@ def _optimizer_seconds(model: HybridLM) -> float:
     return seconds
 
 
-def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int = 0, recompute: bool = False,
-               attention: str = "gather", warmup: bool = True, la_backend: str = "reference", dp: int = 1,
+def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int = 0,
+               execution: ExecutionConfig | None = None, warmup: bool = True, dp: int = 1,
                replica: int = 0, optimizer: bool = False, peak_tflops: float | None = None,
                progress: bool = False, profile_dir: str | None = None) -> StepBench:
     """Time one step (or replica ``replica``'s share of it at ``dp`` replicas) both ways on
-    ``model`` (its weights are not changed). ``optimizer`` also times one AdamW step;
+    ``model`` (its weights are not changed) under ``execution`` (its mode is set per side, and
+    both sides use the fused log-prob, as a real trainer does). ``optimizer`` also times one AdamW step;
     ``profile_dir`` writes a Chrome trace of one microbatch per side."""
     if not 0 <= replica < dp:
         raise ValueError(f"--replica must lie in [0, {dp}) for --dp {dp}; got {replica}")
@@ -318,10 +320,10 @@ def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int
     predicted_base = [sum(w for w, o in zip(raw_work, owner) if o == d) for d in range(dp)]
     base_groups = [g for g, o in zip(raw_groups, owner) if o == replica]
     flop_model = FlopModel.from_model(model)
-    kw = dict(recompute=recompute, attention=attention, warmup=warmup, la_backend=la_backend,
-              flop_model=flop_model, progress=progress, profile_dir=profile_dir)
-    baseline = _run_side(model, batch, base_groups, "trajectory", plan_seconds=0.0, **kw)
-    harts = _run_side(model, batch, groups, "compact", plan_seconds=plan_seconds, **kw)
+    execution = replace(ExecutionConfig.of(execution), fused_logprobs=True)
+    kw = dict(warmup=warmup, flop_model=flop_model, progress=progress, profile_dir=profile_dir)
+    baseline = _run_side(model, batch, base_groups, replace(execution, mode="trajectory"), plan_seconds=0.0, **kw)
+    harts = _run_side(model, batch, groups, replace(execution, mode="compact"), plan_seconds=plan_seconds, **kw)
     return StepBench(step=step, paths=batch.num_trajectories, raw_tokens=batch.num_tokens,
                      baseline=baseline, harts=harts, dp=dp, replica=replica, predicted_harts=predicted_harts,
                      predicted_baseline=predicted_base,

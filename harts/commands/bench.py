@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from harts.commands._progress import progress
     from harts.errors import UserError
+    from harts.models.execution.config import ExecutionConfig
 
     if args.replica >= args.dp:
         raise UserError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
@@ -85,12 +86,13 @@ def run(args: argparse.Namespace) -> int:
           f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
           f"recompute {'on' if args.recompute else 'off'}; dp {args.dp}, replica {args.replica}; "
           f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}", flush=True)
+    execution = ExecutionConfig(recompute=args.recompute, attention=args.attention,
+                                linear_attention_backend=args.la_backend)
     results = []
     for step, (_, make) in enumerate(sources):
         batch = make()
-        r = bench_step(model, batch, capacity=args.capacity, step=step, recompute=args.recompute,
-                       attention=args.attention, warmup=not args.no_warmup, la_backend=args.la_backend,
-                       dp=args.dp, replica=args.replica, optimizer=args.optimizer, peak_tflops=peak,
+        r = bench_step(model, batch, capacity=args.capacity, step=step, execution=execution,
+                       warmup=not args.no_warmup, dp=args.dp, replica=args.replica, optimizer=args.optimizer, peak_tflops=peak,
                        progress=sys.stderr.isatty(),
                        profile_dir=os.path.join(args.profile, f"step{step}") if args.profile else None)
         results.append(r)

@@ -60,11 +60,14 @@ def _load_batch(args: argparse.Namespace):  # noqa: ANN202
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     import numpy as np
 
     from harts.commands._format import format_table
     from harts.commands._inputs import build_model, check_device, check_output_file, needed_vocab, summarize, write_json
     from harts.commands._progress import progress
+    from harts.models.execution.config import ExecutionConfig
     from harts.rl.diff import compare_runs, run_step
 
     check_output_file(args.json_out, "--json", args.overwrite)
@@ -78,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     per_mode = 2 + (next(model.parameters()).device.type != "cuda")
     bar = progress(1 + 2 * per_mode, "compare", "phase")
     bar.set_postfix_str("prepare compact", refresh=False)
-    inputs = model.prepare_compact(batch, no_replay=args.no_replay)
+    execution = ExecutionConfig(recompute=args.recompute, attention=args.attention, no_replay=args.no_replay,
+                                linear_attention_backend=args.la_backend)
+    inputs = model.prepare_compact(batch, execution)
     bar.update()
 
     runs = {}
@@ -88,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
         bar.set_postfix_str(mode, refresh=False)
         runs[mode] = run_step(
-            model, inputs, mode=mode, recompute=args.recompute, attention=args.attention,
-            no_replay=args.no_replay, measure_memory=True, warmup=1, linear_attention_backend=args.la_backend,
-            on_phase=on_phase,
+            model, inputs, replace(execution, mode=mode), measure_memory=True, warmup=1, on_phase=on_phase,
         )
     bar.close()
     diff = compare_runs(runs["trajectory"], runs["compact"])

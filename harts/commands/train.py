@@ -153,6 +153,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     )
     from harts.commands._progress import progress
     from harts.errors import UserError
+    from harts.models.execution.config import ExecutionConfig
     from harts.rl.train import TrainConfig, train_step
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -199,9 +200,9 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
             check_capacity(summaries, args.capacity, world)
             vocab, where = needed_vocab(summaries)
             model = build_model(args, vocab, where=where)
-            cfg = TrainConfig(capacity=args.capacity, mode=args.mode, recompute=args.recompute,
-                              attention=args.attention, lr=args.lr, kl_coef=args.kl_coef,
-                              linear_attention_backend=args.la_backend)
+            execution = ExecutionConfig(mode=args.mode, recompute=args.recompute, attention=args.attention,
+                                        linear_attention_backend=args.la_backend)
+            cfg = TrainConfig(capacity=args.capacity, execution=execution, lr=args.lr, kl_coef=args.kl_coef)
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         if rank == 0:
             print(f"model {args.model}: {model.config.layer_pattern} x hidden {model.config.hidden_size}, "

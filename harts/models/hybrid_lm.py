@@ -1,7 +1,10 @@
 """HybridLM: one hybrid-attention LM, executed trajectory-wise or compactly on the same weights.
 
-    out = model(batch, mode="trajectory" | "compact", recompute=False,
-                attention="gather" | "mask" | "auto", no_replay=False)
+    out = model(batch, ExecutionConfig(mode="compact", attention="auto", recompute=False, ...))
+    out = model(batch, mode="trajectory")          # the same, fields given as overrides
+
+Every execution switch is a field of ``ExecutionConfig`` (``models/execution/config.py``): one
+spelling, one default.
 
 ``trajectory``: every trajectory is packed as its own sequence (the baseline and oracle);
 its attention runs one causal call per trajectory ("gather") or one call over the packed rows
@@ -33,12 +36,15 @@ from torch.utils.checkpoint import checkpoint
 import harts.models.regions as regions
 from harts.models.config import LAYER_TYPES, HybridConfig
 from harts.models.execution.base import RowContext
+from harts.models.execution.config import ExecutionConfig
 from harts.models.layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, MLP, MoE, MultiheadLatentAttention
 from harts.models.layers.norms import RMSNorm
+from harts.plan.calls import CallPlan, plan_calls
+from harts.plan.layout import Layout, build_layout
 from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch, compact
 
-__all__ = ["HybridLM", "ModelOutput", "CompactInputs", "DecoderLayer"]
+__all__ = ["HybridLM", "ModelOutput", "CompactInputs", "DecoderLayer", "ExecutionConfig"]
 
 _MIXERS = {"K": KimiDeltaAttention, "G": GatedDeltaNet, "M": MultiheadLatentAttention, "A": GatedAttention}
 
@@ -69,8 +75,8 @@ class CompactInputs:
     """
 
     cb: CompactBatch
-    plan: Any
-    layout: Any
+    plan: CallPlan
+    layout: Layout
     no_replay: bool = False
 
     @property
@@ -135,14 +141,19 @@ class HybridLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     # ------------------------------------------------------------------ inputs
-    def prepare_compact(self, batch: RolloutBatch | CompactBatch, *, no_replay: bool = False) -> CompactInputs:
-        """Compaction, call plan and layout for ``batch`` (numpy only, no model state)."""
-        from harts.plan.calls import plan_calls
-        from harts.plan.layout import build_layout
+    def prepare_compact(
+        self, batch: RolloutBatch | CompactBatch, config: ExecutionConfig | None = None, *, plan: CallPlan | None = None
+    ) -> CompactInputs:
+        """Compaction, call plan and layout for ``batch`` (numpy only, no model state).
 
+        ``config.no_replay`` picks the layout (default: replay); ``plan``, when given, is
+        ``batch``'s call plan already made (``plan_calls_many`` plans a step's microbatches at once).
+        """
+        no_replay = ExecutionConfig.of(config).no_replay
         cb = batch if isinstance(batch, CompactBatch) else compact(batch)
-        plan = plan_calls(cb.segment_trees, self.config.chunk_size)
-        layout = build_layout(cb, plan, no_replay=True) if no_replay else build_layout(cb, plan)
+        if plan is None:
+            plan = plan_calls(cb.segment_trees, self.config.chunk_size)
+        layout = build_layout(cb, plan, no_replay=no_replay)
         return CompactInputs(cb=cb, plan=plan, layout=layout, no_replay=no_replay)
 
     def _check_batch(self, batch: RolloutBatch) -> None:
@@ -152,52 +163,49 @@ class HybridLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self,
-        inputs: RolloutBatch | CompactBatch | CompactInputs,
-        mode: str = "trajectory",
-        recompute: bool = False,
-        attention: str = "gather",
-        no_replay: bool = False,
-        fused_logprobs: bool | None = None,
-        linear_attention_backend: str = "reference",
+        self, inputs: RolloutBatch | CompactBatch | CompactInputs, config: ExecutionConfig | None = None, **fields: Any
     ) -> ModelOutput:
-        """Run ``inputs`` in ``mode`` (module docstring).
+        """Run ``inputs`` as ``config`` says (module docstring); ``fields`` override its fields.
 
-        ``fused_logprobs``: compute log-probs with ``mapped_logprobs`` (chunked over rows,
-        never [S, V]). Default: True in compact mode; False in trajectory mode, whose plain
-        ``log_softmax`` over [S - N, V] is the oracle — benchmarks pass True there so the
-        baseline is not charged for a cross-entropy no real trainer would materialize.
+        Args:
+            inputs: a ``RolloutBatch`` or ``CompactBatch`` (compact mode prepares it here), or
+                ``CompactInputs`` from ``prepare_compact`` (planning kept out of a timed region).
+            config: ``ExecutionConfig`` (default ``ExecutionConfig()``: compact, attention auto).
+            **fields: ``ExecutionConfig`` fields, e.g. ``mode="trajectory"``.
 
-        ``linear_attention_backend``: "reference" (torch, any device), "fla" (fla-core on
-        CUDA) or "auto" (fla when available); both modes use the same backend.
+        Raises:
+            ValueError: ``CompactInputs`` prepared with another ``no_replay`` than ``config``'s
+                (the model executes the plan it is given and never re-plans).
         """
-        if fused_logprobs is None:
-            fused_logprobs = mode == "compact"
-        if attention not in ("gather", "mask", "auto"):
-            raise ValueError(f"attention must be 'gather', 'mask' or 'auto', got {attention!r}")
+        cfg = ExecutionConfig.of(config, **fields)
+        mode, recompute, no_replay = cfg.mode, cfg.recompute, cfg.no_replay
         device = self.embed_tokens.weight.device
-        if attention == "auto":
-            # one FlexAttention call per layer on CUDA (launch-bound otherwise); per-branch
-            # dense calls on CPU, where the dense tree mask costs more than the loop
-            attention = "mask" if device.type == "cuda" else "gather"
+        attention = cfg.resolved_attention(device.type)
         if mode == "trajectory":
             from harts.models.execution.trajectory import TrajectoryContext
 
             batch = inputs.batch if isinstance(inputs, (CompactBatch, CompactInputs)) else inputs
             self._check_batch(batch)
             ctx: RowContext = TrajectoryContext(
-                batch, self.config.chunk_size, device, la_backend=linear_attention_backend, attention=attention
+                batch, self.config.chunk_size, device, la_backend=cfg.linear_attention_backend, attention=attention
             )
             tokens = torch.as_tensor(batch.tokens, device=device)
             info: dict[str, Any] = {"mode": "trajectory", "rows": batch.num_tokens, "calls": 1, "replay_rows": 0}
         elif mode == "compact":
             from harts.models.execution.compact import CompactContext
 
-            if not isinstance(inputs, CompactInputs) or inputs.no_replay != no_replay:
-                inputs = self.prepare_compact(inputs.cb if isinstance(inputs, CompactInputs) else inputs, no_replay=no_replay)
+            if not isinstance(inputs, CompactInputs):
+                inputs = self.prepare_compact(inputs, cfg)
+            elif inputs.no_replay != no_replay:
+                raise ValueError(
+                    f"these CompactInputs were prepared with no_replay={inputs.no_replay} but the forward "
+                    f"asks for no_replay={no_replay}; prepare them with the same ExecutionConfig"
+                )
             batch = inputs.batch
             self._check_batch(batch)
-            ctx = CompactContext(inputs.layout, attention=attention, device=device, la_backend=linear_attention_backend)
+            ctx = CompactContext(
+                inputs.layout, attention=attention, device=device, la_backend=cfg.linear_attention_backend
+            )
             tokens = torch.as_tensor(inputs.layout.tokens, device=device)
             info = {
                 "mode": "compact",
@@ -234,7 +242,7 @@ class HybridLM(nn.Module):
         else:
             rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred], device=device)
         h, head_weight = regions.enter("lm_head", h, self.lm_head_weight)
-        if fused_logprobs:
+        if cfg.use_fused_logprobs:
             from harts.ops.logprob import mapped_logprobs
 
             logprobs = mapped_logprobs(h, head_weight, rows, targets)

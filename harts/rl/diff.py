@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import CompactInputs, HybridLM
 from harts.rl.grpo import grpo_loss
 from harts.tree.batch import RolloutBatch
@@ -89,34 +90,32 @@ def _peak_cpu_bytes(fn) -> int:  # noqa: ANN001
 def run_step(
     model: HybridLM,
     inputs: RolloutBatch | CompactInputs,
+    config: ExecutionConfig | None = None,
     *,
-    mode: str,
-    recompute: bool = False,
-    attention: str = "gather",
-    no_replay: bool = False,
     measure_memory: bool = False,
     warmup: int = 0,
     clip_eps: float = 0.2,
     kl_coef: float = 0.0,
-    linear_attention_backend: str = "reference",
     on_phase: Callable[[str], None] | None = None,
+    **fields: Any,
 ) -> StepResult:
     """Forward + GRPO loss + MoE objective + backward; returns detached results and timing.
 
+    ``config`` / ``fields``: the forward's ``ExecutionConfig`` and overrides of its fields
+    (e.g. ``mode="trajectory"``), as ``HybridLM.forward`` takes them.
     ``warmup`` untimed steps run first. On CPU with ``measure_memory``, one more (profiled)
     step measures peak live tensor bytes; the gradients reported are the timed step's.
-    ``linear_attention_backend``: "reference", "fla" or "auto" (see ``HybridLM.forward``).
     ``on_phase(name)`` is called as each phase ends: "warmup" (after all warmup steps), "timed",
     and "memory" (the profiled CPU pass, when it runs).
     """
+    run = ExecutionConfig.of(config, **fields)
     batch = inputs.batch if isinstance(inputs, CompactInputs) else inputs
     cfg = model.config
     kl = kl_coef if batch.ref_logprobs is not None else 0.0
     holder: dict[str, Any] = {}
 
     def step() -> None:
-        out = model(inputs, mode=mode, recompute=recompute, attention=attention, no_replay=no_replay,
-                    linear_attention_backend=linear_attention_backend)
+        out = model(inputs, run)
         loss = grpo_loss(out.logprobs, batch, clip_eps=clip_eps, kl_coef=kl).loss
         loss = loss + out.moe_objective(cfg.router_z_loss_coef, cfg.router_aux_loss_coef)
         loss.backward()

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from harts.errors import CapacityError, UserError
+from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
@@ -41,12 +42,9 @@ class TrainConfig:
 
     #: microbatch capacity T in compact tokens (planner); trajectories longer than T are an error
     capacity: int = 65_536
-    #: "compact" (harts) or "trajectory" (the baseline, same planner and microbatches)
-    mode: str = "compact"
-    recompute: bool = False
-    attention: str = "gather"
-    #: linear-attention core: "reference", "fla" (CUDA) or "auto"
-    linear_attention_backend: str = "reference"
+    #: how every microbatch executes: mode "compact" (harts) or "trajectory" (the baseline,
+    #: same planner and microbatches), attention, recompute, linear-attention backend
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     lr: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -154,10 +152,9 @@ def accumulate_step_gradients(
     for done, k in enumerate(mine, start=1):
         sub = batch.select(plan.microbatches[k])
         tp = time.perf_counter()
-        inputs = model.prepare_compact(sub) if cfg.mode == "compact" else sub
+        inputs = model.prepare_compact(sub, cfg.execution) if cfg.execution.mode == "compact" else sub
         prepare_seconds += time.perf_counter() - tp
-        out = model(inputs, mode=cfg.mode, recompute=cfg.recompute, attention=cfg.attention,
-                    linear_attention_backend=cfg.linear_attention_backend)
+        out = model(inputs, cfg.execution)
         loss = grpo_loss(out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction,
                          normalizer=normalizer).loss
         total = loss
@@ -265,8 +262,6 @@ def train(
     ``batches`` may be a lazy iterable; give a list to have every step checked against
     ``cfg.capacity`` before the first one runs.
     """
-    if cfg.mode not in ("compact", "trajectory"):
-        raise UserError(f"mode must be 'compact' or 'trajectory', got {cfg.mode!r}")
     if isinstance(batches, (list, tuple)):
         for i, b in enumerate(batches):
             check_capacity(b, cfg.capacity, step=i)

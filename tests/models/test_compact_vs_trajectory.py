@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harts import ExecutionConfig
 from harts.models import HybridConfig, HybridLM
 from harts.rl.diff import compare_runs, run_step
 from tests.models._trees import batch_of, mixed_batch, tree_cases
@@ -122,9 +123,13 @@ def test_no_replay_is_exact_in_float64() -> None:
     inputs = model.prepare_compact(_no_replay_batch())
     assert sum(int((~r.is_output).sum()) for r in inputs.layout.rounds) > 0
     ref = model(inputs, mode="trajectory").logprobs.detach()
-    nr = model(inputs, mode="compact", no_replay=True)
+    nr_config = ExecutionConfig(no_replay=True)
+    nr = model(model.prepare_compact(_no_replay_batch(), nr_config), nr_config)
     assert nr.info["replay_rows"] == 0 and nr.info["no_replay"]
     assert (nr.logprobs.detach() - ref).abs().max() <= TOL * ref.abs().max()
+    # the model executes the plan it is given: inputs prepared for replay are not re-planned
+    with pytest.raises(ValueError, match="no_replay"):
+        model(inputs, nr_config)
 
 
 @pytest.mark.parametrize("per_channel", [True, False], ids=["kda", "gdn"])
@@ -140,7 +145,7 @@ def test_replay_reproduces_float32_path_and_no_replay_does_not(per_channel: bool
     batch = _no_replay_batch()
     model = make_model("K", moe=False)
     replay_in = model.prepare_compact(batch)
-    no_replay_in = model.prepare_compact(batch, no_replay=True)
+    no_replay_in = model.prepare_compact(batch, ExecutionConfig(no_replay=True))
     gen = torch.Generator().manual_seed(0)
     c, h, k, v = replay_in.cb.num_compact_tokens, 2, 16, 16
     q_c = l2norm(torch.randn(c, h, k, generator=gen))

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from harts import ExecutionConfig
 from harts.integrations.loading import load_model
 from harts.rl.train import TrainConfig, train_step
 from harts.tree.workloads import generate
@@ -24,7 +25,7 @@ def replay(steps: int) -> torch.nn.Module:
     """What ``harts train`` computes in ``steps`` steps (same preset, seed, config, optimizer)."""
     torch.set_num_threads(1)
     model = load_model("tiny", vocab_size=generate("tiny").vocab_size, dtype="float32", layer_pattern="KM", seed=0)
-    cfg = TrainConfig(capacity=65_536, attention="auto")
+    cfg = TrainConfig(capacity=65_536, execution=ExecutionConfig(attention="auto"))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     for s in range(steps):
         train_step(model, opt, generate("tiny", step=s, seed=0), cfg, step=s)

@@ -1,0 +1,74 @@
+"""``ExecutionConfig``: how a forward pass executes, never what it computes.
+
+One frozen dataclass, one spelling, one default for every execution switch. ``HybridLM.forward``
+takes it (or its fields as keyword overrides), ``HybridLM.prepare_compact`` reads
+``no_replay`` from it, and ``TrainConfig``, ``run_step``, ``harts bench`` / ``harts compare`` /
+``harts train`` pass one along. The linear-attention backend is a name checked against
+``harts.ops.linear_attn.dispatch.LINEAR_ATTN_BACKENDS``, so a backend added there works here
+without a change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from harts.ops.linear_attn.dispatch import LINEAR_ATTN_BACKENDS
+
+__all__ = ["ATTENTION_IMPLS", "MODES", "ExecutionConfig"]
+
+MODES = ("compact", "trajectory")
+ATTENTION_IMPLS = ("auto", "gather", "mask")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExecutionConfig:
+    """Execution switches of one forward pass (the same weights give the same results up to
+    rounding under every setting; float64 tests hold them to 1e-9)."""
+
+    #: "compact" (harts: every shared token once, paper §3.4) or "trajectory" (every
+    #: root-to-leaf path packed separately: the baseline and oracle)
+    mode: str = "compact"
+    #: full attention: "gather" (one dense call per trajectory / ancestor-view branch), "mask"
+    #: (one packed call under a tree or document-causal mask: FlexAttention on CUDA) or "auto"
+    #: ("mask" on CUDA, "gather" elsewhere)
+    attention: str = "auto"
+    #: recompute every layer in the backward pass (activation checkpointing)
+    recompute: bool = False
+    #: linear-attention core, one of ``LINEAR_ATTN_BACKENDS`` ("reference": torch, any device)
+    linear_attention_backend: str = "reference"
+    #: ablation: side branches start from the fork's exact state instead of replaying from the
+    #: chunk anchor (a planning choice: ``prepare_compact`` builds the layout for it)
+    no_replay: bool = False
+    #: log-probs by ``mapped_logprobs`` (chunked, never [S, V]); None: in compact mode only
+    #: (trajectory mode's plain log_softmax is the oracle; benchmarks pass True for both)
+    fused_logprobs: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be 'trajectory' or 'compact', got {self.mode!r}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be 'gather', 'mask' or 'auto', got {self.attention!r}")
+        if self.linear_attention_backend not in LINEAR_ATTN_BACKENDS:
+            raise ValueError(
+                f"linear-attention backend must be one of {LINEAR_ATTN_BACKENDS}, got {self.linear_attention_backend!r}"
+            )
+
+    @classmethod
+    def of(cls, config: ExecutionConfig | None = None, **fields: Any) -> ExecutionConfig:
+        """``config`` (default: ``ExecutionConfig()``) with ``fields`` replaced; an unknown
+        field name is a TypeError."""
+        base = cls() if config is None else config
+        return replace(base, **fields) if fields else base
+
+    @property
+    def use_fused_logprobs(self) -> bool:
+        return self.mode == "compact" if self.fused_logprobs is None else self.fused_logprobs
+
+    def resolved_attention(self, device_type: str) -> str:
+        """"gather" or "mask": ``attention`` with "auto" decided for ``device_type``."""
+        if self.attention != "auto":
+            return self.attention
+        # one FlexAttention call per layer on CUDA (launch-bound otherwise); per-branch dense
+        # calls on CPU, where the dense tree mask costs more than the loop
+        return "mask" if device_type == "cuda" else "gather"
