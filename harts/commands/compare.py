@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.commands._inputs import build_model, check_device, check_output_file, needed_vocab, summarize, write_json
     from harts.commands._progress import progress
     from harts.models.execution.config import ExecutionConfig
-    from harts.rl.diff import compare_runs, run_step
+    from harts.rl.verify import compare_runs, run_step
 
     check_output_file(args.json_out, "--json", args.overwrite)
     check_device(args.device)

@@ -11,7 +11,7 @@ import torch
 
 from harts import ExecutionConfig
 from harts.models import HybridConfig, HybridLM
-from harts.rl.diff import compare_runs, run_step
+from harts.rl.verify import compare_runs, run_step
 from tests.models._trees import batch_of, mixed_batch, tree_cases
 
 

@@ -1,4 +1,5 @@
-"""One measured training step of a HybridLM and the agreement between two such steps.
+"""Verification harness: one measured training step of a HybridLM, and the agreement between
+two such steps (compact against the trajectory-wise oracle).
 
 ``run_step`` runs forward + GRPO loss (+ MoE router losses) + backward in one mode and keeps
 detached copies of everything that must agree between modes: log-probs, loss, MoE losses
