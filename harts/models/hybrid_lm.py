@@ -236,17 +236,19 @@ class HybridLM(nn.Module):
         h = self.norm(h)
 
         pred = batch.predicting_positions()
-        targets = torch.as_tensor(batch.next_token_targets(), device=device)
+        # host tensors: mapped_logprobs plans its indices on the host (no device sync)
+        targets = torch.as_tensor(batch.next_token_targets())
         if mode == "trajectory":
-            rows = torch.as_tensor(pred, device=device)
+            rows = torch.as_tensor(pred)
         else:
-            rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred], device=device)
+            rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred])
         h, head_weight = regions.enter("lm_head", h, self.lm_head_weight)
         if cfg.use_fused_logprobs:
             from harts.ops.logprob import mapped_logprobs
 
             logprobs = mapped_logprobs(h, head_weight, rows, targets)
         else:
+            rows, targets = rows.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             logits = torch.nn.functional.linear(h[rows], head_weight)
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
         (logprobs,) = regions.exit("lm_head", logprobs)

@@ -5,7 +5,11 @@ two such steps (compact against the trajectory-wise oracle).
 detached copies of everything that must agree between modes: log-probs, loss, MoE losses
 and counts, every parameter gradient. ``compare_runs`` reports max relative differences:
 
-    rel(a, b) = max|a - b| / max(max|b|, tiny)        per tensor; the max over parameters for grads
+    rel(a, b) = max|a - b| / max(max|b|, tiny)        per tensor
+    gradients:  max over parameters of max|a - b| / max(max|b|, 1e-3 * the largest |gradient|)
+
+A parameter whose gradient is a thousand times smaller than the step's largest is compared at
+that floor: its few-ulp rounding differences would otherwise read as large relative errors.
 
 Used by ``harts compare`` and the model tests. (Lives in rl/ because it needs the GRPO loss.)
 """
@@ -184,5 +188,11 @@ def compare_runs(ref: StepResult, other: StepResult) -> dict[str, float]:
         out["router_z_loss"] = rel_diff(other.z_loss, ref.z_loss)
         out["router_aux_loss"] = rel_diff(other.aux_loss, ref.aux_loss)
         out["expert_counts"] = rel_diff(other.expert_counts, ref.expert_counts)
-    out["gradients"] = max((rel_diff(other.grads[n], g) for n, g in ref.grads.items()), default=0.0)
+    scale = max((float(g.double().abs().max()) for g in ref.grads.values() if g.numel()), default=0.0)
+    floor = max(1e-3 * scale, _TINY)
+    out["gradients"] = max(
+        (float((other.grads[n].double() - g.double()).abs().max() / max(float(g.double().abs().max()), floor))
+         for n, g in ref.grads.items() if g.numel()),
+        default=0.0,
+    )
     return out
