@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import heapq
 import os
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -190,7 +192,7 @@ def _counts(sub: RolloutBatch, inputs, mode: str) -> tuple[int, int, int]:  # no
 
 def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], execution: ExecutionConfig, *,
               plan_seconds: float, warmup: bool, flop_model: FlopModel,
-              progress: bool = False, profile_dir: str | None = None) -> BenchSide:
+              progress: Callable[[int, str], Any] | None = None, profile_dir: str | None = None) -> BenchSide:
     mode = execution.mode
     device = model.embed_tokens.weight.device
     normalizer = grpo_normalizer(batch)
@@ -226,7 +228,7 @@ def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], exe
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     rows = calls = replay = 0
-    bar = _progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches", progress)
+    bar = progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches") if progress else None
     with regions.RegionTimer(device) as timer:
         t0 = time.perf_counter()
         for sub, inputs in prepared:
@@ -256,14 +258,6 @@ def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], exe
                      logit_rows=logit_rows, attention_pairs=pairs,
                      flops=flop_model.training_flops(rows, logit_rows, pairs), warmup_seconds=round(warm, 3),
                      breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()})
-
-
-def _progress(total: int, desc: str, enabled: bool):  # noqa: ANN202
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="mb", file=sys.stderr, leave=False)
 
 
 def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN001
@@ -300,7 +294,7 @@ def _optimizer_seconds(model: HybridLM) -> float:
 def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int = 0,
                execution: ExecutionConfig | None = None, warmup: bool = True, dp: int = 1,
                replica: int = 0, optimizer: bool = False, peak_tflops: float | None = None,
-               progress: bool = False, profile_dir: str | None = None) -> StepBench:
+               progress: Callable[[int, str], Any] | None = None, profile_dir: str | None = None) -> StepBench:
     """Time one step (or replica ``replica``'s share of it at ``dp`` replicas) both ways on
     ``model`` (its weights are not changed) under ``execution`` (its mode is set per side, and
     both sides use the fused log-prob, as a real trainer does). ``optimizer`` also times one AdamW step;

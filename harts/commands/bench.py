@@ -47,7 +47,6 @@ def _fmt_rate(x: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import os
-    import sys
 
     import torch
 
@@ -89,16 +88,19 @@ def run(args: argparse.Namespace) -> int:
     execution = ExecutionConfig(recompute=args.recompute, attention=args.attention,
                                 linear_attention_backend=args.la_backend)
     results = []
-    for step, (_, make) in enumerate(sources):
-        batch = make()
-        r = bench_step(model, batch, capacity=args.capacity, step=step, execution=execution,
-                       warmup=not args.no_warmup, dp=args.dp, replica=args.replica, optimizer=args.optimizer, peak_tflops=peak,
-                       progress=sys.stderr.isatty(),
-                       profile_dir=os.path.join(args.profile, f"step{step}") if args.profile else None)
-        results.append(r)
-        print(f"step {step}: baseline {r.baseline.train_seconds:.3f} s, harts {r.harts.train_seconds:.3f} s "
-              f"(+{r.harts.plan_seconds:.3f} s planning): F/B/Grad {r.fbg_speedup:.2f}x "
-              f"(warm-up {r.baseline.warmup_seconds:.1f} / {r.harts.warmup_seconds:.1f} s, untimed)", flush=True)
+    steps_bar = progress(len(sources), "bench", "step", disable=len(sources) < 2)
+    with steps_bar:
+        for step, (_, make) in enumerate(sources):
+            batch = make()
+            r = bench_step(model, batch, capacity=args.capacity, step=step, execution=execution,
+                           warmup=not args.no_warmup, dp=args.dp, replica=args.replica, optimizer=args.optimizer, peak_tflops=peak,
+                           progress=lambda total, desc: progress(total, desc, "mb", leave=False, position=1),
+                           profile_dir=os.path.join(args.profile, f"step{step}") if args.profile else None)
+            results.append(r)
+            print(f"step {step}: baseline {r.baseline.train_seconds:.3f} s, harts {r.harts.train_seconds:.3f} s "
+                  f"(+{r.harts.plan_seconds:.3f} s planning): F/B/Grad {r.fbg_speedup:.2f}x "
+                  f"(warm-up {r.baseline.warmup_seconds:.1f} / {r.harts.warmup_seconds:.1f} s, untimed)", flush=True)
+            steps_bar.update()
 
     def mem(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f}"
