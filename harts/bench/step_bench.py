@@ -190,18 +190,15 @@ def _counts(sub: RolloutBatch, inputs, mode: str) -> tuple[int, int, int]:  # no
     return int(inputs.cb.num_compact_tokens), logit_rows, pairs
 
 
-def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], execution: ExecutionConfig, *,
-              plan_seconds: float, warmup: bool, flop_model: FlopModel,
+def _run_side(model: HybridLM, batch: RolloutBatch, prepare: Callable[[], list[tuple[RolloutBatch, Any]]],
+              execution: ExecutionConfig, *, plan_seconds: float, warmup: bool, flop_model: FlopModel,
               progress: Callable[[int, str], Any] | None = None, profile_dir: str | None = None) -> BenchSide:
     mode = execution.mode
     device = model.embed_tokens.weight.device
     normalizer = grpo_normalizer(batch)
     z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
-    prepared = []
     t0 = time.perf_counter()
-    for mb in groups:
-        sub = batch.select(mb)
-        prepared.append((sub, model.prepare_compact(sub, execution) if mode == "compact" else sub))
+    prepared = prepare()  # (microbatch, model inputs) in slot order
     prep_seconds = time.perf_counter() - t0 if mode == "compact" else 0.0
     raw = logit_rows = pairs = 0
     for sub, inputs in prepared:
@@ -252,7 +249,7 @@ def _run_side(model: HybridLM, batch: RolloutBatch, groups: list[list[int]], exe
     if profile_dir and prepared:
         _profile(one, prepared[0], device, os.path.join(profile_dir, f"{'baseline' if mode == 'trajectory' else 'harts'}.json"))
         model.zero_grad(set_to_none=True)
-    return BenchSide(microbatches=len(groups), rows=rows, calls=calls, replay_rows=replay,
+    return BenchSide(microbatches=len(prepared), rows=rows, calls=calls, replay_rows=replay,
                      plan_seconds=round(plan_seconds + prep_seconds, 4), train_seconds=round(seconds, 4),
                      peak_memory_gb=None if peak is None else round(peak, 3), raw_tokens=raw,
                      logit_rows=logit_rows, attention_pairs=pairs,
@@ -305,8 +302,6 @@ def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int
     t0 = time.perf_counter()
     plan = plan_step(batch, dp=dp, capacity=capacity)
     plan_seconds = time.perf_counter() - t0
-    order = np.argsort(plan.slot, kind="stable")
-    groups = [plan.microbatches[k] for k in order if plan.replica[k] == replica]
     predicted_harts = [int(x) for x in plan.work_matrix().sum(1)]
     raw_groups = pack_raw(batch, capacity)
     raw_work = [int(batch.lengths[g].sum()) for g in raw_groups]
@@ -316,8 +311,18 @@ def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int
     flop_model = FlopModel.from_model(model)
     execution = replace(ExecutionConfig.of(execution), fused_logprobs=True)
     kw = dict(warmup=warmup, flop_model=flop_model, progress=progress, profile_dir=profile_dir)
-    baseline = _run_side(model, batch, base_groups, replace(execution, mode="trajectory"), plan_seconds=0.0, **kw)
-    harts = _run_side(model, batch, groups, replace(execution, mode="compact"), plan_seconds=plan_seconds, **kw)
+    compact_side = replace(execution, mode="compact")
+
+    def prepare_harts() -> list[tuple[RolloutBatch, Any]]:
+        # slices of the step's compaction with their call plans: no microbatch is compacted twice
+        return [(c.batch, model.prepare_compact(c, compact_side, plan=p))
+                for c, p in plan.prepare_replica(replica, model.config.chunk_size)]
+
+    def prepare_baseline() -> list[tuple[RolloutBatch, Any]]:
+        return [(sub, sub) for sub in (batch.select(g) for g in base_groups)]
+
+    baseline = _run_side(model, batch, prepare_baseline, replace(execution, mode="trajectory"), plan_seconds=0.0, **kw)
+    harts = _run_side(model, batch, prepare_harts, compact_side, plan_seconds=plan_seconds, **kw)
     return StepBench(step=step, paths=batch.num_trajectories, raw_tokens=batch.num_tokens,
                      baseline=baseline, harts=harts, dp=dp, replica=replica, predicted_harts=predicted_harts,
                      predicted_baseline=predicted_base,

@@ -139,7 +139,7 @@ def accumulate_step_gradients(
     t0 = time.perf_counter()
     plan = plan_step(batch, dp=world, capacity=cfg.capacity)
     plan_seconds = time.perf_counter() - t0
-    mine = sorted((k for k in range(len(plan.microbatches)) if plan.replica[k] == rank), key=lambda k: plan.slot[k])
+    mine = plan.for_replica(rank)
     if progress is not None:
         progress(0, len(mine))
     normalizer = grpo_normalizer(batch, cfg.reduction)
@@ -148,11 +148,16 @@ def accumulate_step_gradients(
     loss_sum = moe_sum = 0.0
     counts_sum = None
     rows = calls = replay = 0
-    prepare_seconds = 0.0
-    for done, k in enumerate(mine, start=1):
-        sub = batch.select(plan.microbatches[k])
+    tp = time.perf_counter()
+    if cfg.execution.mode == "compact":
+        # slices of the step's compaction, call plans made together: nothing is compacted twice
+        prepared = [(c.batch, c, p) for c, p in plan.prepare_replica(rank, model.config.chunk_size)]
+    else:
+        prepared = [(batch.select(plan.microbatches[k]), None, None) for k in mine]
+    prepare_seconds = time.perf_counter() - tp
+    for done, (sub, cb, call_plan) in enumerate(prepared, start=1):
         tp = time.perf_counter()
-        inputs = model.prepare_compact(sub, cfg.execution) if cfg.execution.mode == "compact" else sub
+        inputs = sub if cb is None else model.prepare_compact(cb, cfg.execution, plan=call_plan)
         prepare_seconds += time.perf_counter() - tp
         out = model(inputs, cfg.execution)
         loss = grpo_loss(out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction,

@@ -23,6 +23,7 @@ Shapes (S = semantic positions, C = compact rows, N = trajectories):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -78,10 +79,30 @@ class CompactBatch:
         """int64 [N]: compact row of each trajectory's last token."""
         return self.semantic_to_compact[self.batch.offsets[1:] - 1]
 
-    def trajectory_rows(self, j: int) -> np.ndarray:
-        """int64 [len_j]: compact rows of trajectory j."""
-        o = self.batch.offsets
-        return self.semantic_to_compact[o[j] : o[j + 1]]
+    def select(self, indices: Sequence[int] | np.ndarray) -> CompactBatch:
+        """``compact(self.batch.select(indices))`` without compacting again (tested equal).
+
+        Compaction's cost is the lexicographic sort and the adjacent LCPs (token comparisons);
+        for a subset both follow from this batch's LCP index (sorted positions, range-minimum
+        LCPs), so only the O(S_sub) trie construction runs.
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        sub = self.batch.select(idx)  # validates the indices
+        # sorted order of the subset: by this batch's sorted position, identical trajectories
+        # (one class) by their index in the subset, as a stable sort of the subset would
+        lcp = self.lcp_index
+        new_class = np.ones(self.num_trajectories, dtype=bool)
+        new_class[1:] = (lcp.adj_lcp[1:] != lcp.sorted_len[1:]) | (lcp.sorted_len[1:] != lcp.sorted_len[:-1])
+        cls = np.cumsum(new_class)[lcp.rank[idx]]
+        order = np.lexsort((np.arange(idx.size), cls))
+        r = lcp.rank[idx[order]]
+        adj = np.zeros(idx.size, dtype=np.int64)
+        if idx.size > 1:
+            lo, hi = np.minimum(r[:-1], r[1:]), np.maximum(r[:-1], r[1:])
+            adj[1:] = lcp.sorted_len[lo]  # one trajectory selected twice: its whole length
+            two = lo < hi
+            adj[1:][two] = lcp.range_min(lo[two] + 1, hi[two] + 1)
+        return _compact_sorted(sub, order, adj)
 
     def __repr__(self) -> str:
         f = self.segment_trees
@@ -133,13 +154,18 @@ def compact(batch: RolloutBatch) -> CompactBatch:
     return _compact_sorted(batch)
 
 
-def _compact_sorted(batch: RolloutBatch) -> CompactBatch:
+def _compact_sorted(
+    batch: RolloutBatch, order: np.ndarray | None = None, lcp: np.ndarray | None = None
+) -> CompactBatch:
+    """The trie from the stable lexicographic ``order`` int64 [N] and the adjacent LCPs
+    ``lcp`` int64 [N] of the sorted trajectories (computed here when not given)."""
     n = batch.num_trajectories
     lengths = batch.lengths
-    order = lexicographic_order(batch)
     trajs = batch.trajectories()
-    sorted_trajs = [trajs[j] for j in order]
-    lcp = adjacent_lcp(sorted_trajs)
+    if order is None:
+        order = lexicographic_order(batch)
+        lcp = adjacent_lcp([trajs[j] for j in order])
+    assert lcp is not None
     sorted_len = lengths[order]
     fresh = sorted_len - lcp  # rows each sorted trajectory adds
     row_start = np.zeros(n, dtype=np.int64)

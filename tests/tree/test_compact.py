@@ -148,3 +148,33 @@ def test_workload_tree_path_equals_sorted_path():
     b = _compact_sorted(batch)
     for name in ("tokens", "semantic_to_compact", "multiplicity", "parent", "position", "row_segment"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+def assert_same_compaction(a: harts.CompactBatch, b: harts.CompactBatch) -> None:
+    for k in ("tokens", "semantic_to_compact", "multiplicity", "parent", "position", "row_segment"):
+        np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=k)
+    for k in ("start", "end", "parent", "row", "tree", "child_ptr", "child_idx", "roots"):
+        np.testing.assert_array_equal(getattr(a.segment_trees, k), getattr(b.segment_trees, k), err_msg=k)
+    for k in ("order", "rank", "sorted_len", "adj_lcp"):
+        np.testing.assert_array_equal(getattr(a.lcp_index, k), getattr(b.lcp_index, k), err_msg=k)
+    np.testing.assert_array_equal(a.batch.tokens, b.batch.tokens)
+    np.testing.assert_array_equal(a.batch.advantages, b.batch.advantages)
+
+
+@given(trajectory_lists(), st.data())
+def test_select_equals_compacting_the_selection(trajs, data):
+    """A slice of a compaction is the compaction of the slice (duplicates, prefixes, repeats)."""
+    batch = harts.RolloutBatch.from_trajectories(trajs)
+    n = batch.num_trajectories
+    idx = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=2 * n))
+    assert_same_compaction(harts.compact(batch).select(idx), harts.compact(batch.select(idx)))
+
+
+def test_select_on_workload_trees():
+    rng = np.random.default_rng(3)
+    for name in ("tiny", "small"):
+        batch = harts.workloads.generate(name, step=1)  # built from rollout trees (tree path)
+        cb = harts.compact(batch)
+        for _ in range(10):
+            idx = rng.choice(batch.num_trajectories, int(rng.integers(1, batch.num_trajectories + 1)), replace=False)
+            assert_same_compaction(cb.select(idx), harts.compact(batch.select(idx)))

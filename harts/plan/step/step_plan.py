@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from harts.plan.calls import CallPlan, plan_calls_many
 from harts.plan.step.objective import PrefixCost, imbalance
 from harts.plan.step.schedule import build_schedule
+from harts.tree.compact import CompactBatch
 
 __all__ = ["StepPlan", "check_inputs", "plan_from_owner", "to_step_plan"]
 
@@ -27,6 +29,9 @@ class StepPlan:
 
     ``microbatches[k]`` lists batch trajectory indices (lexicographic order) and runs on
     replica ``replica[k]`` in slot ``slot[k]``; microbatches are listed by (slot, replica).
+    ``compact`` is the step's compaction the plan was made from: ``compact_microbatch(k)``
+    and ``prepare_replica(d, chunk_size)`` hand out its slices, so execution never compacts
+    a microbatch again.
     """
 
     microbatches: list[list[int]]
@@ -39,6 +44,7 @@ class StepPlan:
     capacity: int
     method: str
     info: dict[str, Any] = field(default_factory=dict)
+    compact: CompactBatch | None = field(default=None, repr=False)
 
     @property
     def num_microbatches(self) -> int:
@@ -67,10 +73,22 @@ class StepPlan:
         """Eq. 23 over replica totals of the step."""
         return imbalance(self.work_matrix().sum(axis=1))
 
-    def for_replica(self, d: int) -> list[list[int]]:
-        """The microbatches replica d runs, in slot order."""
-        ks = sorted((k for k in range(self.num_microbatches) if self.replica[k] == d), key=self.slot.__getitem__)
-        return [self.microbatches[k] for k in ks]
+    def for_replica(self, d: int) -> list[int]:
+        """Ids k of the microbatches replica d runs, in slot order."""
+        return sorted((k for k in range(self.num_microbatches) if self.replica[k] == d), key=self.slot.__getitem__)
+
+    def compact_microbatch(self, k: int) -> CompactBatch:
+        """Microbatch k compacted: a slice of the step's compaction (``CompactBatch.select``),
+        equal to compacting ``batch.select(microbatches[k])``."""
+        if self.compact is None:
+            raise ValueError("this StepPlan carries no compaction (it was not made by plan_step)")
+        return self.compact.select(self.microbatches[k])
+
+    def prepare_replica(self, d: int, chunk_size: int) -> list[tuple[CompactBatch, CallPlan]]:
+        """Replica d's microbatches in slot order, each compacted (``compact_microbatch``) with
+        its call plan; the call plans are made together (``plan_calls_many``)."""
+        cbs = [self.compact_microbatch(k) for k in self.for_replica(d)]
+        return list(zip(cbs, plan_calls_many([c.segment_trees for c in cbs], chunk_size)))
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -84,7 +102,7 @@ class StepPlan:
         }
 
 
-def check_inputs(cb: Any, dp: int, capacity: int) -> None:
+def check_inputs(cb: CompactBatch, dp: int, capacity: int) -> None:
     """Clear errors for D, T and trajectories that cannot be planned."""
     n = cb.num_trajectories
     if int(dp) != dp or dp < 1:
@@ -110,7 +128,7 @@ def check_inputs(cb: Any, dp: int, capacity: int) -> None:
         )
 
 
-def plan_from_owner(cb: Any, cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int) -> dict[str, Any]:
+def plan_from_owner(cb: CompactBatch, cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int) -> dict[str, Any]:
     """Schedule one grouping and return its parts (used by both planners)."""
     work = cost.works(owner)
     replica, slot, j = build_schedule(work, dp)
@@ -118,7 +136,7 @@ def plan_from_owner(cb: Any, cost: PrefixCost, owner: np.ndarray, dp: int, capac
 
 
 def to_step_plan(
-    cb: Any, best: dict[str, Any], dp: int, capacity: int, method: str, seconds: float, info: dict
+    cb: CompactBatch, best: dict[str, Any], dp: int, capacity: int, method: str, seconds: float, info: dict
 ) -> StepPlan:
     """The StepPlan of a scheduled grouping ``best`` (a ``plan_from_owner`` result) of ``cb``."""
     order = cb.lcp_index.order
@@ -139,4 +157,5 @@ def to_step_plan(
         capacity=capacity,
         method=method,
         info=info,
+        compact=cb,
     )

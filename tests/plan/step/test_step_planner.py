@@ -317,3 +317,23 @@ def test_polishing_more_candidates_never_worsens_j() -> None:
     three = harts.plan_step(cb, dp=2, capacity=capacity, balance_candidates=3)
     check_plan(three, batch, 2, capacity)
     assert three.objective <= one.objective
+
+
+def test_step_plan_hands_out_compact_slices_and_call_plans() -> None:
+    from harts.plan.calls import plan_calls
+    from tests.tree.test_compact import assert_same_compaction
+
+    batch = harts.workloads.generate("small", step=0)
+    plan = harts.plan_step(batch, dp=2, capacity=4096)
+    seen = []
+    for d in range(2):
+        ks = plan.for_replica(d)
+        assert [plan.slot[k] for k in ks] == sorted(plan.slot[k] for k in ks)
+        assert all(plan.replica[k] == d for k in ks)
+        for k, (cb, call_plan) in zip(ks, plan.prepare_replica(d, 16)):
+            assert_same_compaction(cb, harts.compact(batch.select(plan.microbatches[k])))
+            want = plan_calls(cb.segment_trees, 16)
+            assert call_plan.num_calls == want.num_calls
+            np.testing.assert_array_equal(call_plan.seq_segments, want.seq_segments)
+            seen.append(k)
+    assert sorted(seen) == list(range(plan.num_microbatches))
