@@ -60,8 +60,7 @@ def count_ops(model: HybridLM, batch: RolloutBatch, execution: ExecutionConfig) 
 def main(argv: list[str] | None = None) -> int:
     from harts.integrations.loading import load_model
     from harts.models.execution.config import ExecutionConfig
-    from harts.tree.batch import RolloutBatch
-    from harts.tree.workloads import PRESETS, generate
+    from harts.tree.workloads import load_workload
 
     p = argparse.ArgumentParser(prog="python -m harts.bench.op_count", description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="small", help="preset name or a RolloutBatch file")
@@ -77,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
 
-    if args.workload in PRESETS:
-        batch = generate(args.workload, step=args.step, seed=args.seed)
-    else:
-        batch = RolloutBatch.load(args.workload)
+    batch = load_workload(args.workload, step=args.step, seed=args.seed)
     model = load_model(args.model, vocab_size=int(batch.vocab_size or batch.tokens.max() + 1), dtype=args.dtype,
                        layer_pattern=args.pattern, seed=args.seed, device=args.device)
     # per-trajectory / per-branch attention calls, as the counts were always taken

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,23 +113,12 @@ def add_output_arguments(p: argparse.ArgumentParser, *, what: str = "the figures
 
 
 # ---------------------------------------------------------------------- sources
-def _memo(make: Callable[[], Any]) -> Callable[[], Any]:
-    cache: list[Any] = []
-
-    def get() -> Any:
-        if not cache:
-            cache.append(make())
-        return cache[0]
-
-    return get
-
-
 def batch_sources(
     files: list[str], workload: str | None, steps: int | None, seed: int, *, default: str = "small"
 ) -> list[tuple[str, Callable[[], Any]]]:
     """``(label, make_batch)`` per step: each file is one step, or the preset's steps (lazy)."""
     from harts.tree.batch import RolloutBatch
-    from harts.tree.workloads import PRESETS, generate
+    from harts.tree.workloads import PRESETS, workload_steps
 
     if files and workload:
         raise UserError("give FILEs or --workload, not both")
@@ -139,29 +128,14 @@ def batch_sources(
     if name not in PRESETS:
         hint = " (a batch file is given as FILE, without --workload)" if os.path.exists(name) else ""
         raise UserError(f"--workload {name!r} is not a preset; presets: {', '.join(PRESETS)}{hint}")
-    n = PRESETS[name].steps if steps is None else steps
-    return [(f"{name}[{s}]", lambda s=s: generate(name, step=s, seed=seed)) for s in range(n)]
+    return workload_steps(name, steps, seed=seed)
 
 
 def step_sources(workload: str, steps: int | None, seed: int) -> list[tuple[str, Callable[[], Any]]]:
-    """``(label, make_batch)`` per step of ``--workload NAME|FILE``: a preset's steps, or the
-    file repeated ``steps`` times (read once)."""
-    from harts.tree.batch import RolloutBatch
-    from harts.tree.workloads import PRESETS, generate
+    """``(label, make_batch)`` per step of ``--workload NAME|FILE`` (``workload_steps``)."""
+    from harts.tree.workloads import workload_steps
 
-    if workload in PRESETS:
-        n = PRESETS[workload].steps if steps is None else steps
-        return [(f"{workload}[{s}]", lambda s=s: generate(workload, step=s, seed=seed)) for s in range(n)]
-    if os.path.exists(workload) or workload.endswith((".jsonl", ".parquet")):
-        load = _memo(lambda: RolloutBatch.load(workload))
-        return [(workload, load)] * (1 if steps is None else steps)
-    raise UserError(f"--workload {workload!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
-
-
-def workload_batches(args: argparse.Namespace) -> Iterator[Any]:
-    """Yield the RolloutBatch of every requested step (``--workload``, ``--steps``, ``--seed``)."""
-    for _, make in step_sources(args.workload, args.steps, args.seed):
-        yield make()
+    return workload_steps(workload, steps, seed=seed)
 
 
 @dataclass

@@ -44,21 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_arguments(p, what="the results")
 
 
-def _load_batch(args: argparse.Namespace):  # noqa: ANN202
-    import os
-
-    from harts.errors import UserError
-    from harts.tree.batch import RolloutBatch
-    from harts.tree.workloads import PRESETS, generate
-
-    w = args.workload
-    if w in PRESETS:
-        return generate(w, step=args.step, seed=args.seed), w
-    if os.path.exists(w) or w.endswith((".jsonl", ".parquet")):
-        return RolloutBatch.load(w), w
-    raise UserError(f"--workload {w!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
-
-
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -72,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_file(args.json_out, "--json", args.overwrite)
     check_device(args.device)
-    batch, source = _load_batch(args)
+    from harts.tree.workloads import load_workload
+
+    batch, source = load_workload(args.workload, step=args.step, seed=args.seed), args.workload
     vocab, where = needed_vocab([summarize(args.step, source, batch)])
     model = build_model(args, vocab, where=where, training=False)
     config = model.config

@@ -130,10 +130,6 @@ class HybridConfig:
     def moe_layer_ids(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
-    @property
-    def has_linear_attention(self) -> bool:
-        return any(LAYER_TYPES[c][0] == "linear" for c in self.layer_pattern)
-
     def torch_dtype(self) -> Any:
         import torch
 

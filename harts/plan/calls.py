@@ -163,11 +163,6 @@ class CallPlan:
         """Segment ids of sequence q in execution order."""
         return self.seq_segments[self.seq_ptr[q] : self.seq_ptr[q + 1]]
 
-    def requests_of(self, q: int) -> np.ndarray:
-        """Indices of the boundary states sequence q must export (sorted by position)."""
-        lo, hi = np.searchsorted(self.req_seq, [q, q + 1])
-        return np.arange(lo, hi)
-
     # ------------------------------------------------------------ summaries
     def summary(self) -> dict[str, Any]:
         """The ``harts calls --json`` schema: calls, replay, per-round sequences by name."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -73,11 +72,6 @@ class CompactBatch:
     def compression(self) -> float:
         """S / C: non-replay compact-row compression."""
         return self.num_semantic_tokens / self.num_compact_tokens
-
-    @cached_property
-    def trajectory_last_row(self) -> np.ndarray:
-        """int64 [N]: compact row of each trajectory's last token."""
-        return self.semantic_to_compact[self.batch.offsets[1:] - 1]
 
     def select(self, indices: Sequence[int] | np.ndarray) -> CompactBatch:
         """``compact(self.batch.select(indices))`` without compacting again (tested equal).

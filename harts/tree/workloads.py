@@ -25,15 +25,17 @@ Siblings always start with distinct tokens, so the explicit tree equals the toke
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from harts.errors import UserError
 from harts.tree.batch import RolloutBatch
 from harts.tree.rollout_tree import RolloutTree
 
-__all__ = ["WorkloadSpec", "PRESETS", "generate", "steps"]
+__all__ = ["WorkloadSpec", "PRESETS", "generate", "load_workload", "steps", "workload_steps"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +132,37 @@ def steps(name: str = "swe", *, seed: int = 0, num_steps: int | None = None) -> 
     spec = PRESETS[name]
     for s in range(spec.steps if num_steps is None else num_steps):
         yield generate(name, step=s, seed=seed)
+
+
+def workload_steps(
+    spec: str, steps: int | None = None, *, seed: int = 0
+) -> list[tuple[str, Callable[[], RolloutBatch]]]:
+    """``(label, make_batch)`` per step of ``spec``, a preset name or a batch file: the preset's
+    steps (``steps`` of them, default all; generated when made), or the file ``steps`` times
+    (default once; read once). The one workload loader of the commands and benchmarks.
+
+    Raises ``UserError`` when ``spec`` is neither a preset nor a file.
+    """
+    if spec in PRESETS:
+        n = PRESETS[spec].steps if steps is None else steps
+        return [(f"{spec}[{s}]", lambda s=s: generate(spec, step=s, seed=seed)) for s in range(n)]
+    if os.path.exists(spec) or spec.endswith((".jsonl", ".parquet")):
+        cache: list[RolloutBatch] = []
+
+        def load() -> RolloutBatch:
+            if not cache:
+                cache.append(RolloutBatch.load(spec))
+            return cache[0]
+
+        return [(spec, load)] * (1 if steps is None else steps)
+    raise UserError(f"--workload {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
+
+
+def load_workload(spec: str, *, step: int = 0, seed: int = 0) -> RolloutBatch:
+    """Step ``step`` of preset ``spec``, or the batch file ``spec`` (see ``workload_steps``)."""
+    if spec in PRESETS:
+        return generate(spec, step=step, seed=seed)
+    return workload_steps(spec, 1, seed=seed)[0][1]()
 
 
 class _Builder:

@@ -16,8 +16,8 @@ Pipeline (N trajectories, DP degree D, capacity T in compact tokens):
 6. extensions: converged sparse repair (``repair.deep_repair``) of the greedy candidate and
    the lowest-work base candidates, added as extra candidates, and work-neutral balancing of
    the winner (``balance.py``), kept only when it strictly lowers J, then within-slot piece
-   swaps (``swap.py``), kept when J does not rise and slots get more even. ``deep_rounds=0,
-   balance_rounds=0, swap_rounds=0, merge_floor=False`` gives the paper's pipeline exactly.
+   swaps (``swap.py``), kept when J does not rise and slots get more even. ``extensions=False``
+   gives the paper's pipeline exactly.
 
 Shapes (N = trajectories, K = microbatches): ``owner`` int64 [N] over sorted positions.
 """
@@ -40,13 +40,28 @@ from harts.plan.step.refine import refine_boundaries, select_anchors
 from harts.plan.step.repair import deep_repair, sparse_repair
 from harts.plan.step.step_plan import StepPlan, check_inputs, plan_from_owner, to_step_plan
 from harts.plan.step.swap import repack_tail, slot_swaps
+from harts.tree.batch import RolloutBatch
+from harts.tree.compact import CompactBatch, compact
 
 __all__ = ["StepPlan", "PlannerParams", "plan_step", "check_inputs", "plan_from_owner"]
 
 
+#: harts' additions beyond the paper (``PlannerParams.extensions``), fixed: keep the smallest
+#: DP-compatible K a stuck merge path reached (``evolve``); converged sparse repair
+#: (``repair.deep_repair``) of the greedy and the lowest-work base candidates; work-neutral
+#: balancing of the best distinct candidates (``balance.py``); within-slot swaps (``swap.py``)
+MERGE_FLOOR = True
+DEEP_ROUNDS = 64
+DEEP_WINDOW = 32
+DEEP_CANDIDATES = 2
+BALANCE_ROUNDS = 64
+BALANCE_CANDIDATES = 1
+SWAP_ROUNDS = 32
+
+
 @dataclass(kw_only=True, slots=True)
 class PlannerParams:
-    """Search parameters, paper defaults."""
+    """Search parameters: the paper's (§3.2, its defaults) and one switch for harts' additions."""
 
     #: largest N solved by the exact contiguous DP
     n0: int = 512
@@ -62,21 +77,9 @@ class PlannerParams:
     repair_iterations: int = 4
     #: greedy microbatches at most this fraction of T are candidates for elimination
     small_fraction: float = 0.5
-    #: also keep the smallest DP-compatible K a stuck merge path reached (extension)
-    merge_floor: bool = True
-    #: work-neutral balancing rounds on the selected plan (extension, ``balance.py``); 0 = off
-    balance_rounds: int = 64
-    #: how many of the best distinct candidates are balanced (the lowest J afterwards wins)
-    balance_candidates: int = 1
-    #: accepted within-slot piece swaps/moves after balancing (extension, ``swap.py``); 0 = off
-    swap_rounds: int = 32
-    #: rounds of converged sparse repair on the best candidates (extension,
-    #: ``repair.deep_repair``); 0 = off
-    deep_rounds: int = 64
-    #: lexicographic window of the converged repair's moves and swaps
-    deep_window: int = 32
-    #: how many of the lowest-work base candidates also get the converged repair
-    deep_candidates: int = 2
+    #: harts' additions (merge floor, converged repair, balancing, slot swaps: the constants
+    #: above); each is kept only when it does not raise J. False gives the paper's pipeline
+    extensions: bool = True
 
 
 def _valid(owner: np.ndarray, work: np.ndarray, dp: int, capacity: int) -> bool:
@@ -85,34 +88,34 @@ def _valid(owner: np.ndarray, work: np.ndarray, dp: int, capacity: int) -> bool:
 
 
 def _deep_candidates(
-    cost: PrefixCost, candidates: list[tuple[str, np.ndarray]], capacity: int, params: PlannerParams
+    cost: PrefixCost, candidates: list[tuple[str, np.ndarray]], capacity: int
 ) -> list[tuple[str, np.ndarray]]:
     """Converged repair of the greedy candidates and of the lowest-work other candidates."""
     greedy = [c for c in candidates if c[0].startswith("greedy")]
     rest = [c for c in candidates if not c[0].startswith("greedy")]
     rest.sort(key=lambda c: int(cost.works(c[1]).sum()))
     out = []
-    for name, owner in [*greedy[-1:], *rest[: params.deep_candidates]]:
-        fixed = deep_repair(cost, owner, capacity, window=params.deep_window, rounds=params.deep_rounds)
+    for name, owner in [*greedy[-1:], *rest[:DEEP_CANDIDATES]]:
+        fixed = deep_repair(cost, owner, capacity, window=DEEP_WINDOW, rounds=DEEP_ROUNDS)
         out.append((f"{name} +deep", fixed))
     return out
 
 
 def _polish(
-    cb: Any, cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int, params: PlannerParams
+    cb: CompactBatch, cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int
 ) -> tuple[dict[str, Any], str]:
     """Balancing (``balance.py``), then tail repack and slot swaps (``swap.py``); each result
     is kept only when valid with J not above the previous one."""
     suffix = ""
-    if params.balance_rounds > 0:
-        owner = balance(cost, sched["owner"], dp, capacity, params.balance_rounds)
+    if BALANCE_ROUNDS > 0:
+        owner = balance(cost, sched["owner"], dp, capacity, BALANCE_ROUNDS)
         nxt = plan_from_owner(cb, cost, owner, dp, capacity)
         # balance() returns its input unless J drops, or ties with more equal works
         if _valid(owner, nxt["work"], dp, capacity) and nxt["objective"] <= sched["objective"]:
             sched, suffix = nxt, suffix + " +balance"
-    if params.swap_rounds > 0:
+    if SWAP_ROUNDS > 0:
         owner = repack_tail(cost, sched["owner"], dp, capacity)
-        owner = slot_swaps(cost, owner, dp, capacity, rounds=params.swap_rounds)
+        owner = slot_swaps(cost, owner, dp, capacity, rounds=SWAP_ROUNDS)
         nxt = plan_from_owner(cb, cost, owner, dp, capacity)
         # never raises total work nor J; it may only even out slots
         changed = not np.array_equal(owner, sched["owner"])
@@ -121,7 +124,7 @@ def _polish(
     return sched, suffix
 
 
-def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPlan:
+def harts_plan(cb: CompactBatch, dp: int, capacity: int, params: PlannerParams) -> StepPlan:
     t0 = time.perf_counter()
     cost = PrefixCost(cb.lcp_index)
     n = cost.n
@@ -139,7 +142,7 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
         targets = sample_ks(ks, params.q_max)
         if greedy is not None and greedy_k not in targets and greedy_k <= n:
             targets = sorted([*targets, greedy_k])
-        evolved = evolve(cost, p0, targets, capacity, dp if params.merge_floor else 0)
+        evolved = evolve(cost, p0, targets, capacity, dp if params.extensions and MERGE_FLOOR else 0)
         base = {k: (c, int(np.sum(cost.interval_work(c[:-1], c[1:])))) for k, c in evolved.items()}
         for k, (cuts, _) in sorted(base.items()):
             candidates.append((f"evolved K={k}", cuts_to_owner(cuts)))
@@ -150,8 +153,8 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
         candidates.append((f"greedy K={greedy_k}", greedy))
         repaired = sparse_repair(cost, greedy, capacity, window=params.window, iterations=params.repair_iterations)
         candidates.append((f"greedy+repair K={greedy_k}", repaired))
-    if params.deep_rounds > 0:
-        candidates.extend(_deep_candidates(cost, candidates, capacity, params))
+    if params.extensions and DEEP_ROUNDS > 0:
+        candidates.extend(_deep_candidates(cost, candidates, capacity))
 
     scored = []
     for i, (name, owner) in enumerate(candidates):
@@ -166,16 +169,16 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
     # lowest J first, earlier candidates first among equal J
     scored.sort(key=lambda t: (t[0], t[1]))
     _, _, best_name, best = scored[0]
-    if params.balance_rounds > 0 or params.swap_rounds > 0:
+    if params.extensions and (BALANCE_ROUNDS > 0 or SWAP_ROUNDS > 0):
         # the winner and the next-best distinct groupings are polished; lowest J wins
         seen: list[np.ndarray] = []
         for _, _, name, sched0 in scored:
-            if len(seen) >= max(1, params.balance_candidates):
+            if len(seen) >= max(1, BALANCE_CANDIDATES):
                 break
             if any(np.array_equal(sched0["owner"], o) for o in seen):
                 continue
             seen.append(sched0["owner"])
-            sched, suffix = _polish(cb, cost, sched0, dp, capacity, params)
+            sched, suffix = _polish(cb, cost, sched0, dp, capacity)
             first = sched0 is scored[0][3]
             if sched["objective"] < best["objective"] or (first and sched["objective"] <= best["objective"]):
                 best, best_name = sched, name + suffix
@@ -184,21 +187,20 @@ def harts_plan(cb: Any, dp: int, capacity: int, params: PlannerParams) -> StepPl
     return to_step_plan(cb, best, dp, capacity, "harts", seconds, info)
 
 
-def plan_step(batch: Any, *, dp: int, capacity: int, **params: Any) -> StepPlan:
+def plan_step(batch: RolloutBatch | CompactBatch, *, dp: int, capacity: int, **params: Any) -> StepPlan:
     """Plan one training step: microbatches, their DP replicas and slots.
 
     Args:
         batch: a ``RolloutBatch`` (compacted here, not timed) or a ``CompactBatch``.
         dp: data-parallel degree D (1 <= D <= N).
         capacity: microbatch capacity T in compact tokens.
-        **params: ``PlannerParams`` fields. The §5.2 OR-Tools baseline is
+        **params: ``PlannerParams`` fields (the paper's n0, q_max, window, sweeps, anchors,
+            repair_iterations, small_fraction; ``extensions`` for harts' additions). The §5.2 OR-Tools baseline is
             ``harts.plan.baselines.ortools_partition.ortools_step`` (same arguments).
 
     Returns:
         A ``StepPlan``; ``plan_seconds`` excludes compaction.
     """
-    from harts.tree.compact import CompactBatch, compact
-
     cb = batch if isinstance(batch, CompactBatch) else compact(batch)
     check_inputs(cb, dp, capacity)
     dp, capacity = int(dp), int(capacity)

@@ -273,11 +273,11 @@ def test_paper_pipeline_reachable_and_extensions_never_worse() -> None:
     batch = harts.workloads.generate("small", step=0, seed=0)
     cb = harts.compact(batch)
     capacity = int(max(batch.lengths.max(), cb.num_compact_tokens // 6))
-    paper = harts.plan_step(cb, dp=2, capacity=capacity, n0=10, balance_rounds=0, merge_floor=False, deep_rounds=0)
+    paper = harts.plan_step(cb, dp=2, capacity=capacity, n0=10, extensions=False)
     full = harts.plan_step(cb, dp=2, capacity=capacity, n0=10)
     check_plan(paper, batch, 2, capacity)
     check_plan(full, batch, 2, capacity)
-    assert "+deep" not in paper.info["winner"] and "+balance" not in paper.info["winner"]
+    assert not any(s in paper.info["winner"] for s in ("+deep", "+balance", "+swap"))
     assert full.objective <= paper.objective
 
 
@@ -309,12 +309,15 @@ def test_slot_swaps_and_tail_repack_keep_feasibility_and_never_worsen_j(seed: in
             assert w[g] == trie_count([trajs[i] for i in np.flatnonzero(out == g)])
 
 
-def test_polishing_more_candidates_never_worsens_j() -> None:
+def test_polishing_more_candidates_never_worsens_j(monkeypatch) -> None:
+    from harts.plan.step import planner
+
     batch = harts.workloads.generate("small", step=1, seed=0)
     cb = harts.compact(batch)
     capacity = int(max(batch.lengths.max(), cb.num_compact_tokens // 10))
-    one = harts.plan_step(cb, dp=2, capacity=capacity, balance_candidates=1)
-    three = harts.plan_step(cb, dp=2, capacity=capacity, balance_candidates=3)
+    one = harts.plan_step(cb, dp=2, capacity=capacity)
+    monkeypatch.setattr(planner, "BALANCE_CANDIDATES", 3)
+    three = harts.plan_step(cb, dp=2, capacity=capacity)
     check_plan(three, batch, 2, capacity)
     assert three.objective <= one.objective
 
