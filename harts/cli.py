@@ -118,5 +118,6 @@ def _is_user_error(err: Exception, args: argparse.Namespace) -> bool:
         return True
     return not args._typed_errors and isinstance(err, (ValueError, FileNotFoundError))
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,9 +8,7 @@
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "harts", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("harts", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("harts")
 
 try:

@@ -37,16 +37,19 @@ def assert_user_error(capsys, *argv, match: str) -> str:
 
 
 # ---------------------------------------------------------------- option values
-@pytest.mark.parametrize("argv, match", [
-    (["train", "--steps", "0"], "argument --steps: must be a positive integer"),
-    (["train", "--seed", "-1"], "argument --seed: must be a non-negative integer"),
-    (["train", "--capacity", "0"], "argument --capacity: must be a positive integer"),
-    (["train", "--lr", "nan"], "argument --lr: must be a finite number > 0"),
-    (["stats", "--workload", "tiny", "--chunk-size", "-4"], "argument --chunk-size: must be a positive integer"),
-    (["stats", "--workload", "tiny", "--chunk-size", "0"], "argument --chunk-size: must be a positive integer"),
-    (["plan", "--workload", "tiny", "--dp", "0"], "argument --dp: must be a positive integer"),
-    (["compare", "--threads", "-2"], "argument --threads: must be a non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["train", "--steps", "0"], "argument --steps: must be a positive integer"),
+        (["train", "--seed", "-1"], "argument --seed: must be a non-negative integer"),
+        (["train", "--capacity", "0"], "argument --capacity: must be a positive integer"),
+        (["train", "--lr", "nan"], "argument --lr: must be a finite number > 0"),
+        (["stats", "--workload", "tiny", "--chunk-size", "-4"], "argument --chunk-size: must be a positive integer"),
+        (["stats", "--workload", "tiny", "--chunk-size", "0"], "argument --chunk-size: must be a positive integer"),
+        (["plan", "--workload", "tiny", "--dp", "0"], "argument --dp: must be a positive integer"),
+        (["compare", "--threads", "-2"], "argument --threads: must be a non-negative integer"),
+    ],
+)
 def test_bad_option_values_name_the_option(capsys, argv, match):
     assert_user_error(capsys, *argv, match=match)
 
@@ -112,8 +115,12 @@ def test_json_into_missing_directory_keeps_the_checkpoint(tmp_path, capsys):
 
 def test_huge_token_id_is_refused_before_allocating(tmp_path, capsys):
     path = tmp_path / "b.jsonl"
-    path.write_text(json.dumps({"tokens": [1, 2_000_000_000], "advantages": 1.0}) + "\n"
-                    + json.dumps({"tokens": [1, 2], "advantages": -1.0}) + "\n")
+    path.write_text(
+        json.dumps({"tokens": [1, 2_000_000_000], "advantages": 1.0})
+        + "\n"
+        + json.dumps({"tokens": [1, 2], "advantages": -1.0})
+        + "\n"
+    )
     err = assert_user_error(capsys, "train", "--workload", path, match="needs vocab_size >= 2,000,000,001")
     assert "token id 2,000,000,000" in err and "trajectory 0, position 1" in err and "GiB" in err
     assert_user_error(capsys, "compare", "--workload", path, match="needs vocab_size >= 2,000,000,001")
@@ -129,8 +136,9 @@ def _seed_where_step1_is_longer() -> tuple[int, int, int]:
 
 def test_capacity_of_every_step_is_checked_before_step_0(capsys):
     seed, first, second = _seed_where_step1_is_longer()
-    err = assert_user_error(capsys, "train", "--workload", "tiny", "--seed", seed, "--capacity", first,
-                            match="step 1 (tiny[1]): trajectory")
+    err = assert_user_error(
+        capsys, "train", "--workload", "tiny", "--seed", seed, "--capacity", first, match="step 1 (tiny[1]): trajectory"
+    )
     assert f"more than --capacity {first:,}" in err
     assert f"the smallest capacity that fits every step is --capacity {second}" in err
     # and that suggestion does fit
@@ -143,17 +151,27 @@ def test_plan_capacity_and_dp_are_checked(tmp_path, capsys):
     assert_user_error(capsys, "plan", "--workload", "tiny", "--dp", "40", match="fewer than the 40 replicas of --dp")
     # 5 unshared trajectories of 100 tokens at T = 100 need 8 microbatches for D = 4, but only 4 can be filled
     path = tmp_path / "five.jsonl"
-    harts.RolloutBatch.from_trajectories([[j * 100 + i + 1 for i in range(100)] for j in range(5)],
-                                         advantages=[1.0] * 5).save(path)
-    assert_user_error(capsys, "plan", path, "--dp", "4", "--capacity", "100",
-                      match=f"step 0 ({path}): capacity=100 is too small")
+    harts.RolloutBatch.from_trajectories(
+        [[j * 100 + i + 1 for i in range(100)] for j in range(5)], advantages=[1.0] * 5
+    ).save(path)
+    assert_user_error(
+        capsys, "plan", path, "--dp", "4", "--capacity", "100", match=f"step 0 ({path}): capacity=100 is too small"
+    )
 
 
 def test_calls_json_file(tmp_path, capsys):
     tree = tmp_path / "t.json"
-    tree.write_text(json.dumps({"segments": [{"id": "R", "tokens": 70, "parent": None},
-                                             {"id": "a", "tokens": 2, "parent": "R"},
-                                             {"id": "b", "tokens": 2, "parent": "R"}]}))
+    tree.write_text(
+        json.dumps(
+            {
+                "segments": [
+                    {"id": "R", "tokens": 70, "parent": None},
+                    {"id": "a", "tokens": 2, "parent": "R"},
+                    {"id": "b", "tokens": 2, "parent": "R"},
+                ]
+            }
+        )
+    )
     code, out, _ = run(capsys, "calls", tree, "--json", tmp_path / "plan.json")
     assert code == 0 and "calls: 2" in out
     assert json.loads((tmp_path / "plan.json").read_text())["calls"] == 2
@@ -168,7 +186,9 @@ def test_missing_inputs(tmp_path, capsys):
     assert_user_error(capsys, "stats", "--workload", "nope", match="not a preset")
     bad = tmp_path / "ckpt"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]}))
+    (bad / "config.json").write_text(
+        json.dumps({"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]})
+    )
     (bad / "model.safetensors").write_bytes(b"\xff" * 64)
     assert_user_error(capsys, "convert", bad, match=f"{bad}: not a readable checkpoint")
 
@@ -205,8 +225,10 @@ def test_console_script_exit_codes(tmp_path):
     bad.write_text('{"tokens": [1, 2], "advantages": "high"}\n')
     out = subprocess.run([sys.executable, "-c", code, "stats", str(bad)], capture_output=True, text=True)
     assert out.returncode == 2
-    assert out.stderr == (f"harts: error: {bad}: trajectory 0 (line 1): advantages must be a number or a list "
-                          "of numbers (one per token), got string 'high'\n")
+    assert out.stderr == (
+        f"harts: error: {bad}: trajectory 0 (line 1): advantages must be a number or a list "
+        "of numbers (one per token), got string 'high'\n"
+    )
 
 
 def test_user_errors_are_value_errors():

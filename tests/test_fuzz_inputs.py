@@ -39,7 +39,9 @@ def base_records() -> list[dict]:
         old_logprobs=[[0.0, -1.0, -2.0, -0.5], [0.0, -0.1, -0.2, -0.3, -0.4], [0.0, -3.0]],
         ref_logprobs=[[0.0, -1.1, -2.1, -0.6], [0.0, -0.2, -0.2, -0.3, -0.5], [0.0, -2.5]],
         loss_weights=[[1.0] * 4, [0.5] * 5, [2.0] * 2],
-        group_ids=[0, 0, 1], tree_ids=[0, 0, 1], vocab_size=VOCAB,
+        group_ids=[0, 0, 1],
+        tree_ids=[0, 0, 1],
+        vocab_size=VOCAB,
     )
     from harts.tree.io import _to_records
 
@@ -62,16 +64,19 @@ BASE_TREE = {
 
 # -------------------------------------------------------------------- strategies
 scalars = st.one_of(
-    st.none(), st.booleans(),
+    st.none(),
+    st.booleans(),
     st.integers(min_value=-(2**70), max_value=2**70),
     st.sampled_from([0, 1, -1, VOCAB - 1, VOCAB, 2**31, 2**63 - 1, 2**63, 2_000_000_000]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.5, -0.0, 1e308]),
     st.text(max_size=6),
 )
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=6),
-                                                       st.dictionaries(st.text(max_size=4), inner, max_size=3)),
-                      max_leaves=8)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -83,8 +88,9 @@ def record_mutation(draw, records: list[dict]) -> list[dict]:
         rec = recs[j]
         if not isinstance(rec, dict):
             continue
-        kind = draw(st.sampled_from(["swap-field", "swap-element", "drop", "unknown", "resize", "token-range",
-                                     "whole-record"]))
+        kind = draw(
+            st.sampled_from(["swap-field", "swap-element", "drop", "unknown", "resize", "token-range", "whole-record"])
+        )
         keys = sorted(rec)
         if kind == "swap-field" and keys:
             rec[draw(st.sampled_from(keys))] = draw(values)
@@ -105,7 +111,8 @@ def record_mutation(draw, records: list[dict]) -> list[dict]:
                 rec[k] = (rec[k] * 3)[:n]
         elif kind == "token-range" and isinstance(rec.get("tokens"), list) and rec["tokens"]:
             rec["tokens"][draw(st.integers(0, len(rec["tokens"]) - 1))] = draw(
-                st.sampled_from([-1, VOCAB, 2**40, 2**63, -(2**63), 2_000_000_000]))
+                st.sampled_from([-1, VOCAB, 2**40, 2**63, -(2**63), 2_000_000_000])
+            )
         elif kind == "whole-record":
             recs[j] = draw(values)
     return recs
@@ -124,8 +131,8 @@ def byte_mutation(draw, data: bytes) -> bytes:
         return data[:i] + draw(st.binary(min_size=1, max_size=8)) + data[i:]
     if kind == "replace":
         chunk = draw(st.binary(min_size=1, max_size=8))
-        return data[:i] + chunk + data[i + len(chunk):]
-    return data[:i] + bytes([data[i] ^ (1 << draw(st.integers(0, 7)))]) + data[i + 1:] if data else data
+        return data[:i] + chunk + data[i + len(chunk) :]
+    return data[:i] + bytes([data[i] ^ (1 << draw(st.integers(0, 7)))]) + data[i + 1 :] if data else data
 
 
 def jsonl_bytes(records: list, header: dict | None = HEADER) -> bytes:
@@ -137,8 +144,9 @@ def parquet_bytes(records: list) -> bytes | None:
     """Parquet of the records, or None when pyarrow cannot build a table from them."""
     try:
         table = pa.Table.from_pylist(records)
-        table = table.replace_schema_metadata({"format": "harts.rollout_batch", "version": "1",
-                                               "vocab_size": str(VOCAB)})
+        table = table.replace_schema_metadata(
+            {"format": "harts.rollout_batch", "version": "1", "vocab_size": str(VOCAB)}
+        )
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink)
     except (pa.ArrowException, TypeError, ValueError, OverflowError, AttributeError):
@@ -162,8 +170,17 @@ def check_batch_file(path) -> None:
         again = path.with_name("again" + path.suffix)
         batch.save(again)
         back = RolloutBatch.load(again)
-        for name in ("tokens", "offsets", "action_mask", "advantages", "old_logprobs", "ref_logprobs",
-                     "loss_weights", "group_ids", "tree_ids"):
+        for name in (
+            "tokens",
+            "offsets",
+            "action_mask",
+            "advantages",
+            "old_logprobs",
+            "ref_logprobs",
+            "loss_weights",
+            "group_ids",
+            "tree_ids",
+        ):
             a, b = getattr(batch, name), getattr(back, name)
             assert (a is None) == (b is None), name
             if a is not None:
@@ -220,7 +237,9 @@ def tree_example(draw) -> tuple[str, bytes]:
     kind = draw(st.sampled_from(["parent", "field", "drop", "cycle", "duplicate", "chunk", "bytes", "bare"]))
     i = draw(st.integers(0, len(segs) - 1))
     if kind == "parent":
-        segs[i]["parent"] = draw(st.one_of(st.sampled_from(["R", "A", "B", "C", "D", "S", "nope", segs[i]["id"]]), values))
+        segs[i]["parent"] = draw(
+            st.one_of(st.sampled_from(["R", "A", "B", "C", "D", "S", "nope", segs[i]["id"]]), values)
+        )
     elif kind == "field":
         segs[i][draw(st.sampled_from(["id", "tokens", "parent"]))] = draw(values)
     elif kind == "drop":

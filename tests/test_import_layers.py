@@ -56,7 +56,7 @@ def test_no_import_cycles() -> None:
         state[v] = 1
         for w in sorted(edges[v]):
             if state.get(w) == 1:
-                cycles.append(path[path.index(w):] + [w])
+                cycles.append(path[path.index(w) :] + [w])
             elif w not in state:
                 visit(w, [*path, w])
         state[v] = 2

@@ -27,8 +27,7 @@ import time
 import numpy as np
 
 from harts.plan.calls import plan_calls, plan_calls_many
-from harts.tree.segments import parent_depth, preorder_from_parents
-from harts.tree.segments import SegmentForest
+from harts.tree.segments import SegmentForest, parent_depth, preorder_from_parents
 
 
 def _best_of(fn, repeat: int) -> tuple[object, float]:

@@ -57,16 +57,29 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("tokens", "semantic_to_compact", "multiplicity", "parent", "position")
     )
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"{args.workload}[{args.step}]: paths={batch.num_trajectories:,} raw={batch.num_tokens:,} "
-          f"compact={a.num_compact_tokens:,} ({a.compression:.2f}x), batch arrays {batch_mb:,.0f} MiB")
+    print(
+        f"{args.workload}[{args.step}]: paths={batch.num_trajectories:,} raw={batch.num_tokens:,} "
+        f"compact={a.num_compact_tokens:,} ({a.compression:.2f}x), batch arrays {batch_mb:,.0f} MiB"
+    )
     for label, r in results.items():
         print(f"  {label:9s}  {r['seconds']:7.3f} s   peak allocated by compaction {r['peak_alloc_gb']:.3f} GiB")
     print(f"  identical structures: {same}; process max RSS {rss_gb:.2f} GiB")
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump({"workload": args.workload, "step": args.step, "paths": batch.num_trajectories,
-                       "raw_tokens": batch.num_tokens, "compact_tokens": a.num_compact_tokens,
-                       "results": results, "identical": same, "max_rss_gb": round(rss_gb, 3)}, fh, indent=2)
+            json.dump(
+                {
+                    "workload": args.workload,
+                    "step": args.step,
+                    "paths": batch.num_trajectories,
+                    "raw_tokens": batch.num_tokens,
+                    "compact_tokens": a.num_compact_tokens,
+                    "results": results,
+                    "identical": same,
+                    "max_rss_gb": round(rss_gb, 3),
+                },
+                fh,
+                indent=2,
+            )
     return 0 if same else 1
 
 

@@ -93,8 +93,11 @@ class FlopModel:
         return cls(per_row_matmul=2 * active, per_logit_row=2.0 * v * d, per_pair=per_pair, per_row_linear_attn=per_la)
 
     def forward_flops(self, rows: int, logit_rows: int, pairs: int) -> float:
-        return (rows * (self.per_row_matmul + self.per_row_linear_attn) + logit_rows * self.per_logit_row
-                + pairs * self.per_pair)
+        return (
+            rows * (self.per_row_matmul + self.per_row_linear_attn)
+            + logit_rows * self.per_logit_row
+            + pairs * self.per_pair
+        )
 
     def training_flops(self, rows: int, logit_rows: int, pairs: int) -> float:
         """Forward + backward FLOPs (3 x forward) of ``rows`` rows, ``logit_rows`` LM-head rows

@@ -77,26 +77,46 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     batch = load_workload(args.workload, step=args.step, seed=args.seed)
-    model = load_model(args.model, vocab_size=int(batch.vocab_size or batch.tokens.max() + 1), dtype=args.dtype,
-                       layer_pattern=args.pattern, seed=args.seed, device=args.device)
+    model = load_model(
+        args.model,
+        vocab_size=int(batch.vocab_size or batch.tokens.max() + 1),
+        dtype=args.dtype,
+        layer_pattern=args.pattern,
+        seed=args.seed,
+        device=args.device,
+    )
     # per-trajectory / per-branch attention calls, as the counts were always taken
     execution = ExecutionConfig(attention="gather", recompute=args.recompute, linear_attention_backend=args.la_backend)
     counts = {mode: count_ops(model, batch, replace(execution, mode=mode)) for mode in ("trajectory", "compact")}
     totals = {mode: sum(c.values()) for mode, c in counts.items()}
-    print(f"{args.workload}[{args.step}]: {batch.num_trajectories} paths, {batch.num_tokens:,} tokens; "
-          f"aten operators per forward + backward{' (recompute)' if args.recompute else ''}")
-    print(f"  total: trajectory {totals['trajectory']:,}  compact {totals['compact']:,}  "
-          f"(compact / trajectory {totals['compact'] / max(totals['trajectory'], 1):.2f}x)")
-    sites = sorted(set(counts["trajectory"]) | set(counts["compact"]),
-                   key=lambda s: -(counts["trajectory"][s] + counts["compact"][s]))
+    print(
+        f"{args.workload}[{args.step}]: {batch.num_trajectories} paths, {batch.num_tokens:,} tokens; "
+        f"aten operators per forward + backward{' (recompute)' if args.recompute else ''}"
+    )
+    print(
+        f"  total: trajectory {totals['trajectory']:,}  compact {totals['compact']:,}  "
+        f"(compact / trajectory {totals['compact'] / max(totals['trajectory'], 1):.2f}x)"
+    )
+    sites = sorted(
+        set(counts["trajectory"]) | set(counts["compact"]),
+        key=lambda s: -(counts["trajectory"][s] + counts["compact"][s]),
+    )
     width = max(len(s) for s in sites[: args.top])
     print(f"  {'call site':<{width}}  trajectory     compact")
     for s in sites[: args.top]:
         print(f"  {s:<{width}}  {counts['trajectory'][s]:>10,}  {counts['compact'][s]:>10,}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"workload": args.workload, "step": args.step, "totals": totals,
-                       "sites": {m: dict(c) for m, c in counts.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "workload": args.workload,
+                    "step": args.step,
+                    "totals": totals,
+                    "sites": {m: dict(c) for m, c in counts.items()},
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -36,14 +36,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-
 from typing import Any
 
 import numpy as np
 import torch
 
-from harts.bench.flops import FlopModel
 import harts.models.regions as regions
+from harts.bench.flops import FlopModel
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.step import plan_step
@@ -119,7 +118,9 @@ class StepBench:
 
     @property
     def fbg_speedup(self) -> float:
-        return self._rate(self.harts, self.harts.train_seconds) / max(self._rate(self.baseline, self.baseline.train_seconds), 1e-12)
+        return self._rate(self.harts, self.harts.train_seconds) / max(
+            self._rate(self.baseline, self.baseline.train_seconds), 1e-12
+        )
 
     @property
     def core_speedup(self) -> float:
@@ -131,14 +132,20 @@ class StepBench:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(compression=round(self.compression, 4), fbg_speedup=round(self.fbg_speedup, 4),
-                 core_speedup=round(self.core_speedup, 4))
+        d.update(
+            compression=round(self.compression, 4),
+            fbg_speedup=round(self.fbg_speedup, 4),
+            core_speedup=round(self.core_speedup, 4),
+        )
         for name in ("baseline", "harts"):
             side = getattr(self, name)
             mfu = self.mfu(side)
-            d[name].update(rows_per_second=round(side.rows_per_second, 1),
-                           raw_tokens_per_second=round(side.raw_tokens_per_second, 1),
-                           tflops=round(side.tflops, 3), mfu=None if mfu is None else round(mfu, 4))
+            d[name].update(
+                rows_per_second=round(side.rows_per_second, 1),
+                raw_tokens_per_second=round(side.raw_tokens_per_second, 1),
+                tflops=round(side.tflops, 3),
+                mfu=None if mfu is None else round(mfu, 4),
+            )
         return d
 
 
@@ -190,9 +197,18 @@ def _counts(sub: RolloutBatch, inputs, mode: str) -> tuple[int, int, int]:  # no
     return int(inputs.cb.num_compact_tokens), logit_rows, pairs
 
 
-def _run_side(model: HybridLM, batch: RolloutBatch, prepare: Callable[[], list[tuple[RolloutBatch, Any]]],
-              execution: ExecutionConfig, *, plan_seconds: float, warmup: bool, flop_model: FlopModel,
-              progress: Callable[[int, str], Any] | None = None, profile_dir: str | None = None) -> BenchSide:
+def _run_side(
+    model: HybridLM,
+    batch: RolloutBatch,
+    prepare: Callable[[], list[tuple[RolloutBatch, Any]]],
+    execution: ExecutionConfig,
+    *,
+    plan_seconds: float,
+    warmup: bool,
+    flop_model: FlopModel,
+    progress: Callable[[int, str], Any] | None = None,
+    profile_dir: str | None = None,
+) -> BenchSide:
     mode = execution.mode
     device = model.embed_tokens.weight.device
     normalizer = grpo_normalizer(batch)
@@ -225,7 +241,9 @@ def _run_side(model: HybridLM, batch: RolloutBatch, prepare: Callable[[], list[t
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     rows = calls = replay = 0
-    bar = progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches") if progress else None
+    bar = (
+        progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches") if progress else None
+    )
     with regions.RegionTimer(device) as timer:
         t0 = time.perf_counter()
         for sub, inputs in prepared:
@@ -247,14 +265,28 @@ def _run_side(model: HybridLM, batch: RolloutBatch, prepare: Callable[[], list[t
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     model.zero_grad(set_to_none=True)
     if profile_dir and prepared:
-        _profile(one, prepared[0], device, os.path.join(profile_dir, f"{'baseline' if mode == 'trajectory' else 'harts'}.json"))
+        _profile(
+            one,
+            prepared[0],
+            device,
+            os.path.join(profile_dir, f"{'baseline' if mode == 'trajectory' else 'harts'}.json"),
+        )
         model.zero_grad(set_to_none=True)
-    return BenchSide(microbatches=len(prepared), rows=rows, calls=calls, replay_rows=replay,
-                     plan_seconds=round(plan_seconds + prep_seconds, 4), train_seconds=round(seconds, 4),
-                     peak_memory_gb=None if peak is None else round(peak, 3), raw_tokens=raw,
-                     logit_rows=logit_rows, attention_pairs=pairs,
-                     flops=flop_model.training_flops(rows, logit_rows, pairs), warmup_seconds=round(warm, 3),
-                     breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()})
+    return BenchSide(
+        microbatches=len(prepared),
+        rows=rows,
+        calls=calls,
+        replay_rows=replay,
+        plan_seconds=round(plan_seconds + prep_seconds, 4),
+        train_seconds=round(seconds, 4),
+        peak_memory_gb=None if peak is None else round(peak, 3),
+        raw_tokens=raw,
+        logit_rows=logit_rows,
+        attention_pairs=pairs,
+        flops=flop_model.training_flops(rows, logit_rows, pairs),
+        warmup_seconds=round(warm, 3),
+        breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()},
+    )
 
 
 def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN001
@@ -288,10 +320,21 @@ def _optimizer_seconds(model: HybridLM) -> float:
     return seconds
 
 
-def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int = 0,
-               execution: ExecutionConfig | None = None, warmup: bool = True, dp: int = 1,
-               replica: int = 0, optimizer: bool = False, peak_tflops: float | None = None,
-               progress: Callable[[int, str], Any] | None = None, profile_dir: str | None = None) -> StepBench:
+def bench_step(
+    model: HybridLM,
+    batch: RolloutBatch,
+    *,
+    capacity: int,
+    step: int = 0,
+    execution: ExecutionConfig | None = None,
+    warmup: bool = True,
+    dp: int = 1,
+    replica: int = 0,
+    optimizer: bool = False,
+    peak_tflops: float | None = None,
+    progress: Callable[[int, str], Any] | None = None,
+    profile_dir: str | None = None,
+) -> StepBench:
     """Time one step (or replica ``replica``'s share of it at ``dp`` replicas) both ways on
     ``model`` (its weights are not changed) under ``execution`` (its mode is set per side, and
     both sides use the fused log-prob, as a real trainer does). ``optimizer`` also times one AdamW step;
@@ -315,16 +358,26 @@ def bench_step(model: HybridLM, batch: RolloutBatch, *, capacity: int, step: int
 
     def prepare_harts() -> list[tuple[RolloutBatch, Any]]:
         # slices of the step's compaction with their call plans: no microbatch is compacted twice
-        return [(c.batch, model.prepare_compact(c, compact_side, plan=p))
-                for c, p in plan.prepare_replica(replica, model.config.chunk_size)]
+        return [
+            (c.batch, model.prepare_compact(c, compact_side, plan=p))
+            for c, p in plan.prepare_replica(replica, model.config.chunk_size)
+        ]
 
     def prepare_baseline() -> list[tuple[RolloutBatch, Any]]:
         return [(sub, sub) for sub in (batch.select(g) for g in base_groups)]
 
     baseline = _run_side(model, batch, prepare_baseline, replace(execution, mode="trajectory"), plan_seconds=0.0, **kw)
     harts = _run_side(model, batch, prepare_harts, compact_side, plan_seconds=plan_seconds, **kw)
-    return StepBench(step=step, paths=batch.num_trajectories, raw_tokens=batch.num_tokens,
-                     baseline=baseline, harts=harts, dp=dp, replica=replica, predicted_harts=predicted_harts,
-                     predicted_baseline=predicted_base,
-                     optimizer_seconds=round(_optimizer_seconds(model), 4) if optimizer else None,
-                     peak_tflops=peak_tflops)
+    return StepBench(
+        step=step,
+        paths=batch.num_trajectories,
+        raw_tokens=batch.num_tokens,
+        baseline=baseline,
+        harts=harts,
+        dp=dp,
+        replica=replica,
+        predicted_harts=predicted_harts,
+        predicted_baseline=predicted_base,
+        optimizer_seconds=round(_optimizer_seconds(model), 4) if optimizer else None,
+        peak_tflops=peak_tflops,
+    )

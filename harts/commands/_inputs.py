@@ -25,6 +25,7 @@ from typing import Any
 
 from harts.errors import CapacityError, OutputPathError, UserError
 
+
 # ------------------------------------------------------------------ option types
 def _int(text: str) -> int:
     try:
@@ -82,34 +83,54 @@ def nonneg_float(text: str) -> float:
 # ------------------------------------------------------------------- arguments
 def add_workload_arguments(p: argparse.ArgumentParser, default: str = "tiny") -> None:
     p.add_argument(
-        "--workload", default=default, metavar="NAME|FILE",
+        "--workload",
+        default=default,
+        metavar="NAME|FILE",
         help="built-in workload preset (tiny, small, medium, swe) or a batch file (.jsonl/.parquet)",
     )
-    p.add_argument("--steps", type=positive_int, default=None,
-                   help="steps to run (default: the preset's; 1 for a file, which repeats)")
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="steps to run (default: the preset's; 1 for a file, which repeats)",
+    )
     p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float32") -> None:
-    p.add_argument("--model", default="tiny", metavar="PRESET|PATH",
-                   help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory "
-                        "(BailingHybrid / Qwen3-Next / Kimi Linear)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        metavar="PRESET|PATH",
+        help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory "
+        "(BailingHybrid / Qwen3-Next / Kimi Linear)",
+    )
     p.add_argument("--pattern", default=None, help="override a preset's layer pattern, e.g. KKKM")
-    p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"],
-                   help="parameter dtype")
+    p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"], help="parameter dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
-    p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "tree", "auto"],
-                   help="linear-attention core: torch reference, fla-core split path (CUDA), the one-pass tree kernel (CUDA), or auto (fla on CUDA)")
-    p.add_argument("--threads", type=nonneg_int, default=1,
-                   help="torch intra-op threads on CPU; 0 lets torch choose")
+    p.add_argument(
+        "--la-backend",
+        default="reference",
+        choices=["reference", "fla", "tree", "auto"],
+        help="linear-attention core: torch reference, fla-core split path (CUDA), the one-pass tree kernel (CUDA), or auto (fla on CUDA)",
+    )
+    p.add_argument("--threads", type=nonneg_int, default=1, help="torch intra-op threads on CPU; 0 lets torch choose")
 
 
 def add_output_arguments(p: argparse.ArgumentParser, *, what: str = "the figures") -> None:
     """``--json FILE`` and ``--overwrite`` (every command that writes files has both)."""
-    p.add_argument("--json", dest="json_out", default=None, metavar="FILE",
-                   help=f"also write {what} as JSON to FILE (checked before any work)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace existing output files (without it, an existing output is an error)")
+    p.add_argument(
+        "--json",
+        dest="json_out",
+        default=None,
+        metavar="FILE",
+        help=f"also write {what} as JSON to FILE (checked before any work)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace existing output files (without it, an existing output is an error)",
+    )
 
 
 # ---------------------------------------------------------------------- sources
@@ -167,13 +188,21 @@ def summarize(step: int, label: str, batch: Any) -> StepSummary:
     k = int(np.argmax(batch.tokens))
     jt = int(np.searchsorted(batch.offsets, k, side="right") - 1)
     return StepSummary(
-        step=step, label=label, trajectories=batch.num_trajectories, tokens=batch.num_tokens,
-        longest=j, longest_len=int(lengths[j]), max_token=int(batch.tokens[k]),
-        max_token_at=(jt, int(k - batch.offsets[jt])), vocab_size=batch.vocab_size,
+        step=step,
+        label=label,
+        trajectories=batch.num_trajectories,
+        tokens=batch.num_tokens,
+        longest=j,
+        longest_len=int(lengths[j]),
+        max_token=int(batch.tokens[k]),
+        max_token_at=(jt, int(k - batch.offsets[jt])),
+        vocab_size=batch.vocab_size,
     )
 
 
-def check_capacity(summaries: list[StepSummary], capacity: int, dp: int = 1, *, dp_name: str = "data-parallel ranks") -> None:
+def check_capacity(
+    summaries: list[StepSummary], capacity: int, dp: int = 1, *, dp_name: str = "data-parallel ranks"
+) -> None:
     """Every trajectory of every step fits ``--capacity`` and every step has >= ``dp`` trajectories."""
     fits = max(s.longest_len for s in summaries)
     for s in summaries:
@@ -251,8 +280,9 @@ def check_la_backend(backend: str, device: str) -> None:
     try:
         linear_attn_op(backend, torch.device(device))
     except ValueError as err:
-        raise UserError(f"--la-backend {backend} on --device {device}: {err}; use --la-backend reference "
-                        "(any device) or auto") from None
+        raise UserError(
+            f"--la-backend {backend} on --device {device}: {err}; use --la-backend reference (any device) or auto"
+        ) from None
 
 
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
@@ -339,8 +369,14 @@ def build_model(args: argparse.Namespace, vocab_size: int, *, where: str | None 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return load_model(args.model, vocab_size=vocab_size, dtype=args.dtype, layer_pattern=args.pattern,
-                          seed=args.seed, device=args.device)
+        return load_model(
+            args.model,
+            vocab_size=vocab_size,
+            dtype=args.dtype,
+            layer_pattern=args.pattern,
+            seed=args.seed,
+            device=args.device,
+        )
     except checkpoint_errors() as err:
         if isinstance(err, UserError):
             raise

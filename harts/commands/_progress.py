@@ -43,14 +43,34 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
-def progress(total: int | None, desc: str, unit: str, *, leave: bool = True, position: int | None = None,
-             disable: bool = False) -> Any:
+def progress(
+    total: int | None, desc: str, unit: str, *, leave: bool = True, position: int | None = None, disable: bool = False
+) -> Any:
     """A tqdm bar on stderr (see the module docstring); ``disable`` for non-zero ranks."""
     from tqdm import tqdm
 
     err = sys.stderr
     if _isatty(err):
-        return tqdm(total=total, desc=desc, unit=unit, leave=leave, position=position, file=err,
-                    dynamic_ncols=True, disable=disable)
-    return tqdm(total=total, desc=desc, unit=unit, leave=leave, file=_LineWriter(err), ascii=True, ncols=100,
-                mininterval=LINE_INTERVAL, maxinterval=LINE_INTERVAL * 4, delay=LINE_INTERVAL, disable=disable)
+        return tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            leave=leave,
+            position=position,
+            file=err,
+            dynamic_ncols=True,
+            disable=disable,
+        )
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        leave=leave,
+        file=_LineWriter(err),
+        ascii=True,
+        ncols=100,
+        mininterval=LINE_INTERVAL,
+        maxinterval=LINE_INTERVAL * 4,
+        delay=LINE_INTERVAL,
+        disable=disable,
+    )

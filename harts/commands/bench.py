@@ -14,7 +14,12 @@ from __future__ import annotations
 import argparse
 
 from harts.commands._inputs import (
-    add_model_arguments, add_output_arguments, add_workload_arguments, nonneg_int, positive_float, positive_int,
+    add_model_arguments,
+    add_output_arguments,
+    add_workload_arguments,
+    nonneg_int,
+    positive_float,
+    positive_int,
 )
 
 TYPED_ERRORS = True
@@ -26,17 +31,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (tokens)")
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
-                   help="full attention: one call per branch (gather), one FlexAttention call over "
-                        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "gather", "mask"],
+        help="full attention: one call per branch (gather), one FlexAttention call over "
+        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
+    )
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas the step is planned for")
-    p.add_argument("--replica", type=nonneg_int, default=0,
-                   help="which replica's share of the step to time (0 .. dp-1)")
+    p.add_argument(
+        "--replica", type=nonneg_int, default=0, help="which replica's share of the step to time (0 .. dp-1)"
+    )
     p.add_argument("--optimizer", action="store_true", help="also time one AdamW step (same for both sides)")
-    p.add_argument("--peak-tflops", type=positive_float, default=None,
-                   help="device peak for MFU (TFLOP/s); default: dense bf16 peak of known GPUs (H100/H200 989.4)")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="write a Chrome trace (torch profiler) of one microbatch per side into DIR")
+    p.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        default=None,
+        help="device peak for MFU (TFLOP/s); default: dense bf16 peak of known GPUs (H100/H200 989.4)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write a Chrome trace (torch profiler) of one microbatch per side into DIR",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first microbatch of each side")
     add_output_arguments(p, what="every figure")
 
@@ -54,7 +72,14 @@ def run(args: argparse.Namespace) -> int:
     from harts.bench.step_bench import COMPONENTS, bench_step
     from harts.commands._format import format_table
     from harts.commands._inputs import (
-        build_model, check_capacity, check_output_dir, check_output_file, check_plannable, needed_vocab, step_sources, summarize,
+        build_model,
+        check_capacity,
+        check_output_dir,
+        check_output_file,
+        check_plannable,
+        needed_vocab,
+        step_sources,
+        summarize,
         write_json,
     )
     from harts.commands._progress import progress
@@ -81,25 +106,42 @@ def run(args: argparse.Namespace) -> int:
     vocab, where = needed_vocab(summaries)
     model = build_model(args, vocab, where=where)
     peak = args.peak_tflops or peak_tflops(torch.device(args.device))
-    print(f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
-          f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
-          f"recompute {'on' if args.recompute else 'off'}; dp {args.dp}, replica {args.replica}; "
-          f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}", flush=True)
-    execution = ExecutionConfig(recompute=args.recompute, attention=args.attention,
-                                linear_attention_backend=args.la_backend)
+    print(
+        f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
+        f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
+        f"recompute {'on' if args.recompute else 'off'}; dp {args.dp}, replica {args.replica}; "
+        f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}",
+        flush=True,
+    )
+    execution = ExecutionConfig(
+        recompute=args.recompute, attention=args.attention, linear_attention_backend=args.la_backend
+    )
     results = []
     steps_bar = progress(len(sources), "bench", "step", disable=len(sources) < 2)
     with steps_bar:
         for step, (_, make) in enumerate(sources):
             batch = make()
-            r = bench_step(model, batch, capacity=args.capacity, step=step, execution=execution,
-                           warmup=not args.no_warmup, dp=args.dp, replica=args.replica, optimizer=args.optimizer, peak_tflops=peak,
-                           progress=lambda total, desc: progress(total, desc, "mb", leave=False, position=1),
-                           profile_dir=os.path.join(args.profile, f"step{step}") if args.profile else None)
+            r = bench_step(
+                model,
+                batch,
+                capacity=args.capacity,
+                step=step,
+                execution=execution,
+                warmup=not args.no_warmup,
+                dp=args.dp,
+                replica=args.replica,
+                optimizer=args.optimizer,
+                peak_tflops=peak,
+                progress=lambda total, desc: progress(total, desc, "mb", leave=False, position=1),
+                profile_dir=os.path.join(args.profile, f"step{step}") if args.profile else None,
+            )
             results.append(r)
-            print(f"step {step}: baseline {r.baseline.train_seconds:.3f} s, harts {r.harts.train_seconds:.3f} s "
-                  f"(+{r.harts.plan_seconds:.3f} s planning): F/B/Grad {r.fbg_speedup:.2f}x "
-                  f"(warm-up {r.baseline.warmup_seconds:.1f} / {r.harts.warmup_seconds:.1f} s, untimed)", flush=True)
+            print(
+                f"step {step}: baseline {r.baseline.train_seconds:.3f} s, harts {r.harts.train_seconds:.3f} s "
+                f"(+{r.harts.plan_seconds:.3f} s planning): F/B/Grad {r.fbg_speedup:.2f}x "
+                f"(warm-up {r.baseline.warmup_seconds:.1f} / {r.harts.warmup_seconds:.1f} s, untimed)",
+                flush=True,
+            )
             steps_bar.update()
 
     def mem(x: float | None) -> str:
@@ -109,19 +151,60 @@ def run(args: argparse.Namespace) -> int:
         m = r.mfu(side)
         return "n/a" if m is None else f"{100 * m:.1f}%"
 
-    rows = [[r.step, r.paths, r.harts.raw_tokens, f"{r.compression:.2f}x", f"{r.baseline.microbatches}/{r.harts.microbatches}",
-             r.harts.calls, r.harts.replay_rows, f"{r.baseline.train_seconds:.3f}", f"{r.harts.train_seconds:.3f}",
-             f"{r.harts.plan_seconds:.3f}", f"{r.fbg_speedup:.2f}x", f"{r.core_speedup:.2f}x",
-             f"{mem(r.baseline.peak_memory_gb)}/{mem(r.harts.peak_memory_gb)}"] for r in results]
-    print(format_table(["step", "paths", "raw tok", "compress", "mbs base/harts", "calls", "replay",
-                        "base s", "harts s", "plan s", "F/B/Grad", "Core", "peak GiB base/harts"], rows))
+    rows = [
+        [
+            r.step,
+            r.paths,
+            r.harts.raw_tokens,
+            f"{r.compression:.2f}x",
+            f"{r.baseline.microbatches}/{r.harts.microbatches}",
+            r.harts.calls,
+            r.harts.replay_rows,
+            f"{r.baseline.train_seconds:.3f}",
+            f"{r.harts.train_seconds:.3f}",
+            f"{r.harts.plan_seconds:.3f}",
+            f"{r.fbg_speedup:.2f}x",
+            f"{r.core_speedup:.2f}x",
+            f"{mem(r.baseline.peak_memory_gb)}/{mem(r.harts.peak_memory_gb)}",
+        ]
+        for r in results
+    ]
+    print(
+        format_table(
+            [
+                "step",
+                "paths",
+                "raw tok",
+                "compress",
+                "mbs base/harts",
+                "calls",
+                "replay",
+                "base s",
+                "harts s",
+                "plan s",
+                "F/B/Grad",
+                "Core",
+                "peak GiB base/harts",
+            ],
+            rows,
+        )
+    )
     print()
     rows = []
     for r in results:
         for name, side in (("baseline", r.baseline), ("harts", r.harts)):
-            rows.append([r.step, name, f"{side.rows:,}", _fmt_rate(side.rows_per_second),
-                         _fmt_rate(side.raw_tokens_per_second), f"{side.flops / 1e12:.4g}", f"{side.tflops:.4g}",
-                         mfu(r, side)])
+            rows.append(
+                [
+                    r.step,
+                    name,
+                    f"{side.rows:,}",
+                    _fmt_rate(side.rows_per_second),
+                    _fmt_rate(side.raw_tokens_per_second),
+                    f"{side.flops / 1e12:.4g}",
+                    f"{side.tflops:.4g}",
+                    mfu(r, side),
+                ]
+            )
     print(format_table(["step", "side", "rows", "rows/s", "raw tok/s", "model TFLOP", "TFLOP/s", "MFU"], rows))
     print()
     rows = []
@@ -131,28 +214,60 @@ def run(args: argparse.Namespace) -> int:
             cells = [f"{b.get(c, {}).get('total', 0.0):.3f}" for c in COMPONENTS]
             rec = sum(v.get("recompute", 0.0) for v in b.values())
             rows.append([r.step, name, *cells, f"{rec:.3f}", f"{side.plan_seconds:.3f}"])
-    print("time by component, seconds (forward + backward + recompute; 'other' = norms, projections outside "
-          "the regions, embedding, loss, glue):")
-    print(format_table(["step", "side", "lin. attn", "attention", "MoE", "LM head+logp", "other",
-                        "of which recompute", "prep/plan"], rows))
+    print(
+        "time by component, seconds (forward + backward + recompute; 'other' = norms, projections outside "
+        "the regions, embedding, loss, glue):"
+    )
+    print(
+        format_table(
+            [
+                "step",
+                "side",
+                "lin. attn",
+                "attention",
+                "MoE",
+                "LM head+logp",
+                "other",
+                "of which recompute",
+                "prep/plan",
+            ],
+            rows,
+        )
+    )
     for r in results:
         if r.optimizer_seconds is not None:
             print(f"step {r.step}: optimizer (AdamW, one step) {r.optimizer_seconds:.3f} s")
         if r.dp > 1:
-            print(f"step {r.step}: predicted work per replica (timed: {r.replica}): harts compact "
-                  f"{r.predicted_harts}, baseline raw {r.predicted_baseline}")
+            print(
+                f"step {r.step}: predicted work per replica (timed: {r.replica}): harts compact "
+                f"{r.predicted_harts}, baseline raw {r.predicted_baseline}"
+            )
     if len(results) > 1:
         tb = sum(r.baseline.train_seconds for r in results)
         th = sum(r.harts.train_seconds for r in results)
         tp = sum(r.harts.plan_seconds for r in results)
         rb = sum(r.baseline.raw_tokens for r in results) / max(tb, 1e-12)
-        print(f"all steps: F/B/Grad {sum(r.harts.raw_tokens for r in results) / max(th, 1e-12) / max(rb, 1e-12):.2f}x, "
-              f"Core {sum(r.harts.raw_tokens for r in results) / max(th + tp, 1e-12) / max(rb, 1e-12):.2f}x")
+        print(
+            f"all steps: F/B/Grad {sum(r.harts.raw_tokens for r in results) / max(th, 1e-12) / max(rb, 1e-12):.2f}x, "
+            f"Core {sum(r.harts.raw_tokens for r in results) / max(th + tp, 1e-12) / max(rb, 1e-12):.2f}x"
+        )
     if args.json_out:
-        write_json(args.json_out, {
-            "model": args.model, "pattern": model.config.layer_pattern, "device": args.device, "dtype": args.dtype,
-            "capacity": args.capacity, "recompute": args.recompute, "attention": args.attention,
-            "la_backend": args.la_backend, "dp": args.dp, "replica": args.replica, "peak_tflops": peak,
-            "steps": [r.to_dict() for r in results]})
+        write_json(
+            args.json_out,
+            {
+                "model": args.model,
+                "pattern": model.config.layer_pattern,
+                "device": args.device,
+                "dtype": args.dtype,
+                "capacity": args.capacity,
+                "recompute": args.recompute,
+                "attention": args.attention,
+                "la_backend": args.la_backend,
+                "dp": args.dp,
+                "replica": args.replica,
+                "peak_tflops": peak,
+                "steps": [r.to_dict() for r in results],
+            },
+        )
         print(f"wrote {args.json_out}")
     return 0

@@ -24,12 +24,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="linear-attention chunk size B (default: the tree file's chunk_size, else 64)",
     )
-    parser.add_argument("--json", dest="json_out", nargs="?", const="-", default=None, metavar="FILE",
-                        help="write the plan as JSON to FILE; a bare --json (or --json -) prints only the "
-                             "JSON, on stdout")
+    parser.add_argument(
+        "--json",
+        dest="json_out",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="FILE",
+        help="write the plan as JSON to FILE; a bare --json (or --json -) prints only the JSON, on stdout",
+    )
     parser.add_argument("--plot", metavar="OUT.png", default=None, help="draw the segment tree and the plan")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace existing output files (without it, an existing output is an error)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace existing output files (without it, an existing output is an error)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

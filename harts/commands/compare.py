@@ -20,25 +20,41 @@ HELP = "Run a batch through the model trajectory-wise and compactly; print agree
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--workload", default="tiny", metavar="NAME|FILE",
+        "--workload",
+        default="tiny",
+        metavar="NAME|FILE",
         help="built-in workload preset (tiny, small, ...) or a batch file (.jsonl/.parquet)",
     )
     p.add_argument("--step", type=nonneg_int, default=0, help="workload step (built-in presets)")
-    p.add_argument("--model", default="tiny", metavar="PRESET|PATH",
-                   help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        metavar="PRESET|PATH",
+        help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory",
+    )
     p.add_argument("--pattern", default=None, help="override the layer pattern, e.g. KKKM")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"], help="parameter dtype")
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
-                   help="full attention: one call per branch (gather), one FlexAttention call over "
-                        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "gather", "mask"],
+        help="full attention: one call per branch (gather), one FlexAttention call over "
+        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
+    )
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")
     p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
-    p.add_argument("--la-backend", default="reference", choices=["reference", "fla", "tree", "auto"],
-                   help="linear-attention core for both modes: torch reference, fla-core (CUDA), or auto")
     p.add_argument(
-        "--threads", type=nonneg_int, default=1,
+        "--la-backend",
+        default="reference",
+        choices=["reference", "fla", "tree", "auto"],
+        help="linear-attention core for both modes: torch reference, fla-core (CUDA), or auto",
+    )
+    p.add_argument(
+        "--threads",
+        type=nonneg_int,
+        default=1,
         help="torch intra-op threads; 1 suits tiny tensors on a shared CPU, 0 lets torch choose",
     )
     add_output_arguments(p, what="the results")
@@ -68,19 +84,29 @@ def run(args: argparse.Namespace) -> int:
     per_mode = 2 + (next(model.parameters()).device.type != "cuda")
     bar = progress(1 + 2 * per_mode, "compare", "phase")
     bar.set_postfix_str("prepare compact", refresh=False)
-    execution = ExecutionConfig(recompute=args.recompute, attention=args.attention, no_replay=args.no_replay,
-                                linear_attention_backend=args.la_backend)
+    execution = ExecutionConfig(
+        recompute=args.recompute,
+        attention=args.attention,
+        no_replay=args.no_replay,
+        linear_attention_backend=args.la_backend,
+    )
     inputs = model.prepare_compact(batch, execution)
     bar.update()
 
     runs = {}
     for mode in ("trajectory", "compact"):
+
         def on_phase(phase: str, mode: str = mode) -> None:  # a phase of run_step ended
             bar.update()
 
         bar.set_postfix_str(mode, refresh=False)
         runs[mode] = run_step(
-            model, inputs, replace(execution, mode=mode), measure_memory=True, warmup=1, on_phase=on_phase,
+            model,
+            inputs,
+            replace(execution, mode=mode),
+            measure_memory=True,
+            warmup=1,
+            on_phase=on_phase,
         )
     bar.close()
     diff = compare_runs(runs["trajectory"], runs["compact"])
@@ -100,11 +126,22 @@ def run(args: argparse.Namespace) -> int:
         f"{c.info['boundary_states']} boundary states, P={c.info['rows']:,} physical rows"
     )
     print()
-    print(format_table(
-        ["mode", "rows", "calls", "loss", "time s", "peak MiB"],
-        [[m, r.info["rows"], r.info["calls"], f"{r.loss:.10g}", f"{r.seconds:.3f}", f"{r.peak_bytes / 2**20:.1f}"]
-         for m, r in runs.items()],
-    ))
+    print(
+        format_table(
+            ["mode", "rows", "calls", "loss", "time s", "peak MiB"],
+            [
+                [
+                    m,
+                    r.info["rows"],
+                    r.info["calls"],
+                    f"{r.loss:.10g}",
+                    f"{r.seconds:.3f}",
+                    f"{r.peak_bytes / 2**20:.1f}",
+                ]
+                for m, r in runs.items()
+            ],
+        )
+    )
     print()
     print(format_table(["max relative difference", "value"], [[k, f"{v:.3e}"] for k, v in diff.items()]))
     speed = t.seconds / c.seconds if c.seconds > 0 else float("nan")
@@ -123,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
             "S": cb.num_semantic_tokens,
             "C": cb.num_compact_tokens,
             "compression": cb.compression,
-            "modes": {m: {"loss": r.loss, "seconds": r.seconds, "peak_bytes": r.peak_bytes, **r.info}
-                      for m, r in runs.items()},
+            "modes": {
+                m: {"loss": r.loss, "seconds": r.seconds, "peak_bytes": r.peak_bytes, **r.info} for m, r in runs.items()
+            },
             "max_rel_diff": diff,
             "speedup": speed,
         }

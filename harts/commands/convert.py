@@ -48,12 +48,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = rep.config
         print(f"layer pattern  {rep.layer_pattern}  ({len(rep.layer_pattern)} layers)")
-        ffn = "dense" if not cfg["num_experts"] else (
-            f"{cfg['first_k_dense_replace']} dense, then MoE {cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}"
+        ffn = (
+            "dense"
+            if not cfg["num_experts"]
+            else (
+                f"{cfg['first_k_dense_replace']} dense, then MoE {cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}"
+            )
         )
         print(f"ffn            {ffn}")
         print(f"parameters     {rep.num_parameters:,}")
-    print(f"tensors        {rep.mapped_tensors:,} of {rep.num_disk_tensors:,} on disk mapped, {len(rep.ignored):,} ignored")
+    print(
+        f"tensors        {rep.mapped_tensors:,} of {rep.num_disk_tensors:,} on disk mapped, {len(rep.ignored):,} ignored"
+    )
     for label, names in (("ignored", rep.ignored), ("missing", rep.missing), ("unmapped", rep.unmapped)):
         for n in names[: args.show]:
             print(f"  {label:9s} {n}")

@@ -15,7 +15,9 @@ HELP = "Prefix-aware step planning (paper Tables 2-3): compact work, planning ti
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="*", help="RolloutBatch files (.jsonl or .parquet), one step each")
     p.add_argument("--workload", default=None, help="built-in workload preset (tiny, small, medium, swe)")
-    p.add_argument("--steps", type=positive_int, default=None, help="steps of the workload (default: all of the preset)")
+    p.add_argument(
+        "--steps", type=positive_int, default=None, help="steps of the workload (default: all of the preset)"
+    )
     p.add_argument("--dp", type=positive_int, default=4, help="data-parallel degree D")
     p.add_argument("--capacity", type=positive_int, default=65536, help="microbatch capacity T in compact tokens")
     p.add_argument("--baseline", choices=["ortools"], default=None, help="also run this baseline planner")
@@ -26,14 +28,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harts.errors import UserError
-
     from harts.bench.plan_bench import plan_batches, plot, summarize
     from harts.commands._format import format_table
     from harts.commands._inputs import (
-        batch_sources, check_capacity, check_output_file, check_plannable, summarize as summarize_step, write_json,
+        batch_sources,
+        check_capacity,
+        check_output_file,
+        check_plannable,
+        write_json,
+    )
+    from harts.commands._inputs import (
+        summarize as summarize_step,
     )
     from harts.commands._progress import progress
+    from harts.errors import UserError
 
     check_output_file(args.json_out, "--json", args.overwrite)
     check_output_file(args.plot, "--plot", args.overwrite)
@@ -61,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     base = args.baseline
     params = {"time_limit": args.time_limit, "seed": args.seed} if base else None
     with progress(len(sources), f"plan D={args.dp}", "step") as bar:
-        steps = plan_batches(sources, dp=args.dp, capacity=args.capacity, baseline=base, baseline_params=params, progress=bar)
+        steps = plan_batches(
+            sources, dp=args.dp, capacity=args.capacity, baseline=base, baseline_params=params, progress=bar
+        )
     summary = summarize(steps, base)
 
     headers = ["step", "paths", "raw tokens", "harts compact"]
@@ -74,8 +84,11 @@ def run(args: argparse.Namespace) -> int:
         row = [s["step"], s["paths"], s["raw_tokens"], h["compact_tokens"]]
         if base:
             b = s[base]
-            row += [b["compact_tokens"], f"{b['compact_tokens'] / h['compact_tokens']:.6f}x",
-                    f"{b['plan_seconds'] / h['plan_seconds']:.3f}x"]
+            row += [
+                b["compact_tokens"],
+                f"{b['compact_tokens'] / h['compact_tokens']:.6f}x",
+                f"{b['plan_seconds'] / h['plan_seconds']:.3f}x",
+            ]
         row += [f"{h['plan_seconds']:.3f}"] + ([f"{s[base]['plan_seconds']:.3f}"] if base else [])
         rows.append(row)
     print(format_table(headers, rows))
@@ -87,18 +100,39 @@ def run(args: argparse.Namespace) -> int:
         return "/".join(f"{v:.4f}" if pct else f"{v}" for v in vals)
 
     print(f"DP-replica balance (D={args.dp}, T={args.capacity}; {'/'.join(keys)}):")
-    print(format_table(
-        ["slots", "within-slot P50 %", "within-slot P95 %", "step-total P50 %", "step-total max %"],
-        [[pair("slots", pct=False), pair("within_slot_p50"), pair("within_slot_p95"),
-          pair("step_total_p50"), pair("step_total_max")]],
-    ))
+    print(
+        format_table(
+            ["slots", "within-slot P50 %", "within-slot P95 %", "step-total P50 %", "step-total max %"],
+            [
+                [
+                    pair("slots", pct=False),
+                    pair("within_slot_p50"),
+                    pair("within_slot_p95"),
+                    pair("step_total_p50"),
+                    pair("step_total_max"),
+                ]
+            ],
+        )
+    )
     if base:
-        print(f"\ncompact tokens {summary['harts']['compact_tokens']:,} (harts) vs "
-              f"{summary[base]['compact_tokens']:,} ({base}); planning {summary['harts']['plan_seconds']:.2f} s vs "
-              f"{summary[base]['plan_seconds']:.2f} s")
+        print(
+            f"\ncompact tokens {summary['harts']['compact_tokens']:,} (harts) vs "
+            f"{summary[base]['compact_tokens']:,} ({base}); planning {summary['harts']['plan_seconds']:.2f} s vs "
+            f"{summary[base]['plan_seconds']:.2f} s"
+        )
     if args.json_out:
-        write_json(args.json_out, {"dp": args.dp, "capacity": args.capacity, "workload": args.workload,
-                                   "seed": args.seed, "steps": steps, "summary": summary}, indent=1)
+        write_json(
+            args.json_out,
+            {
+                "dp": args.dp,
+                "capacity": args.capacity,
+                "workload": args.workload,
+                "seed": args.seed,
+                "steps": steps,
+                "summary": summary,
+            },
+            indent=1,
+        )
         print(f"wrote {args.json_out}")
     if args.plot:
         plot(steps, base, args.plot)

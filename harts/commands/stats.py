@@ -15,10 +15,16 @@ HELP = "Print paths, raw/compact tokens, compression, forks and depth for a batc
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", nargs="?", help="a RolloutBatch file (.jsonl or .parquet)")
     p.add_argument("--workload", default=None, help="built-in workload preset (tiny, small, medium, swe)")
-    p.add_argument("--steps", type=positive_int, default=None, help="steps of the workload (default: all of the preset)")
+    p.add_argument(
+        "--steps", type=positive_int, default=None, help="steps of the workload (default: all of the preset)"
+    )
     p.add_argument("--seed", type=seed_int, default=0, help="workload seed")
-    p.add_argument("--chunk-size", type=positive_int, default=None,
-                   help="chunk grid B for the forks@kB+-1 counts (default: the preset's, 64 for a file)")
+    p.add_argument(
+        "--chunk-size",
+        type=positive_int,
+        default=None,
+        help="chunk grid B for the forks@kB+-1 counts (default: the preset's, 64 for a file)",
+    )
     add_output_arguments(p)
 
 
@@ -46,13 +52,40 @@ def run(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - t0
         st = batch_stats(cb, chunk)
         records.append({"batch": label, "compact_seconds": round(seconds, 4), **st.to_dict()})
-        rows.append([label, st.paths, st.raw_tokens, st.compact_tokens, f"{st.compression:.2f}x",
-                     st.forks, st.side_branches, st.max_depth, st.max_fanout, st.max_path,
-                     st.short_segments, st.forks_near_chunk_boundary, f"{seconds:.2f}"])
+        rows.append(
+            [
+                label,
+                st.paths,
+                st.raw_tokens,
+                st.compact_tokens,
+                f"{st.compression:.2f}x",
+                st.forks,
+                st.side_branches,
+                st.max_depth,
+                st.max_fanout,
+                st.max_path,
+                st.short_segments,
+                st.forks_near_chunk_boundary,
+                f"{seconds:.2f}",
+            ]
+        )
         bar.update()
     bar.close()
-    headers = ["batch", "paths", "raw tokens", "compact", "compress", "forks", "side br.", "depth",
-               "fan-out", "max path", "1-15 tok seg", f"forks@{chunk}k+-1", "compact s"]
+    headers = [
+        "batch",
+        "paths",
+        "raw tokens",
+        "compact",
+        "compress",
+        "forks",
+        "side br.",
+        "depth",
+        "fan-out",
+        "max path",
+        "1-15 tok seg",
+        f"forks@{chunk}k+-1",
+        "compact s",
+    ]
     print(format_table(headers, rows))
     if args.json_out:
         write_json(args.json_out, {"chunk_size": chunk, "batches": records})

@@ -51,18 +51,30 @@ KEEP_TOKENS = 20_000_000
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, default="tiny")
     add_model_arguments(p)
-    p.add_argument("--mode", default="compact", choices=["compact", "trajectory"],
-                   help="compact (harts) or trajectory (the baseline, same plan)")
+    p.add_argument(
+        "--mode",
+        default="compact",
+        choices=["compact", "trajectory"],
+        help="compact (harts) or trajectory (the baseline, same plan)",
+    )
     p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (compact tokens)")
     p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="KL penalty coefficient (needs ref_logprobs)")
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"],
-                   help="full attention: one call per branch (gather), one FlexAttention call over "
-                        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)")
-    p.add_argument("--save", default=None, metavar="DIR",
-                   help="save the trained weights here (a transformers checkpoint when --model was one, "
-                        "else DIR/harts.pt); also on Ctrl-C / SIGTERM, after the last completed step")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "gather", "mask"],
+        help="full attention: one call per branch (gather), one FlexAttention call over "
+        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
+    )
+    p.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="save the trained weights here (a transformers checkpoint when --model was one, "
+        "else DIR/harts.pt); also on Ctrl-C / SIGTERM, after the last completed step",
+    )
     add_output_arguments(p, what="the step logs")
 
 
@@ -148,8 +160,15 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     from tqdm import tqdm
 
     from harts.commands._inputs import (
-        build_model, check_capacity, check_device, check_output_dir, check_output_file, check_plannable,
-        needed_vocab, step_sources, summarize,
+        build_model,
+        check_capacity,
+        check_device,
+        check_output_dir,
+        check_output_file,
+        check_plannable,
+        needed_vocab,
+        step_sources,
+        summarize,
     )
     from harts.commands._progress import progress
     from harts.errors import UserError
@@ -182,8 +201,9 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
             check_device(args.device)
             sources = step_sources(args.workload, args.steps, args.seed)
         summaries, kept, kept_tokens = [], {}, 0
-        with progress(len(sources), "checking inputs", "step", leave=False,
-                      disable=rank != 0 or len(sources) < 2) as bar:
+        with progress(
+            len(sources), "checking inputs", "step", leave=False, disable=rank != 0 or len(sources) < 2
+        ) as bar:
             for i, (label, make) in enumerate(sources):
                 with signals.window():
                     batch = make()
@@ -200,14 +220,20 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
             check_capacity(summaries, args.capacity, world)
             vocab, where = needed_vocab(summaries)
             model = build_model(args, vocab, where=where)
-            execution = ExecutionConfig(mode=args.mode, recompute=args.recompute, attention=args.attention,
-                                        linear_attention_backend=args.la_backend)
+            execution = ExecutionConfig(
+                mode=args.mode,
+                recompute=args.recompute,
+                attention=args.attention,
+                linear_attention_backend=args.la_backend,
+            )
             cfg = TrainConfig(capacity=args.capacity, execution=execution, lr=args.lr, kl_coef=args.kl_coef)
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         if rank == 0:
-            print(f"model {args.model}: {model.config.layer_pattern} x hidden {model.config.hidden_size}, "
-                  f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; mode {args.mode}",
-                  flush=True)
+            print(
+                f"model {args.model}: {model.config.layer_pattern} x hidden {model.config.hidden_size}, "
+                f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; mode {args.mode}",
+                flush=True,
+            )
 
         # ------------------------------------------------------------------ training
         steps_bar = progress(len(sources), "train", "step", disable=rank != 0)
@@ -225,16 +251,20 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                     with signals.window():
                         batch = kept.pop(i) if i in kept else make()
                         # on_update closes the window before the weights change
-                        log = train_step(model, optimizer, batch, cfg, step=i, progress=on_progress,
-                                         on_update=on_update)
+                        log = train_step(
+                            model, optimizer, batch, cfg, step=i, progress=on_progress, on_update=on_update
+                        )
                 finally:
                     mb_bar.close()
                 logs.append(log)
                 state["in_update"] = False
                 if rank == 0:
-                    tqdm.write(f"step {i}: loss {log.loss:+.5f}  grad-norm {log.grad_norm:.4f}  "
-                               f"{log.microbatches} microbatches  {log.train_seconds:.2f} s  "
-                               f"{log.tokens_per_second:,.0f} tok/s/rank", file=sys.stdout)
+                    tqdm.write(
+                        f"step {i}: loss {log.loss:+.5f}  grad-norm {log.grad_norm:.4f}  "
+                        f"{log.microbatches} microbatches  {log.train_seconds:.2f} s  "
+                        f"{log.tokens_per_second:,.0f} tok/s/rank",
+                        file=sys.stdout,
+                    )
                     sys.stdout.flush()
                 steps_bar.update()
             with signals.window():
@@ -271,17 +301,33 @@ def _save_after_failure(args: argparse.Namespace, model, logs: list, world: int,
     steps -- table, ``--save``, ``--json`` with a ``failed`` entry -- then the error propagates."""
     import sys
 
-    print(f"harts: step {len(logs)} failed ({type(err).__name__}); keeping the {len(logs)} completed step(s)",
-          file=sys.stderr, flush=True)
+    print(
+        f"harts: step {len(logs)} failed ({type(err).__name__}); keeping the {len(logs)} completed step(s)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
-        _finish(args, model, logs, world, interrupted=None,
-                failed={"step": len(logs), "error": f"{type(err).__name__}: {err}"})
+        _finish(
+            args,
+            model,
+            logs,
+            world,
+            interrupted=None,
+            failed={"step": len(logs), "error": f"{type(err).__name__}: {err}"},
+        )
     except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
         print(f"harts: could not keep them either: {save_err}", file=sys.stderr, flush=True)
 
 
-def _finish(args: argparse.Namespace, model, logs: list, world: int, *, interrupted: str | None,  # noqa: ANN001
-            failed: dict | None = None) -> None:
+def _finish(
+    args: argparse.Namespace,
+    model,
+    logs: list,
+    world: int,
+    *,
+    interrupted: str | None,  # noqa: ANN001
+    failed: dict | None = None,
+) -> None:
     """Table, then the checkpoint, then the JSON (a JSON failure cannot lose the checkpoint)."""
     import sys
 
@@ -290,11 +336,43 @@ def _finish(args: argparse.Namespace, model, logs: list, world: int, *, interrup
     from harts.errors import OutputPathError
 
     if logs:
-        rows = [[l.step, l.paths, l.raw_tokens, l.microbatches, l.rank_rows, l.rank_calls, l.rank_replay_rows,
-                 f"{l.loss:+.5f}", f"{l.grad_norm:.4f}", f"{l.plan_seconds:.3f}", f"{l.prepare_seconds:.3f}",
-                 f"{l.train_seconds:.3f}"] for l in logs]
-        print(format_table(["step", "paths", "raw tok", "mbs", "rows", "calls", "replay", "loss", "|g|",
-                            "plan s", "prepare s", "train s"], rows), flush=True)
+        rows = [
+            [
+                l.step,
+                l.paths,
+                l.raw_tokens,
+                l.microbatches,
+                l.rank_rows,
+                l.rank_calls,
+                l.rank_replay_rows,
+                f"{l.loss:+.5f}",
+                f"{l.grad_norm:.4f}",
+                f"{l.plan_seconds:.3f}",
+                f"{l.prepare_seconds:.3f}",
+                f"{l.train_seconds:.3f}",
+            ]
+            for l in logs
+        ]
+        print(
+            format_table(
+                [
+                    "step",
+                    "paths",
+                    "raw tok",
+                    "mbs",
+                    "rows",
+                    "calls",
+                    "replay",
+                    "loss",
+                    "|g|",
+                    "plan s",
+                    "prepare s",
+                    "train s",
+                ],
+                rows,
+            ),
+            flush=True,
+        )
     save_error = None
     if args.save:
         if model is None:
@@ -307,8 +385,7 @@ def _finish(args: argparse.Namespace, model, logs: list, world: int, *, interrup
             except OSError as err:
                 save_error = OutputPathError(f"--save {args.save}: cannot write the weights ({err.strerror or err})")
     if args.json_out:
-        record = {"mode": args.mode, "model": args.model, "world_size": world,
-                  "steps": [l.to_dict() for l in logs]}
+        record = {"mode": args.mode, "model": args.model, "world_size": world, "steps": [l.to_dict() for l in logs]}
         if interrupted:
             record["interrupted"] = {"signal": interrupted, "completed_steps": len(logs)}
         if failed:

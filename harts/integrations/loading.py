@@ -52,13 +52,16 @@ def load_model(
         model = from_pretrained(spec, **overrides)
         if vocab_size is not None and vocab_size > model.config.vocab_size:
             raise ValueError(
-                f"the batch needs vocab_size >= {vocab_size} but the checkpoint at {spec} has "
-                f"{model.config.vocab_size}"
+                f"the batch needs vocab_size >= {vocab_size} but the checkpoint at {spec} has {model.config.vocab_size}"
             )
         return model.to(device)
     fields: dict[str, Any] = {}
-    for name, value in (("vocab_size", vocab_size), ("dtype", dtype), ("layer_pattern", layer_pattern),
-                        ("chunk_size", chunk_size)):
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("dtype", dtype),
+        ("layer_pattern", layer_pattern),
+        ("chunk_size", chunk_size),
+    ):
         if value is not None:
             fields[name] = value
     config = HybridConfig.preset(spec, **fields)

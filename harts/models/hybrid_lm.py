@@ -37,7 +37,7 @@ import harts.models.regions as regions
 from harts.models.config import LAYER_TYPES, HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.execution.config import ExecutionConfig
-from harts.models.layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, MLP, MoE, MultiheadLatentAttention
+from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
 from harts.models.layers.norms import RMSNorm
 from harts.plan.calls import CallPlan, plan_calls
 from harts.plan.layout import Layout, build_layout
@@ -126,7 +126,9 @@ class HybridLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self._init_weights()
         self.to(config.torch_dtype())
 

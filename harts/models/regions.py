@@ -26,6 +26,7 @@ Usage in a module::
 from __future__ import annotations
 
 import time
+
 import torch
 
 __all__ = ["RegionTimer", "enter", "exit", "PHASES"]

@@ -190,9 +190,7 @@ class CallPlan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CallPlan:
         fd = d["forest"]
-        forest = SegmentForest(
-            **{k: np.asarray(fd[k], dtype=np.int64) for k in _FOREST_ARRAYS}, names=fd.get("names")
-        )
+        forest = SegmentForest(**{k: np.asarray(fd[k], dtype=np.int64) for k in _FOREST_ARRAYS}, names=fd.get("names"))
         arrays = {k: np.asarray(d[k], dtype=np.int64) for k in _PLAN_ARRAYS}
         return cls(chunk_size=int(d["chunk_size"]), num_calls=int(d["num_calls"]), forest=forest, **arrays)
 
@@ -288,8 +286,9 @@ def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallP
         parent=np.where(parent >= 0, parent + seg_shift, -1),
         row=cat("row"),
         tree=cat("tree") + np.repeat(np.cumsum(ntree) - ntree, sizes),
-        child_ptr=np.concatenate([[0], np.concatenate([f.child_ptr[1:] for f in forests])
-                                  + np.repeat(np.cumsum(nedge) - nedge, sizes)]),
+        child_ptr=np.concatenate(
+            [[0], np.concatenate([f.child_ptr[1:] for f in forests]) + np.repeat(np.cumsum(nedge) - nedge, sizes)]
+        ),
         child_idx=cat("child_idx") + np.repeat(seg_off[:-1], nedge),
         roots=cat("roots") + np.repeat(seg_off[:-1], ntree),
     )

@@ -34,7 +34,7 @@ import numpy as np
 
 from harts.plan.calls import CallPlan, ranges_to_indices
 from harts.tree.compact import CompactBatch
-from harts.tree.segments import SegmentForest, parent_depth
+from harts.tree.segments import parent_depth
 
 __all__ = ["Layout", "RoundView", "build_layout"]
 
@@ -221,7 +221,6 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
             out = np.full(p, fill, dtype=np.int64)
             out[own_phys] = x
             return out
-
 
     # ---- attention view (a): ancestors of each head (root first) + own rows. A sequence's
     # own rows are contiguous and in position order, so the ancestors inside one ancestor

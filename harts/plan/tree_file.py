@@ -74,8 +74,7 @@ def parse_tree(data: Any) -> tuple[SegmentForest, int | None]:
         if p is not None:
             if not isinstance(p, (str, int)) or isinstance(p, bool):
                 raise TreeFileError(
-                    f"tree file: segment {ids[i]!r}: parent must be a segment id (string or integer) "
-                    f"or null, got {p!r}"
+                    f"tree file: segment {ids[i]!r}: parent must be a segment id (string or integer) or null, got {p!r}"
                 )
             if str(p) not in index:
                 raise TreeFileError(f"tree file: segment {ids[i]!r}: unknown parent {p!r}")

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from harts.errors import CapacityError, UserError
+from harts.errors import CapacityError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.step import plan_step
@@ -160,8 +160,9 @@ def accumulate_step_gradients(
         inputs = sub if cb is None else model.prepare_compact(cb, cfg.execution, plan=call_plan)
         prepare_seconds += time.perf_counter() - tp
         out = model(inputs, cfg.execution)
-        loss = grpo_loss(out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction,
-                         normalizer=normalizer).loss
+        loss = grpo_loss(
+            out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer
+        ).loss
         total = loss
         if out.moe_losses is not None:
             moe = (sub.num_tokens / batch.num_tokens) * out.moe_objective(z_coef, aux_coef)
@@ -196,9 +197,16 @@ def accumulate_step_gradients(
         if counts_sum is not None:
             dist.all_reduce(counts_sum)
     return _Accumulated(
-        loss=loss_sum, moe_objective=moe_sum, expert_counts=counts_sum, microbatches=len(plan.microbatches),
-        rank_microbatches=len(mine), rows=rows, calls=calls, replay_rows=replay,
-        plan_seconds=plan_seconds, prepare_seconds=prepare_seconds,
+        loss=loss_sum,
+        moe_objective=moe_sum,
+        expert_counts=counts_sum,
+        microbatches=len(plan.microbatches),
+        rank_microbatches=len(mine),
+        rows=rows,
+        calls=calls,
+        replay_rows=replay,
+        plan_seconds=plan_seconds,
+        prepare_seconds=prepare_seconds,
     )
 
 

@@ -191,8 +191,11 @@ def compare_runs(ref: StepResult, other: StepResult) -> dict[str, float]:
     scale = max((float(g.double().abs().max()) for g in ref.grads.values() if g.numel()), default=0.0)
     floor = max(1e-3 * scale, _TINY)
     out["gradients"] = max(
-        (float((other.grads[n].double() - g.double()).abs().max() / max(float(g.double().abs().max()), floor))
-         for n, g in ref.grads.items() if g.numel()),
+        (
+            float((other.grads[n].double() - g.double()).abs().max() / max(float(g.double().abs().max()), floor))
+            for n, g in ref.grads.items()
+            if g.numel()
+        ),
         default=0.0,
     )
     return out

@@ -172,9 +172,7 @@ class RolloutBatch:
         )
 
     @classmethod
-    def from_tree(
-        cls, nodes: Sequence[dict[str, Any]] | RolloutTree, *, vocab_size: int | None = None
-    ) -> RolloutBatch:
+    def from_tree(cls, nodes: Sequence[dict[str, Any]] | RolloutTree, *, vocab_size: int | None = None) -> RolloutBatch:
         """Build a batch from explicit rollout-tree nodes (see ``harts.tree.rollout_tree``) or
         a built ``RolloutTree``: every root-to-leaf path is a trajectory, in leaf order."""
         tree = nodes if isinstance(nodes, RolloutTree) else RolloutTree.from_nodes(nodes)
@@ -245,16 +243,13 @@ def _as_int_array(values: Any, what: str) -> np.ndarray:
 
 def _flatten_per_token(values: Any, lengths: np.ndarray, name: str, dtype: Any) -> np.ndarray:
     if len(values) != len(lengths):
-        raise BatchValidationError(
-            f"{name}: has {len(values)} entries but the batch has {len(lengths)} trajectories"
-        )
+        raise BatchValidationError(f"{name}: has {len(values)} entries but the batch has {len(lengths)} trajectories")
     parts = []
     for j, (v, n) in enumerate(zip(values, lengths)):
         arr = np.asarray(v, dtype=dtype)
         if arr.ndim != 1 or arr.size != n:
             raise BatchValidationError(
-                f"{name}: trajectory {j} has {arr.size if arr.ndim == 1 else arr.shape} values "
-                f"for {n} tokens"
+                f"{name}: trajectory {j} has {arr.size if arr.ndim == 1 else arr.shape} values for {n} tokens"
             )
         parts.append(arr)
     return np.concatenate(parts)

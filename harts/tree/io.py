@@ -38,8 +38,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -68,6 +68,7 @@ class BatchArrays(Protocol):
 
     @property
     def num_trajectories(self) -> int: ...
+
 
 __all__ = ["load_batch", "save_batch", "FORMAT", "VERSION", "LOGPROB_TOLERANCE"]
 
@@ -169,7 +170,9 @@ def _read_jsonl(path: Path) -> tuple[list[tuple[int, Any]], dict[str, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise BatchValidationError(f"line {lineno}: not UTF-8 text (byte {err.start + 1} of the line)") from None
+                raise BatchValidationError(
+                    f"line {lineno}: not UTF-8 text (byte {err.start + 1} of the line)"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -366,9 +369,7 @@ def _check_record(rec: Any) -> dict[str, Any]:
     return out
 
 
-def _from_records(
-    records: list[tuple[int, Any]], vocab_size: int | None, unit: str, build: Callable[..., B]
-) -> B:
+def _from_records(records: list[tuple[int, Any]], vocab_size: int | None, unit: str, build: Callable[..., B]) -> B:
     if not records:
         raise BatchValidationError("the file holds no trajectories")
 
@@ -396,8 +397,10 @@ def _from_records(
         kwargs[key] = [r[name] for r in checked]
     try:
         return build(
-            [r["tokens"] for r in checked], advantages=[r["advantages"] for r in checked],
-            vocab_size=vocab_size, **kwargs,
+            [r["tokens"] for r in checked],
+            advantages=[r["advantages"] for r in checked],
+            vocab_size=vocab_size,
+            **kwargs,
         )
     except BatchValidationError as err:
         # anchor "trajectory j" in the message to its file line / row

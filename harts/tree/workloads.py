@@ -81,37 +81,76 @@ PRESETS: dict[str, WorkloadSpec] = {
     # (calibrated so that harts' compact work AFTER partitioning at T = 65,536 matches the
     # paper's Table 2: most task trees fit one microbatch, as the paper's near-full slots imply)
     "swe": WorkloadSpec(
-        name="swe", steps=10, tasks=(100, 180), prompt=(300, 3_000), trunk=(18_000, 40_000),
-        explorations=(1, 3), exploration_len=(1_000, 9_000), retry_clusters=(1, 2), max_fanout=6,
+        name="swe",
+        steps=10,
+        tasks=(100, 180),
+        prompt=(300, 3_000),
+        trunk=(18_000, 40_000),
+        explorations=(1, 3),
+        exploration_len=(1_000, 9_000),
+        retry_clusters=(1, 2),
+        max_fanout=6,
         late_forks=2.0,
     ),
     # the same shapes at ~1/10 of the paths and ~1/3 of the lengths: planner demos
     "medium": WorkloadSpec(
-        name="medium", steps=4, tasks=(8, 12), prompt=(100, 1_000), trunk=(8_000, 18_000),
-        explorations=(4, 10), exploration_len=(300, 4_500), retry_clusters=(0, 2), max_fanout=8,
-        assistant_median=60.0, tool_median=250.0, max_tool=12_000, max_path_tokens=32_000,
+        name="medium",
+        steps=4,
+        tasks=(8, 12),
+        prompt=(100, 1_000),
+        trunk=(8_000, 18_000),
+        explorations=(4, 10),
+        exploration_len=(300, 4_500),
+        retry_clusters=(0, 2),
+        max_fanout=8,
+        assistant_median=60.0,
+        tool_median=250.0,
+        max_tool=12_000,
+        max_path_tokens=32_000,
         with_logprobs=True,
     ),
     # CPU model runs: a few thousand compact tokens
     "small": WorkloadSpec(
-        name="small", steps=3, tasks=(3, 4), prompt=(20, 120), trunk=(400, 1_200),
-        explorations=(2, 4), exploration_len=(40, 300), retry_clusters=(1, 2), max_fanout=8,
-        assistant_median=20.0, tool_median=60.0, max_tool=600, max_path_tokens=2_048,
-        vocab_size=512, chunk_size=16, with_logprobs=True,
+        name="small",
+        steps=3,
+        tasks=(3, 4),
+        prompt=(20, 120),
+        trunk=(400, 1_200),
+        explorations=(2, 4),
+        exploration_len=(40, 300),
+        retry_clusters=(1, 2),
+        max_fanout=8,
+        assistant_median=20.0,
+        tool_median=60.0,
+        max_tool=600,
+        max_path_tokens=2_048,
+        vocab_size=512,
+        chunk_size=16,
+        with_logprobs=True,
     ),
     # unit tests and the CPU demo: a few hundred compact tokens
     "tiny": WorkloadSpec(
-        name="tiny", steps=2, tasks=(2, 2), prompt=(6, 20), trunk=(60, 140),
-        explorations=(1, 3), exploration_len=(10, 50), retry_clusters=(1, 1), max_fanout=6,
-        assistant_median=6.0, tool_median=12.0, max_tool=60, max_path_tokens=256,
-        vocab_size=256, chunk_size=8, with_logprobs=True,
+        name="tiny",
+        steps=2,
+        tasks=(2, 2),
+        prompt=(6, 20),
+        trunk=(60, 140),
+        explorations=(1, 3),
+        exploration_len=(10, 50),
+        retry_clusters=(1, 1),
+        max_fanout=6,
+        assistant_median=6.0,
+        tool_median=12.0,
+        max_tool=60,
+        max_path_tokens=256,
+        vocab_size=256,
+        chunk_size=8,
+        with_logprobs=True,
     ),
 }
 
 
-def generate(
-    name: str | WorkloadSpec = "tiny", *, step: int = 0, seed: int = 0, **overrides: object
-) -> RolloutBatch:
+def generate(name: str | WorkloadSpec = "tiny", *, step: int = 0, seed: int = 0, **overrides: object) -> RolloutBatch:
     """One step's rollout batch of preset ``name`` (deterministic in ``seed`` and ``step``).
 
     ``overrides`` replace WorkloadSpec fields, e.g. ``generate("swe", tasks=(10, 10))``.
@@ -308,9 +347,7 @@ class _Builder:
             extra["old_logprobs"] = -self.rng.exponential(1.0, size=n)
             # a log-probability is <= 0 (batch files reject positive ones)
             extra["ref_logprobs"] = np.minimum(extra["old_logprobs"] + self.rng.normal(0.0, 0.05, size=n), 0.0)
-        return replace(
-            batch, group_ids=task, tree_ids=task, advantages=np.repeat(adv, batch.lengths), **extra
-        )
+        return replace(batch, group_ids=task, tree_ids=task, advantages=np.repeat(adv, batch.lengths), **extra)
 
     def _distinct_sibling_starts(self) -> None:
         """Give siblings distinct first tokens so the explicit tree is the token trie."""

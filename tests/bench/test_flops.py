@@ -23,10 +23,12 @@ def test_matmul_and_head_flops_by_hand() -> None:
 
 
 def test_moe_counts_top_k_of_e_experts() -> None:
-    dense = harts.HybridLM(harts.HybridConfig.tiny(layer_pattern="K", num_experts=4, num_experts_per_tok=2,
-                                                   first_k_dense_replace=1))
-    moe = harts.HybridLM(harts.HybridConfig.tiny(layer_pattern="K", num_experts=4, num_experts_per_tok=2,
-                                                 first_k_dense_replace=0))
+    dense = harts.HybridLM(
+        harts.HybridConfig.tiny(layer_pattern="K", num_experts=4, num_experts_per_tok=2, first_k_dense_replace=1)
+    )
+    moe = harts.HybridLM(
+        harts.HybridConfig.tiny(layer_pattern="K", num_experts=4, num_experts_per_tok=2, first_k_dense_replace=0)
+    )
     ex = moe.layers[0].mlp.experts
     per_expert = (ex.gate_up_proj.numel() + ex.down_proj.numel()) / 4
     shared = sum(m.weight.numel() for m in moe.layers[0].mlp.shared_experts.modules() if isinstance(m, torch.nn.Linear))
@@ -56,4 +58,3 @@ def test_deal_to_replicas_balances_deterministically() -> None:
     loads = np.bincount(owner, weights=work, minlength=2)
     assert loads.max() - loads.min() <= max(work)
     assert deal_to_replicas(work, 1) == [0] * 6
-

@@ -20,12 +20,32 @@ VOCAB = 64
 def bailing_config(**kw: Any) -> Any:
     import transformers
 
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
-                kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8,
-                n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, num_local_experts=4,
-                head_dim=8, layer_group_size=2, num_mtp_layers=0, routed_scaling_factor=2.5, pad_token_id=0,
-                eos_token_id=1)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=12,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        qk_nope_head_dim=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        num_local_experts=4,
+        head_dim=8,
+        layer_group_size=2,
+        num_mtp_layers=0,
+        routed_scaling_factor=2.5,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     base.update(kw)
     return transformers.BailingHybridConfig(**base)
 
@@ -33,11 +53,24 @@ def bailing_config(**kw: Any) -> Any:
 def qwen3_next_config(**kw: Any) -> Any:
     import transformers
 
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
-                linear_num_key_heads=1, linear_num_value_heads=2, moe_intermediate_size=16,
-                shared_expert_intermediate_size=16, num_experts_per_tok=2, num_experts=4,
-                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts_per_tok=2,
+        num_experts=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )
     base.update(kw)
     return transformers.Qwen3NextConfig(**base)
 
@@ -45,12 +78,31 @@ def qwen3_next_config(**kw: Any) -> Any:
 def kimi_linear_config(**kw: Any) -> Any:
     import transformers
 
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
-                q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8, num_local_experts=4,
-                num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.446, linear_head_dim=8,
-                linear_num_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        qk_nope_head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.446,
+        linear_head_dim=8,
+        linear_num_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )
     base.update(kw)
     return transformers.KimiLinearConfig(**base)
 

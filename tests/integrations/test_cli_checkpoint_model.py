@@ -24,8 +24,28 @@ def checkpoint(tmp_path):
 def test_train_bench_compare_accept_checkpoint(checkpoint, tmp_path, capsys):
     torch.set_num_threads(1)
     out = tmp_path / "trained"
-    assert main(["train", "--model", str(checkpoint), "--workload", "tiny", "--steps", "1",
-                 "--capacity", "400", "--lr", "1e-2", "--save", str(out), "--json", str(tmp_path / "t.json")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                str(checkpoint),
+                "--workload",
+                "tiny",
+                "--steps",
+                "1",
+                "--capacity",
+                "400",
+                "--lr",
+                "1e-2",
+                "--save",
+                str(out),
+                "--json",
+                str(tmp_path / "t.json"),
+            ]
+        )
+        == 0
+    )
     log = json.loads((tmp_path / "t.json").read_text())
     assert log["steps"][0]["microbatches"] >= 2
     # the trained weights come back as a transformers checkpoint that transformers loads

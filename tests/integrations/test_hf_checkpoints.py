@@ -108,7 +108,8 @@ def test_unsupported_options_are_all_named():
         adapter_for("bailing_hybrid").config_from_hf(CONFIGS["bailing_hybrid"](rope_parameters=yarn))
     with pytest.raises(UnsupportedConfigError, match="mlp_layer_types"):
         adapter_for("kimi_linear").config_from_hf(
-            CONFIGS["kimi_linear"](mlp_layer_types=["dense", "sparse", "dense", "sparse"]))
+            CONFIGS["kimi_linear"](mlp_layer_types=["dense", "sparse", "dense", "sparse"])
+        )
     with pytest.raises(ValueError, match="cannot override"):
         adapter_for("kimi_linear").config_from_hf(CONFIGS["kimi_linear"](), hidden_size=64)
 

@@ -25,9 +25,18 @@ def _batch() -> RolloutBatch:
 
 def test_new_fields_compact_equals_trajectory_float64():
     torch.manual_seed(0)
-    cfg = HybridConfig.tiny(layer_pattern="KMKM", chunk_size=B, dtype="float64", kda_low_rank_gates=False,
-                            kda_safe_gate=True, kda_lower_bound=-3.0, mla_head_gate=True, mla_rope=False,
-                            mla_norm_eps=1e-5, rope_interleave=True)
+    cfg = HybridConfig.tiny(
+        layer_pattern="KMKM",
+        chunk_size=B,
+        dtype="float64",
+        kda_low_rank_gates=False,
+        kda_safe_gate=True,
+        kda_lower_bound=-3.0,
+        mla_head_gate=True,
+        mla_rope=False,
+        mla_norm_eps=1e-5,
+        rope_interleave=True,
+    )
     model = HybridLM(cfg)
     names = {n for n, _ in model.named_parameters()}
     assert "layers.0.linear_attn.f_proj.weight" in names and "layers.0.linear_attn.f_a_proj.weight" not in names
@@ -48,8 +57,15 @@ def test_new_fields_compact_equals_trajectory_float64():
 
 def test_safe_gate_bounds_the_decay():
     torch.manual_seed(1)
-    cfg = HybridConfig.tiny(layer_pattern="K", chunk_size=B, dtype="float64", kda_low_rank_gates=False,
-                            kda_safe_gate=True, kda_lower_bound=-2.0, num_experts=0)
+    cfg = HybridConfig.tiny(
+        layer_pattern="K",
+        chunk_size=B,
+        dtype="float64",
+        kda_low_rank_gates=False,
+        kda_safe_gate=True,
+        kda_lower_bound=-2.0,
+        num_experts=0,
+    )
     layer = HybridLM(cfg).layers[0].linear_attn
     seen = {}
 

@@ -30,11 +30,27 @@ TOL = 1e-4
 
 VARIANTS = [
     ("bailing_hybrid", {}),  # safe gate, q LoRA, group routing, shared expert, 1 dense layer
-    ("bailing_hybrid", dict(kda_safe_gate=False, q_lora_rank=None, tie_word_embeddings=True, first_k_dense_replace=2,
-                            n_shared_experts=2, norm_topk_prob=False)),
+    (
+        "bailing_hybrid",
+        dict(
+            kda_safe_gate=False,
+            q_lora_rank=None,
+            tie_word_embeddings=True,
+            first_k_dense_replace=2,
+            n_shared_experts=2,
+            norm_topk_prob=False,
+        ),
+    ),
     ("qwen3_next", {}),  # GDN r=2, gated GQA with partial RoPE, gated shared expert
-    ("qwen3_next", dict(norm_topk_prob=False, mlp_only_layers=[0], linear_num_key_heads=2,
-                        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})),
+    (
+        "qwen3_next",
+        dict(
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+            linear_num_key_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+        ),
+    ),
     ("kimi_linear", {}),  # low-rank gates, NoPE MLA, group routing
     ("kimi_linear", dict(q_lora_rank=12, mlp_layer_types=["dense", "dense", "sparse", "sparse"], n_group=1)),
     ("qwen3_next", dict(num_experts_per_tok=1)),  # top-1 with normalized top-k: weight 1

@@ -50,8 +50,14 @@ def tree_cases(B: int, vocab: int = 64, seed: int = 0) -> dict[str, list[list[in
     ]
     base = t.fresh(3 * B)
     side = t.branch(base, 2 * B + 2, 6)
-    cases["several_forks_in_one_chunk"] = [base, side, t.branch(base, 2 * B + 3, 4), t.branch(base, 2 * B + 5, 9),
-                                           t.branch(side, 2 * B + 4, 3), t.branch(base, 2 * B + 6, 1)]
+    cases["several_forks_in_one_chunk"] = [
+        base,
+        side,
+        t.branch(base, 2 * B + 3, 4),
+        t.branch(base, 2 * B + 5, 9),
+        t.branch(side, 2 * B + 4, 3),
+        t.branch(base, 2 * B + 6, 1),
+    ]
     chain = [t.fresh(8 * B)]
     for p in [3, B + 2, 2 * B - 1, 3 * B + 3, 4 * B + 5, 5 * B + 1, 6 * B + 6]:
         chain.append(t.branch(chain[-1], p, 8 * B - p))
@@ -63,7 +69,10 @@ def tree_cases(B: int, vocab: int = 64, seed: int = 0) -> dict[str, list[list[in
     base = t.fresh(2 * B + 3)
     cases["identical_and_prefix"] = [base, list(base), base[: B + 2], base[:1], t.branch(base, B + 5, 4)]
     cases["several_trees"] = [t.fresh(B + 2), t.fresh(2 * B + 1)]
-    cases["several_trees"] += [t.branch(cases["several_trees"][0], B - 1, 5), t.branch(cases["several_trees"][1], B + 1, B)]
+    cases["several_trees"] += [
+        t.branch(cases["several_trees"][0], B - 1, 5),
+        t.branch(cases["several_trees"][1], B + 1, B),
+    ]
     return cases
 
 

@@ -14,7 +14,6 @@ from harts.models import HybridConfig, HybridLM
 from harts.rl.verify import compare_runs, run_step
 from tests.models._trees import batch_of, mixed_batch, tree_cases
 
-
 TOL = 1e-9
 B = 8
 
@@ -57,7 +56,9 @@ def test_tree_cases_agree(case: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "recompute,attention", [(True, "gather"), (False, "mask"), (True, "mask")], ids=["recompute", "mask", "recompute-mask"]
+    "recompute,attention",
+    [(True, "gather"), (False, "mask"), (True, "mask")],
+    ids=["recompute", "mask", "recompute-mask"],
 )
 def test_recompute_and_attention_agree(recompute: bool, attention: str) -> None:
     check_agreement(make_model("GKAM", moe=True), mixed_batch(B, seed=1), recompute=recompute, attention=attention)
@@ -83,9 +84,19 @@ def test_trajectory_mask_attention_equals_per_trajectory_calls() -> None:
 def test_chunk_16_and_qwen_style_moe_agree() -> None:
     torch.manual_seed(0)
     cfg = HybridConfig.tiny(
-        dtype="float64", layer_pattern="GAKM", chunk_size=16, router_score="softmax", shared_expert_gate=True,
-        norm_unit_offset=True, router_bias=False, n_group=2, topk_group=1, routed_scaling_factor=1.5,
-        q_lora_rank=None, rope_interleave=True, linear_num_key_heads=2,
+        dtype="float64",
+        layer_pattern="GAKM",
+        chunk_size=16,
+        router_score="softmax",
+        shared_expert_gate=True,
+        norm_unit_offset=True,
+        router_bias=False,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        q_lora_rank=None,
+        rope_interleave=True,
+        linear_num_key_heads=2,
     )
     check_agreement(HybridLM(cfg), mixed_batch(16, seed=2))
 
@@ -93,8 +104,14 @@ def test_chunk_16_and_qwen_style_moe_agree() -> None:
 def test_ling3_style_layer_options_agree() -> None:
     torch.manual_seed(0)
     cfg = HybridConfig.tiny(
-        dtype="float64", layer_pattern="KKM", kda_low_rank_gates=False, kda_safe_gate=True,
-        mla_head_gate=True, mla_norm_eps=1e-5, n_group=2, topk_group=2,
+        dtype="float64",
+        layer_pattern="KKM",
+        kda_low_rank_gates=False,
+        kda_safe_gate=True,
+        mla_head_gate=True,
+        mla_norm_eps=1e-5,
+        n_group=2,
+        topk_group=2,
     )
     check_agreement(HybridLM(cfg), mixed_batch(B, seed=4))
     cfg = cfg.replace(mla_rope=False, kda_safe_gate=False, layer_pattern="MK")

@@ -6,7 +6,6 @@ from harts.cli import main
 from tests.models._trees import batch_of, tree_cases
 
 
-
 def test_compare_cli_agrees_on_a_batch_file(tmp_path, capfd) -> None:
     out, path = tmp_path / "cmp.json", tmp_path / "batch.jsonl"
     batch_of(tree_cases(8)["several_forks_in_one_chunk"]).save(str(path))

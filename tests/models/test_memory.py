@@ -10,7 +10,6 @@ from harts.rl.grpo import grpo_loss
 from tests.models._trees import TreeBuilder, batch_of
 
 
-
 class ShapeRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()

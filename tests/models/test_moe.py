@@ -12,8 +12,15 @@ from harts.models.layers.moe import MoE
 @pytest.mark.parametrize("score,groups", [("sigmoid", 2), ("softmax", 1)])
 def test_weighted_moe_equals_expanded(score: str, groups: int) -> None:
     torch.manual_seed(0)
-    cfg = HybridConfig.tiny(dtype="float64", num_experts=8, num_experts_per_tok=3, router_score=score,
-                            n_group=groups, topk_group=1 if groups > 1 else 1, initializer_range=0.3)
+    cfg = HybridConfig.tiny(
+        dtype="float64",
+        num_experts=8,
+        num_experts_per_tok=3,
+        router_score=score,
+        n_group=groups,
+        topk_group=1 if groups > 1 else 1,
+        initializer_range=0.3,
+    )
     moe = MoE(cfg).double()
     moe.gate.e_score_correction_bias.normal_(std=0.1)
     x = torch.randn(7, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
@@ -104,8 +111,14 @@ def test_grouped_experts_cuda_no_host_sync() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(4)
-    cfg = HybridConfig.tiny(dtype="float32", hidden_size=256, num_experts=32, num_experts_per_tok=4,
-                            moe_intermediate_size=128, initializer_range=0.05)
+    cfg = HybridConfig.tiny(
+        dtype="float32",
+        hidden_size=256,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=128,
+        initializer_range=0.05,
+    )
     moe = MoE(cfg).cuda().to(torch.bfloat16)
     x = torch.randn(4096, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     wt = torch.ones(4096, device="cuda", dtype=torch.bfloat16)

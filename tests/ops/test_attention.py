@@ -23,7 +23,11 @@ from harts.ops.attention.naive import (
 from tests.ops._trees import branches, paths, preorder, random_forest
 
 F64 = torch.float64
-HEADS = [pytest.param(4, 4, 8, 8, id="H4-G4-D8"), pytest.param(4, 2, 8, 8, id="H4-G2-D8"), pytest.param(2, 1, 12, 6, id="H2-G1-D12-E6")]
+HEADS = [
+    pytest.param(4, 4, 8, 8, id="H4-G4-D8"),
+    pytest.param(4, 2, 8, 8, id="H4-G2-D8"),
+    pytest.param(2, 1, 12, 6, id="H2-G1-D12-E6"),
+]
 
 
 def qkv(P, H, G, D, E):
@@ -131,7 +135,12 @@ def test_padding_rows_see_only_themselves_and_unowned_rows_are_zero():
     ref = naive_masked_attention(*x, tree_mask_visibility(pre, end), 0.5)
     torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
     o_view = ancestor_view_attention(
-        *x, q_rows=torch.tensor([0, 1]), cu_q=torch.tensor([0, 2]), kv_rows=torch.tensor([0, 1]), cu_kv=torch.tensor([0, 2]), scale=0.5
+        *x,
+        q_rows=torch.tensor([0, 1]),
+        cu_q=torch.tensor([0, 2]),
+        kv_rows=torch.tensor([0, 1]),
+        cu_kv=torch.tensor([0, 2]),
+        scale=0.5,
     )
     assert torch.equal(o_view[2:], torch.zeros(4, H, D, dtype=F64))
 
@@ -143,7 +152,12 @@ def test_bad_inputs_raise():
     x = qkv(5, 2, 2, 4, 4)
     with pytest.raises(ValueError, match="branch 0 has 3 query rows but only 2"):
         ancestor_view_attention(
-            *x, q_rows=torch.tensor([0, 1, 2]), cu_q=torch.tensor([0, 3]), kv_rows=torch.tensor([0, 1]), cu_kv=torch.tensor([0, 2]), scale=1.0
+            *x,
+            q_rows=torch.tensor([0, 1, 2]),
+            cu_q=torch.tensor([0, 3]),
+            kv_rows=torch.tensor([0, 1]),
+            cu_kv=torch.tensor([0, 2]),
+            scale=1.0,
         )
     with pytest.raises(ValueError, match="impl"):
         tree_mask_attention(*x, tree_pre=torch.arange(5), tree_end=torch.arange(5) + 1, scale=1.0, impl="sdpa")
@@ -177,7 +191,9 @@ def test_flex_tree_mask_matches_dense_on_cuda(dtype, D, E):
         assert (a.double() - r).abs().max() <= 2 * (lo.double() - r).abs().max() + 1e-5
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler"
+)
 def test_flex_tree_mask_compiles_once_for_many_row_counts():
     """Every microbatch has its own P: the compiled FlexAttention must not recompile per P.
 
@@ -208,7 +224,9 @@ def test_flex_tree_mask_compiles_once_for_many_row_counts():
     assert counters["stats"]["unique_graphs"] - before <= 5
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler"
+)
 def test_flex_block_mask_is_built_once_per_cache_and_matches_eager(monkeypatch):
     """Every attention layer of a microbatch shares one BlockMask (``mask_cache``), built by the
     compiled builder; its blocks equal those of eager create_block_mask."""
@@ -229,8 +247,10 @@ def test_flex_block_mask_is_built_once_per_cache_and_matches_eager(monkeypatch):
     cache: dict = {}
     x = [t.detach().float() for t in qkv(P, 2, 1, 16, 8)]
     with torch.no_grad():
-        outs = [tm.tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.25, impl="flex", mask_cache=cache)
-                for _ in range(3)]
+        outs = [
+            tm.tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.25, impl="flex", mask_cache=cache)
+            for _ in range(3)
+        ]
         dense = tm.tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.25, impl="dense")
     assert len(builds) == 1 and "flex_block_mask" in cache
     for o in outs:

@@ -59,7 +59,9 @@ def test_chunk_matches_naive_values_and_all_gradients(T, H, K, V, B, kind):
     L0 = int(cu[1])
     h0 = torch.randn(N, H, K, V, dtype=F64)
     # aligned boundaries, a final state, count 0, mid-chunk counts (no_replay), duplicates
-    requests = torch.tensor([[0, B], [0, L0], [1, 0], [2, 1], [0, min(B + 3, L0 - 2)], [0, B], [2, int(cu[3] - cu[2])], [0, L0 - 1]])
+    requests = torch.tensor(
+        [[0, B], [0, L0], [1, 0], [2, 1], [0, min(B + 3, L0 - 2)], [0, B], [2, int(cu[3] - cu[2])], [0, L0 - 1]]
+    )
     leaves = [x.clone().requires_grad_() for x in [*inputs, h0]]
     ref = run_twice(naive_recurrent_linear_attn, leaves[:5], leaves[5], cu, requests, B)
     out = run_twice(chunk_linear_attn, leaves[:5], leaves[5], cu, requests, B)
@@ -102,8 +104,11 @@ def test_sequences_do_not_see_each_other():
         mine = requests[:, 0] == i
         local = torch.stack([torch.zeros_like(requests[mine, 1]), requests[mine, 1]], dim=1)
         o_i, f_i, r_i = chunk_linear_attn(
-            *(x[lo:hi] for x in inputs), cu_seqlens=torch.tensor([0, hi - lo]), initial_state=h0[i : i + 1],
-            chunk_size=B, state_requests=local,
+            *(x[lo:hi] for x in inputs),
+            cu_seqlens=torch.tensor([0, hi - lo]),
+            initial_state=h0[i : i + 1],
+            chunk_size=B,
+            state_requests=local,
         )
         assert torch.equal(o_i, o[lo:hi]), i
         assert torch.equal(f_i[0], final[i]), i
@@ -119,7 +124,9 @@ def test_replay_from_boundary_state_reproduces_the_trajectory(dtype, kind):
     p = 2 * B + 11
     inputs = make_inputs(T, H, K, V, kind, dtype=dtype)
     cu = torch.tensor([0, T])
-    o, _, states = chunk_linear_attn(*inputs, cu_seqlens=cu, chunk_size=B, state_requests=torch.tensor([[0, 2 * B], [0, p]]))
+    o, _, states = chunk_linear_attn(
+        *inputs, cu_seqlens=cu, chunk_size=B, state_requests=torch.tensor([[0, 2 * B], [0, p]])
+    )
     # replay: rows [2B, T) from the boundary state (the first p - 2B of them are replay rows)
     o_replay, _, _ = chunk_linear_attn(
         *(x[2 * B :] for x in inputs), cu_seqlens=torch.tensor([0, T - 2 * B]), initial_state=states[:1], chunk_size=B
@@ -199,7 +206,9 @@ def test_tokens_without_decay_keep_exact_gradients(kind):
     out = chunk_linear_attn(*leaves, cu_seqlens=cu, chunk_size=B)[:2]
     ref = naive_recurrent_linear_attn(*leaves, cu_seqlens=cu)[:2]
     w = [torch.randn_like(r) for r in ref]
-    for a, b in zip(torch.autograd.grad(weighted_loss(out, w), leaves), torch.autograd.grad(weighted_loss(ref, w), leaves)):
+    for a, b in zip(
+        torch.autograd.grad(weighted_loss(out, w), leaves), torch.autograd.grad(weighted_loss(ref, w), leaves)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 

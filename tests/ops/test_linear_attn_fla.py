@@ -64,7 +64,9 @@ def test_fla_split_export_reproduces_the_unsplit_call():
     _, x = make(T, H, K, V, "kda", torch.float32)
     cu = torch.tensor([0, 300, 700], device="cuda")
     plain = fla_chunk_linear_attn(*x, cu_seqlens=cu)
-    split = fla_chunk_linear_attn(*x, cu_seqlens=cu, state_requests=torch.tensor([[0, 128], [1, 64], [1, 320]], device="cuda"))
+    split = fla_chunk_linear_attn(
+        *x, cu_seqlens=cu, state_requests=torch.tensor([[0, 128], [1, 64], [1, 320]], device="cuda")
+    )
     assert (split[0] - plain[0]).abs().max().item() <= 1e-5
     assert (split[1] - plain[1]).abs().max().item() <= 1e-5
 

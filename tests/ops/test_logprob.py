@@ -39,7 +39,10 @@ def make_case(P: int, D: int, V: int, n: int, seed: int = 0):
 
 @pytest.mark.parametrize(
     "P,D,V,n,chunk",
-    [pytest.param(*c, id="P{}-D{}-V{}-n{}-C{}".format(*c)) for c in [(63, 8, 97, 130, 16), (65, 16, 33, 65, 2048), (7, 4, 11, 63, 3)]],
+    [
+        pytest.param(*c, id="P{}-D{}-V{}-n{}-C{}".format(*c))
+        for c in [(63, 8, 97, 130, 16), (65, 16, 33, 65, 2048), (7, 4, 11, 63, 3)]
+    ],
 )
 def test_values_and_gradients_match_log_softmax(P, D, V, n, chunk):
     hidden, weight, rows, targets = make_case(P, D, V, n)

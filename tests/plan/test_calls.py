@@ -10,10 +10,8 @@ from hypothesis import given, settings
 
 import harts
 from harts.plan.calls import CallPlan, mandatory_replay, plan_calls, ranges_to_indices
-from harts.tree.segments import parent_depth, preorder_from_parents
 from harts.plan.tree_file import parse_tree
-from harts.tree.segments import SegmentForest
-from tests.plan.oracle import plan_oracle
+from harts.tree.segments import SegmentForest, parent_depth, preorder_from_parents
 from tests.plan.helpers import (
     brute_force_calls,
     check_plan,
@@ -23,6 +21,7 @@ from tests.plan.helpers import (
     random_forest_lists,
     spine_forest,
 )
+from tests.plan.oracle import plan_oracle
 
 
 def forest_of(segs: list[tuple[str, int, str | None]]) -> SegmentForest:
@@ -177,9 +176,7 @@ def test_boundary_cases(p, calls, replay):
 
 def test_figure2():
     """v0 forks at p1 = B-1 into v1, v2; v1 forks at p2 = B+1 into v3, v4: two calls."""
-    forest = forest_of(
-        [("v0", B - 1, None), ("v1", 2, "v0"), ("v2", 30, "v0"), ("v3", 40, "v1"), ("v4", 40, "v1")]
-    )
+    forest = forest_of([("v0", B - 1, None), ("v1", 2, "v0"), ("v2", 30, "v0"), ("v3", 40, "v1"), ("v4", 40, "v1")])
     plan = plan_calls(forest, B)
     assert plan.num_calls == 2
     assert members(plan) == [[["v0", "v1", "v3"], ["v2"]], [["v4"]]]
@@ -262,7 +259,9 @@ def test_figure8_case3():
     chain = " ".join(["G3", "G4"] + [f"G{i}" for i in range(6, 35, 2)])
     got = [{" ".join(q["segments"]): q["replay"] for q in r["sequences"]} for r in plan.summary()["rounds"]]
     assert got[0] == {"R3 G1 G2": 0, chain: 5, "H1 H2 H5": 3, "I1 I2 I5": 3}
-    side = dict(zip([f"G{i}" for i in range(35, 4, -2)], [13, 32, 54, 55, 42, 36, 53, 24, 17, 29, 38, 34, 59, 55, 23, 14]))
+    side = dict(
+        zip([f"G{i}" for i in range(35, 4, -2)], [13, 32, 54, 55, 42, 36, 53, 24, 17, 29, 38, 34, 59, 55, 23, 14])
+    )
     side.update({"H6": 61, "H3": 60, "H4": 60, "I6": 4, "I3": 3, "I4": 3})
     assert got[1] == side
     check_plan(plan)
@@ -287,7 +286,9 @@ def test_figure7_case2_split_invariants():
     assert plan.num_calls == 2 and plan.total_replay == 813
     assert plan.round_replay.tolist() == [11, 802]
     got = members(plan)
-    assert sorted(got[0]) == sorted([["R2", "D1", "D2"], ["D3", "D5", "D7", "D8"], ["E1", "E2", "E6", "E8"], ["F1", "F5", "F16"]])
+    assert sorted(got[0]) == sorted(
+        [["R2", "D1", "D2"], ["D3", "D5", "D7", "D8"], ["E1", "E2", "E6", "E8"], ["F1", "F5", "F16"]]
+    )
     assert len(got[1]) == 24
     check_plan(plan)
 
@@ -339,7 +340,11 @@ def test_empty_and_single_segment():
     forest = forest_of([("only", 7, None)])
     plan = plan_calls(forest, 4)
     assert plan.num_calls == 1 and plan.total_replay == 0 and plan.num_requests == 0
-    assert plan.summary() == {"calls": 1, "replay": 0, "rounds": [{"round": 1, "replay": 0, "sequences": [{"segments": ["only"], "replay": 0}]}]}
+    assert plan.summary() == {
+        "calls": 1,
+        "replay": 0,
+        "rounds": [{"round": 1, "replay": 0, "sequences": [{"segments": ["only"], "replay": 0}]}],
+    }
 
 
 def test_bad_impl():
@@ -356,8 +361,20 @@ def test_bad_chunk_size(bad):
 def test_plan_calls_many_equals_planning_each_forest():
     from harts.plan.calls import plan_calls_many
 
-    fields = ("t_pre", "t_in", "seg_seq", "seq_round", "seq_ptr", "seq_segments", "seq_fork", "seq_anchor",
-              "seq_init", "req_seq", "req_pos", "round_ptr")
+    fields = (
+        "t_pre",
+        "t_in",
+        "seg_seq",
+        "seq_round",
+        "seq_ptr",
+        "seq_segments",
+        "seq_fork",
+        "seq_anchor",
+        "seq_init",
+        "req_seq",
+        "req_pos",
+        "round_ptr",
+    )
     rng = np.random.default_rng(7)
     for b in (2, 8, 64):
         forests = []
@@ -365,8 +382,9 @@ def test_plan_calls_many_equals_planning_each_forest():
             lengths, parents = random_forest_lists(rng, b, max_segments=int(rng.integers(1, 14)))
             forests.append(SegmentForest.from_parents(lengths, parents)[0])
         batch = harts.workloads.generate("small", step=0)
-        forests += [harts.compact(batch.select(list(range(k, batch.num_trajectories, 5)))).segment_trees
-                    for k in range(5)]
+        forests += [
+            harts.compact(batch.select(list(range(k, batch.num_trajectories, 5)))).segment_trees for k in range(5)
+        ]
         many = plan_calls_many(forests, b)
         assert len(many) == len(forests)
         for forest, got in zip(forests, many):

@@ -58,8 +58,20 @@ def test_bare_list_and_integer_ids():
         (doc([("R", 3, None)], chunk_size=0), "chunk_size must be a positive integer"),
         ({"segments": [{"tokens": 3}]}, "segment #0 has no 'id'"),
     ],
-    ids=["unknown-parent", "cycle", "self-parent", "zero-tokens", "negative-tokens", "float-tokens",
-         "bool-tokens", "duplicate-id", "no-segments", "empty", "bad-chunk", "no-id"],  # fmt: skip
+    ids=[
+        "unknown-parent",
+        "cycle",
+        "self-parent",
+        "zero-tokens",
+        "negative-tokens",
+        "float-tokens",
+        "bool-tokens",
+        "duplicate-id",
+        "no-segments",
+        "empty",
+        "bad-chunk",
+        "no-id",
+    ],  # fmt: skip
 )
 def test_bad_files(data, message):
     with pytest.raises(ValueError, match=message):
@@ -109,7 +121,13 @@ def test_cli_chunk_size_flag_overrides_file(tmp_path, capsys):
     assert json.loads(out) == {
         "calls": 1,
         "replay": 65,
-        "rounds": [{"round": 1, "replay": 65, "sequences": [{"segments": ["v", "a"], "replay": 0}, {"segments": ["b"], "replay": 65}]}],
+        "rounds": [
+            {
+                "round": 1,
+                "replay": 65,
+                "sequences": [{"segments": ["v", "a"], "replay": 0}, {"segments": ["b"], "replay": 65}],
+            }
+        ],
     }
 
 

@@ -44,7 +44,9 @@ def _batch():
 def test_accumulated_gradient_is_invariant_to_microbatching_and_mode():
     batch = _batch()
     ref_model = _model()
-    one = accumulate_step_gradients(ref_model, batch, TrainConfig(capacity=10_000, execution=ExecutionConfig(mode="trajectory")))
+    one = accumulate_step_gradients(
+        ref_model, batch, TrainConfig(capacity=10_000, execution=ExecutionConfig(mode="trajectory"))
+    )
     assert one.microbatches == 1
     ref = _grads(ref_model)
     for mode in ("trajectory", "compact"):
@@ -76,7 +78,9 @@ def _dp_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _model()
-    acc = accumulate_step_gradients(model, _batch(), TrainConfig(capacity=300, execution=ExecutionConfig(mode="compact")))
+    acc = accumulate_step_gradients(
+        model, _batch(), TrainConfig(capacity=300, execution=ExecutionConfig(mode="compact"))
+    )
     if rank == 0:
         torch.save({"grads": _grads(model), "loss": acc.loss, "mine": acc.rank_microbatches}, out)
     dist.destroy_process_group()
@@ -87,7 +91,9 @@ def test_data_parallel_gradient_equals_single_process(tmp_path):
     mp.start_processes(_dp_worker, args=(2, _free_port(), out), nprocs=2, join=True, start_method="spawn")
     got = torch.load(out)
     model = _model()
-    acc = accumulate_step_gradients(model, _batch(), TrainConfig(capacity=300, execution=ExecutionConfig(mode="compact")))
+    acc = accumulate_step_gradients(
+        model, _batch(), TrainConfig(capacity=300, execution=ExecutionConfig(mode="compact"))
+    )
     assert 0 < got["mine"] < acc.microbatches
     assert abs(got["loss"] - acc.loss) <= 1e-9 * abs(acc.loss)
     _assert_close(got["grads"], _grads(model))

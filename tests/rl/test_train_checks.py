@@ -23,7 +23,9 @@ def test_train_checks_every_step_before_the_first():
     capacity = int(short.lengths.max())
     model = _model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(CapacityError, match=rf"step 1: trajectory \d+ has .* capacity={int(long.lengths.max())} is the smallest"):
+    with pytest.raises(
+        CapacityError, match=rf"step 1: trajectory \d+ has .* capacity={int(long.lengths.max())} is the smallest"
+    ):
         train(model, [short, long], TrainConfig(capacity=capacity))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # step 0 never ran
 
@@ -33,8 +35,14 @@ def test_train_step_reports_microbatches_then_update():
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     events: list = []
-    log = train_step(model, opt, batch, TrainConfig(capacity=300), progress=lambda d, t: events.append((d, t)),
-                     on_update=lambda: events.append("update"))
+    log = train_step(
+        model,
+        opt,
+        batch,
+        TrainConfig(capacity=300),
+        progress=lambda d, t: events.append((d, t)),
+        on_update=lambda: events.append("update"),
+    )
     total = log.rank_microbatches
     assert total > 2
     assert events == [(d, total) for d in range(total + 1)] + ["update"]
@@ -61,8 +69,9 @@ def test_cli_keeps_completed_steps_when_a_later_step_fails(tmp_path, monkeypatch
     monkeypatch.setattr(rl_train, "train_step", flaky)
     save, log = tmp_path / "ckpt", tmp_path / "log.json"
     with pytest.raises(RuntimeError, match="simulated out of memory"):
-        main(["train", "--workload", "tiny", "--steps", "4", "--pattern", "KM", "--save", str(save),
-              "--json", str(log)])
+        main(
+            ["train", "--workload", "tiny", "--steps", "4", "--pattern", "KM", "--save", str(save), "--json", str(log)]
+        )
     out, err = capsys.readouterr()
     assert "harts: step 2 failed (RuntimeError); keeping the 2 completed step(s)" in err
     record = json.loads(log.read_text())

@@ -36,8 +36,13 @@ def replay(steps: int) -> torch.nn.Module:
 def test_signal_saves_the_last_completed_step(tmp_path, sig, code):
     save, log = tmp_path / "ckpt", tmp_path / "log.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", HARTS_DEBUG="")
-    proc = subprocess.Popen([sys.executable, "-c", CLI, *ARGS, "--save", str(save), "--json", str(log)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLI, *ARGS, "--save", str(save), "--json", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         for line in proc.stdout:  # wait until two steps have completed, then interrupt the run
             if line.startswith("step 1:"):

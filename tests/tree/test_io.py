@@ -10,8 +10,17 @@ import pytest
 import harts
 from harts import BatchValidationError, RolloutBatch
 
-FIELDS = ("tokens", "offsets", "action_mask", "advantages", "old_logprobs", "ref_logprobs",
-          "loss_weights", "group_ids", "tree_ids")
+FIELDS = (
+    "tokens",
+    "offsets",
+    "action_mask",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "loss_weights",
+    "group_ids",
+    "tree_ids",
+)
 
 
 def assert_same(a: RolloutBatch, b: RolloutBatch) -> None:
@@ -46,11 +55,14 @@ def write_lines(path, lines):
 
 
 def test_per_trajectory_advantage_and_header(tmp_path):
-    p = write_lines(tmp_path / "b.jsonl", [
-        json.dumps({"format": "harts.rollout_batch", "version": 1, "vocab_size": 10}),
-        json.dumps({"tokens": [1, 2, 3], "advantages": 0.5, "group_id": 1}),
-        json.dumps({"tokens": [1, 4], "advantages": -0.5, "group_id": 1}),
-    ])
+    p = write_lines(
+        tmp_path / "b.jsonl",
+        [
+            json.dumps({"format": "harts.rollout_batch", "version": 1, "vocab_size": 10}),
+            json.dumps({"tokens": [1, 2, 3], "advantages": 0.5, "group_id": 1}),
+            json.dumps({"tokens": [1, 4], "advantages": -0.5, "group_id": 1}),
+        ],
+    )
     b = RolloutBatch.load(p)
     assert b.vocab_size == 10 and b.advantages.tolist() == [0.5] * 3 + [-0.5] * 2
     assert b.group_ids.tolist() == [1, 1]
@@ -60,18 +72,28 @@ def test_per_trajectory_advantage_and_header(tmp_path):
     "lines, message",
     [
         (['{"tokens": [1, 2], "advantages": 0}', "{oops"], r"b.jsonl: line 2: not valid JSON"),
-        (['{"tokens": [1, 2], "advantages": 0}', '{"advantages": 1.0}'],
-         r"trajectory 1 \(line 2\): missing required field 'tokens'"),
-        (['{"tokens": [1, 2], "advantages": 0, "old_logprobs": [0, -1]}', '{"tokens": [3], "advantages": 0}'],
-         r"trajectory 1 \(line 2\): has no 'old_logprobs' but trajectory 0 \(line 1\) does"),
+        (
+            ['{"tokens": [1, 2], "advantages": 0}', '{"advantages": 1.0}'],
+            r"trajectory 1 \(line 2\): missing required field 'tokens'",
+        ),
+        (
+            ['{"tokens": [1, 2], "advantages": 0, "old_logprobs": [0, -1]}', '{"tokens": [3], "advantages": 0}'],
+            r"trajectory 1 \(line 2\): has no 'old_logprobs' but trajectory 0 \(line 1\) does",
+        ),
         (['{"tokens": [1, 2], "advantages": NaN}'], r"trajectory 0 \(line 1\): advantages is nan"),
-        (['{"tokens": [1, 2], "advantages": 0, "loss_weights": [1.0, null]}'],
-         r"trajectory 0 \(line 1\): loss_weights, position 1 is null \(must be a finite number\)"),
-        (['{"tokens": [1, 2], "advantages": 0}', '{"tokens": [], "advantages": 0}'],
-         r"trajectory 1 \(line 2\): tokens is empty"),
+        (
+            ['{"tokens": [1, 2], "advantages": 0, "loss_weights": [1.0, null]}'],
+            r"trajectory 0 \(line 1\): loss_weights, position 1 is null \(must be a finite number\)",
+        ),
+        (
+            ['{"tokens": [1, 2], "advantages": 0}', '{"tokens": [], "advantages": 0}'],
+            r"trajectory 1 \(line 2\): tokens is empty",
+        ),
         (['{"tokens": [1, 2], "advantages": 0, "colour": 3}'], r"unknown field\(s\) \['colour'\]"),
-        (['{"tokens": [1, 2], "advantages": 0, "action_mask": [false]}'],
-         r"trajectory 0 \(line 1\): action_mask has 1 values for 2 tokens"),
+        (
+            ['{"tokens": [1, 2], "advantages": 0, "action_mask": [false]}'],
+            r"trajectory 0 \(line 1\): action_mask has 1 values for 2 tokens",
+        ),
         ([], "holds no trajectories"),
     ],
 )

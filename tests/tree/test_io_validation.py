@@ -44,28 +44,61 @@ GOOD = {"tokens": [1, 2, 3], "advantages": 0.5}
 # corruptions that both formats can express (a Parquet column has one type, so every record
 # carries the same kind of value), with the message both must give
 SAME = [
-    ("float-token-ids", [{"tokens": [1.0, 2.0], "advantages": 1.0}] * 2,
-     "FILE: trajectory 0 (row 0): tokens, position 0 is number 1.0 (must be an integer)"),
-    ("string-advantages", [{"tokens": [1, 2], "advantages": "high"}, {"tokens": [1], "advantages": "low"}],
-     "FILE: trajectory 0 (row 0): advantages must be a number or a list of numbers (one per token), got string 'high'"),
-    ("bool-advantages", [{"tokens": [1, 2], "advantages": True}],
-     "FILE: trajectory 0 (row 0): advantages must be a number or a list of numbers (one per token), got boolean true"),
-    ("no-advantages", [{"tokens": [1, 2]}, {"tokens": [3]}],
-     "FILE: trajectory 0 (row 0): missing required field 'advantages'"),
-    ("negative-loss-weights", [dict(GOOD, loss_weights=[1.0, 0.5, -0.25])],
-     "FILE: trajectory 0 (row 0): loss_weights, position 2 is -0.25 (weights must be >= 0)"),
-    ("positive-old-logprobs", [dict(GOOD, old_logprobs=[0.0, -1.0, 0.7])],
-     "FILE: trajectory 0 (row 0): old_logprobs, position 2 is 0.7: a log-probability is <= 0"),
-    ("nan-advantage", [dict(GOOD, advantages=[0.0, float("nan"), 1.0])],
-     "FILE: trajectory 0 (row 0): advantages, position 1 is nan (must be a finite number)"),
-    ("negative-token", [{"tokens": [4, -1], "advantages": 0.0}],
-     "FILE: trajectory 0 (row 0): tokens, position 1 is a negative token id -1"),
-    ("short-mask", [dict(GOOD, action_mask=[False, True])],
-     "FILE: trajectory 0 (row 0): action_mask has 2 values for 3 tokens"),
-    ("partial-group-id", [dict(GOOD, group_id=1), dict(GOOD, group_id=None)],
-     "FILE: trajectory 1 (row 1): has no 'group_id' but trajectory 0 (row 0) does"),
-    ("string-group-id", [dict(GOOD, group_id="a")],
-     "FILE: trajectory 0 (row 0): group_id must be an integer, got string 'a'"),
+    (
+        "float-token-ids",
+        [{"tokens": [1.0, 2.0], "advantages": 1.0}] * 2,
+        "FILE: trajectory 0 (row 0): tokens, position 0 is number 1.0 (must be an integer)",
+    ),
+    (
+        "string-advantages",
+        [{"tokens": [1, 2], "advantages": "high"}, {"tokens": [1], "advantages": "low"}],
+        "FILE: trajectory 0 (row 0): advantages must be a number or a list of numbers (one per token), got string 'high'",
+    ),
+    (
+        "bool-advantages",
+        [{"tokens": [1, 2], "advantages": True}],
+        "FILE: trajectory 0 (row 0): advantages must be a number or a list of numbers (one per token), got boolean true",
+    ),
+    (
+        "no-advantages",
+        [{"tokens": [1, 2]}, {"tokens": [3]}],
+        "FILE: trajectory 0 (row 0): missing required field 'advantages'",
+    ),
+    (
+        "negative-loss-weights",
+        [dict(GOOD, loss_weights=[1.0, 0.5, -0.25])],
+        "FILE: trajectory 0 (row 0): loss_weights, position 2 is -0.25 (weights must be >= 0)",
+    ),
+    (
+        "positive-old-logprobs",
+        [dict(GOOD, old_logprobs=[0.0, -1.0, 0.7])],
+        "FILE: trajectory 0 (row 0): old_logprobs, position 2 is 0.7: a log-probability is <= 0",
+    ),
+    (
+        "nan-advantage",
+        [dict(GOOD, advantages=[0.0, float("nan"), 1.0])],
+        "FILE: trajectory 0 (row 0): advantages, position 1 is nan (must be a finite number)",
+    ),
+    (
+        "negative-token",
+        [{"tokens": [4, -1], "advantages": 0.0}],
+        "FILE: trajectory 0 (row 0): tokens, position 1 is a negative token id -1",
+    ),
+    (
+        "short-mask",
+        [dict(GOOD, action_mask=[False, True])],
+        "FILE: trajectory 0 (row 0): action_mask has 2 values for 3 tokens",
+    ),
+    (
+        "partial-group-id",
+        [dict(GOOD, group_id=1), dict(GOOD, group_id=None)],
+        "FILE: trajectory 1 (row 1): has no 'group_id' but trajectory 0 (row 0) does",
+    ),
+    (
+        "string-group-id",
+        [dict(GOOD, group_id="a")],
+        "FILE: trajectory 0 (row 0): group_id must be an integer, got string 'a'",
+    ),
 ]
 
 
@@ -79,22 +112,28 @@ def test_jsonl_and_parquet_give_the_same_error(tmp_path, records, expected):
 
 
 def test_scalar_and_per_token_advantages_mix_by_record(tmp_path):
-    p = write_jsonl(tmp_path / "b.jsonl", [{"tokens": [1, 2], "advantages": 0.5},
-                                           {"tokens": [1, 3, 4], "advantages": [0.0, 1.0, -1.0]}])
+    p = write_jsonl(
+        tmp_path / "b.jsonl",
+        [{"tokens": [1, 2], "advantages": 0.5}, {"tokens": [1, 3, 4], "advantages": [0.0, 1.0, -1.0]}],
+    )
     b = RolloutBatch.load(p)
     assert b.advantages.tolist() == [0.5, 0.5, 0.0, 1.0, -1.0]
 
 
 def test_mixed_advantages_error_names_the_right_line(tmp_path):
-    p = write_jsonl(tmp_path / "b.jsonl", [{"tokens": [1, 2], "advantages": 0.5},
-                                           {"tokens": [1, 3, 4], "advantages": [0.0, 1.0]}])
+    p = write_jsonl(
+        tmp_path / "b.jsonl", [{"tokens": [1, 2], "advantages": 0.5}, {"tokens": [1, 3, 4], "advantages": [0.0, 1.0]}]
+    )
     assert error_of(p) == f"{p}: trajectory 1 (line 2): advantages has 2 values for 3 tokens"
 
 
-@pytest.mark.parametrize("header, message", [
-    ({"format": "harts.rollout_batch", "version": 7}, "version 7 is not supported; this harts reads version 1"),
-    ({"format": "harts.rollout_batch", "version": 1, "vocab_size": "big"}, "vocab_size must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        ({"format": "harts.rollout_batch", "version": 7}, "version 7 is not supported; this harts reads version 1"),
+        ({"format": "harts.rollout_batch", "version": 1, "vocab_size": "big"}, "vocab_size must be a positive integer"),
+    ],
+)
 def test_bad_headers(tmp_path, header, message):
     p = write_jsonl(tmp_path / "b.jsonl", [GOOD], header=header)
     assert re.search(f"b.jsonl: line 1: header: {message}", error_of(p))
@@ -129,9 +168,16 @@ def test_unreadable_files_are_batch_errors(tmp_path):
 
 def test_parquet_typed_columns_round_trip(tmp_path):
     """Integer columns of any width and float32 metadata load; nulls mean 'absent'."""
-    schema = pa.schema([("tokens", pa.list_(pa.int32())), ("advantages", pa.float32()),
-                        ("old_logprobs", pa.list_(pa.float32()))])
-    p = write_parquet(tmp_path / "b.parquet", [{"tokens": [1, 2], "advantages": 0.5, "old_logprobs": None},
-                                               {"tokens": [3], "advantages": -1.0, "old_logprobs": None}], schema)
+    schema = pa.schema(
+        [("tokens", pa.list_(pa.int32())), ("advantages", pa.float32()), ("old_logprobs", pa.list_(pa.float32()))]
+    )
+    p = write_parquet(
+        tmp_path / "b.parquet",
+        [
+            {"tokens": [1, 2], "advantages": 0.5, "old_logprobs": None},
+            {"tokens": [3], "advantages": -1.0, "old_logprobs": None},
+        ],
+        schema,
+    )
     b = RolloutBatch.load(p)
     assert b.tokens.tolist() == [1, 2, 3] and b.old_logprobs is None

@@ -250,8 +250,9 @@ def inspect_checkpoint(path: str) -> ConversionReport:
     ck = open_checkpoint(path)
     model_type = str(ck.config.get("model_type", ""))
     adapter = adapter_for(model_type)
-    rep = ConversionReport(path=path, model_type=model_type, architecture=adapter.architecture,
-                           num_disk_tensors=len(ck.shapes))
+    rep = ConversionReport(
+        path=path, model_type=model_type, architecture=adapter.architecture, num_disk_tensors=len(ck.shapes)
+    )
     hf_cfg = hf_config_from_dict(ck.config)
     sources, ignored, bad = plan_sources(adapter, ck.shapes, adapter.num_hidden_layers_on_disk(hf_cfg))
     rep.ignored, rep.unmapped = ignored, list(bad)

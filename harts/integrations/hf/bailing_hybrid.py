@@ -31,8 +31,12 @@ __all__ = ["BailingHybridAdapter", "mla_groups", "deepseek_moe_fields", "rope_th
 def rope_theta_of(hf_config: Any, problems: Problems, *, partial_ok: bool = False) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor) from ``rope_parameters``; only plain RoPE is supported."""
     rp = dict(getattr(hf_config, "rope_parameters", None) or {})
-    problems.expect("rope_parameters.rope_type", rp.get("rope_type", "default"), "default",
-                    "scaled RoPE (yarn, linear, dynamic, ...) is not implemented")
+    problems.expect(
+        "rope_parameters.rope_type",
+        rp.get("rope_type", "default"),
+        "default",
+        "scaled RoPE (yarn, linear, dynamic, ...) is not implemented",
+    )
     theta = float(rp.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     partial = float(rp.get("partial_rotary_factor", 1.0))
     if not partial_ok:
@@ -120,7 +124,9 @@ def mla_fields(hf_config: Any) -> dict[str, Any]:
 def mla_groups(cfg: HybridConfig, i: int) -> list[TensorGroup]:
     h, f = f"layers.{i}.self_attn", f"model.layers.{i}.self_attn"
     names = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
-    names += ["q_proj.weight"] if cfg.q_lora_rank is None else ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
+    names += (
+        ["q_proj.weight"] if cfg.q_lora_rank is None else ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
+    )
     if cfg.mla_output_gate:
         names.append("g_proj.weight")
     return [ident(f"{h}.{n}", f"{f}.{n}") for n in names]
@@ -128,8 +134,9 @@ def mla_groups(cfg: HybridConfig, i: int) -> list[TensorGroup]:
 
 def check_common(hf_config: Any, problems: Problems) -> None:
     problems.expect("attention_bias", bool(getattr(hf_config, "attention_bias", False)), False)
-    problems.expect("attention_dropout", float(getattr(hf_config, "attention_dropout", 0.0) or 0.0), 0.0,
-                    "harts has no dropout")
+    problems.expect(
+        "attention_dropout", float(getattr(hf_config, "attention_dropout", 0.0) or 0.0), 0.0, "harts has no dropout"
+    )
 
 
 class BailingHybridAdapter(HFAdapter):
@@ -180,8 +187,10 @@ class BailingHybridAdapter(HFAdapter):
             return mla_groups(cfg, i)
         h, f = f"layers.{i}.linear_attn", f"model.layers.{i}.self_attn"
         c = cfg.linear_num_value_heads * cfg.linear_key_head_dim
-        out = [ident(f"{h}.{n}.weight", f"{f}.{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "b_proj",
-                                                                     "g_proj", "o_norm", "o_proj")]
+        out = [
+            ident(f"{h}.{n}.weight", f"{f}.{n}.weight")
+            for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "o_norm", "o_proj")
+        ]
         out += [
             conv_group(h, f"{f}.conv1d.weight", (c, c, cfg.linear_num_value_heads * cfg.linear_value_head_dim)),
             ident(f"{h}.f_proj.weight", f"{f}.forget_gate.f_proj.weight"),

@@ -168,7 +168,9 @@ class HFAdapter:
             groups.append(ident("lm_head.weight", "lm_head.weight"))
         for i in range(cfg.num_hidden_layers):
             h, f = f"layers.{i}", f"model.layers.{i}"
-            groups += [ident(f"{h}.{n}.weight", f"{f}.{n}.weight") for n in ("input_layernorm", "post_attention_layernorm")]
+            groups += [
+                ident(f"{h}.{n}.weight", f"{f}.{n}.weight") for n in ("input_layernorm", "post_attention_layernorm")
+            ]
             groups += self.mixer_groups(cfg, i)
             groups += self.ffn_groups(cfg, i)
         return groups
@@ -184,7 +186,8 @@ class HFAdapter:
         if cfg.num_shared_experts:
             s = self.shared_expert_name
             out += [
-                ident(f"{h}.shared_experts.{n}.weight", f"{f}.{s}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")
+                ident(f"{h}.shared_experts.{n}.weight", f"{f}.{s}.{n}.weight")
+                for n in ("gate_proj", "up_proj", "down_proj")
             ]
             if cfg.shared_expert_gate:
                 out.append(ident(f"{h}.shared_expert_gate.weight", f"{f}.shared_expert_gate.weight"))

@@ -166,9 +166,7 @@ def materialize(src: Source, raw: dict[str, torch.Tensor]) -> torch.Tensor:
     raise ValueError(f"unknown source kind {src.kind!r}")
 
 
-def write_safetensors(
-    tensors: dict[str, torch.Tensor], path: str, *, max_shard_bytes: int | None = None
-) -> list[str]:
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str, *, max_shard_bytes: int | None = None) -> list[str]:
     """Write ``tensors`` as ``model.safetensors`` or, past ``max_shard_bytes``, as shards + index."""
     from safetensors.torch import save_file
 

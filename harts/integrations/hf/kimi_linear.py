@@ -74,8 +74,10 @@ class KimiLinearAdapter(HFAdapter):
         h, f = f"layers.{i}.linear_attn", f"model.layers.{i}.self_attn"
         H = cfg.linear_num_value_heads
         c = H * cfg.linear_key_head_dim
-        out = [ident(f"{h}.{n}.weight", f"{f}.{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "b_proj",
-                                                                     "g_a_proj", "g_b_proj", "o_norm", "o_proj")]
+        out = [
+            ident(f"{h}.{n}.weight", f"{f}.{n}.weight")
+            for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj")
+        ]
         out += [
             conv_group(h, f"{f}.conv1d.weight", (c, c, H * cfg.linear_value_head_dim)),
             ident(f"{h}.f_a_proj.weight", f"{f}.forget_gate.f_a_proj.weight"),

@@ -84,7 +84,9 @@ class Qwen3NextAdapter(HFAdapter):
             router_aux_loss_coef=float(c.router_aux_loss_coef),
         )
         if num_experts:
-            fields.update(num_experts_per_tok=int(c.num_experts_per_tok), moe_intermediate_size=int(c.moe_intermediate_size))
+            fields.update(
+                num_experts_per_tok=int(c.num_experts_per_tok), moe_intermediate_size=int(c.moe_intermediate_size)
+            )
         p.raise_if_any()
         fields.update(self.check_overrides(overrides))
         return HybridConfig(**fields)
@@ -94,6 +96,13 @@ class Qwen3NextAdapter(HFAdapter):
             names = ["q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"]
             return [ident(f"layers.{i}.self_attn.{n}.weight", f"model.layers.{i}.self_attn.{n}.weight") for n in names]
         h, f = f"layers.{i}.linear_attn", f"model.layers.{i}.linear_attn"
-        names = ["conv1d.weight", "in_proj_qkvz.weight", "in_proj_ba.weight", "dt_bias", "A_log", "norm.weight",
-                 "out_proj.weight"]
+        names = [
+            "conv1d.weight",
+            "in_proj_qkvz.weight",
+            "in_proj_ba.weight",
+            "dt_bias",
+            "A_log",
+            "norm.weight",
+            "out_proj.weight",
+        ]
         return [ident(f"{h}.{n}", f"{f}.{n}") for n in names]

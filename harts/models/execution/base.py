@@ -61,7 +61,5 @@ class RowContext:
     ) -> torch.Tensor:
         raise NotImplementedError
 
-    def attention(
-        self, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGE: torch.Tensor, *, scale: float
-    ) -> torch.Tensor:
+    def attention(self, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGE: torch.Tensor, *, scale: float) -> torch.Tensor:
         raise NotImplementedError

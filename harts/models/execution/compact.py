@@ -58,8 +58,14 @@ class RoundTensors:
 
 
 class CompactContext(RowContext):
-    def __init__(self, layout, *, attention: str = "gather", device: torch.device,  # noqa: ANN001
-                 la_backend: str = "reference") -> None:
+    def __init__(
+        self,
+        layout,
+        *,
+        attention: str = "gather",
+        device: torch.device,  # noqa: ANN001
+        la_backend: str = "reference",
+    ) -> None:
         from harts.ops.linear_attn import linear_attn_op
 
         self.la_op = linear_attn_op(la_backend, device)

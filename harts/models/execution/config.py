@@ -66,7 +66,7 @@ class ExecutionConfig:
         return self.mode == "compact" if self.fused_logprobs is None else self.fused_logprobs
 
     def resolved_attention(self, device_type: str) -> str:
-        """"gather" or "mask": ``attention`` with "auto" decided for ``device_type``."""
+        """ "gather" or "mask": ``attention`` with "auto" decided for ``device_type``."""
         if self.attention != "auto":
             return self.attention
         # one FlexAttention call per layer on CUDA (launch-bound otherwise); per-branch dense

@@ -68,7 +68,12 @@ class TrajectoryContext(RowContext):
 
         if self.attention_impl == "mask":
             return tree_mask_attention(
-                q_THD, k_TGD, v_TGE, tree_pre=self.chain_pre, tree_end=self.chain_end, scale=scale,
+                q_THD,
+                k_TGD,
+                v_TGE,
+                tree_pre=self.chain_pre,
+                tree_end=self.chain_end,
+                scale=scale,
                 mask_cache=self._mask_cache,
             )
         return varlen_causal_attention(q_THD, k_TGD, v_TGE, cu_seqlens=self.cu_seqlens, scale=scale)

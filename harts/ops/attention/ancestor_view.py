@@ -69,7 +69,9 @@ def ancestor_view_attention(
     for b in range(len(bq) - 1):
         lq, lkv = bq[b + 1] - bq[b], bkv[b + 1] - bkv[b]
         if lkv < lq:
-            raise ValueError(f"branch {b} has {lq} query rows but only {lkv} kv rows (its view must end with its own rows)")
+            raise ValueError(
+                f"branch {b} has {lq} query rows but only {lkv} kv rows (its view must end with its own rows)"
+            )
         if lq == 0:
             continue
         qr, kvr = q_rows[bq[b] : bq[b + 1]], kv_rows[bkv[b] : bkv[b + 1]]

@@ -15,7 +15,9 @@ __all__ = ["attend", "check_qkv"]
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise ValueError unless q [P, H, D], k [P', G, D], v [P', G, E] with G dividing H."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [rows, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be [rows, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     H, G = q.shape[1], k.shape[1]
     if k.shape[0] != v.shape[0] or v.shape[1] != G:
         raise ValueError(f"k and v must share rows and heads; got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -25,7 +27,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"kv heads G={G} must divide query heads H={H}")
 
 
-def attend(q_LHD: torch.Tensor, k_MGD: torch.Tensor, v_MGE: torch.Tensor, mask_LM: torch.Tensor | None, scale: float) -> torch.Tensor:
+def attend(
+    q_LHD: torch.Tensor, k_MGD: torch.Tensor, v_MGE: torch.Tensor, mask_LM: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """Softmax attention of L queries over M keys; mask_LM True = visible (None: all visible).
 
     Every query must see at least one key. Returns o_LHE.

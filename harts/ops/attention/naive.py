@@ -10,7 +10,9 @@ import torch
 __all__ = ["naive_masked_attention", "ancestor_view_visibility", "tree_mask_visibility", "causal_visibility"]
 
 
-def naive_masked_attention(q_PHD: torch.Tensor, k_PGD: torch.Tensor, v_PGE: torch.Tensor, visible_PP: torch.Tensor, scale: float) -> torch.Tensor:
+def naive_masked_attention(
+    q_PHD: torch.Tensor, k_PGD: torch.Tensor, v_PGE: torch.Tensor, visible_PP: torch.Tensor, scale: float
+) -> torch.Tensor:
     """o[i] = softmax_j(scale q_i . k_j over visible j) v_j; rows that see nothing are zero."""
     rep = q_PHD.shape[1] // k_PGD.shape[1]
     k = k_PGD.repeat_interleave(rep, dim=1)

@@ -163,8 +163,12 @@ def tree_block_mask(tree_pre: torch.Tensor, tree_end: torch.Tensor):  # noqa: AN
 
 def _flex(q, k, v, block_mask, scale: float) -> torch.Tensor:
     o = _compiled_flex()(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
         kernel_options=flex_kernel_options(q.device, q.dtype, q.shape[2], v.shape[2]),
     )
     return o[0].transpose(0, 1)

@@ -53,7 +53,9 @@ def tree_causal_conv1d(
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}; got {activation!r}")
     if ancestors_PW1.numel() and (int(ancestors_PW1.min()) < -1 or int(ancestors_PW1.max()) >= P):
-        raise ValueError(f"ancestors must hold row ids in [-1, {P}); got [{int(ancestors_PW1.min())}, {int(ancestors_PW1.max())}]")
+        raise ValueError(
+            f"ancestors must hold row ids in [-1, {P}); got [{int(ancestors_PW1.min())}, {int(ancestors_PW1.max())}]"
+        )
     # Row P of the padded input is the zero row that -1 reads.
     x_pad = torch.cat([x_PD, x_PD.new_zeros(1, D)])
     index = torch.where(ancestors_PW1 < 0, P, ancestors_PW1).to(device=x_PD.device, dtype=torch.int64)

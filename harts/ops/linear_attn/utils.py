@@ -76,7 +76,9 @@ def check_linear_attn_inputs(
         raise ValueError(f"q must be a floating tensor; got {q.dtype}")
 
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be an int tensor [N + 1] with N >= 1; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be an int tensor [N + 1] with N >= 1; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
     cu = [int(x) for x in cu_seqlens.tolist()]
     if cu[0] != 0 or cu[-1] != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={T}; got {cu[0]} .. {cu[-1]}")
@@ -92,7 +94,9 @@ def check_linear_attn_inputs(
     requests: list[tuple[int, int]] = []
     if state_requests is not None:
         if state_requests.dim() != 2 or state_requests.shape[1] != 2:
-            raise ValueError(f"state_requests must be [R, 2] (sequence, position count); got {tuple(state_requests.shape)}")
+            raise ValueError(
+                f"state_requests must be [R, 2] (sequence, position count); got {tuple(state_requests.shape)}"
+            )
         for r, (seq, count) in enumerate(state_requests.tolist()):
             if not 0 <= seq < N:
                 raise ValueError(f"state_requests[{r}] names sequence {seq}, but there are {N} sequences")

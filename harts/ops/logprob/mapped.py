@@ -46,7 +46,9 @@ def mapped_logprobs(
         raise ValueError(f"lm_head_weight must be [V, D={D}]; got {tuple(lm_head_weight_VD.shape)}")
     V = lm_head_weight_VD.shape[0]
     if rows_n.dim() != 1 or targets_n.shape != rows_n.shape:
-        raise ValueError(f"rows and targets must be [n] of equal length; got {tuple(rows_n.shape)} and {tuple(targets_n.shape)}")
+        raise ValueError(
+            f"rows and targets must be [n] of equal length; got {tuple(rows_n.shape)} and {tuple(targets_n.shape)}"
+        )
     if row_chunk < 1:
         raise ValueError(f"row_chunk must be positive; got {row_chunk}")
     # the index plan (unique rows, their positions, chunk bounds) is made where rows_n lives:

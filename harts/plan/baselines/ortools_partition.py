@@ -224,7 +224,9 @@ def _split_to(cost: PrefixCost, members: np.ndarray, bins: np.ndarray, k: int) -
         a, b = order[:-1], order[1:]
         same = bins[a] == bins[b]
         if not same.any():
-            raise ValueError(f"ortools baseline: a replica has {members.size} trajectories, fewer than {k} microbatches")
+            raise ValueError(
+                f"ortools baseline: a replica has {members.size} trajectories, fewer than {k} microbatches"
+            )
         a, b = a[same], b[same]
         l = cost.lcp(members[a], members[b])
         j = int(np.argmin(l))
@@ -276,7 +278,13 @@ def ortools_plan(cb: Any, dp: int, capacity: int, params: ORToolsParams) -> Step
     slot_K = np.asarray(slot_list, dtype=np.int64)
     work_DJ = np.zeros((dp, k), dtype=np.int64)
     work_DJ[replica_K, slot_K] = work_K
-    best = {"owner": owner, "work": work_K, "replica": replica_K, "slot": slot_K, "objective": schedule_objective(work_DJ)}
+    best = {
+        "owner": owner,
+        "work": work_K,
+        "replica": replica_K,
+        "slot": slot_K,
+        "objective": schedule_objective(work_DJ),
+    }
     seconds = time.perf_counter() - t0
     info = {"time_limit": params.time_limit, "num_workers": params.num_workers, "seed": params.seed}
     return to_step_plan(cb, best, dp, capacity, "ortools", seconds, info)

@@ -104,7 +104,8 @@ def pieces(cost: PrefixCost, owner: np.ndarray, levels: int = 2) -> tuple[np.nda
     same = g[1:] == g[:-1]
     lcp[1:n] = np.where(same, cost.lcp(by[:-1], by[1:]), -1)
     lcp[0] = lcp[n] = -1
-    out_lo, out_hi, out_src, out_sa, out_first, out_last = [], [], [], [], [], []
+    out_first: list[int] = []
+    out_last: list[int] = []
     for a in range(k):
         s, e = int(starts[a]), int(starts[a + 1])
         if e - s < 2:

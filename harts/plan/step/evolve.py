@@ -37,9 +37,7 @@ def sample_ks(ks: list[int], q_max: int) -> list[int]:
     return sorted(keep)
 
 
-def evolve(
-    cost: PrefixCost, p0: np.ndarray, targets: list[int], capacity: int, dp: int = 0
-) -> dict[int, np.ndarray]:
+def evolve(cost: PrefixCost, p0: np.ndarray, targets: list[int], capacity: int, dp: int = 0) -> dict[int, np.ndarray]:
     """Cuts for every reachable target K, evolved from the natural partition ``p0``.
 
     With ``dp`` > 0 (an extension), a merge path that gets stuck above its smallest target
@@ -59,9 +57,7 @@ def evolve(
     return out
 
 
-def _merge_path(
-    cost: PrefixCost, p0: np.ndarray, down: list[int], capacity: int, dp: int
-) -> dict[int, np.ndarray]:
+def _merge_path(cost: PrefixCost, p0: np.ndarray, down: list[int], capacity: int, dp: int) -> dict[int, np.ndarray]:
     cuts = p0.copy()
     out = {}
     want = iter(down)

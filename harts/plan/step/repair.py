@@ -46,8 +46,15 @@ def _shared(cost: PrefixCost, keys: np.ndarray, x: np.ndarray, g: np.ndarray, sk
 
 
 def _swapped_work(
-    cost: PrefixCost, keys: np.ndarray, work: np.ndarray, length: np.ndarray, own: np.ndarray,
-    x: np.ndarray, y: np.ndarray, a: np.ndarray, b: np.ndarray,
+    cost: PrefixCost,
+    keys: np.ndarray,
+    work: np.ndarray,
+    length: np.ndarray,
+    own: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Works of A' = A - x + y and B' = B - y + x for swapping x (in A) with y (in B)."""
     wa = work[a] - (length[x] - own[x]) + length[y] - _shared(cost, keys, y, a, x)

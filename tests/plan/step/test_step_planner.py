@@ -190,6 +190,7 @@ def test_errors_name_the_problem() -> None:
 def test_ortools_baseline_is_feasible() -> None:
     pytest.importorskip("ortools")
     from harts.plan.baselines.ortools_partition import ortools_step
+
     rng = np.random.default_rng(3)
     batch = random_forest_batch(rng, trees=6, paths=40, shared_root=2)
     capacity = int(batch.lengths.max() * 2)
@@ -206,6 +207,7 @@ def test_ortools_baseline_keeps_trees_that_fit_whole() -> None:
     first-fit start has 3 bins and cuts trees; the tree packing needs 4 and cuts none."""
     pytest.importorskip("ortools")
     from harts.plan.baselines.ortools_partition import ortools_step
+
     paths, tree_ids = [], []
     for t in range(4):
         prefix = [10 * t + 1] * 40
