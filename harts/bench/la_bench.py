@@ -64,9 +64,15 @@ def round_shapes(batch, *, capacity: int, chunk_size: int, max_microbatches: int
         layout = build_layout(cb, plan_calls(cb.segment_trees, chunk_size))
         for r, view in enumerate(layout.rounds):
             req = np.asarray(view.requests, dtype=np.int64).reshape(-1, 2)
-            out.append(RoundShape(microbatch=m, round=r, cu_seqlens=[int(x) for x in view.cu_seqlens],
-                                  has_initial=[bool(i >= 0) for i in np.asarray(view.init_state)],
-                                  requests=[(int(a), int(b)) for a, b in req]))
+            out.append(
+                RoundShape(
+                    microbatch=m,
+                    round=r,
+                    cu_seqlens=[int(x) for x in view.cu_seqlens],
+                    has_initial=[bool(i >= 0) for i in np.asarray(view.init_state)],
+                    requests=[(int(a), int(b)) for a, b in req],
+                )
+            )
     return out
 
 
@@ -77,8 +83,9 @@ class RoundTiming:
     forward_backward_ms: dict[str, float] = field(default_factory=dict)
 
 
-def _inputs(shape: RoundShape, H: int, K: int, V: int, scalar_decay: bool, dtype: torch.dtype,
-            device: torch.device, seed: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def _inputs(
+    shape: RoundShape, H: int, K: int, V: int, scalar_decay: bool, dtype: torch.dtype, device: torch.device, seed: int
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
     T, N = shape.rows, len(shape.cu_seqlens) - 1
 
@@ -122,11 +129,26 @@ def _op(backend: str, device: torch.device) -> Callable:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         from fla.ops.kda import chunk_kda
 
-        def plain(q, k, v, g, beta, *, cu_seqlens, initial_state=None, chunk_size=64, state_requests=None,  # noqa: ANN001, ANN202
-                  scale=None):
+        def plain(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            *,
+            cu_seqlens,
+            initial_state=None,
+            chunk_size=64,
+            state_requests=None,  # noqa: ANN001, ANN202
+            scale=None,
+        ):
             fn = chunk_gated_delta_rule if g.dim() == 2 else chunk_kda
-            o, ht = fn(*(t.unsqueeze(0) for t in (q, k, v, g, beta)), initial_state=initial_state,
-                       output_final_state=True, cu_seqlens=cu_seqlens.to(q.device))
+            o, ht = fn(
+                *(t.unsqueeze(0) for t in (q, k, v, g, beta)),
+                initial_state=initial_state,
+                output_final_state=True,
+                cu_seqlens=cu_seqlens.to(q.device),
+            )
             return o[0], ht, ht.new_zeros(0, *ht.shape[1:])
 
         return plain
@@ -143,8 +165,20 @@ def _gdn_backward_refused(device: torch.device) -> bool:
     return _gdn_backward_broken()
 
 
-def time_round(shape: RoundShape, backends: list[str], *, H: int, K: int, V: int, scalar_decay: bool,
-               dtype: torch.dtype, device: torch.device, chunk_size: int, repeat: int, seed: int = 0) -> RoundTiming:
+def time_round(
+    shape: RoundShape,
+    backends: list[str],
+    *,
+    H: int,
+    K: int,
+    V: int,
+    scalar_decay: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk_size: int,
+    repeat: int,
+    seed: int = 0,
+) -> RoundTiming:
     """Forward and forward + backward milliseconds of one round for every backend."""
     xs, h0 = _inputs(shape, H, K, V, scalar_decay, dtype, device, seed)
     cu = torch.tensor(shape.cu_seqlens, dtype=torch.int64)  # host: the ops plan without a device sync
@@ -206,37 +240,74 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown backend(s) {bad}; choose from tree, fla, plain, reference")
     device = torch.device(args.device)
     batch = generate(args.workload, step=args.step, seed=args.seed)
-    shapes = round_shapes(batch, capacity=args.capacity, chunk_size=args.chunk_size,
-                          max_microbatches=args.microbatches)
-    print(f"{args.workload}[{args.step}]: {len(shapes)} rounds, {sum(s.rows for s in shapes):,} rows, "
-          f"{sum(len(s.requests) for s in shapes):,} requested states; H {args.heads}, K = V = {args.dim}, "
-          f"{args.decay}, {args.dtype} on {device}", flush=True)
-    timings = [time_round(s, backends, H=args.heads, K=args.dim, V=args.dim, scalar_decay=args.decay == "gdn",
-                          dtype=getattr(torch, args.dtype), device=device, chunk_size=args.chunk_size,
-                          repeat=args.repeat, seed=i) for i, s in enumerate(shapes)]
+    shapes = round_shapes(batch, capacity=args.capacity, chunk_size=args.chunk_size, max_microbatches=args.microbatches)
+    print(
+        f"{args.workload}[{args.step}]: {len(shapes)} rounds, {sum(s.rows for s in shapes):,} rows, "
+        f"{sum(len(s.requests) for s in shapes):,} requested states; H {args.heads}, K = V = {args.dim}, "
+        f"{args.decay}, {args.dtype} on {device}",
+        flush=True,
+    )
+    timings = [
+        time_round(
+            s,
+            backends,
+            H=args.heads,
+            K=args.dim,
+            V=args.dim,
+            scalar_decay=args.decay == "gdn",
+            dtype=getattr(torch, args.dtype),
+            device=device,
+            chunk_size=args.chunk_size,
+            repeat=args.repeat,
+            seed=i,
+        )
+        for i, s in enumerate(shapes)
+    ]
     many = [t for t in timings if len(t.shape.requests) >= 8]
     rows = []
     for b in backends:
-        rows.append([b, f"{sum(t.forward_ms[b] for t in timings):.2f}", f"{sum(t.forward_backward_ms[b] for t in timings):.2f}",
-                     f"{sum(t.forward_ms[b] for t in many):.2f}", f"{sum(t.forward_backward_ms[b] for t in many):.2f}"])
-    print(format_table(["backend", "fwd ms (all)", "fwd+bwd ms (all)", f"fwd ms (>=8 req, {len(many)})",
-                        "fwd+bwd ms (>=8 req)"], rows))
+        rows.append(
+            [
+                b,
+                f"{sum(t.forward_ms[b] for t in timings):.2f}",
+                f"{sum(t.forward_backward_ms[b] for t in timings):.2f}",
+                f"{sum(t.forward_ms[b] for t in many):.2f}",
+                f"{sum(t.forward_backward_ms[b] for t in many):.2f}",
+            ]
+        )
+    print(
+        format_table(
+            ["backend", "fwd ms (all)", "fwd+bwd ms (all)", f"fwd ms (>=8 req, {len(many)})", "fwd+bwd ms (>=8 req)"],
+            rows,
+        )
+    )
     summary = {}
     if "tree" in backends and "plain" in backends:
         summary["tree_over_plain_fwd_bwd"] = sum(t.forward_backward_ms["tree"] for t in timings) / max(
-            sum(t.forward_backward_ms["plain"] for t in timings), 1e-9)
+            sum(t.forward_backward_ms["plain"] for t in timings), 1e-9
+        )
     if "tree" in backends and "fla" in backends and many:
         summary["split_over_tree_fwd_bwd_ge8"] = sum(t.forward_backward_ms["fla"] for t in many) / max(
-            sum(t.forward_backward_ms["tree"] for t in many), 1e-9)
+            sum(t.forward_backward_ms["tree"] for t in many), 1e-9
+        )
     for k, v in summary.items():
         print(f"{k}: {v:.3f}")
     if args.json_out:
         import json
 
         with open(args.json_out, "w") as fh:
-            json.dump({"args": vars(args), "summary": summary,
-                       "rounds": [{**asdict(t.shape), "forward_ms": t.forward_ms,
-                                   "forward_backward_ms": t.forward_backward_ms} for t in timings]}, fh, indent=1)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "summary": summary,
+                    "rounds": [
+                        {**asdict(t.shape), "forward_ms": t.forward_ms, "forward_backward_ms": t.forward_backward_ms}
+                        for t in timings
+                    ],
+                },
+                fh,
+                indent=1,
+            )
         print(f"wrote {args.json_out}")
     return 0
 

@@ -58,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
                 (o.float().square().sum() + ht.square().sum()).backward()
             torch.cuda.synchronize()
             names = dump_fla_autotune(out)  # after every stage: a time limit keeps what was tuned
-            print(f"{'GDN' if gdn else 'KDA'} {dtype}: {time.perf_counter() - t0:.1f} s; "
-                  f"{len(names)} kernel configs in {out}", flush=True)
+            print(
+                f"{'GDN' if gdn else 'KDA'} {dtype}: {time.perf_counter() - t0:.1f} s; "
+                f"{len(names)} kernel configs in {out}",
+                flush=True,
+            )
     print(f"kernels: {', '.join(names)}")
     return 0
 

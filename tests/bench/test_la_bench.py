@@ -24,8 +24,31 @@ def test_round_shapes_cover_every_round_of_the_plan():
 
 def test_la_bench_cpu_smoke(tmp_path):
     out = tmp_path / "la.json"
-    assert main(["--workload", "tiny", "--device", "cpu", "--backends", "reference", "--heads", "2", "--dim", "16",
-                 "--chunk-size", "8", "--dtype", "float32", "--repeat", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--workload",
+                "tiny",
+                "--device",
+                "cpu",
+                "--backends",
+                "reference",
+                "--heads",
+                "2",
+                "--dim",
+                "16",
+                "--chunk-size",
+                "8",
+                "--dtype",
+                "float32",
+                "--repeat",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["rounds"]
     for r in data["rounds"]:

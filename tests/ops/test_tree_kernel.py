@@ -92,10 +92,12 @@ def test_requested_state_gradient_alone_reaches_every_input() -> None:
     x64, h0, cu, req = _inputs("kda")
     leaves64 = [t.clone().requires_grad_() for t in [*x64, h0]]
     leaves = [t.float().clone().requires_grad_() for t in [*x64, h0]]
-    _, _, s_ref = chunk_linear_attn(*leaves64[:5], cu_seqlens=cu, initial_state=leaves64[5], chunk_size=64,
-                                    state_requests=req)
-    _, _, s_out = tree_chunk_linear_attn(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], chunk_size=64,
-                                         state_requests=req)
+    _, _, s_ref = chunk_linear_attn(
+        *leaves64[:5], cu_seqlens=cu, initial_state=leaves64[5], chunk_size=64, state_requests=req
+    )
+    _, _, s_out = tree_chunk_linear_attn(
+        *leaves[:5], cu_seqlens=cu, initial_state=leaves[5], chunk_size=64, state_requests=req
+    )
     w = torch.randn_like(s_ref)
     g_ref = torch.autograd.grad((s_ref * w).sum(), leaves64)
     g_out = torch.autograd.grad((s_out.double() * w).sum(), leaves)
@@ -113,9 +115,14 @@ def test_replay_rows_give_trajectory_outputs_bit_for_bit() -> None:
     x = [t.float() for t in x64]
     L, anchor, fork = 700, 320, 347
     cu = torch.tensor([0, L], device="cuda")
-    traj, _, (s_anchor,) = tree_chunk_linear_attn(*(t[:L] for t in x), cu_seqlens=cu, chunk_size=64,
-                                                  state_requests=torch.tensor([[0, anchor]], device="cuda"))
+    traj, _, (s_anchor,) = tree_chunk_linear_attn(
+        *(t[:L] for t in x), cu_seqlens=cu, chunk_size=64, state_requests=torch.tensor([[0, anchor]], device="cuda")
+    )
     rows = torch.arange(anchor, L, device="cuda")
-    branch, _, _ = tree_chunk_linear_attn(*(t[rows] for t in x), cu_seqlens=torch.tensor([0, L - anchor], device="cuda"),
-                                          initial_state=s_anchor[None], chunk_size=64)
-    assert torch.equal(branch[fork - anchor:], traj[fork:L])
+    branch, _, _ = tree_chunk_linear_attn(
+        *(t[rows] for t in x),
+        cu_seqlens=torch.tensor([0, L - anchor], device="cuda"),
+        initial_state=s_anchor[None],
+        chunk_size=64,
+    )
+    assert torch.equal(branch[fork - anchor :], traj[fork:L])

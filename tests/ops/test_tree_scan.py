@@ -98,8 +98,14 @@ def test_scans_export_and_inject_like_the_recurrence(lengths):
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     code = f"from tests.ops.test_tree_scan import check_scans; check_scans({lengths!r})"
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[2], capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -132,8 +138,18 @@ def check_scans(lengths: list[int]) -> None:
 
     starts, ends, finals, v_new, out = _reference(kg, w, u, gk, qg, S0, lengths, B, scale)
     h, vn, fin, exported = scan.tree_scan_fwd(
-        f32(kg), f32(w), f32(u), f32(gk), cu_seqlens=cu, chunk_offsets=co, num_chunks=nt, chunk_size=B,
-        initial_state=f32(S0), export_index=export_index.to(dev), num_exported=len(exports))
+        f32(kg),
+        f32(w),
+        f32(u),
+        f32(gk),
+        cu_seqlens=cu,
+        chunk_offsets=co,
+        num_chunks=nt,
+        chunk_size=B,
+        initial_state=f32(S0),
+        export_index=export_index.to(dev),
+        num_exported=len(exports),
+    )
 
     def close(a, b, what):  # noqa: ANN001, ANN202
         err = ((a.double().cpu() - b.detach()).abs().max() / b.detach().abs().max().clamp(min=1e-6)).item()
@@ -156,9 +172,21 @@ def check_scans(lengths: list[int]) -> None:
         ref = torch.autograd.grad(loss, [S0, u, *ends], retain_graph=True, allow_unused=True)
         zeros = torch.zeros(1, T, H, V)
         dh, dh0, dv2 = scan.tree_scan_bwd(
-            f32(qg), f32(kg), f32(w), f32(gk), f32(do) if use_out else zeros.to(dev),
-            f32(dv) if use_out else zeros.to(dev), scale=scale, cu_seqlens=cu, chunk_offsets=co, num_chunks=nt,
-            chunk_size=B, dht=f32(dht) if use_out else None, inject=f32(G), inject_index=inject_index.to(dev))
+            f32(qg),
+            f32(kg),
+            f32(w),
+            f32(gk),
+            f32(do) if use_out else zeros.to(dev),
+            f32(dv) if use_out else zeros.to(dev),
+            scale=scale,
+            cu_seqlens=cu,
+            chunk_offsets=co,
+            num_chunks=nt,
+            chunk_size=B,
+            dht=f32(dht) if use_out else None,
+            inject=f32(G),
+            inject_index=inject_index.to(dev),
+        )
         close(dh0, ref[0], f"{name}: initial-state gradient")
         close(dv2[0], ref[1][0], f"{name}: v_new gradient")
         ends_grad = torch.stack([g if g is not None else torch.zeros(H, K, V, dtype=dt) for g in ref[2:]])

@@ -36,7 +36,9 @@ def linear_attn_op(backend: str, device: torch.device) -> Callable:
     if backend == "reference":
         return chunk_linear_attn
     if device.type != "cuda" or not fla_available():
-        raise ValueError(f"linear-attention backend {backend!r} needs a CUDA device and fla-core (pip install harts[gpu])")
+        raise ValueError(
+            f"linear-attention backend {backend!r} needs a CUDA device and fla-core (pip install harts[gpu])"
+        )
     if backend == "tree":
         from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
 

@@ -98,7 +98,9 @@ def fla_chunk_linear_attn(
         raise ValueError("fla_chunk_linear_attn needs CUDA tensors; use chunk_linear_attn on CPU")
     allowed = (64,) if spec.scalar_decay else (32, 64)
     if chunk_size not in allowed:
-        raise ValueError(f"fla supports chunk_size in {allowed} for {'GDN' if spec.scalar_decay else 'KDA'}; got {chunk_size}")
+        raise ValueError(
+            f"fla supports chunk_size in {allowed} for {'GDN' if spec.scalar_decay else 'KDA'}; got {chunk_size}"
+        )
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
     )
@@ -112,12 +114,24 @@ def fla_chunk_linear_attn(
             )
             _warned_gdn_fallback = True
         return chunk_linear_attn(
-            q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, chunk_size=chunk_size,
-            state_requests=state_requests, scale=scale,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens=cu_seqlens,
+            initial_state=initial_state,
+            chunk_size=chunk_size,
+            state_requests=state_requests,
+            scale=scale,
         )
 
     B, N, dev = chunk_size, spec.num_seqs, q.device
-    h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, spec.H, spec.K, spec.V, dtype=torch.float32)
+    h0 = (
+        initial_state.float()
+        if initial_state is not None
+        else q.new_zeros(N, spec.H, spec.K, spec.V, dtype=torch.float32)
+    )
     # cuts[i]: sorted positions where sequence i is split (chunk-aligned, strictly inside it)
     cuts: list[list[int]] = [[] for _ in range(N)]
     for seq, count in spec.requests:
@@ -194,7 +208,11 @@ def _fla_call(
         from fla.ops.kda import chunk_kda
 
         o, ht = chunk_kda(
-            *args, scale=spec.scale, initial_state=h0.contiguous(), output_final_state=True, cu_seqlens=cu,
+            *args,
+            scale=spec.scale,
+            initial_state=h0.contiguous(),
+            output_final_state=True,
+            cu_seqlens=cu,
             chunk_size=chunk_size,
         )
     return o[0], ht

@@ -67,9 +67,8 @@ def dump_fla_autotune(out_dir: str | os.PathLike) -> list[str]:
     import warnings
 
     import triton
-    from triton.runtime.autotuner import Autotuner
-
     from fla.ops.utils.cache import AutotuneKey
+    from triton.runtime.autotuner import Autotuner
 
     os.makedirs(out_dir, exist_ok=True)
     written = []
@@ -86,14 +85,28 @@ def dump_fla_autotune(out_dir: str | os.PathLike) -> list[str]:
         entries = {}
         chosen = Counter()
         for key, cfg in obj.cache.items():
-            config = {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                      "num_ctas": getattr(cfg, "num_ctas", 1), "maxnreg": getattr(cfg, "maxnreg", None)}
+            config = {
+                "kwargs": dict(cfg.kwargs),
+                "num_warps": cfg.num_warps,
+                "num_stages": cfg.num_stages,
+                "num_ctas": getattr(cfg, "num_ctas", 1),
+                "maxnreg": getattr(cfg, "maxnreg", None),
+            }
             norm = AutotuneKey.normalize_autotune_key(tuple(key))
             entries[AutotuneKey.key_hash(tuple(key))] = {"autotune_key": norm, "config": config}
             chosen[json.dumps(config, sort_keys=True)] += 1
         default = json.loads(chosen.most_common(1)[0][0])
         with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:
-            json.dump({"kernel_name": name, "triton_version": triton.__version__, "autotune_entries": entries,
-                       "default_config": default}, fh, indent=1, sort_keys=True)
+            json.dump(
+                {
+                    "kernel_name": name,
+                    "triton_version": triton.__version__,
+                    "autotune_entries": entries,
+                    "default_config": default,
+                },
+                fh,
+                indent=1,
+                sort_keys=True,
+            )
         written.append(name)
     return sorted(written)

@@ -98,8 +98,14 @@ def plan_state_io(lengths: list[int], requests: list[tuple[int, int]], chunk_siz
     e = len(slots)
     final = source < 0
     source[final] = e + (-1 - source[final])  # -1 - seq -> E + seq, -1 - N - seq -> E + N + seq
-    return StateIO(chunk_offsets=offsets, chunk_indices=np.stack([seq_of_chunk, within], 1),
-                   export_index=export_index, inject_index=inject_index, num_exported=e, source=source)
+    return StateIO(
+        chunk_offsets=offsets,
+        chunk_indices=np.stack([seq_of_chunk, within], 1),
+        export_index=export_index,
+        inject_index=inject_index,
+        num_exported=e,
+        source=source,
+    )
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,9 @@ _META_CACHE: OrderedDict = OrderedDict()
 _META_CACHE_SIZE = 256
 
 
-def _device_meta(starts: list[int], lengths: list[int], requests: list[tuple[int, int]], chunk_size: int,
-                 device: torch.device) -> _DeviceMeta:
+def _device_meta(
+    starts: list[int], lengths: list[int], requests: list[tuple[int, int]], chunk_size: int, device: torch.device
+) -> _DeviceMeta:
     key = (tuple(lengths), tuple(requests), chunk_size, str(device))
     hit = _META_CACHE.get(key)
     if hit is not None:
@@ -130,9 +137,15 @@ def _device_meta(starts: list[int], lengths: list[int], requests: list[tuple[int
     def up(a: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.ascontiguousarray(a), device=device)
 
-    meta = _DeviceMeta(io=io, cu_seqlens=up(cu), chunk_offsets=up(io.chunk_offsets),
-                       chunk_indices=up(io.chunk_indices), export_index=up(io.export_index),
-                       inject_index=up(io.inject_index), source=up(io.source))
+    meta = _DeviceMeta(
+        io=io,
+        cu_seqlens=up(cu),
+        chunk_offsets=up(io.chunk_offsets),
+        chunk_indices=up(io.chunk_indices),
+        export_index=up(io.export_index),
+        inject_index=up(io.inject_index),
+        source=up(io.source),
+    )
     _META_CACHE[key] = meta
     if len(_META_CACHE) > _META_CACHE_SIZE:
         _META_CACHE.popitem(last=False)
@@ -153,13 +166,25 @@ class _TreeKDA(torch.autograd.Function):
 
         B, cu, ci = chunk_size, meta.cu_seqlens, meta.chunk_indices
         gc = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
-        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu,
-                                                   chunk_size=B, chunk_indices=ci)
+        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
+            q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+        )
         h, v_new, final, exported = tree_scan_fwd(
-            kg, w, u, gc, cu_seqlens=cu, chunk_offsets=meta.chunk_offsets, num_chunks=meta.io.num_chunks,
-            chunk_size=B, initial_state=h0, export_index=meta.export_index, num_exported=meta.io.num_exported)
-        o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=B,
-                               chunk_indices=ci)
+            kg,
+            w,
+            u,
+            gc,
+            cu_seqlens=cu,
+            chunk_offsets=meta.chunk_offsets,
+            num_chunks=meta.io.num_chunks,
+            chunk_size=B,
+            initial_state=h0,
+            export_index=meta.export_index,
+            num_exported=meta.io.num_exported,
+        )
+        o = chunk_gla_fwd_o_gk(
+            q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+        )
         ctx.save_for_backward(q, k, v, gc, beta, Aqk, Akk, h0)
         ctx.meta, ctx.scale, ctx.chunk_size, ctx.has_h0, ctx.g_dtype = meta, scale, chunk_size, h0 is not None, g.dtype
         return o.to(q.dtype), final, exported
@@ -178,23 +203,85 @@ class _TreeKDA(torch.autograd.Function):
         cu, ci, co, nt = meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets, meta.io.num_chunks
         do = do.contiguous()
         w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gc, q=q, cu_seqlens=cu, chunk_indices=ci)
-        h, v_new, _, _ = tree_scan_fwd(kg, w, u, gc, cu_seqlens=cu, chunk_offsets=co, num_chunks=nt, chunk_size=B,
-                                       initial_state=h0, export_index=None, num_exported=0,
-                                       output_final_state=False)
-        dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=B,
-                                     chunk_indices=ci)
-        dh, dh0, dv = tree_scan_bwd(qg, kg, w, gc, do, dv, scale=scale, cu_seqlens=cu, chunk_offsets=co,
-                                    num_chunks=nt, chunk_size=B, dht=dfinal.contiguous(),
-                                    inject=dexported, inject_index=meta.inject_index,
-                                    want_initial_state_grad=ctx.has_h0)
+        h, v_new, _, _ = tree_scan_fwd(
+            kg,
+            w,
+            u,
+            gc,
+            cu_seqlens=cu,
+            chunk_offsets=co,
+            num_chunks=nt,
+            chunk_size=B,
+            initial_state=h0,
+            export_index=None,
+            num_exported=0,
+            output_final_state=False,
+        )
+        dAqk, dv = chunk_kda_bwd_dAv(
+            q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+        )
+        dh, dh0, dv = tree_scan_bwd(
+            qg,
+            kg,
+            w,
+            gc,
+            do,
+            dv,
+            scale=scale,
+            cu_seqlens=cu,
+            chunk_offsets=co,
+            num_chunks=nt,
+            chunk_size=B,
+            dht=dfinal.contiguous(),
+            inject=dexported,
+            inject_index=meta.inject_index,
+            want_initial_state_grad=ctx.has_h0,
+        )
         dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
-            q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=scale,
-            cu_seqlens=cu, chunk_size=B, chunk_indices=ci, chunk_offsets=co)
-        dq, dk, db, dg = chunk_kda_bwd_intra(q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
-                                             dg=dg, cu_seqlens=cu, chunk_indices=ci, chunk_size=B)
+            q=q,
+            k=k,
+            v=v,
+            v_new=v_new,
+            g=gc,
+            beta=beta,
+            A=Akk,
+            h=h,
+            do=do,
+            dh=dh,
+            dv=dv,
+            scale=scale,
+            cu_seqlens=cu,
+            chunk_size=B,
+            chunk_indices=ci,
+            chunk_offsets=co,
+        )
+        dq, dk, db, dg = chunk_kda_bwd_intra(
+            q=q,
+            k=k,
+            g=gc,
+            beta=beta,
+            dAqk=dAqk,
+            dAkk=dAkk,
+            dq=dq,
+            dk=dk,
+            db=db,
+            dg=dg,
+            cu_seqlens=cu,
+            chunk_indices=ci,
+            chunk_size=B,
+        )
         dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=ci)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), db.to(beta.dtype),
-                dh0 if ctx.has_h0 else None, None, None, None)
+        return (
+            dq.to(q.dtype),
+            dk.to(k.dtype),
+            dv.to(v.dtype),
+            dg.to(ctx.g_dtype),
+            db.to(beta.dtype),
+            dh0 if ctx.has_h0 else None,
+            None,
+            None,
+            None,
+        )
 
 
 def tree_chunk_linear_attn(
@@ -228,8 +315,18 @@ def tree_chunk_linear_attn(
     if any(c % chunk_size and c not in (0, spec.lengths[s]) for s, c in spec.requests):
         from harts.ops.linear_attn.fla import fla_chunk_linear_attn
 
-        return fla_chunk_linear_attn(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                                     chunk_size=chunk_size, state_requests=state_requests, scale=scale)
+        return fla_chunk_linear_attn(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens=cu_seqlens,
+            initial_state=initial_state,
+            chunk_size=chunk_size,
+            state_requests=state_requests,
+            scale=scale,
+        )
     from harts.ops.linear_attn.fla import _import_fla
 
     _import_fla()
@@ -242,8 +339,16 @@ def tree_chunk_linear_attn(
     gk = g[..., None].expand(spec.T, H, K) if spec.scalar_decay else g
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     o, final, exported = _TreeKDA.apply(
-        q.unsqueeze(0).contiguous(), k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(),
-        gk.unsqueeze(0).contiguous(), beta.unsqueeze(0).contiguous(), h0, meta, spec.scale, chunk_size)
+        q.unsqueeze(0).contiguous(),
+        k.unsqueeze(0).contiguous(),
+        v.unsqueeze(0).contiguous(),
+        gk.unsqueeze(0).contiguous(),
+        beta.unsqueeze(0).contiguous(),
+        h0,
+        meta,
+        spec.scale,
+        chunk_size,
+    )
     initial = h0 if h0 is not None else final.new_zeros(N, H, K, V)
     requested = torch.cat([exported, final, initial])[meta.source] if spec.requests else final.new_zeros(0, H, K, V)
     return o[0].to(v.dtype), final, requested

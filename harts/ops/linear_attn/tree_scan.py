@@ -48,9 +48,26 @@ NUM_STAGES = 2
 
 @triton.jit
 def _tree_scan_fwd_kernel(
-    k, u, w, gk, v_new, h, h0, ht, exported, export_index, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, EXPORT: tl.constexpr,
+    k,
+    u,
+    w,
+    gk,
+    v_new,
+    h,
+    h0,
+    ht,
+    exported,
+    export_index,
+    cu_seqlens,
+    chunk_offsets,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    EXPORT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -97,9 +114,29 @@ def _tree_scan_fwd_kernel(
 
 @triton.jit
 def _tree_scan_bwd_kernel(
-    qg, kg, w, gk, do, dv, dv2, dh, dht, dh0, inject, inject_index, cu_seqlens, chunk_offsets, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr, INJECT: tl.constexpr,
+    qg,
+    kg,
+    w,
+    gk,
+    do,
+    dv,
+    dv2,
+    dh,
+    dht,
+    dh0,
+    inject,
+    inject_index,
+    cu_seqlens,
+    chunk_offsets,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    USE_FINAL_STATE_GRADIENT: tl.constexpr,
+    STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
+    INJECT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -141,9 +178,11 @@ def _tree_scan_bwd_kernel(
         b_qg = tl.load(qg + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_do = tl.load(do + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
         b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_ds = (b_ds * tl.exp2(b_gl)[:, None]
-                + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype)) * scale
-                - tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype)))
+        b_ds = (
+            b_ds * tl.exp2(b_gl)[:, None]
+            + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype)) * scale
+            - tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype))
+        )
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh * K * V + state_off, b_ds, mask=m_state)
 
@@ -191,13 +230,28 @@ def tree_scan_fwd(
     exported = kg.new_empty(max(num_exported, 0), H, K, V, dtype=torch.float32)
     grid = (triton.cdiv(V, BLOCK_V), N * H)
     _tree_scan_fwd_kernel[grid](
-        kg, u, w, gk, v_new, h, initial_state, final, exported,
+        kg,
+        u,
+        w,
+        gk,
+        v_new,
+        h,
+        initial_state,
+        final,
+        exported,
         export_index if export_index is not None and num_exported > 0 else cu_seqlens,
-        cu_seqlens, chunk_offsets,
-        H=H, K=K, V=V, BT=chunk_size, BV=BLOCK_V,
-        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
+        cu_seqlens,
+        chunk_offsets,
+        H=H,
+        K=K,
+        V=V,
+        BT=chunk_size,
+        BV=BLOCK_V,
+        USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=output_final_state,
         EXPORT=export_index is not None and num_exported > 0,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     return h, v_new, final, exported
 
@@ -243,12 +297,30 @@ def tree_scan_bwd(
     use_inject = inject is not None and inject_index is not None and inject.shape[0] > 0
     grid = (triton.cdiv(V, BLOCK_V), N * H)
     _tree_scan_bwd_kernel[grid](
-        qg, kg, w, gk, do, dv, dv2, dh, dht, dh0,
+        qg,
+        kg,
+        w,
+        gk,
+        do,
+        dv,
+        dv2,
+        dh,
+        dht,
+        dh0,
         inject.contiguous() if use_inject else dh,
         inject_index if use_inject else cu_seqlens,
-        cu_seqlens, chunk_offsets, scale,
-        H=H, K=K, V=V, BT=chunk_size, BV=BLOCK_V,
-        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=want_initial_state_grad,
-        INJECT=use_inject, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        cu_seqlens,
+        chunk_offsets,
+        scale,
+        H=H,
+        K=K,
+        V=V,
+        BT=chunk_size,
+        BV=BLOCK_V,
+        USE_FINAL_STATE_GRADIENT=dht is not None,
+        STORE_INITIAL_STATE_GRADIENT=want_initial_state_grad,
+        INJECT=use_inject,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     return dh, dh0, dv2
