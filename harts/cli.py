@@ -20,6 +20,7 @@ import os
 import pkgutil
 import sys
 import traceback
+from types import ModuleType
 
 import harts.commands
 from harts.errors import UserError
@@ -47,8 +48,8 @@ def debug_enabled() -> bool:
     return os.environ.get("HARTS_DEBUG", "").strip() not in ("", "0", "false", "no")
 
 
-def _command_modules() -> dict[str, object]:
-    mods = {}
+def _command_modules() -> dict[str, ModuleType]:
+    mods: dict[str, ModuleType] = {}
     for info in sorted(pkgutil.iter_modules(harts.commands.__path__), key=lambda i: i.name):
         if info.name.startswith("_"):
             continue

@@ -353,7 +353,7 @@ def bench_step(
     base_groups = [g for g, o in zip(raw_groups, owner) if o == replica]
     flop_model = FlopModel.from_model(model)
     execution = replace(ExecutionConfig.of(execution), fused_logprobs=True)
-    kw = dict(warmup=warmup, flop_model=flop_model, progress=progress, profile_dir=profile_dir)
+    kw: dict[str, Any] = dict(warmup=warmup, flop_model=flop_model, progress=progress, profile_dir=profile_dir)
     compact_side = replace(execution, mode="compact")
 
     def prepare_harts() -> list[tuple[RolloutBatch, Any]]:

@@ -243,6 +243,7 @@ class HybridLM(nn.Module):
         if mode == "trajectory":
             rows = torch.as_tensor(pred)
         else:
+            assert isinstance(inputs, CompactInputs)
             rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred])
         h, head_weight = regions.enter("lm_head", h, self.lm_head_weight)
         if cfg.use_fused_logprobs:
@@ -272,11 +273,12 @@ class HybridLM(nn.Module):
         ``expert_counts`` [L_moe, E] is ``ModelOutput.expert_counts`` (q-weighted in compact mode,
         so the update equals the trajectory-wise one).
         """
-        moe = [layer.mlp for layer in self.layers if layer.is_moe]
+        moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
         if expert_counts.shape[0] != len(moe):
             raise ValueError(f"expert_counts has {expert_counts.shape[0]} rows for {len(moe)} MoE layers")
         for m, c in zip(moe, expert_counts):
             b = m.gate.e_score_correction_bias
+            assert isinstance(b, torch.Tensor)
             b += rate * torch.sign(c.mean() - c).to(b.dtype)
 
     def num_parameters(self) -> int:

@@ -170,11 +170,9 @@ class CallPlan:
         replay = self.seq_replay
         rounds = []
         for k in range(self.num_calls):
-            seqs = [
-                {"segments": [f.name(int(v)) for v in self.sequence(q)], "replay": int(replay[q])}
-                for q in range(int(self.round_ptr[k]), int(self.round_ptr[k + 1]))
-            ]
-            rounds.append({"round": k + 1, "replay": int(sum(s["replay"] for s in seqs)), "sequences": seqs})
+            qs = range(int(self.round_ptr[k]), int(self.round_ptr[k + 1]))
+            seqs = [{"segments": [f.name(int(v)) for v in self.sequence(q)], "replay": int(replay[q])} for q in qs]
+            rounds.append({"round": k + 1, "replay": sum(int(replay[q]) for q in qs), "sequences": seqs})
         return {"calls": self.num_calls, "replay": self.total_replay, "rounds": rounds}
 
     def to_dict(self) -> dict[str, Any]:

@@ -111,6 +111,7 @@ def grpo_loss(
     per_tok = -torch.minimum(ratio * adv, clipped * adv)
     kl = None
     if kl_coef:
+        assert batch.ref_logprobs is not None, "kl_coef needs ref_logprobs"
         d = meta(batch.ref_logprobs) - logprobs
         kl = torch.exp(d) - d - 1.0
         per_tok = per_tok + kl_coef * kl

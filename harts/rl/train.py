@@ -29,9 +29,11 @@ import torch.distributed as dist
 from harts.errors import CapacityError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
+from harts.plan.calls import CallPlan
 from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
+from harts.tree.compact import CompactBatch
 
 __all__ = ["TrainConfig", "StepLog", "accumulate_step_gradients", "check_capacity", "train", "train_step"]
 
@@ -151,7 +153,9 @@ def accumulate_step_gradients(
     tp = time.perf_counter()
     if cfg.execution.mode == "compact":
         # slices of the step's compaction, call plans made together: nothing is compacted twice
-        prepared = [(c.batch, c, p) for c, p in plan.prepare_replica(rank, model.config.chunk_size)]
+        prepared: list[tuple[RolloutBatch, CompactBatch | None, CallPlan | None]] = [
+            (c.batch, c, p) for c, p in plan.prepare_replica(rank, model.config.chunk_size)
+        ]
     else:
         prepared = [(batch.select(plan.microbatches[k]), None, None) for k in mine]
     prepare_seconds = time.perf_counter() - tp

@@ -73,7 +73,7 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def _peak_cpu_bytes(fn) -> int:  # noqa: ANN001
+def _peak_cpu_bytes(fn: Callable[[], None]) -> int:
     """Peak of live CPU tensor bytes while ``fn()`` runs (profiler alloc/free events in order)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -185,6 +185,8 @@ def compare_runs(ref: StepResult, other: StepResult) -> dict[str, float]:
         "loss": abs(other.loss - ref.loss) / max(abs(ref.loss), _TINY),
     }
     if ref.z_loss is not None:
+        assert other.z_loss is not None and other.aux_loss is not None and ref.aux_loss is not None
+        assert other.expert_counts is not None and ref.expert_counts is not None
         out["router_z_loss"] = rel_diff(other.z_loss, ref.z_loss)
         out["router_aux_loss"] = rel_diff(other.aux_loss, ref.aux_loss)
         out["expert_counts"] = rel_diff(other.expert_counts, ref.expert_counts)

@@ -155,8 +155,8 @@ def _compact_sorted(
     ``lcp`` int64 [N] of the sorted trajectories (computed here when not given)."""
     n = batch.num_trajectories
     lengths = batch.lengths
-    trajs = batch.trajectories()
     if order is None:
+        trajs = batch.trajectories()
         order = lexicographic_order(batch)
         lcp = adjacent_lcp([trajs[j] for j in order])
     assert lcp is not None
@@ -168,7 +168,7 @@ def _compact_sorted(
 
     m = np.empty(batch.num_tokens, dtype=np.int64)
     first_parent = np.full(n, -1, dtype=np.int64)
-    prev = None
+    prev = m[:0]
     for k in range(n):
         j = order[k]
         dst = m[batch.offsets[j] : batch.offsets[j + 1]]
@@ -193,6 +193,7 @@ def _compact_sorted(
 def _tree_is_canonical(batch: RolloutBatch) -> bool:
     """True when the tree's structure equals the token trie's (distinct sibling first tokens)."""
     tree = batch.tree
+    assert tree is not None
     first = tree.tokens[tree.offsets[:-1]]
     key = np.stack([tree.parent, first], axis=1)
     return np.unique(key, axis=0).shape[0] == tree.num_nodes
@@ -200,6 +201,7 @@ def _tree_is_canonical(batch: RolloutBatch) -> bool:
 
 def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
     tree = batch.tree
+    assert tree is not None
     nn = tree.num_nodes
     node_len = np.diff(tree.offsets)
     first = tree.tokens[tree.offsets[:-1]]
@@ -210,13 +212,13 @@ def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
         if p >= 0:
             kids[p].append(int(v))
     roots = sorted(tree.roots.tolist(), key=lambda r: first[r])
-    node_order = []
+    visit: list[int] = []
     stack = roots[::-1]
     while stack:
         u = stack.pop()
-        node_order.append(u)
+        visit.append(u)
         stack.extend(reversed(kids[u]))
-    node_order = np.asarray(node_order, dtype=np.int64)
+    node_order = np.asarray(visit, dtype=np.int64)
     node_row = np.empty(nn, dtype=np.int64)
     lens_in_order = node_len[node_order]
     starts = np.zeros(nn, dtype=np.int64)
@@ -226,7 +228,7 @@ def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
 
     node_pos = np.zeros(nn, dtype=np.int64)
     for u in node_order:  # preorder: parents first
-        p = tree.parent[u]
+        p = int(tree.parent[u])
         if p >= 0:
             node_pos[u] = node_pos[p] + node_len[p]
     run = np.repeat(node_order, lens_in_order)
@@ -234,8 +236,8 @@ def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
     position = node_pos[run] + within
     tokens = tree.tokens[tree.offsets[run] + within]
     parent = np.arange(c, dtype=np.int64) - 1
-    p = tree.parent[node_order]
-    parent[starts] = np.where(p >= 0, node_row[np.maximum(p, 0)] + node_len[np.maximum(p, 0)] - 1, -1)
+    pn = tree.parent[node_order]
+    parent[starts] = np.where(pn >= 0, node_row[np.maximum(pn, 0)] + node_len[np.maximum(pn, 0)] - 1, -1)
 
     m = np.empty(batch.num_tokens, dtype=np.int64)
     paths = tree.leaf_paths()

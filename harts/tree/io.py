@@ -55,16 +55,35 @@ class BatchArrays(Protocol):
     """What ``save_batch`` reads of a ``RolloutBatch`` (the batch builds on this module, so
     this module names the fields instead of importing the class)."""
 
-    tokens: np.ndarray
-    offsets: np.ndarray
-    action_mask: np.ndarray
-    advantages: np.ndarray
-    old_logprobs: np.ndarray | None
-    ref_logprobs: np.ndarray | None
-    loss_weights: np.ndarray | None
-    group_ids: np.ndarray | None
-    tree_ids: np.ndarray | None
-    vocab_size: int | None
+    @property
+    def tokens(self) -> np.ndarray: ...
+
+    @property
+    def offsets(self) -> np.ndarray: ...
+
+    @property
+    def action_mask(self) -> np.ndarray: ...
+
+    @property
+    def advantages(self) -> np.ndarray: ...
+
+    @property
+    def old_logprobs(self) -> np.ndarray | None: ...
+
+    @property
+    def ref_logprobs(self) -> np.ndarray | None: ...
+
+    @property
+    def loss_weights(self) -> np.ndarray | None: ...
+
+    @property
+    def group_ids(self) -> np.ndarray | None: ...
+
+    @property
+    def tree_ids(self) -> np.ndarray | None: ...
+
+    @property
+    def vocab_size(self) -> int | None: ...
 
     @property
     def num_trajectories(self) -> int: ...

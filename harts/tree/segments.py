@@ -178,7 +178,7 @@ class SegmentForest:
         v = lengths.size
         assert parents.shape == (v,) and np.all(lengths > 0)
         kids: list[list[int]] = [[] for _ in range(v)]
-        roots_in = []
+        roots_in: list[int] = []
         for i in range(v):
             p = int(parents[i])
             (roots_in if p < 0 else kids[p]).append(i)
@@ -204,7 +204,7 @@ class SegmentForest:
         np.cumsum(length[:-1], out=row[1:])
         forest = _assemble(start, start + length, par, row)
         if names is not None:
-            forest = SegmentForest(**{**forest.__dict__, "names": [str(names[i]) for i in order]})
+            forest = SegmentForest(**{**forest.__dict__, "names": [str(names[int(i)]) for i in order]})
         return forest, new_id
 
 

@@ -151,7 +151,7 @@ def to_step_plan(
         replica=best["replica"][listing].tolist(),
         slot=best["slot"][listing].tolist(),
         work=best["work"][listing].tolist(),
-        objective=tuple(int(v) for v in best["objective"]),
+        objective=(int(best["objective"][0]), int(best["objective"][1]), int(best["objective"][2])),
         plan_seconds=seconds,
         dp=dp,
         capacity=capacity,
