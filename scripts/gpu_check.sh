@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # harts on one CUDA GPU: the GPU tests, model agreement on device, and a training-step speed figure.
 #
-#   harts/bench/gpu_check.sh [OUT_DIR]          # from the repo root; fla-core must import
+#   scripts/gpu_check.sh [OUT_DIR]          # from the repo root; fla-core must import
 #
 # 1. tests   pytest -m gpu: the one-pass tree kernel (KDA and GDN, float32 and bf16, injected state
 #            gradients alone, replay bit-identity) and its state scans; the grouped-GEMM MoE
