@@ -6,7 +6,8 @@ Both sides train on the whole step (every trajectory), as in the paper's Table 4
   microbatches of at most T raw tokens (a longer trajectory goes alone); each microbatch runs
   ``mode="trajectory"``;
 * harts: ``plan_step(dp=D, capacity=T)`` groups trajectories by compact work; each
-  microbatch is compacted, call-planned and laid out, then runs ``mode="compact"``.
+  microbatch's slice of the step's compaction and its call plan come from the plan
+  (``StepPlan.prepare_replica``), it is laid out, then runs ``mode="compact"``.
 
 Both sides get the same kernels and options (linear-attention backend, attention
 implementation, fused log-probs, grouped-GEMM MoE, recomputation).
@@ -25,8 +26,8 @@ Per step:
 
     compression   raw rows / non-replay compact rows of the harts microbatches
     F/B/Grad      baseline time / harts time (forward + backward + gradients)
-    Core          baseline time / (harts planning + harts time), planning = step planner +
-                  per-microbatch compaction, call planning and layout
+    Core          baseline time / (harts planning + harts time), planning = step planner
+                  (whole-step compaction included) + per-microbatch slices, call plans and layout
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""Planning without torch: step planner (microbatches x DP replicas x slots) and call planner."""
+"""Planning without torch: step planner (``step/``: microbatches x DP replicas x slots), call
+planner (``calls.py``: Algorithm 1), physical layout (``layout.py``), baselines (``baselines/``)."""

@@ -1,4 +1,5 @@
-"""RL objectives on log-probs + RolloutBatch metadata (unaware of prefix sharing)."""
+"""RL objectives on log-probs + RolloutBatch metadata (unaware of prefix sharing), the training
+loop (``train.py``) and the verification harness (``verify.py``)."""
 
 from harts.rl.grpo import GRPOOutput, group_advantages, grpo_loss
 from harts.rl.ppo import ppo_policy_loss

@@ -4,8 +4,10 @@ Per step (one RolloutBatch):
 
 1. ``plan_step(batch, dp=world, capacity=T)`` — every rank builds the same plan (numpy only,
    deterministic), so no plan is communicated;
-2. rank d executes its replica's microbatches in slot order: compaction, call plan and layout
-   (``model.prepare_compact``), forward in ``mode`` ("compact" or the "trajectory" baseline),
+2. rank d executes its replica's microbatches in slot order: the plan hands out each one's
+   slice of the step's compaction with its call plan (``StepPlan.prepare_replica``; nothing is
+   compacted twice), ``model.prepare_compact`` adds the layout, forward under
+   ``cfg.execution`` (mode "compact" or the "trajectory" baseline),
    GRPO loss normalized by the *whole step's* denominator, MoE router objective weighted by
    the microbatch's share of the step's semantic tokens, backward (gradients accumulate);
 3. gradients and q-weighted expert counts are summed across ranks (``all_reduce``); because
