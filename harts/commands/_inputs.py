@@ -21,9 +21,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harts.errors import CapacityError, OutputPathError, UserError
+
+if TYPE_CHECKING:  # heavy imports stay after argument parsing
+    from harts.models.hybrid_lm import HybridLM
+    from harts.tree.batch import RolloutBatch
 
 
 # ------------------------------------------------------------------ option types
@@ -136,7 +140,7 @@ def add_output_arguments(p: argparse.ArgumentParser, *, what: str = "the figures
 # ---------------------------------------------------------------------- sources
 def batch_sources(
     files: list[str], workload: str | None, steps: int | None, seed: int, *, default: str = "small"
-) -> list[tuple[str, Callable[[], Any]]]:
+) -> list[tuple[str, Callable[[], RolloutBatch]]]:
     """``(label, make_batch)`` per step: each file is one step, or the preset's steps (lazy)."""
     from harts.tree.batch import RolloutBatch
     from harts.tree.workloads import PRESETS, workload_steps
@@ -152,7 +156,7 @@ def batch_sources(
     return workload_steps(name, steps, seed=seed)
 
 
-def step_sources(workload: str, steps: int | None, seed: int) -> list[tuple[str, Callable[[], Any]]]:
+def step_sources(workload: str, steps: int | None, seed: int) -> list[tuple[str, Callable[[], RolloutBatch]]]:
     """``(label, make_batch)`` per step of ``--workload NAME|FILE`` (``workload_steps``)."""
     from harts.tree.workloads import workload_steps
 
@@ -180,7 +184,7 @@ class StepSummary:
         return f"step {self.step} ({self.label})"
 
 
-def summarize(step: int, label: str, batch: Any) -> StepSummary:
+def summarize(step: int, label: str, batch: RolloutBatch) -> StepSummary:
     import numpy as np
 
     lengths = batch.lengths
@@ -220,7 +224,7 @@ def check_capacity(
             )
 
 
-def check_plannable(batch: Any, summary: StepSummary, capacity: int, dp: int) -> None:
+def check_plannable(batch: RolloutBatch, summary: StepSummary, capacity: int, dp: int) -> None:
     """The step planner can split ``batch`` into a multiple of ``dp`` microbatches of ``capacity``
     (with D > 1 a small capacity can need more microbatches than there are trajectories)."""
     from harts.plan.step.step_plan import check_inputs
@@ -354,7 +358,9 @@ def checkpoint_errors() -> tuple[type[BaseException], ...]:
     return (*errors, SafetensorError)
 
 
-def build_model(args: argparse.Namespace, vocab_size: int, *, where: str | None = None, training: bool = True) -> Any:
+def build_model(
+    args: argparse.Namespace, vocab_size: int, *, where: str | None = None, training: bool = True
+) -> HybridLM:
     """The model named by ``--model`` on ``--device`` (device, vocabulary and threads checked first;
     ``where`` names the largest token id for the vocabulary error)."""
     import torch

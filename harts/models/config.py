@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["HybridConfig", "LAYER_TYPES"]
 
@@ -130,7 +133,7 @@ class HybridConfig:
     def moe_layer_ids(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
-    def torch_dtype(self) -> Any:
+    def torch_dtype(self) -> torch.dtype:
         import torch
 
         return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[self.dtype]

@@ -119,6 +119,9 @@ class DecoderLayer(nn.Module):
 
 
 class HybridLM(nn.Module):
+    #: the transformers model type and config a converted model came from (``integrations.hf``)
+    hf_source: dict[str, Any] | None = None
+
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         config.validate()

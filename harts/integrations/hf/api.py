@@ -14,12 +14,15 @@ with the model as ``model.hf_source`` so ``save_hf_checkpoint`` can write it bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from harts.integrations.hf.base import HFAdapter, TensorGroup, UnsupportedConfigError
 from harts.models.config import HybridConfig
+
+if TYPE_CHECKING:  # imported lazily at run time (the model imports torch layers)
+    from harts.models.hybrid_lm import HybridLM
 
 __all__ = [
     "ADAPTERS",
@@ -87,7 +90,7 @@ def _to_harts(
     return out, missing, sorted(set(canonical) - used)
 
 
-def _build(cfg: HybridConfig, sd: dict[str, torch.Tensor], device: str | torch.device | None) -> Any:
+def _build(cfg: HybridConfig, sd: dict[str, torch.Tensor], device: str | torch.device | None) -> HybridLM:
     from harts.models.hybrid_lm import HybridLM
 
     with torch.device(device or "cpu"):
@@ -155,7 +158,7 @@ def from_pretrained(path: str, *, device: str | torch.device | None = None, **ov
     return model
 
 
-def to_hf_state_dict(model: Any, *, model_type: str | None = None) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(model: HybridLM, *, model_type: str | None = None) -> dict[str, torch.Tensor]:
     """transformers module state dict (names and layouts) for ``model``'s current weights.
 
     ``model_type`` defaults to the architecture the model was loaded from; a harts-native

@@ -46,6 +46,8 @@ import numpy as np
 
 from harts.plan.step.objective import PrefixCost, schedule_objective
 from harts.plan.step.step_plan import StepPlan, check_inputs, to_step_plan
+from harts.tree.batch import RolloutBatch
+from harts.tree.compact import CompactBatch, compact
 
 __all__ = ["ORToolsParams", "ortools_plan", "ortools_step", "shard_ffd", "replica_trie"]
 
@@ -62,7 +64,7 @@ class ORToolsParams:
     num_workers: int = 2
 
 
-def tree_units(cb: Any, cost: PrefixCost) -> list[np.ndarray]:
+def tree_units(cb: CompactBatch, cost: PrefixCost) -> list[np.ndarray]:
     """Sorted positions of each rollout tree (see module docstring, step 1)."""
     order = cb.lcp_index.order
     if cb.batch.tree_ids is not None:
@@ -236,17 +238,15 @@ def _split_to(cost: PrefixCost, members: np.ndarray, bins: np.ndarray, k: int) -
     return bins
 
 
-def ortools_step(batch: Any, *, dp: int, capacity: int, **params: Any) -> StepPlan:
+def ortools_step(batch: RolloutBatch | CompactBatch, *, dp: int, capacity: int, **params: Any) -> StepPlan:
     """``plan_step``'s counterpart for the baseline: a ``RolloutBatch`` (compacted here, not
     timed) or ``CompactBatch``, D replicas, capacity T; ``params`` are ``ORToolsParams`` fields."""
-    from harts.tree.compact import CompactBatch, compact
-
     cb = batch if isinstance(batch, CompactBatch) else compact(batch)
     check_inputs(cb, dp, capacity)
     return ortools_plan(cb, int(dp), int(capacity), ORToolsParams(**params))
 
 
-def ortools_plan(cb: Any, dp: int, capacity: int, params: ORToolsParams) -> StepPlan:
+def ortools_plan(cb: CompactBatch, dp: int, capacity: int, params: ORToolsParams) -> StepPlan:
     """The §5.2 baseline plan (see module docstring)."""
     t0 = time.perf_counter()
     cost = PrefixCost(cb.lcp_index)
