@@ -9,22 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from harts.tree.batch import RolloutBatch
-
-
-class TreeBuilder:
-    def __init__(self, vocab: int, seed: int) -> None:
-        self.vocab = vocab
-        self.rng = np.random.default_rng(seed)
-
-    def fresh(self, n: int, avoid: int | None = None) -> list[int]:
-        toks = self.rng.integers(0, self.vocab, n).tolist()
-        if avoid is not None and n and toks[0] == avoid:
-            toks[0] = (avoid + 1) % self.vocab
-        return toks
-
-    def branch(self, base: list[int], p: int, n_new: int) -> list[int]:
-        assert 1 <= p <= len(base)
-        return base[:p] + self.fresh(n_new, avoid=base[p] if p < len(base) else None)
+from tests.strategies import TreeBuilder
 
 
 def batch_of(trajs: list[list[int]], seed: int = 0) -> RolloutBatch:

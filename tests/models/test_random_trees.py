@@ -5,31 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from harts import RolloutBatch
-from tests.models._trees import TreeBuilder, batch_of
-from tests.models.test_compact_vs_trajectory import B, check_agreement, make_model
+from tests.models._trees import batch_of
+from tests.models.test_compact_vs_trajectory import check_agreement, make_model
+from tests.strategies import tree_trajectories
 
 _MODEL = make_model("KGMA", moe=True)
 
 
-@st.composite
-def random_forest(draw):
-    t = TreeBuilder(vocab=64, seed=draw(st.integers(0, 2**16)))
-    trajs = [t.fresh(draw(st.integers(1, 3 * B + 3)))]
-    for _ in range(draw(st.integers(0, 7))):
-        if draw(st.booleans()):
-            base = trajs[draw(st.integers(0, len(trajs) - 1))]
-            p = draw(st.integers(1, len(base)))
-            trajs.append(t.branch(base, p, draw(st.integers(0 if p < len(base) else 1, 2 * B + 1))))
-        else:
-            trajs.append(t.fresh(draw(st.integers(1, 2 * B))))
-    return trajs
-
-
 @settings(max_examples=25)
-@given(random_forest())
+@given(tree_trajectories())
 def test_random_trees_agree(trajs) -> None:
     check_agreement(_MODEL, batch_of(trajs))
 

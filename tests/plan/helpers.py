@@ -1,92 +1,14 @@
-"""Test helpers for the call planner: random forests, an independent execution-model
-simulator, a brute-force optimum, and a plan checker that never calls the planner."""
+"""Test helpers for the call planner: an independent execution-model simulator, a brute-force
+optimum, and a plan checker that never calls the planner (random forests: tests/strategies.py)."""
 
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
-from hypothesis import strategies as st
 
 from harts.plan.calls import CallPlan
 from harts.tree.segments import SegmentForest
-
-
-def end_candidates(start: int, b: int) -> list[int]:
-    """Fork positions around the next chunk boundaries (kB-1, kB, kB+1) and inside the chunk."""
-    k0 = start // b
-    cands = {k * b + o for k in range(k0, k0 + 3) for o in (-1, 0, 1)}
-    cands |= {start + 1, start + 2, start + 2 * b + 3}
-    return sorted(c for c in cands if c > start)
-
-
-def random_forest_lists(
-    rng: np.random.Generator, b: int, max_segments: int = 10, max_fanout: int = 6, max_trees: int = 3
-) -> tuple[list[int], list[int]]:
-    """(lengths, parents) of a random forest with fork positions near chunk boundaries."""
-    lengths: list[int] = []
-    parents: list[int] = []
-    ends: list[int] = []
-    n_trees = int(rng.integers(1, max_trees + 1))
-    for _ in range(n_trees):
-        queue = [(-1, 0)]
-        while queue and len(lengths) < max_segments:
-            par, start = queue.pop(0)
-            end = int(rng.choice(end_candidates(start, b)))
-            me = len(lengths)
-            lengths.append(end - start)
-            parents.append(par)
-            ends.append(end)
-            room = max_segments - len(lengths) - len(queue)
-            fan = int(rng.choice([0, 0, 1, 2, 2, 3, 4, 5, 6]))
-            fan = min(fan, max_fanout, max(room, 0))
-            queue.extend((me, end) for _ in range(fan))
-    return lengths, parents
-
-
-def spine_forest(rng: np.random.Generator, b: int, max_spine: int = 40) -> tuple[list[int], list[int]]:
-    """Caterpillar-like trees: long spines whose forks carry 0-3 leaves before and/or after
-    the continuing child, fork ends at kB-1, kB, kB+1 or inside a chunk, and now and then a
-    fork with two internal children (a nested caterpillar) or a leaf-only fork."""
-    lengths: list[int] = []
-    parents: list[int] = []
-    ends: list[int] = []
-
-    def add(par: int, start: int) -> int:
-        end = int(rng.choice(end_candidates(start, b)))
-        lengths.append(end - start)
-        parents.append(par)
-        ends.append(end)
-        return len(lengths) - 1
-
-    def spine(par: int, start: int, n: int) -> None:
-        u = add(par, start)
-        for i in range(n):
-            before, after = int(rng.integers(0, 3)), int(rng.integers(0, 2))
-            for _ in range(before):
-                add(u, ends[u])
-            if i > 0 and rng.random() < 0.1:  # a second internal child: a short nested spine
-                spine(u, ends[u], int(rng.integers(1, 4)))
-            nxt = add(u, ends[u])
-            for _ in range(after):
-                add(u, ends[u])
-            u = nxt
-        for _ in range(int(rng.integers(0, 3))):  # the spine ends in a leaf-only fork or a leaf
-            add(u, ends[u])
-
-    for _ in range(int(rng.integers(1, 3))):
-        spine(-1, 0, int(rng.integers(1, max_spine)))
-    return lengths, parents
-
-
-@st.composite
-def forests(draw, max_segments: int = 10, max_fanout: int = 6, max_trees: int = 3):
-    """(forest, B): small forests whose forks sit at kB-1, kB, kB+1 and inside chunks."""
-    b = draw(st.sampled_from([2, 4, 8, 64]))
-    seed = draw(st.integers(0, 2**32 - 1))
-    lengths, parents = random_forest_lists(np.random.default_rng(seed), b, max_segments, max_fanout, max_trees)
-    forest, _ = SegmentForest.from_parents(lengths, parents)
-    return forest, b
 
 
 # ----------------------------------------------------------- execution model

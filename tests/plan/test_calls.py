@@ -12,16 +12,9 @@ import harts
 from harts.plan.calls import CallPlan, mandatory_replay, plan_calls, ranges_to_indices
 from harts.plan.tree_file import parse_tree
 from harts.tree.segments import SegmentForest, parent_depth, preorder_from_parents
-from tests.plan.helpers import (
-    brute_force_calls,
-    check_plan,
-    eq15,
-    forests,
-    naive_depth,
-    random_forest_lists,
-    spine_forest,
-)
+from tests.plan.helpers import brute_force_calls, check_plan, eq15, naive_depth
 from tests.plan.oracle import plan_oracle
+from tests.strategies import forests, random_forest_lists, spine_forest
 
 
 def forest_of(segs: list[tuple[str, int, str | None]]) -> SegmentForest:

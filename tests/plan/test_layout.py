@@ -10,48 +10,7 @@ from hypothesis import strategies as st
 import harts
 from harts.plan.calls import plan_calls
 from harts.plan.layout import build_layout
-from tests.plan.helpers import random_forest_lists, spine_forest
-
-
-def batch_from_forest(rng: np.random.Generator, lengths: list[int], parents: list[int]) -> harts.RolloutBatch:
-    """One trajectory per leaf (plus a few prefixes and duplicates); siblings and roots start
-    with distinct tokens so the trie keeps the forest's forks."""
-    n = len(lengths)
-    kids: list[list[int]] = [[] for _ in range(n)]
-    roots = []
-    for i, p in enumerate(parents):
-        (roots if p < 0 else kids[p]).append(i)
-    toks: list[np.ndarray] = [np.zeros(0, np.int64)] * n
-    for rank, r in enumerate(roots):
-        toks[r] = np.concatenate([[50 + rank], rng.integers(0, 3, lengths[r] - 1)])
-    for i in range(n):
-        for rank, c in enumerate(kids[i]):
-            toks[c] = np.concatenate([[10 + rank], rng.integers(0, 3, lengths[c] - 1)])
-    trajs = []
-
-    def path(v: int) -> np.ndarray:
-        parts = []
-        while v >= 0:
-            parts.append(toks[v])
-            v = parents[v]
-        return np.concatenate(parts[::-1])
-
-    for v in range(n):
-        if not kids[v]:
-            trajs.append(path(v))
-    for t in list(trajs[:3]):
-        trajs.append(t[: int(rng.integers(1, t.size + 1))])  # a prefix trajectory
-        trajs.append(t.copy())  # a duplicate
-    order = rng.permutation(len(trajs))
-    return harts.RolloutBatch.from_trajectories([trajs[i] for i in order])
-
-
-@st.composite
-def compact_batches(draw, max_segments: int = 14):
-    b = draw(st.sampled_from([2, 4, 8]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    lengths, parents = random_forest_lists(rng, b, max_segments=max_segments, max_fanout=6, max_trees=3)
-    return harts.compact(batch_from_forest(rng, lengths, parents)), b
+from tests.strategies import batch_from_forest, compact_batches, spine_forest
 
 
 def true_ancestors(cb: harts.CompactBatch, c: int) -> list[int]:

@@ -10,24 +10,8 @@ from hypothesis import strategies as st
 
 import harts
 from harts.tree.compact import _compact_sorted
+from tests.strategies import rollout_trees, trajectory_lists
 from tests.tree.naive_trie import naive_compact, naive_work
-
-
-@st.composite
-def trajectory_lists(draw, max_traj: int = 10, alphabet: int = 3) -> list[list[int]]:
-    """Small alphabets force sharing; duplicates and prefixes are drawn on purpose."""
-    tok = st.integers(0, alphabet - 1)
-    base = draw(st.lists(st.lists(tok, min_size=1, max_size=12), min_size=1, max_size=max_traj))
-    out = list(base)
-    for t in base:
-        action = draw(st.sampled_from(["keep", "dup", "prefix", "extend"]))
-        if action == "dup":
-            out.append(list(t))
-        elif action == "prefix":
-            out.append(t[: draw(st.integers(1, len(t)))])
-        elif action == "extend":
-            out.append(t + draw(st.lists(tok, min_size=1, max_size=4)))
-    return draw(st.permutations(out))
 
 
 def check_against_naive(trajs: list[list[int]], cb: harts.CompactBatch) -> None:
@@ -99,18 +83,6 @@ def test_identical_and_single_token_trajectories():
     cb = harts.compact(harts.RolloutBatch.from_trajectories(trajs))
     check_against_naive(trajs, cb)
     assert cb.multiplicity.tolist() == [1, 3, 1]  # rows: 4, 5, 6 (preorder by token)
-
-
-@st.composite
-def rollout_trees(draw):
-    """Random explicit trees; sibling first tokens may collide (the general path then)."""
-    n = draw(st.integers(1, 12))
-    nodes = []
-    for i in range(n):
-        parent = None if i == 0 or draw(st.booleans()) and i < 3 else draw(st.integers(0, i - 1))
-        toks = draw(st.lists(st.integers(0, 3), min_size=1, max_size=5))
-        nodes.append({"id": f"n{i}", "parent": None if parent is None else f"n{parent}", "tokens": toks})
-    return draw(st.permutations(nodes))
 
 
 @given(rollout_trees())

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +17,7 @@ from harts.plan.step.objective import PrefixCost
 from harts.plan.step.refine import refine_boundaries
 from harts.plan.step.repair import sparse_repair
 from harts.plan.step.schedule import build_schedule
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _workloads import random_forest_batch  # noqa: E402
+from tests.strategies import random_forest_batch
 
 
 def trie_count(trajs: list[np.ndarray]) -> int:
