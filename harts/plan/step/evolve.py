@@ -61,7 +61,7 @@ def _merge_path(cost: PrefixCost, p0: np.ndarray, down: list[int], capacity: int
     cuts = p0.copy()
     out = {}
     want = iter(down)
-    target = next(want)
+    target: int | None = next(want)
     floor = None
     while True:
         k = cuts.size - 1
@@ -92,7 +92,7 @@ def _split_path(cost: PrefixCost, p0: np.ndarray, up: list[int]) -> dict[int, np
     cuts = p0.copy()
     out = {}
     want = iter(up)
-    target = next(want)
+    target: int | None = next(want)
     t_all = np.arange(1, n)
     while True:
         k = cuts.size - 1

@@ -25,6 +25,8 @@ Shapes (N = trajectories, K = microbatches, L = sparse-table levels):
 
 from __future__ import annotations
 
+from typing import overload
+
 import numpy as np
 
 from harts.tree.lcp import LCPIndex
@@ -60,8 +62,15 @@ class PrefixCost:
         self._lcp_prefix = np.concatenate([[0], np.cumsum(self.adj[:n])])
 
     # ----------------------------------------------------------------- queries
+    @overload
+    def lcp(self, i: int, j: int) -> int: ...
+    @overload
+    def lcp(self, i: np.ndarray, j: np.ndarray | int) -> np.ndarray: ...
+    @overload
+    def lcp(self, i: int, j: np.ndarray) -> np.ndarray: ...
     def lcp(self, i: np.ndarray | int, j: np.ndarray | int) -> np.ndarray | int:
-        """LCP of sorted positions i < j (elementwise). Equal positions give the length."""
+        """LCP of sorted positions i < j (elementwise; int for two ints, int64 array otherwise).
+        Equal positions give the length."""
         i = np.asarray(i, dtype=np.int64)
         j = np.asarray(j, dtype=np.int64)
         lo = np.minimum(i, j) + 1
@@ -72,8 +81,15 @@ class PrefixCost:
         out = np.where(i == j, self.length[np.minimum(i, self.n - 1)], out)
         return int(out) if out.ndim == 0 else out
 
+    @overload
+    def interval_work(self, lo: int, hi: int) -> int: ...
+    @overload
+    def interval_work(self, lo: np.ndarray, hi: np.ndarray | int) -> np.ndarray: ...
+    @overload
+    def interval_work(self, lo: int, hi: np.ndarray) -> np.ndarray: ...
     def interval_work(self, lo: np.ndarray | int, hi: np.ndarray | int) -> np.ndarray | int:
-        """W over sorted interval [lo, hi), lo < hi (Eq. 5 for a contiguous run). Vectorized."""
+        """W over sorted interval [lo, hi), lo < hi (Eq. 5 for a contiguous run; int for two
+        ints, int64 array otherwise). Vectorized."""
         lo = np.asarray(lo, dtype=np.int64)
         hi = np.asarray(hi, dtype=np.int64)
         w = self._len_prefix[hi] - self._len_prefix[lo] - (self._lcp_prefix[hi] - self._lcp_prefix[lo + 1])
