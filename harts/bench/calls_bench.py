@@ -23,17 +23,23 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
 from harts.plan.calls import plan_calls, plan_calls_many
 from harts.tree.segments import SegmentForest, parent_depth, preorder_from_parents
 
+T = TypeVar("T")
 
-def _best_of(fn, repeat: int) -> tuple[object, float]:
-    best = float("inf")
-    out = None
-    for _ in range(repeat):
+
+def _best_of(fn: Callable[[], T], repeat: int) -> tuple[T, float]:
+    """``fn()``'s last result and its best time over ``repeat`` runs (at least one)."""
+    t0 = time.perf_counter()
+    out = fn()
+    best = time.perf_counter() - t0
+    for _ in range(repeat - 1):
         t0 = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - t0)

@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,7 +149,7 @@ def batch_sources(
     if files and workload:
         raise UserError("give FILEs or --workload, not both")
     if files:
-        return [(f, lambda f=f: RolloutBatch.load(f)) for f in files]
+        return [(f, partial(RolloutBatch.load, f)) for f in files]
     name = workload or default
     if name not in PRESETS:
         hint = " (a batch file is given as FILE, without --workload)" if os.path.exists(name) else ""

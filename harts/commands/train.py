@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from harts.commands._inputs import (
     add_model_arguments,
@@ -98,7 +99,7 @@ class _Signals:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.interruptible = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}
 
     def handler(self, signum: int, frame: object) -> None:  # noqa: ARG002
         if self.signum is None:

@@ -26,6 +26,7 @@ Usage in a module::
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -86,8 +87,9 @@ class RegionTimer:
         if self._stack:
             self._stack[-1][3].append((start, end))
 
-    def _seconds(self, a: object, b: object) -> float:
-        return a.elapsed_time(b) / 1e3 if self._cuda else b - a  # type: ignore[union-attr,operator]
+    def _seconds(self, a: Any, b: Any) -> float:
+        """Seconds between two marks: CUDA events (``elapsed_time`` in ms) or perf_counter floats."""
+        return a.elapsed_time(b) / 1e3 if self._cuda else b - a
 
     def totals(self) -> dict[str, dict[str, float]]:
         """``{region: {phase: exclusive seconds}}``; synchronizes the device first."""

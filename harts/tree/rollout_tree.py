@@ -123,7 +123,7 @@ class RolloutTree:
             token_meta[name] = flat
 
         if token_meta["action_mask"] is not None:
-            for r in np.flatnonzero(parent < 0):
+            for r in np.flatnonzero(parent < 0).tolist():
                 if "action_mask" in nodes[r] and token_meta["action_mask"][offsets[r]]:
                     raise BatchValidationError(
                         f"node {nodes[r]['id']!r}: action_mask marks the root's first token as an "
@@ -141,15 +141,16 @@ class RolloutTree:
                         f"node {node['id']!r}: '{name}' is per trajectory and belongs on a leaf, "
                         "but this node has children"
                     )
-        if any("advantage" in nodes[i] for i in leaves):
+        leaf_list = leaves.tolist()
+        if any("advantage" in nodes[i] for i in leaf_list):
             leaf_adv = np.zeros(leaves.size, dtype=np.float64)
-            for k, i in enumerate(leaves):
+            for k, i in enumerate(leaf_list):
                 v = float(nodes[i].get("advantage", 0.0))
                 if not np.isfinite(v):
                     raise BatchValidationError(f"node {nodes[i]['id']!r}: advantage is {v} (must be finite)")
                 leaf_adv[k] = v
-        if any("group_id" in nodes[i] for i in leaves):
-            leaf_group = np.array([int(nodes[i].get("group_id", -1)) for i in leaves], dtype=np.int64)
+        if any("group_id" in nodes[i] for i in leaf_list):
+            leaf_group = np.array([int(nodes[i].get("group_id", -1)) for i in leaf_list], dtype=np.int64)
         roots = np.flatnonzero(parent < 0)
         return cls(
             node_ids=[n["id"] for n in nodes],

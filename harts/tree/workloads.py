@@ -28,6 +28,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -150,7 +152,7 @@ PRESETS: dict[str, WorkloadSpec] = {
 }
 
 
-def generate(name: str | WorkloadSpec = "tiny", *, step: int = 0, seed: int = 0, **overrides: object) -> RolloutBatch:
+def generate(name: str | WorkloadSpec = "tiny", *, step: int = 0, seed: int = 0, **overrides: Any) -> RolloutBatch:
     """One step's rollout batch of preset ``name`` (deterministic in ``seed`` and ``step``).
 
     ``overrides`` replace WorkloadSpec fields, e.g. ``generate("swe", tasks=(10, 10))``.
@@ -184,7 +186,7 @@ def workload_steps(
     """
     if spec in PRESETS:
         n = PRESETS[spec].steps if steps is None else steps
-        return [(f"{spec}[{s}]", lambda s=s: generate(spec, step=s, seed=seed)) for s in range(n)]
+        return [(f"{spec}[{s}]", partial(generate, spec, step=s, seed=seed)) for s in range(n)]
     if os.path.exists(spec) or spec.endswith((".jsonl", ".parquet")):
         cache: list[RolloutBatch] = []
 
@@ -247,7 +249,8 @@ class _Builder:
         s = self.spec
         # cap the chain so every path through it stays within max_path_tokens
         room = s.max_path_tokens - start - 16
-        lengths, kinds = [], []
+        lengths: list[int] = []
+        kinds: list[bool] = []
         for length, is_action in turns:
             length = min(length, room - sum(lengths))
             if length <= 0:
@@ -339,15 +342,17 @@ class _Builder:
         ]
         tree = RolloutTree.from_nodes(nodes)
         batch = RolloutBatch.from_tree(tree, vocab_size=s.vocab_size)
-        task = np.array([self.leaf_task[int(v)] for v in tree.leaves], dtype=np.int64)
-        adv = self._group_advantages(task)
-        extra = {}
+        leaf_task = np.array([self.leaf_task[int(v)] for v in tree.leaves], dtype=np.int64)
+        adv = self._group_advantages(leaf_task)
+        extra: dict[str, Any] = {}
         if s.with_logprobs:
             n = batch.num_tokens
             extra["old_logprobs"] = -self.rng.exponential(1.0, size=n)
             # a log-probability is <= 0 (batch files reject positive ones)
             extra["ref_logprobs"] = np.minimum(extra["old_logprobs"] + self.rng.normal(0.0, 0.05, size=n), 0.0)
-        return replace(batch, group_ids=task, tree_ids=task, advantages=np.repeat(adv, batch.lengths), **extra)
+        return replace(
+            batch, group_ids=leaf_task, tree_ids=leaf_task, advantages=np.repeat(adv, batch.lengths), **extra
+        )
 
     def _distinct_sibling_starts(self) -> None:
         """Give siblings distinct first tokens so the explicit tree is the token trie."""
