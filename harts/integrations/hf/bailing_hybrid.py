@@ -79,7 +79,8 @@ def deepseek_moe_fields(hf_config: Any, problems: Problems) -> dict[str, Any]:
             n_group=int(c.n_group),
             topk_group=int(c.topk_group if c.topk_group is not None else 1),
         )
-        if out["n_group"] > 1 and num_experts // out["n_group"] < 2:
+        n_group = int(c.n_group)
+        if n_group > 1 and num_experts // n_group < 2:
             problems.add(f"n_group={c.n_group}: groups of one expert (transformers scores groups by their top-2)")
     return out
 

@@ -37,6 +37,9 @@ __all__ = ["TopKRouter", "Experts", "MoE", "grouped_mm_supported", "moe_statisti
 
 
 class TopKRouter(nn.Module):
+    #: aux-loss-free balancing bias [E] (a registered buffer; ``HybridLM.update_expert_bias``)
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         self.num_experts = e = config.num_experts
@@ -184,7 +187,7 @@ class MoE(nn.Module):
         self.score = config.router_score
         if config.num_shared_experts:
             per = config.shared_expert_intermediate_size or config.moe_intermediate_size
-            self.shared_experts = MLP(config.hidden_size, per * config.num_shared_experts)
+            self.shared_experts: MLP | None = MLP(config.hidden_size, per * config.num_shared_experts)
         else:
             self.shared_experts = None
         self.shared_expert_gate = (

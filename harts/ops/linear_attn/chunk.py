@@ -163,7 +163,7 @@ class _ChunkTable:
         self.rank[self.order] = torch.arange(len(self.order))
         sorted_chunks = self.num_chunks[self.order]
         max_chunks = int(sorted_chunks[0]) if len(sorted_chunks) else 0
-        running = [(sorted_chunks > j).sum().item() for j in range(max_chunks)]
+        running = [int((sorted_chunks > j).sum()) for j in range(max_chunks)]
         self.step_slices: list[tuple[int, int]] = []
         offset = 0
         for a in running:
