@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from harts.models.hybrid_lm import HybridLM
+
 __all__ = ["FlopModel", "PEAK_TFLOPS", "peak_tflops"]
 
 #: dense bf16 tensor-core peak (TFLOP/s) by device-name substring (vendor data sheets)
@@ -65,7 +67,7 @@ class FlopModel:
     per_row_linear_attn: float
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> FlopModel:
+    def from_model(cls, model: HybridLM) -> FlopModel:
         from harts.models.layers.moe import Experts, TopKRouter
 
         cfg = model.config

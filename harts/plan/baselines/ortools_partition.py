@@ -190,30 +190,30 @@ def solve_replica(
     parent, weight, leaf = replica_trie(cost, members)
     model = cp_model.CpModel()
     nv = parent.size
-    y = [[model.NewBoolVar("") for _ in range(nb)] for _ in range(nv)]
-    x = [[model.NewBoolVar("") for _ in range(nb)] for _ in range(members.size)]
+    y = [[model.new_bool_var("") for _ in range(nb)] for _ in range(nv)]
+    x = [[model.new_bool_var("") for _ in range(nb)] for _ in range(members.size)]
     for i in range(members.size):
-        model.AddExactlyOne(x[i])
+        model.add_exactly_one(x[i])
         for b in range(nb):
-            model.AddImplication(x[i][b], y[leaf[i]][b])
-            model.AddHint(x[i][b], int(hint[i] == b))
+            model.add_implication(x[i][b], y[leaf[i]][b])
+            model.add_hint(x[i][b], int(hint[i] == b))
     for v in range(nv):
         if parent[v] >= 0:
             for b in range(nb):
-                model.AddImplication(y[v][b], y[parent[v]][b])
+                model.add_implication(y[v][b], y[parent[v]][b])
     w = weight.tolist()
     for b in range(nb):
-        model.Add(sum(w[v] * y[v][b] for v in range(nv) if w[v]) <= capacity)
-    model.Add(x[0][0] == 1)
-    model.Minimize(sum(w[v] * y[v][b] for v in range(nv) if w[v] for b in range(nb)))
+        model.add(sum(w[v] * y[v][b] for v in range(nv) if w[v]) <= capacity)
+    model.add(x[0][0] == 1)
+    model.minimize(sum(w[v] * y[v][b] for v in range(nv) if w[v] for b in range(nb)))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(params.time_limit)
     solver.parameters.random_seed = int(params.seed)
     solver.parameters.num_workers = int(params.num_workers)
-    status = solver.Solve(model)
+    status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return hint
-    bins = np.array([next(b for b in range(nb) if solver.BooleanValue(x[i][b])) for i in range(members.size)])
+    bins = np.array([next(b for b in range(nb) if solver.boolean_value(x[i][b])) for i in range(members.size)])
     _, bins = np.unique(bins, return_inverse=True)  # drop empty bins
     return bins.astype(np.int64)
 
