@@ -194,7 +194,7 @@ class HybridLM(nn.Module):
             ctx: RowContext = TrajectoryContext(
                 batch, self.config.chunk_size, device, la_backend=cfg.linear_attention_backend, attention=attention
             )
-            tokens = torch.as_tensor(batch.tokens, device=device)
+            tokens = torch.as_tensor(batch.tokens).to(device, non_blocking=True)
             info: dict[str, Any] = {"mode": "trajectory", "rows": batch.num_tokens, "calls": 1, "replay_rows": 0}
         elif mode == "compact":
             from harts.models.execution.compact import CompactContext
@@ -211,7 +211,7 @@ class HybridLM(nn.Module):
             ctx = CompactContext(
                 inputs.layout, attention=attention, device=device, la_backend=cfg.linear_attention_backend
             )
-            tokens = torch.as_tensor(inputs.layout.tokens, device=device)
+            tokens = torch.as_tensor(inputs.layout.tokens).to(device, non_blocking=True)
             info = {
                 "mode": "compact",
                 "rows": ctx.num_rows,

@@ -78,7 +78,7 @@ class CompactContext(RowContext):
         self.num_rows = int(layout.num_rows)
         self.chunk_size = int(layout.chunk_size)
         self.position = _t(layout.position, device)
-        self.row_weight = torch.as_tensor(layout.multiplicity, dtype=torch.float64, device=device)
+        self.row_weight = torch.as_tensor(layout.multiplicity, dtype=torch.float64).to(device, non_blocking=True)
         self.rounds = [self._round(r) for r in layout.rounds]
         self.num_boundary_states = int(layout.num_boundary_states)
         self._ancestors: dict[int, torch.Tensor] = {}

@@ -41,7 +41,7 @@ class TrajectoryContext(RowContext):
         self.cu_seqlens = torch.as_tensor(offsets, dtype=torch.int64).to(device, non_blocking=True)
         self.cu_seqlens_host = torch.as_tensor(offsets, dtype=torch.int64)  # for the LA op: no device sync
         pos = np.arange(batch.num_tokens) - np.repeat(offsets[:-1], batch.lengths)
-        self.position = torch.as_tensor(pos, dtype=torch.int64, device=device)
+        self.position = torch.as_tensor(pos, dtype=torch.int64).to(device, non_blocking=True)
         self.row_weight = torch.ones(batch.num_tokens, dtype=torch.float64, device=device)
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
@@ -50,7 +50,7 @@ class TrajectoryContext(RowContext):
         if attention == "mask":
             self.chain_pre = torch.arange(batch.num_tokens, dtype=torch.int64, device=device)
             end = np.repeat(offsets[1:], batch.lengths)
-            self.chain_end = torch.as_tensor(end, dtype=torch.int64, device=device)
+            self.chain_end = torch.as_tensor(end, dtype=torch.int64).to(device, non_blocking=True)
 
     def short_conv(self, x_TD, weight_DW, bias_D, activation):  # type: ignore[override]
         from harts.ops.conv import causal_conv1d_varlen
