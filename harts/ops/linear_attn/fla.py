@@ -144,7 +144,7 @@ def fla_chunk_linear_attn(
     # state_at[(i, pos)] for pos in bounds[i]: pos 0 is the initial state, the last the final one
     state_at: dict[tuple[int, int], torch.Tensor] = {(i, 0): h0[i] for i in range(N)}
     out_pieces: list[torch.Tensor] = []
-    out_rows: list[torch.Tensor] = []
+    out_rows: list[np.ndarray] = []
     for r in range(max(len(b) - 1 for b in bounds)):
         seqs = [i for i in range(N) if len(bounds[i]) - 1 > r and bounds[i][r + 1] > bounds[i][r]]
         if not seqs:

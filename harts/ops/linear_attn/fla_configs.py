@@ -83,7 +83,7 @@ def dump_fla_autotune(out_dir: str | os.PathLike) -> list[str]:
             continue
         name = getattr(obj, "kernel_name", None) or fn.__name__
         entries = {}
-        chosen = Counter()
+        chosen: Counter[str] = Counter()
         for key, cfg in obj.cache.items():
             config = {
                 "kwargs": dict(cfg.kwargs),

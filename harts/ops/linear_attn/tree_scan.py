@@ -307,7 +307,7 @@ def tree_scan_bwd(
         dh,
         dht,
         dh0,
-        inject.contiguous() if use_inject else dh,
+        inject.contiguous() if inject is not None and use_inject else dh,
         inject_index if use_inject else cu_seqlens,
         cu_seqlens,
         chunk_offsets,
