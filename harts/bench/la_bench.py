@@ -215,7 +215,7 @@ def time_round(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harts.commands._format import format_table
+    from harts.bench.table import format_table
     from harts.tree.workloads import PRESETS, generate
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     from harts.bench.flops import peak_tflops
     from harts.bench.step_bench import COMPONENTS, bench_step
-    from harts.commands._format import format_table
+    from harts.bench.table import format_table
     from harts.commands._inputs import (
         build_model,
         check_capacity,

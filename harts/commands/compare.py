@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from harts.commands._format import format_table
+    from harts.bench.table import format_table
     from harts.commands._inputs import build_model, check_device, check_output_file, needed_vocab, summarize, write_json
     from harts.commands._progress import progress
     from harts.models.execution.config import ExecutionConfig

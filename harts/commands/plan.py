@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from harts.bench.plan_bench import plan_batches, plot, summarize
-    from harts.commands._format import format_table
+    from harts.bench.table import format_table
     from harts.commands._inputs import (
         batch_sources,
         check_capacity,

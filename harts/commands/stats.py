@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from harts.commands._format import format_table
+    from harts.bench.table import format_table
     from harts.commands._inputs import batch_sources, check_output_file, write_json
     from harts.commands._progress import progress
     from harts.tree.compact import compact

@@ -332,7 +332,7 @@ def _finish(
     """Table, then the checkpoint, then the JSON (a JSON failure cannot lose the checkpoint)."""
     import sys
 
-    from harts.commands._format import format_table
+    from harts.bench.table import format_table
     from harts.commands._inputs import write_json
     from harts.errors import OutputPathError
 

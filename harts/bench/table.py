@@ -1,4 +1,4 @@
-"""Plain-text tables for command output (no dependency, aligned columns)."""
+"""Plain-text tables for benchmark and command output (no dependency, aligned columns)."""
 
 from __future__ import annotations
 
