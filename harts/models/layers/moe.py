@@ -87,8 +87,8 @@ class Experts(nn.Module):
     * ``"loop"``: the reference (one pair of GEMMs per hit expert; a host sync on ``unique``).
       It is what the tests compare ``"grouped"`` against, and the path for float64 (which
       ``torch._grouped_mm`` does not take).
-    * ``"auto"`` (default): ``"grouped"`` where ``torch._grouped_mm`` supports the dtype
-      (bfloat16, float16, float32), else ``"loop"``.
+    * ``"auto"`` (default): ``"grouped"`` where ``grouped_mm_supported`` (bfloat16 on CUDA;
+      bfloat16, float16, float32 on CPU), else ``"loop"``.
     """
 
     IMPLS = ("auto", "grouped", "loop")
@@ -159,8 +159,14 @@ class Experts(nn.Module):
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes tensors like ``x`` (this torch build, dtype)."""
-    return hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    """Whether ``torch._grouped_mm`` takes tensors like ``x``: bfloat16 on CUDA (the Hopper kernel,
+    measured on an H200), bfloat16 / float16 / float32 on CPU (torch's portable fallback, tested
+    here). Other CUDA dtypes (float32 correctness runs) keep the per-expert loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16
+    return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 def moe_statistics(
