@@ -122,6 +122,18 @@ def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float3
     p.add_argument("--threads", type=nonneg_int, default=1, help="torch intra-op threads on CPU; 0 lets torch choose")
 
 
+def add_execution_arguments(p: argparse.ArgumentParser) -> None:
+    """``--recompute`` and ``--attention`` (fields of ``ExecutionConfig``) for model-running commands."""
+    p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "gather", "mask"],
+        help="full attention: one call per branch (gather), one FlexAttention call over "
+        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
+    )
+
+
 def add_output_arguments(p: argparse.ArgumentParser, *, what: str = "the figures") -> None:
     """``--json FILE`` and ``--overwrite`` (every command that writes files has both)."""
     p.add_argument(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from harts.commands._inputs import (
+    add_execution_arguments,
     add_model_arguments,
     add_output_arguments,
     add_workload_arguments,
@@ -30,14 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, default="small")
     add_model_arguments(p)
     p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (tokens)")
-    p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "gather", "mask"],
-        help="full attention: one call per branch (gather), one FlexAttention call over "
-        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
-    )
+    add_execution_arguments(p)
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas the step is planned for")
     p.add_argument(
         "--replica", type=nonneg_int, default=0, help="which replica's share of the step to time (0 .. dp-1)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from harts.commands._inputs import add_output_arguments, nonneg_int, seed_int
+from harts.commands._inputs import add_execution_arguments, add_output_arguments, nonneg_int, seed_int
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -34,14 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--pattern", default=None, help="override the layer pattern, e.g. KKKM")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"], help="parameter dtype")
-    p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "gather", "mask"],
-        help="full attention: one call per branch (gather), one FlexAttention call over "
-        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
-    )
+    add_execution_arguments(p)
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")
     p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")

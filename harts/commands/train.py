@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from harts.commands._inputs import (
+    add_execution_arguments,
     add_model_arguments,
     add_output_arguments,
     add_workload_arguments,
@@ -61,14 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (compact tokens)")
     p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="KL penalty coefficient (needs ref_logprobs)")
-    p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "gather", "mask"],
-        help="full attention: one call per branch (gather), one FlexAttention call over "
-        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
-    )
+    add_execution_arguments(p)
     p.add_argument(
         "--save",
         default=None,
