@@ -131,8 +131,9 @@ def enter(name: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     timer = _ACTIVE
     if timer is None:
         return xs
-    timer.start(name, _phase())
-    if _phase() == "forward" and _differentiable(xs):
+    phase = _phase()
+    timer.start(name, phase)
+    if phase == "forward" and _differentiable(xs):
         return _BackwardMark.apply(name, timer, True, *xs)
     return xs
 

@@ -47,6 +47,27 @@ NUM_STAGES = 2
 
 
 @triton.jit
+def _program(
+    cu_seqlens, chunk_offsets, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr
+):
+    """This program's (sequence x head, value block): head, first row, rows, chunks, first global
+    chunk, key / value offsets, and the offsets + mask of its [K, BV] block of one [K, V] state."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    i_n = i_nh // H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    n_chunks = (T + BT - 1) // BT
+    first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    state_off = o_k[:, None] * V + o_v[None, :]
+    m_state = m_v[None, :] & (o_k[:, None] < K)
+    return i_nh, i_nh % H, bos, T, n_chunks, first_chunk, o_k, o_v, m_v, state_off, m_state
+
+
+@triton.jit
 def _tree_scan_fwd_kernel(
     k,
     u,
@@ -69,20 +90,9 @@ def _tree_scan_fwd_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     EXPORT: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    n_chunks = (T + BT - 1) // BT
-    first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
-
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    state_off = o_k[:, None] * V + o_v[None, :]  # [K, BV] within one [K, V] state
-    m_state = m_v[None, :] & (o_k[:, None] < K)
+    i_nh, i_h, bos, T, n_chunks, first_chunk, o_k, o_v, m_v, state_off, m_state = _program(
+        cu_seqlens, chunk_offsets, H, K, V, BT, BV
+    )
 
     b_s = tl.zeros([K, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
@@ -138,20 +148,9 @@ def _tree_scan_bwd_kernel(
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
     INJECT: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    n_chunks = (T + BT - 1) // BT
-    first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
-
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    state_off = o_k[:, None] * V + o_v[None, :]
-    m_state = m_v[None, :] & (o_k[:, None] < K)
+    i_nh, i_h, bos, T, n_chunks, first_chunk, o_k, o_v, m_v, state_off, m_state = _program(
+        cu_seqlens, chunk_offsets, H, K, V, BT, BV
+    )
 
     b_ds = tl.zeros([K, BV], dtype=tl.float32)
     if USE_FINAL_STATE_GRADIENT:
