@@ -36,7 +36,7 @@
 #                 "--workload medium --steps 1" is 3.6 M raw tokens, which did not finish in
 #                 340 s on an H200 with this model)
 #   BENCH_ATTN    attention implementations to bench (default "gather mask")
-#   BENCH_LA      linear-attention backend of the bench (default fla; "tree" for the one-pass kernel)
+#   BENCH_LA      linear-attention backend of the bench (default auto: the one-pass tree kernel on CUDA; "fla" for the split path)
 #   TEST_FILES    GPU test files (default: the fla and the attention tests)
 #   PYTEST_XDIST  extra pytest flags, e.g. "-n 4" (tests autotune different shapes: parallel helps)
 #   COMPARE_LA, COMPARE_ATTN   compare grid (default "fla reference" x "mask gather")
@@ -70,7 +70,7 @@ run() {
 
 HARTS=("$PY" -m harts.cli)
 COMPARE=(compare --overwrite --device cuda --dtype float32 --model ling3_tiny --pattern KGMA --workload tiny)
-BENCH=(bench --overwrite --device cuda --la-backend ${BENCH_LA:-fla} --dtype bfloat16 --recompute --capacity 65536)
+BENCH=(bench --overwrite --device cuda --la-backend ${BENCH_LA:-auto} --dtype bfloat16 --recompute --capacity 65536)
 
 phase_a=()
 want() { [[ " $STEPS " == *" $1 "* ]]; }

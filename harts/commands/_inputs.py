@@ -115,9 +115,10 @@ def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float3
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
     p.add_argument(
         "--la-backend",
-        default="reference",
+        default="auto",
         choices=["reference", "fla", "tree", "auto"],
-        help="linear-attention core: torch reference, fla-core split path (CUDA), the one-pass tree kernel (CUDA), or auto (fla on CUDA)",
+        help="linear-attention core: torch reference, fla-core split path (CUDA), the one-pass tree kernel (CUDA), "
+        "or auto (tree on CUDA with fla-core, reference elsewhere)",
     )
     p.add_argument("--threads", type=nonneg_int, default=1, help="torch intra-op threads on CPU; 0 lets torch choose")
 

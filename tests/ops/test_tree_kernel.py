@@ -99,10 +99,12 @@ def test_requested_state_gradient_alone_reaches_every_input() -> None:
         *leaves[:5], cu_seqlens=cu, initial_state=leaves[5], chunk_size=64, state_requests=req
     )
     w = torch.randn_like(s_ref)
-    g_ref = torch.autograd.grad((s_ref * w).sum(), leaves64)
-    g_out = torch.autograd.grad((s_out.double() * w).sum(), leaves)
-    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], g_out, g_ref):
-        assert b.abs().max() > 0 or name == "q"  # q never reaches a state
+    # q never reaches a state: the reference graph does not use it, and ours must give it zeros
+    g_ref = torch.autograd.grad((s_ref * w).sum(), leaves64, allow_unused=True, materialize_grads=True)
+    g_out = torch.autograd.grad((s_out.double() * w).sum(), leaves, allow_unused=True, materialize_grads=True)
+    assert not g_out[0].any(), "q got a gradient from the states alone"
+    for name, a, b in zip(["k", "v", "g", "beta", "h0"], g_out[1:], g_ref[1:]):
+        assert b.abs().max() > 0, name
         assert _rel(a, b) < 5e-3, name
 
 

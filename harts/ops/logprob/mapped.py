@@ -10,6 +10,14 @@ then accumulates d(hidden) and d(weight). Peak extra memory is a few row_chunk x
 n x V (or S x V) tensor is ever allocated (Eq. 19-20: backward sums every position's gradient
 into its compact row).
 
+Precision: log-softmax, logsumexp and the gradient accumulators are float32 (or float64 for
+float64 inputs). With bf16/fp16 inputs on CUDA the two big GEMMs per chunk stay in the input dtype
+with float32 accumulation and float32 output (``torch.mm(..., out_dtype=float32)``): the logits are
+the exact float32 products of the half-precision operands, as in an upcast GEMM, but at tensor-core
+speed (an upcast float32 GEMM over a 157 k vocabulary dominated a whole training step). The
+backward feeds d(logits) to its GEMMs in the input dtype, as every half-precision trainer does.
+Elsewhere (CPU, float32/float64 inputs) the operands are upcast as before.
+
 Shapes: P hidden rows, D model dim, V vocabulary, n positions, U unique rows among rows_n.
 """
 
@@ -76,19 +84,31 @@ class _IndexPlan:
         self.uniq, self.inv, self.order = (t.to(device, non_blocking=True) for t in (uniq, inv, order))
 
 
+def _half_gemms(t: torch.Tensor) -> bool:
+    """Whether the chunk GEMMs run in ``t``'s half dtype with float32 output (CUDA only)."""
+    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """a @ b as ``cdt``: half operands on CUDA accumulate and write float32 on tensor cores."""
+    if _half_gemms(a):
+        return torch.mm(a, b, out_dtype=cdt)
+    return a.to(cdt) @ b.to(cdt)
+
+
 class _MappedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, plan: _IndexPlan):  # type: ignore[override]
         cdt = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
         uniq, inv, order, bounds, pos_bounds = plan.uniq, plan.inv, plan.order, plan.bounds, plan.pos_bounds
-        w = weight.to(cdt)
+        w = weight if _half_gemms(hidden) else weight.to(cdt)
         lse = hidden.new_empty(plan.num_unique, dtype=cdt)
         target_logit = hidden.new_empty(targets.numel(), dtype=cdt)
         for c in range(len(bounds) - 1):
             lo, hi = bounds[c], bounds[c + 1]
             if hi == lo:
                 continue
-            logits = hidden[uniq[lo:hi]].to(cdt) @ w.T  # [c, V]
+            logits = _mm(hidden[uniq[lo:hi]], w.T, cdt)  # [c, V]
             lse[lo:hi] = torch.logsumexp(logits, dim=-1)
             pos = order[pos_bounds[c] : pos_bounds[c + 1]]
             target_logit[pos] = logits[inv[pos] - lo, targets[pos]]
@@ -102,24 +122,29 @@ class _MappedLogprobs(torch.autograd.Function):
         plan, cdt = ctx.plan, ctx.cdt
         uniq, inv, order = plan.uniq, plan.inv, plan.order
         grad_n = grad_n.to(cdt)
-        w = weight.to(cdt)
+        half = _half_gemms(hidden)
+        w = weight if half else weight.to(cdt)
         # each unique row's softmax term is weighted by the sum of its positions' gradients
         grad_row = grad_n.new_zeros(plan.num_unique).index_add_(0, inv, grad_n)
         d_hidden = torch.zeros_like(hidden, dtype=cdt) if ctx.needs_input_grad[0] else None
-        d_weight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        d_weight = torch.zeros_like(weight, dtype=cdt) if ctx.needs_input_grad[1] else None
         for c in range(len(plan.bounds) - 1):
             lo, hi = plan.bounds[c], plan.bounds[c + 1]
             if hi == lo:
                 continue
-            h = hidden[uniq[lo:hi]].to(cdt)
+            h = hidden[uniq[lo:hi]]
             # recompute logits, then turn them into d(logits) in place: -grad_row * softmax + onehot
-            d_logits = (h @ w.T).sub_(lse[lo:hi, None]).exp_().mul_(-grad_row[lo:hi, None])
+            d_logits = _mm(h, w.T, cdt).sub_(lse[lo:hi, None]).exp_().mul_(-grad_row[lo:hi, None])
             pos = order[plan.pos_bounds[c] : plan.pos_bounds[c + 1]]
             d_logits.index_put_((inv[pos] - lo, targets[pos]), grad_n[pos], accumulate=True)
+            if half:
+                d_logits = d_logits.to(hidden.dtype)
             if d_hidden is not None:
-                d_hidden.index_add_(0, uniq[lo:hi], d_logits @ w)
-            if d_weight is not None:
-                d_weight.addmm_(d_logits.T, h)
+                d_hidden.index_add_(0, uniq[lo:hi], _mm(d_logits, w, cdt))
+            if d_weight is not None and half:
+                d_weight.add_(_mm(d_logits.T, h, cdt))
+            elif d_weight is not None:
+                d_weight.addmm_(d_logits.T, h.to(cdt))
         return (
             None if d_hidden is None else d_hidden.to(hidden.dtype),
             None if d_weight is None else d_weight.to(weight.dtype),
