@@ -1,0 +1,259 @@
+"""Replay ablation by state-handoff depth (paper §5.4: Table 5, Figure 4).
+
+The same weights and microbatches run through four paths, per recomputation setting:
+
+    baseline_a   trajectory-wise (the common reference)
+    baseline_b   trajectory-wise again: on a GPU its run-to-run variation is the noise floor
+    replay       compact, as harts ships it (side branches replay from the chunk anchor)
+    no_replay    compact with ``no_replay=True`` (side branches start from the fork's state)
+
+Every path is compared with baseline_a of the same recomputation setting (the paper's
+"matched baseline"): per token the full-vocabulary symmetric KL (Eq. 25), |delta NLL|
+(Eq. 26) and logit cosine (Eq. 27), averaged per state-handoff depth d (``handoff_depth``,
+buckets 0..max_depth-1 and max_depth+) and over all tokens (Table 5's MeanCos); the GRPO loss
+difference and every parameter gradient's cosine. The same averages are also kept by
+``imported_state_depth`` (sequences started from an exported state), the handoffs that
+replay and no-replay execute differently.
+
+``choose_microbatches`` picks microbatches so that every depth bucket present in the step is
+covered first; ``measure`` runs them; ``plot_depth`` draws Figure 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harts.models.execution.config import ExecutionConfig
+from harts.models.hybrid_lm import HybridLM
+from harts.plan.calls import CallPlan
+from harts.plan.depth import handoff_depth, imported_state_depth
+from harts.rl.fidelity import TOKEN_METRICS, PathRun, gradient_cosines, run_path, token_errors
+from harts.rl.verify import compare_runs
+from harts.tree.compact import CompactBatch
+
+__all__ = ["PATHS", "choose_microbatches", "depth_buckets", "measure", "path_configs", "plot_depth"]
+
+#: every path, the reference first
+PATHS = ("baseline_a", "baseline_b", "replay", "no_replay")
+#: the per-depth breakdowns: the paper's logical depth, and the handoffs the plan executes
+AXES = ("handoff_depth", "imported_states")
+
+
+def depth_buckets(depth: np.ndarray, max_depth: int) -> np.ndarray:
+    """int64: ``depth`` with every value >= ``max_depth`` in one last bucket ``max_depth``."""
+    return np.minimum(np.asarray(depth, dtype=np.int64), max_depth)
+
+
+def bucket_labels(max_depth: int) -> list[str]:
+    return [str(d) for d in range(max_depth)] + [f"{max_depth}+"]
+
+
+def path_configs(base: ExecutionConfig, recompute: bool) -> dict[str, ExecutionConfig]:
+    """The four paths of one recomputation setting; log-probs are chunked in every path (a
+    trajectory-wise [S, V] logit block would not fit at a 157 k vocabulary)."""
+    traj = replace(base, mode="trajectory", recompute=recompute, no_replay=False, fused_logprobs=True)
+    return {
+        "baseline_a": traj,
+        "baseline_b": traj,
+        "replay": replace(traj, mode="compact"),
+        "no_replay": replace(traj, mode="compact", no_replay=True),
+    }
+
+
+def choose_microbatches(depths: Sequence[np.ndarray], limit: int | None, max_depth: int) -> list[int]:
+    """Indices of the microbatches to run, at most ``limit`` (None: all).
+
+    ``depths[k]`` is microbatch k's ``handoff_depth``. Deepest bucket first, each bucket that no
+    chosen microbatch covers yet takes the unchosen microbatch with the most tokens in it; the
+    rest follow in plan order.
+    """
+    hist = np.stack([np.bincount(depth_buckets(d, max_depth), minlength=max_depth + 1) for d in depths])
+    chosen: list[int] = []
+    for b in range(max_depth, -1, -1):
+        if hist[:, b].max() == 0 or any(hist[k, b] for k in chosen):
+            continue
+        free = [k for k in range(len(depths)) if k not in chosen]
+        chosen.append(max(free, key=lambda k: hist[k, b]))
+    chosen += [k for k in range(len(depths)) if k not in chosen]
+    return chosen if limit is None else chosen[:limit]
+
+
+def _param_group(name: str) -> str:
+    """``layers.3.linear_attn.q_proj.weight`` -> ``linear_attn``; ``embed_tokens.weight`` -> ``embed_tokens``."""
+    parts = name.split(".")
+    return parts[2] if parts[0] == "layers" and len(parts) > 2 else parts[0]
+
+
+class _Sums:
+    """Per-bucket token counts and metric sums of every compared path, on one depth axis."""
+
+    def __init__(self, buckets: int) -> None:
+        self.tokens = np.zeros(buckets, dtype=np.int64)
+        self.sums = {p: {m: np.zeros(buckets) for m in TOKEN_METRICS} for p in PATHS[1:]}
+
+    def add_tokens(self, bucket: np.ndarray) -> None:
+        self.tokens += np.bincount(bucket, minlength=self.tokens.size)
+
+    def add(self, path: str, bucket: np.ndarray, errors: dict[str, np.ndarray]) -> None:
+        for m, v in errors.items():
+            self.sums[path][m] += np.bincount(bucket, weights=v, minlength=self.tokens.size)
+
+    def record(self, labels: list[str]) -> dict[str, Any]:
+        n = np.maximum(self.tokens, 1)
+        means = {p: {m: (s / n).tolist() for m, s in ms.items()} for p, ms in self.sums.items()}
+        b = self.sums["baseline_b"]
+        ratio = {
+            p: {m: np.where(b[m] > 0, self.sums[p][m] / np.where(b[m] > 0, b[m], 1.0), np.nan).tolist() for m in ("sym_kl", "abs_dnll")}
+            for p in ("replay", "no_replay")
+        }
+        return {"buckets": labels, "tokens": self.tokens.tolist(), "mean": means, "ratio_to_baseline_b": ratio}
+
+
+def measure(
+    model: HybridLM,
+    microbatches: Sequence[tuple[CompactBatch, CallPlan]],
+    base: ExecutionConfig,
+    *,
+    recompute: Sequence[bool] = (False, True),
+    max_depth: int = 6,
+    chunk_rows: int = 1024,
+    on_path: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run every microbatch through the four paths of each ``recompute`` setting; a JSON record.
+
+    ``base`` gives attention and the linear-attention backend (mode, recompute and no_replay
+    are set per path). ``on_path(name)`` is called after each path's step. Record layout::
+
+        microbatches: [{trajectories, S, C, calls, calls_no_replay, replay_rows, tokens_by_depth}]
+        settings: {"recompute=False": {handoff_depth: {buckets, tokens, mean: {path: {metric:
+                   [per bucket]}}, ratio_to_baseline_b}, imported_states: (same), mean_cos: {path},
+                   loss: {baseline_a: [per mb], abs_diff: {path: [per mb]}}, gradient_cos:
+                   {path: {min, median, groups: {group: {min, median}}}}, max_rel_diff: {path: {...}}}}
+    """
+    labels = bucket_labels(max_depth)
+    mb_info: list[dict[str, Any]] = []
+    settings: dict[str, dict[str, Any]] = {}
+    state = {
+        r: {
+            "axes": {a: _Sums(max_depth + 1) for a in AXES},
+            "loss_a": [],
+            "loss_diff": {p: [] for p in PATHS[1:]},
+            "grad_cos": {p: {} for p in PATHS[1:]},
+            "rel": {p: {} for p in PATHS[1:]},
+        }
+        for r in recompute
+    }
+    head = model.lm_head_weight
+    for k, (cb, plan) in enumerate(microbatches):
+        inputs = {
+            False: model.prepare_compact(cb, ExecutionConfig(no_replay=False), plan=plan),
+            True: model.prepare_compact(cb, ExecutionConfig(no_replay=True), plan=plan),
+        }
+        pred = cb.batch.predicting_positions()
+        targets = cb.batch.next_token_targets()
+        buckets = {
+            "handoff_depth": depth_buckets(handoff_depth(cb)[pred], max_depth),
+            "imported_states": depth_buckets(imported_state_depth(cb, plan)[pred], max_depth),
+        }
+        info: dict[str, Any] = {
+            "trajectories": cb.num_trajectories,
+            "S": cb.num_semantic_tokens,
+            "C": cb.num_compact_tokens,
+            "tokens_by_depth": np.bincount(buckets["handoff_depth"], minlength=max_depth + 1).tolist(),
+        }
+        for r in recompute:
+            st = state[r]
+            for a in AXES:
+                st["axes"][a].add_tokens(buckets[a])
+            configs = path_configs(base, r)
+            ref: PathRun | None = None
+            for name, cfg in configs.items():
+                run = run_path(model, inputs[cfg.no_replay], cfg)
+                if name == "replay":
+                    info.update(calls=run.step.info["calls"], replay_rows=run.step.info["replay_rows"])
+                elif name == "no_replay":
+                    info["calls_no_replay"] = run.step.info["calls"]
+                if ref is None:
+                    ref = run
+                    st["loss_a"].append(run.step.loss)
+                else:
+                    errors = token_errors(ref, run, head, targets, chunk_rows=chunk_rows)
+                    for a in AXES:
+                        st["axes"][a].add(name, buckets[a], errors)
+                    st["loss_diff"][name].append(abs(run.step.loss - ref.step.loss))
+                    for pname, c in gradient_cosines(ref.step.grads, run.step.grads).items():
+                        st["grad_cos"][name].setdefault(pname, []).append(c)
+                    for key, v in compare_runs(ref.step, run.step).items():
+                        st["rel"][name][key] = max(st["rel"][name].get(key, 0.0), v)
+                del run
+                if on_path is not None:
+                    on_path(name)
+            del ref
+        mb_info.append(info)
+
+    for r, st in state.items():
+        axes = {a: s.record(labels) for a, s in st["axes"].items()}
+        total = st["axes"]["handoff_depth"]
+        n_tok = max(int(total.tokens.sum()), 1)
+        grads = {}
+        for p, per_param in st["grad_cos"].items():
+            groups: dict[str, list[float]] = {}
+            for pname, cs in per_param.items():
+                groups.setdefault(_param_group(pname), []).extend(cs)
+            every = [c for cs in per_param.values() for c in cs]
+            grads[p] = {
+                "min": float(np.min(every)) if every else float("nan"),
+                "median": float(np.median(every)) if every else float("nan"),
+                "groups": {g: {"min": float(np.min(v)), "median": float(np.median(v))} for g, v in sorted(groups.items())},
+            }
+        settings[f"recompute={r}"] = {
+            **axes,
+            "mean_cos": {p: float(total.sums[p]["cos"].sum() / n_tok) for p in PATHS[1:]},
+            "loss": {"baseline_a": st["loss_a"], "abs_diff": st["loss_diff"]},
+            "gradient_cos": grads,
+            "max_rel_diff": st["rel"],
+        }
+    return {"buckets": labels, "microbatches": mb_info, "settings": settings}
+
+
+def plot_depth(record: dict[str, Any], setting: str, path: str | Path) -> None:
+    """Figure 4: mean symmetric KL and mean |delta NLL| by handoff depth, one line per path
+    against baseline A (log scale), No-replay's excess over Baseline B (right axis, dashed) and
+    token counts under the axis. Written as PNG to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rec = record["settings"][setting]["handoff_depth"]
+    keep = [i for i, n in enumerate(rec["tokens"]) if n > 0]
+    x = np.arange(len(keep))
+    labels = [f"d={rec['buckets'][i]}\nn={rec['tokens'][i]:,}" for i in keep]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"baseline_b": ("Baseline B vs A", "tab:blue"), "replay": ("Replay vs A", "tab:green"), "no_replay": ("No-replay vs A", "tab:red")}
+    for ax, metric, title in zip(axes, ("sym_kl", "abs_dnll"), ("(a) Full-token SymKL (Eq. 25)", "(b) Mean |ΔNLL| (Eq. 26)")):
+        for p, (label, color) in styles.items():
+            y = np.asarray(rec["mean"][p][metric])[keep]
+            ax.plot(x, np.where(y > 0, y, np.nan), marker="o", color=color, label=label)
+        if any(np.asarray(rec["mean"][p][metric])[keep].max() > 0 for p in styles):
+            ax.set_yscale("log")
+        excess = (np.asarray(rec["ratio_to_baseline_b"]["no_replay"][metric])[keep] - 1.0) * 100.0
+        twin = ax.twinx()
+        twin.plot(x, excess, linestyle="--", color="tab:orange", label="No-replay excess over B")
+        twin.set_ylabel("No-replay vs B (%)")
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_xlabel("state-handoff depth d")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        lines = ax.get_legend_handles_labels()
+        more = twin.get_legend_handles_labels()
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8)
+    fig.suptitle(f"Replay fidelity by state-handoff depth ({setting})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
