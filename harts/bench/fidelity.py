@@ -15,6 +15,11 @@ difference and every parameter gradient's cosine. The same averages are also kep
 ``imported_state_depth`` (sequences started from an exported state), the handoffs that
 replay and no-replay execute differently.
 
+The GRPO loss of every path takes Baseline A's own log-probs (one extra no-grad forward) as
+its old log-probs (``on_policy``): the ratio exp(lp - lp_old) is then 1 for Baseline A, every
+action token carries gradient (a synthetic batch's random old log-probs would clip nearly all
+of them), and |loss_X - loss_A| measures the paths' log-prob deviation through the policy loss.
+
 ``choose_microbatches`` picks microbatches so that every depth bucket present in the step is
 covered first; ``measure`` runs them; ``plot_depth`` draws Figure 4.
 """
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
@@ -36,7 +42,7 @@ from harts.rl.fidelity import TOKEN_METRICS, PathRun, gradient_cosines, run_path
 from harts.rl.verify import compare_runs
 from harts.tree.compact import CompactBatch
 
-__all__ = ["PATHS", "choose_microbatches", "depth_buckets", "measure", "path_configs", "plot_depth"]
+__all__ = ["PATHS", "choose_microbatches", "depth_buckets", "measure", "on_policy", "path_configs", "plot_depth"]
 
 #: every path, the reference first
 PATHS = ("baseline_a", "baseline_b", "replay", "no_replay")
@@ -83,6 +89,18 @@ def choose_microbatches(depths: Sequence[np.ndarray], limit: int | None, max_dep
     return chosen if limit is None else chosen[:limit]
 
 
+def on_policy(model: HybridLM, cb: CompactBatch, base: ExecutionConfig) -> CompactBatch:
+    """``cb`` with its batch's old log-probs replaced by Baseline A's (trajectory-wise, no grad)."""
+    batch = cb.batch
+    with torch.no_grad():
+        lp = model(
+            batch, replace(base, mode="trajectory", recompute=False, no_replay=False, fused_logprobs=True)
+        ).logprobs
+    old = np.zeros(batch.num_tokens)
+    old[batch.predicting_positions() + 1] = lp.double().cpu().numpy()  # entry 0 of a trajectory is unused
+    return replace(cb, batch=replace(batch, old_logprobs=old))
+
+
 def _param_group(name: str) -> str:
     """``layers.3.linear_attn.q_proj.weight`` -> ``linear_attn``; ``embed_tokens.weight`` -> ``embed_tokens``."""
     parts = name.split(".")
@@ -108,10 +126,58 @@ class _Sums:
         means = {p: {m: (s / n).tolist() for m, s in ms.items()} for p, ms in self.sums.items()}
         b = self.sums["baseline_b"]
         ratio = {
-            p: {m: np.where(b[m] > 0, self.sums[p][m] / np.where(b[m] > 0, b[m], 1.0), np.nan).tolist() for m in ("sym_kl", "abs_dnll")}
+            p: {
+                m: np.where(b[m] > 0, self.sums[p][m] / np.where(b[m] > 0, b[m], 1.0), np.nan).tolist()
+                for m in ("sym_kl", "abs_dnll")
+            }
             for p in ("replay", "no_replay")
         }
         return {"buckets": labels, "tokens": self.tokens.tolist(), "mean": means, "ratio_to_baseline_b": ratio}
+
+
+class _Setting:
+    """Everything one recomputation setting accumulates over microbatches."""
+
+    def __init__(self, buckets: int) -> None:
+        self.axes = {a: _Sums(buckets) for a in AXES}
+        self.loss_a: list[float] = []
+        self.loss_diff: dict[str, list[float]] = {p: [] for p in PATHS[1:]}
+        self.grad_cos: dict[str, dict[str, list[float]]] = {p: {} for p in PATHS[1:]}
+        self.rel: dict[str, dict[str, float]] = {p: {} for p in PATHS[1:]}
+
+    def add(
+        self, name: str, ref: PathRun, run: PathRun, buckets: dict[str, np.ndarray], errors: dict[str, np.ndarray]
+    ) -> None:
+        for a in AXES:
+            self.axes[a].add(name, buckets[a], errors)
+        self.loss_diff[name].append(abs(run.step.loss - ref.step.loss))
+        for pname, c in gradient_cosines(ref.step.grads, run.step.grads).items():
+            self.grad_cos[name].setdefault(pname, []).append(c)
+        for key, v in compare_runs(ref.step, run.step).items():
+            self.rel[name][key] = max(self.rel[name].get(key, 0.0), v)
+
+    def _gradients(self, path: str) -> dict[str, Any]:
+        per_param = self.grad_cos[path]
+        groups: dict[str, list[float]] = {}
+        for pname, cs in per_param.items():
+            groups.setdefault(_param_group(pname), []).extend(cs)
+        every = [c for cs in per_param.values() for c in cs]
+        return {
+            "min": float(np.min(every)) if every else float("nan"),
+            "median": float(np.median(every)) if every else float("nan"),
+            "groups": {g: {"min": float(np.min(v)), "median": float(np.median(v))} for g, v in sorted(groups.items())},
+        }
+
+    def record(self, labels: list[str]) -> dict[str, Any]:
+        total = self.axes["handoff_depth"]
+        n_tok = max(int(total.tokens.sum()), 1)
+        return {
+            **{a: s.record(labels) for a, s in self.axes.items()},
+            "mean_cos": {p: float(total.sums[p]["cos"].sum() / n_tok) for p in PATHS[1:]},
+            "loss": {"baseline_a": self.loss_a, "abs_diff": self.loss_diff},
+            "gradient_cos": {p: self._gradients(p) for p in PATHS[1:]},
+            "max_rel_diff": self.rel,
+        }
 
 
 def measure(
@@ -123,11 +189,13 @@ def measure(
     max_depth: int = 6,
     chunk_rows: int = 1024,
     on_path: Callable[[str], None] | None = None,
+    old_logprobs: str = "baseline",
 ) -> dict[str, Any]:
     """Run every microbatch through the four paths of each ``recompute`` setting; a JSON record.
 
     ``base`` gives attention and the linear-attention backend (mode, recompute and no_replay
-    are set per path). ``on_path(name)`` is called after each path's step. Record layout::
+    are set per path). ``old_logprobs``: "baseline" (``on_policy``, module docstring) or "batch"
+    (the batch's own). ``on_path(name)`` is called after each path's step. Record layout::
 
         microbatches: [{trajectories, S, C, calls, calls_no_replay, replay_rows, tokens_by_depth}]
         settings: {"recompute=False": {handoff_depth: {buckets, tokens, mean: {path: {metric:
@@ -137,19 +205,13 @@ def measure(
     """
     labels = bucket_labels(max_depth)
     mb_info: list[dict[str, Any]] = []
-    settings: dict[str, dict[str, Any]] = {}
-    state = {
-        r: {
-            "axes": {a: _Sums(max_depth + 1) for a in AXES},
-            "loss_a": [],
-            "loss_diff": {p: [] for p in PATHS[1:]},
-            "grad_cos": {p: {} for p in PATHS[1:]},
-            "rel": {p: {} for p in PATHS[1:]},
-        }
-        for r in recompute
-    }
+    state = {r: _Setting(max_depth + 1) for r in recompute}
     head = model.lm_head_weight
-    for k, (cb, plan) in enumerate(microbatches):
+    if old_logprobs not in ("baseline", "batch"):
+        raise ValueError(f"old_logprobs must be 'baseline' or 'batch', got {old_logprobs!r}")
+    for cb, plan in microbatches:
+        if old_logprobs == "baseline":
+            cb = on_policy(model, cb, base)
         inputs = {
             False: model.prepare_compact(cb, ExecutionConfig(no_replay=False), plan=plan),
             True: model.prepare_compact(cb, ExecutionConfig(no_replay=True), plan=plan),
@@ -169,10 +231,9 @@ def measure(
         for r in recompute:
             st = state[r]
             for a in AXES:
-                st["axes"][a].add_tokens(buckets[a])
-            configs = path_configs(base, r)
+                st.axes[a].add_tokens(buckets[a])
             ref: PathRun | None = None
-            for name, cfg in configs.items():
+            for name, cfg in path_configs(base, r).items():
                 run = run_path(model, inputs[cfg.no_replay], cfg)
                 if name == "replay":
                     info.update(calls=run.step.info["calls"], replay_rows=run.step.info["replay_rows"])
@@ -180,44 +241,15 @@ def measure(
                     info["calls_no_replay"] = run.step.info["calls"]
                 if ref is None:
                     ref = run
-                    st["loss_a"].append(run.step.loss)
+                    st.loss_a.append(run.step.loss)
                 else:
-                    errors = token_errors(ref, run, head, targets, chunk_rows=chunk_rows)
-                    for a in AXES:
-                        st["axes"][a].add(name, buckets[a], errors)
-                    st["loss_diff"][name].append(abs(run.step.loss - ref.step.loss))
-                    for pname, c in gradient_cosines(ref.step.grads, run.step.grads).items():
-                        st["grad_cos"][name].setdefault(pname, []).append(c)
-                    for key, v in compare_runs(ref.step, run.step).items():
-                        st["rel"][name][key] = max(st["rel"][name].get(key, 0.0), v)
+                    st.add(name, ref, run, buckets, token_errors(ref, run, head, targets, chunk_rows=chunk_rows))
                 del run
                 if on_path is not None:
                     on_path(name)
             del ref
         mb_info.append(info)
-
-    for r, st in state.items():
-        axes = {a: s.record(labels) for a, s in st["axes"].items()}
-        total = st["axes"]["handoff_depth"]
-        n_tok = max(int(total.tokens.sum()), 1)
-        grads = {}
-        for p, per_param in st["grad_cos"].items():
-            groups: dict[str, list[float]] = {}
-            for pname, cs in per_param.items():
-                groups.setdefault(_param_group(pname), []).extend(cs)
-            every = [c for cs in per_param.values() for c in cs]
-            grads[p] = {
-                "min": float(np.min(every)) if every else float("nan"),
-                "median": float(np.median(every)) if every else float("nan"),
-                "groups": {g: {"min": float(np.min(v)), "median": float(np.median(v))} for g, v in sorted(groups.items())},
-            }
-        settings[f"recompute={r}"] = {
-            **axes,
-            "mean_cos": {p: float(total.sums[p]["cos"].sum() / n_tok) for p in PATHS[1:]},
-            "loss": {"baseline_a": st["loss_a"], "abs_diff": st["loss_diff"]},
-            "gradient_cos": grads,
-            "max_rel_diff": st["rel"],
-        }
+    settings = {f"recompute={r}": st.record(labels) for r, st in state.items()}
     return {"buckets": labels, "microbatches": mb_info, "settings": settings}
 
 
@@ -235,8 +267,14 @@ def plot_depth(record: dict[str, Any], setting: str, path: str | Path) -> None:
     x = np.arange(len(keep))
     labels = [f"d={rec['buckets'][i]}\nn={rec['tokens'][i]:,}" for i in keep]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"baseline_b": ("Baseline B vs A", "tab:blue"), "replay": ("Replay vs A", "tab:green"), "no_replay": ("No-replay vs A", "tab:red")}
-    for ax, metric, title in zip(axes, ("sym_kl", "abs_dnll"), ("(a) Full-token SymKL (Eq. 25)", "(b) Mean |ΔNLL| (Eq. 26)")):
+    styles = {
+        "baseline_b": ("Baseline B vs A", "tab:blue"),
+        "replay": ("Replay vs A", "tab:green"),
+        "no_replay": ("No-replay vs A", "tab:red"),
+    }
+    for ax, metric, title in zip(
+        axes, ("sym_kl", "abs_dnll"), ("(a) Full-token SymKL (Eq. 25)", "(b) Mean |ΔNLL| (Eq. 26)")
+    ):
         for p, (label, color) in styles.items():
             y = np.asarray(rec["mean"][p][metric])[keep]
             ax.plot(x, np.where(y > 0, y, np.nan), marker="o", color=color, label=label)

@@ -67,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1024,
         help="positions per full-vocabulary logit block (memory: a few blocks of this x V float32)",
     )
+    p.add_argument(
+        "--old-logprobs",
+        default="baseline",
+        choices=["baseline", "batch"],
+        help="old log-probs of the GRPO loss: Baseline A's own (on-policy: every action token has gradient "
+        "and the loss difference follows the log-prob difference; default) or the batch's",
+    )
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw Figure 4 (the first setting) as PNG here")
     add_output_arguments(p, what="the results")
 
@@ -125,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         max_depth=args.max_depth,
         chunk_rows=args.logit_chunk,
         on_path=on_path,
+        old_logprobs=args.old_logprobs,
     )
     bar.close()
 
@@ -167,7 +175,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{setting}: errors against Baseline A by state-handoff depth d")
         print(
             format_table(
-                ["d", "tokens", "|dNLL| B", "|dNLL| R", "|dNLL| N", "R/B", "N/B", "SymKL B", "SymKL R", "SymKL N", "cos R"],
+                [
+                    "d",
+                    "tokens",
+                    "|dNLL| B",
+                    "|dNLL| R",
+                    "|dNLL| N",
+                    "R/B",
+                    "N/B",
+                    "SymKL B",
+                    "SymKL R",
+                    "SymKL N",
+                    "cos R",
+                ],
                 rows,
             )
         )
@@ -200,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             "attention": args.attention,
             "la_backend": args.la_backend,
             "device": args.device,
+            "old_logprobs": args.old_logprobs,
             **record,
         }
         write_json(args.json_out, out, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))

@@ -96,11 +96,13 @@ def token_errors(
     (module docstring; Eqs. 25-27 before their averages), each float64 [S - N] on the host.
 
     ``targets`` int64 [S - N] is ``batch.next_token_targets()``. Peak extra memory is a few
-    [chunk_rows, V] float32 blocks.
+    [chunk_rows, V] float32 blocks and two float64 ones (the cosine).
     """
     n = int(ref.rows.numel())
     if int(other.rows.numel()) != n or targets.shape != (n,):
-        raise ValueError(f"paths and targets disagree on the predicting positions: {n}, {other.rows.numel()}, {targets.shape}")
+        raise ValueError(
+            f"paths and targets disagree on the predicting positions: {n}, {other.rows.numel()}, {targets.shape}"
+        )
     w = head_weight_VD.detach()
     cmp_dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
     tgt = torch.as_tensor(targets, device=w.device)
@@ -115,9 +117,10 @@ def token_errors(
         out["sym_kl"][a:b] = 0.5 * ((lp_a.exp() - lp_x.exp()) * (lp_a - lp_x)).sum(-1).double()
         t = tgt[a:b, None]
         out["abs_dnll"][a:b] = (lp_x.gather(1, t) - lp_a.gather(1, t))[:, 0].abs().double()
+        # float64 reductions: a float32 cosine of two equal 157k-vectors is off 1 by ~1e-7
+        z_a, z_x = z_a.double(), z_x.double()
         norms = z_a.norm(dim=-1) * z_x.norm(dim=-1)
-        tiny = torch.finfo(cmp_dtype).tiny
-        out["cos"][a:b] = ((z_a * z_x).sum(-1) / norms.clamp_min(tiny)).double()
+        out["cos"][a:b] = (z_a * z_x).sum(-1) / norms.clamp_min(torch.finfo(torch.float64).tiny)
     return {k: v.cpu().numpy() for k, v in out.items()}
 
 
