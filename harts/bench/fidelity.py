@@ -125,9 +125,10 @@ class _Sums:
         n = np.maximum(self.tokens, 1)
         means = {p: {m: (s / n).tolist() for m, s in ms.items()} for p, ms in self.sums.items()}
         b = self.sums["baseline_b"]
+        # None where Baseline B equals A exactly (a deterministic device): no noise to compare with
         ratio = {
             p: {
-                m: np.where(b[m] > 0, self.sums[p][m] / np.where(b[m] > 0, b[m], 1.0), np.nan).tolist()
+                m: [float(x / y) if y > 0 else None for x, y in zip(self.sums[p][m], b[m])]
                 for m in ("sym_kl", "abs_dnll")
             }
             for p in ("replay", "no_replay")
@@ -280,7 +281,8 @@ def plot_depth(record: dict[str, Any], setting: str, path: str | Path) -> None:
             ax.plot(x, np.where(y > 0, y, np.nan), marker="o", color=color, label=label)
         if any(np.asarray(rec["mean"][p][metric])[keep].max() > 0 for p in styles):
             ax.set_yscale("log")
-        excess = (np.asarray(rec["ratio_to_baseline_b"]["no_replay"][metric])[keep] - 1.0) * 100.0
+        ratio = np.array([np.nan if r is None else r for r in rec["ratio_to_baseline_b"]["no_replay"][metric]])
+        excess = (ratio[keep] - 1.0) * 100.0
         twin = ax.twinx()
         twin.plot(x, excess, linestyle="--", color="tab:orange", label="No-replay excess over B")
         twin.set_ylabel("No-replay vs B (%)")

@@ -82,6 +82,10 @@ def _sci(v: float) -> str:
     return "nan" if v != v else f"{v:.3e}"
 
 
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -166,13 +170,13 @@ def run(args: argparse.Namespace) -> int:
                     label,
                     d["tokens"][i],
                     *(_sci(m[p]["abs_dnll"][i]) for p in PATHS[1:]),
-                    f"{ratio['replay']['abs_dnll'][i]:.3f}",
-                    f"{ratio['no_replay']['abs_dnll'][i]:.3f}",
+                    _ratio(ratio["replay"]["abs_dnll"][i]),
+                    _ratio(ratio["no_replay"]["abs_dnll"][i]),
                     *(_sci(m[p]["sym_kl"][i]) for p in PATHS[1:]),
                     f"{m['replay']['cos'][i]:.8f}",
                 ]
             )
-        print(f"\n{setting}: errors against Baseline A by state-handoff depth d")
+        print(f"\n{setting}: errors against Baseline A by state-handoff depth d (R/B, N/B: '-' where B equals A)")
         print(
             format_table(
                 [

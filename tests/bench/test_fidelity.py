@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from harts.bench.fidelity import PATHS, choose_microbatches
+from harts.bench.fidelity import PATHS, _Sums, choose_microbatches
 from harts.cli import main
 from harts.rl.fidelity import PathRun, gradient_cosines, token_errors
 from harts.rl.verify import StepResult
@@ -68,6 +68,21 @@ def test_choose_microbatches_covers_every_bucket_first() -> None:
     assert choose_microbatches(depths, None, 2) == [2, 0, 1, 3]
 
 
+def test_depth_sums_means_and_ratios() -> None:
+    sums = _Sums(3)
+    bucket = np.array([0, 0, 2, 2, 2])
+    sums.add_tokens(bucket)
+    zero = np.zeros(5)
+    errs = {"baseline_b": np.array([1.0, 3.0, 0.0, 0.0, 0.0]), "replay": np.array([2.0, 2.0, 1.0, 2.0, 3.0])}
+    for p, v in errs.items():
+        sums.add(p, bucket, {"sym_kl": v, "abs_dnll": 2 * v, "cos": zero})
+    rec = sums.record(["0", "1", "2+"])
+    assert rec["tokens"] == [2, 0, 3]
+    assert rec["mean"]["replay"]["abs_dnll"] == [4.0, 0.0, 4.0]
+    assert rec["mean"]["baseline_b"]["sym_kl"] == [2.0, 0.0, 0.0]
+    assert rec["ratio_to_baseline_b"]["replay"]["sym_kl"] == [1.0, None, None]
+
+
 def _run(tmp_path, *extra: str) -> dict:  # noqa: ANN001
     out = tmp_path / "fid.json"
     argv = ["fidelity", "--workload", "tiny", "--model", "tiny", "--json", str(out), *extra]
@@ -89,6 +104,8 @@ def test_fidelity_float64_every_path_is_baseline_to_rounding(tmp_path, capsys) -
             mean = setting[axis]["mean"]
             # on CPU a rerun is bit-identical
             assert max(mean["baseline_b"]["sym_kl"]) == 0 and max(mean["baseline_b"]["abs_dnll"]) == 0
+            # no noise to measure against: no ratio
+            assert setting[axis]["ratio_to_baseline_b"]["replay"]["abs_dnll"] == [None] * 7
             for p in ("replay", "no_replay"):
                 assert max(mean[p]["abs_dnll"]) <= 1e-10, (axis, p)
                 assert max(mean[p]["sym_kl"]) <= 1e-20, (axis, p)
