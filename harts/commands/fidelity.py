@@ -86,6 +86,41 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def _depth_table(d: dict, key: str) -> str:
+    """One row per non-empty bucket of a ``measure`` depth record."""
+    from harts.bench.fidelity import PATHS
+    from harts.bench.table import format_table
+
+    m, ratio = d["mean"], d["ratio_to_baseline_b"]
+    rows = [
+        [
+            label,
+            d["tokens"][i],
+            *(_sci(m[p]["abs_dnll"][i]) for p in PATHS[1:]),
+            _ratio(ratio["replay"]["abs_dnll"][i]),
+            _ratio(ratio["no_replay"]["abs_dnll"][i]),
+            *(_sci(m[p]["sym_kl"][i]) for p in PATHS[1:]),
+            f"{m['replay']['cos'][i]:.8f}",
+        ]
+        for i, label in enumerate(d["buckets"])
+        if d["tokens"][i]
+    ]
+    headers = [
+        key,
+        "tokens",
+        "|dNLL| B",
+        "|dNLL| R",
+        "|dNLL| N",
+        "R/B",
+        "N/B",
+        "SymKL B",
+        "SymKL R",
+        "SymKL N",
+        "cos R",
+    ]
+    return format_table(headers, rows)
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -159,42 +194,10 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     for setting, rec in record["settings"].items():
-        d = rec["handoff_depth"]
-        m, ratio = d["mean"], d["ratio_to_baseline_b"]
-        rows = []
-        for i, label in enumerate(d["buckets"]):
-            if d["tokens"][i] == 0:
-                continue
-            rows.append(
-                [
-                    label,
-                    d["tokens"][i],
-                    *(_sci(m[p]["abs_dnll"][i]) for p in PATHS[1:]),
-                    _ratio(ratio["replay"]["abs_dnll"][i]),
-                    _ratio(ratio["no_replay"]["abs_dnll"][i]),
-                    *(_sci(m[p]["sym_kl"][i]) for p in PATHS[1:]),
-                    f"{m['replay']['cos'][i]:.8f}",
-                ]
-            )
         print(f"\n{setting}: errors against Baseline A by state-handoff depth d (R/B, N/B: '-' where B equals A)")
-        print(
-            format_table(
-                [
-                    "d",
-                    "tokens",
-                    "|dNLL| B",
-                    "|dNLL| R",
-                    "|dNLL| N",
-                    "R/B",
-                    "N/B",
-                    "SymKL B",
-                    "SymKL R",
-                    "SymKL N",
-                    "cos R",
-                ],
-                rows,
-            )
-        )
+        print(_depth_table(rec["handoff_depth"], "d"))
+        print(f"\n{setting}: the same by states imported from another sequence (the handoffs replay changes)")
+        print(_depth_table(rec["imported_states"], "imports"))
         print(f"\n{setting}: Table 5 (mean logit cosine, Eq. 27), loss and gradients against Baseline A")
         print(
             format_table(

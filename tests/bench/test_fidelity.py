@@ -133,6 +133,19 @@ def test_fidelity_float32_json_and_plot(tmp_path) -> None:  # noqa: ANN001
     assert sum(d["mean"]["no_replay"]["abs_dnll"][1:]) > 0
 
 
+def test_fidelity_batch_file(tmp_path) -> None:  # noqa: ANN001
+    from harts.tree.workloads import generate
+
+    path = tmp_path / "batch.jsonl"
+    generate("tiny", step=1).save(str(path))
+    out = tmp_path / "f.json"
+    argv = ["fidelity", "--workload", str(path), "--model", "tiny", "--recompute", "off", "--capacity", "300"]
+    assert main([*argv, "--microbatches", "2", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert len(rec["microbatches"]) == len(rec["microbatch_ids"]) == 2
+    assert max(rec["settings"]["recompute=False"]["handoff_depth"]["mean"]["replay"]["abs_dnll"]) <= 1e-10
+
+
 def test_fidelity_user_errors(tmp_path, capsys) -> None:  # noqa: ANN001
     assert main(["fidelity", "--workload", "tiny", "--model", "tiny", "--capacity", "8"]) == 2
     assert "--capacity" in capsys.readouterr().err
