@@ -25,7 +25,8 @@
 #            state-handoff depth; FIDELITY_MODEL (default ling3_tiny's dimensions, pattern KKKM,
 #            the paper's 157,184-entry vocabulary for the full-vocabulary KL) on FIDELITY_WORK
 #            (default: the small workload's step 0 at capacity 8,192, both microbatches, depths
-#            0..6+); OUT_DIR/fidelity.json and fidelity.png.
+#            0..6+); every path also against Baseline A on a float32 copy of the weights (the
+#            noise floor if a rerun on one GPU is bit-identical); OUT_DIR/fidelity.json and .png.
 #
 # Every step writes OUT_DIR/<name>.log (and .json); OUT_DIR/summary.txt has one line per run
 # with its exit status and wall time. The exit status is the number of failed runs.
@@ -155,7 +156,7 @@ if want fidelity; then
     FIDELITY_WORK=${FIDELITY_WORK:---workload small --step 0 --capacity 8192}
     # shellcheck disable=SC2086
     run fidelity "${HARTS[@]}" fidelity --overwrite --device cuda --dtype bfloat16 --la-backend fla \
-        --attention mask $FIDELITY_MODEL $FIDELITY_WORK --json "$OUT/fidelity.json" --plot "$OUT/fidelity.png"
+        --attention mask --reference-dtype float32 $FIDELITY_MODEL $FIDELITY_WORK --json "$OUT/fidelity.json" --plot "$OUT/fidelity.png"
 fi
 
 for f in "$OUT"/compare_*.log "$OUT"/la_bench.log "$OUT"/bench_*.log "$OUT"/fidelity.log; do

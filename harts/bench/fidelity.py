@@ -20,6 +20,11 @@ its old log-probs (``on_policy``): the ratio exp(lp - lp_old) is then 1 for Base
 action token carries gradient (a synthetic batch's random old log-probs would clip nearly all
 of them), and |loss_X - loss_A| measures the paths' log-prob deviation through the policy loss.
 
+On one GPU a rerun can be bit-identical, leaving no noise to compare with; with a
+``reference`` model (the same weights in float32 / float64) every path, Baseline A included,
+is also compared with the reference's Baseline A, and Replay's error is judged against
+Baseline A's own (``vs_reference``).
+
 ``choose_microbatches`` picks microbatches so that every depth bucket present in the step is
 covered first; ``measure`` runs them; ``plot_depth`` draws Figure 4.
 """
@@ -108,11 +113,13 @@ def _param_group(name: str) -> str:
 
 
 class _Sums:
-    """Per-bucket token counts and metric sums of every compared path, on one depth axis."""
+    """Per-bucket token counts and metric sums of the compared ``paths`` on one depth axis, and
+    their ratios to the ``noise`` path."""
 
-    def __init__(self, buckets: int) -> None:
+    def __init__(self, buckets: int, paths: Sequence[str] = PATHS[1:], noise: str = "baseline_b") -> None:
+        self.noise = noise
         self.tokens = np.zeros(buckets, dtype=np.int64)
-        self.sums = {p: {m: np.zeros(buckets) for m in TOKEN_METRICS} for p in PATHS[1:]}
+        self.sums = {p: {m: np.zeros(buckets) for m in TOKEN_METRICS} for p in paths}
 
     def add_tokens(self, bucket: np.ndarray) -> None:
         self.tokens += np.bincount(bucket, minlength=self.tokens.size)
@@ -121,26 +128,35 @@ class _Sums:
         for m, v in errors.items():
             self.sums[path][m] += np.bincount(bucket, weights=v, minlength=self.tokens.size)
 
+    def mean_cos(self) -> dict[str, float]:
+        """Eq. 27 over every token of every bucket."""
+        n = max(int(self.tokens.sum()), 1)
+        return {p: float(ms["cos"].sum() / n) for p, ms in self.sums.items()}
+
     def record(self, labels: list[str]) -> dict[str, Any]:
         n = np.maximum(self.tokens, 1)
         means = {p: {m: (s / n).tolist() for m, s in ms.items()} for p, ms in self.sums.items()}
-        b = self.sums["baseline_b"]
-        # None where Baseline B equals A exactly (a deterministic device): no noise to compare with
+        b = self.sums[self.noise]
+        # None where the noise path equals the reference exactly (Baseline B on a deterministic
+        # device): no noise to compare with
         ratio = {
             p: {
                 m: [float(x / y) if y > 0 else None for x, y in zip(self.sums[p][m], b[m])]
                 for m in ("sym_kl", "abs_dnll")
             }
-            for p in ("replay", "no_replay")
+            for p in self.sums
+            if p != self.noise
         }
-        return {"buckets": labels, "tokens": self.tokens.tolist(), "mean": means, "ratio_to_baseline_b": ratio}
+        return {"buckets": labels, "tokens": self.tokens.tolist(), "mean": means, f"ratio_to_{self.noise}": ratio}
 
 
 class _Setting:
     """Everything one recomputation setting accumulates over microbatches."""
 
-    def __init__(self, buckets: int) -> None:
+    def __init__(self, buckets: int, reference: bool) -> None:
         self.axes = {a: _Sums(buckets) for a in AXES}
+        #: every path (Baseline A too) against the higher-precision reference, if any
+        self.hi = {a: _Sums(buckets, PATHS, noise="baseline_a") for a in AXES} if reference else None
         self.loss_a: list[float] = []
         self.loss_diff: dict[str, list[float]] = {p: [] for p in PATHS[1:]}
         self.grad_cos: dict[str, dict[str, list[float]]] = {p: {} for p in PATHS[1:]}
@@ -170,11 +186,16 @@ class _Setting:
         }
 
     def record(self, labels: list[str]) -> dict[str, Any]:
-        total = self.axes["handoff_depth"]
-        n_tok = max(int(total.tokens.sum()), 1)
+        out: dict[str, Any] = {}
+        if self.hi is not None:
+            out["vs_reference"] = {
+                **{a: s.record(labels) for a, s in self.hi.items()},
+                "mean_cos": self.hi["handoff_depth"].mean_cos(),
+            }
         return {
             **{a: s.record(labels) for a, s in self.axes.items()},
-            "mean_cos": {p: float(total.sums[p]["cos"].sum() / n_tok) for p in PATHS[1:]},
+            "mean_cos": self.axes["handoff_depth"].mean_cos(),
+            **out,
             "loss": {"baseline_a": self.loss_a, "abs_diff": self.loss_diff},
             "gradient_cos": {p: self._gradients(p) for p in PATHS[1:]},
             "max_rel_diff": self.rel,
@@ -191,22 +212,28 @@ def measure(
     chunk_rows: int = 1024,
     on_path: Callable[[str], None] | None = None,
     old_logprobs: str = "baseline",
+    reference: HybridLM | None = None,
 ) -> dict[str, Any]:
     """Run every microbatch through the four paths of each ``recompute`` setting; a JSON record.
 
     ``base`` gives attention and the linear-attention backend (mode, recompute and no_replay
     are set per path). ``old_logprobs``: "baseline" (``on_policy``, module docstring) or "batch"
-    (the batch's own). ``on_path(name)`` is called after each path's step. Record layout::
+    (the batch's own). ``reference``: the same weights in a higher precision; its Baseline A
+    becomes a second reference for every path (``vs_reference``: err(X, A_hi) and ratios to
+    err(A, A_hi), the flash-attention way of judging a low-precision result when reruns are
+    bit-identical). ``on_path(name)`` is called after each path's step. Record layout::
 
         microbatches: [{trajectories, S, C, calls, calls_no_replay, replay_rows, tokens_by_depth}]
         settings: {"recompute=False": {handoff_depth: {buckets, tokens, mean: {path: {metric:
                    [per bucket]}}, ratio_to_baseline_b}, imported_states: (same), mean_cos: {path},
                    loss: {baseline_a: [per mb], abs_diff: {path: [per mb]}}, gradient_cos:
-                   {path: {min, median, groups: {group: {min, median}}}}, max_rel_diff: {path: {...}}}}
+                   {path: {min, median, groups: {group: {min, median}}}}, max_rel_diff: {path: {...}},
+                   vs_reference (with ``reference``): {handoff_depth, imported_states (every path,
+                   ratio_to_baseline_a), mean_cos}}}
     """
     labels = bucket_labels(max_depth)
     mb_info: list[dict[str, Any]] = []
-    state = {r: _Setting(max_depth + 1) for r in recompute}
+    state = {r: _Setting(max_depth + 1, reference is not None) for r in recompute}
     head = model.lm_head_weight
     if old_logprobs not in ("baseline", "batch"):
         raise ValueError(f"old_logprobs must be 'baseline' or 'batch', got {old_logprobs!r}")
@@ -231,11 +258,24 @@ def measure(
         }
         for r in recompute:
             st = state[r]
+            configs = path_configs(base, r)
             for a in AXES:
                 st.axes[a].add_tokens(buckets[a])
+            hi: PathRun | None = None
+            if reference is not None and st.hi is not None:
+                hi = run_path(reference, inputs[False], configs["baseline_a"])
+                for a in AXES:
+                    st.hi[a].add_tokens(buckets[a])
             ref: PathRun | None = None
-            for name, cfg in path_configs(base, r).items():
+            for name, cfg in configs.items():
                 run = run_path(model, inputs[cfg.no_replay], cfg)
+                if hi is not None and st.hi is not None:
+                    assert reference is not None
+                    e = token_errors(
+                        hi, run, head, targets, chunk_rows=chunk_rows, ref_head_VD=reference.lm_head_weight
+                    )
+                    for a in AXES:
+                        st.hi[a].add(name, buckets[a], e)
                 if name == "replay":
                     info.update(calls=run.step.info["calls"], replay_rows=run.step.info["replay_rows"])
                 elif name == "no_replay":
@@ -248,7 +288,7 @@ def measure(
                 del run
                 if on_path is not None:
                     on_path(name)
-            del ref
+            del ref, hi
         mb_info.append(info)
     settings = {f"recompute={r}": st.record(labels) for r, st in state.items()}
     return {"buckets": labels, "microbatches": mb_info, "settings": settings}

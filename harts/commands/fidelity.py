@@ -74,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="old log-probs of the GRPO loss: Baseline A's own (on-policy: every action token has gradient "
         "and the loss difference follows the log-prob difference; default) or the batch's",
     )
+    p.add_argument(
+        "--reference-dtype",
+        default=None,
+        choices=["float32", "float64"],
+        help="also compare every path with Baseline A run on a copy of the weights in this dtype: the "
+        "noise floor when reruns are bit-identical (err(Replay) vs err(Baseline A), both against it)",
+    )
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw Figure 4 (the first setting) as PNG here")
     add_output_arguments(p, what="the results")
 
@@ -86,38 +93,34 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+#: table column letter of each path
+_LETTER = {"baseline_a": "A", "baseline_b": "B", "replay": "R", "no_replay": "N"}
+
+
 def _depth_table(d: dict, key: str) -> str:
-    """One row per non-empty bucket of a ``measure`` depth record."""
-    from harts.bench.fidelity import PATHS
+    """One row per non-empty bucket of a ``measure`` depth record: each path's mean |dNLL| and
+    SymKL, Replay's and No-replay's ratios to the noise path, Replay's mean cosine."""
     from harts.bench.table import format_table
 
-    m, ratio = d["mean"], d["ratio_to_baseline_b"]
+    m = d["mean"]
+    (ratio_key,) = (k for k in d if k.startswith("ratio_to_"))
+    ratio, noise = d[ratio_key], _LETTER[ratio_key.removeprefix("ratio_to_")]
+    paths = list(m)
     rows = [
         [
             label,
             d["tokens"][i],
-            *(_sci(m[p]["abs_dnll"][i]) for p in PATHS[1:]),
+            *(_sci(m[p]["abs_dnll"][i]) for p in paths),
             _ratio(ratio["replay"]["abs_dnll"][i]),
             _ratio(ratio["no_replay"]["abs_dnll"][i]),
-            *(_sci(m[p]["sym_kl"][i]) for p in PATHS[1:]),
+            *(_sci(m[p]["sym_kl"][i]) for p in paths),
             f"{m['replay']['cos'][i]:.8f}",
         ]
         for i, label in enumerate(d["buckets"])
         if d["tokens"][i]
     ]
-    headers = [
-        key,
-        "tokens",
-        "|dNLL| B",
-        "|dNLL| R",
-        "|dNLL| N",
-        "R/B",
-        "N/B",
-        "SymKL B",
-        "SymKL R",
-        "SymKL N",
-        "cos R",
-    ]
+    headers = [key, "tokens", *(f"|dNLL| {_LETTER[p]}" for p in paths), f"R/{noise}", f"N/{noise}"]
+    headers += [*(f"SymKL {_LETTER[p]}" for p in paths), "cos R"]
     return format_table(headers, rows)
 
 
@@ -150,6 +153,13 @@ def run(args: argparse.Namespace) -> int:
     vocab = max(vocab, args.vocab_size or 0)
     model = build_model(args, vocab, where=where, training=False)
     base = ExecutionConfig(attention=args.attention, linear_attention_backend=args.la_backend)
+    reference = None
+    if args.reference_dtype is not None:
+        import copy
+
+        import torch
+
+        reference = copy.deepcopy(model).to(getattr(torch, args.reference_dtype))
 
     step_plan = plan_step(batch, dp=1, capacity=args.capacity)
     cbs = [step_plan.compact_microbatch(k) for k in range(step_plan.num_microbatches)]
@@ -157,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     cbs = [cbs[k] for k in chosen]
     plans = plan_calls_many([cb.segment_trees for cb in cbs], model.config.chunk_size)
     settings = _SETTINGS[args.recompute]
-    bar = progress(len(cbs) * len(settings) * len(PATHS), "fidelity", "path")
+    per_setting = len(PATHS) + (reference is not None)
+    bar = progress(len(cbs) * len(settings) * per_setting, "fidelity", "path")
 
     def on_path(name: str) -> None:
         bar.set_postfix_str(name, refresh=False)
@@ -172,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         chunk_rows=args.logit_chunk,
         on_path=on_path,
         old_logprobs=args.old_logprobs,
+        reference=reference,
     )
     bar.close()
 
@@ -198,6 +210,14 @@ def run(args: argparse.Namespace) -> int:
         print(_depth_table(rec["handoff_depth"], "d"))
         print(f"\n{setting}: the same by states imported from another sequence (the handoffs replay changes)")
         print(_depth_table(rec["imported_states"], "imports"))
+        if "vs_reference" in rec:
+            print(
+                f"\n{setting}: every path against Baseline A in {args.reference_dtype} "
+                "(R/A, N/A: each path's error over Baseline A's own)"
+            )
+            print(_depth_table(rec["vs_reference"]["handoff_depth"], "d"))
+            cos = rec["vs_reference"]["mean_cos"]
+            print("MeanCos vs reference: " + ", ".join(f"{p} {c:.8f}" for p, c in cos.items()))
         print(f"\n{setting}: Table 5 (mean logit cosine, Eq. 27), loss and gradients against Baseline A")
         print(
             format_table(
@@ -228,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
             "la_backend": args.la_backend,
             "device": args.device,
             "old_logprobs": args.old_logprobs,
+            "reference_dtype": args.reference_dtype,
             **record,
         }
         write_json(args.json_out, out, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))

@@ -91,11 +91,14 @@ def token_errors(
     targets: np.ndarray,
     *,
     chunk_rows: int = 1024,
+    ref_head_VD: torch.Tensor | None = None,
 ) -> dict[str, np.ndarray]:
     """Per predicting position: ``sym_kl``, ``abs_dnll`` and ``cos`` of ``other`` against ``ref``
     (module docstring; Eqs. 25-27 before their averages), each float64 [S - N] on the host.
 
-    ``targets`` int64 [S - N] is ``batch.next_token_targets()``. Peak extra memory is a few
+    ``targets`` int64 [S - N] is ``batch.next_token_targets()``. ``ref_head_VD``: ``ref``'s own
+    head when it ran on another copy of the weights (a higher-precision reference); default
+    ``head_weight_VD`` for both. Peak extra memory is a few
     [chunk_rows, V] float32 blocks and two float64 ones (the cosine).
     """
     n = int(ref.rows.numel())
@@ -104,12 +107,13 @@ def token_errors(
             f"paths and targets disagree on the predicting positions: {n}, {other.rows.numel()}, {targets.shape}"
         )
     w = head_weight_VD.detach()
-    cmp_dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
+    w_ref = w if ref_head_VD is None else ref_head_VD.detach()
+    cmp_dtype = torch.float64 if torch.float64 in (w.dtype, w_ref.dtype) else torch.float32
     tgt = torch.as_tensor(targets, device=w.device)
     out = {k: torch.empty(n, dtype=torch.float64, device=w.device) for k in TOKEN_METRICS}
     for a in range(0, n, chunk_rows):
         b = min(n, a + chunk_rows)
-        z_a = torch.nn.functional.linear(ref.hidden_TD[ref.rows[a:b]], w).to(cmp_dtype)
+        z_a = torch.nn.functional.linear(ref.hidden_TD[ref.rows[a:b]], w_ref).to(cmp_dtype)
         z_x = torch.nn.functional.linear(other.hidden_TD[other.rows[a:b]], w).to(cmp_dtype)
         lp_a = torch.log_softmax(z_a, dim=-1)
         lp_x = torch.log_softmax(z_x, dim=-1)

@@ -119,7 +119,10 @@ def test_fidelity_float64_every_path_is_baseline_to_rounding(tmp_path, capsys) -
 
 def test_fidelity_float32_json_and_plot(tmp_path) -> None:  # noqa: ANN001
     png = tmp_path / "fig4.png"
-    rec = _run(tmp_path, "--dtype", "float32", "--recompute", "on", "--plot", str(png), "--logit-chunk", "97")
+    rec = _run(
+        tmp_path, "--dtype", "float32", "--recompute", "on", "--plot", str(png), "--logit-chunk", "97",
+        "--reference-dtype", "float64",
+    )  # fmt: skip
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (setting,) = rec["settings"].values()
     d = setting["handoff_depth"]
@@ -131,6 +134,16 @@ def test_fidelity_float32_json_and_plot(tmp_path) -> None:  # noqa: ANN001
         assert setting["mean_cos"][p] > 0.9999
     # no-replay executes differently (its own rounding) where replay stays on the baseline's grid
     assert sum(d["mean"]["no_replay"]["abs_dnll"][1:]) > 0
+
+    # against the float64 copy every float32 path has rounding error, Baseline A's own included,
+    # and Replay's stays of the same size as A's at every depth
+    hi = setting["vs_reference"]["handoff_depth"]
+    assert set(hi["mean"]) == set(PATHS) and hi["tokens"] == d["tokens"]
+    for i, n in enumerate(hi["tokens"]):
+        if n and i > 0:
+            assert hi["mean"]["baseline_a"]["abs_dnll"][i] > 0
+            assert 0.5 < hi["ratio_to_baseline_a"]["replay"]["abs_dnll"][i] < 2.0
+    assert setting["vs_reference"]["mean_cos"]["replay"] > 0.9999
 
 
 def test_fidelity_batch_file(tmp_path) -> None:  # noqa: ANN001
