@@ -19,6 +19,14 @@
 #            6 x (3 KDA + 1 MLA); 128 experts; 0.99 B parameters at the small workload's 512-token
 #            vocabulary, 1.47 B at 157k), baseline and harts side by
 #            side; JSON per run.
+# 4. fidelity harts fidelity --device cuda --dtype bfloat16 --la-backend fla --attention mask: the
+#            paper's replay ablation (§5.4, Table 5 and Figure 4): Baseline A, Baseline B (rerun
+#            noise), harts Replay and No-replay, without and with recomputation, errors by
+#            state-handoff depth; FIDELITY_MODEL (default ling3_tiny's dimensions, pattern KKKM,
+#            the paper's 157,184-entry vocabulary for the full-vocabulary KL) on FIDELITY_WORK
+#            (default: the small workload's step 0 at capacity 8,192, both microbatches, depths
+#            0..6+); every path also against Baseline A on a float32 copy of the weights (the
+#            noise floor if a rerun on one GPU is bit-identical); OUT_DIR/fidelity.json and .png.
 #
 # Every step writes OUT_DIR/<name>.log (and .json); OUT_DIR/summary.txt has one line per run
 # with its exit status and wall time. The exit status is the number of failed runs.
@@ -29,7 +37,8 @@
 #                 small workload that autotunes the bf16 kernels: cold Triton autotuning is
 #                 CPU-bound compilation, so this cuts a cold run's wall time several-fold.
 #                 The timed benches (step 3) always run alone.
-#   STEPS         which of "tests compare la bench" to run (default "tests compare bench"; "la" runs
+#   STEPS         which of "tests compare la bench fidelity" to run (default "tests compare bench
+#                 fidelity"; "la" runs
 #                 python -m harts.bench.la_bench on LA_WORK's rounds, default medium)
 #   BENCH_MODEL   bench model flags (default "--model ling3_tiny --pattern KKKM")
 #   BENCH_WORK    bench workload flags (default "--workload small": 3 steps of ~38k raw tokens;
@@ -40,11 +49,12 @@
 #   TEST_FILES    GPU test files (default: the fla and the attention tests)
 #   PYTEST_XDIST  extra pytest flags, e.g. "-n 4" (tests autotune different shapes: parallel helps)
 #   COMPARE_LA, COMPARE_ATTN   compare grid (default "fla reference" x "mask gather")
+#   FIDELITY_MODEL, FIDELITY_WORK   fidelity model and workload flags (defaults in step 4)
 set -uo pipefail
 
 OUT=${1:-gpu_check_out}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-tests compare bench}
+STEPS=${STEPS:-tests compare bench fidelity}
 BENCH_MODEL=${BENCH_MODEL:---model ling3_tiny --pattern KKKM}
 BENCH_WORK=${BENCH_WORK:---workload small}
 BENCH_ATTN=${BENCH_ATTN:-gather mask}
@@ -141,8 +151,15 @@ if want bench; then
     done
 fi
 
+if want fidelity; then
+    FIDELITY_MODEL=${FIDELITY_MODEL:---model ling3_tiny --pattern KKKM --vocab-size 157184}
+    FIDELITY_WORK=${FIDELITY_WORK:---workload small --step 0 --capacity 8192}
+    # shellcheck disable=SC2086
+    run fidelity "${HARTS[@]}" fidelity --overwrite --device cuda --dtype bfloat16 --la-backend fla \
+        --attention mask --reference-dtype float32 $FIDELITY_MODEL $FIDELITY_WORK --json "$OUT/fidelity.json" --plot "$OUT/fidelity.png"
+fi
 
-for f in "$OUT"/compare_*.log "$OUT"/la_bench.log "$OUT"/bench_*.log; do
+for f in "$OUT"/compare_*.log "$OUT"/la_bench.log "$OUT"/bench_*.log "$OUT"/fidelity.log; do
     [[ -e $f ]] || continue
     echo "=== $f"
     grep -v "^\s*$" "$f" | tail -n 25
