@@ -13,13 +13,13 @@
 #            ling3_tiny's dimensions (chunk 64, 16 heads of 128: what fla's kernels take) with
 #            pattern KGMA, so KDA, GDN (fla forward, reference backward on Hopper, fla #640),
 #            MLA and GQA all run; workload tiny.
-# 3. bench   harts bench --device cuda --la-backend fla --dtype bfloat16 --recompute: the
+# 3. bench   harts bench --device cuda --la-backend auto --dtype bfloat16 --recompute: the
 #            small workload's 3 steps at capacity 65,536 (BENCH_WORK for others),
 #            ling3_tiny's dimensions with pattern KKKM (one period of the paper model's
 #            6 x (3 KDA + 1 MLA); 128 experts; 0.99 B parameters at the small workload's 512-token
 #            vocabulary, 1.47 B at 157k), baseline and harts side by
 #            side; JSON per run.
-# 4. fidelity harts fidelity --device cuda --dtype bfloat16 --la-backend fla --attention mask: the
+# 4. fidelity harts fidelity --device cuda --dtype bfloat16 --la-backend auto --attention mask: the
 #            paper's replay ablation (§5.4, Table 5 and Figure 4): Baseline A, Baseline B (rerun
 #            noise), harts Replay and No-replay, without and with recomputation, errors by
 #            state-handoff depth; FIDELITY_MODEL (default ling3_tiny's dimensions, pattern KKKM,
@@ -155,7 +155,7 @@ if want fidelity; then
     FIDELITY_MODEL=${FIDELITY_MODEL:---model ling3_tiny --pattern KKKM --vocab-size 157184}
     FIDELITY_WORK=${FIDELITY_WORK:---workload small --step 0 --capacity 8192}
     # shellcheck disable=SC2086
-    run fidelity "${HARTS[@]}" fidelity --overwrite --device cuda --dtype bfloat16 --la-backend fla \
+    run fidelity "${HARTS[@]}" fidelity --overwrite --device cuda --dtype bfloat16 --la-backend auto \
         --attention mask --reference-dtype float32 $FIDELITY_MODEL $FIDELITY_WORK --json "$OUT/fidelity.json" --plot "$OUT/fidelity.png"
 fi
 
