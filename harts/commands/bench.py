@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile",
         default=None,
         metavar="DIR",
-        help="write a Chrome trace (torch profiler) of one microbatch per side into DIR",
+        help="write a Chrome trace (torch profiler) of one microbatch per side into DIR, and its top-40 operator table (.txt)",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first microbatch of each side")
     add_output_arguments(p, what="every figure")

@@ -30,3 +30,14 @@ def test_bench_step_counts():
     assert set(r.to_dict()) >= {"fbg_speedup", "core_speedup", "compression"}
     # the benchmark leaves no gradients behind
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_bench_profile_writes_trace_and_operator_table(tmp_path) -> None:
+    from harts.cli import main
+
+    prof = tmp_path / "prof"
+    assert main(["bench", "--workload", "tiny", "--model", "tiny", "--steps", "1", "--profile", str(prof)]) == 0
+    for side in ("baseline", "harts"):
+        assert (prof / "step0" / f"{side}.json").stat().st_size > 0
+        table = (prof / "step0" / f"{side}.txt").read_text()
+        assert "Self CPU" in table and "aten::" in table
