@@ -1,6 +1,6 @@
 """The one-pass tree kernel (``tree_chunk_linear_attn``) against the reference operator (CUDA only).
 
-Adversarial rounds: sequences of 1, 63, 64, 65, 129 and 700 rows, requests at every chunk
+Adversarial rounds: sequences of 1, 63, 64, 65, 129, 0 (empty) and 700 rows, requests at every chunk
 boundary of the long ones (>= 6 handoffs), repeated requests, initial and final states, a
 consumer round that starts 9 sequences (fan-out >= 8) from the exported states. KDA and GDN,
 float32 (tight) and bfloat16, whose tolerance is fla's own split path's error on the same rows
@@ -18,7 +18,7 @@ from harts.ops.linear_attn.fla import fla_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fla_available(), reason="needs CUDA and fla-core")]
 
-LENGTHS = [1, 63, 64, 65, 129, 700]
+LENGTHS = [1, 63, 64, 65, 129, 0, 700]
 
 
 def _inputs(kind: str, H: int = 4, K: int = 64, V: int = 64):  # noqa: ANN202
@@ -32,7 +32,16 @@ def _inputs(kind: str, H: int = 4, K: int = 64, V: int = 64):  # noqa: ANN202
     h0 = torch.randn(len(LENGTHS), H, K, V, device=dev, dtype=torch.float64)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device=dev)
     long = len(LENGTHS) - 1
-    req = [[long, c] for c in range(64, 700, 64)] + [[4, 64], [4, 128], [4, 129], [3, 64], [0, 0], [2, 64], [long, 64]]
+    req = [[long, c] for c in range(64, 700, 64)] + [
+        [4, 64],
+        [4, 128],
+        [4, 129],
+        [3, 64],
+        [0, 0],
+        [2, 64],
+        [long, 64],
+        [5, 0],
+    ]
     return [q, k, v, g, beta], h0, cu, torch.tensor(req, device=dev)
 
 
