@@ -140,6 +140,15 @@ class OnlineTrainer:
         )
         self.state = state or OnlineState(cfg.seed)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs besides ``model`` and ``optimizer``: the online state and the
+        reference policy's weights (the initial weights, which a resumed run no longer has)."""
+        return {"state": self.state.state_dict(), "reference": self.reference.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state["state"])
+        self.reference.load_state_dict(state["reference"])
+
     def step(self, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         """One online step; returns (and appends to ``state.history``) its metrics record."""
         t0 = time.perf_counter()
