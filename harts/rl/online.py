@@ -157,6 +157,7 @@ class OnlineTrainer:
         ro = collect(self.model, self.make_env, self.cfg.rollout, self.state.task_rng, self.state.sampler)
         note("score")
         batch = ro.batch
+        assert batch.old_logprobs is not None and batch.group_ids is not None, "collect() sets both"
         lp, entropy = policy_pass(self.model, batch, self.train_cfg)
         ref_lp, _ = policy_pass(self.reference, batch, self.train_cfg)
         act = per_logprob(batch, batch.action_mask)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -87,6 +88,10 @@ class StepLog:
     clip_frac: float = 0.0
     kl: float = 0.0
     action_tokens: int = 0
+    #: the batch's advantages over its action tokens: mean, std, fraction that are non-zero
+    adv_mean: float = 0.0
+    adv_std: float = 0.0
+    adv_nonzero: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -264,6 +269,7 @@ def train_step(
     # planning is reported apart from the training interval (the paper's F/B/Grad vs Core)
     train_seconds = time.perf_counter() - t0 - acc.plan_seconds
     acts = acc.diagnostics["action_tokens"]
+    adv = batch.advantages[batch.action_mask]
     return StepLog(
         step=step,
         paths=batch.num_trajectories,
@@ -283,6 +289,9 @@ def train_step(
         clip_frac=acc.diagnostics["clip_frac"] / max(acts, 1.0),
         kl=acc.diagnostics["kl"] / max(acts, 1.0),
         action_tokens=int(acts),
+        adv_mean=float(adv.mean()) if adv.size else 0.0,
+        adv_std=float(adv.std()) if adv.size else 0.0,
+        adv_nonzero=float(np.count_nonzero(adv) / adv.size) if adv.size else 0.0,
     )
 
 
