@@ -157,7 +157,8 @@ class OnlineTrainer:
         ro = collect(self.model, self.make_env, self.cfg.rollout, self.state.task_rng, self.state.sampler)
         note("score")
         batch = ro.batch
-        assert batch.old_logprobs is not None and batch.group_ids is not None, "collect() sets both"
+        groups = batch.group_ids
+        assert batch.old_logprobs is not None and groups is not None, "collect() sets both"
         lp, entropy = policy_pass(self.model, batch, self.train_cfg)
         ref_lp, _ = policy_pass(self.reference, batch, self.train_cfg)
         act = per_logprob(batch, batch.action_mask)
@@ -170,7 +171,7 @@ class OnlineTrainer:
         logs = []
         for i, tasks in enumerate(np.array_split(np.arange(self.cfg.rollout.tasks), self.cfg.updates)):
             note(f"update {i + 1}/{self.cfg.updates}")
-            sub = batch.select(np.flatnonzero(np.isin(batch.group_ids, tasks)))
+            sub = batch.select(np.flatnonzero(np.isin(groups, tasks)))
             logs.append(train_step(self.model, self.optimizer, sub, self.train_cfg, step=self.state.step))
         acts = max(sum(log.action_tokens for log in logs), 1)
         step_seconds = time.perf_counter() - t0
