@@ -46,7 +46,7 @@ COLUMNS = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default="runs/demo", metavar="DIR", help="where metrics.jsonl and the summary go")
-    p.add_argument("--steps", type=positive_int, default=40, help="online steps (sample, then train)")
+    p.add_argument("--steps", type=positive_int, default=60, help="online steps (sample, then train)")
     p.add_argument(
         "--mode",
         default="compact",
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compact (harts), trajectory (the baseline) or both, same seed, side by side",
     )
     p.add_argument("--seed", type=seed_int, default=0, help="model init, tasks and sampling")
-    p.add_argument("--tasks", type=positive_int, default=16, help="episodes (rollout trees) per step")
+    p.add_argument("--tasks", type=positive_int, default=32, help="episodes (rollout trees) per step")
     p.add_argument("--group-size", type=positive_int, default=4, help="first turns sampled per task")
     p.add_argument("--fork-width", type=positive_int, default=2, help="branches at each later turn boundary")
     p.add_argument("--max-leaves", type=positive_int, default=8, help="paths per task at most")
@@ -64,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device (sampling and training)")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="CPU threads for torch (a tiny model gains nothing from more, and on a busy machine "
+        "oversubscribed threads make every step many times slower)",
+    )
     p.add_argument("--tensorboard", action="store_true", help="also log to RUN_DIR/tensorboard (if installed)")
     add_output_arguments(p, what="the summary")
 
@@ -116,6 +123,7 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str) -> dict[str, Any]:
     from harts.rollout.collect import RolloutConfig
 
     t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
     env = ToolLookup()
     torch.manual_seed(args.seed)
     model = HybridLM(HybridConfig.tiny(vocab_size=env.vocab_size, dtype=args.dtype)).to(args.device)
@@ -127,7 +135,11 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str) -> dict[str, Any]:
             max_leaves=args.max_leaves,
             temperature=args.temperature,
         ),
-        train=TrainConfig(lr=args.lr, kl_coef=args.kl_coef, execution=ExecutionConfig(mode=mode)),
+        # one attention call per branch: the tiny model's head dims (8, 12) are below the
+        # minimum (16) of FlexAttention, which the tree-mask path uses on CUDA
+        train=TrainConfig(
+            lr=args.lr, kl_coef=args.kl_coef, execution=ExecutionConfig(mode=mode, attention="gather")
+        ),
         updates=args.updates,
         seed=args.seed,
     )
