@@ -46,7 +46,8 @@ def test_demo_both_modes_agree_in_float64_and_plot_overlays(tmp_path, capsys) ->
     code, out, _ = _run(capsys, *SMALL, "--mode", "both", "--dtype", "float64", "--run-dir", run_dir)
     assert code == 0 and "compact vs trajectory" in out
     diff = json.loads((run_dir / "summary.json").read_text())["compact_vs_trajectory"]
-    assert diff["max_abs_loss_diff"] < 1e-9 and diff["max_abs_reward_diff"] == 0.0
+    assert diff["steps_with_equal_rewards"] == 2 and diff["max_abs_reward_diff"] == 0.0
+    assert diff["max_abs_loss_diff"] < 1e-12 and "the same rewards for 2 of 2 steps" in out
     pytest.importorskip("matplotlib")
     png = tmp_path / "curves.png"
     code, _, _ = _run(capsys, "plot", run_dir / "compact", run_dir / "trajectory", "--out", png)

@@ -93,10 +93,18 @@ def run(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = summaries[modes[0]] if len(modes) == 1 else {"runs": summaries}
     if len(modes) == 2:
         diff = summary["compact_vs_trajectory"] = _compare(summaries["compact"], summaries["trajectory"])
+        same = diff["steps_with_equal_rewards"]
         print(
-            f"compact vs trajectory, seed {args.seed} ({args.dtype}): largest per-step difference "
-            f"{diff['max_abs_loss_diff']:.1e} in loss, {diff['max_abs_reward_diff']:.1e} in reward"
+            f"compact vs trajectory, seed {args.seed} ({args.dtype}): the same rewards for {same} of {args.steps} steps",
+            end="",
         )
+        if same:
+            print(
+                f"; loss difference {diff['loss_diff_step0']:.1e} at step 0, at most "
+                f"{diff['max_loss_diff_while_equal']:.1e} over those steps (rounding, which training amplifies)",
+                end="",
+            )
+        print()
     write_json(os.path.join(args.run_dir, "summary.json"), summary)
     if args.json_out:
         write_json(args.json_out, summary)
@@ -137,9 +145,7 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str) -> dict[str, Any]:
         ),
         # one attention call per branch: the tiny model's head dims (8, 12) are below the
         # minimum (16) of FlexAttention, which the tree-mask path uses on CUDA
-        train=TrainConfig(
-            lr=args.lr, kl_coef=args.kl_coef, execution=ExecutionConfig(mode=mode, attention="gather")
-        ),
+        train=TrainConfig(lr=args.lr, kl_coef=args.kl_coef, execution=ExecutionConfig(mode=mode, attention="gather")),
         updates=args.updates,
         seed=args.seed,
     )
@@ -196,9 +202,17 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str) -> dict[str, Any]:
     return summary
 
 
-def _compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """Largest per-step differences between two runs' losses and rewards."""
+def _compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """How two runs of one seed compare: for how many steps they sampled the same trees (the
+    same rewards), and how far their losses differ over those steps."""
+    same = 0
+    while same < min(len(a["rewards"]), len(b["rewards"])) and a["rewards"][same] == b["rewards"][same]:
+        same += 1
+    diffs = [abs(x - y) for x, y in zip(a["losses"][:same], b["losses"][:same])]
     return {
+        "steps_with_equal_rewards": same,
+        "loss_diff_step0": diffs[0] if diffs else None,
+        "max_loss_diff_while_equal": max(diffs) if diffs else None,
         "max_abs_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
         "max_abs_reward_diff": max(abs(x - y) for x, y in zip(a["rewards"], b["rewards"])),
     }

@@ -98,3 +98,9 @@ def test_reward_rises_on_tool_lookup() -> None:
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert last >= 2 * first
     assert last > 1.2 / ToolLookup().num_values
+
+
+def test_a_run_is_deterministic() -> None:
+    a, b = _trainer(), _trainer()
+    for _ in range(2):
+        assert _strip(a.step()) == _strip(b.step())
