@@ -71,3 +71,14 @@ def test_moving_average() -> None:
     from harts.commands.plot import moving_average
 
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_tensorboard_when_installed_else_one_warning(tmp_path, capsys) -> None:  # noqa: ANN001
+    from harts.rl.metrics import tensorboard_available
+
+    code, _, err = _run(capsys, *SMALL, "--run-dir", tmp_path / "tb", "--tensorboard")
+    assert code == 0 and (tmp_path / "tb" / "metrics.jsonl").exists()
+    if tensorboard_available():
+        assert any((tmp_path / "tb" / "tensorboard").iterdir()) and "--tensorboard" not in err
+    else:
+        assert err.count("--tensorboard") == 1

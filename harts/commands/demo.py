@@ -85,6 +85,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--updates {args.updates}: at most --tasks ({args.tasks}) updates per step")
     check_output_dir(args.run_dir, "--run-dir", args.overwrite)
     check_device(args.device)
+    if args.tensorboard:
+        import sys
+
+        from harts.rl.metrics import tensorboard_available
+
+        if not tensorboard_available():
+            print(
+                "harts: warning: --tensorboard: torch.utils.tensorboard does not import here (pip install "
+                "tensorboard); the metrics go to metrics.jsonl only",
+                file=sys.stderr,
+            )
     modes = ["compact", "trajectory"] if args.mode == "both" else [args.mode]
     summaries = {}
     for mode in modes:
