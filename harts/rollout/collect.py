@@ -138,16 +138,18 @@ def collect(
                 reading.append((p, result.observation))
             else:
                 reading.append((p, []))
-        live = []
         fed = [(p, obs) for p, obs in reading if obs]
-        for (p, _), b in zip(fed, extend(model, [p.branch for p, _ in fed], [obs for _, obs in fed]) if fed else []):
-            p.branch = b
+        if fed:
+            for (p, _), b in zip(fed, extend(model, [p.branch for p, _ in fed], [obs for _, obs in fed])):
+                p.branch = b
+        # a turn boundary: fork while the task has room for more paths
+        live = []
         for p, _ in reading:
             width = cfg.fork_width if paths_of[p.task] + cfg.fork_width - 1 <= cfg.max_leaves else 1
             paths_of[p.task] += width - 1
-            for i, b in enumerate(p.branch.fork(width)):
-                live.append(p if i == 0 else _Path(p.task, p.env.clone(), b, p.node, p.reward, p.turns, dict(p.info)))
-                live[-1].branch = b
+            p.branch, *rest = p.branch.fork(width)
+            live.append(p)
+            live += [_Path(p.task, p.env.clone(), b, p.node, p.reward, p.turns, dict(p.info)) for b in rest]
 
     # trajectories are numbered in leaf-node order (RolloutTree); a finished path's node is its leaf
     finished.sort(key=lambda p: p.node)
