@@ -93,7 +93,9 @@ class DecodeContext(RowContext):
         pos_BN = self.lengths[:, None] + torch.arange(self.n_max)[None, :]
         self.position = pos_BN.to(device)[self.valid_BN]
         self.row_weight = torch.ones(self.num_rows, dtype=torch.float64, device=device)
+        # part of the RowContext interface; the recurrence here runs token by token, unchunked
         self.chunk_size = 64
+        #: the decoder layer running now (``extend`` sets it): which cache the ops read and write
         self.layer = -1
         self.caches: list[list[LayerCache]] = [list(b.layers) for b in branches]
 
