@@ -56,7 +56,7 @@ def test_bad_option_values_name_the_option(capsys, argv, match):
 
 def test_every_command_takes_json_file_and_help_shows_defaults(capsys):
     parser = build_parser()
-    positional = {"calls": ["t.json"], "convert": ["ckpt"]}
+    positional = {"calls": ["t.json"], "convert": ["ckpt"], "plot": ["run"]}
     commands = parser._subparsers._group_actions[0].choices
     assert set(commands) >= {"stats", "calls", "plan", "compare", "bench", "train", "convert"}
     for name in commands:

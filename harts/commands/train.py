@@ -253,6 +253,14 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                     mb_bar.close()
                 logs.append(log)
                 state["in_update"] = False
+                if rank == 0 and log.adv_nonzero == 0 and not state.get("warned_zero_adv"):
+                    state["warned_zero_adv"] = True
+                    tqdm.write(
+                        f"harts: warning: step {i}: every advantage is zero, so the policy loss and its gradient "
+                        "are zero and the weights only follow the MoE router losses (does the batch carry "
+                        "advantages?); this warning is shown once",
+                        file=sys.stderr,
+                    )
                 if rank == 0:
                     tqdm.write(
                         f"step {i}: loss {log.loss:+.5f}  grad-norm {log.grad_norm:.4f}  "
@@ -342,6 +350,10 @@ def _finish(
                 l.rank_replay_rows,
                 f"{l.loss:+.5f}",
                 f"{l.grad_norm:.4f}",
+                f"{l.adv_mean:+.3f}",
+                f"{l.adv_std:.3f}",
+                f"{l.adv_nonzero:.0%}",
+                f"{l.clip_frac:.3f}",
                 f"{l.plan_seconds:.3f}",
                 f"{l.prepare_seconds:.3f}",
                 f"{l.train_seconds:.3f}",
@@ -360,6 +372,10 @@ def _finish(
                     "replay",
                     "loss",
                     "|g|",
+                    "adv mean",
+                    "adv std",
+                    "adv!=0",
+                    "clip",
                     "plan s",
                     "prepare s",
                     "train s",

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -82,6 +83,15 @@ class StepLog:
     train_seconds: float
     #: semantic tokens per second of training time, per rank
     tokens_per_second: float
+    #: the policy loss's diagnostics over the step's action tokens: clipped fraction, mean k3 KL
+    #: to the reference (0 without kl_coef), action tokens
+    clip_frac: float = 0.0
+    kl: float = 0.0
+    action_tokens: int = 0
+    #: the batch's advantages over its action tokens: mean, std, fraction that are non-zero
+    adv_mean: float = 0.0
+    adv_std: float = 0.0
+    adv_nonzero: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +115,8 @@ class _Accumulated:
     replay_rows: int
     plan_seconds: float
     prepare_seconds: float
+    #: clip_frac, kl, action_tokens summed over microbatches (fractions weighted by action tokens)
+    diagnostics: dict[str, float] = field(default_factory=dict)
 
 
 def check_capacity(batch: RolloutBatch, capacity: int, *, step: int | None = None) -> None:
@@ -150,6 +162,7 @@ def accumulate_step_gradients(
     z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
 
     loss_sum = moe_sum = 0.0
+    diag = {"clip_frac": 0.0, "kl": 0.0, "action_tokens": 0.0}
     counts_sum = None
     rows = calls = replay = 0
     tp = time.perf_counter()
@@ -166,10 +179,14 @@ def accumulate_step_gradients(
         inputs = sub if cb is None else model.prepare_compact(cb, cfg.execution, plan=call_plan)
         prepare_seconds += time.perf_counter() - tp
         out = model(inputs, cfg.execution)
-        loss = grpo_loss(
+        pg = grpo_loss(
             out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer
-        ).loss
-        total = loss
+        )
+        loss = total = pg.loss
+        acts = pg.metrics["action_tokens"]
+        diag["clip_frac"] += pg.metrics["clip_frac"] * acts
+        diag["kl"] += pg.metrics["kl_mean"] * acts
+        diag["action_tokens"] += acts
         if out.moe_losses is not None:
             moe = (sub.num_tokens / batch.num_tokens) * out.moe_objective(z_coef, aux_coef)
             total = total + moe
@@ -197,9 +214,10 @@ def accumulate_step_gradients(
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-        scalars = torch.tensor([loss_sum, moe_sum], dtype=torch.float64, device=device)
+        scalars = torch.tensor([loss_sum, moe_sum, *diag.values()], dtype=torch.float64, device=device)
         dist.all_reduce(scalars)
         loss_sum, moe_sum = float(scalars[0]), float(scalars[1])
+        diag = dict(zip(diag, scalars[2:].tolist()))
         if counts_sum is not None:
             dist.all_reduce(counts_sum)
     return _Accumulated(
@@ -213,6 +231,7 @@ def accumulate_step_gradients(
         replay_rows=replay,
         plan_seconds=plan_seconds,
         prepare_seconds=prepare_seconds,
+        diagnostics=diag,
     )
 
 
@@ -249,6 +268,8 @@ def train_step(
         torch.cuda.synchronize(device)
     # planning is reported apart from the training interval (the paper's F/B/Grad vs Core)
     train_seconds = time.perf_counter() - t0 - acc.plan_seconds
+    acts = acc.diagnostics["action_tokens"]
+    adv = batch.advantages[batch.action_mask]
     return StepLog(
         step=step,
         paths=batch.num_trajectories,
@@ -265,6 +286,12 @@ def train_step(
         prepare_seconds=round(acc.prepare_seconds, 4),
         train_seconds=round(train_seconds, 4),
         tokens_per_second=round(batch.num_tokens / max(train_seconds, 1e-9) / world, 1),
+        clip_frac=acc.diagnostics["clip_frac"] / max(acts, 1.0),
+        kl=acc.diagnostics["kl"] / max(acts, 1.0),
+        action_tokens=int(acts),
+        adv_mean=float(adv.mean()) if adv.size else 0.0,
+        adv_std=float(adv.std()) if adv.size else 0.0,
+        adv_nonzero=float(np.count_nonzero(adv) / adv.size) if adv.size else 0.0,
     )
 
 

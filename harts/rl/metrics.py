@@ -1,0 +1,87 @@
+"""Per-step metrics of a run: ``RUN_DIR/metrics.jsonl``, and TensorBoard when it is installed.
+
+``MetricsWriter(run_dir)`` appends one JSON object per step to ``metrics.jsonl`` (flushed at
+once, so a crash or Ctrl-C keeps every finished step) and, with ``tensorboard=True`` and
+``torch.utils.tensorboard`` importable, writes every numeric field as a scalar too.
+``read_metrics(run_dir)`` reads a run back (``harts plot``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from harts.errors import UserError
+
+__all__ = ["METRICS_FILE", "MetricsWriter", "read_metrics", "tensorboard_available"]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def tensorboard_available() -> bool:
+    """Whether ``torch.utils.tensorboard`` imports (it needs the ``tensorboard`` package)."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class MetricsWriter:
+    """Appends step records to ``run_dir/metrics.jsonl`` (and TensorBoard, see module docstring)."""
+
+    def __init__(self, run_dir: str, *, tensorboard: bool = False) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._tb: Any = None
+        if tensorboard and tensorboard_available():
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+
+    @property
+    def tensorboard(self) -> bool:
+        return self._tb is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One step's record; ``record["step"]`` is the x axis."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """The step records of ``run_dir`` in file order; UserError naming the file and line when
+    the directory has no metrics or a line is not JSON."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        raise UserError(f"{run_dir}: no {METRICS_FILE} here (is it a run directory of 'harts demo'?)")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}, line {i}: not JSON ({err.msg})") from None
+    if not records:
+        raise UserError(f"{path}: no steps recorded")
+    return records
