@@ -17,7 +17,7 @@ import harts
 #: edges still pointing up (none: add one only with the reason it cannot be fixed yet)
 KNOWN_UP: set[tuple[str, str]] = set()
 
-RANK = {"errors": 0, "tree": 1, "plan": 2, "ops": 3, "models": 4, "rl": 5, "integrations": 5,
+RANK = {"errors": 0, "tree": 1, "plan": 2, "ops": 3, "models": 4, "rl": 5, "parallel": 5, "integrations": 5,
         "bench": 6, "commands": 7, "cli": 8}  # fmt: skip
 
 

@@ -10,13 +10,18 @@ Per step (one RolloutBatch):
    ``cfg.execution`` (mode "compact" or the "trajectory" baseline),
    GRPO loss normalized by the *whole step's* denominator, MoE router objective weighted by
    the microbatch's share of the step's semantic tokens, backward (gradients accumulate);
-3. gradients and q-weighted expert counts are summed across ranks (``all_reduce``); because
-   every microbatch loss is already divided by the global denominator, the sum is exactly the
-   gradient of the step's loss — identical for any D and any microbatching;
-4. gradient clipping, optimizer step, expert-bias update from the summed counts.
+3. gradients are reduced once per step: FSDP2 reduce-scatters (sums) them in the last
+   microbatch's backward, expert blocks are summed over their ``dp`` replicas
+   (``harts.parallel``), and the loss and q-weighted expert counts are summed across ranks;
+   because every microbatch loss is already divided by the global denominator, the sum is
+   exactly the gradient of the step's loss — identical for any D and any microbatching;
+4. gradient clipping (over the shards), optimizer step, expert-bias update from the summed counts.
 
-Data parallelism is plain ``torch.distributed`` (gloo on CPU, NCCL on CUDA): launch with
-``torchrun --nproc-per-node D``; without a process group the loop runs on one process with D = 1.
+Parallelism is torch's own engine, applied from outside: ``harts.parallel.init_parallel`` builds
+the (dp, ep) mesh and ``parallelize`` shards the model (FSDP2, expert parallelism); pass the
+``ParallelState`` as ``parallel=``. Without it the loop runs on one process. ``cfg.replicas``
+makes one process execute a D-replica plan (every replica's microbatches in sequence): the same
+microbatches, hence the same step objective, as D ranks.
 """
 
 from __future__ import annotations
@@ -31,13 +36,23 @@ import torch.distributed as dist
 from harts.errors import CapacityError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
+from harts.parallel.mesh import ParallelConfig, ParallelState
+from harts.parallel.parallelize import clip_grad_norm, finish_gradients, set_gradient_sync
 from harts.plan.calls import CallPlan
 from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch
 
-__all__ = ["TrainConfig", "StepLog", "accumulate_step_gradients", "check_capacity", "train", "train_step"]
+__all__ = [
+    "TrainConfig",
+    "StepLog",
+    "accumulate_step_gradients",
+    "check_capacity",
+    "replicas_of",
+    "train",
+    "train_step",
+]
 
 
 @dataclass(kw_only=True)
@@ -59,6 +74,9 @@ class TrainConfig:
     expert_bias_rate: float = 1e-3
     #: drop the batch's old/ref log-probs and train on-policy (synthetic workloads carry random ones)
     on_policy: bool = True
+    #: replicas D of the step plan; None: the number of ranks. On one process a D-replica plan
+    #: runs every replica's microbatches in sequence (what D ranks compute, on one)
+    replicas: int | None = None
 
 
 @dataclass
@@ -87,10 +105,27 @@ class StepLog:
         return asdict(self)
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _state(model: HybridLM, parallel: ParallelState | None) -> ParallelState:
+    """``parallel``, or the one-process state (refused under a process group: the model must be
+    sharded by ``harts.parallel.parallelize`` and its state passed)."""
+    if parallel is not None:
+        return parallel
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "a process group of several ranks is running: shard the model with harts.parallel.parallelize "
+            "and pass its ParallelState as parallel=..."
+        )
+    return ParallelState(config=ParallelConfig(), rank=0, world_size=1, device=model.embed_tokens.weight.device)
+
+
+def replicas_of(cfg: TrainConfig, state: ParallelState) -> list[int]:
+    """The plan replicas this rank executes: its own, or on one process all of ``cfg.replicas``."""
+    d = cfg.replicas or state.world_size
+    if state.world_size > 1 and d != state.world_size:
+        raise ValueError(f"replicas={d} but {state.world_size} ranks: each rank runs one replica")
+    if int(d) != d or d < 1:
+        raise ValueError(f"replicas must be a positive integer, got {d!r}")
+    return [state.rank] if state.world_size > 1 else list(range(d))
 
 
 @dataclass
@@ -127,6 +162,7 @@ def accumulate_step_gradients(
     cfg: TrainConfig,
     *,
     progress: Callable[[int, int], None] | None = None,
+    parallel: ParallelState | None = None,
 ) -> _Accumulated:
     """Steps 1-3 of the module docstring: afterwards every ``p.grad`` holds the gradient of
     the whole step's loss (summed over this rank's microbatches and across ranks).
@@ -135,15 +171,17 @@ def accumulate_step_gradients(
     this rank's microbatches. Only ``p.grad`` changes here, so interrupting this function leaves
     the weights and the optimizer state as they were (the next ``zero_grad`` discards the rest).
     """
-    rank, world = _world()
+    state = _state(model, parallel)
+    world = state.world_size
+    replicas = replicas_of(cfg, state)
     if cfg.on_policy:
         batch = replace(batch, old_logprobs=None, ref_logprobs=None)
     kl = cfg.kl_coef if batch.ref_logprobs is not None else 0.0
     check_capacity(batch, cfg.capacity)
     t0 = time.perf_counter()
-    plan = plan_step(batch, dp=world, capacity=cfg.capacity)
+    plan = plan_step(batch, dp=cfg.replicas or world, capacity=cfg.capacity)
     plan_seconds = time.perf_counter() - t0
-    mine = plan.for_replica(rank)
+    mine = [k for r in replicas for k in plan.for_replica(r)]
     if progress is not None:
         progress(0, len(mine))
     normalizer = grpo_normalizer(batch, cfg.reduction)
@@ -156,7 +194,7 @@ def accumulate_step_gradients(
     if cfg.execution.mode == "compact":
         # slices of the step's compaction, call plans made together: nothing is compacted twice
         prepared: list[tuple[RolloutBatch, CompactBatch | None, CallPlan | None]] = [
-            (c.batch, c, p) for c, p in plan.prepare_replica(rank, model.config.chunk_size)
+            (c.batch, c, p) for r in replicas for c, p in plan.prepare_replica(r, model.config.chunk_size)
         ]
     else:
         prepared = [(batch.select(plan.microbatches[k]), None, None) for k in mine]
@@ -176,6 +214,8 @@ def accumulate_step_gradients(
             moe_sum += float(moe.detach())
             c = out.expert_counts.detach()
             counts_sum = c.clone() if counts_sum is None else counts_sum + c
+        # FSDP reduces the gradients once, in the step's last backward
+        set_gradient_sync(model, done == len(prepared))
         total.backward()
         loss_sum += float(loss.detach())
         rows += int(out.info["rows"])
@@ -185,19 +225,8 @@ def accumulate_step_gradients(
             progress(done, len(mine))
 
     if world > 1:
-        device = model.embed_tokens.weight.device
-        grads = []
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        scalars = torch.tensor([loss_sum, moe_sum], dtype=torch.float64, device=device)
+        finish_gradients(model, state)
+        scalars = torch.tensor([loss_sum, moe_sum], dtype=torch.float64, device=state.device)
         dist.all_reduce(scalars)
         loss_sum, moe_sum = float(scalars[0]), float(scalars[1])
         if counts_sum is not None:
@@ -225,6 +254,7 @@ def train_step(
     step: int = 0,
     progress: Callable[[int, int], None] | None = None,
     on_update: Callable[[], None] | None = None,
+    parallel: ParallelState | None = None,
 ) -> StepLog:
     """One optimizer update on ``batch`` (see the module docstring).
 
@@ -234,19 +264,19 @@ def train_step(
     the step can be abandoned with the model and optimizer untouched; from then on it should
     run to the end (``harts train`` stops taking interrupts there).
     """
-    _, world = _world()
+    state = _state(model, parallel)
+    world = state.world_size
     optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    acc = accumulate_step_gradients(model, batch, cfg, progress=progress)
+    acc = accumulate_step_gradients(model, batch, cfg, progress=progress, parallel=state)
     if on_update is not None:
         on_update()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    grad_norm = clip_grad_norm(model, cfg.max_grad_norm, state)
     optimizer.step()
     if acc.expert_counts is not None and cfg.expert_bias_rate:
         model.update_expert_bias(acc.expert_counts, rate=cfg.expert_bias_rate)
-    device = model.embed_tokens.weight.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if state.device.type == "cuda":
+        torch.cuda.synchronize(state.device)
     # planning is reported apart from the training interval (the paper's F/B/Grad vs Core)
     train_seconds = time.perf_counter() - t0 - acc.plan_seconds
     return StepLog(
@@ -275,6 +305,7 @@ def train(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     on_step: Callable[[StepLog], None] | None = None,
+    parallel: ParallelState | None = None,
 ) -> list[StepLog]:
     """Run ``train_step`` over ``batches``; returns the logs (``on_step`` sees each as it ends).
 
@@ -288,7 +319,7 @@ def train(
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     logs = []
     for i, batch in enumerate(batches):
-        log = train_step(model, optimizer, batch, cfg, step=i)
+        log = train_step(model, optimizer, batch, cfg, step=i, parallel=parallel)
         logs.append(log)
         if on_step is not None:
             on_step(log)
