@@ -319,7 +319,8 @@ def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallP
     req_seq = local_seq[whole.req_seq[rperm]]
     req_pos = whole.req_pos[rperm]
     init = whole.seq_init[perm]
-    seq_init = np.where(init >= 0, local_req[np.maximum(init, 0)], -1)
+    # no forest exports a state (e.g. one unbranched trajectory): nothing to index
+    seq_init = np.where(init >= 0, local_req[np.maximum(init, 0)], -1) if local_req.size else np.full_like(init, -1)
     # calls per forest and round_ptr from (forest, round) counts
     num_calls = np.zeros(nf, dtype=np.int64)
     np.maximum.at(num_calls, seq_forest[perm], seq_round + 1)

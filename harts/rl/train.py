@@ -74,8 +74,9 @@ class TrainConfig:
     expert_bias_rate: float = 1e-3
     #: drop the batch's old/ref log-probs and train on-policy (synthetic workloads carry random ones)
     on_policy: bool = True
-    #: replicas D of the step plan; None: the number of ranks. On one process a D-replica plan
-    #: runs every replica's microbatches in sequence (what D ranks compute, on one)
+    #: replicas D of the step plan; None: the number of ranks W. A multiple of W: each rank runs
+    #: D / W replicas' microbatches in sequence (one process all of them), so a D-replica plan
+    #: -- and the step's MoE objective, which depends on the microbatches -- is the same on any W
     replicas: int | None = None
 
 
@@ -119,13 +120,16 @@ def _state(model: HybridLM, parallel: ParallelState | None) -> ParallelState:
 
 
 def replicas_of(cfg: TrainConfig, state: ParallelState) -> list[int]:
-    """The plan replicas this rank executes: its own, or on one process all of ``cfg.replicas``."""
+    """The plan replicas this rank executes: with W ranks and D = ``cfg.replicas`` (default W;
+    a multiple of W), rank r runs replicas r, r + W, ... (one process runs all D in sequence)."""
     d = cfg.replicas or state.world_size
-    if state.world_size > 1 and d != state.world_size:
-        raise ValueError(f"replicas={d} but {state.world_size} ranks: each rank runs one replica")
     if int(d) != d or d < 1:
         raise ValueError(f"replicas must be a positive integer, got {d!r}")
-    return [state.rank] if state.world_size > 1 else list(range(d))
+    if d % state.world_size:
+        raise ValueError(
+            f"replicas={d} is not a multiple of the {state.world_size} ranks (every rank runs as many replicas)"
+        )
+    return list(range(state.rank, d, state.world_size))
 
 
 @dataclass

@@ -54,6 +54,16 @@ def test_accumulated_gradient_is_invariant_to_microbatching_and_mode():
         _assert_close(_grads(model), ref)
 
 
+def test_a_step_of_one_unbranched_trajectory():
+    # plan_calls_many once failed on forests that export no state (an IndexError)
+    batch = _batch().select([0])
+    ref_model, model = _model(), _model()
+    one = accumulate_step_gradients(ref_model, batch, TrainConfig(execution=ExecutionConfig(mode="trajectory")))
+    acc = accumulate_step_gradients(model, batch, TrainConfig())
+    assert abs(acc.loss - one.loss) <= 1e-9 * abs(one.loss)
+    _assert_close(_grads(model), _grads(ref_model))
+
+
 def test_train_runs_and_updates_weights():
     model = _model(layer_pattern="KM")
     before = [p.detach().clone() for p in model.parameters()]
