@@ -186,10 +186,10 @@ def load_checkpoint(
         path = found
     rank, _ = _rank_world()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # DCP loads in place into these (sharded) state dicts
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     meta = torch.load(path / "meta.pt", weights_only=False)
     buffers = dict(model.named_buffers())
     with torch.no_grad():
