@@ -13,8 +13,8 @@ Forward of one layer (rows T, top-k K, this rank r of ep, E_l = E / ep local exp
 1. the T*K (row, slot) pairs are sorted by expert (stable): destination rank e // E_l, and
    within it by local expert;
 2. counts [ep, E_l] are exchanged (``all_to_all_single``), so each rank knows how many rows
-   every source sends for each of its experts; the row exchange is the autograd-aware
-   ``torch.distributed.nn.functional.all_to_all_single`` (its backward is the reverse exchange);
+   every source sends for each of its experts; the row exchange is torch's autograd-aware
+   functional ``all_to_all_single_autograd`` (its backward is the reverse exchange);
 3. the received rows are grouped by local expert and each expert's SwiGLU runs on its rows
    (``torch._grouped_mm`` where ``grouped_mm_supported``, else one GEMM pair per expert);
 4. results travel back by the reverse exchange, are weighted by the rows' top-k weights on the
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from harts.models.layers.moe import MoE, grouped_mm_supported
@@ -73,9 +73,9 @@ class ExpertParallelExperts(nn.Module):
         dist.all_to_all_single(recv, send, group=self.group)
         send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
         xs = x_TD[order // k]
-        xr = all_to_all_single(xs.new_empty(sum(recv_rows), x_TD.shape[1]), xs, recv_rows, send_rows, group=self.group)
+        xr = _exchange(xs, recv_rows, send_rows, self.group)
         hr = self._local_experts(xr, recv)
-        h = all_to_all_single(hr.new_empty(t * k, hr.shape[1]), hr, send_rows, recv_rows, group=self.group)
+        h = _exchange(hr, send_rows, recv_rows, self.group)
         h = h * topk_w.reshape(-1)[order, None].to(h.dtype)
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         return h[back].view(t, k, -1).sum(1)
@@ -107,6 +107,12 @@ class ExpertParallelExperts(nn.Module):
             0, by_expert, torch.arange(by_expert.numel(), device=by_expert.device)
         )
         return hs[inverse]
+
+
+def _exchange(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all of rows with autograd (the backward is the reverse exchange)."""
+    out = all_to_all_single_autograd(x.contiguous(), out_rows, in_rows, group)
+    return out.wait() if hasattr(out, "wait") else out
 
 
 def apply_expert_parallel(model: nn.Module, state: ParallelState) -> None:

@@ -20,6 +20,8 @@ microbatch's backward turns FSDP's reduce-scatter on for the last one only.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -29,10 +31,12 @@ from torch.distributed.tensor import DTensor, Replicate
 from harts.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from harts.parallel.mesh import ParallelState
 
+M = TypeVar("M", bound=nn.Module)
+
 __all__ = ["parallelize", "set_gradient_sync", "finish_gradients", "clip_grad_norm", "is_parallelized"]
 
 
-def parallelize(model: nn.Module, state: ParallelState) -> nn.Module:
+def parallelize(model: M, state: ParallelState) -> M:
     """Shard ``model`` in place for ``state`` (no-op on one process); returns it."""
     if not state.distributed:
         return model
@@ -51,6 +55,8 @@ def parallelize(model: nn.Module, state: ParallelState) -> nn.Module:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
+            # plain SUM collectives (gloo has no PREMUL_SUM; with factor 1 there is nothing to scale)
+            m.set_force_sum_reduction_for_comms(True)
     return model
 
 
