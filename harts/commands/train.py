@@ -98,6 +98,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ep", type=positive_int, default=1, help="expert-parallel degree: ranks each MoE layer is split over"
     )
     p.add_argument(
+        "--moe-stats",
+        default="microbatch",
+        choices=["microbatch", "step"],
+        help="MoE z/aux-loss statistics: per microbatch (the paper's) or over the whole step "
+        "(independent of microbatching and ranks; one extra no-grad forward per microbatch)",
+    )
+    p.add_argument(
         "--replicas",
         type=positive_int,
         default=None,
@@ -281,7 +288,12 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                 linear_attention_backend=args.la_backend,
             )
             cfg = TrainConfig(
-                capacity=args.capacity, execution=execution, lr=args.lr, kl_coef=args.kl_coef, replicas=replicas
+                capacity=args.capacity,
+                execution=execution,
+                lr=args.lr,
+                kl_coef=args.kl_coef,
+                replicas=replicas,
+                moe_statistics=args.moe_stats,
             )
             num_parameters = model.num_parameters()
             model = parallelize(model, parallel)

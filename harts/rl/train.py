@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from harts.errors import CapacityError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
+from harts.models.layers.moe import MoE
 from harts.parallel.mesh import ParallelConfig, ParallelState
 from harts.parallel.parallelize import clip_grad_norm, finish_gradients, set_gradient_sync
 from harts.plan.calls import CallPlan
@@ -74,10 +76,20 @@ class TrainConfig:
     expert_bias_rate: float = 1e-3
     #: drop the batch's old/ref log-probs and train on-policy (synthetic workloads carry random ones)
     on_policy: bool = True
+    #: MoE load-balancing statistics (z / aux loss): "microbatch" (the paper's default: each
+    #: microbatch's own router statistics, weighted by its share of the step's tokens; the step's
+    #: objective then depends on the microbatching) or "step" (the whole step's statistics over
+    #: all microbatches and ranks, the same for any microbatching and D; costs one extra
+    #: no-grad forward per microbatch to count the step's expert assignments first)
+    moe_statistics: str = "microbatch"
     #: replicas D of the step plan; None: the number of ranks W. A multiple of W: each rank runs
     #: D / W replicas' microbatches in sequence (one process all of them), so a D-replica plan
     #: -- and the step's MoE objective, which depends on the microbatches -- is the same on any W
     replicas: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.moe_statistics not in ("microbatch", "step"):
+            raise ValueError(f"moe_statistics must be 'microbatch' or 'step', got {self.moe_statistics!r}")
 
 
 @dataclass
@@ -160,6 +172,28 @@ def check_capacity(batch: RolloutBatch, capacity: int, *, step: int | None = Non
         )
 
 
+def _set_step_statistics(model: HybridLM, stats: tuple[torch.Tensor, float] | None) -> None:
+    """Give every MoE layer its row of the step's counts [L_moe, E] and the step's weight (None clears)."""
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    for i, m in enumerate(moe):
+        m.step_statistics = None if stats is None else (stats[0][i], stats[1])
+
+
+@torch.no_grad()
+def _step_expert_counts(model: HybridLM, inputs: list[Any], cfg: TrainConfig, state: ParallelState) -> torch.Tensor:
+    """The step's q-weighted expert counts [L_moe, E]: a no-grad forward of this rank's
+    microbatches, summed over ranks (routing depends only on the weights, which the step has
+    not changed yet, so the training forwards route the same way)."""
+    counts = None
+    for x in inputs:
+        c = model(x, cfg.execution).expert_counts
+        counts = c if counts is None else counts + c
+    assert counts is not None
+    if state.world_size > 1:
+        dist.all_reduce(counts)
+    return counts
+
+
 def accumulate_step_gradients(
     model: HybridLM,
     batch: RolloutBatch,
@@ -203,30 +237,44 @@ def accumulate_step_gradients(
     else:
         prepared = [(batch.select(plan.microbatches[k]), None, None) for k in mine]
     prepare_seconds = time.perf_counter() - tp
-    for done, (sub, cb, call_plan) in enumerate(prepared, start=1):
-        tp = time.perf_counter()
-        inputs = sub if cb is None else model.prepare_compact(cb, cfg.execution, plan=call_plan)
-        prepare_seconds += time.perf_counter() - tp
-        out = model(inputs, cfg.execution)
-        loss = grpo_loss(
-            out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer
-        ).loss
-        total = loss
-        if out.moe_losses is not None:
-            moe = (sub.num_tokens / batch.num_tokens) * out.moe_objective(z_coef, aux_coef)
-            total = total + moe
-            moe_sum += float(moe.detach())
-            c = out.expert_counts.detach()
-            counts_sum = c.clone() if counts_sum is None else counts_sum + c
-        # FSDP reduces the gradients once, in the step's last backward
-        set_gradient_sync(model, done == len(prepared))
-        total.backward()
-        loss_sum += float(loss.detach())
-        rows += int(out.info["rows"])
-        calls += int(out.info["calls"])
-        replay += int(out.info["replay_rows"])
-        if progress is not None:
-            progress(done, len(mine))
+
+    def inputs_of(sub: RolloutBatch, cb: CompactBatch | None, call_plan: CallPlan | None) -> Any:
+        return sub if cb is None else model.prepare_compact(cb, cfg.execution, plan=call_plan)
+
+    step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
+    if step_level:
+        counts = _step_expert_counts(model, [inputs_of(*p) for p in prepared], cfg, state)
+        _set_step_statistics(model, (counts, float(batch.num_tokens)))
+    try:
+        for done, (sub, cb, call_plan) in enumerate(prepared, start=1):
+            tp = time.perf_counter()
+            inputs = inputs_of(sub, cb, call_plan)
+            prepare_seconds += time.perf_counter() - tp
+            out = model(inputs, cfg.execution)
+            loss = grpo_loss(
+                out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer
+            ).loss
+            total = loss
+            if out.moe_losses is not None:
+                # step-level statistics are already the microbatch's share of the step's losses
+                share = 1.0 if step_level else sub.num_tokens / batch.num_tokens
+                moe = share * out.moe_objective(z_coef, aux_coef)
+                total = total + moe
+                moe_sum += float(moe.detach())
+                c = out.expert_counts.detach()
+                counts_sum = c.clone() if counts_sum is None else counts_sum + c
+            # FSDP reduces the gradients once, in the step's last backward
+            set_gradient_sync(model, done == len(prepared))
+            total.backward()
+            loss_sum += float(loss.detach())
+            rows += int(out.info["rows"])
+            calls += int(out.info["calls"])
+            replay += int(out.info["replay_rows"])
+            if progress is not None:
+                progress(done, len(mine))
+    finally:
+        if step_level:
+            _set_step_statistics(model, None)
 
     if world > 1:
         finish_gradients(model, state)
