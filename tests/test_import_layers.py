@@ -1,7 +1,7 @@
 """The package's import graph: no circles, and data flows one way.
 
 Every ``import`` in harts counts, including those inside functions (a lazy import is still a
-dependency). Layers, lowest first: errors -> tree -> plan -> ops -> models -> rl /
+dependency). Layers, lowest first: errors -> tree -> plan -> ops -> models -> rl / parallel /
 integrations -> bench -> commands -> cli. A module may import its own layer or lower ones;
 ``import harts`` (the lazy public API) is allowed from bench and commands.
 """

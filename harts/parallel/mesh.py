@@ -124,6 +124,11 @@ def init_parallel(config: ParallelConfig, device: torch.device | str, num_expert
     device = torch.device(device)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     config.check(world, num_experts)
+    if config.cpu_offload and (device.type != "cuda" or world == 1):
+        raise UserError(
+            "--cpu-offload moves the FSDP2 shards from the GPUs to host memory: it needs --device cuda "
+            f"and several ranks (torchrun); this run has {world} rank(s) on {device.type}"
+        )
     if world == 1:
         return ParallelState(config=config, rank=0, world_size=1, device=device)
     mesh = init_device_mesh(device.type, (config.dp, config.ep), mesh_dim_names=("dp", "ep"))

@@ -81,7 +81,9 @@ def finish_gradients(model: nn.Module, state: ParallelState) -> None:
             p.grad = torch.zeros_like(p)
     if state.dp > 1:
         locals_ = [p.grad.to_local() for p in experts]  # type: ignore[union-attr]
-        flat = torch.cat([g.reshape(-1) for g in locals_])
+        # summed in at least float32, as FSDP reduces the other gradients of a bf16 model
+        work = torch.promote_types(locals_[0].dtype, torch.float32)
+        flat = torch.cat([g.reshape(-1).to(work) for g in locals_])
         dist.all_reduce(flat, group=state.group("dp"))
         offset = 0
         for g in locals_:

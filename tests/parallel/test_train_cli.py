@@ -88,6 +88,8 @@ def test_wrong_world_size_on_the_command_line():
     assert r.returncode == 2 and "--dp 2 x --ep 1 = 2 ranks, but the launch has 1" in r.stderr
     r = harts(*BASE, "--steps", "1", "--ep", "2")
     assert r.returncode == 2 and "--ep 2 does not divide the 1 rank(s)" in r.stderr
+    r = harts(*BASE, "--steps", "1", "--cpu-offload")
+    assert r.returncode == 2 and "--cpu-offload" in r.stderr and "--device cuda" in r.stderr
 
 
 def test_capacity_error_names_the_way_through():
