@@ -96,3 +96,32 @@ def test_capacity_error_names_the_way_through():
     r = harts(*BASE, "--steps", "1", "--capacity", "50")
     assert r.returncode == 2, r.stderr
     assert "--capacity 50" in r.stderr and "--recompute" in r.stderr and "--ep" in r.stderr
+
+
+@pytest.mark.slow
+def test_ranks_stop_together_on_a_signal_and_checkpoint(tmp_path):
+    """SIGINT to torchrun: both ranks finish the same step, save one checkpoint, write the log."""
+    import json
+    import signal
+
+    from harts.parallel.checkpoint import latest_checkpoint
+
+    run, log = tmp_path / "run", tmp_path / "log.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += ["-m", "harts.cli", *BASE, "--steps", "500", "--ep", "2", "--run-dir", str(run), "--json", str(log)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 1:"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    record = json.loads(log.read_text())
+    done = record["interrupted"]["completed_steps"]
+    assert record["interrupted"]["signal"] == "SIGINT" and 2 <= done < 500
+    assert f"harts: interrupted by SIGINT after step {done - 1}" in err
+    assert latest_checkpoint(run).name == f"step-{done:08d}"
+    assert len(list((latest_checkpoint(run) / "rng").iterdir())) == 2
