@@ -2,14 +2,16 @@
 
 Per step (one RolloutBatch):
 
-1. ``plan_step(batch, dp=world, capacity=T)`` — every rank builds the same plan (numpy only,
-   deterministic), so no plan is communicated;
-2. rank d executes its replica's microbatches in slot order: the plan hands out each one's
+1. ``plan_step(batch, dp=D, capacity=T)`` with D = ``cfg.replicas`` (default: the ranks) —
+   every rank builds the same plan (numpy only, deterministic), so no plan is communicated;
+2. each rank executes its replicas' microbatches in slot order (rank r of W: replicas r, r + W,
+   ...): the plan hands out each one's
    slice of the step's compaction with its call plan (``StepPlan.prepare_replica``; nothing is
    compacted twice), ``model.prepare_compact`` adds the layout, forward under
    ``cfg.execution`` (mode "compact" or the "trajectory" baseline),
    GRPO loss normalized by the *whole step's* denominator, MoE router objective weighted by
-   the microbatch's share of the step's semantic tokens, backward (gradients accumulate);
+   the microbatch's share of the step's semantic tokens (or, with ``moe_statistics="step"``,
+   normalized by the whole step's router statistics), backward (gradients accumulate);
 3. gradients are reduced once per step: FSDP2 reduce-scatters (sums) them in the last
    microbatch's backward, expert blocks are summed over their ``dp`` replicas
    (``harts.parallel``), and the loss and q-weighted expert counts are summed across ranks;

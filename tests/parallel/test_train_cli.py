@@ -105,20 +105,12 @@ def test_ranks_stop_together_on_a_signal_and_checkpoint(tmp_path):
     import signal
 
     from harts.parallel.checkpoint import latest_checkpoint
+    from tests.rl.test_train_signals import interrupt
 
     run, log = tmp_path / "run", tmp_path / "log.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += ["-m", "harts.cli", *BASE, "--steps", "500", "--ep", "2", "--run-dir", str(run), "--json", str(log)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        for line in proc.stdout:
-            if line.startswith("step 1:"):
-                break
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _, _, err = interrupt(cmd, signal.SIGINT, ENV)
     record = json.loads(log.read_text())
     done = record["interrupted"]["completed_steps"]
     assert record["interrupted"]["signal"] == "SIGINT" and 2 <= done < 500

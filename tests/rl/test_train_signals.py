@@ -32,27 +32,29 @@ def replay(steps: int) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_signal_saves_the_last_completed_step(tmp_path, sig, code):
-    save, log = tmp_path / "ckpt", tmp_path / "log.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", HARTS_DEBUG="")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CLI, *ARGS, "--save", str(save), "--json", str(log)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+def interrupt(cmd: list[str], sig: int, env: dict[str, str]) -> tuple[int, str, str]:
+    """Run ``cmd``, send ``sig`` once two steps have completed; (exit status, stdout, stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in proc.stdout:  # wait until two steps have completed, then interrupt the run
             if line.startswith("step 1:"):
                 break
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == code, err
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_signal_saves_the_last_completed_step(tmp_path, sig, code):
+    save, log = tmp_path / "ckpt", tmp_path / "log.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HARTS_DEBUG="")
+    returncode, out, err = interrupt(
+        [sys.executable, "-c", CLI, *ARGS, "--save", str(save), "--json", str(log)], sig, env
+    )
+    assert returncode == code, err
     assert "Traceback" not in err
     assert f"harts: interrupted by {signal.Signals(sig).name} after step" in err
 
@@ -79,23 +81,8 @@ def test_signal_writes_a_resumable_checkpoint(tmp_path):
 
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", HARTS_DEBUG="", TQDM_DISABLE="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CLI, *ARGS, "--run-dir", str(run)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        for line in proc.stdout:
-            if line.startswith("step 1:"):
-                break
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, err
+    returncode, _, err = interrupt([sys.executable, "-c", CLI, *ARGS, "--run-dir", str(run)], signal.SIGTERM, env)
+    assert returncode == 143, err
     ckpt = latest_checkpoint(run)
     assert ckpt is not None and f"checkpoint {ckpt}" in err
     model = replay(0)
