@@ -15,6 +15,11 @@ from harts.tree.workloads import generate
 from tests.parallel._dist import assert_close, full_params, moe_model, spawn
 
 REPLICAS = 4
+#: parameters after 5 AdamW steps on another number of ranks: the gradients of each step agree to
+#: rounding (1e-9 is tested per step in test_data_expert_parallel), and 5 steps at this large lr
+#: amplify the summation-order rounding: 1 vs 2 ranks differ by 2e-10 relative without any
+#: checkpoint, a 4-rank save resumed on 2 ranks by 1.1e-9. Same mesh: bitwise.
+CROSS_MESH_TOL = 1e-8
 
 
 def _cfg() -> TrainConfig:
@@ -67,12 +72,35 @@ def test_resume_on_one_process_equals_straight_run(tmp_path):
     assert any(not torch.allclose(fewer[n], v) for n, v in straight["params"].items())
 
 
+def test_rng_and_scheduler_states_come_back(tmp_path):
+    import random
+
+    import numpy as np
+
+    model, opt, _ = _setup(1, 1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        sched.step()
+    torch.manual_seed(11), random.seed(12), np.random.seed(13)
+    save_checkpoint(tmp_path, step=7, model=model, optimizer=opt, scheduler=sched, data_state={"next_step": 7})
+    draws = (torch.rand(3), random.random(), np.random.rand())
+
+    model2, opt2, _ = _setup(1, 1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    got = load_checkpoint(tmp_path, model=model2, optimizer=opt2, scheduler=sched2)
+    assert got.step == 7 and got.world_size == 1
+    assert sched2.last_epoch == 3 and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(draws[0], again[0]) and draws[1:] == again[1:]
+
+
 def test_save_on_two_ranks_resume_on_one(tmp_path):
     spawn(2, _run, 2, 1, str(tmp_path), 0, 3, tmp=str(tmp_path))
     resumed = _run(1, 1, str(tmp_path), 3, 5)
     straight = _run_plain(5)
-    assert_close(resumed["params"], straight["params"])
-    assert_close(resumed["bias"], straight["bias"])
+    assert_close(resumed["params"], straight["params"], CROSS_MESH_TOL)
+    assert_close(resumed["bias"], straight["bias"], CROSS_MESH_TOL)
 
 
 @pytest.mark.slow
@@ -86,5 +114,5 @@ def test_resume_on_another_mesh(tmp_path, save, resume):
     go(save, 0, 3)
     resumed = go(resume, 3, 5)
     straight = _run_plain(5)
-    assert_close(resumed["params"], straight["params"])
-    assert_close(resumed["bias"], straight["bias"])
+    assert_close(resumed["params"], straight["params"], CROSS_MESH_TOL)
+    assert_close(resumed["bias"], straight["bias"], CROSS_MESH_TOL)

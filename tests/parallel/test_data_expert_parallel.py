@@ -26,15 +26,28 @@ def _batch():
     return generate("tiny", step=0, seed=2)
 
 
-def _cfg(replicas: int) -> TrainConfig:
-    return TrainConfig(capacity=CAPACITY, replicas=replicas, execution=ExecutionConfig(mode="compact"))
+def _cfg(replicas: int, recompute: bool = False) -> TrainConfig:
+    return TrainConfig(capacity=CAPACITY, replicas=replicas, execution=ExecutionConfig(recompute=recompute))
 
 
-def _accumulate(dp: int, ep: int) -> dict:
+def _plan_on_every_rank() -> list:
+    """Each rank plans the step itself; all ranks' plans (microbatches, replicas, slots)."""
+    import torch.distributed as dist
+
+    plan = plan_step(_batch(), dp=dist.get_world_size(), capacity=CAPACITY)
+    mine = (plan.microbatches, plan.replica, plan.slot, plan.work)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _accumulate(dp: int, ep: int, recompute: bool = False) -> dict:
     state = init_parallel(ParallelConfig(dp=dp, ep=ep), "cpu", 4)
+    plans = _plan_on_every_rank()
     model = parallelize(moe_model(), state)
-    acc = accumulate_step_gradients(model, _batch(), _cfg(dp * ep), parallel=state)
+    acc = accumulate_step_gradients(model, _batch(), _cfg(dp * ep, recompute), parallel=state)
     return {
+        "plans": plans,
         "loss": acc.loss,
         "moe": acc.moe_objective,
         "counts": acc.expert_counts,
@@ -71,11 +84,17 @@ def test_plan_splits_a_tree_across_replicas():
 def test_two_processes_equal_one(tmp_path, dp, ep):
     got = spawn(dp * ep, _accumulate, dp, ep, tmp=str(tmp_path))
     assert 0 < got["mine"] < got["all"]
+    assert got["plans"][0] == got["plans"][1]  # planned independently, identical
     _check(got, _reference(dp * ep))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp, ep", [(4, 1), (1, 4), (2, 2)], ids=["DP4", "EP4", "DP2xEP2"])
-def test_four_processes_equal_one(tmp_path, dp, ep):
-    got = spawn(dp * ep, _accumulate, dp, ep, tmp=str(tmp_path))
+@pytest.mark.parametrize(
+    "dp, ep, recompute",
+    [(4, 1, False), (1, 4, False), (2, 2, False), (1, 2, True)],
+    ids=["DP4", "EP4", "DP2xEP2", "EP2-recompute"],
+)
+def test_more_processes_equal_one(tmp_path, dp, ep, recompute):
+    got = spawn(dp * ep, _accumulate, dp, ep, recompute, tmp=str(tmp_path))
+    assert all(p == got["plans"][0] for p in got["plans"])
     _check(got, _reference(dp * ep))
