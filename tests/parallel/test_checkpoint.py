@@ -80,6 +80,7 @@ def test_rng_and_scheduler_states_come_back(tmp_path):
     model, opt, _ = _setup(1, 1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for _ in range(3):
+        opt.step()  # no gradients yet: changes nothing but the order torch expects
         sched.step()
     torch.manual_seed(11), random.seed(12), np.random.seed(13)
     save_checkpoint(tmp_path, step=7, model=model, optimizer=opt, scheduler=sched, data_state={"next_step": 7})
