@@ -222,6 +222,8 @@ def accumulate_step_gradients(
     plan = plan_step(batch, dp=cfg.replicas or world, capacity=cfg.capacity)
     plan_seconds = time.perf_counter() - t0
     mine = [k for r in replicas for k in plan.for_replica(r)]
+    # every rank must run as many microbatches (FSDP's last-backward sync, expert all-to-alls)
+    assert all(len(plan.for_replica(r)) == plan.num_slots for r in replicas), "a replica's slots are uneven"
     if progress is not None:
         progress(0, len(mine))
     normalizer = grpo_normalizer(batch, cfg.reduction)
