@@ -307,7 +307,8 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                 flush=True,
             )
             if start:
-                print(f"resumed {run_dir} after step {start - 1}", flush=True)
+                left = f"; steps {start}..{len(sources) - 1} to go" if start < len(sources) else "; no step left"
+                print(f"resumed {run_dir} after step {start - 1}{left}", flush=True)
 
         # ------------------------------------------------------------------ training
         steps_bar = progress(len(sources), "train", "step", disable=rank != 0)
