@@ -111,6 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="replicas of the step plan, a multiple of the ranks (default: the ranks); the same value "
         "keeps the plan, and so the step's MoE objective, when a run resumes on another number of ranks",
     )
+    p.add_argument(
+        "--reduce-every-microbatch",
+        action="store_true",
+        help="reduce-scatter FSDP gradients after each microbatch (less memory, more communication) "
+        "instead of once per step",
+    )
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients, optimizer")
     p.add_argument(
         "--run-dir",
@@ -294,6 +300,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                 kl_coef=args.kl_coef,
                 replicas=replicas,
                 moe_statistics=args.moe_stats,
+                reduce_every_microbatch=args.reduce_every_microbatch,
             )
             num_parameters = model.num_parameters()
             model = parallelize(model, parallel)

@@ -89,6 +89,11 @@ class TrainConfig:
     #: -- and the step's MoE objective, which depends on the microbatches -- is the same on any W
     replicas: int | None = None
 
+    #: reduce-scatter the FSDP gradients after every microbatch instead of once per step: more
+    #: communication, but no unsharded gradient is kept between microbatches (once per step,
+    #: the default, holds every layer's full gradient until the step's last backward)
+    reduce_every_microbatch: bool = False
+
     def __post_init__(self) -> None:
         if self.moe_statistics not in ("microbatch", "step"):
             raise ValueError(f"moe_statistics must be 'microbatch' or 'step', got {self.moe_statistics!r}")
@@ -267,8 +272,8 @@ def accumulate_step_gradients(
                 moe_sum += float(moe.detach())
                 c = out.expert_counts.detach()
                 counts_sum = c.clone() if counts_sum is None else counts_sum + c
-            # FSDP reduces the gradients once, in the step's last backward
-            set_gradient_sync(model, done == len(prepared))
+            # FSDP reduces the gradients once, in the step's last backward (or after each one)
+            set_gradient_sync(model, cfg.reduce_every_microbatch or done == len(prepared))
             total.backward()
             loss_sum += float(loss.detach())
             rows += int(out.info["rows"])

@@ -26,8 +26,13 @@ def _batch():
     return generate("tiny", step=0, seed=2)
 
 
-def _cfg(replicas: int, recompute: bool = False) -> TrainConfig:
-    return TrainConfig(capacity=CAPACITY, replicas=replicas, execution=ExecutionConfig(recompute=recompute))
+def _cfg(replicas: int, recompute: bool = False, every: bool = False) -> TrainConfig:
+    return TrainConfig(
+        capacity=CAPACITY,
+        replicas=replicas,
+        execution=ExecutionConfig(recompute=recompute),
+        reduce_every_microbatch=every,
+    )
 
 
 def _plan_on_every_rank() -> list:
@@ -41,11 +46,11 @@ def _plan_on_every_rank() -> list:
     return every
 
 
-def _accumulate(dp: int, ep: int, recompute: bool = False) -> dict:
+def _accumulate(dp: int, ep: int, recompute: bool = False, every: bool = False) -> dict:
     state = init_parallel(ParallelConfig(dp=dp, ep=ep), "cpu", 4)
     plans = _plan_on_every_rank()
     model = parallelize(moe_model(), state)
-    acc = accumulate_step_gradients(model, _batch(), _cfg(dp * ep, recompute), parallel=state)
+    acc = accumulate_step_gradients(model, _batch(), _cfg(dp * ep, recompute, every), parallel=state)
     return {
         "plans": plans,
         "loss": acc.loss,
@@ -90,11 +95,11 @@ def test_two_processes_equal_one(tmp_path, dp, ep):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "dp, ep, recompute",
-    [(4, 1, False), (1, 4, False), (2, 2, False), (1, 2, True)],
-    ids=["DP4", "EP4", "DP2xEP2", "EP2-recompute"],
+    "dp, ep, recompute, every",
+    [(4, 1, False, False), (1, 4, False, False), (2, 2, False, False), (1, 2, True, False), (2, 1, False, True)],
+    ids=["DP4", "EP4", "DP2xEP2", "EP2-recompute", "DP2-reduce-every-microbatch"],
 )
-def test_more_processes_equal_one(tmp_path, dp, ep, recompute):
-    got = spawn(dp * ep, _accumulate, dp, ep, recompute, tmp=str(tmp_path))
+def test_more_processes_equal_one(tmp_path, dp, ep, recompute, every):
+    got = spawn(dp * ep, _accumulate, dp, ep, recompute, every, tmp=str(tmp_path))
     assert all(p == got["plans"][0] for p in got["plans"])
     _check(got, _reference(dp * ep))
