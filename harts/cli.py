@@ -5,6 +5,10 @@ Each subcommand lives in ``harts/commands/<name>.py`` and exposes ``HELP`` (one 
 standard library at module level, so building the parser (and ``harts --help``) is
 instant; heavy imports happen inside ``run`` after the arguments are parsed.
 
+Entry points: the ``harts`` script, and ``python -m harts.cli`` (the same ``main``), which is the
+form for several ranks -- ``torchrun --nproc-per-node N -m harts.cli train ...`` -- because it
+works from any install (``torchrun $(which harts)`` fails where ``harts`` is a shell shim).
+
 Errors: every user error is a ``harts.errors.UserError``; ``main`` prints it as
 ``harts: error: <message>`` on stderr and returns 2, without a traceback unless the environment
 sets ``HARTS_DEBUG=1``. Bad options are argparse's (usage, the option named, exit 2). Ctrl-C

@@ -1,7 +1,17 @@
 """``harts train``: GRPO training on rollout trees, every microbatch executed compactly.
 
-Single process by default; data parallel with ``torchrun --nproc-per-node D $(which harts) train``
-(gloo on CPU, NCCL on CUDA). ``--mode trajectory`` runs the baseline on the same plan.
+Single process by default. Several ranks: ``torchrun --nproc-per-node N -m harts.cli train ...``
+(gloo on CPU, NCCL on CUDA; ``-m harts.cli`` works from any install, unlike ``$(which harts)``,
+which may be a shell shim). ``--dp D --ep E`` chooses the mesh (D * E = N; default D = N, E = 1):
+every rank is one replica of the step plan, parameters are FSDP2-sharded, and each MoE layer's
+experts are split E ways (``harts.parallel``). ``--mode trajectory`` runs the baseline on the
+same plan.
+
+Checkpoints (``harts.parallel.checkpoint``): ``--run-dir DIR --save-every N`` writes a
+resumable, sharded checkpoint every N steps (model, optimizer, step, data position, RNG states;
+atomically), and one at the end and on interruption; ``--resume DIR`` continues such a run
+(same workload, seed and model; any number of ranks) and equals the uninterrupted run. A run
+directory that exists and is not empty is not written without ``--overwrite``.
 
 Before the first step, everything that could stop the run later is checked: the output paths
 (``--save``, ``--json``: writable, not overwriting without ``--overwrite``), the device, every
@@ -9,15 +19,17 @@ step's batch (read once; each trajectory must fit ``--capacity``, and the error 
 capacity that fits every step), and the vocabulary the batches need against the model. Progress
 goes to stderr (steps, and microbatches within a step); stdout keeps the step lines and the table.
 
-Interruptions: SIGINT (Ctrl-C) and SIGTERM stop the run after the last *completed* step. A step
-interrupted while its gradients are being computed is discarded: only ``p.grad`` had changed, so
+Interruptions: SIGINT (Ctrl-C) and SIGTERM stop the run after the last *completed* step. On one
+process, a step interrupted while its gradients are being computed is discarded: only ``p.grad`` had changed, so
 the weights and the optimizer state are those after the previous step. A signal arriving during
 the update itself (clipping, optimizer step, expert-bias update; milliseconds) lets that step
 finish first. Then the completed steps' table is printed, ``--save`` gets those weights (written
 atomically, so a second Ctrl-C cannot leave half a checkpoint), ``--json`` gets the completed
 steps' logs with an ``interrupted`` entry, and the exit status is 130 (SIGINT) or 143 (SIGTERM).
-If no step completed, nothing is saved. A second signal aborts at once. (With torchrun every rank
-receives the signal; only rank 0 writes.)
+With ``--run-dir`` (or ``--resume``) the full resumable checkpoint of that step is written too.
+If no step completed, nothing is saved. A second signal aborts at once. With several ranks the
+ranks agree at each step's end (a signal only recorded until then), so they stop after the same
+step and save together (every rank writes its shards; rank 0 the rest).
 
 Failures: if a step fails before changing the weights (out of memory, a bug), the completed steps
 are kept the same way (``--json`` gets a ``failed`` entry) before the error is reported.
@@ -50,6 +62,15 @@ HELP = "GRPO training on rollout trees (compact execution; --mode trajectory for
 KEEP_TOKENS = 20_000_000
 
 
+#: what a too-long trajectory's error adds (a trajectory is never split: no context parallelism)
+CAPACITY_ADVICE = (
+    "A larger capacity needs more device memory per rank: if it does not fit, add --recompute, and "
+    "spread the model over more ranks (torchrun --nproc-per-node N: FSDP shards parameters, gradients "
+    "and optimizer state N ways; --ep E splits the MoE experts; --cpu-offload moves the shards to the "
+    "host). One trajectory is not split across ranks (no context parallelism)"
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, default="tiny")
     add_model_arguments(p)
@@ -69,6 +90,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="save the trained weights here (a transformers checkpoint when --model was one, "
         "else DIR/harts.pt); also on Ctrl-C / SIGTERM, after the last completed step",
+    )
+    p.add_argument(
+        "--dp", type=positive_int, default=None, help="ranks that hold the same experts (default: ranks / --ep)"
+    )
+    p.add_argument(
+        "--ep", type=positive_int, default=1, help="expert-parallel degree: ranks each MoE layer is split over"
+    )
+    p.add_argument(
+        "--moe-stats",
+        default="microbatch",
+        choices=["microbatch", "step"],
+        help="MoE z/aux-loss statistics: per microbatch (the paper's) or over the whole step "
+        "(independent of microbatching and ranks; one extra no-grad forward per microbatch)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=None,
+        help="replicas of the step plan, a multiple of the ranks (default: the ranks); the same value "
+        "keeps the plan, and so the step's MoE objective, when a run resumes on another number of ranks",
+    )
+    p.add_argument(
+        "--reduce-every-microbatch",
+        action="store_true",
+        help="reduce-scatter FSDP gradients after each microbatch (less memory, more communication) "
+        "instead of once per step",
+    )
+    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients, optimizer")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        metavar="DIR",
+        help="write resumable checkpoints to DIR/checkpoints (at the end, on interrupt, and every --save-every steps)",
+    )
+    p.add_argument("--save-every", type=positive_int, default=None, metavar="N", help="checkpoint every N steps")
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its latest checkpoint (and keep checkpointing there)",
     )
     add_output_arguments(p, what="the step logs")
 
@@ -146,7 +207,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, signals: _Signals) -> int:
-    import os
     import signal as signal_mod
     import sys
 
@@ -166,20 +226,20 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
         summarize,
     )
     from harts.commands._progress import progress
-    from harts.errors import UserError
+    from harts.errors import CapacityError, UserError
     from harts.models.execution.config import ExecutionConfig
+    from harts.parallel.mesh import ParallelConfig, init_parallel, setup_process_group
+    from harts.parallel.parallelize import parallelize
     from harts.rl.train import TrainConfig, train_step
 
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed and not dist.is_initialized():
-        backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend)
-        if args.device == "cuda":
-            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    args.device = setup_process_group(args.device)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
+    run_dir = args.resume or args.run_dir
     logs: list = []
     model = None
+    ckpt = _Checkpointer(args, run_dir)
     # True from the moment a step starts changing the weights until it has returned its log
     state = {"in_update": False}
 
@@ -190,9 +250,16 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     try:
         # ---------------------------------------------------------- checks before step 0
         with signals.window():
+            check_output_dir(args.save, "--save", args.overwrite)
             if rank == 0:
-                check_output_dir(args.save, "--save", args.overwrite)
                 check_output_file(args.json_out, "--json", args.overwrite)
+            _check_run_dir(args)
+            if args.ep > world or world % args.ep:
+                raise UserError(f"--ep {args.ep} does not divide the {world} rank(s) of this launch")
+            parallel_cfg = ParallelConfig(dp=args.dp or world // args.ep, ep=args.ep, cpu_offload=args.cpu_offload)
+            replicas = args.replicas or world
+            if replicas % world:
+                raise UserError(f"--replicas {replicas} is not a multiple of the {world} rank(s) of this launch")
             check_device(args.device)
             sources = step_sources(args.workload, args.steps, args.seed)
         summaries, kept, kept_tokens = [], {}, 0
@@ -204,50 +271,83 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                     batch = make()
                     st = summarize(i, label, batch)
                     summaries.append(st)
-                    if world > 1 and st.longest_len <= args.capacity and st.trajectories >= world:
-                        check_plannable(batch, st, args.capacity, world)
+                    if replicas > 1 and st.longest_len <= args.capacity and st.trajectories >= replicas:
+                        check_plannable(batch, st, args.capacity, replicas)
                     if kept_tokens + batch.num_tokens <= KEEP_TOKENS:
                         kept[i] = batch
                         kept_tokens += batch.num_tokens
                     del batch
                 bar.update()
         with signals.window():
-            check_capacity(summaries, args.capacity, world)
+            try:
+                check_capacity(summaries, args.capacity, replicas)
+            except CapacityError as err:
+                raise CapacityError(f"{err}. {CAPACITY_ADVICE}") from None
             vocab, where = needed_vocab(summaries)
             model = build_model(args, vocab, where=where)
+            moe_experts = model.config.num_experts if any(layer.is_moe for layer in model.layers) else 0
+            parallel = init_parallel(parallel_cfg, args.device, moe_experts)
             execution = ExecutionConfig(
                 mode=args.mode,
                 recompute=args.recompute,
                 attention=args.attention,
                 linear_attention_backend=args.la_backend,
             )
-            cfg = TrainConfig(capacity=args.capacity, execution=execution, lr=args.lr, kl_coef=args.kl_coef)
+            cfg = TrainConfig(
+                capacity=args.capacity,
+                execution=execution,
+                lr=args.lr,
+                kl_coef=args.kl_coef,
+                replicas=replicas,
+                moe_statistics=args.moe_stats,
+                reduce_every_microbatch=args.reduce_every_microbatch,
+            )
+            num_parameters = model.num_parameters()
+            model = parallelize(model, parallel)
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+            start = ckpt.resume(model, optimizer, len(sources))
         if rank == 0:
+            mesh = f"; {world} ranks (dp {parallel_cfg.dp} x ep {parallel_cfg.ep})" if distributed else ""
             print(
                 f"model {args.model}: {model.config.layer_pattern} x hidden {model.config.hidden_size}, "
-                f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; mode {args.mode}",
+                f"{num_parameters:,} parameters, {args.dtype} on {args.device}; mode {args.mode}{mesh}",
                 flush=True,
             )
+            if start:
+                left = f"; steps {start}..{len(sources) - 1} to go" if start < len(sources) else "; no step left"
+                print(f"resumed {run_dir} after step {start - 1}{left}", flush=True)
 
         # ------------------------------------------------------------------ training
         steps_bar = progress(len(sources), "train", "step", disable=rank != 0)
+        steps_bar.update(start)
+        # with several ranks a signal is acted on at a step's end, by all ranks together
+        step_window = contextlib.nullcontext if distributed else signals.window
         try:
             for i, (_, make) in enumerate(sources):
+                if i < start:
+                    continue
                 mb_bar = progress(None, f"step {i}", "mb", leave=False, position=1, disable=rank != 0)
 
                 def on_progress(done: int, total: int, bar=mb_bar) -> None:  # noqa: ANN001
                     signals.defer()  # not inside tqdm
                     bar.total = total
                     bar.update(done - bar.n)
-                    signals.check()
+                    if not distributed:
+                        signals.check()
 
                 try:
-                    with signals.window():
+                    with step_window():
                         batch = kept.pop(i) if i in kept else make()
                         # on_update closes the window before the weights change
                         log = train_step(
-                            model, optimizer, batch, cfg, step=i, progress=on_progress, on_update=on_update
+                            model,
+                            optimizer,
+                            batch,
+                            cfg,
+                            step=i,
+                            progress=on_progress,
+                            on_update=on_update,
+                            parallel=parallel,
                         )
                 finally:
                     mb_bar.close()
@@ -270,6 +370,10 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                     )
                     sys.stdout.flush()
                 steps_bar.update()
+                if args.save_every and (i + 1) % args.save_every == 0 and i + 1 < len(sources):
+                    ckpt.save(model, optimizer, i + 1)
+                if distributed:
+                    _agree_on_signal(signals)
             with signals.window():
                 pass  # a signal during the last step's update or bookkeeping
         finally:
@@ -280,43 +384,141 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
         elif signals.signum is not None and not isinstance(err, UserError):
             signum = signals.signum  # the interrupt surfaced through torch as another exception
         else:
-            if rank == 0 and logs and not state["in_update"]:
-                _save_after_failure(args, model, logs, world, err)
+            if not distributed and logs and not state["in_update"]:
+                _save_after_failure(args, model, optimizer, ckpt, logs, world, err)
             raise
         signals.restore()  # a second signal aborts at once
         name = signal_mod.Signals(signum).name
         if rank == 0:
-            done = f"after step {len(logs) - 1}" if logs else "before the first step completed"
+            done = f"after step {logs[-1].step}" if logs else "before the first step completed"
             print(f"harts: interrupted by {name} {done}", file=sys.stderr, flush=True)
-            _finish(args, model if logs else None, logs, world, interrupted=name)
+        if logs:
+            ckpt.save(model, optimizer, logs[-1].step + 1)
+        _finish(args, model if logs else None, logs, world, interrupted=name, rank=rank)
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
         return 128 + signum
-    if rank == 0:
-        _finish(args, model, logs, world, interrupted=None)
+    if logs:
+        ckpt.save(model, optimizer, logs[-1].step + 1)
+    _finish(args, model, logs, world, interrupted=None, rank=rank)
     if distributed:
         dist.destroy_process_group()
     return 0
 
 
-def _save_after_failure(args: argparse.Namespace, model, logs: list, world: int, err: BaseException) -> None:  # noqa: ANN001
+def _agree_on_signal(signals: _Signals) -> None:
+    """Several ranks: stop together after this step if any rank has received a signal."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([signals.signum or 0], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    signum = int(flag.item())
+    if signum:
+        signals.signum = signals.signum or signum
+        raise _Interrupted(signals.signum)
+
+
+def _check_run_dir(args: argparse.Namespace) -> None:
+    """``--run-dir`` is writable (not an existing run without ``--overwrite``); ``--resume`` holds a
+    checkpoint; ``--save-every`` has a directory to write to."""
+    from harts.commands._inputs import check_output_dir
+    from harts.errors import UserError
+    from harts.parallel.checkpoint import latest_checkpoint
+
+    if args.run_dir and args.resume:
+        raise UserError("--run-dir and --resume both name the run directory; give one (--resume continues it)")
+    if args.save_every and not (args.run_dir or args.resume):
+        raise UserError("--save-every needs a run directory: --run-dir DIR (or --resume DIR)")
+    check_output_dir(args.run_dir, "--run-dir", args.overwrite)
+    if args.resume and latest_checkpoint(args.resume) is None:
+        raise UserError(f"--resume {args.resume}: no complete checkpoint under {args.resume}/checkpoints")
+
+
+class _Checkpointer:
+    """The run directory's resumable checkpoints (``harts.parallel.checkpoint``), for this run's
+    workload, seed and model (what a resumed run must match)."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: str | None) -> None:
+        self.run_dir = run_dir
+        self.identity = {"workload": args.workload, "seed": args.seed, "model": args.model, "mode": args.mode}
+        self.saved_step = -1
+
+    def resume(self, model, optimizer, num_steps: int) -> int:  # noqa: ANN001
+        """Load the latest checkpoint when resuming; returns the first step to run (0 otherwise)."""
+        from harts.errors import UserError
+        from harts.parallel.checkpoint import latest_checkpoint, load_checkpoint
+
+        if self.run_dir is None or latest_checkpoint(self.run_dir) is None:
+            return 0
+        got = load_checkpoint(self.run_dir, model=model, optimizer=optimizer)
+        for key, want in self.identity.items():
+            had = got.extra.get(key)
+            if had != want:
+                raise UserError(
+                    f"--resume {self.run_dir}: the run used --{key} {had}, this command --{key} {want}; "
+                    f"pass --{key} {had} to continue it"
+                )
+        nxt = int(got.data_state["next_step"])
+        if nxt > num_steps:
+            raise UserError(f"--resume {self.run_dir}: it completed {nxt} steps, more than the {num_steps} asked for")
+        self.saved_step = nxt
+        return nxt
+
+    def save(self, model, optimizer, next_step: int) -> None:  # noqa: ANN001
+        """Checkpoint after ``next_step`` completed steps (every rank calls this)."""
+        import sys
+
+        import torch.distributed as dist
+
+        from harts.parallel.checkpoint import save_checkpoint
+
+        if self.run_dir is None or next_step == self.saved_step:
+            return
+        path = save_checkpoint(
+            self.run_dir,
+            step=next_step,
+            model=model,
+            optimizer=optimizer,
+            data_state={"next_step": next_step},
+            extra=self.identity,
+        )
+        self.saved_step = next_step
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"checkpoint {path}", file=sys.stderr, flush=True)
+
+
+def _save_after_failure(
+    args: argparse.Namespace,
+    model,  # noqa: ANN001
+    optimizer,  # noqa: ANN001
+    ckpt: _Checkpointer,
+    logs: list,
+    world: int,
+    err: BaseException,
+) -> None:
     """A step failed (out of memory, a bug, ...) before changing the weights: keep the completed
-    steps -- table, ``--save``, ``--json`` with a ``failed`` entry -- then the error propagates."""
+    steps -- checkpoint, table, ``--save``, ``--json`` with a ``failed`` entry -- then the error
+    propagates (one process only: with several ranks the others may be stuck in a collective)."""
     import sys
 
+    failed_step = logs[-1].step + 1
     print(
-        f"harts: step {len(logs)} failed ({type(err).__name__}); keeping the {len(logs)} completed step(s)",
+        f"harts: step {failed_step} failed ({type(err).__name__}); keeping the {len(logs)} completed step(s)",
         file=sys.stderr,
         flush=True,
     )
     try:
+        ckpt.save(model, optimizer, failed_step)
         _finish(
             args,
             model,
             logs,
             world,
             interrupted=None,
-            failed={"step": len(logs), "error": f"{type(err).__name__}: {err}"},
+            failed={"step": failed_step, "error": f"{type(err).__name__}: {err}"},
         )
     except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
         print(f"harts: could not keep them either: {save_err}", file=sys.stderr, flush=True)
@@ -330,15 +532,17 @@ def _finish(
     *,
     interrupted: str | None,  # noqa: ANN001
     failed: dict | None = None,
+    rank: int = 0,
 ) -> None:
-    """Table, then the checkpoint, then the JSON (a JSON failure cannot lose the checkpoint)."""
+    """Table, then the weights, then the JSON (a JSON failure cannot lose the weights). Every rank
+    calls this (a sharded model is gathered for ``--save``); rank 0 prints and writes."""
     import sys
 
     from harts.bench.table import format_table
     from harts.commands._inputs import write_json
     from harts.errors import OutputPathError
 
-    if logs:
+    if logs and rank == 0:
         rows = [
             [
                 l.step,
@@ -387,15 +591,17 @@ def _finish(
     save_error = None
     if args.save:
         if model is None:
-            print(f"nothing saved to {args.save}: no step completed", file=sys.stderr)
+            if rank == 0:
+                print(f"nothing saved to {args.save}: no step completed", file=sys.stderr)
         else:
             try:
                 save_model(model, args.model, args.save)
                 partial = interrupted or failed
-                print(f"saved to {args.save}" + (f" (weights after step {logs[-1].step})" if partial else ""))
+                if rank == 0:
+                    print(f"saved to {args.save}" + (f" (weights after step {logs[-1].step})" if partial else ""))
             except OSError as err:
                 save_error = OutputPathError(f"--save {args.save}: cannot write the weights ({err.strerror or err})")
-    if args.json_out:
+    if args.json_out and rank == 0:
         record = {"mode": args.mode, "model": args.model, "world_size": world, "steps": [l.to_dict() for l in logs]}
         if interrupted:
             record["interrupted"] = {"signal": interrupted, "completed_steps": len(logs)}
@@ -409,20 +615,27 @@ def _finish(
 
 def save_model(model, spec: str, out: str) -> None:  # noqa: ANN001
     """What ``--save`` writes: a transformers checkpoint when ``spec`` was one, else ``out/harts.pt``
-    (``{"config": ..., "state_dict": ...}``). Files appear atomically (written aside, then renamed)."""
+    (``{"config": ..., "state_dict": ...}``). Files appear atomically (written aside, then renamed).
+    A sharded model is gathered: every rank calls this, rank 0 writes."""
     import os
     import shutil
     import tempfile
 
     import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from harts.commands._inputs import write_atomic
     from harts.integrations.loading import is_checkpoint
 
-    os.makedirs(out, exist_ok=True)
+    writer = not dist.is_initialized() or dist.get_rank() == 0
     if is_checkpoint(spec):
         from harts.integrations.hf import save_hf_checkpoint
 
+        if not writer:
+            save_hf_checkpoint(model, out)  # its part of the gather; writes nothing
+            return
+        os.makedirs(out, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".harts-save-", dir=out)
         try:
             save_hf_checkpoint(model, tmp)
@@ -431,5 +644,8 @@ def save_model(model, spec: str, out: str) -> None:  # noqa: ANN001
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     else:
-        state = {"config": model.config.__dict__, "state_dict": model.state_dict()}
-        write_atomic(os.path.join(out, "harts.pt"), lambda p: torch.save(state, p))
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+        if writer:
+            state = {"config": model.config.__dict__, "state_dict": full}
+            os.makedirs(out, exist_ok=True)
+            write_atomic(os.path.join(out, "harts.pt"), lambda p: torch.save(state, p))

@@ -2,21 +2,28 @@
 
 Per step (one RolloutBatch):
 
-1. ``plan_step(batch, dp=world, capacity=T)`` — every rank builds the same plan (numpy only,
-   deterministic), so no plan is communicated;
-2. rank d executes its replica's microbatches in slot order: the plan hands out each one's
+1. ``plan_step(batch, dp=D, capacity=T)`` with D = ``cfg.replicas`` (default: the ranks) —
+   every rank builds the same plan (numpy only, deterministic), so no plan is communicated;
+2. each rank executes its replicas' microbatches in slot order (rank r of W: replicas r, r + W,
+   ...): the plan hands out each one's
    slice of the step's compaction with its call plan (``StepPlan.prepare_replica``; nothing is
    compacted twice), ``model.prepare_compact`` adds the layout, forward under
    ``cfg.execution`` (mode "compact" or the "trajectory" baseline),
    GRPO loss normalized by the *whole step's* denominator, MoE router objective weighted by
-   the microbatch's share of the step's semantic tokens, backward (gradients accumulate);
-3. gradients and q-weighted expert counts are summed across ranks (``all_reduce``); because
-   every microbatch loss is already divided by the global denominator, the sum is exactly the
-   gradient of the step's loss — identical for any D and any microbatching;
-4. gradient clipping, optimizer step, expert-bias update from the summed counts.
+   the microbatch's share of the step's semantic tokens (or, with ``moe_statistics="step"``,
+   normalized by the whole step's router statistics), backward (gradients accumulate);
+3. gradients are reduced once per step: FSDP2 reduce-scatters (sums) them in the last
+   microbatch's backward, expert blocks are summed over their ``dp`` replicas
+   (``harts.parallel``), and the loss and q-weighted expert counts are summed across ranks;
+   because every microbatch loss is already divided by the global denominator, the sum is
+   exactly the gradient of the step's loss — identical for any D and any microbatching;
+4. gradient clipping (over the shards), optimizer step, expert-bias update from the summed counts.
 
-Data parallelism is plain ``torch.distributed`` (gloo on CPU, NCCL on CUDA): launch with
-``torchrun --nproc-per-node D``; without a process group the loop runs on one process with D = 1.
+Parallelism is torch's own engine, applied from outside: ``harts.parallel.init_parallel`` builds
+the (dp, ep) mesh and ``parallelize`` shards the model (FSDP2, expert parallelism); pass the
+``ParallelState`` as ``parallel=``. Without it the loop runs on one process. ``cfg.replicas``
+makes one process execute a D-replica plan (every replica's microbatches in sequence): the same
+microbatches, hence the same step objective, as D ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,13 +40,24 @@ import torch.distributed as dist
 from harts.errors import CapacityError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
+from harts.models.layers.moe import MoE
+from harts.parallel.mesh import ParallelConfig, ParallelState
+from harts.parallel.parallelize import clip_grad_norm, finish_gradients, set_gradient_sync
 from harts.plan.calls import CallPlan
 from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch
 
-__all__ = ["TrainConfig", "StepLog", "accumulate_step_gradients", "check_capacity", "train", "train_step"]
+__all__ = [
+    "TrainConfig",
+    "StepLog",
+    "accumulate_step_gradients",
+    "check_capacity",
+    "replicas_of",
+    "train",
+    "train_step",
+]
 
 
 @dataclass(kw_only=True)
@@ -60,6 +79,25 @@ class TrainConfig:
     expert_bias_rate: float = 1e-3
     #: drop the batch's old/ref log-probs and train on-policy (synthetic workloads carry random ones)
     on_policy: bool = True
+    #: MoE load-balancing statistics (z / aux loss): "microbatch" (the paper's default: each
+    #: microbatch's own router statistics, weighted by its share of the step's tokens; the step's
+    #: objective then depends on the microbatching) or "step" (the whole step's statistics over
+    #: all microbatches and ranks, the same for any microbatching and D; costs one extra
+    #: no-grad forward per microbatch to count the step's expert assignments first)
+    moe_statistics: str = "microbatch"
+    #: replicas D of the step plan; None: the number of ranks W. A multiple of W: each rank runs
+    #: D / W replicas' microbatches in sequence (one process all of them), so a D-replica plan
+    #: -- and the step's MoE objective, which depends on the microbatches -- is the same on any W
+    replicas: int | None = None
+
+    #: reduce-scatter the FSDP gradients after every microbatch instead of once per step: more
+    #: communication, but no unsharded gradient is kept between microbatches (once per step,
+    #: the default, holds every layer's full gradient until the step's last backward)
+    reduce_every_microbatch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.moe_statistics not in ("microbatch", "step"):
+            raise ValueError(f"moe_statistics must be 'microbatch' or 'step', got {self.moe_statistics!r}")
 
 
 @dataclass
@@ -97,10 +135,30 @@ class StepLog:
         return asdict(self)
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _state(model: HybridLM, parallel: ParallelState | None) -> ParallelState:
+    """``parallel``, or the one-process state (refused under a process group: the model must be
+    sharded by ``harts.parallel.parallelize`` and its state passed)."""
+    if parallel is not None:
+        return parallel
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "a process group of several ranks is running: shard the model with harts.parallel.parallelize "
+            "and pass its ParallelState as parallel=..."
+        )
+    return ParallelState(config=ParallelConfig(), rank=0, world_size=1, device=model.embed_tokens.weight.device)
+
+
+def replicas_of(cfg: TrainConfig, state: ParallelState) -> list[int]:
+    """The plan replicas this rank executes: with W ranks and D = ``cfg.replicas`` (default W;
+    a multiple of W), rank r runs replicas r, r + W, ... (one process runs all D in sequence)."""
+    d = cfg.replicas or state.world_size
+    if int(d) != d or d < 1:
+        raise ValueError(f"replicas must be a positive integer, got {d!r}")
+    if d % state.world_size:
+        raise ValueError(
+            f"replicas={d} is not a multiple of the {state.world_size} ranks (every rank runs as many replicas)"
+        )
+    return list(range(state.rank, d, state.world_size))
 
 
 @dataclass
@@ -133,12 +191,35 @@ def check_capacity(batch: RolloutBatch, capacity: int, *, step: int | None = Non
         )
 
 
+def _set_step_statistics(model: HybridLM, stats: tuple[torch.Tensor, float] | None) -> None:
+    """Give every MoE layer its row of the step's counts [L_moe, E] and the step's weight (None clears)."""
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    for i, m in enumerate(moe):
+        m.step_statistics = None if stats is None else (stats[0][i], stats[1])
+
+
+@torch.no_grad()
+def _step_expert_counts(model: HybridLM, inputs: list[Any], cfg: TrainConfig, state: ParallelState) -> torch.Tensor:
+    """The step's q-weighted expert counts [L_moe, E]: a no-grad forward of this rank's
+    microbatches, summed over ranks (routing depends only on the weights, which the step has
+    not changed yet, so the training forwards route the same way)."""
+    counts = None
+    for x in inputs:
+        c = model(x, cfg.execution).expert_counts
+        counts = c if counts is None else counts + c
+    assert counts is not None
+    if state.world_size > 1:
+        dist.all_reduce(counts)
+    return counts
+
+
 def accumulate_step_gradients(
     model: HybridLM,
     batch: RolloutBatch,
     cfg: TrainConfig,
     *,
     progress: Callable[[int, int], None] | None = None,
+    parallel: ParallelState | None = None,
 ) -> _Accumulated:
     """Steps 1-3 of the module docstring: afterwards every ``p.grad`` holds the gradient of
     the whole step's loss (summed over this rank's microbatches and across ranks).
@@ -147,15 +228,19 @@ def accumulate_step_gradients(
     this rank's microbatches. Only ``p.grad`` changes here, so interrupting this function leaves
     the weights and the optimizer state as they were (the next ``zero_grad`` discards the rest).
     """
-    rank, world = _world()
+    state = _state(model, parallel)
+    world = state.world_size
+    replicas = replicas_of(cfg, state)
     if cfg.on_policy:
         batch = replace(batch, old_logprobs=None, ref_logprobs=None)
     kl = cfg.kl_coef if batch.ref_logprobs is not None else 0.0
     check_capacity(batch, cfg.capacity)
     t0 = time.perf_counter()
-    plan = plan_step(batch, dp=world, capacity=cfg.capacity)
+    plan = plan_step(batch, dp=cfg.replicas or world, capacity=cfg.capacity)
     plan_seconds = time.perf_counter() - t0
-    mine = plan.for_replica(rank)
+    mine = [k for r in replicas for k in plan.for_replica(r)]
+    # every rank must run as many microbatches (FSDP's last-backward sync, expert all-to-alls)
+    assert all(len(plan.for_replica(r)) == plan.num_slots for r in replicas), "a replica's slots are uneven"
     if progress is not None:
         progress(0, len(mine))
     normalizer = grpo_normalizer(batch, cfg.reduction)
@@ -169,52 +254,57 @@ def accumulate_step_gradients(
     if cfg.execution.mode == "compact":
         # slices of the step's compaction, call plans made together: nothing is compacted twice
         prepared: list[tuple[RolloutBatch, CompactBatch | None, CallPlan | None]] = [
-            (c.batch, c, p) for c, p in plan.prepare_replica(rank, model.config.chunk_size)
+            (c.batch, c, p) for r in replicas for c, p in plan.prepare_replica(r, model.config.chunk_size)
         ]
     else:
         prepared = [(batch.select(plan.microbatches[k]), None, None) for k in mine]
     prepare_seconds = time.perf_counter() - tp
-    for done, (sub, cb, call_plan) in enumerate(prepared, start=1):
-        tp = time.perf_counter()
-        inputs = sub if cb is None else model.prepare_compact(cb, cfg.execution, plan=call_plan)
-        prepare_seconds += time.perf_counter() - tp
-        out = model(inputs, cfg.execution)
-        pg = grpo_loss(
-            out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer
-        )
-        loss = total = pg.loss
-        acts = pg.metrics["action_tokens"]
-        diag["clip_frac"] += pg.metrics["clip_frac"] * acts
-        diag["kl"] += pg.metrics["kl_mean"] * acts
-        diag["action_tokens"] += acts
-        if out.moe_losses is not None:
-            moe = (sub.num_tokens / batch.num_tokens) * out.moe_objective(z_coef, aux_coef)
-            total = total + moe
-            moe_sum += float(moe.detach())
-            c = out.expert_counts.detach()
-            counts_sum = c.clone() if counts_sum is None else counts_sum + c
-        total.backward()
-        loss_sum += float(loss.detach())
-        rows += int(out.info["rows"])
-        calls += int(out.info["calls"])
-        replay += int(out.info["replay_rows"])
-        if progress is not None:
-            progress(done, len(mine))
+
+    def inputs_of(sub: RolloutBatch, cb: CompactBatch | None, call_plan: CallPlan | None) -> Any:
+        return sub if cb is None else model.prepare_compact(cb, cfg.execution, plan=call_plan)
+
+    step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
+    if step_level:
+        counts = _step_expert_counts(model, [inputs_of(*p) for p in prepared], cfg, state)
+        _set_step_statistics(model, (counts, float(batch.num_tokens)))
+    try:
+        for done, (sub, cb, call_plan) in enumerate(prepared, start=1):
+            tp = time.perf_counter()
+            inputs = inputs_of(sub, cb, call_plan)
+            prepare_seconds += time.perf_counter() - tp
+            out = model(inputs, cfg.execution)
+            pg = grpo_loss(
+                out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer
+            )
+            loss = total = pg.loss
+            acts = pg.metrics["action_tokens"]
+            diag["clip_frac"] += pg.metrics["clip_frac"] * acts
+            diag["kl"] += pg.metrics["kl_mean"] * acts
+            diag["action_tokens"] += acts
+            if out.moe_losses is not None:
+                # step-level statistics are already the microbatch's share of the step's losses
+                share = 1.0 if step_level else sub.num_tokens / batch.num_tokens
+                moe = share * out.moe_objective(z_coef, aux_coef)
+                total = total + moe
+                moe_sum += float(moe.detach())
+                c = out.expert_counts.detach()
+                counts_sum = c.clone() if counts_sum is None else counts_sum + c
+            # FSDP reduces the gradients once, in the step's last backward (or after each one)
+            set_gradient_sync(model, cfg.reduce_every_microbatch or done == len(prepared))
+            total.backward()
+            loss_sum += float(loss.detach())
+            rows += int(out.info["rows"])
+            calls += int(out.info["calls"])
+            replay += int(out.info["replay_rows"])
+            if progress is not None:
+                progress(done, len(mine))
+    finally:
+        if step_level:
+            _set_step_statistics(model, None)
 
     if world > 1:
-        device = model.embed_tokens.weight.device
-        grads = []
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        scalars = torch.tensor([loss_sum, moe_sum, *diag.values()], dtype=torch.float64, device=device)
+        finish_gradients(model, state)
+        scalars = torch.tensor([loss_sum, moe_sum, *diag.values()], dtype=torch.float64, device=state.device)
         dist.all_reduce(scalars)
         loss_sum, moe_sum = float(scalars[0]), float(scalars[1])
         diag = dict(zip(diag, scalars[2:].tolist()))
@@ -244,6 +334,7 @@ def train_step(
     step: int = 0,
     progress: Callable[[int, int], None] | None = None,
     on_update: Callable[[], None] | None = None,
+    parallel: ParallelState | None = None,
 ) -> StepLog:
     """One optimizer update on ``batch`` (see the module docstring).
 
@@ -253,19 +344,19 @@ def train_step(
     the step can be abandoned with the model and optimizer untouched; from then on it should
     run to the end (``harts train`` stops taking interrupts there).
     """
-    _, world = _world()
+    state = _state(model, parallel)
+    world = state.world_size
     optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    acc = accumulate_step_gradients(model, batch, cfg, progress=progress)
+    acc = accumulate_step_gradients(model, batch, cfg, progress=progress, parallel=state)
     if on_update is not None:
         on_update()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    grad_norm = clip_grad_norm(model, cfg.max_grad_norm, state)
     optimizer.step()
     if acc.expert_counts is not None and cfg.expert_bias_rate:
         model.update_expert_bias(acc.expert_counts, rate=cfg.expert_bias_rate)
-    device = model.embed_tokens.weight.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if state.device.type == "cuda":
+        torch.cuda.synchronize(state.device)
     # planning is reported apart from the training interval (the paper's F/B/Grad vs Core)
     train_seconds = time.perf_counter() - t0 - acc.plan_seconds
     acts = acc.diagnostics["action_tokens"]
@@ -302,6 +393,7 @@ def train(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     on_step: Callable[[StepLog], None] | None = None,
+    parallel: ParallelState | None = None,
 ) -> list[StepLog]:
     """Run ``train_step`` over ``batches``; returns the logs (``on_step`` sees each as it ends).
 
@@ -315,7 +407,7 @@ def train(
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     logs = []
     for i, batch in enumerate(batches):
-        log = train_step(model, optimizer, batch, cfg, step=i)
+        log = train_step(model, optimizer, batch, cfg, step=i, parallel=parallel)
         logs.append(log)
         if on_step is not None:
             on_step(log)

@@ -32,27 +32,29 @@ def replay(steps: int) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_signal_saves_the_last_completed_step(tmp_path, sig, code):
-    save, log = tmp_path / "ckpt", tmp_path / "log.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", HARTS_DEBUG="")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CLI, *ARGS, "--save", str(save), "--json", str(log)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+def interrupt(cmd: list[str], sig: int, env: dict[str, str]) -> tuple[int, str, str]:
+    """Run ``cmd``, send ``sig`` once two steps have completed; (exit status, stdout, stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in proc.stdout:  # wait until two steps have completed, then interrupt the run
             if line.startswith("step 1:"):
                 break
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == code, err
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_signal_saves_the_last_completed_step(tmp_path, sig, code):
+    save, log = tmp_path / "ckpt", tmp_path / "log.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HARTS_DEBUG="")
+    returncode, out, err = interrupt(
+        [sys.executable, "-c", CLI, *ARGS, "--save", str(save), "--json", str(log)], sig, env
+    )
+    assert returncode == code, err
     assert "Traceback" not in err
     assert f"harts: interrupted by {signal.Signals(sig).name} after step" in err
 
@@ -71,3 +73,23 @@ def test_signal_saves_the_last_completed_step(tmp_path, sig, code):
     fewer = replay(done - 1).state_dict()
     assert any(not torch.allclose(saved["state_dict"][n], fewer[n], rtol=1e-5, atol=1e-7) for n in fewer)
     assert not list(save.glob("*.tmp")) and not list(tmp_path.glob(".log.json*"))
+
+
+def test_signal_writes_a_resumable_checkpoint(tmp_path):
+    """With --run-dir, SIGTERM also writes the full checkpoint of the last completed step."""
+    from harts.parallel.checkpoint import latest_checkpoint, load_checkpoint
+
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HARTS_DEBUG="", TQDM_DISABLE="1")
+    returncode, _, err = interrupt([sys.executable, "-c", CLI, *ARGS, "--run-dir", str(run)], signal.SIGTERM, env)
+    assert returncode == 143, err
+    ckpt = latest_checkpoint(run)
+    assert ckpt is not None and f"checkpoint {ckpt}" in err
+    model = replay(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    state = load_checkpoint(ckpt, model=model, optimizer=opt)
+    assert state.step >= 2 and state.data_state == {"next_step": state.step}
+    expected = replay(state.step).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    assert opt.state and all(int(s["step"]) == state.step for s in opt.state.values())

@@ -170,7 +170,7 @@ def to_hf_state_dict(model: HybridLM, *, model_type: str | None = None) -> dict[
         raise ValueError("to_hf_state_dict: the model was not loaded from transformers; pass model_type=...")
     adapter = adapter_for(model_type)
     cfg: HybridConfig = model.config
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    sd = {k: _full_tensor(v.detach()) for k, v in model.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
     groups: list[TensorGroup] = adapter.tensor_groups(cfg)
     covered: set[str] = set()
@@ -188,6 +188,14 @@ def to_hf_state_dict(model: HybridLM, *, model_type: str | None = None) -> dict[
     return out
 
 
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter (FSDP2 / expert-parallel DTensor) gathered to its full value; every rank
+    of its mesh must call this (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def save_hf_checkpoint(
     model: Any, path: str, *, hf_config: dict[str, Any] | None = None, max_shard_size: int | None = None
 ) -> list[str]:
@@ -196,9 +204,14 @@ def save_hf_checkpoint(
     Tensors use transformers' module names (which transformers loads as they are).
     ``max_shard_size`` in bytes splits the weights into shards with an index.
     Returns the safetensors file names.
+
+    A model sharded over ranks (``harts.parallel``) is gathered: every rank calls this, rank 0
+    writes (the others return ``[]``).
     """
     import json
     import os
+
+    import torch.distributed as dist
 
     from harts.integrations.hf.checkpoint import write_safetensors
 
@@ -210,6 +223,8 @@ def save_hf_checkpoint(
     sd = to_hf_state_dict(model, model_type=adapter.model_type)
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return []
     config["architectures"] = [adapter.architecture]
     config["dtype"] = model.config.dtype
     os.makedirs(path, exist_ok=True)

@@ -11,7 +11,13 @@ multiplicity q; 1 per row in trajectory mode, 0 for padding). With W = sum(w):
     counts_e   = sum_t w_t * [e in topk(t)]                 detached, for expert-bias updates
 
 Because a compact row stands for q identical semantic rows with identical routing, every
-quantity equals its trajectory-wise value. ``p`` is softmax(logits) for softmax routing and
+quantity equals its trajectory-wise value.
+
+Step-level statistics (an option; per-call statistics as above are the paper's default): when
+``MoE.step_statistics = (counts_E, W)`` holds the whole step's q-weighted counts and weight, W
+and f_e = counts_e / W are the step's, so z_loss and aux_loss of one call are its share of the
+step's losses and their sum over the step's microbatches (and ranks) is the step-level loss
+(``harts.rl.train``, ``moe_statistics="step"``). ``p`` is softmax(logits) for softmax routing and
 sigmoid(logits) normalized over experts for sigmoid routing.
 
 Router (DeepSeek-V3 / Qwen3-Next): scores = softmax or sigmoid of ``gate.weight @ x``;
@@ -170,22 +176,35 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 def moe_statistics(
-    logits_TE: torch.Tensor, scores_TE: torch.Tensor, topk_idx: torch.Tensor, w_T: torch.Tensor, score: str
+    logits_TE: torch.Tensor,
+    scores_TE: torch.Tensor,
+    topk_idx: torch.Tensor,
+    w_T: torch.Tensor,
+    score: str,
+    step: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(z_loss, aux_loss, counts_E) weighted by row weights ``w_T`` (see module docstring)."""
+    """(z_loss, aux_loss, counts_E) weighted by row weights ``w_T`` (see module docstring);
+    ``step = (counts_E, W)``: normalized by the whole step's statistics instead."""
     e = logits_TE.shape[-1]
     w = w_T.to(logits_TE.dtype)
-    total = w.sum()
-    z_loss = (w * torch.logsumexp(logits_TE, dim=-1).pow(2)).sum() / total
+    z_loss_sum = (w * torch.logsumexp(logits_TE, dim=-1).pow(2)).sum()
     probs = scores_TE if score == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
-    mass = (w[:, None] * probs).sum(0) / total
+    mass_sum = (w[:, None] * probs).sum(0)
     assigned = torch.zeros_like(logits_TE).scatter_(1, topk_idx, 1.0)
-    counts = (w[:, None] * assigned).sum(0)
-    aux_loss = e * (counts.detach() / total * mass).sum()
-    return z_loss, aux_loss, counts.detach()
+    counts = (w[:, None] * assigned).sum(0).detach()
+    if step is None:
+        total, fraction = w.sum(), counts / w.sum()
+    else:
+        total, fraction = step[1], step[0].to(counts) / step[1]  # type: ignore[assignment]
+    aux_loss = e * (fraction * mass_sum / total).sum()
+    return z_loss_sum / total, aux_loss, counts
 
 
 class MoE(nn.Module):
+    #: the whole step's (counts_E, W) for step-level statistics (module docstring); set and
+    #: cleared by the training loop, None (per-call statistics) otherwise
+    step_statistics: tuple[torch.Tensor, float] | None = None
+
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         self.gate = TopKRouter(config)
@@ -211,5 +230,5 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 s = torch.sigmoid(self.shared_expert_gate(x_TD)) * s
             y = y + s
-        z_loss, aux_loss, counts = moe_statistics(logits, scores, topk_idx, w_T, self.score)
+        z_loss, aux_loss, counts = moe_statistics(logits, scores, topk_idx, w_T, self.score, self.step_statistics)
         return y, z_loss, aux_loss, counts

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# harts on N GPUs of one host (torchrun, NCCL): correctness against one GPU, and a scaling run.
+#
+#   scripts/multi_gpu.sh [OUT_DIR]          # from the repo root
+#
+# correctness  one step's gradients (no update), float32, model ling3_tiny's dimensions with
+#              pattern KGMA (CORR_MODEL), workload tiny (CORR_WORK), the step plan's replicas
+#              fixed to N so 1 GPU and N GPUs run the same microbatches:
+#                1 GPU twice (corr_one.json, corr_rerun.json), N GPUs (corr_many.json, --ep CORR_EP),
+#                then compare: loss, MoE objective, expert counts, per-parameter-group gradient
+#                norms; tolerance per quantity max(4 |one - rerun|, 1e-5 |one|) -> correctness.json
+#                (exit status 1 if a quantity is outside its tolerance)
+# scaling      full ling3_tiny, swe workload (SCALE_WORK), T = 65,536, bf16, recompute, harts
+#              (compact) and the trajectory baseline on the same plan, D in SCALE_DS (<= N):
+#                scaling_D<d>.json per D: step time, tokens/s/GPU, effective MFU, measured vs
+#                predicted per-replica time
+#
+# Every run writes OUT_DIR/<name>.log; OUT_DIR/summary.txt has one line per run with its exit
+# status and wall time. The exit status is the number of failed runs.
+#
+# Environment:
+#   PYTHON       interpreter (default python3)
+#   PARTS        which parts to run (default "correctness scaling")
+#   NGPUS        GPUs to use (default: all visible, from nvidia-smi)
+#   DEVICE       cuda (default) or cpu (gloo processes: how the tests run this script)
+#   CORR_MODEL   correctness model flags (default "--model ling3_tiny --pattern KGMA")
+#   CORR_WORK    correctness workload flags (default "--workload tiny --capacity 4096")
+#   CORR_EP      expert-parallel degree of the N-GPU correctness run (default 1; N must divide by it)
+#   CORR_DTYPE   default float32
+#   SCALE_DS     data-parallel sizes (default "1 2 4 8", those <= NGPUS)
+#   SCALE_MODEL  default "--model ling3_tiny"
+#   SCALE_WORK   default "--workload swe --steps 2"
+#   SCALE_FLAGS  default "--dtype bfloat16 --recompute --capacity 65536 --la-backend fla"
+#   SCALE_MODES  default "compact trajectory"
+#   TIMEOUT      seconds per run (default 1800)
+set -uo pipefail
+
+OUT=${1:-multi_gpu_out}
+PY=${PYTHON:-python3}
+PARTS=${PARTS:-correctness scaling}
+DEVICE=${DEVICE:-cuda}
+if [[ -z ${NGPUS:-} ]]; then
+    NGPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
+fi
+CORR_MODEL=${CORR_MODEL:---model ling3_tiny --pattern KGMA}
+CORR_WORK=${CORR_WORK:---workload tiny --capacity 4096}
+CORR_EP=${CORR_EP:-1}
+CORR_DTYPE=${CORR_DTYPE:-float32}
+SCALE_DS=${SCALE_DS:-1 2 4 8}
+SCALE_MODEL=${SCALE_MODEL:---model ling3_tiny}
+SCALE_WORK=${SCALE_WORK:---workload swe --steps 2}
+SCALE_FLAGS=${SCALE_FLAGS:---dtype bfloat16 --recompute --capacity 65536 --la-backend fla}
+SCALE_MODES=${SCALE_MODES:-compact trajectory}
+TIMEOUT=${TIMEOUT:-1800}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+export PYTHONUNBUFFERED=1
+FAILED=0
+
+# run NAME CMD...: CMD's output to OUT/NAME.log; one summary line
+run() {
+    local name=$1 t0 rc
+    shift
+    t0=$(date +%s)
+    echo "[multi_gpu] start $name: $*"
+    timeout "$TIMEOUT" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    printf '%-24s rc=%-3s %5ss  %s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$*" | tee -a "$SUMMARY"
+    [[ $rc == 0 ]] || FAILED=$((FAILED + 1))
+    return $rc
+}
+
+# ranks N: torchrun for N > 1, plain python for 1 (the one-process path has no process group)
+launch() {
+    local n=$1
+    shift
+    if [[ $n == 1 ]]; then
+        echo "$PY" -m harts.bench.multi_gpu "$@"
+    else
+        echo "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" -m harts.bench.multi_gpu "$@"
+    fi
+}
+
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+if ((NGPUS < 1)); then
+    echo "no GPU found (set NGPUS, or DEVICE=cpu NGPUS=2 for gloo processes)" >&2
+    exit 1
+fi
+
+if want correctness; then
+    # shellcheck disable=SC2086
+    common="correctness --device $DEVICE --dtype $CORR_DTYPE --replicas $NGPUS $CORR_MODEL $CORR_WORK"
+    # shellcheck disable=SC2046,SC2086
+    run corr_one $(launch 1 $common --out "$OUT/corr_one.json")
+    # shellcheck disable=SC2046,SC2086
+    run corr_rerun $(launch 1 $common --out "$OUT/corr_rerun.json")
+    # shellcheck disable=SC2046,SC2086
+    run corr_many $(launch "$NGPUS" $common --ep "$CORR_EP" --out "$OUT/corr_many.json")
+    run corr_compare "$PY" -m harts.bench.multi_gpu compare "$OUT/corr_one.json" "$OUT/corr_rerun.json" \
+        "$OUT/corr_many.json" --out "$OUT/correctness.json"
+fi
+
+if want scaling; then
+    for d in $SCALE_DS; do
+        ((d <= NGPUS)) || continue
+        # shellcheck disable=SC2046,SC2086
+        run "scaling_D$d" $(launch "$d" scaling --device $DEVICE $SCALE_MODEL $SCALE_WORK $SCALE_FLAGS \
+            --modes $SCALE_MODES --out "$OUT/scaling_D$d.json")
+    done
+    "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/scaling.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+print(f"{'D':>2} {'mode':>10} {'step':>4} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}  replica s measured / predicted")
+for f in sorted(out.glob("scaling_D*.json"), key=lambda p: int(p.stem[9:])):
+    r = json.loads(f.read_text())
+    for mode, steps in r["modes"].items():
+        for s in steps:
+            mfu = f"{s['mfu']:.3f}" if s["mfu"] is not None else "-"
+            pairs = " ".join(f"{m:.2f}/{p:.2f}" for m, p in zip(s["replica_seconds_measured"], s["replica_seconds_predicted"]))
+            print(f"{r['world_size']:>2} {mode:>10} {s['step']:>4} {s['step_seconds']:>8.3f} {s['tokens_per_second_per_gpu']:>10.0f} {mfu:>6}  {pairs}")
+PYEOF
+fi
+exit "$FAILED"

@@ -1,0 +1,119 @@
+"""``harts train`` with checkpoints and several ranks: resume equals the uninterrupted run,
+``torchrun -m harts.cli`` launches, and a mesh that does not fit the launch is a clear error."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harts.errors import UserError
+from harts.parallel.mesh import ParallelConfig
+from tests.parallel._dist import free_port
+
+BASE = ["train", "--workload", "tiny", "--dtype", "float64", "--threads", "1"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", HARTS_DEBUG="")
+
+
+def harts(*args: str, ranks: int = 1, timeout: int = 240) -> subprocess.CompletedProcess:
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "harts.cli", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+        cmd += ["--master-port", str(free_port()), "-m", "harts.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def _weights(path) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return torch.load(path / "harts.pt", weights_only=False)["state_dict"]
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path):
+    run, straight, resumed = tmp_path / "run", tmp_path / "straight", tmp_path / "resumed"
+    r = harts(*BASE, "--steps", "5", "--run-dir", str(run), "--save-every", "3", "--save", str(straight))
+    assert r.returncode == 0, r.stderr
+    done = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert done == ["step-00000003", "step-00000005"]
+    assert {p.name for p in (run / "checkpoints" / "step-00000003").iterdir()} == {"dcp", "meta.pt", "rng"}
+    shutil.rmtree(run / "checkpoints" / "step-00000005")  # as if the run had stopped after step 3
+
+    r = harts(*BASE, "--steps", "5", "--resume", str(run), "--save", str(resumed))
+    assert r.returncode == 0, r.stderr
+    assert "resumed" in r.stdout and "step 3:" in r.stdout and "step 2:" not in r.stdout
+    a, b = _weights(straight), _weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # an existing run directory is not overwritten; a resume must match the run
+    r = harts(*BASE, "--steps", "5", "--run-dir", str(run))
+    assert r.returncode == 2 and "--overwrite" in r.stderr
+    r = harts(*BASE, "--steps", "5", "--resume", str(run), "--seed", "7")
+    assert r.returncode == 2 and "--seed 0" in r.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_and_resume_on_one(tmp_path):
+    """2 ranks (ep 2) for 3 steps, resumed on one process with the same 2-replica plan, equals
+    2 ranks for 5 steps."""
+    run, two, one = tmp_path / "run", tmp_path / "two", tmp_path / "one"
+    common = [*BASE, "--capacity", "600", "--replicas", "2"]
+    r = harts(
+        *common, "--steps", "5", "--ep", "2", "--run-dir", str(run), "--save-every", "3", "--save", str(two), ranks=2
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 ranks (dp 1 x ep 2)" in r.stdout
+    shutil.rmtree(run / "checkpoints" / "step-00000005")
+    r = harts(*common, "--steps", "5", "--resume", str(run), "--save", str(one))
+    assert r.returncode == 0, r.stderr
+    a, b = _weights(two), _weights(one)
+    for k in a:
+        scale = max(float(a[k].abs().max()), 1e-30)
+        assert float((a[k] - b[k]).abs().max()) / scale <= 1e-9, k
+
+
+def test_mesh_errors():
+    with pytest.raises(UserError, match=r"--dp 3 x --ep 1 = 3 ranks, but the launch has 2"):
+        ParallelConfig(dp=3).check(2, 4)
+    with pytest.raises(UserError, match=r"--ep 3 does not divide the model's 4 experts"):
+        ParallelConfig(ep=3).check(3, 4)
+    with pytest.raises(UserError, match=r"no MoE layers"):
+        ParallelConfig(ep=2).check(2, 0)
+
+
+def test_wrong_world_size_on_the_command_line():
+    r = harts(*BASE, "--steps", "1", "--dp", "2")
+    assert r.returncode == 2 and "--dp 2 x --ep 1 = 2 ranks, but the launch has 1" in r.stderr
+    r = harts(*BASE, "--steps", "1", "--ep", "2")
+    assert r.returncode == 2 and "--ep 2 does not divide the 1 rank(s)" in r.stderr
+    r = harts(*BASE, "--steps", "1", "--cpu-offload")
+    assert r.returncode == 2 and "--cpu-offload" in r.stderr and "--device cuda" in r.stderr
+
+
+def test_capacity_error_names_the_way_through():
+    r = harts(*BASE, "--steps", "1", "--capacity", "50")
+    assert r.returncode == 2, r.stderr
+    assert "--capacity 50" in r.stderr and "--recompute" in r.stderr and "--ep" in r.stderr
+
+
+@pytest.mark.slow
+def test_ranks_stop_together_on_a_signal_and_checkpoint(tmp_path):
+    """SIGINT to torchrun: both ranks finish the same step, save one checkpoint, write the log."""
+    import json
+    import signal
+
+    from harts.parallel.checkpoint import latest_checkpoint
+    from tests.rl.test_train_signals import interrupt
+
+    run, log = tmp_path / "run", tmp_path / "log.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += ["-m", "harts.cli", *BASE, "--steps", "500", "--ep", "2", "--run-dir", str(run), "--json", str(log)]
+    _, _, err = interrupt(cmd, signal.SIGINT, ENV)
+    record = json.loads(log.read_text())
+    done = record["interrupted"]["completed_steps"]
+    assert record["interrupted"]["signal"] == "SIGINT" and 2 <= done < 500
+    assert f"harts: interrupted by SIGINT after step {done - 1}" in err
+    assert latest_checkpoint(run).name == f"step-{done:08d}"
+    assert len(list((latest_checkpoint(run) / "rng").iterdir())) == 2
