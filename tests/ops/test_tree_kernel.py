@@ -58,10 +58,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
 
 
-def _errors(op, kind: str, dtype: torch.dtype, weights=None):  # noqa: ANN001, ANN202
+def _errors(op, kind: str, dtype: torch.dtype, weights=None, K: int = 64):  # noqa: ANN001, ANN202
     from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn  # noqa: F401  (import check)
 
-    x64, h0, cu, req = _inputs(kind)
+    x64, h0, cu, req = _inputs(kind, K=K, V=K)
     leaves64 = [t.clone().requires_grad_() for t in [*x64, h0]]
     leaves = [t.to(dtype).clone().requires_grad_() for t in x64] + [h0.float().clone().requires_grad_()]
     ref = _run(chunk_linear_attn, leaves64[:5], leaves64[5], cu, req)
@@ -80,6 +80,16 @@ def test_tree_kernel_float32_matches_reference(kind: str) -> None:
     errs, _ = _errors(tree_chunk_linear_attn, kind, torch.float32)
     for name, e in errs.items():
         assert e < 5e-3, f"{kind} {name}: {e:.2e}"
+
+
+def test_tree_kernel_float32_head_dim_128() -> None:
+    """float32 at ling3_tiny's head dim: the backward scan's launch must fit shared memory
+    (two pipelining stages did not: 245,760 of 232,448 bytes on an H200)."""
+    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+    errs, _ = _errors(tree_chunk_linear_attn, "kda", torch.float32, K=128)
+    for name, e in errs.items():
+        assert e < 5e-3, f"{name}: {e:.2e}"
 
 
 def test_tree_kernel_bf16_within_fla_split_error() -> None:

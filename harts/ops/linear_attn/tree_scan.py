@@ -43,7 +43,14 @@ __all__ = ["tree_scan_fwd", "tree_scan_bwd"]
 #: value block and launch configuration: fixed (no autotuning, so no cold-start search)
 BLOCK_V = 32
 NUM_WARPS = 4
-NUM_STAGES = 2
+
+
+def _num_stages(t: torch.Tensor, K: int) -> int:
+    """Software-pipelining depth: 2, or 1 where a [chunk, K] tile row is 512 bytes or more.
+
+    The backward scan holds three [BT, K] tiles per stage; at float32 with K = 128 (or bf16 with
+    K = 256) two stages need 245,760 bytes of shared memory, over the H200's 232,448."""
+    return 1 if t.element_size() * K >= 512 else 2
 
 
 @triton.jit
@@ -250,7 +257,7 @@ def tree_scan_fwd(
         STORE_FINAL_STATE=output_final_state,
         EXPORT=export_index is not None and num_exported > 0,
         num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_stages=_num_stages(kg, K),
     )
     return h, v_new, final, exported
 
@@ -320,6 +327,6 @@ def tree_scan_bwd(
         STORE_INITIAL_STATE_GRADIENT=want_initial_state_grad,
         INJECT=use_inject,
         num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_stages=_num_stages(kg, K),
     )
     return dh, dh0, dv2
