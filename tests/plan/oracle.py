@@ -2,7 +2,7 @@
 
 Every node is visited, recursion is an explicit stack, dictionaries hold the sequences, no
 numpy until the end. Slow (seconds on a million segments) but obviously the pseudocode; the
-tests require both production engines (``impl="levels"`` and ``impl="nodes"``) to produce
+tests require both paths of ``plan_calls`` (the vectorized ``plan_units`` and the lean list path) to produce
 exactly this plan.
 """
 
