@@ -54,7 +54,7 @@ def _next_at(mask: np.ndarray, cap: np.ndarray) -> np.ndarray:
 
 def _levels(level: np.ndarray, num: int) -> tuple[np.ndarray, np.ndarray]:
     """Items sorted by level (stable) and the CSR pointer over levels 0..num-1."""
-    order = np.argsort(level, kind="stable")
+    order = np.argsort(level.astype(np.int16 if num < 2**15 else np.int64), kind="stable")  # int16: radix sort
     return order, np.searchsorted(level[order], np.arange(num + 1))
 
 
@@ -80,25 +80,27 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     idx = np.arange(n, dtype=np.int64)
     kid_rank = rank[kid]
     nch_i = nch[ids]
-    edge_par = np.repeat(idx, nch_i)  # parent rank of every child edge (edges in parent order)
+    first_edge = ptr[ids]  # every edge has an internal parent: edges are in rank order
+    edge_par = np.repeat(idx, nch_i)  # parent rank of every child edge
     int_edge = kid_rank >= 0
-    nint = np.bincount(edge_par[int_edge], minlength=n)
+    nint = np.add.reduceat(int_edge, first_edge).astype(np.int64)
     nleaf = nch_i - nint
     # first leaf child of each internal segment (-1: none) and its place among the children
     le = np.flatnonzero(~int_edge)
     lp = edge_par[le]
     lfirst = np.ones(lp.size, dtype=bool)
     lfirst[1:] = lp[1:] != lp[:-1]
+    fl, fe = lp[lfirst], le[lfirst]
     first_leaf = np.full(n, -1, dtype=np.int64)
-    first_leaf[lp[lfirst]] = kid[le[lfirst]]
+    first_leaf[fl] = kid[fe]
     leaf_pos = np.full(n, _BIG, dtype=np.int64)
-    leaf_pos[lp[lfirst]] = le[lfirst] - ptr[ids][lp[lfirst]]
+    leaf_pos[fl] = fe - first_edge[fl]
     end_i = forest.end[ids]
     cross = end_i >= forest.start[ids] // b * b + b  # Eq. 11 fails: S_{b_v} is produced inside the call
     bv = end_i // b * b
     spine = nint == 1
     has_leaf = nleaf > 0
-    leaf_first = spine & has_leaf & ~int_edge[ptr[ids]]  # a spine whose first child is a leaf
+    leaf_first = spine & has_leaf & ~int_edge[first_edge]  # a spine whose first child is a leaf
 
     # ---- units and their depths
     is_top = np.ones(n, dtype=bool)
@@ -108,7 +110,12 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     bots = np.append(tops[1:] - 1, n - 1)
     bot_of, top_of = bots[uid], tops[uid]
     ptop = parent[ids[tops]]
-    udepth = parent_depth(np.where(ptop >= 0, uid[rank[np.maximum(ptop, 0)]], -1))
+    # unit depth and each top's segment depth in one pointer doubling: a parent unit adds
+    # 1 << 32 (one unit level) + its length (segment levels), V < 2**31
+    up = np.where(ptop >= 0, uid[rank[np.maximum(ptop, 0)]], -1)
+    packed = parent_depth(up, weight=(bots - tops + 1)[np.maximum(up, 0)] + (1 << 32))
+    udepth = packed >> 32
+    depth_i = (packed & 0xFFFFFFFF)[uid] + idx - top_of  # segment depth of every rank
     num_levels = int(udepth.max()) + 1
     nxt_cross = _next_at(spine & cross, bot_of)
     nxt_leaf = _next_at(spine & has_leaf, bot_of)
@@ -117,16 +124,18 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     prv_lf = np.where(prv >= top_of, prv, -1)  # last leaf-first spine <= j in j's unit
     # internal edges of general forks, by the fork's unit level, then rank, then child order
     ge = np.flatnonzero(int_edge & (nint >= 2)[edge_par])
-    ge = ge[np.argsort(udepth[uid[edge_par[ge]]], kind="stable")]
+    ge = ge[_levels(udepth[uid[edge_par[ge]]], num_levels)[0]]
     ge_kid = kid_rank[ge]
-    ge_pos = ge - ptr[ids][edge_par[ge]]
+    ge_pos = ge - first_edge[edge_par[ge]]
     gen = np.flatnonzero(nint >= 2)
     gen_order, gen_ptr = _levels(udepth[uid[gen]], num_levels)
     gen = gen[gen_order]
     edge_ptr = np.zeros(gen.size + 1, dtype=np.int64)
     np.cumsum(nint[gen], out=edge_ptr[1:])
     edge_fork = np.repeat(np.arange(gen.size), nint[gen])
-    unit_order, unit_ptr = _levels(udepth, num_levels)
+    long_units = np.flatnonzero(spine[tops])  # units of two or more ranks (a spine top)
+    lu_order, lu_ptr = _levels(udepth[long_units], num_levels)
+    level_tops = tops[long_units[lu_order]]  # their tops by level; a one-rank unit needs no walk
 
     # ---- pass 1: leaf-only forks in closed form, then unit levels bottom-up
     tin = np.where(nch_i >= 2, 2, 1)
@@ -163,8 +172,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             t = np.where(nl > 0, np.minimum(t, 1 + np.where(m1 == 1, m2, m1)), t)  # a leaf continues
             tin[par] = t
             tp[par] = np.where(cross[par], t, m1)
-        ut = tops[unit_order[unit_ptr[d] : unit_ptr[d + 1]]]
-        ut = ut[spine[ut]]
+        ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]
         if ut.size:
             spine_values(ut)
     spine_values(np.flatnonzero(spine))
@@ -243,16 +251,14 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         hd[kids] = np.where(direct, hpar[ef], kids)
         # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
         # initial state; otherwise it requests S_{b_v} from the parent's sequence
+        src_pr = np.where(same, ipr[hpar], hpar)
+        src_po = np.where(same, ipo[hpar], bv[par])
         se = np.flatnonzero(~direct)
-        sf = ef[se]
-        sk = kids[se]
-        same_s = same[sf]
-        ipr[sk] = np.where(same_s, ipr[hpar[sf]], hpar[sf])
-        ipo[sk] = np.where(same_s, ipo[hpar[sf]], bv[par[sf]])
+        ipr[kids[se]] = src_pr[ef[se]]
+        ipo[kids[se]] = src_po[ef[se]]
 
     for d in range(num_levels):
-        ut = tops[unit_order[unit_ptr[d] : unit_ptr[d + 1]]]
-        ut = ut[spine[ut]]  # a one-node unit keeps the state its parent fork gave it
+        ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]  # a one-rank unit keeps its parent fork's state
         if ut.size:
             walk_units(ut)
         if gen_ptr[d + 1] > gen_ptr[d]:
@@ -306,8 +312,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     init_pos = np.zeros(v, dtype=np.int64)
     init_prod[ids] = np.where(ipr >= 0, ids[np.maximum(ipr, 0)], -1)
     init_pos[ids] = ipo
-    leaves = np.flatnonzero((nch == 0) & (parent >= 0))
-    p = rank[parent[leaves]]
+    leaves, p = kid[le], lp  # leaf children and their parents' ranks
     direct_l = dirc[p] == leaves
     hp = hd[p]
     head[leaves] = np.where(direct_l, ids[hp], leaves)
@@ -319,8 +324,10 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     side_l = ~direct_l
     init_prod[leaves] = np.where(side_l & (prod >= 0), ids[np.maximum(prod, 0)], -1)
     init_pos[leaves] = np.where(side_l, np.where(same_l, ipo[hp], bv[p]), 0)
-    depth = forest.depth()
-    return tpre_s, tin_s, head, rnd_s, init_prod, init_pos, depth - depth[head]
+    offset = np.zeros(v, dtype=np.int64)  # a chain has consecutive depths
+    offset[ids] = depth_i - depth_i[hd]
+    offset[leaves] = np.where(direct_l, offset[ids[p]] + 1, 0)
+    return tpre_s, tin_s, head, rnd_s, init_prod, init_pos, offset
 
 
 def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
