@@ -125,6 +125,29 @@ def test_forest_utilities(fb):
         assert ends[v] == max(int(forest.row[u] + forest.length[u]) for u in desc)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_preorder_from_parents_any_order(seed):
+    """Parents listed after their children: the same preorder as from_parents' depth-first walk."""
+    rng = np.random.default_rng(seed)
+    v = int(rng.integers(1, 60))
+    order = rng.permutation(v)  # node order[i] gets id i: parents land anywhere
+    pos = np.empty(v, dtype=np.int64)
+    pos[order] = np.arange(v)
+    parents = [-1 if u == 0 or rng.random() < 0.1 else int(rng.integers(0, u)) for u in range(v)]
+    shuffled = np.array([-1 if parents[u] < 0 else pos[parents[u]] for u in order], dtype=np.int64)
+    _, new_id = SegmentForest.from_parents(np.ones(v, dtype=np.int64), shuffled)
+    np.testing.assert_array_equal(preorder_from_parents(shuffled), np.argsort(new_id))
+    np.testing.assert_array_equal(
+        parent_depth(shuffled)[np.argsort(new_id)],
+        naive_depth(SegmentForest.from_parents(np.ones(v, dtype=np.int64), shuffled)[0]),
+    )
+
+
+def test_parent_depth_cycle():
+    with pytest.raises(ValueError, match="cycle"):
+        parent_depth(np.array([-1, 2, 1]))
+
+
 def _is_ancestor(forest: SegmentForest, v: int, u: int) -> bool:
     while u >= 0:
         if u == v:
