@@ -133,6 +133,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     edge_ptr = np.zeros(gen.size + 1, dtype=np.int64)
     np.cumsum(nint[gen], out=edge_ptr[1:])
     edge_fork = np.repeat(np.arange(gen.size), nint[gen])
+    g_cnt, g_nl, g_cross = nint[gen], nleaf[gen], cross[gen]  # per general fork, level order
     long_units = np.flatnonzero(spine[tops])  # units of two or more ranks (a spine top)
     lu_order, lu_ptr = _levels(udepth[long_units], num_levels)
     level_tops = tops[long_units[lu_order]]  # their tops by level; a one-rank unit needs no walk
@@ -155,7 +156,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         if g1 > g0:
             par = gen[g0:g1]
             lo, hi = int(edge_ptr[g0]), int(edge_ptr[g1])
-            cnt = nint[par]
+            cnt = g_cnt[g0:g1]
             grp = edge_ptr[g0:g1] - lo
             kids = ge_kid[lo:hi]
             tpc, tic = tp[kids], tin[kids]
@@ -163,7 +164,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             m1c = np.repeat(m1, cnt)
             is_max = tpc == m1c
             n_max = np.add.reduceat(is_max.astype(np.int64), grp)
-            nl = nleaf[par]
+            nl = g_nl[g0:g1]
             # second largest of the children's multiset; leaves count as T_pre = 1
             sec = np.maximum(np.maximum.reduceat(np.where(is_max, 0, tpc), grp), nl > 0)
             m2 = np.where(n_max >= 2, m1, sec)
@@ -171,7 +172,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             t = np.minimum.reduceat(np.maximum(tic, 1 + h), grp)
             t = np.where(nl > 0, np.minimum(t, 1 + np.where(m1 == 1, m2, m1)), t)  # a leaf continues
             tin[par] = t
-            tp[par] = np.where(cross[par], t, m1)
+            tp[par] = np.where(g_cross[g0:g1], t, m1)
         ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]
         if ut.size:
             spine_values(ut)
@@ -192,6 +193,8 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     tnext = np.append(tp[1:], 0)
     key = uid * span + np.where(idx < bot_of, span - 1 - tnext, span - 1)
     phases: list[tuple[np.ndarray, ...]] = []
+    e_tp, e_tin, e_seg = tp[ge_kid], tin[ge_kid], ids[ge_kid]  # per general-fork edge
+    g_lpos, g_bv = leaf_pos[gen], bv[gen]
 
     def walk_units(s: np.ndarray) -> None:
         """Phases down the units topped by spine ranks ``s``; sets each bottom's state."""
@@ -228,22 +231,22 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         ef = edge_fork[lo:hi] - g0  # fork (in par) of each edge
         kids = ge_kid[lo:hi]
         kr = bud[par]
-        same = rdy[par] & ~cross[par]
+        same = rdy[par] & ~g_cross[g0:g1]
         delta = (~same).astype(np.int64)
         ks = kr - delta
-        nl = nleaf[par]
-        tpc = tp[kids]
+        nl = g_nl[g0:g1]
+        tpc = e_tp[lo:hi]
         exc = tpc > ks[ef]
         f = np.add.reduceat(exc.astype(np.int64), grp) + np.where(ks < 1, nl, 0)
-        ok = (np.where(same[ef], tpc, tin[kids]) <= kr[ef]) & (f[ef] == exc)
+        ok = (np.where(same[ef], tpc, e_tin[lo:hi]) <= kr[ef]) & (f[ef] == exc)
         pos = ge_pos[lo:hi]
         best = np.minimum.reduceat(np.where(ok, pos, _BIG), grp)
-        leaf_at = np.where((nl > 0) & (f - (ks < 1) == 0), leaf_pos[par], _BIG)
+        leaf_at = np.where((nl > 0) & (f - (ks < 1) == 0), g_lpos[g0:g1], _BIG)
         if np.any((best == _BIG) & (leaf_at == _BIG)):
             raise AssertionError(_FAIL)
         use_int = best < leaf_at
         direct = (pos == best[ef]) & use_int[ef]
-        dirc[par[use_int]] = ids[kids[direct]]
+        dirc[par[use_int]] = e_seg[lo:hi][direct]
         hpar = hd[par]
         bud[kids] = np.where(direct, kr[ef], ks[ef])
         rdy[kids] = direct <= same[ef]  # a side child is ready; a direct one iff same-round
@@ -252,7 +255,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
         # initial state; otherwise it requests S_{b_v} from the parent's sequence
         src_pr = np.where(same, ipr[hpar], hpar)
-        src_po = np.where(same, ipo[hpar], bv[par])
+        src_po = np.where(same, ipo[hpar], g_bv[g0:g1])
         se = np.flatnonzero(~direct)
         ipr[kids[se]] = src_pr[ef[se]]
         ipo[kids[se]] = src_po[ef[se]]
