@@ -39,7 +39,7 @@ import numpy as np
 
 from harts.tree.segments import SegmentForest, parent_depth
 
-__all__ = ["plan_lean", "plan_units"]
+__all__ = ["plan_fields", "plan_lean", "plan_units"]
 
 _FAIL = "recovery found no direct continuation (DP invariant broken)"
 _BIG = np.int64(1) << 40
@@ -342,7 +342,7 @@ def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
     and the plan arrays); ``plan_calls`` uses it below ``LEAN_MAX_SEGMENTS`` segments.
     """
     v = forest.num_segments
-    start, end, parent = forest.start.tolist(), forest.end.tolist(), forest.parent.tolist()
+    start, end = forest.start.tolist(), forest.end.tolist()
     ptr, kid = forest.child_ptr.tolist(), forest.child_idx.tolist()
     forks = [u for u in range(v) if ptr[u + 1] > ptr[u]]
     cross = [False] * v  # Eq. 11 fails: S_{b_v} is produced inside the call
@@ -402,22 +402,38 @@ def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
             segs[u] = [u]
         else:
             segs[h].append(u)
-    heads = sorted(segs, key=rnd.__getitem__)  # by (round, id): dict order is id order
-    seg_seq = [0] * v
+    return plan_fields(forest, b, tp, ti, segs, {h: rnd[h] for h in segs}, init)
+
+
+def plan_fields(
+    forest: SegmentForest,
+    b: int,
+    tp: list[int],
+    ti: list[int],
+    segs: dict[int, list[int]],
+    rnd: dict[int, int],
+    init: dict[int, tuple[int, int]],
+) -> dict[str, object]:
+    """The ``CallPlan`` fields from per-sequence lists (``plan_lean`` and the tests' oracle).
+
+    ``segs``: head -> its segments in chain order; ``rnd``: head -> 0-based round; ``init``:
+    head -> (producer head, state position) for heads that import a state (a producer < 0,
+    or a head not in ``init``, starts from the zero state).
+    """
+    start, parent = forest.start.tolist(), forest.parent.tolist()
+    heads = sorted(segs, key=lambda h: (rnd[h], h))
+    seq_of = {h: q for q, h in enumerate(heads)}
+    seg_seq = [0] * len(tp)
     seq_segments: list[int] = []
     seq_ptr = [0]
-    seq_of = {}
     for q, h in enumerate(heads):
-        seq_of[h] = q
         for u in segs[h]:
             seg_seq[u] = q
         seq_segments += segs[h]
         seq_ptr.append(len(seq_segments))
-    reqs = sorted({(seq_of[p], pos) for p, pos in init.values()})
+    imports = {h: (seq_of[p], pos) for h, (p, pos) in init.items() if p >= 0}
+    reqs = sorted(set(imports.values()))
     req_of = {r: i for i, r in enumerate(reqs)}
-    seq_init = [-1] * len(heads)
-    for h, (p, pos) in init.items():
-        seq_init[seq_of[h]] = req_of[(seq_of[p], pos)]
     seq_round = [rnd[h] for h in heads]
     num_calls = seq_round[-1] + 1 if heads else 0
     round_ptr = [0] * (num_calls + 1)
@@ -439,7 +455,7 @@ def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
         "seq_segments": a(seq_segments),
         "seq_fork": a([parent[h] for h in heads]),
         "seq_anchor": a([start[h] // b * b for h in heads]),
-        "seq_init": a(seq_init),
+        "seq_init": a([req_of[imports[h]] if h in imports else -1 for h in heads]),
         "req_seq": a([r[0] for r in reqs]),
         "req_pos": a([r[1] for r in reqs]),
         "round_ptr": a(round_ptr),
