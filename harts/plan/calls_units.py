@@ -27,10 +27,15 @@ unit level with numpy, spines in closed form:
     General forks choose the first child (in the fixed order) that fits K_round and covers
     every child exceeding K_side, exactly as the pseudocode, over a level at once.
 
-Algorithm 1 transcribed line by line is the test oracle (``tests/plan/oracle.py``).
+Small forests (``plan_calls`` below ``LEAN_MAX_SEGMENTS``, a step's microbatches) take
+``plan_lean``: the same two passes fork by fork on plain lists, every fork under the general
+rule (the spine closed forms are that rule with one internal child), since there a few hundred
+numpy calls cost more than the whole plan. ``plan_fields`` packs its per-sequence lists into
+the ``CallPlan`` fields. Algorithm 1 transcribed line by line is the test oracle
+(``tests/plan/oracle.py``); both paths are tested against it at every size.
 
-Shapes (V segments, I internal segments, U units, P phases): per rank int64/bool [I]; per
-unit [U]; the results are int64 [V] per segment (see ``plan_units``).
+Shapes (V segments, I internal segments, U units): per rank int64/bool [I]; per unit [U];
+the results of ``plan_units`` are int64 [V] per segment.
 """
 
 from __future__ import annotations
@@ -191,7 +196,11 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     # phase end search: T_pre(child) is non-increasing down a unit; key[j] increases within it
     span = int(tp.max()) + 2
     tnext = np.append(tp[1:], 0)
-    key = uid * span + np.where(idx < bot_of, span - 1 - tnext, span - 1)
+    kbase = uid * span + span - 1
+    key = kbase - np.where(idx < bot_of, tnext, 0)
+    # last leaf-first spine before the first crossing at or after j (-1: none in j's unit)
+    cut = nxt_cross - 1
+    before_cross = np.where(cut >= idx, prv_lf[np.maximum(cut, 0)], -1)
     phases: list[tuple[np.ndarray, ...]] = []
     e_tp, e_tin, e_seg = tp[ge_kid], tin[ge_kid], ids[ge_kid]  # per general-fork edge
     g_lpos, g_bv = leaf_pos[gen], bv[gen]
@@ -204,18 +213,20 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         while s.size:
             cr = nxt_cross[s]
             g = np.where(r, cr, s)  # before g every decision is same-round
-            z = np.maximum(np.searchsorted(key, uid[s] * span + span - 1 - k, side="right"), s)
+            z = np.maximum(np.searchsorted(key, kbase[s] - k, side="right"), s)  # T_pre(j+1) < K
             e = nxt_lf[np.maximum(g, z)]
             # head of e's sequence: after the last same-round break (a leaf-first spine
             # before the first crossing), else the phase's head
-            last = prv_lf[np.maximum(cr - 1, 0)]
-            h_e = np.where(r & (last >= s) & (cr > s), last + 1, h)
+            last = before_cross[s]
+            h_e = np.where(r & (last >= s), last + 1, h)
             phases.append((s, e, k, r, rd, h, pr, po))
             done = e == bt
-            fb = bt[done]
-            bud[fb], rnd[fb], hd[fb] = k[done], rd[done], h_e[done]
+            fb, hb = bt[done], h_e[done]
+            bud[fb], rnd[fb], hd[fb] = k[done], rd[done], hb
             rdy[fb] = r[done] & (cr[done] == fb)
-            ipr[h_e[done]], ipo[h_e[done]] = pr[done], po[done]
+            ipr[hb], ipo[hb] = pr[done], po[done]
+            if fb.size == s.size:
+                return
             # the next phase starts at e + 1 as a new head, one round later with K - 1
             more = ~done
             e = e[more]
@@ -232,33 +243,31 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         kids = ge_kid[lo:hi]
         kr = bud[par]
         same = rdy[par] & ~g_cross[g0:g1]
-        delta = (~same).astype(np.int64)
-        ks = kr - delta
-        nl = g_nl[g0:g1]
+        ks = kr - ~same  # K_side >= 1: a fork that is not same-round has K_round >= T_in >= 2
+        kr_e, ks_e, same_e = kr[ef], ks[ef], same[ef]
         tpc = e_tp[lo:hi]
-        exc = tpc > ks[ef]
-        f = np.add.reduceat(exc.astype(np.int64), grp) + np.where(ks < 1, nl, 0)
-        ok = (np.where(same[ef], tpc, e_tin[lo:hi]) <= kr[ef]) & (f[ef] == exc)
+        exc = tpc > ks_e  # leaves (T_pre = 1) never exceed K_side
+        f = np.add.reduceat(exc, grp)
+        ok = (np.where(same_e, tpc, e_tin[lo:hi]) <= kr_e) & (f[ef] == exc)
         pos = ge_pos[lo:hi]
         best = np.minimum.reduceat(np.where(ok, pos, _BIG), grp)
-        leaf_at = np.where((nl > 0) & (f - (ks < 1) == 0), g_lpos[g0:g1], _BIG)
-        if np.any((best == _BIG) & (leaf_at == _BIG)):
-            raise AssertionError(_FAIL)
+        leaf_at = np.where((g_nl[g0:g1] > 0) & (f == 0), g_lpos[g0:g1], _BIG)
         use_int = best < leaf_at
+        if not np.all(use_int | (leaf_at < _BIG)):
+            raise AssertionError(_FAIL)
         direct = (pos == best[ef]) & use_int[ef]
         dirc[par[use_int]] = e_seg[lo:hi][direct]
         hpar = hd[par]
-        bud[kids] = np.where(direct, kr[ef], ks[ef])
-        rdy[kids] = direct <= same[ef]  # a side child is ready; a direct one iff same-round
-        rnd[kids] = rnd[par][ef] + np.where(direct, 0, delta[ef])
+        bud[kids] = np.where(direct, kr_e, ks_e)
+        rdy[kids] = direct <= same_e  # a side child is ready; a direct one iff same-round
+        rnd[kids] = rnd[par][ef] + (~direct & ~same_e)
         hd[kids] = np.where(direct, hpar[ef], kids)
         # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
         # initial state; otherwise it requests S_{b_v} from the parent's sequence
-        src_pr = np.where(same, ipr[hpar], hpar)
-        src_po = np.where(same, ipo[hpar], g_bv[g0:g1])
         se = np.flatnonzero(~direct)
-        ipr[kids[se]] = src_pr[ef[se]]
-        ipo[kids[se]] = src_po[ef[se]]
+        sf = ef[se]
+        ipr[kids[se]] = np.where(same, ipr[hpar], hpar)[sf]
+        ipo[kids[se]] = np.where(same, ipo[hpar], g_bv[g0:g1])[sf]
 
     for d in range(num_levels):
         ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]  # a one-rank unit keeps its parent fork's state
