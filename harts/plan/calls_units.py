@@ -276,16 +276,16 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         if gen_ptr[d + 1] > gen_ptr[d]:
             recover_forks(int(gen_ptr[d]), int(gen_ptr[d + 1]))
 
-    # every phase's ranks [s, e]: state, same-round breaks (new heads) and continuations
+    # every phase's ranks [s, e]: round, readiness, same-round breaks (new heads) and
+    # continuations (K_round inside a unit is needed no more)
     cont = np.zeros(n, dtype=bool)  # a spine's internal child continues
     if phases:
-        ps, pe, pk, pr_, prd, ph, ppr, ppo = (np.concatenate(x) for x in zip(*phases))
+        ps, pe, _, pr_, prd, ph, ppr, ppo = (np.concatenate(x) for x in zip(*phases))
         ln = pe - ps + 1
         first = np.cumsum(ln) - ln
         ph_of = np.repeat(np.arange(ps.size), ln)
         j = ps[ph_of] + np.arange(int(ln.sum())) - first[ph_of]
         cr_s = nxt_cross[ps][ph_of]
-        bud[j] = pk[ph_of]
         rnd[j] = prd[ph_of]
         rdy[j] = pr_[ph_of] & (j <= cr_s)
         brk = leaf_first[j] & pr_[ph_of] & (j < cr_s)  # ready, not crossing: same-round side child
@@ -303,13 +303,11 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         ipr[j[nh]] = ppr[ph_of[nh]]
         ipo[j[nh]] = ppo[ph_of[nh]]
 
-    leaf_only = nint == 0
-    ks_all = bud - (~(rdy & ~cross)).astype(np.int64)
-    if np.any(leaf_only & (ks_all < 1) & (nch_i >= 2)):
+    same_i = rdy & ~cross  # side branches start in the fork's own round
+    if np.any((nint == 0) & (bud - ~same_i < 1) & (nch_i >= 2)):  # leaf-only fork, every leaf over K_side
         raise AssertionError(_FAIL)
     sp = np.flatnonzero(spine & cont)
     dirc[sp] = ids[sp + 1]
-    dl = (~(rdy & ~cross)).astype(np.int64)
 
     # ---- back to segments; leaves in bulk
     tpre_s = ones.copy()
@@ -324,21 +322,23 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     init_pos = np.zeros(v, dtype=np.int64)
     init_prod[ids] = np.where(ipr >= 0, ids[np.maximum(ipr, 0)], -1)
     init_pos[ids] = ipo
-    leaves, p = kid[le], lp  # leaf children and their parents' ranks
-    direct_l = dirc[p] == leaves
-    hp = hd[p]
-    head[leaves] = np.where(direct_l, ids[hp], leaves)
-    rnd_s[leaves] = rnd[p] + np.where(direct_l, 0, dl[p])
-    # a side leaf of a same-round fork inherits its parent sequence's initial state, else
-    # it requests S_{b_v} from that sequence
-    same_l = dl[p] == 0
-    prod = np.where(same_l, ipr[hp], hp)
-    side_l = ~direct_l
-    init_prod[leaves] = np.where(side_l & (prod >= 0), ids[np.maximum(prod, 0)], -1)
-    init_pos[leaves] = np.where(side_l, np.where(same_l, ipo[hp], bv[p]), 0)
     offset = np.zeros(v, dtype=np.int64)  # a chain has consecutive depths
     offset[ids] = depth_i - depth_i[hd]
-    offset[leaves] = np.where(direct_l, offset[ids[p]] + 1, 0)
+    leaves = kid[le]  # leaf children; lp: their parents' ranks
+    direct_l = dirc[lp] == leaves
+    di, si = np.flatnonzero(direct_l), np.flatnonzero(~direct_l)
+    ld, pd = leaves[di], lp[di]
+    head[ld] = head[ids[pd]]
+    rnd_s[ld] = rnd[pd]
+    offset[ld] = offset[ids[pd]] + 1
+    # a side leaf (its own head, offset 0) of a same-round fork inherits its parent
+    # sequence's initial state, else it requests S_{b_v} from that sequence, a round later
+    ls, ps = leaves[si], lp[si]
+    hps, sm = hd[ps], same_i[ps]
+    rnd_s[ls] = rnd[ps] + ~sm
+    prod = np.where(sm, ipr[hps], hps)
+    init_prod[ls] = np.where(prod >= 0, ids[np.maximum(prod, 0)], -1)
+    init_pos[ls] = np.where(sm, ipo[hps], bv[ps])
     return tpre_s, tin_s, head, rnd_s, init_prod, init_pos, offset
 
 
