@@ -2,15 +2,14 @@
 
     python -m harts.bench.calls_bench [--segments 1000000] [--json out.json]
 
-Part 1 plans forests of ``--segments`` segments of three shapes and prints, side by side from
-the same run, the level-vectorized engine (``impl="levels"``), the per-internal-node engine
-(``impl="nodes"``) and what ``impl="auto"`` picks (best of ``--repeat`` runs each). Algorithm 1
-transcribed line by line is the tests' oracle (``tests/plan/oracle.py``), not timed here:
+Part 1 plans forests of ``--segments`` segments of three shapes with ``plan_calls`` (best of
+``--repeat`` runs). Algorithm 1 transcribed line by line is the tests' oracle
+(``tests/plan/oracle.py``), not timed here:
   * ``swe-tiled``: copies of one ``swe`` step's segment forest (real fork shapes);
   * ``random``: random recursive trees, heavy-tailed lengths, forks at kB-1, kB, kB+1;
   * ``deep``: Figure-8-like caterpillars (a long chain, one side leaf per fork).
-``--deep-chain`` adds one single caterpillar of ``--segments`` segments (depth V/2), the
-worst case for level-wise processing.
+``--deep-chain`` adds one single caterpillar of ``--segments`` segments (depth V/2): one unit
+for the planner's spine closed forms, the worst case for any level-by-level processing.
 
 Part 2 splits one ``swe`` step into microbatches with the step planner (``plan_step``,
 ``--dp``, ``--capacity``), compacts each microbatch (setup, not timed), then times planning
@@ -132,24 +131,13 @@ def bench_forests(args: argparse.Namespace, swe_forest: SegmentForest | None) ->
     rows = []
     for name, forest in shapes:
         depth = int(forest.depth().max())
-        row = {"shape": name, "segments": forest.num_segments, "trees": forest.num_trees}
-        plans = {}
-        for impl in ("auto", "levels", "nodes"):
-            if impl == "levels" and name == "deep-chain":
-                row["levels_s"] = None  # dozens of numpy calls per level, V/2 levels: not run
-                continue
-            plan, sec = _best_of(lambda: plan_calls(forest, b, impl=impl), args.repeat)
-            row[f"{impl}_s"] = round(sec, 4)
-            plans[impl] = plan
-        p = plans["auto"]
+        p, sec = _best_of(lambda: plan_calls(forest, b), args.repeat)
+        row = {"shape": name, "segments": forest.num_segments, "trees": forest.num_trees, "plan_s": round(sec, 4)}
         row.update(calls=p.num_calls, sequences=p.num_sequences, replay=p.total_replay, depth=depth)
-        assert all(q.num_calls == p.num_calls and np.array_equal(q.seg_seq, p.seg_seq) for q in plans.values())
         rows.append(row)
-        lv = row.get("levels_s")
         print(
-            f"{name:>11}  V={row['segments']:>9,}  trees={row['trees']:>6,}  calls={p.num_calls}  "
-            f"auto {row['auto_s']:.3f} s | levels {'-' if lv is None else f'{lv:.3f} s'} | "
-            f"nodes {row['nodes_s']:.3f} s"
+            f"{name:>11}  V={row['segments']:>9,}  trees={row['trees']:>6,}  depth={depth:>7,}  "
+            f"calls={p.num_calls}  plan_calls {sec:.3f} s"
         )
     return rows
 

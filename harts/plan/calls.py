@@ -15,13 +15,15 @@ as Algorithm 1's pseudocode: the direct continuation is the first child, in the 
 order, that fits the continuation budget and covers every child exceeding the side budget.
 Trees are planned independently and merged by round; the call count is their maximum.
 
-Here both passes run level by level over a breadth-first order with numpy segment
-reductions (``impl="levels"``): O(V) array work plus a few dozen numpy calls per tree level.
-``harts.plan.calls_nodes`` holds the per-node engine for the forests where that per-level
-cost dominates (``"nodes"``: internal segments on plain lists, spine nodes in closed form,
-leaves in bulk), deep-and-narrow and small forests. ``plan_calls_many`` plans many small
-forests (one step's microbatches) as one disjoint union. Algorithm 1 transcribed line by
-line is the test oracle (``tests/plan/oracle.py``); tests check both engines against it.
+The engine is ``harts.plan.calls_units.plan_units``: both passes vectorized with numpy over
+internal segments, unit level by unit level, where a unit is a chain of spine nodes (one
+internal child) handled in closed form, so a caterpillar of any length is one step and a
+random forest a few dozen; leaves are settled in bulk. Forests of at most
+``LEAN_MAX_SEGMENTS`` segments (a step's microbatches) take ``plan_lean``: the same passes
+fork by fork on plain lists, where numpy's per-call cost would dominate. ``plan_calls_many``
+plans many small forests (one step's microbatches) as one disjoint union through the same
+engine. Algorithm 1 transcribed line by line is the test oracle (``tests/plan/oracle.py``);
+tests check both paths against it.
 
 Shapes (V = segments, Q = sequences, Rq = requested boundary states, K = calls):
     t_pre, t_in, seg_seq      int64 [V]      DP values; the sequence executing each segment
@@ -43,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from harts.plan.calls_nodes import plan_nodes
+from harts.plan.calls_units import plan_lean, plan_units
 from harts.tree.segments import SegmentForest
 
 __all__ = [
@@ -219,39 +221,27 @@ def _small_ints(x: np.ndarray) -> np.ndarray:
     return x.astype(np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64)
 
 
-#: the level-vectorized engine needs this many segments per tree level on average to beat
-#: the per-internal-node engine (measured on 1 M-segment caterpillars: break-even near 300)
-MIN_LEVEL_WIDTH = 300
+#: forests up to this many segments are planned fork by fork on lists (``plan_lean``): below
+#: it the vectorized engine's fixed cost of a few hundred numpy calls dominates (measured:
+#: break-even near 250 segments on caterpillars, above 1,000 on random trees)
+LEAN_MAX_SEGMENTS = 256
 
 
-def plan_calls(forest: SegmentForest, chunk_size: int, *, impl: str = "auto") -> CallPlan:
+def plan_calls(forest: SegmentForest, chunk_size: int) -> CallPlan:
     """Algorithm 1 on every tree of ``forest``; sequences merged by round (see module doc).
 
     Args:
         forest: V segments in preorder (``SegmentForest``).
         chunk_size: the linear-attention chunk B (positive integer).
-        impl: the engine. ``"levels"`` (numpy, one step per tree level), ``"nodes"`` (per
-            internal segment on plain Python lists, leaves in bulk: ``harts.plan.calls_nodes``)
-            or ``"auto"``: levels when the forest is wide (at least ``MIN_LEVEL_WIDTH``
-            segments per level on average), nodes otherwise (deep forests, small forests).
-            Both give the identical plan (tested against the line-by-line oracle). Many small
-            forests (one step's microbatches) are planned together by ``plan_calls_many``.
 
     Returns:
-        the ``CallPlan`` (arrays as in the module doc).
+        the ``CallPlan`` (arrays as in the module doc). Many small forests (one step's
+        microbatches) are planned together by ``plan_calls_many``.
     """
     b = _check_chunk_size(chunk_size)
-    if impl not in ("auto", "levels", "nodes"):
-        raise ValueError(f"impl must be 'auto', 'levels' or 'nodes', got {impl!r}")
-    v = forest.num_segments
-    if v == 0:
-        return _assemble(forest, b, *(np.zeros(0, np.int64) for _ in range(7)))
-    if impl == "nodes" or (impl == "auto" and v < 2 * MIN_LEVEL_WIDTH):
-        return _assemble(forest, b, *plan_nodes(forest, b))
-    depth = forest.depth()
-    if impl == "auto" and v < MIN_LEVEL_WIDTH * (int(depth.max()) + 1):
-        return _assemble(forest, b, *plan_nodes(forest, b))
-    return _plan_levels(forest, b, depth)
+    if forest.num_segments <= LEAN_MAX_SEGMENTS:
+        return CallPlan(chunk_size=b, forest=forest, **plan_lean(forest, b))  # type: ignore[arg-type]
+    return _assemble(forest, b, *plan_units(forest, b))
 
 
 def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallPlan]:
@@ -356,107 +346,6 @@ def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallP
             )
         )
     return plans
-
-
-def _plan_levels(forest: SegmentForest, b: int, depth: np.ndarray) -> CallPlan:
-    """Both passes level by level over a breadth-first order (numpy segment reductions)."""
-    v = forest.num_segments
-    nch = forest.num_children
-    # breadth-first order: by depth, then preorder. The children of level d then form level
-    # d + 1, grouped by parent in parent order, so every per-fork reduction is a reduceat.
-    order = np.argsort(_small_ints(depth), kind="stable")
-    lvl_ptr = np.zeros(int(depth.max()) + 2, dtype=np.int64)
-    np.cumsum(np.bincount(depth), out=lvl_ptr[1:])
-    nch_b = nch[order]
-    first_child = forest.num_trees + np.cumsum(nch_b) - nch_b  # BFS position of the first child
-    start_b, end_b = forest.start[order], forest.end[order]
-    anchor_b = start_b // b * b
-    cross_b = end_b >= anchor_b + b  # Eq. 11 fails: S_{b_v} is produced inside the call
-    term_b = end_b // b * b  # b_v
-    internal = np.flatnonzero(nch_b > 0)
-    int_ptr = np.searchsorted(internal, lvl_ptr)
-    levels = lvl_ptr.size - 1
-
-    # ---- pass 1: T_pre / T_in bottom-up (Eqs. 12-14; Algorithm 1 lines 1-9)
-    tpre = np.ones(v, dtype=np.int64)
-    tin = np.ones(v, dtype=np.int64)
-    for d in range(levels - 2, -1, -1):
-        par = internal[int_ptr[d] : int_ptr[d + 1]]
-        if par.size == 0:
-            continue
-        lo, hi = lvl_ptr[d + 1], lvl_ptr[d + 2]
-        cnt = nch_b[par]
-        grp = first_child[par] - lo
-        tp, ti = tpre[lo:hi], tin[lo:hi]
-        m1 = np.maximum.reduceat(tp, grp)
-        m1c = np.repeat(m1, cnt)
-        is_max = tp == m1c
-        n_max = np.add.reduceat(is_max.astype(np.int64), grp)
-        # second largest of the multiset (0 = max of the empty set)
-        m2 = np.where(n_max >= 2, m1, np.maximum.reduceat(np.where(is_max, 0, tp), grp))
-        h = np.where(is_max, np.repeat(m2, cnt), m1c)  # h_o = max_{u != o} T_pre(u)
-        t = np.minimum.reduceat(np.maximum(ti, 1 + h), grp)
-        tin[par] = t
-        tpre[par] = np.where(cross_b[par], t, m1)
-
-    # ---- pass 2: recovery with round budgets, top-down (Algorithm 1 lines 10-25)
-    ready = np.ones(v, dtype=bool)
-    budget = tpre.copy()  # roots: K_round = T_pre(root); children are overwritten below
-    rnd = np.zeros(v, dtype=np.int64)
-    head = np.arange(v, dtype=np.int64)  # BFS position of the sequence head
-    init_prod = np.full(v, -1, dtype=np.int64)  # BFS head of the sequence exporting the init state
-    init_pos = np.zeros(v, dtype=np.int64)
-    for d in range(levels - 1):
-        par = internal[int_ptr[d] : int_ptr[d + 1]]
-        if par.size == 0:
-            continue
-        lo, hi = lvl_ptr[d + 1], lvl_ptr[d + 2]
-        cnt = nch_b[par]
-        grp = first_child[par] - lo
-        n = hi - lo
-        same = ready[par] & ~cross_b[par]
-        delta = (~same).astype(np.int64)
-        k_round = budget[par]
-        k_side = k_round - delta
-        same_c = np.repeat(same, cnt)
-        k_round_c = np.repeat(k_round, cnt)
-        k_side_c = np.repeat(k_side, cnt)
-        tp = tpre[lo:hi]
-        h_cap = np.where(same_c, tp, tin[lo:hi])
-        exceed = tp > k_side_c
-        f = np.add.reduceat(exceed.astype(np.int64), grp)
-        ok = (h_cap <= k_round_c) & (np.repeat(f, cnt) == exceed)
-        idx = np.arange(n, dtype=np.int64)
-        chosen = np.minimum.reduceat(np.where(ok, idx, n), grp)
-        assert np.all(chosen < grp + cnt), "recovery found no direct continuation (DP invariant broken)"
-        direct = np.zeros(n, dtype=bool)
-        direct[chosen] = True
-        ready[lo:hi] = np.where(direct, same_c, True)
-        budget[lo:hi] = np.where(direct, k_round_c, k_side_c)
-        rnd[lo:hi] = np.repeat(rnd[par], cnt) + np.where(direct, 0, np.repeat(delta, cnt))
-        head_c = np.repeat(head[par], cnt)
-        head[lo:hi] = np.where(direct, head_c, lo + idx)
-        # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
-        # initial state; otherwise from S_{b_v}, exported by the parent's sequence
-        side = ~direct
-        prod = np.where(same_c, init_prod[head_c], head_c)
-        pos = np.where(same_c, init_pos[head_c], np.repeat(term_b[par], cnt))
-        init_prod[lo:hi] = np.where(side, prod, -1)
-        init_pos[lo:hi] = np.where(side, pos, 0)
-
-    # back to segment ids
-    seg = np.empty(v, dtype=np.int64)
-    seg[order] = np.arange(v)
-
-    def to_seg(x: np.ndarray) -> np.ndarray:
-        return x[seg]
-
-    head_s = order[to_seg(head)]
-    ip = to_seg(init_prod)
-    prod_s = np.where(ip >= 0, order[np.maximum(ip, 0)], -1)
-    dep = depth[order]  # BFS positions -> depth
-    offset = to_seg(dep - dep[head])  # a chain has consecutive depths
-    return _assemble(forest, b, to_seg(tpre), to_seg(tin), head_s, to_seg(rnd), prod_s, to_seg(init_pos), offset)
 
 
 def _assemble(

@@ -26,24 +26,29 @@ def parent_depth(parent: np.ndarray, weight: np.ndarray | None = None) -> np.nda
     """int64 [N]: depth of every node of a parent-pointer forest (-1 = root), by pointer doubling.
 
     ``parent`` int [N] in any order (no preorder needed); ``weight`` int64 [N] is the length
-    of each node's edge to its parent (default 1; ignored on roots). O(N log depth).
+    of each node's edge to its parent (default 1; ignored on roots). O(N log depth). Raises
+    ``ValueError`` if the parent links contain a cycle.
     """
     jump = np.asarray(parent).astype(np.int64, copy=True)
     has = jump >= 0
     depth = has.astype(np.int64) if weight is None else np.where(has, weight, 0).astype(np.int64)
     active = np.flatnonzero(has)
-    while active.size:
+    for _ in range(jump.size.bit_length() + 1):  # a depth below 2**k is final after k steps
+        if not active.size:
+            return depth
         j = jump[active]
         # right-hand sides are read before the writes: a simultaneous (Jacobi) doubling step
         depth[active] += depth[j]
         jump[active] = jump[j]
         active = active[jump[active] >= 0]
+    if active.size:
+        raise ValueError("parent links contain a cycle")
     return depth
 
 
 def preorder_from_parents(parent: np.ndarray) -> np.ndarray:
-    """int64 [N]: preorder permutation of a forest whose parents precede children
-    (``parent[v] < v``; -1 = root); siblings keep id order. O(N) array work per level."""
+    """int64 [N]: preorder permutation of a parent-pointer forest (-1 = root, any order);
+    trees and siblings keep id order. O(N) array work per level."""
     # preorder = lexicographic order of root paths: sort by (tree, path ids) is costly; use
     # subtree sizes + first-child offsets instead, computed level by level
     v = parent.size

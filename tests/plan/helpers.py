@@ -7,8 +7,20 @@ import itertools
 
 import numpy as np
 
-from harts.plan.calls import CallPlan
+from harts.plan.calls import CallPlan, _assemble
+from harts.plan.calls_units import plan_lean, plan_units
 from harts.tree.segments import SegmentForest
+
+
+# ------------------------------------------------- the two paths of plan_calls
+def plan_units_only(forest: SegmentForest, b: int) -> CallPlan:
+    """``plan_calls`` through the vectorized engine whatever the forest's size."""
+    return _assemble(forest, b, *plan_units(forest, b))
+
+
+def lean_only(forest: SegmentForest, b: int) -> CallPlan:
+    """``plan_calls`` through the lean list path whatever the forest's size."""
+    return CallPlan(chunk_size=b, forest=forest, **plan_lean(forest, b))  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------- execution model

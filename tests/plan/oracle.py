@@ -1,16 +1,16 @@
 """Algorithm 1 (paper §3.3) transcribed line by line: the test oracle of ``plan_calls``.
 
 Every node is visited, recursion is an explicit stack, dictionaries hold the sequences, no
-numpy until the end. Slow (seconds on a million segments) but obviously the pseudocode; the
-tests require both production engines (``impl="levels"`` and ``impl="nodes"``) to produce
-exactly this plan.
+numpy. Slow (seconds on a million segments) but obviously the pseudocode; the tests require
+both paths of ``plan_calls`` (the vectorized ``plan_units`` and the lean list path) to produce
+exactly this plan. The sequences are packed into plan arrays by ``plan_fields``, shared with
+the lean path; the vectorized engine packs its own, so a packing slip still shows.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from harts.plan.calls import CallPlan
+from harts.plan.calls_units import plan_fields
 from harts.tree.segments import SegmentForest
 
 _FAIL = "recovery found no direct continuation (DP invariant broken)"
@@ -26,7 +26,6 @@ def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
     returns the CallPlan fields (``num_calls`` and the plan arrays)."""
     v = forest.num_segments
     start, end = forest.start.tolist(), forest.end.tolist()
-    parent = forest.parent.tolist()
     ptr, kid = forest.child_ptr.tolist(), forest.child_idx.tolist()
     # Eq. 11 fails: S_{b_v} is produced inside the call
     cross = [e >= s // b * b + b for s, e in zip(start, end)]
@@ -94,51 +93,4 @@ def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
                 stack.append((c, True, k_side, r + delta, c))
         stack.append((o, same, k_round, r, hq))
 
-    heads = sorted(seq_segs, key=lambda h: (seq_rnd[h], h))
-    seq_index = {h: i for i, h in enumerate(heads)}
-    seg_seq = [0] * v
-    flat: list[int] = []
-    seq_ptr = [0]
-    for i, h in enumerate(heads):
-        segs = seq_segs[h]
-        for u in segs:
-            seg_seq[u] = i
-        flat.extend(segs)
-        seq_ptr.append(len(flat))
-    keys = {}
-    for h in heads:
-        prod, pos = init_of.get(h, (-1, 0))
-        if prod >= 0:
-            keys[(seq_index[prod], pos)] = 0
-    req = sorted(keys)
-    req_id = {k: i for i, k in enumerate(req)}
-    seq_init = []
-    for h in heads:
-        prod, pos = init_of.get(h, (-1, 0))
-        seq_init.append(req_id[(seq_index[prod], pos)] if prod >= 0 else -1)
-    seq_round = [seq_rnd[h] for h in heads]
-    num_calls = seq_round[-1] + 1
-    round_ptr = [0] * (num_calls + 1)
-    for r in seq_round:
-        round_ptr[r + 1] += 1
-    for k in range(num_calls):
-        round_ptr[k + 1] += round_ptr[k]
-
-    def a(x: list[int]) -> np.ndarray:
-        return np.array(x, dtype=np.int64)
-
-    return {
-        "num_calls": num_calls,
-        "t_pre": a(tpre),
-        "t_in": a(tin),
-        "seg_seq": a(seg_seq),
-        "seq_round": a(seq_round),
-        "seq_ptr": a(seq_ptr),
-        "seq_segments": a(flat),
-        "seq_fork": a([parent[h] for h in heads]),
-        "seq_anchor": a([start[h] // b * b for h in heads]),
-        "seq_init": a(seq_init),
-        "req_seq": a([k[0] for k in req]),
-        "req_pos": a([k[1] for k in req]),
-        "round_ptr": a(round_ptr),
-    }
+    return plan_fields(forest, b, tpre, tin, seq_segs, seq_rnd, init_of)

@@ -12,7 +12,7 @@ import harts
 from harts.plan.calls import CallPlan, mandatory_replay, plan_calls, ranges_to_indices
 from harts.plan.tree_file import parse_tree
 from harts.tree.segments import SegmentForest, parent_depth, preorder_from_parents
-from tests.plan.helpers import brute_force_calls, check_plan, eq15, naive_depth
+from tests.plan.helpers import brute_force_calls, check_plan, eq15, lean_only, naive_depth, plan_units_only
 from tests.plan.oracle import plan_oracle
 from tests.strategies import forests, random_forest_lists, spine_forest
 
@@ -39,8 +39,7 @@ def assert_same_plan(a: CallPlan, b: CallPlan) -> None:
 def test_planner_matches_brute_force(fb):
     forest, b = fb
     best, replays = brute_force_calls(forest, b)
-    for impl in ("levels", "nodes", "oracle"):
-        plan = plan_oracle(forest, b) if impl == "oracle" else plan_calls(forest, b, impl=impl)
+    for plan in (plan_calls(forest, b), plan_units_only(forest, b), plan_oracle(forest, b)):
         assert plan.num_calls == best
         # T_pre(root) per tree; the microbatch needs the maximum over its trees
         assert plan.num_calls == int(plan.t_pre[forest.roots].max())
@@ -58,28 +57,26 @@ def test_brute_force_seeded_sweep():
         lengths, parents = random_forest_lists(rng, b, max_segments=9, max_fanout=6, max_trees=3)
         forest, _ = SegmentForest.from_parents(lengths, parents)
         best, _ = brute_force_calls(forest, b)
-        for impl in ("levels", "nodes", "oracle"):
-            plan = plan_oracle(forest, b) if impl == "oracle" else plan_calls(forest, b, impl=impl)
-            assert plan.num_calls == best, (i, lengths, parents, b, impl)
+        for path, plan in (("lean", plan_calls(forest, b)), ("units", plan_units_only(forest, b))):
+            assert plan.num_calls == best, (i, lengths, parents, b, path)
             check_plan(plan)
         seen_calls.add(best)
     assert {1, 2, 3} <= seen_calls  # the sweep exercises non-trivial depths
 
 
 @given(forests(max_segments=40))
-def test_engines_equal_oracle(fb):
+def test_paths_equal_oracle(fb):
     forest, b = fb
-    assert_same_plan(plan_calls(forest, b, impl="levels"), plan_oracle(forest, b))
-    assert_same_plan(plan_calls(forest, b, impl="nodes"), plan_oracle(forest, b))
+    assert_same_plan(plan_calls(forest, b), plan_oracle(forest, b))
+    assert_same_plan(plan_units_only(forest, b), plan_oracle(forest, b))
 
 
-def test_engines_equal_oracle_large_forest():
+def test_equal_oracle_large_forest():
     rng = np.random.default_rng(7)
     lengths, parents = random_forest_lists(rng, 16, max_segments=4000, max_fanout=6, max_trees=40)
     forest, _ = SegmentForest.from_parents(lengths, parents)
-    plan = plan_calls(forest, 16, impl="levels")
+    plan = plan_calls(forest, 16)
     assert_same_plan(plan, plan_oracle(forest, 16))
-    assert_same_plan(plan, plan_calls(forest, 16, impl="nodes"))
     check_plan(plan)
 
 
@@ -91,28 +88,27 @@ def test_deep_caterpillar():
         parents += [spine, spine]
         spine = len(lengths) - 1
     forest, _ = SegmentForest.from_parents(lengths, parents)
-    plan = plan_calls(forest, 64, impl="levels")
+    plan = plan_calls(forest, 64)
     # the spine must continue directly (it would need 2 more calls as a side branch)
     assert plan.num_calls == 2
     assert plan.num_sequences == 301
     check_plan(plan)
     assert_same_plan(plan, plan_oracle(forest, 64))
-    assert_same_plan(plan, plan_calls(forest, 64, impl="nodes"))
     np.testing.assert_array_equal(parent_depth(forest.parent), naive_depth(forest))
     np.testing.assert_array_equal(forest.depth(), naive_depth(forest))
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_nodes_path_on_spines(seed):
-    """The per-internal-node path's spine closed forms and leaf handling, vs the
-    line-by-line transcription and the level-vectorized planner."""
+def test_spine_forests(seed):
+    """The units' spine closed forms (pass 1) and phases (pass 2), and the lean path, vs the
+    line-by-line transcription."""
     rng = np.random.default_rng(seed)
     b = int(rng.choice([2, 3, 4, 8, 64]))
     forest, _ = SegmentForest.from_parents(*spine_forest(rng, b))
-    plan = plan_calls(forest, b, impl="nodes")
+    plan = plan_units_only(forest, b)
     check_plan(plan)
     assert_same_plan(plan, plan_oracle(forest, b))
-    assert_same_plan(plan, plan_calls(forest, b, impl="levels"))
+    assert_same_plan(plan, lean_only(forest, b))
     np.testing.assert_array_equal(forest.depth(), naive_depth(forest))
 
 
@@ -127,6 +123,29 @@ def test_forest_utilities(fb):
     for v in range(forest.num_segments):
         desc = [u for u in range(forest.num_segments) if _is_ancestor(forest, v, u)]
         assert ends[v] == max(int(forest.row[u] + forest.length[u]) for u in desc)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_preorder_from_parents_any_order(seed):
+    """Parents listed after their children: the same preorder as from_parents' depth-first walk."""
+    rng = np.random.default_rng(seed)
+    v = int(rng.integers(1, 60))
+    order = rng.permutation(v)  # node order[i] gets id i: parents land anywhere
+    pos = np.empty(v, dtype=np.int64)
+    pos[order] = np.arange(v)
+    parents = [-1 if u == 0 or rng.random() < 0.1 else int(rng.integers(0, u)) for u in range(v)]
+    shuffled = np.array([-1 if parents[u] < 0 else pos[parents[u]] for u in order], dtype=np.int64)
+    _, new_id = SegmentForest.from_parents(np.ones(v, dtype=np.int64), shuffled)
+    np.testing.assert_array_equal(preorder_from_parents(shuffled), np.argsort(new_id))
+    np.testing.assert_array_equal(
+        parent_depth(shuffled)[np.argsort(new_id)],
+        naive_depth(SegmentForest.from_parents(np.ones(v, dtype=np.int64), shuffled)[0]),
+    )
+
+
+def test_parent_depth_cycle():
+    with pytest.raises(ValueError, match="cycle"):
+        parent_depth(np.array([-1, 2, 1]))
 
 
 def _is_ancestor(forest: SegmentForest, v: int, u: int) -> bool:
@@ -312,10 +331,10 @@ def test_compact_batch_forest():
             trajs.append(np.concatenate([[100 + t], base[:cut], rng.integers(0, 4, int(rng.integers(1, 80)))]))
     cb = harts.compact(harts.RolloutBatch.from_trajectories(trajs))
     for b in (4, 16, 64):
-        plan = harts.plan_calls(cb.segment_trees, b, impl="levels")
+        plan = harts.plan_calls(cb.segment_trees, b)
         check_plan(plan)
         assert_same_plan(plan, plan_oracle(cb.segment_trees, b))
-        assert_same_plan(plan, plan_calls(cb.segment_trees, b, impl="nodes"))
+        assert_same_plan(plan, plan_units_only(cb.segment_trees, b))
     assert cb.segment_trees.num_trees == 3
 
 
@@ -338,11 +357,6 @@ def test_empty_and_single_segment():
         "replay": 0,
         "rounds": [{"round": 1, "replay": 0, "sequences": [{"segments": ["only"], "replay": 0}]}],
     }
-
-
-def test_bad_impl():
-    with pytest.raises(ValueError, match="impl"):
-        plan_calls(forest_of([("a", 3, None)]), 4, impl="scalar")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

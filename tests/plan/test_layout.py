@@ -148,7 +148,7 @@ def test_layout_on_spine_forests(seed):
     rng = np.random.default_rng(100 + seed)
     b = int(rng.choice([2, 3, 4]))
     cb = harts.compact(batch_from_forest(rng, *spine_forest(rng, b, max_spine=15)))
-    plan = plan_calls(cb.segment_trees, b, impl="nodes")
+    plan = plan_calls(cb.segment_trees, b)
     for pad_to, no_replay in ((1, False), (4, False), (1, True), (3, True)):
         check_layout(cb, build_layout(cb, plan, pad_to=pad_to, no_replay=no_replay), b, pad_to, no_replay)
 

@@ -1,0 +1,471 @@
+"""Algorithm 1 (paper §3.3) vectorised over chain-contracted units: the engine of ``plan_calls``.
+
+Leaves have T_pre = T_in = 1, so both passes run over *internal* segments only (leaves are
+settled in bulk at the end), numbered by *rank*: position among internal segments in preorder.
+An internal segment with exactly one internal child (any number of leaf children) is a
+*spine* node; in preorder its internal child is the next rank. A *unit* is a maximal rank
+range [top, bot] whose nodes above ``bot`` are spine nodes, so ``bot`` has no internal child
+or several (a *general* fork). Units form a tree of unit depth at most the number of general
+forks on a root path: a caterpillar of any length is one unit. Each pass runs unit level by
+unit level with numpy, spines in closed form:
+
+  * Pass 1 (Eqs. 12-14). T_pre <= T_in <= T_pre + 1 always, and with T >= 1 a spine node v
+    over internal child c maps (x, y) = (T_pre(c), T_in(c)) to
+        T_in(v) = max(y, 2) if v has a leaf child else y;  T_pre(v) = T_in(v) if v crosses
+        a chunk boundary (Eq. 11 fails) else x.
+    Up a unit from its bottom's (x0, y0): T_in(j) = max(y0, 2 [a leaf fork in j..bot-1]) and
+    T_pre(j) = T_in(c) at the nearest crossing spine node c in j..bot-1 (x0 if none).
+    General forks reduce over their internal children with segment reductions; leaf children
+    enter as a count.
+  * Pass 2 (recovery, lines 10-25). Down a unit the state is (ready, K_round); the round is
+    T_pre(root) - K_round. A spine node whose internal child comes first (or that has no leaf)
+    always continues into it. One whose leaf comes first hands the internal child a side
+    sequence when side branches are same-round (ready and not crossing: same K, a new head),
+    or when T_pre(c) < K_round (K - 1, one round later, ready again); otherwise it continues.
+    T_pre is non-increasing down a unit, so each *phase* of constant K_round ends at one
+    searchsorted and next-index lookups: at most T_pre(root) phases per unit.
+    General forks choose the first child (in the fixed order) that fits K_round and covers
+    every child exceeding K_side, exactly as the pseudocode, over a level at once.
+
+Small forests (``plan_calls`` below ``LEAN_MAX_SEGMENTS``, a step's microbatches) take
+``plan_lean``: the same two passes fork by fork on plain lists, every fork under the general
+rule (the spine closed forms are that rule with one internal child), since there a few hundred
+numpy calls cost more than the whole plan. ``plan_fields`` packs its per-sequence lists into
+the ``CallPlan`` fields. Algorithm 1 transcribed line by line is the test oracle
+(``tests/plan/oracle.py``); both paths are tested against it at every size.
+
+Shapes (V segments, I internal segments, U units): per rank int64/bool [I]; per unit [U];
+the results of ``plan_units`` are int64 [V] per segment.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harts.tree.segments import SegmentForest, parent_depth
+
+__all__ = ["plan_fields", "plan_lean", "plan_units"]
+
+_FAIL = "recovery found no direct continuation (DP invariant broken)"
+_BIG = np.int64(1) << 40
+
+
+def _next_at(mask: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """int64 [I]: first rank >= j where ``mask`` holds, capped at ``cap[j]`` (the unit's bottom)."""
+    n = mask.size
+    nxt = np.where(mask, np.arange(n), n)
+    return np.minimum(np.minimum.accumulate(nxt[::-1])[::-1], cap)
+
+
+def _levels(level: np.ndarray, num: int) -> tuple[np.ndarray, np.ndarray]:
+    """Items sorted by level (stable) and the CSR pointer over levels 0..num-1."""
+    order = np.argsort(level.astype(np.int16 if num < 2**15 else np.int64), kind="stable")  # int16: radix sort
+    return order, np.searchsorted(level[order], np.arange(num + 1))
+
+
+def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
+    """Algorithm 1 on ``forest`` with chunk size ``b`` (see module doc).
+
+    Returns per segment (int64 [V]): t_pre, t_in, head (first segment of its sequence),
+    round (0-based), init_prod (head of the sequence exporting the head's initial state,
+    -1 = zero state; valid on heads), init_pos (that state's trajectory position), offset
+    (place in its sequence).
+    """
+    v = forest.num_segments
+    ptr, kid, parent = forest.child_ptr, forest.child_idx, forest.parent
+    nch = np.diff(ptr)
+    ids = np.flatnonzero(nch > 0)  # internal segments in preorder: rank -> segment
+    n = ids.size
+    ones = np.ones(v, dtype=np.int64)
+    if n == 0:  # single-segment trees: one sequence each, round 0
+        z = np.zeros(v, dtype=np.int64)
+        return ones, ones.copy(), np.arange(v, dtype=np.int64), z, np.full(v, -1, dtype=np.int64), z, z
+    rank = np.full(v, -1, dtype=np.int64)
+    rank[ids] = np.arange(n)
+    idx = np.arange(n, dtype=np.int64)
+    kid_rank = rank[kid]
+    nch_i = nch[ids]
+    first_edge = ptr[ids]  # every edge has an internal parent: edges are in rank order
+    edge_par = np.repeat(idx, nch_i)  # parent rank of every child edge
+    int_edge = kid_rank >= 0
+    nint = np.add.reduceat(int_edge, first_edge).astype(np.int64)
+    nleaf = nch_i - nint
+    # first leaf child of each internal segment (-1: none) and its place among the children
+    le = np.flatnonzero(~int_edge)
+    lp = edge_par[le]
+    lfirst = np.ones(lp.size, dtype=bool)
+    lfirst[1:] = lp[1:] != lp[:-1]
+    fl, fe = lp[lfirst], le[lfirst]
+    first_leaf = np.full(n, -1, dtype=np.int64)
+    first_leaf[fl] = kid[fe]
+    leaf_pos = np.full(n, _BIG, dtype=np.int64)
+    leaf_pos[fl] = fe - first_edge[fl]
+    end_i = forest.end[ids]
+    cross = end_i >= forest.start[ids] // b * b + b  # Eq. 11 fails: S_{b_v} is produced inside the call
+    bv = end_i // b * b
+    spine = nint == 1
+    has_leaf = nleaf > 0
+    leaf_first = spine & has_leaf & ~int_edge[first_edge]  # a spine whose first child is a leaf
+
+    # ---- units and their depths
+    is_top = np.ones(n, dtype=bool)
+    is_top[1:] = ~spine[:-1]
+    uid = np.cumsum(is_top) - 1
+    tops = np.flatnonzero(is_top)
+    bots = np.append(tops[1:] - 1, n - 1)
+    bot_of, top_of = bots[uid], tops[uid]
+    ptop = parent[ids[tops]]
+    # unit depth and each top's segment depth in one pointer doubling: a parent unit adds
+    # 1 << 32 (one unit level) + its length (segment levels), V < 2**31
+    up = np.where(ptop >= 0, uid[rank[np.maximum(ptop, 0)]], -1)
+    packed = parent_depth(up, weight=(bots - tops + 1)[np.maximum(up, 0)] + (1 << 32))
+    udepth = packed >> 32
+    depth_i = (packed & 0xFFFFFFFF)[uid] + idx - top_of  # segment depth of every rank
+    num_levels = int(udepth.max()) + 1
+    nxt_cross = _next_at(spine & cross, bot_of)
+    nxt_leaf = _next_at(spine & has_leaf, bot_of)
+    nxt_lf = _next_at(leaf_first, bot_of)
+    prv = np.maximum.accumulate(np.where(leaf_first, idx, -1))
+    prv_lf = np.where(prv >= top_of, prv, -1)  # last leaf-first spine <= j in j's unit
+    # internal edges of general forks, by the fork's unit level, then rank, then child order
+    ge = np.flatnonzero(int_edge & (nint >= 2)[edge_par])
+    ge = ge[_levels(udepth[uid[edge_par[ge]]], num_levels)[0]]
+    ge_kid = kid_rank[ge]
+    ge_pos = ge - first_edge[edge_par[ge]]
+    gen = np.flatnonzero(nint >= 2)
+    gen_order, gen_ptr = _levels(udepth[uid[gen]], num_levels)
+    gen = gen[gen_order]
+    edge_ptr = np.zeros(gen.size + 1, dtype=np.int64)
+    np.cumsum(nint[gen], out=edge_ptr[1:])
+    edge_fork = np.repeat(np.arange(gen.size), nint[gen])
+    g_cnt, g_nl, g_cross = nint[gen], nleaf[gen], cross[gen]  # per general fork, level order
+    long_units = np.flatnonzero(spine[tops])  # units of two or more ranks (a spine top)
+    lu_order, lu_ptr = _levels(udepth[long_units], num_levels)
+    level_tops = tops[long_units[lu_order]]  # their tops by level; a one-rank unit needs no walk
+
+    # ---- pass 1: leaf-only forks in closed form, then unit levels bottom-up
+    tin = np.where(nch_i >= 2, 2, 1)
+    tp = np.where(cross, tin, 1)
+
+    def spine_values(j: np.ndarray) -> None:
+        """T of spine ranks j from their unit bottom's T (the closed form of the module doc)."""
+        bt = bot_of[j]
+        y0 = tin[bt]
+        tin_j = np.maximum(y0, 2 * (nxt_leaf[j] < bt))
+        c = nxt_cross[j]
+        tp[j] = np.where(c < bt, np.maximum(y0, 2 * (nxt_leaf[c] < bt)), tp[bt])
+        tin[j] = tin_j
+
+    for d in range(num_levels - 1, -1, -1):
+        g0, g1 = int(gen_ptr[d]), int(gen_ptr[d + 1])
+        if g1 > g0:
+            par = gen[g0:g1]
+            lo, hi = int(edge_ptr[g0]), int(edge_ptr[g1])
+            cnt = g_cnt[g0:g1]
+            grp = edge_ptr[g0:g1] - lo
+            kids = ge_kid[lo:hi]
+            tpc, tic = tp[kids], tin[kids]
+            m1 = np.maximum.reduceat(tpc, grp)
+            m1c = np.repeat(m1, cnt)
+            is_max = tpc == m1c
+            n_max = np.add.reduceat(is_max.astype(np.int64), grp)
+            nl = g_nl[g0:g1]
+            # second largest of the children's multiset; leaves count as T_pre = 1
+            sec = np.maximum(np.maximum.reduceat(np.where(is_max, 0, tpc), grp), nl > 0)
+            m2 = np.where(n_max >= 2, m1, sec)
+            h = np.where(is_max, np.repeat(m2, cnt), m1c)  # h_o = max_{u != o} T_pre(u)
+            t = np.minimum.reduceat(np.maximum(tic, 1 + h), grp)
+            t = np.where(nl > 0, np.minimum(t, 1 + np.where(m1 == 1, m2, m1)), t)  # a leaf continues
+            tin[par] = t
+            tp[par] = np.where(g_cross[g0:g1], t, m1)
+        ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]
+        if ut.size:
+            spine_values(ut)
+    spine_values(np.flatnonzero(spine))
+
+    # ---- pass 2: unit levels top-down; per rank the state (K_round, ready, round, head rank)
+    bud = np.zeros(n, dtype=np.int64)
+    rdy = np.ones(n, dtype=bool)
+    rnd = np.zeros(n, dtype=np.int64)
+    hd = idx.copy()
+    ipr = np.full(n, -1, dtype=np.int64)  # per head rank: producer head rank (-1 zero state)
+    ipo = np.zeros(n, dtype=np.int64)  # per head rank: the state's position
+    dirc = first_leaf.copy()  # direct child (segment id)
+    root_tops = tops[ptop < 0]
+    bud[root_tops] = tp[root_tops]
+    # phase end search: T_pre(child) is non-increasing down a unit; key[j] increases within it
+    span = int(tp.max()) + 2
+    tnext = np.append(tp[1:], 0)
+    kbase = uid * span + span - 1
+    key = kbase - np.where(idx < bot_of, tnext, 0)
+    # last leaf-first spine before the first crossing at or after j (-1: none in j's unit)
+    cut = nxt_cross - 1
+    before_cross = np.where(cut >= idx, prv_lf[np.maximum(cut, 0)], -1)
+    phases: list[tuple[np.ndarray, ...]] = []
+    e_tp, e_tin, e_seg = tp[ge_kid], tin[ge_kid], ids[ge_kid]  # per general-fork edge
+    g_lpos, g_bv = leaf_pos[gen], bv[gen]
+
+    def walk_units(s: np.ndarray) -> None:
+        """Phases down the units topped by spine ranks ``s``; sets each bottom's state."""
+        k, r, rd, h = bud[s], rdy[s], rnd[s], hd[s]
+        pr, po = ipr[h], ipo[h]  # initial state of the phase's sequences
+        bt = bot_of[s]
+        while s.size:
+            cr = nxt_cross[s]
+            g = np.where(r, cr, s)  # before g every decision is same-round
+            z = np.maximum(np.searchsorted(key, kbase[s] - k, side="right"), s)  # T_pre(j+1) < K
+            e = nxt_lf[np.maximum(g, z)]
+            # head of e's sequence: after the last same-round break (a leaf-first spine
+            # before the first crossing), else the phase's head
+            last = before_cross[s]
+            h_e = np.where(r & (last >= s), last + 1, h)
+            phases.append((s, e, k, r, rd, h, pr, po))
+            done = e == bt
+            fb, hb = bt[done], h_e[done]
+            bud[fb], rnd[fb], hd[fb] = k[done], rd[done], hb
+            rdy[fb] = r[done] & (cr[done] == fb)
+            ipr[hb], ipo[hb] = pr[done], po[done]
+            if fb.size == s.size:
+                return
+            # the next phase starts at e + 1 as a new head, one round later with K - 1
+            more = ~done
+            e = e[more]
+            s, k, rd, bt = e + 1, k[more] - 1, rd[more] + 1, bt[more]
+            r = np.ones(s.size, dtype=bool)
+            h, pr, po = s, h_e[more], bv[e]
+
+    def recover_forks(g0: int, g1: int) -> None:
+        """General forks gen[g0:g1] choose their direct child and set their children's state."""
+        par = gen[g0:g1]
+        lo, hi = int(edge_ptr[g0]), int(edge_ptr[g1])
+        grp = edge_ptr[g0:g1] - lo
+        ef = edge_fork[lo:hi] - g0  # fork (in par) of each edge
+        kids = ge_kid[lo:hi]
+        kr = bud[par]
+        same = rdy[par] & ~g_cross[g0:g1]
+        ks = kr - ~same  # K_side >= 1: a fork that is not same-round has K_round >= T_in >= 2
+        kr_e, ks_e, same_e = kr[ef], ks[ef], same[ef]
+        tpc = e_tp[lo:hi]
+        exc = tpc > ks_e  # leaves (T_pre = 1) never exceed K_side
+        f = np.add.reduceat(exc, grp)
+        ok = (np.where(same_e, tpc, e_tin[lo:hi]) <= kr_e) & (f[ef] == exc)
+        pos = ge_pos[lo:hi]
+        best = np.minimum.reduceat(np.where(ok, pos, _BIG), grp)
+        leaf_at = np.where((g_nl[g0:g1] > 0) & (f == 0), g_lpos[g0:g1], _BIG)
+        use_int = best < leaf_at
+        if not np.all(use_int | (leaf_at < _BIG)):
+            raise AssertionError(_FAIL)
+        direct = (pos == best[ef]) & use_int[ef]
+        dirc[par[use_int]] = e_seg[lo:hi][direct]
+        hpar = hd[par]
+        bud[kids] = np.where(direct, kr_e, ks_e)
+        rdy[kids] = direct <= same_e  # a side child is ready; a direct one iff same-round
+        rnd[kids] = rnd[par][ef] + (~direct & ~same_e)
+        hd[kids] = np.where(direct, hpar[ef], kids)
+        # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
+        # initial state; otherwise it requests S_{b_v} from the parent's sequence
+        se = np.flatnonzero(~direct)
+        sf = ef[se]
+        ipr[kids[se]] = np.where(same, ipr[hpar], hpar)[sf]
+        ipo[kids[se]] = np.where(same, ipo[hpar], g_bv[g0:g1])[sf]
+
+    for d in range(num_levels):
+        ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]  # a one-rank unit keeps its parent fork's state
+        if ut.size:
+            walk_units(ut)
+        if gen_ptr[d + 1] > gen_ptr[d]:
+            recover_forks(int(gen_ptr[d]), int(gen_ptr[d + 1]))
+
+    # every phase's ranks [s, e]: round, readiness, same-round breaks (new heads) and
+    # continuations (K_round inside a unit is needed no more)
+    cont = np.zeros(n, dtype=bool)  # a spine's internal child continues
+    if phases:
+        ps, pe, _, pr_, prd, ph, ppr, ppo = (np.concatenate(x) for x in zip(*phases))
+        ln = pe - ps + 1
+        first = np.cumsum(ln) - ln
+        ph_of = np.repeat(np.arange(ps.size), ln)
+        j = ps[ph_of] + np.arange(int(ln.sum())) - first[ph_of]
+        cr_s = nxt_cross[ps][ph_of]
+        rnd[j] = prd[ph_of]
+        rdy[j] = pr_[ph_of] & (j <= cr_s)
+        brk = leaf_first[j] & pr_[ph_of] & (j < cr_s)  # ready, not crossing: same-round side child
+        cont[j] = ~brk & (j < pe[ph_of]) & spine[j]
+        # heads: each phase start (its own head value) and the rank after each break
+        mark = np.zeros(j.size, dtype=bool)
+        val = np.zeros(j.size, dtype=np.int64)
+        mark[first] = True
+        val[first] = ph
+        bi = np.flatnonzero(brk) + 1
+        mark[bi] = True
+        val[bi] = j[bi]
+        hd[j] = val[np.maximum.accumulate(np.where(mark, np.arange(j.size), 0))]
+        nh = np.concatenate([bi, first[ph == ps]])
+        ipr[j[nh]] = ppr[ph_of[nh]]
+        ipo[j[nh]] = ppo[ph_of[nh]]
+
+    same_i = rdy & ~cross  # side branches start in the fork's own round
+    if np.any((nint == 0) & (bud - ~same_i < 1) & (nch_i >= 2)):  # leaf-only fork, every leaf over K_side
+        raise AssertionError(_FAIL)
+    sp = np.flatnonzero(spine & cont)
+    dirc[sp] = ids[sp + 1]
+
+    # ---- back to segments; leaves in bulk
+    tpre_s = ones.copy()
+    tin_s = ones.copy()
+    tpre_s[ids] = tp
+    tin_s[ids] = tin
+    head = np.arange(v, dtype=np.int64)
+    head[ids] = ids[hd]
+    rnd_s = np.zeros(v, dtype=np.int64)
+    rnd_s[ids] = rnd
+    init_prod = np.full(v, -1, dtype=np.int64)
+    init_pos = np.zeros(v, dtype=np.int64)
+    init_prod[ids] = np.where(ipr >= 0, ids[np.maximum(ipr, 0)], -1)
+    init_pos[ids] = ipo
+    offset = np.zeros(v, dtype=np.int64)  # a chain has consecutive depths
+    offset[ids] = depth_i - depth_i[hd]
+    leaves = kid[le]  # leaf children; lp: their parents' ranks
+    direct_l = dirc[lp] == leaves
+    di, si = np.flatnonzero(direct_l), np.flatnonzero(~direct_l)
+    ld, pd = leaves[di], lp[di]
+    head[ld] = head[ids[pd]]
+    rnd_s[ld] = rnd[pd]
+    offset[ld] = offset[ids[pd]] + 1
+    # a side leaf (its own head, offset 0) of a same-round fork inherits its parent
+    # sequence's initial state, else it requests S_{b_v} from that sequence, a round later
+    ls, ps = leaves[si], lp[si]
+    hps, sm = hd[ps], same_i[ps]
+    rnd_s[ls] = rnd[ps] + ~sm
+    prod = np.where(sm, ipr[hps], hps)
+    init_prod[ls] = np.where(prod >= 0, ids[np.maximum(prod, 0)], -1)
+    init_pos[ls] = np.where(sm, ipo[hps], bv[ps])
+    return tpre_s, tin_s, head, rnd_s, init_prod, init_pos, offset
+
+
+def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
+    """The same two passes fork by fork on plain lists, for small forests (see ``plan_calls``).
+
+    Every internal segment takes the general-fork rule of ``plan_units`` (the spine closed
+    forms are that rule with one internal child); with a few dozen segments, a few dozen
+    numpy calls cost more than the whole plan. Returns the ``CallPlan`` fields (``num_calls``
+    and the plan arrays); ``plan_calls`` uses it below ``LEAN_MAX_SEGMENTS`` segments.
+    """
+    v = forest.num_segments
+    start, end = forest.start.tolist(), forest.end.tolist()
+    ptr, kid = forest.child_ptr.tolist(), forest.child_idx.tolist()
+    forks = [u for u in range(v) if ptr[u + 1] > ptr[u]]
+    cross = [False] * v  # Eq. 11 fails: S_{b_v} is produced inside the call
+    tp, ti = [1] * v, [1] * v
+    for u in reversed(forks):  # pass 1, children before parents
+        lo, hi = ptr[u], ptr[u + 1]
+        m1 = m2 = 0  # largest and second-largest child T_pre
+        for c in kid[lo:hi]:
+            t = tp[c]
+            if t > m1:
+                m1, m2 = t, m1
+            elif t > m2:
+                m2 = t
+        best = 1 << 62
+        for c in kid[lo:hi]:
+            t = m2 + 1 if tp[c] == m1 else m1 + 1  # 1 + h_o
+            if ti[c] > t:
+                t = ti[c]
+            if t < best:
+                best = t
+        ti[u] = best
+        cross[u] = cr = end[u] >= start[u] // b * b + b
+        tp[u] = best if cr else m1
+    # pass 2 in preorder: a segment's state is set by its parent before it is visited
+    bud, rdy, rnd, head = tp[:], [True] * v, [0] * v, list(range(v))
+    init: dict[int, tuple[int, int]] = {}  # head -> (producer head, state position)
+    for u in forks:
+        lo, hi = ptr[u], ptr[u + 1]
+        same = rdy[u] and not cross[u]
+        kr = bud[u]
+        ks = kr if same else kr - 1
+        f = 0
+        for c in kid[lo:hi]:
+            f += tp[c] > ks
+        o = -1
+        for c in kid[lo:hi]:
+            if (tp[c] if same else ti[c]) <= kr and f == (tp[c] > ks):
+                o = c
+                break
+        if o < 0:
+            raise AssertionError(_FAIL)
+        h = head[u]
+        src = init.get(h) if same else (h, end[u] // b * b)
+        r = rnd[u] if same else rnd[u] + 1
+        for c in kid[lo:hi]:
+            if c == o:
+                bud[c], rdy[c], rnd[c], head[c] = kr, same, rnd[u], h
+            else:
+                bud[c], rnd[c] = ks, r
+                if src is not None:
+                    init[c] = src
+    # sequences: chains run down the tree, so preorder is each chain's order
+    segs: dict[int, list[int]] = {}
+    for u in range(v):
+        h = head[u]
+        if h == u:
+            segs[u] = [u]
+        else:
+            segs[h].append(u)
+    return plan_fields(forest, b, tp, ti, segs, {h: rnd[h] for h in segs}, init)
+
+
+def plan_fields(
+    forest: SegmentForest,
+    b: int,
+    tp: list[int],
+    ti: list[int],
+    segs: dict[int, list[int]],
+    rnd: dict[int, int],
+    init: dict[int, tuple[int, int]],
+) -> dict[str, object]:
+    """The ``CallPlan`` fields from per-sequence lists (``plan_lean`` and the tests' oracle).
+
+    ``segs``: head -> its segments in chain order; ``rnd``: head -> 0-based round; ``init``:
+    head -> (producer head, state position) for heads that import a state (a producer < 0,
+    or a head not in ``init``, starts from the zero state).
+    """
+    start, parent = forest.start.tolist(), forest.parent.tolist()
+    heads = sorted(segs, key=lambda h: (rnd[h], h))
+    seq_of = {h: q for q, h in enumerate(heads)}
+    seg_seq = [0] * len(tp)
+    seq_segments: list[int] = []
+    seq_ptr = [0]
+    for q, h in enumerate(heads):
+        for u in segs[h]:
+            seg_seq[u] = q
+        seq_segments += segs[h]
+        seq_ptr.append(len(seq_segments))
+    imports = {h: (seq_of[p], pos) for h, (p, pos) in init.items() if p >= 0}
+    reqs = sorted(set(imports.values()))
+    req_of = {r: i for i, r in enumerate(reqs)}
+    seq_round = [rnd[h] for h in heads]
+    num_calls = seq_round[-1] + 1 if heads else 0
+    round_ptr = [0] * (num_calls + 1)
+    for r in seq_round:
+        round_ptr[r + 1] += 1
+    for k in range(num_calls):
+        round_ptr[k + 1] += round_ptr[k]
+
+    def a(x: list[int]) -> np.ndarray:
+        return np.array(x, dtype=np.int64)
+
+    return {
+        "num_calls": num_calls,
+        "t_pre": a(tp),
+        "t_in": a(ti),
+        "seg_seq": a(seg_seq),
+        "seq_round": a(seq_round),
+        "seq_ptr": a(seq_ptr),
+        "seq_segments": a(seq_segments),
+        "seq_fork": a([parent[h] for h in heads]),
+        "seq_anchor": a([start[h] // b * b for h in heads]),
+        "seq_init": a([req_of[imports[h]] if h in imports else -1 for h in heads]),
+        "req_seq": a([r[0] for r in reqs]),
+        "req_pos": a([r[1] for r in reqs]),
+        "round_ptr": a(round_ptr),
+    }
