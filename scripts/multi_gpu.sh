@@ -12,7 +12,7 @@
 #                (exit status 1 if a quantity is outside its tolerance)
 # scaling      full ling3_tiny, swe workload (SCALE_WORK), T = 65,536, bf16, recompute, harts
 #              (compact) and the trajectory baseline on the same plan, D in SCALE_DS (<= N):
-#                scaling_D<d>.json per D: step time, tokens/s/GPU, effective MFU, measured vs
+#                scaling_D<d>.json per D: step time, tokens/s/GPU, MFU and effective MFU, measured vs
 #                predicted per-replica time
 #
 # Every run writes OUT_DIR/<name>.log; OUT_DIR/summary.txt has one line per run with its exit
@@ -111,14 +111,15 @@ if want scaling; then
     "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/scaling.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-print(f"{'D':>2} {'mode':>10} {'step':>4} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}  replica s measured / predicted")
+print(f"{'D':>2} {'mode':>10} {'step':>4} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'eff. MFU':>8}  replica s measured / predicted")
 for f in sorted(out.glob("scaling_D*.json"), key=lambda p: int(p.stem[9:])):
     r = json.loads(f.read_text())
     for mode, steps in r["modes"].items():
         for s in steps:
             mfu = f"{s['mfu']:.3f}" if s["mfu"] is not None else "-"
+            eff = f"{s['effective_mfu']:.3f}" if s.get("effective_mfu") is not None else "-"
             pairs = " ".join(f"{m:.2f}/{p:.2f}" for m, p in zip(s["replica_seconds_measured"], s["replica_seconds_predicted"]))
-            print(f"{r['world_size']:>2} {mode:>10} {s['step']:>4} {s['step_seconds']:>8.3f} {s['tokens_per_second_per_gpu']:>10.0f} {mfu:>6}  {pairs}")
+            print(f"{r['world_size']:>2} {mode:>10} {s['step']:>4} {s['step_seconds']:>8.3f} {s['tokens_per_second_per_gpu']:>10.0f} {mfu:>6} {eff:>8}  {pairs}")
 PYEOF
 fi
 exit "$FAILED"

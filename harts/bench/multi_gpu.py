@@ -15,8 +15,9 @@ against one-process run A with tolerances from the difference of two one-process
 ``scaling``: ``--steps`` steps of the workload at capacity T on the launch's ranks, the model
 FSDP2-sharded (``--ep`` for experts), for each ``--modes`` (``compact`` = harts,
 ``trajectory`` = the baseline on the same plan), after ``--warmup`` untimed steps. Per step: step time (slowest rank), raw
-tokens/s/GPU, effective MFU (the step's trajectory-wise model FLOPs, ``harts.bench.flops``,
-over time x GPUs x peak; so harts' MFU counts the work its prefix sharing skipped), and each
+tokens/s/GPU, MFU (the model FLOPs the mode executes, counted as ``harts bench`` counts them:
+compact rows and tree-visible pairs for harts; ``harts.bench.flops``), effective MFU (the step's
+trajectory-wise model FLOPs over the same time: what harts' prefix sharing is worth), and each
 replica's measured compute time (its microbatches, from the plan to the end of its last
 backward) next to the time predicted from the plan's per-replica work (compact tokens for harts,
 raw tokens for the baseline), scaled to the same mean.
@@ -29,7 +30,14 @@ import json
 import re
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harts.bench.flops import FlopModel
+    from harts.models.execution.config import ExecutionConfig
+    from harts.models.hybrid_lm import HybridLM
+    from harts.plan.step.step_plan import StepPlan
+    from harts.tree.batch import RolloutBatch
 
 __all__ = ["main"]
 
@@ -169,9 +177,10 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
                 work = np.array([sum(int(batch.lengths[plan.microbatches[k]].sum()) for k in plan.for_replica(d))
                                  for d in range(world)], dtype=float)  # fmt: skip
             predicted = work / work.mean() * float(np.mean(compute))
+            model_flops = _executed_flops(model, batch, plan, execution, flops)
             lengths = batch.lengths.astype(np.int64)
-            model_flops = flops.training_flops(
-                rows=batch.num_tokens, logit_rows=batch.num_tokens - batch.num_trajectories,
+            raw_flops = flops.training_flops(
+                rows=batch.num_tokens, logit_rows=len(batch.predicting_positions()),
                 pairs=int((lengths * (lengths + 1) // 2).sum()),
             )  # fmt: skip
             seconds = max(step_time)
@@ -184,6 +193,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
                     "tokens_per_second_per_gpu": batch.num_tokens / seconds / world,
                     "model_tflops": model_flops / 1e12,
                     "mfu": model_flops / (seconds * world * peak * 1e12) if peak else None,
+                    "effective_mfu": raw_flops / (seconds * world * peak * 1e12) if peak else None,
                     "replica_seconds_measured": compute,
                     "replica_seconds_predicted": predicted.tolist(),
                     "loss": log.loss,
@@ -191,6 +201,30 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             )
         result["modes"][mode] = steps
     return result
+
+
+def _executed_flops(
+    model: HybridLM, batch: RolloutBatch, plan: StepPlan, execution: ExecutionConfig, flops: FlopModel
+) -> float:
+    """The step's model FLOPs as the mode executes them, over every replica: compact rows, their
+    logit rows and tree-visible pairs for harts, raw rows and causal pairs for the baseline (the
+    same count as ``harts bench``, so MFU means the same thing in both reports)."""
+    from harts.bench.step_bench import microbatch_counts
+
+    rows = logit_rows = pairs = 0
+    for d in range(plan.dp):
+        items: list[tuple[RolloutBatch, Any]]
+        if execution.mode == "compact":
+            items = [
+                (cb.batch, model.prepare_compact(cb, execution, plan=cp))
+                for cb, cp in plan.prepare_replica(d, model.config.chunk_size)
+            ]
+        else:
+            items = [(batch.select(plan.microbatches[k]), None) for k in plan.for_replica(d)]
+        for sub, inputs in items:
+            r, lr, pr = microbatch_counts(sub, inputs, execution.mode)
+            rows, logit_rows, pairs = rows + r, logit_rows + lr, pairs + pr
+    return flops.training_flops(rows, logit_rows, pairs)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -185,8 +185,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _counts(sub: RolloutBatch, inputs, mode: str) -> tuple[int, int, int]:  # noqa: ANN001
-    """(rows, logit rows, visible attention pairs) of one microbatch (host data only)."""
+def microbatch_counts(sub: RolloutBatch, inputs, mode: str) -> tuple[int, int, int]:  # noqa: ANN001
+    """(rows, logit rows, visible attention pairs) that one microbatch executes (host data only):
+    ``inputs`` is what the model runs (a ``prepare_compact`` result in compact mode; unused in
+    trajectory mode). ``FlopModel.training_flops`` of these is the work MFU counts."""
     pred = sub.predicting_positions()
     if mode == "trajectory":
         lengths = sub.lengths.astype(np.int64)
@@ -219,7 +221,7 @@ def _run_side(
     prep_seconds = time.perf_counter() - t0 if mode == "compact" else 0.0
     raw = logit_rows = pairs = 0
     for sub, inputs in prepared:
-        _, lr, pr = _counts(sub, inputs, mode)
+        _, lr, pr = microbatch_counts(sub, inputs, mode)
         raw, logit_rows, pairs = raw + sub.num_tokens, logit_rows + lr, pairs + pr
 
     def one(sub: RolloutBatch, inputs) -> dict:  # noqa: ANN001

@@ -7,7 +7,7 @@ import torch
 
 import harts
 from harts.bench.flops import FlopModel
-from harts.bench.step_bench import _counts, deal_to_replicas
+from harts.bench.step_bench import deal_to_replicas, microbatch_counts
 
 
 def test_matmul_and_head_flops_by_hand() -> None:
@@ -41,10 +41,10 @@ def test_moe_counts_top_k_of_e_experts() -> None:
 def test_pairs_of_a_tree_and_of_its_trajectories() -> None:
     batch = harts.RolloutBatch.from_trajectories([[1, 5, 9, 2], [1, 5, 9, 7, 7], [1, 4]], advantages=[1.0, -1.0, 0.5])
     model = harts.HybridLM(harts.HybridConfig.tiny(vocab_size=16))
-    rows, logit_rows, pairs = _counts(batch, batch, "trajectory")
+    rows, logit_rows, pairs = microbatch_counts(batch, batch, "trajectory")
     assert (rows, logit_rows, pairs) == (11, 8, 10 + 15 + 3)
     inputs = model.prepare_compact(batch)
-    rows, logit_rows, pairs = _counts(batch, inputs, "compact")
+    rows, logit_rows, pairs = microbatch_counts(batch, inputs, "compact")
     # trie: 1 -> 5 -> 9 -> {2, 7 -> 7}, 1 -> 4: positions 0,1,2,3,3,4,1
     assert rows == 7 and pairs == 1 + 2 + 3 + 4 + 4 + 5 + 2
     # logits come from rows that have a child: 1 (predicts 5 and 4), 5, 9 (predicts 2 and 7), first 7

@@ -66,3 +66,29 @@ def test_script_on_two_cpu_processes(tmp_path):
             step = scaling["modes"][mode][0]
             assert len(step["replica_seconds_measured"]) == len(step["replica_seconds_predicted"]) == d
             assert step["tokens_per_second_per_gpu"] > 0
+
+
+def test_scaling_counts_the_flops_each_mode_executes():
+    """MFU in the scaling report: harts is charged its compact rows and tree pairs, the baseline
+    its raw rows and causal pairs (the counts ``harts bench`` uses), over every replica."""
+    import numpy as np
+
+    from harts.bench.flops import FlopModel
+    from harts.bench.multi_gpu import _executed_flops
+    from harts.models import HybridConfig, HybridLM
+    from harts.models.execution.config import ExecutionConfig
+    from harts.plan.step import plan_step
+    from harts.tree.workloads import generate
+
+    model = HybridLM(HybridConfig.tiny())
+    batch = generate("tiny")
+    plan = plan_step(batch, dp=2, capacity=4096)
+    fm = FlopModel.from_model(model)
+    compact = _executed_flops(model, batch, plan, ExecutionConfig(mode="compact"), fm)
+    traj = _executed_flops(model, batch, plan, ExecutionConfig(mode="trajectory"), fm)
+    lengths = batch.lengths.astype(np.int64)
+    raw = fm.training_flops(
+        batch.num_tokens, len(batch.predicting_positions()), int((lengths * (lengths + 1) // 2).sum())
+    )
+    assert traj == raw
+    assert 0 < compact < traj
