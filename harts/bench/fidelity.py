@@ -296,14 +296,17 @@ def measure(
 
 def plot_depth(record: dict[str, Any], setting: str, path: str | Path) -> None:
     """Figure 4: mean symmetric KL and mean |delta NLL| by handoff depth, one line per path
-    against baseline A (log scale), No-replay's excess over Baseline B (right axis, dashed) and
-    token counts under the axis. Written as PNG to ``path``."""
+    against baseline A (log scale), and token counts under the axis. The noise floor: Baseline B
+    where a rerun differs (with No-replay's excess over B on the right axis, dashed); where B is
+    bit-identical to A, Baseline A against the higher-precision reference (``--reference-dtype``,
+    dotted) if the record has one. Written as PNG to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rec = record["settings"][setting]["handoff_depth"]
+    hi = record["settings"][setting].get("vs_reference", {}).get("handoff_depth")
     keep = [i for i, n in enumerate(rec["tokens"]) if n > 0]
     x = np.arange(len(keep))
     labels = [f"d={rec['buckets'][i]}\nn={rec['tokens'][i]:,}" for i in keep]
@@ -316,23 +319,35 @@ def plot_depth(record: dict[str, Any], setting: str, path: str | Path) -> None:
     for ax, metric, title in zip(
         axes, ("sym_kl", "abs_dnll"), ("(a) Full-token SymKL (Eq. 25)", "(b) Mean |ΔNLL| (Eq. 26)")
     ):
+        b_is_a = not np.asarray(rec["mean"]["baseline_b"][metric])[keep].any()
         for p, (label, color) in styles.items():
             y = np.asarray(rec["mean"][p][metric])[keep]
+            if p == "baseline_b" and b_is_a:
+                label += " (bit-identical: 0)"
             ax.plot(x, np.where(y > 0, y, np.nan), marker="o", color=color, label=label)
+        if b_is_a and hi is not None:
+            y = np.asarray(hi["mean"]["baseline_a"][metric])[keep]
+            ref = record.get("reference_dtype") or "reference"
+            ax.plot(
+                x, np.where(y > 0, y, np.nan), linestyle=":", marker=".", color="black", label=f"Baseline A vs {ref}"
+            )
         if any(np.asarray(rec["mean"][p][metric])[keep].max() > 0 for p in styles):
             ax.set_yscale("log")
-        ratio = np.array([np.nan if r is None else r for r in rec["ratio_to_baseline_b"]["no_replay"][metric]])
-        excess = (ratio[keep] - 1.0) * 100.0
-        twin = ax.twinx()
-        twin.plot(x, excess, linestyle="--", color="tab:orange", label="No-replay excess over B")
-        twin.set_ylabel("No-replay vs B (%)")
+        handles, names = ax.get_legend_handles_labels()
+        if not b_is_a:
+            ratio = np.array([np.nan if r is None else r for r in rec["ratio_to_baseline_b"]["no_replay"][metric]])
+            twin = ax.twinx()
+            twin.plot(
+                x, (ratio[keep] - 1.0) * 100.0, linestyle="--", color="tab:orange", label="No-replay excess over B"
+            )
+            twin.set_ylabel("No-replay vs B (%)")
+            more = twin.get_legend_handles_labels()
+            handles, names = handles + more[0], names + more[1]
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_xlabel("state-handoff depth d")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        lines = ax.get_legend_handles_labels()
-        more = twin.get_legend_handles_labels()
-        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8)
+        ax.legend(handles, names, fontsize=8)
     fig.suptitle(f"Replay fidelity by state-handoff depth ({setting})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
