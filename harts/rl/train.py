@@ -130,6 +130,10 @@ class StepLog:
     adv_mean: float = 0.0
     adv_std: float = 0.0
     adv_nonzero: float = 0.0
+    #: the batch's per-trajectory rewards (``RolloutBatch.rewards``): mean and std; None where
+    #: the batch carries none
+    reward_mean: float | None = None
+    reward_std: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -383,6 +387,8 @@ def train_step(
         adv_mean=float(adv.mean()) if adv.size else 0.0,
         adv_std=float(adv.std()) if adv.size else 0.0,
         adv_nonzero=float(np.count_nonzero(adv) / adv.size) if adv.size else 0.0,
+        reward_mean=None if batch.rewards is None else float(batch.rewards.mean()),
+        reward_std=None if batch.rewards is None else float(batch.rewards.std()),
     )
 
 

@@ -157,6 +157,7 @@ def collect(
     groups = np.array([p.task for p in finished], dtype=np.int64)
     for p, adv in zip(finished, group_advantages(rewards, groups)):
         nodes[p.node]["advantage"] = float(adv)
+        nodes[p.node]["reward"] = float(p.reward)
         nodes[p.node]["group_id"] = p.task
     batch = RolloutBatch.from_tree(nodes, vocab_size=model.config.vocab_size)
     return Rollouts(

@@ -18,6 +18,8 @@ Shapes (S = total tokens, N = trajectories):
     loss_weights  float64 [S] | None
     group_ids     int64   [N] | None
     tree_ids      int64   [N] | None
+    rewards       float64 [N] | None   per-trajectory scalar reward (reported; the loss uses
+                                       advantages)
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class RolloutBatch:
     loss_weights: np.ndarray | None = None
     group_ids: np.ndarray | None = None
     tree_ids: np.ndarray | None = None
+    rewards: np.ndarray | None = None
     vocab_size: int | None = None
     #: The explicit rollout trees this batch was built from, if any. Compaction uses it
     #: to build the trie without token comparisons.
@@ -120,6 +123,7 @@ class RolloutBatch:
         loss_weights: Sequence[Sequence[float] | np.ndarray] | None = None,
         group_ids: Sequence[int] | np.ndarray | None = None,
         tree_ids: Sequence[int] | np.ndarray | None = None,
+        rewards: Sequence[float] | np.ndarray | None = None,
         vocab_size: int | None = None,
     ) -> RolloutBatch:
         """Build a batch from one token list per trajectory plus metadata.
@@ -168,6 +172,7 @@ class RolloutBatch:
             loss_weights=opt(loss_weights, "loss_weights"),
             group_ids=_opt_ids(group_ids, n, "group_ids"),
             tree_ids=_opt_ids(tree_ids, n, "tree_ids"),
+            rewards=None if rewards is None else np.asarray(rewards, dtype=np.float64),
             vocab_size=vocab_size,
         )
 
@@ -218,6 +223,7 @@ class RolloutBatch:
             loss_weights=take(self.loss_weights),
             group_ids=take_ids(self.group_ids),
             tree_ids=take_ids(self.tree_ids),
+            rewards=take_ids(self.rewards),
             vocab_size=self.vocab_size,
         )
 
@@ -334,3 +340,9 @@ def _validate(b: RolloutBatch) -> None:
         arr = getattr(b, name)
         if arr is not None and arr.shape != (n,):
             raise BatchValidationError(f"{name}: expected {n} per-trajectory ids, got shape {arr.shape}")
+    if b.rewards is not None:
+        if b.rewards.shape != (n,):
+            raise BatchValidationError(f"rewards: expected {n} per-trajectory values, got shape {b.rewards.shape}")
+        bad = np.flatnonzero(~np.isfinite(b.rewards))
+        if bad.size:
+            raise BatchValidationError(f"rewards: trajectory {int(bad[0])} has {b.rewards[bad[0]]} (must be finite)")

@@ -14,6 +14,8 @@ ref_logprobs   list[float]  (optional)     per token, <= 0 (entry 0 ignored)
 loss_weights   list[float]  (optional)     per token, >= 0
 group_id       int          (optional)     e.g. the GRPO group / task
 tree_id        int          (optional)     rollout tree the trajectory came from
+reward         float        (optional)     the trajectory's scalar reward (finite); training
+                                           reports its statistics, the loss uses advantages
 =============  ==========================  ==========================================
 
 JSONL may start with a header line ``{"format": "harts.rollout_batch", "version": 1,
@@ -83,6 +85,9 @@ class BatchArrays(Protocol):
     def tree_ids(self) -> np.ndarray | None: ...
 
     @property
+    def rewards(self) -> np.ndarray | None: ...
+
+    @property
     def vocab_size(self) -> int | None: ...
 
     @property
@@ -97,7 +102,8 @@ VERSION = 1
 LOGPROB_TOLERANCE = 1e-4
 _OPTIONAL_LISTS = ("action_mask", *PER_TOKEN_FIELDS)
 _OPTIONAL_IDS = ("group_id", "tree_id")
-_KNOWN = ("tokens", "advantages", *_OPTIONAL_LISTS, *_OPTIONAL_IDS)
+_OPTIONAL_SCALARS = ("reward",)
+_KNOWN = ("tokens", "advantages", *_OPTIONAL_LISTS, *_OPTIONAL_IDS, *_OPTIONAL_SCALARS)
 _HEADER_KEYS = ("format", "version", "vocab_size")
 _INT64_MAX = (1 << 63) - 1
 
@@ -173,6 +179,8 @@ def _to_records(batch: BatchArrays) -> list[dict[str, Any]]:
             rec["group_id"] = int(batch.group_ids[j])
         if batch.tree_ids is not None:
             rec["tree_id"] = int(batch.tree_ids[j])
+        if batch.rewards is not None:
+            rec["reward"] = float(batch.rewards[j])
         out.append(rec)
     return out
 
@@ -385,6 +393,11 @@ def _check_record(rec: Any) -> dict[str, Any]:
             if not _is_int(v) or not -_INT64_MAX <= v <= _INT64_MAX:
                 raise BatchValidationError(f"{name} must be an integer, got {_describe(v)}")
             out[name] = int(v)
+    if "reward" in rec:
+        v = rec["reward"]
+        if not _is_number(v) or isinstance(v, int) and abs(v) > 1e308 or not math.isfinite(float(v)):
+            raise BatchValidationError(f"reward must be a finite number, got {_describe(v)}")
+        out["reward"] = float(v)
     return out
 
 
@@ -402,7 +415,7 @@ def _from_records(records: list[tuple[int, Any]], vocab_size: int | None, unit: 
         except BatchValidationError as err:
             raise BatchValidationError(f"{where(j)}: {err}") from None
     kwargs: dict[str, Any] = {}
-    for name in (*_OPTIONAL_LISTS, *_OPTIONAL_IDS):
+    for name in (*_OPTIONAL_LISTS, *_OPTIONAL_IDS, *_OPTIONAL_SCALARS):
         present = [name in r for r in checked]
         if not any(present):
             continue
@@ -412,7 +425,7 @@ def _from_records(records: list[tuple[int, Any]], vocab_size: int | None, unit: 
             raise BatchValidationError(
                 f"{where(j)}: has no '{name}' but {where(k)} does (optional fields are all-or-nothing)"
             )
-        key = {"group_id": "group_ids", "tree_id": "tree_ids"}.get(name, name)
+        key = {"group_id": "group_ids", "tree_id": "tree_ids", "reward": "rewards"}.get(name, name)
         kwargs[key] = [r[name] for r in checked]
     try:
         return build(

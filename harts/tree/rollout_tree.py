@@ -6,10 +6,11 @@ which their leaf nodes appear in the input. A node is a dict::
     {"id": "n3", "parent": "n1" | None, "tokens": [..],          # required, non-empty span
      "action_mask": [..], "old_logprobs": [..], "ref_logprobs": [..],
      "loss_weights": [..], "advantages": [..],                   # optional, one per token
-     "advantage": 0.5, "group_id": 7}                            # optional, leaves only
+     "advantage": 0.5, "group_id": 7, "reward": 1.0}             # optional, leaves only
 
 Per-token metadata on a shared node describes its tokens for every trajectory that passes
-through it; per-trajectory advantages (the GRPO case) sit on leaves as ``advantage``.
+through it; per-trajectory advantages (the GRPO case) sit on leaves as ``advantage``, and
+scalar rewards (reported, not used by the loss) as ``reward`` on every leaf or none.
 Several roots form a forest; each root's tree gets its own ``tree_id``.
 
 Shapes (Nn = nodes, N = leaves = trajectories):
@@ -49,6 +50,7 @@ class RolloutTree:
     token_meta: dict[str, np.ndarray | None]
     leaf_advantage: np.ndarray | None
     leaf_group: np.ndarray | None
+    leaf_reward: np.ndarray | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -134,7 +136,7 @@ class RolloutTree:
         leaves = np.flatnonzero(~has_child)
         leaf_adv = None
         leaf_group = None
-        for name in ("advantage", "group_id"):
+        for name in ("advantage", "group_id", "reward"):
             for i, node in enumerate(nodes):
                 if name in node and has_child[i]:
                     raise BatchValidationError(
@@ -151,6 +153,19 @@ class RolloutTree:
                 leaf_adv[k] = v
         if any("group_id" in nodes[i] for i in leaf_list):
             leaf_group = np.array([int(nodes[i].get("group_id", -1)) for i in leaf_list], dtype=np.int64)
+        leaf_reward = None
+        if any("reward" in nodes[i] for i in leaf_list):
+            missing = [i for i in leaf_list if "reward" not in nodes[i]]
+            if missing:
+                raise BatchValidationError(
+                    f"leaf {nodes[missing[0]]['id']!r} has no 'reward' but other leaves do (every leaf or none)"
+                )
+            leaf_reward = np.zeros(leaves.size, dtype=np.float64)
+            for k, i in enumerate(leaf_list):
+                v = nodes[i]["reward"]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(float(v)):
+                    raise BatchValidationError(f"node {nodes[i]['id']!r}: reward is {v!r} (must be a finite number)")
+                leaf_reward[k] = float(v)
         roots = np.flatnonzero(parent < 0)
         return cls(
             node_ids=[n["id"] for n in nodes],
@@ -163,6 +178,7 @@ class RolloutTree:
             token_meta=token_meta,
             leaf_advantage=leaf_adv,
             leaf_group=leaf_group,
+            leaf_reward=leaf_reward,
         )
 
     def leaf_paths(self) -> list[np.ndarray]:
@@ -175,7 +191,7 @@ class RolloutTree:
 
         Returns tokens int64 [S], offsets int64 [N + 1], action_mask bool [S], advantages
         float64 [S], the optional per-token metadata float64 [S] | None, group_ids and tree_ids
-        int64 [N] | None.
+        int64 [N] | None, rewards float64 [N] | None.
         """
         paths = self.leaf_paths()
         node_len = np.diff(self.offsets)
@@ -220,6 +236,7 @@ class RolloutTree:
             loss_weights=meta("loss_weights"),
             group_ids=self.leaf_group,
             tree_ids=root_rank[self.root_of[self.leaves]],
+            rewards=self.leaf_reward,
         )
 
 

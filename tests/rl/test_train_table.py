@@ -41,3 +41,18 @@ def test_advantage_statistics_in_table_and_json(tmp_path, capsys) -> None:  # no
     adv = np.repeat([1.0, -1.0, 0.5], [8, 11, 6])
     assert abs(step["adv_mean"] - adv.mean()) < 1e-12 and abs(step["adv_std"] - adv.std()) < 1e-12
     assert step["adv_nonzero"] == 1.0 and 0.0 <= step["clip_frac"] <= 1.0
+
+
+def test_reward_statistics_where_the_batch_has_rewards(tmp_path, capsys) -> None:  # noqa: ANN001
+    rng = np.random.default_rng(0)
+    trajs = [rng.integers(0, 60, size=n) for n in (9, 12, 7)]
+    path = str(tmp_path / "r.jsonl")
+    RolloutBatch.from_trajectories(trajs, advantages=[1.0, -1.0, 0.5], rewards=[1.0, 0.0, 0.5]).save(path)
+    out_json = tmp_path / "log.json"
+    code, out, _ = _train(capsys, path, "--json", str(out_json))
+    assert code == 0 and "reward" in out
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert abs(step["reward_mean"] - 0.5) < 1e-12 and abs(step["reward_std"] - np.std([1.0, 0.0, 0.5])) < 1e-12
+    # a batch without rewards: no statistics, a dash in the table
+    code, out, _ = _train(capsys, _batch_file(tmp_path, [1.0, -1.0, 0.5]), "--json", str(out_json), "--overwrite")
+    assert code == 0 and json.loads(out_json.read_text())["steps"][0]["reward_mean"] is None

@@ -126,6 +126,7 @@ def test_collect_branches_at_turn_boundaries_and_is_deterministic() -> None:
         adv = a.advantages[a.offsets[:-1][leaves]]
         assert abs(adv.mean()) < 1e-9
     assert runs[0].retries > 0  # an untrained policy makes tool errors, and retries after them
+    np.testing.assert_array_equal(a.rewards, runs[0].rewards)  # the batch carries each path's reward
 
 
 @pytest.mark.parametrize("mode", ["compact", "trajectory"])

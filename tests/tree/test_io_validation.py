@@ -181,3 +181,35 @@ def test_parquet_typed_columns_round_trip(tmp_path):
     )
     b = RolloutBatch.load(p)
     assert b.tokens.tolist() == [1, 2, 3] and b.old_logprobs is None
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_rewards_round_trip_and_are_checked(tmp_path, suffix):
+    b = RolloutBatch.from_trajectories([[1, 2, 3], [1, 4]], advantages=[0.5, -0.5], rewards=[1.0, 0.25])
+    path = str(tmp_path / f"b{suffix}")
+    b.save(path)
+    back = RolloutBatch.load(path)
+    assert back.rewards is not None and back.rewards.tolist() == [1.0, 0.25]
+    assert back.select([1]).rewards.tolist() == [0.25]
+    recs = [{"tokens": [1, 2], "advantages": 0.0, "reward": 1.0}, {"tokens": [1, 3], "advantages": 0.0}]
+    write_jsonl(tmp_path / "some.jsonl", recs)
+    assert "trajectory 1 (line 2): has no 'reward'" in error_of(tmp_path / "some.jsonl")
+    write_jsonl(tmp_path / "str.jsonl", [{"tokens": [1, 2], "advantages": 0.0, "reward": "high"}])
+    assert "trajectory 0 (line 1): reward must be a finite number, got string 'high'" in error_of(
+        tmp_path / "str.jsonl"
+    )
+
+
+def test_tree_rewards_sit_on_every_leaf_or_none():
+    nodes = [
+        {"id": "t", "parent": None, "tokens": [1, 2]},
+        {"id": "a", "parent": "t", "tokens": [3], "reward": 1.0},
+        {"id": "b", "parent": "t", "tokens": [4, 5], "reward": 0.0},
+    ]
+    assert RolloutBatch.from_tree(nodes).rewards.tolist() == [1.0, 0.0]
+    with pytest.raises(BatchValidationError, match="leaf 'b' has no 'reward'"):
+        RolloutBatch.from_tree([*nodes[:2], {"id": "b", "parent": "t", "tokens": [4]}])
+    with pytest.raises(BatchValidationError, match="node 't': 'reward' is per trajectory"):
+        RolloutBatch.from_tree([{**nodes[0], "reward": 1.0}, *nodes[1:]])
+    with pytest.raises(BatchValidationError, match="reward is nan"):
+        RolloutBatch.from_tree([nodes[0], nodes[1], {**nodes[2], "reward": float("nan")}])
