@@ -296,6 +296,7 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
                     bar.update(1)
                     # tqdm.write keeps a terminal's bar below the table rows
                     tqdm.write("  ".join(fmt.format(record[key]) for _, key, fmt in COLUMNS), file=sys.stdout)
+                    sys.stdout.flush()  # a row per step also through a pipe (tee, a log file)
                     if args.save_every and trainer.state.step % args.save_every == 0:
                         save()
                 with signals.window():
