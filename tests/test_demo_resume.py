@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 
 from harts.cli import main
 from harts.parallel.checkpoint import checkpoint_path, latest_checkpoint
+from tests.rl.test_train_signals import interrupt
 
 SMALL = ["demo", "--tasks", "2", "--group-size", "2", "--updates", "2", "--dtype", "float64"]
 TIMINGS = ("sample_seconds", "step_seconds", "tokens_per_second")
@@ -155,17 +155,8 @@ def test_signal_saves_the_last_completed_step(straight, tmp_path, sig, code) -> 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "harts.cli", *SMALL, "--steps", "500", "--run-dir", str(run)]
     env = dict(os.environ, OMP_NUM_THREADS="1", HARTS_DEBUG="", TQDM_DISABLE="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        for line in proc.stdout:  # the table row of step 1: two steps have completed
-            if line.split()[:1] == ["1"]:
-                break
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == code, err
+    returncode, _, err = interrupt(cmd, sig, env, step1="1   ")  # the table row of step 1
+    assert returncode == code, err
     assert "Traceback" not in err and f"harts: interrupted by {signal.Signals(sig).name} after step" in err
     ckpt = latest_checkpoint(run)
     assert ckpt is not None and f"checkpoint {ckpt}" in err and "--resume" in err

@@ -235,7 +235,8 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
         identity = _identity(args, mode)
         found = latest_checkpoint(run_dir) if args.resume else None
         if found is not None:
-            # the flags first: weights of another dtype would not even load
+            # the flags first (meta.pt, see harts.parallel.checkpoint): weights of another dtype
+            # would not even load
             check_same_run(args.resume, torch.load(found / "meta.pt", weights_only=False)["extra"], identity)
             got = load_checkpoint(found, model=model, optimizer=trainer.optimizer)
             if got.step > args.steps:
@@ -275,7 +276,8 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
         f"chance reward {env.chance_reward():.3f}"
     )
     if found is not None:
-        print(f"resumed {run_dir} after step {start - 1}; steps {start}..{args.steps - 1} to go")
+        left = f"steps {start}..{args.steps - 1} to go" if start < args.steps else "no step left"
+        print(f"resumed {run_dir} after step {start - 1}; {left}")
     header = "  ".join(f"{h:>{len(fmt.format(0))}}" for h, _, fmt in COLUMNS)
     print(header, flush=True)
     try:
