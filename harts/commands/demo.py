@@ -16,13 +16,14 @@ they agree to rounding. ``harts plot RUN_DIR/*`` draws the curves.
 Checkpoints (``harts.parallel.checkpoint``, in ``RUN_DIR/checkpoints``, per mode with ``--mode
 both``): one at the end of the run, one when SIGINT (Ctrl-C) or SIGTERM stops it (after the last
 completed step; exit status 130 / 143), one when a step fails (then the error is reported), and
-one every ``--save-every N`` steps if asked (default: none in between -- a demo step takes about
-a second and the three cases above already keep every completed step). Each holds the model,
-the optimizer, the step, the RNG states and the online state (task and sampler generators,
+one every ``--save-every N`` steps if asked (default: none in between -- the three cases above
+keep every completed step, only a SIGKILL or a power cut would lose them; a checkpoint of the
+tiny model takes ~80 ms, a default step ~0.5 s, both on one CPU thread). Each holds the model, the
+optimizer, the step, the RNG states and the online state (task and sampler generators,
 per-step history, the reference weights), written aside and renamed. The demo's model is the
 built-in tiny preset, which has no transformers architecture, so a checkpoint has no ``hf/``
 part. A step that is interrupted or fails halfway (after some of its ``--updates``) is undone
-first: each step starts from an in-memory copy of the tiny model and optimizer.
+first: each step starts from an in-memory copy of the tiny model and optimizer (~6 ms).
 
 ``--resume RUN_DIR`` continues such a run up to ``--steps`` (which may be more than before):
 the flags that shape the run (seed, tasks, sampling, updates, lr, KL, dtype, mode) must be
