@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
-from typing import Any
 
 from harts.commands._inputs import (
     add_execution_arguments,
@@ -51,6 +49,9 @@ from harts.commands._inputs import (
     positive_float,
     positive_int,
 )
+from harts.commands._runs import Interrupted as _Interrupted
+from harts.commands._runs import Signals as _Signals
+from harts.commands._runs import check_run_dir as _check_run_dir
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -132,69 +133,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="continue the run in RUN_DIR from its latest checkpoint (and keep checkpointing there)",
     )
     add_output_arguments(p, what="the step logs")
-
-
-class _Interrupted(BaseException):
-    """Raised by the signal handler (a BaseException, so no ``except Exception`` swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class _Signals:
-    """SIGINT/SIGTERM: raise ``_Interrupted`` inside a ``window()``, else remember for later.
-
-    Outside the windows (progress-bar bookkeeping, printing, the optimizer update, saving) a
-    signal is only recorded and acted on when the next window opens, so it never lands halfway
-    through a tqdm call or a weight update. The windows cover the slow parts: reading and
-    checking the steps, building the model, and computing each step's gradients.
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.interruptible = False
-        self._previous: dict[int, Any] = {}
-
-    def handler(self, signum: int, frame: object) -> None:  # noqa: ARG002
-        if self.signum is None:
-            self.signum = signum
-            if self.interruptible:
-                raise _Interrupted(signum)
-
-    def install(self) -> None:
-        import signal
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self.handler)
-
-    def restore(self) -> None:
-        import signal
-
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev)
-        self._previous.clear()
-
-    def check(self) -> None:
-        """Become interruptible; a signal that arrived while we were not is acted on now."""
-        self.interruptible = True
-        if self.signum is not None:
-            raise _Interrupted(self.signum)
-
-    def defer(self) -> None:
-        self.interruptible = False
-
-    @contextlib.contextmanager
-    def window(self) -> Iterator[None]:
-        """Interruptible inside the block (a signal recorded earlier is raised on entry)."""
-        self.check()
-        try:
-            yield
-        finally:
-            self.interruptible = False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -421,22 +359,6 @@ def _agree_on_signal(signals: _Signals) -> None:
         raise _Interrupted(signals.signum)
 
 
-def _check_run_dir(args: argparse.Namespace) -> None:
-    """``--run-dir`` is writable (not an existing run without ``--overwrite``); ``--resume`` holds a
-    checkpoint; ``--save-every`` has a directory to write to."""
-    from harts.commands._inputs import check_output_dir
-    from harts.errors import UserError
-    from harts.parallel.checkpoint import latest_checkpoint
-
-    if args.run_dir and args.resume:
-        raise UserError("--run-dir and --resume both name the run directory; give one (--resume continues it)")
-    if args.save_every and not (args.run_dir or args.resume):
-        raise UserError("--save-every needs a run directory: --run-dir DIR (or --resume DIR)")
-    check_output_dir(args.run_dir, "--run-dir", args.overwrite)
-    if args.resume and latest_checkpoint(args.resume) is None:
-        raise UserError(f"--resume {args.resume}: no complete checkpoint under {args.resume}/checkpoints")
-
-
 class _Checkpointer:
     """The run directory's resumable checkpoints (``harts.parallel.checkpoint``), for this run's
     workload, seed and model (what a resumed run must match)."""
@@ -448,19 +370,14 @@ class _Checkpointer:
 
     def resume(self, model, optimizer, num_steps: int) -> int:  # noqa: ANN001
         """Load the latest checkpoint when resuming; returns the first step to run (0 otherwise)."""
+        from harts.commands._runs import check_same_run
         from harts.errors import UserError
         from harts.parallel.checkpoint import latest_checkpoint, load_checkpoint
 
         if self.run_dir is None or latest_checkpoint(self.run_dir) is None:
             return 0
         got = load_checkpoint(self.run_dir, model=model, optimizer=optimizer)
-        for key, want in self.identity.items():
-            had = got.extra.get(key)
-            if had != want:
-                raise UserError(
-                    f"--resume {self.run_dir}: the run used --{key} {had}, this command --{key} {want}; "
-                    f"pass --{key} {had} to continue it"
-                )
+        check_same_run(self.run_dir, got.extra, self.identity)
         nxt = int(got.data_state["next_step"])
         if nxt > num_steps:
             raise UserError(f"--resume {self.run_dir}: it completed {nxt} steps, more than the {num_steps} asked for")

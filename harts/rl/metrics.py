@@ -3,7 +3,8 @@
 ``MetricsWriter(run_dir)`` appends one JSON object per step to ``metrics.jsonl`` (flushed at
 once, so a crash or Ctrl-C keeps every finished step) and, with ``tensorboard=True`` and
 ``torch.utils.tensorboard`` importable, writes every numeric field as a scalar too.
-``read_metrics(run_dir)`` reads a run back (``harts plot``).
+``read_metrics(run_dir)`` reads a run back (``harts plot``); ``truncate_metrics(run_dir, n)``
+drops the records of steps ``>= n`` (a resumed run continues after its checkpoint's step).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from harts.errors import UserError
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "read_metrics", "tensorboard_available"]
+__all__ = ["METRICS_FILE", "MetricsWriter", "read_metrics", "tensorboard_available", "truncate_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -85,3 +86,29 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     if not records:
         raise UserError(f"{path}: no steps recorded")
     return records
+
+
+def truncate_metrics(run_dir: str, steps: int) -> int:
+    """Keep the records of steps ``0 .. steps - 1`` in ``run_dir/metrics.jsonl`` (rewritten
+    atomically: written aside, then renamed); returns how many were dropped. A run that died
+    after its last checkpoint had written rows for steps the resumed run computes again."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    # a last line cut off mid-write (the process was killed) is not JSON: it is dropped too
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < steps:
+                keep.append(line if line.endswith("\n") else line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    if len(keep) == len(lines):
+        return 0
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+    return len(lines) - len(keep)

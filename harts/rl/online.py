@@ -17,8 +17,14 @@ One step of ``OnlineTrainer.step``:
 
 Everything a resumed run needs besides the model and optimizer lives in ``OnlineState`` (step
 index, the task RNG, the sampler RNG, the per-step history) with ``state_dict`` /
-``load_state_dict``; sampling depends only on those RNGs and the weights, so compact and
-trajectory-wise runs with one seed sample the same trees.
+``load_state_dict``; ``OnlineTrainer.state_dict`` adds the reference weights. Sampling depends
+only on those RNGs and the weights, so compact and trajectory-wise runs with one seed sample the
+same trees, and a run resumed from a checkpoint equals the uninterrupted one.
+
+``OnlineTrainer.snapshot()`` / ``restore()`` keep an in-memory copy of everything a step changes
+(weights and buffers, optimizer, online state, torch's global RNG), so a step that is interrupted
+or fails halfway -- after some of its updates -- can be undone and the run saved as it was
+after the last completed step (``harts demo`` does this; it costs a copy of the model per step).
 
 Shapes: lp_L per-logprob arrays (L = S - N, ``RolloutBatch.num_logprobs``).
 """
@@ -148,6 +154,28 @@ class OnlineTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state.load_state_dict(state["state"])
         self.reference.load_state_dict(state["reference"])
+
+    def snapshot(self) -> dict[str, Any]:
+        """Copies of what ``step`` changes (module docstring); ``restore`` puts them back."""
+        return {
+            "tensors": {n: t.detach().clone() for n, t in self._tensors()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "state": self.state.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Back to the moment of ``snapshot()`` (bitwise)."""
+        with torch.no_grad():
+            for name, t in self._tensors():
+                t.copy_(snap["tensors"][name])
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        self.state.load_state_dict(snap["state"])
+        torch.set_rng_state(snap["torch_rng"])
+
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        # buffers too: the MoE expert bias is one, also when not persistent
+        return [*self.model.named_parameters(), *self.model.named_buffers()]
 
     def step(self, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         """One online step; returns (and appends to ``state.history``) its metrics record."""

@@ -104,3 +104,17 @@ def test_a_run_is_deterministic() -> None:
     a, b = _trainer(), _trainer()
     for _ in range(2):
         assert _strip(a.step()) == _strip(b.step())
+
+
+def test_restore_undoes_a_step_bitwise() -> None:
+    """``snapshot`` / ``restore`` (what ``harts demo`` undoes a half-done step with): a step
+    taken after restoring equals the step taken from the snapshot's moment."""
+    t = _trainer(dtype="float64")
+    t.step()
+    snap = t.snapshot()
+    first = _strip(t.step())
+    weights = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    t.restore(snap)
+    assert t.state.step == 1 and len(t.state.history) == 1
+    assert _strip(t.step()) == first
+    assert all(torch.equal(p, weights[n]) for n, p in t.model.named_parameters())

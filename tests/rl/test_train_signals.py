@@ -32,12 +32,13 @@ def replay(steps: int) -> torch.nn.Module:
     return model
 
 
-def interrupt(cmd: list[str], sig: int, env: dict[str, str]) -> tuple[int, str, str]:
-    """Run ``cmd``, send ``sig`` once two steps have completed; (exit status, stdout, stderr)."""
+def interrupt(cmd: list[str], sig: int, env: dict[str, str], step1: str = "step 1:") -> tuple[int, str, str]:
+    """Run ``cmd``, send ``sig`` once two steps have completed (a stdout line starting with
+    ``step1``, leading spaces aside); (exit status, stdout, stderr)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in proc.stdout:  # wait until two steps have completed, then interrupt the run
-            if line.startswith("step 1:"):
+            if line.lstrip().startswith(step1):
                 break
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=200)
