@@ -99,7 +99,7 @@ def _module_specs(prefix: str, module: nn.Module, std: float) -> dict[str, tuple
 def init_specs(model: nn.Module) -> dict[str, InitSpec]:
     """``InitSpec`` of every parameter and buffer of an UNSHARDED ``HybridLM`` (on any device,
     meta included); read it before ``parallelize`` replaces the expert modules."""
-    std = float(model.config.initializer_range)  # type: ignore[union-attr]
+    std = float(model.config.initializer_range)  # type: ignore[union-attr, arg-type]
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     specs: dict[str, InitSpec] = {}
     for prefix, module in model.named_modules():

@@ -22,9 +22,10 @@ host memory of the unsharded construction (``harts train --meta-init``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harts.models.hybrid_lm import HybridLM
@@ -52,7 +53,7 @@ def _fill(t: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, state: ParallelState, *, spec: str, seed: int) -> nn.Module:
+def materialize(model: HybridLM, state: ParallelState, *, spec: str, seed: int) -> HybridLM:
     """Give a meta-device ``HybridLM`` (already ``parallelize``d for ``state``) storage on
     ``state.device`` and the values ``load_model(spec, seed=seed)`` would give it; every rank
     calls it. Returns ``model``.
@@ -80,8 +81,8 @@ def materialize(model: nn.Module, state: ParallelState, *, spec: str, seed: int)
     for name in dict(model.named_buffers()):
         if name not in persistent:
             _fill(tensors[name], init_value(specs[name], seed))
-    cfg = model.config  # type: ignore[union-attr]
-    full_sd: dict[str, torch.Tensor] = {}
+    cfg = model.config
+    full_sd: dict[str, Any] = {}
     rank0 = not state.distributed or dist.get_rank() == 0
     if rank0:
         _, full_sd, _ = read_pretrained(spec, dtype=cfg.dtype, chunk_size=cfg.chunk_size)
