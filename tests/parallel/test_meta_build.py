@@ -154,3 +154,15 @@ def test_rank0_never_holds_the_whole_model(tmp_path):
     assert got["whole"] >= got["model"]
     # the meta path: its half of the shards, plus one full tensor and its shard being copied
     assert got["meta"] <= got["model"] // 2 + 2 * got["largest"] + 4096, got
+
+
+def test_train_meta_init_equals_the_default_run(tmp_path):
+    from tests.parallel.test_train_cli import BASE, harts
+
+    saved = {}
+    for name, extra in (("default", []), ("meta", ["--meta-init"])):
+        r = harts(*BASE, "--steps", "1", "--save", str(tmp_path / name), *extra)
+        assert r.returncode == 0, r.stderr
+        saved[name] = torch.load(tmp_path / name / "harts.pt", weights_only=False)["state_dict"]
+    a, b = saved["default"], saved["meta"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
