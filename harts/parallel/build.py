@@ -65,12 +65,14 @@ def materialize(model: HybridLM, state: ParallelState, *, spec: str, seed: int) 
 
     # full shapes (DTensors report the global shape), taken while the tensors are still meta
     specs = init_specs(model)
-    model.to_empty(device=state.device)
+    # FSDP2 CPU offload keeps the parameter shards on the host (the buffers go to the device at
+    # the end: ``set_model_state_dict`` wants all tensors on one device)
+    model.to_empty(device="cpu" if state.config.cpu_offload else state.device)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     if not is_checkpoint(spec):
         for name, s in specs.items():
             _fill(tensors[name], init_value(s, seed))
-        return model
+        return _buffers_to(model, state.device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from harts.integrations.hf import read_pretrained
@@ -88,8 +90,16 @@ def materialize(model: HybridLM, state: ParallelState, *, spec: str, seed: int) 
         _, full_sd, _ = read_pretrained(spec, dtype=cfg.dtype, chunk_size=cfg.chunk_size)
     if not state.distributed:
         model.load_state_dict(full_sd, strict=True)
-        return model
-    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full_sd, options=options)
+    return _buffers_to(model, state.device)
+
+
+def _buffers_to(model: HybridLM, device: torch.device) -> HybridLM:
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            module._buffers[name] = buf.to(device)
     return model
 
 

@@ -187,7 +187,8 @@ def read_pretrained(path: str, **overrides: Any) -> tuple[HybridConfig, dict[str
     if missing or unused:
         raise _unmapped_error(adapter.architecture, missing, unused)
     dtype = cfg.torch_dtype()
-    sd = {k: v.to(dtype) for k, v in sd.items()}
+    for k in list(sd):  # one at a time: each original is freed as its converted copy replaces it
+        sd[k] = sd[k].to(dtype)
     return cfg, sd, {"model_type": adapter.model_type, "config": hf_cfg.to_dict()}
 
 
