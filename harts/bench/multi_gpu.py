@@ -48,6 +48,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list]:
     import torch.distributed as dist
 
     from harts.integrations.loading import load_model
+    from harts.parallel.build import materialize, moe_experts
     from harts.parallel.mesh import ParallelConfig, init_parallel, setup_process_group
     from harts.parallel.parallelize import parallelize
     from harts.tree.workloads import workload_steps
@@ -56,13 +57,21 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list]:
     torch.set_num_threads(args.threads) if args.threads else None
     batches = [make() for _, make in workload_steps(args.workload, args.steps, seed=args.seed)]
     vocab = max(int(b.tokens.max()) + 1 for b in batches)
-    model = load_model(
-        args.model, vocab_size=vocab, dtype=args.dtype, layer_pattern=args.pattern, seed=args.seed, device=device
-    )
     world = dist.get_world_size() if dist.is_initialized() else 1
-    experts = model.config.num_experts if any(layer.is_moe for layer in model.layers) else 0
-    state = init_parallel(ParallelConfig(dp=world // args.ep, ep=args.ep), device, experts)
-    return parallelize(model, state), state, batches, [device]
+    # several ranks: structure on the meta device, values after sharding (no rank holds the whole model)
+    model = load_model(
+        args.model,
+        vocab_size=vocab,
+        dtype=args.dtype,
+        layer_pattern=args.pattern,
+        seed=args.seed,
+        device="meta" if world > 1 else device,
+    )
+    state = init_parallel(ParallelConfig(dp=world // args.ep, ep=args.ep), device, moe_experts(model))
+    model = parallelize(model, state)
+    if world > 1:
+        materialize(model, state, spec=args.model, seed=args.seed)
+    return model, state, batches, [device]
 
 
 def _group(name: str) -> str:

@@ -373,10 +373,13 @@ def checkpoint_errors() -> tuple[type[BaseException], ...]:
 
 
 def build_model(
-    args: argparse.Namespace, vocab_size: int, *, where: str | None = None, training: bool = True
+    args: argparse.Namespace, vocab_size: int, *, where: str | None = None, training: bool = True, meta: bool = False
 ) -> HybridLM:
     """The model named by ``--model`` on ``--device`` (device, vocabulary and threads checked first;
-    ``where`` names the largest token id for the vocabulary error)."""
+    ``where`` names the largest token id for the vocabulary error).
+
+    ``meta``: its structure on the meta device only (several ranks, ``--meta-init``); the caller
+    shards it and gives it values with ``harts.parallel.build.materialize``."""
     import torch
 
     from harts.integrations.loading import load_model
@@ -395,7 +398,7 @@ def build_model(
             dtype=args.dtype,
             layer_pattern=args.pattern,
             seed=args.seed,
-            device=args.device,
+            device="meta" if meta else args.device,
         )
     except checkpoint_errors() as err:
         if isinstance(err, UserError):

@@ -120,6 +120,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients, optimizer")
     p.add_argument(
+        "--meta-init",
+        action="store_true",
+        help="build the model on the meta device and initialise it after sharding, also on one process "
+        "(always so on several ranks: no rank holds the whole model)",
+    )
+    p.add_argument(
         "--run-dir",
         default=None,
         metavar="DIR",
@@ -166,6 +172,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     from harts.commands._progress import progress
     from harts.errors import CapacityError, UserError
     from harts.models.execution.config import ExecutionConfig
+    from harts.parallel.build import materialize, moe_experts
     from harts.parallel.mesh import ParallelConfig, init_parallel, setup_process_group
     from harts.parallel.parallelize import parallelize
     from harts.rl.train import TrainConfig, train_step
@@ -222,9 +229,9 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
             except CapacityError as err:
                 raise CapacityError(f"{err}. {CAPACITY_ADVICE}") from None
             vocab, where = needed_vocab(summaries)
-            model = build_model(args, vocab, where=where)
-            moe_experts = model.config.num_experts if any(layer.is_moe for layer in model.layers) else 0
-            parallel = init_parallel(parallel_cfg, args.device, moe_experts)
+            meta = distributed or args.meta_init
+            model = build_model(args, vocab, where=where, meta=meta)
+            parallel = init_parallel(parallel_cfg, args.device, moe_experts(model))
             execution = ExecutionConfig(
                 mode=args.mode,
                 recompute=args.recompute,
@@ -242,6 +249,8 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
             )
             num_parameters = model.num_parameters()
             model = parallelize(model, parallel)
+            if meta:
+                materialize(model, parallel, spec=args.model, seed=args.seed)
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
             start = ckpt.resume(model, optimizer, len(sources))
         if rank == 0:

@@ -35,12 +35,18 @@ def load_model(
 ) -> HybridLM:
     """A preset (``tiny``, ``ling3_tiny``) or a checkpoint directory, on ``device``.
 
+    ``device="meta"``: the model's structure only, no storage and no tensor read from a
+    checkpoint; ``harts.parallel.build.materialize`` gives it storage and values after
+    sharding (the same values ``seed`` / the checkpoint give here).
+
     For presets, ``vocab_size``/``dtype``/``layer_pattern``/``chunk_size`` override the
     preset's fields. A checkpoint keeps its architecture: only ``dtype`` and ``chunk_size``
     apply, and ``vocab_size`` is checked (a batch must fit the checkpoint's vocabulary).
     """
+    meta = torch.device(device).type == "meta"
     if is_checkpoint(spec):
-        from harts.integrations.hf import from_pretrained  # transformers-side code: only for checkpoints
+        # transformers-side code: only for checkpoints
+        from harts.integrations.hf import from_pretrained, pretrained_config
 
         overrides: dict[str, Any] = {}
         if dtype is not None:
@@ -49,7 +55,13 @@ def load_model(
             overrides["chunk_size"] = chunk_size
         if layer_pattern is not None:
             raise ValueError("a checkpoint's layer pattern is fixed; drop the pattern override")
-        model = from_pretrained(spec, **overrides)
+        if meta:
+            cfg, source = pretrained_config(spec, **overrides)
+            with torch.device("meta"):
+                model = HybridLM(cfg)
+            model.hf_source = source
+        else:
+            model = from_pretrained(spec, **overrides)
         if vocab_size is not None and vocab_size > model.config.vocab_size:
             raise ValueError(
                 f"the batch needs vocab_size >= {vocab_size} but the checkpoint at {spec} has {model.config.vocab_size}"
@@ -66,4 +78,7 @@ def load_model(
             fields[name] = value
     config = HybridConfig.preset(spec, **fields)
     torch.manual_seed(seed)
-    return HybridLM(config).to(device)
+    if meta:
+        with torch.device("meta"):
+            return HybridLM(config, seed=seed)
+    return HybridLM(config, seed=seed).to(device)

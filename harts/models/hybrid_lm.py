@@ -37,6 +37,7 @@ import harts.models.regions as regions
 from harts.models.config import LAYER_TYPES, HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.execution.config import ExecutionConfig
+from harts.models.init import draw_seed, init_weights
 from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
 from harts.models.layers.norms import RMSNorm
 from harts.plan.calls import CallPlan, plan_calls
@@ -122,7 +123,11 @@ class HybridLM(nn.Module):
     #: the transformers model type and config a converted model came from (``integrations.hf``)
     hf_source: dict[str, Any] | None = None
 
-    def __init__(self, config: HybridConfig) -> None:
+    def __init__(self, config: HybridConfig, *, seed: int | None = None) -> None:
+        """Build ``config``'s layers and initialise every tensor from ``seed`` (``models/init.py``:
+        per tensor name, so a model built on the meta device and sharded gets the same values).
+        ``seed=None`` draws it from torch's global generator. Under ``torch.device("meta")`` the
+        tensors stay without storage (``harts.parallel.build`` initialises the shards)."""
         super().__init__()
         config.validate()
         self.config = config
@@ -132,14 +137,10 @@ class HybridLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self._init_weights()
         self.to(config.torch_dtype())
-
-    def _init_weights(self) -> None:
-        std = self.config.initializer_range
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=std)
+        seed = draw_seed() if seed is None else seed
+        if not self.embed_tokens.weight.is_meta:
+            init_weights(self, seed)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -12,6 +12,8 @@ from harts.integrations.hf.api import (
     from_hf,
     from_pretrained,
     inspect_checkpoint,
+    pretrained_config,
+    read_pretrained,
     save_hf_checkpoint,
     to_hf_state_dict,
 )
@@ -25,6 +27,8 @@ __all__ = [
     "from_hf",
     "from_pretrained",
     "inspect_checkpoint",
+    "pretrained_config",
+    "read_pretrained",
     "save_hf_checkpoint",
     "to_hf_state_dict",
 ]

@@ -32,6 +32,8 @@ __all__ = [
     "from_pretrained",
     "hf_config_from_dict",
     "inspect_checkpoint",
+    "pretrained_config",
+    "read_pretrained",
     "save_hf_checkpoint",
     "to_hf_state_dict",
 ]
@@ -143,18 +145,58 @@ def _load_canonical(path: str) -> tuple[HFAdapter, Any, dict[str, torch.Tensor],
     return adapter, hf_cfg, canonical, ignored
 
 
-def from_pretrained(path: str, *, device: str | torch.device | None = None, **overrides: Any) -> Any:
-    """A ``HybridLM`` from a local transformers checkpoint directory (sharded or single file)."""
+_DISK_DTYPES = {"F32": "float32", "F64": "float64", "BF16": "bfloat16"}
+
+
+def pretrained_config(path: str, **overrides: Any) -> tuple[HybridConfig, dict[str, Any]]:
+    """(config, ``hf_source``) of a checkpoint directory, read from ``config.json`` and the
+    safetensors headers only (no tensor data): enough to build the model on the meta device.
+    Equals what ``read_pretrained`` returns for the same ``overrides``."""
+    from safetensors import safe_open
+
+    from harts.integrations.hf.checkpoint import open_checkpoint, plan_sources
+
+    ck = open_checkpoint(path)
+    hf_cfg = hf_config_from_dict(ck.config)
+    adapter = adapter_for(hf_cfg.model_type)
+    if "dtype" not in overrides:
+        sources, _, _ = plan_sources(adapter, ck.shapes, adapter.num_hidden_layers_on_disk(hf_cfg))
+        emb = sources.get("model.embed_tokens.weight")
+        overrides["dtype"] = "float32"
+        if emb is not None:
+            with safe_open(ck.files[emb.names[0]], framework="pt") as fh:
+                disk = fh.get_slice(emb.names[0]).get_dtype()
+            if disk not in _DISK_DTYPES:
+                raise ValueError(f"dtype {disk}: harts models run in float32, float64 or bfloat16; pass dtype=...")
+            overrides["dtype"] = _DISK_DTYPES[disk]
+    cfg = adapter.config_from_hf(hf_cfg, **overrides)
+    return cfg, {"model_type": adapter.model_type, "config": hf_cfg.to_dict()}
+
+
+def read_pretrained(path: str, **overrides: Any) -> tuple[HybridConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, full harts state dict on the host in the config's dtype, ``hf_source``) of a
+    local transformers checkpoint directory: what ``from_pretrained`` builds a model from, and
+    what rank 0 broadcasts to a model sharded over ranks (``harts.parallel.build``)."""
     adapter, hf_cfg, canonical, _ = _load_canonical(path)
     if "dtype" not in overrides:
         emb = canonical.get("model.embed_tokens.weight")
         overrides["dtype"] = _dtype_name(emb.dtype) if emb is not None else "float32"
     cfg = adapter.config_from_hf(hf_cfg, **overrides)
     sd, missing, unused = _to_harts(adapter, cfg, canonical)
+    del canonical
     if missing or unused:
         raise _unmapped_error(adapter.architecture, missing, unused)
+    dtype = cfg.torch_dtype()
+    for k in list(sd):  # one at a time: each original is freed as its converted copy replaces it
+        sd[k] = sd[k].to(dtype)
+    return cfg, sd, {"model_type": adapter.model_type, "config": hf_cfg.to_dict()}
+
+
+def from_pretrained(path: str, *, device: str | torch.device | None = None, **overrides: Any) -> Any:
+    """A ``HybridLM`` from a local transformers checkpoint directory (sharded or single file)."""
+    cfg, sd, source = read_pretrained(path, **overrides)
     model = _build(cfg, sd, device)
-    model.hf_source = {"model_type": adapter.model_type, "config": hf_cfg.to_dict()}
+    model.hf_source = source
     return model
 
 

@@ -1,0 +1,137 @@
+"""Random initialisation of a ``HybridLM``, one tensor at a time, seeded by (seed, tensor name).
+
+    specs = init_specs(model)                 # name -> InitSpec, from an unsharded (or meta) model
+    full = init_value(specs[name], seed)      # that tensor's full value, on the host
+    init_weights(model, seed)                 # every parameter and buffer of an unsharded model
+
+Why per name: a model too large for one device is built on the meta device, sharded, and only
+then given storage (``harts.parallel.build``); each rank then generates every tensor it holds a
+shard of and keeps its shard. Drawing each tensor from its own generator, seeded by the model
+seed and the tensor's name, makes the values independent of construction order, of the number
+of ranks and of the sharding: the sharded model equals the one built whole on one process. The
+host never holds more than one full tensor.
+
+Values are drawn in float32 on the CPU and then cast to the model's dtype (as the layers did
+before: float32 construction, then ``.to(dtype)``), so a float64 model and a bfloat16 model of
+the same seed hold the same numbers up to rounding.
+
+Distributions (the layers' own choices, by module and tensor):
+``nn.Linear`` / ``nn.Embedding`` weights, the router and the experts: normal(0, initializer_range);
+the depthwise short convolutions: uniform(+-1/sqrt(kernel_size)) (torch's ``Conv1d`` default);
+``A_log``: log(uniform(1, 16)); ``dt_bias`` and norm weights: ones (zeros for zero-centred
+norms); the router's correction bias (a buffer): zeros.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["InitSpec", "init_specs", "init_value", "init_weights", "tensor_seed", "draw_seed"]
+
+
+@dataclass(frozen=True, slots=True)
+class InitSpec:
+    """How one parameter or buffer is drawn."""
+
+    #: the tensor's name in ``model.state_dict()`` / ``named_parameters()``
+    name: str
+    #: "normal" | "uniform" | "log_uniform" | "ones" | "zeros"
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    #: std for "normal"; (low, high) bounds for "uniform" / "log_uniform"
+    a: float = 0.0
+    b: float = 0.0
+
+
+def draw_seed() -> int:
+    """A model seed from torch's global CPU generator (``HybridLM(config)`` without ``seed``), so
+    ``torch.manual_seed(s); HybridLM(config)`` stays reproducible in ``s``."""
+    return int(torch.randint(0, 2**62, (1,), device="cpu").item())
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of tensor ``name`` under model seed ``seed`` (stable across processes and
+    Python runs: a hash of the text, not Python's salted ``hash``)."""
+    digest = hashlib.sha256(f"{int(seed)}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _module_specs(prefix: str, module: nn.Module, std: float) -> dict[str, tuple[str, float, float]]:
+    """(kind, a, b) of each of ``module``'s own parameters and buffers (not its children's)."""
+    from harts.models.layers.kda import ShortConvolution
+    from harts.models.layers.moe import Experts, TopKRouter
+    from harts.models.layers.norms import RMSNorm, RMSNormGated
+
+    own = [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
+    out: dict[str, tuple[str, float, float]] = {}
+    for n in own:
+        # the experts by name too: expert parallelism swaps the module but keeps the names
+        if (
+            isinstance(module, (nn.Linear, nn.Embedding, Experts))
+            or (isinstance(module, TopKRouter) and n == "weight")
+            or n in ("gate_up_proj", "down_proj")
+        ):
+            spec = ("normal", std, 0.0)
+        elif isinstance(module, TopKRouter):  # e_score_correction_bias
+            spec = ("zeros", 0.0, 0.0)
+        elif isinstance(module, ShortConvolution):
+            # kaiming_uniform_(a=sqrt(5)) of a depthwise conv: bound 1/sqrt(fan_in), fan_in = kernel size
+            bound = 1.0 / math.sqrt(module.weight.shape[1] * module.weight.shape[2])
+            spec = ("uniform", -bound, bound)
+        elif isinstance(module, RMSNorm):
+            spec = ("zeros" if module.unit_offset else "ones", 0.0, 0.0)
+        elif isinstance(module, RMSNormGated) or n == "dt_bias":
+            spec = ("ones", 0.0, 0.0)
+        elif n == "A_log":
+            spec = ("log_uniform", 1.0, 16.0)
+        else:
+            raise AssertionError(f"no initialisation rule for {prefix}{n} ({type(module).__name__})")
+        out[prefix + n] = spec
+    return out
+
+
+def init_specs(model: nn.Module) -> dict[str, InitSpec]:
+    """``InitSpec`` of every parameter and buffer of an UNSHARDED ``HybridLM`` (on any device,
+    meta included); read it before ``parallelize`` replaces the expert modules."""
+    std = float(model.config.initializer_range)  # type: ignore[union-attr, arg-type]
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    specs: dict[str, InitSpec] = {}
+    for prefix, module in model.named_modules():
+        for name, (kind, a, b) in _module_specs(f"{prefix}." if prefix else "", module, std).items():
+            t = tensors[name]
+            specs[name] = InitSpec(name=name, kind=kind, shape=tuple(t.shape), dtype=t.dtype, a=a, b=b)
+    return specs
+
+
+def init_value(spec: InitSpec, seed: int) -> torch.Tensor:
+    """The full value of ``spec``'s tensor under model seed ``seed``: a CPU tensor of its shape and
+    dtype, drawn in float32 from a generator of its own (``tensor_seed``)."""
+    if spec.kind in ("ones", "zeros"):
+        fill = torch.ones if spec.kind == "ones" else torch.zeros
+        return fill(spec.shape, dtype=spec.dtype, device="cpu")
+    gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, spec.name))
+    x = torch.empty(spec.shape, dtype=torch.float32, device="cpu")
+    if spec.kind == "normal":
+        x.normal_(0.0, spec.a, generator=gen)
+    elif spec.kind == "uniform":
+        x.uniform_(spec.a, spec.b, generator=gen)
+    elif spec.kind == "log_uniform":
+        x = x.uniform_(spec.a, spec.b, generator=gen).log()
+    else:
+        raise AssertionError(f"unknown init kind {spec.kind!r}")
+    return x.to(spec.dtype)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Set every parameter and buffer of an unsharded, materialised ``model`` to its seeded value
+    (``init_value``); one full tensor on the host at a time."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, spec in init_specs(model).items():
+        tensors[name].copy_(init_value(spec, seed))
