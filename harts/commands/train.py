@@ -49,9 +49,7 @@ from harts.commands._inputs import (
     positive_float,
     positive_int,
 )
-from harts.commands._runs import Interrupted as _Interrupted
-from harts.commands._runs import Signals as _Signals
-from harts.commands._runs import check_run_dir as _check_run_dir
+from harts.commands._runs import Interrupted, Signals, check_run_dir
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -142,7 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    signals = _Signals()
+    signals = Signals()
     signals.install()
     try:
         return _run(args, signals)
@@ -150,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         signals.restore()
 
 
-def _run(args: argparse.Namespace, signals: _Signals) -> int:
+def _run(args: argparse.Namespace, signals: Signals) -> int:
     import signal as signal_mod
     import sys
 
@@ -198,7 +196,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
             check_output_dir(args.save, "--save", args.overwrite)
             if rank == 0:
                 check_output_file(args.json_out, "--json", args.overwrite)
-            _check_run_dir(args)
+            check_run_dir(args)
             if args.ep > world or world % args.ep:
                 raise UserError(f"--ep {args.ep} does not divide the {world} rank(s) of this launch")
             parallel_cfg = ParallelConfig(dp=args.dp or world // args.ep, ep=args.ep, cpu_offload=args.cpu_offload)
@@ -325,8 +323,8 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
                 pass  # a signal during the last step's update or bookkeeping
         finally:
             steps_bar.close()
-    except (_Interrupted, Exception) as err:
-        if isinstance(err, _Interrupted):
+    except (Interrupted, Exception) as err:
+        if isinstance(err, Interrupted):
             signum = err.signum
         elif signals.signum is not None and not isinstance(err, UserError):
             signum = signals.signum  # the interrupt surfaced through torch as another exception
@@ -353,7 +351,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     return 0
 
 
-def _agree_on_signal(signals: _Signals) -> None:
+def _agree_on_signal(signals: Signals) -> None:
     """Several ranks: stop together after this step if any rank has received a signal."""
     import torch
     import torch.distributed as dist
@@ -365,7 +363,7 @@ def _agree_on_signal(signals: _Signals) -> None:
     signum = int(flag.item())
     if signum:
         signals.signum = signals.signum or signum
-        raise _Interrupted(signals.signum)
+        raise Interrupted(signals.signum)
 
 
 class _Checkpointer:
