@@ -30,7 +30,7 @@
 #   SCALE_DS     data-parallel sizes (default "1 2 4 8", those <= NGPUS)
 #   SCALE_MODEL  default "--model ling3_tiny"
 #   SCALE_WORK   default "--workload swe --steps 2"
-#   SCALE_FLAGS  default "--dtype bfloat16 --recompute --capacity 65536 --la-backend fla"
+#   SCALE_FLAGS  default "--dtype bfloat16 --recompute --capacity 65536 --la-backend auto --attention mask"
 #   SCALE_MODES  default "compact trajectory"
 #   TIMEOUT      seconds per run (default 1800)
 set -uo pipefail
@@ -49,7 +49,7 @@ CORR_DTYPE=${CORR_DTYPE:-float32}
 SCALE_DS=${SCALE_DS:-1 2 4 8}
 SCALE_MODEL=${SCALE_MODEL:---model ling3_tiny}
 SCALE_WORK=${SCALE_WORK:---workload swe --steps 2}
-SCALE_FLAGS=${SCALE_FLAGS:---dtype bfloat16 --recompute --capacity 65536 --la-backend fla}
+SCALE_FLAGS=${SCALE_FLAGS:---dtype bfloat16 --recompute --capacity 65536 --la-backend auto --attention mask}
 SCALE_MODES=${SCALE_MODES:-compact trajectory}
 TIMEOUT=${TIMEOUT:-1800}
 mkdir -p "$OUT"

@@ -18,6 +18,14 @@ speed (an upcast float32 GEMM over a 157 k vocabulary dominated a whole training
 backward feeds d(logits) to its GEMMs in the input dtype, as every half-precision trainer does.
 Elsewhere (CPU, float32/float64 inputs) the operands are upcast as before.
 
+Fused element-wise passes (CUDA, half inputs): around the cuBLAS GEMMs, each [row_chunk, V]
+float32 logits chunk is read once per direction by a ``torch.compile``-generated kernel: the
+forward's row logsumexp, and the backward's -g_row * exp(logits - lse) written straight in the
+half dtype. Eager torch makes 4-6 passes over the chunk there (logsumexp's temporaries; sub_,
+exp_, mul_, the cast), which cost about a third of the LM head's time at V = 157 k. The entries a
+position's target adds to are then set to their float32 totals, rounded once, as the eager path
+does. ``fused=False`` keeps the eager passes (the reference the GPU test compares against).
+
 Shapes: P hidden rows, D model dim, V vocabulary, n positions, U unique rows among rows_n.
 """
 
@@ -35,6 +43,7 @@ def mapped_logprobs(
     targets_n: torch.Tensor,
     *,
     row_chunk: int = 2048,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """log_softmax(hidden[rows] @ weight^T)[targets] without materializing n x V logits.
 
@@ -45,6 +54,10 @@ def mapped_logprobs(
             index plan costs no device synchronization (a device tensor is copied back once).
         targets_n: int [n] target token of each position (host or device, as rows_n).
         row_chunk: unique rows per logits chunk (bounds memory at row_chunk x V).
+        fused: the fused element-wise passes around the GEMMs; None: on CUDA with half inputs
+            (where the GEMMs run in the half dtype), False: eager passes. They are compiled on
+            CUDA only; elsewhere ``fused=True`` runs the same arithmetic eagerly (how the CPU
+            tests check the target-entry bookkeeping).
 
     Returns:
         logprobs_n: [n] in the compute dtype (float32 for half inputs, else the input dtype).
@@ -66,22 +79,34 @@ def mapped_logprobs(
         raise ValueError(f"rows must lie in [0, {P}); got [{int(rows_h.min())}, {int(rows_h.max())}]")
     if targets_h.numel() and (int(targets_h.min()) < 0 or int(targets_h.max()) >= V):
         raise ValueError(f"targets must lie in [0, {V}); got [{int(targets_h.min())}, {int(targets_h.max())}]")
-    plan = _IndexPlan(rows_h, row_chunk, hidden_PD.device)
+    half = _half_gemms(hidden_PD)
+    plan = _IndexPlan(rows_h, targets_h, V, row_chunk, hidden_PD.device)
     targets = targets_h.to(hidden_PD.device, non_blocking=True)
-    return _MappedLogprobs.apply(hidden_PD, lm_head_weight_VD, targets, plan)
+    return _MappedLogprobs.apply(hidden_PD, lm_head_weight_VD, targets, plan, half if fused is None else fused)
 
 
 class _IndexPlan:
-    """Unique rows, positions grouped by row, chunk bounds: built on the host, uploaded once."""
+    """Unique rows, positions grouped by row, (row, target) pairs, chunk bounds: built on the
+    host, uploaded once.
 
-    def __init__(self, rows: torch.Tensor, row_chunk: int, device: torch.device) -> None:
+    A pair is one distinct (unique row, target) entry of the logits; several positions may add to
+    it (repeated targets on a fork). Pairs are sorted by row, so a chunk's pairs are contiguous.
+    """
+
+    def __init__(self, rows: torch.Tensor, targets: torch.Tensor, V: int, row_chunk: int, device: torch.device) -> None:
         uniq, inv = torch.unique(rows, return_inverse=True)
         order = torch.argsort(inv, stable=True)
         bounds = torch.arange(0, uniq.numel() + row_chunk, row_chunk).clamp(max=uniq.numel())
         self.pos_bounds: list[int] = torch.searchsorted(inv[order], bounds).tolist()
         self.bounds: list[int] = bounds.tolist()
         self.num_unique = int(uniq.numel())
-        self.uniq, self.inv, self.order = (t.to(device, non_blocking=True) for t in (uniq, inv, order))
+        pairs, pair_inv = torch.unique(inv * V + targets.long(), return_inverse=True)
+        pair_row, pair_target = pairs // V, pairs % V
+        self.pair_bounds: list[int] = torch.searchsorted(pair_row, bounds).tolist()
+        self.num_pairs = int(pairs.numel())
+        self.uniq, self.inv, self.order, self.pair_inv, self.pair_row, self.pair_target = (
+            t.to(device, non_blocking=True) for t in (uniq, inv, order, pair_inv, pair_row, pair_target)
+        )
 
 
 def _half_gemms(t: torch.Tensor) -> bool:
@@ -98,7 +123,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 
 class _MappedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, plan: _IndexPlan):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, plan: _IndexPlan, fused: bool):  # type: ignore[override]
         cdt = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
         uniq, inv, order, bounds, pos_bounds = plan.uniq, plan.inv, plan.order, plan.bounds, plan.pos_bounds
         w = weight if _half_gemms(hidden) else weight.to(cdt)
@@ -109,11 +134,11 @@ class _MappedLogprobs(torch.autograd.Function):
             if hi == lo:
                 continue
             logits = _mm(hidden[uniq[lo:hi]], w.T, cdt)  # [c, V]
-            lse[lo:hi] = torch.logsumexp(logits, dim=-1)
+            lse[lo:hi] = _fused_row_logsumexp(logits) if fused else torch.logsumexp(logits, dim=-1)
             pos = order[pos_bounds[c] : pos_bounds[c + 1]]
             target_logit[pos] = logits[inv[pos] - lo, targets[pos]]
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.plan, ctx.cdt = plan, cdt
+        ctx.plan, ctx.cdt, ctx.fused = plan, cdt, fused
         return target_logit - lse[inv]
 
     @staticmethod
@@ -126,6 +151,7 @@ class _MappedLogprobs(torch.autograd.Function):
         w = weight if half else weight.to(cdt)
         # each unique row's softmax term is weighted by the sum of its positions' gradients
         grad_row = grad_n.new_zeros(plan.num_unique).index_add_(0, inv, grad_n)
+        grad_pair = grad_n.new_zeros(plan.num_pairs).index_add_(0, plan.pair_inv, grad_n) if ctx.fused else None
         d_hidden = torch.zeros_like(hidden, dtype=cdt) if ctx.needs_input_grad[0] else None
         d_weight = torch.zeros_like(weight, dtype=cdt) if ctx.needs_input_grad[1] else None
         for c in range(len(plan.bounds) - 1):
@@ -133,12 +159,22 @@ class _MappedLogprobs(torch.autograd.Function):
             if hi == lo:
                 continue
             h = hidden[uniq[lo:hi]]
-            # recompute logits, then turn them into d(logits) in place: -grad_row * softmax + onehot
-            d_logits = _mm(h, w.T, cdt).sub_(lse[lo:hi, None]).exp_().mul_(-grad_row[lo:hi, None])
-            pos = order[plan.pos_bounds[c] : plan.pos_bounds[c + 1]]
-            d_logits.index_put_((inv[pos] - lo, targets[pos]), grad_n[pos], accumulate=True)
-            if half:
-                d_logits = d_logits.to(hidden.dtype)
+            logits = _mm(h, w.T, cdt)  # recomputed [c, V]
+            if ctx.fused:
+                # one pass: -grad_row * softmax in the half dtype; then each target entry gets its
+                # float32 total (softmax term + its positions' gradients), rounded once
+                d_logits = _fused_softmax_grad(logits, lse[lo:hi], grad_row[lo:hi], hidden.dtype if half else cdt)
+                p_lo, p_hi = plan.pair_bounds[c], plan.pair_bounds[c + 1]
+                pr, pt = plan.pair_row[p_lo:p_hi], plan.pair_target[p_lo:p_hi]
+                total = grad_pair[p_lo:p_hi] - grad_row[pr] * (logits[pr - lo, pt] - lse[pr]).exp()
+                d_logits[pr - lo, pt] = total.to(d_logits.dtype)
+            else:
+                # d(logits) in place: -grad_row * softmax + onehot
+                d_logits = logits.sub_(lse[lo:hi, None]).exp_().mul_(-grad_row[lo:hi, None])
+                pos = order[plan.pos_bounds[c] : plan.pos_bounds[c + 1]]
+                d_logits.index_put_((inv[pos] - lo, targets[pos]), grad_n[pos], accumulate=True)
+                if half:
+                    d_logits = d_logits.to(hidden.dtype)
             if d_hidden is not None:
                 d_hidden.index_add_(0, uniq[lo:hi], _mm(d_logits, w, cdt))
             if d_weight is not None and half:
@@ -150,4 +186,42 @@ class _MappedLogprobs(torch.autograd.Function):
             None if d_weight is None else d_weight.to(weight.dtype),
             None,
             None,
+            None,
         )
+
+
+# The fused passes: torch.compile (Inductor) turns each into one Triton kernel over the chunk.
+# dynamic=None compiles the first shape statically and recompiles once with a symbolic row count
+# when the last, shorter chunk arrives; V stays static. Built on first use, so importing this
+# module never starts the compiler.
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(name: str, fn, on_cuda: bool):  # noqa: ANN001, ANN202
+    if not on_cuda:
+        return fn
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn)
+    return _COMPILED[name]
+
+
+def _row_logsumexp(logits_cV: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits_cV, dim=-1)
+
+
+def _softmax_grad(
+    logits_cV: torch.Tensor, lse_c: torch.Tensor, grad_c: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    return (torch.exp(logits_cV - lse_c[:, None]) * -grad_c[:, None]).to(dtype)
+
+
+def _fused_row_logsumexp(logits_cV: torch.Tensor) -> torch.Tensor:
+    """[c, V] float32 -> [c] logsumexp in one read of the chunk."""
+    return _compiled("lse", _row_logsumexp, logits_cV.is_cuda)(logits_cV)  # type: ignore[operator]
+
+
+def _fused_softmax_grad(
+    logits_cV: torch.Tensor, lse_c: torch.Tensor, grad_c: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """-grad_c * softmax(logits_cV) as ``dtype`` [c, V], in one read of the float32 chunk."""
+    return _compiled("softmax_grad", _softmax_grad, logits_cV.is_cuda)(logits_cV, lse_c, grad_c, dtype)  # type: ignore[operator]

@@ -1,0 +1,159 @@
+"""LM head + log-probs at a real vocabulary: fused vs eager element-wise passes, and the GEMM floor.
+
+    python -m harts.bench.lm_head_bench --device cuda --rows 65536 --json out.json
+
+``mapped_logprobs`` forward + backward (d_hidden and d_weight) on ``--rows`` random hidden rows
+of width ``--dim`` against a ``--vocab`` x ``--dim`` head, in ``--dtype``, with a fork on every
+``--fork-every``-th row (a second position reading the row with another target), timed with
+CUDA events (host clocks on CPU), median of ``--repeat`` after one untimed warm-up (which
+compiles the fused passes). Variants, on the same inputs:
+
+* ``fused``  the default on CUDA with half inputs: compiled one-read passes over each logits chunk;
+* ``eager``  ``fused=False``: torch's logsumexp, then sub_/exp_/mul_ and a cast per chunk;
+* ``gemms``  the floor: only the four chunk GEMMs (forward logits, recomputed logits, d_hidden,
+             d_weight) on the same chunks, without any element-wise work.
+
+Printed: milliseconds, executed TFLOP/s (4 GEMMs x 2 x rows x V x D) and each variant's share
+above the floor; the fused and eager results' largest difference (log-probs and both gradients,
+relative to the largest entry) shows the fused path computes the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["time_variant", "main"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_variant(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs after one untimed warm-up."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from harts.ops.logprob import mapped_logprobs
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=65536, help="unique hidden rows (default 65,536)")
+    p.add_argument("--dim", type=int, default=1536, help="model width D (default: ling3_tiny's 1,536)")
+    p.add_argument("--vocab", type=int, default=157_184, help="vocabulary V (default: the paper's 157,184)")
+    p.add_argument("--fork-every", type=int, default=64, help="a second position on every k-th row (0: none)")
+    p.add_argument("--row-chunk", type=int, default=2048)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument(
+        "--profile", default=None, metavar="FILE", help="top-30 operators of one fused run, by device and by host time"
+    )
+    args = p.parse_args(argv)
+    for name in ("rows", "dim", "vocab", "row_chunk", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
+    if args.fork_every < 0:
+        p.error(f"--fork-every must be >= 0; got {args.fork_every}")
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    R, D, V = args.rows, args.dim, args.vocab
+    hidden = (torch.randn(R, D, generator=gen) * 0.5).to(device, dtype).requires_grad_()
+    weight = (torch.randn(V, D, generator=gen) * D**-0.5).to(device, dtype).requires_grad_()
+    rows = torch.arange(R)
+    if args.fork_every:
+        rows = torch.cat([rows, rows[:: args.fork_every]]).sort().values
+    targets = torch.randint(0, V, (rows.numel(),), generator=gen)
+    upstream = torch.randn(rows.numel(), generator=gen).to(device)
+
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = mapped_logprobs(hidden, weight, rows, targets, row_chunk=args.row_chunk, fused=fused)
+        dh, dw = torch.autograd.grad((out * upstream).sum(), (hidden, weight))
+        return out, dh, dw
+
+    def gemms() -> None:
+        h, w = hidden.detach(), weight.detach()
+        half = device.type == "cuda" and dtype != torch.float32
+        for lo in range(0, R, args.row_chunk):
+            hc = h[lo : lo + args.row_chunk]
+            for _ in range(2):  # forward logits, then the backward's recomputed logits
+                logits = torch.mm(hc, w.T, out_dtype=torch.float32) if half else hc.float() @ w.float().T
+            d = logits.to(dtype)
+            torch.mm(d, w)
+            torch.mm(d.T, hc)
+
+    results: dict[str, float] = {}
+    variants: list[tuple[str, Callable[[], object]]] = [
+        ("fused", lambda: run(True)),
+        ("eager", lambda: run(False)),
+        ("gemms", gemms),
+    ]
+    for name, fn in variants:
+        results[name] = time_variant(fn, device, args.repeat)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            run(True)
+            _sync(device)
+        keys = ["self_cuda_time_total", "self_cpu_time_total"] if device.type == "cuda" else ["self_cpu_time_total"]
+        with open(args.profile, "w") as fh:
+            for key in keys:
+                fh.write(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60) + "\n")
+    fused_out, eager_out = run(True), run(False)
+    diffs = {
+        name: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+        for name, a, b in zip(
+            ["logprobs", "d_hidden", "d_weight"], (t.detach() for t in fused_out), (t.detach() for t in eager_out)
+        )
+    }
+    flops = 4 * 2 * R * V * D
+    print(f"rows {R:,} (+{rows.numel() - R:,} fork positions), D {D}, V {V:,}, {args.dtype}, {device}")
+    print(f"{'variant':<8} {'ms':>10} {'TFLOP/s':>9} {'over floor':>11}")
+    for name, s in results.items():
+        print(f"{name:<8} {s * 1e3:>10.2f} {flops / s / 1e12:>9.1f} {s / results['gemms']:>10.2f}x")
+    print(f"eager / fused: {results['eager'] / results['fused']:.2f}x")
+    print("fused vs eager, max relative difference: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    if args.json_out:
+        import json
+
+        with open(args.json_out, "w") as fh:
+            json.dump(
+                dict(
+                    rows=R,
+                    positions=int(rows.numel()),
+                    dim=D,
+                    vocab=V,
+                    dtype=args.dtype,
+                    device=str(device),
+                    seconds=results,
+                    tflops={k: flops / s / 1e12 for k, s in results.items()},
+                    fused_vs_eager=diffs,
+                ),
+                fh,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
