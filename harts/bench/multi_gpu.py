@@ -156,8 +156,14 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     world = state.world_size
     result: dict[str, Any] = {"world_size": world, "ep": args.ep, "capacity": args.capacity, "modes": {}}
     for mode in args.modes:
+        # fused log-probs on both sides, as in ``harts bench``: the baseline's plain log_softmax
+        # would hold [positions, V] logits (70 GiB for a 65 k-token microbatch at V = 157 k)
         execution = ExecutionConfig(
-            mode=mode, recompute=args.recompute, attention=args.attention, linear_attention_backend=args.la_backend
+            mode=mode,
+            recompute=args.recompute,
+            attention=args.attention,
+            linear_attention_backend=args.la_backend,
+            fused_logprobs=True,
         )
         cfg = TrainConfig(capacity=args.capacity, execution=execution)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)

@@ -27,8 +27,23 @@ import harts.models.regions as regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNormGated, l2norm
+from harts.ops.compiled import cuda_compiled
 
 __all__ = ["KimiDeltaAttention", "ShortConvolution"]
+
+
+@cuda_compiled
+def kda_log_decay(
+    f_THK: torch.Tensor, dt_bias_HK: torch.Tensor, A_log_H: torch.Tensor, lower_bound: float | None
+) -> torch.Tensor:
+    """Per-channel log-decay g [T, H, K] from the gate projection f [T, H, K]:
+    ``lower_bound * sigmoid(exp(A_log) * (f + dt_bias))`` (kda_safe_gate) when ``lower_bound`` is
+    given, else ``-exp(A_log) * softplus(f + dt_bias)``."""
+    f = f_THK + dt_bias_HK
+    a = A_log_H.exp()[None, :, None]
+    if lower_bound is not None:  # bounded log-decay in (lower_bound, 0)
+        return lower_bound * torch.sigmoid(a * f)
+    return -a * F.softplus(f)
 
 
 class ShortConvolution(nn.Module):
@@ -88,11 +103,9 @@ class KimiDeltaAttention(nn.Module):
         kk = l2norm(kk.reshape(t, h, k))
         vv = vv.reshape(t, h, v)
         f = self.f_b_proj(self.f_a_proj(x_TD)) if self.low_rank_gates else self.f_proj(x_TD)
-        f = (f + self.dt_bias).reshape(t, h, k)
-        if self.safe_gate:  # bounded log-decay in (lower_bound, 0)
-            g = self.lower_bound * torch.sigmoid(self.A_log.exp()[None, :, None] * f)
-        else:
-            g = -self.A_log.exp()[None, :, None] * F.softplus(f)
+        g = kda_log_decay(
+            f.reshape(t, h, k), self.dt_bias.reshape(h, k), self.A_log, self.lower_bound if self.safe_gate else None
+        )
         beta = torch.sigmoid(self.b_proj(x_TD))
         q, kk, vv, g, beta = regions.enter("linear_attention", q, kk, vv, g, beta)
         (o,) = regions.exit("linear_attention", ctx.linear_attention(q, kk, vv, g, beta))

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts.models.config import HybridConfig
-from harts.models.layers.mlp import MLP
+from harts.models.layers.mlp import MLP, swiglu
 
 __all__ = ["TopKRouter", "Experts", "MoE", "grouped_mm_supported", "moe_statistics"]
 
@@ -141,14 +141,16 @@ class Experts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)  # end row of each expert's group
-        xs = x_TD[order // k]  # [T*K, D]
+        src = order // k  # the row of each sorted pair
+        # back[j]: where (row, slot) pair j sits in expert order (the inverse permutation)
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        xs = _RowsToPairs.apply(x_TD, src, back, k)  # [T*K, D]
         gate_up = torch._grouped_mm(xs, self.gate_up_proj.to(xs.dtype).transpose(1, 2), offs=offs)
         gate, up = gate_up.chunk(2, dim=-1)
-        h = torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(xs.dtype).transpose(1, 2), offs=offs)
+        h = torch._grouped_mm(swiglu(gate, up), self.down_proj.to(xs.dtype).transpose(1, 2), offs=offs)
         h = h * topk_w.reshape(-1)[order, None].to(h.dtype)
         # back to (row, slot) order, then sum the K slots of each row
-        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        return h[back].view(t, k, -1).sum(1)
+        return _PairsToRows.apply(h, src, back, k)
 
     def _forward_loop(self, x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         rows, outs = [], []
@@ -156,12 +158,44 @@ class Experts(nn.Module):
         for e in hit:
             tok, slot = torch.nonzero(topk_idx == e, as_tuple=True)
             gate, up = F.linear(x_TD[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.down_proj[e])
+            h = F.linear(swiglu(gate, up), self.down_proj[e])
             outs.append(h * topk_w[tok, slot, None].to(h.dtype))
             rows.append(tok)
         if not outs:
             return torch.zeros_like(x_TD)
         return torch.zeros_like(x_TD).index_add(0, torch.cat(rows), torch.cat(outs))
+
+
+class _RowsToPairs(torch.autograd.Function):
+    """xs = x[src]: every row once per chosen expert, in expert order. The backward sums each
+    row's K copies through the inverse permutation, ``g[back].view(T, K, D).sum(1)``: gathers
+    and a sum in slot order, no scatter (autograd's index backward is a sorting index_put)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, src, back, k):  # type: ignore[override]  # noqa: ANN001, ANN205
+        ctx.save_for_backward(back)
+        ctx.k = k
+        return x_TD[src]
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]  # noqa: ANN001, ANN205
+        (back,) = ctx.saved_tensors
+        return g[back].view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None
+
+
+class _PairsToRows(torch.autograd.Function):
+    """y = h[back].view(T, K, D).sum(1): each row's K expert outputs summed in slot order. The
+    backward hands every pair its row's gradient, ``g[src]`` (a gather)."""
+
+    @staticmethod
+    def forward(ctx, h, src, back, k):  # type: ignore[override]  # noqa: ANN001, ANN205
+        ctx.save_for_backward(src)
+        return h[back].view(-1, k, h.shape[-1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]  # noqa: ANN001, ANN205
+        (src,) = ctx.saved_tensors
+        return g[src], None, None, None
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:

@@ -1,6 +1,9 @@
 """RMS norms used by every layer type, and the l2 normalization of linear-attention q/k.
 
 Shapes: ``x_TD`` rows x features; the gated norm works on ``[..., V]`` head slices.
+
+The arithmetic lives in three functions compiled on CUDA (``harts.ops.compiled``): each is
+several float32 passes over the rows in eager torch, one fused kernel compiled.
 """
 
 from __future__ import annotations
@@ -9,7 +12,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "RMSNormGated", "l2norm"]
+from harts.ops.compiled import cuda_compiled
+
+__all__ = ["RMSNorm", "RMSNormGated", "l2norm", "rms_norm", "rms_norm_gated"]
+
+
+@cuda_compiled
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """``x / rms(x) * weight`` (``* (1 + weight)`` with ``unit_offset``) over the last dim; statistics
+    in at least float32, result in ``x``'s dtype. x: [..., D], weight: [D]."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(work)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.to(work)
+    return (h * (1.0 + w if unit_offset else w)).to(x.dtype)
+
+
+@cuda_compiled
+def rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str
+) -> torch.Tensor:
+    """``rmsnorm(x) * weight * act(gate)`` over the last dim (act: silu or sigmoid).
+    x, gate: [..., V], weight: [V]."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(work)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.to(work)
+    g = gate.to(work)
+    g = F.silu(g) if activation == "silu" else torch.sigmoid(g)
+    return (h * g).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -25,11 +55,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        work = torch.promote_types(x.dtype, torch.float32)
-        h = x.to(work)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.to(work)
-        return (h * (1.0 + w if self.unit_offset else w)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.unit_offset)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"
@@ -50,14 +76,10 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        work = torch.promote_types(x.dtype, torch.float32)
-        h = x.to(work)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(work)
-        g = gate.to(work)
-        g = F.silu(g) if self.activation == "silu" else torch.sigmoid(g)
-        return (h * g).to(x.dtype)
+        return rms_norm_gated(x, gate, self.weight, self.eps, self.activation)
 
 
+@cuda_compiled
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (fla's ``use_qk_l2norm_in_kernel``)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from harts.ops.compiled import cuda_compiled
+
 __all__ = ["rope_cos_sin", "apply_rope"]
 
 
@@ -28,6 +30,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+@cuda_compiled
 def apply_rope(
     x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, *, interleaved: bool = False
 ) -> torch.Tensor:

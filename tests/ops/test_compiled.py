@@ -1,0 +1,100 @@
+"""Compiled layer glue: eager on CPU (the reference itself), compiled on CUDA and close to eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harts.models.layers.kda import kda_log_decay
+from harts.models.layers.mlp import swiglu
+from harts.models.layers.moe import _PairsToRows, _RowsToPairs
+from harts.models.layers.norms import l2norm, rms_norm, rms_norm_gated
+from harts.models.layers.rope import apply_rope, rope_cos_sin
+from harts.ops.compiled import compile_enabled, cuda_compiled
+
+F64 = torch.float64
+
+
+def _cases(T: int, device: str, dtype: torch.dtype, seed: int = 0):  # noqa: ANN202
+    """(name, function, args) for every compiled glue function, on rows of length T."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(device, dtype).requires_grad_()
+
+    cos, sin = rope_cos_sin(torch.arange(T, device=device), 64, 10_000.0, dtype)
+    return [
+        ("rms_norm", rms_norm, (r(T, 96), r(96), 1e-6, False)),
+        ("rms_norm_unit_offset", rms_norm, (r(T, 96), r(96, scale=0.1), 1e-6, True)),
+        ("rms_norm_gated_sigmoid", rms_norm_gated, (r(T, 4, 32), r(T, 4, 32), r(32), 1e-6, "sigmoid")),
+        ("rms_norm_gated_silu", rms_norm_gated, (r(T, 4, 32), r(T, 4, 32), r(32), 1e-6, "silu")),
+        ("l2norm", l2norm, (r(T, 4, 32),)),
+        ("swiglu", swiglu, (r(T, 64), r(T, 64))),
+        ("kda_log_decay", kda_log_decay, (r(T, 4, 32), r(4, 32), r(4, scale=0.5), None)),
+        ("kda_log_decay_safe", kda_log_decay, (r(T, 4, 32), r(4, 32), r(4, scale=0.5), -5.0)),
+        ("apply_rope", apply_rope, (r(T, 4, 96), cos, sin)),
+    ]
+
+
+def _value_and_grads(fn, args):  # noqa: ANN001, ANN202
+    out = fn(*args)
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    upstream = torch.linspace(-1, 1, out.numel(), device=out.device, dtype=out.dtype).view_as(out)
+    grads = torch.autograd.grad((out * upstream).sum(), inputs)
+    return [out.detach(), *grads]
+
+
+def test_cpu_runs_the_function_itself() -> None:
+    """On CPU the wrapper is the eager function: bit-identical results, float64 included."""
+    for name, fn, args in _cases(7, "cpu", F64):
+        got, ref = _value_and_grads(fn, args), _value_and_grads(fn.eager, args)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), name
+
+
+def test_switch_and_eager_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    @cuda_compiled
+    def double(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return 2 * x
+
+    assert double.eager(torch.ones(2)).tolist() == [2.0, 2.0]  # type: ignore[attr-defined]
+    assert double(torch.ones(2)).tolist() == [2.0, 2.0] and len(calls) == 2
+    assert compile_enabled()
+    for off in ("0", "false", "Off"):
+        monkeypatch.setenv("HARTS_COMPILE", off)
+        assert not compile_enabled()
+    monkeypatch.setenv("HARTS_COMPILE", "1")
+    assert compile_enabled()
+
+
+def test_moe_permutation_functions_gradcheck() -> None:
+    """The expert-order gather and the slot sum, with their hand-written backwards (float64)."""
+    t, k, d = 5, 3, 4
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randint(0, 4, (t * k,), generator=g)
+    order = torch.argsort(flat, stable=True)
+    src = order // k
+    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    x = torch.randn(t, d, dtype=F64, generator=g, requires_grad=True)
+    h = torch.randn(t * k, d, dtype=F64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: _RowsToPairs.apply(x, src, back, k), (x,))
+    assert torch.autograd.gradcheck(lambda h: _PairsToRows.apply(h, src, back, k), (h,))
+    torch.testing.assert_close(_RowsToPairs.apply(x, src, back, k), x[src])
+    torch.testing.assert_close(_PairsToRows.apply(h, src, back, k), h[back].view(t, k, d).sum(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_compiled_matches_eager_on_cuda(dtype: torch.dtype) -> None:
+    """Compiled (Inductor) output and every gradient against the eager function on the same CUDA
+    inputs, at two row counts (dynamic shapes: the second must not need new code to be right)."""
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for T in (333, 1024):
+        for name, fn, args in _cases(T, "cuda", dtype, seed=T):
+            got, ref = _value_and_grads(fn, args), _value_and_grads(fn.eager, args)
+            for i, (a, b) in enumerate(zip(got, ref)):
+                torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"{name}[{i}] T={T}: {m}")
