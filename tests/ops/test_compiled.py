@@ -92,7 +92,8 @@ def test_moe_permutation_functions_gradcheck() -> None:
 def test_compiled_matches_eager_on_cuda(dtype: torch.dtype) -> None:
     """Compiled (Inductor) output and every gradient against the eager function on the same CUDA
     inputs, at two row counts (dynamic shapes: the second must not need new code to be right)."""
-    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    # float32: parameter gradients are sums over T rows, reduced in another order when compiled
+    tol = dict(rtol=2e-4, atol=2e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for T in (333, 1024):
         for name, fn, args in _cases(T, "cuda", dtype, seed=T):
             got, ref = _value_and_grads(fn, args), _value_and_grads(fn.eager, args)
