@@ -7,10 +7,15 @@ RMS norms taken in float32, gates, l2 norms, SwiGLU products, casts, each a sepa
 below into one or two Triton kernels per direction.
 
 ``cuda_compiled(fn)`` keeps ``fn`` itself as the reference: CPU tensors (every float64 test)
-run it eagerly, CUDA tensors run ``torch.compile(fn, dynamic=True)``, so the row count T may
-change from microbatch to microbatch without recompiling. ``HARTS_COMPILE=0`` in the
-environment turns compilation off (eager on CUDA too), for before/after measurements and for
-debugging; ``compile_enabled()`` says which is in force.
+always run it eagerly; CUDA tensors run ``torch.compile(fn, dynamic=True)`` when
+``HARTS_COMPILE=1`` is set in the environment, so the row count T may change from microbatch to
+microbatch without recompiling. It is off by default, because of what it measured on an H200
+(``harts bench --workload medium --dp 8 --replica 0``, ling3_tiny's dimensions, pattern KKKM,
+bf16, recompute): the trajectory-wise baseline's step went from 6.16 s to 5.47-5.54 s ("other"
+1.75 -> 1.20-1.25 s), but harts' compact step went from 0.93 s to 6.5-7.1 s, with no Dynamo
+recompilation during the timed step ("other" 0.27 -> 5.6-6.1 s, MoE 0.19 -> 0.41-0.48 s). The
+cause is not found yet; until it is, turning it on would make the baseline faster and harts
+slower. ``compile_enabled()`` says which is in force.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def compile_enabled() -> bool:
-    """Whether CUDA glue is compiled (``HARTS_COMPILE`` unset, or anything but 0/false/no/off)."""
-    return os.environ.get("HARTS_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether CUDA glue is compiled: ``HARTS_COMPILE`` set to 1/true/yes/on (default off)."""
+    return os.environ.get("HARTS_COMPILE", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cuda_compiled(fn: F) -> F:

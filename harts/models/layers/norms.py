@@ -2,8 +2,9 @@
 
 Shapes: ``x_TD`` rows x features; the gated norm works on ``[..., V]`` head slices.
 
-The arithmetic lives in three functions compiled on CUDA (``harts.ops.compiled``): each is
-several float32 passes over the rows in eager torch, one fused kernel compiled.
+The arithmetic lives in three functions that ``HARTS_COMPILE=1`` compiles on CUDA
+(``harts.ops.compiled``, off by default); eager, each is several float32 passes over the rows.
+
 """
 
 from __future__ import annotations
