@@ -4,7 +4,6 @@ Shapes: ``x_TD`` rows x features; the gated norm works on ``[..., V]`` head slic
 
 The arithmetic lives in three functions that ``HARTS_COMPILE=1`` compiles on CUDA
 (``harts.ops.compiled``, off by default); eager, each is several float32 passes over the rows.
-
 """
 
 from __future__ import annotations
