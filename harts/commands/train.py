@@ -235,6 +235,9 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 recompute=args.recompute,
                 attention=args.attention,
                 linear_attention_backend=args.la_backend,
+                # chunked log-probs in both modes: the baseline's plain log_softmax would hold
+                # [positions, V] logits (tens of GiB per microbatch at a 157 k vocabulary)
+                fused_logprobs=True,
             )
             cfg = TrainConfig(
                 capacity=args.capacity,
