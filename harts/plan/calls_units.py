@@ -346,52 +346,56 @@ def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
     """The same two passes fork by fork on plain lists, for small forests (see ``plan_calls``).
 
     Every internal segment takes the general-fork rule of ``plan_units`` (the spine closed
-    forms are that rule with one internal child); with a few dozen segments, a few dozen
-    numpy calls cost more than the whole plan. Returns the ``CallPlan`` fields (``num_calls``
-    and the plan arrays); ``plan_calls`` uses it below ``LEAN_MAX_SEGMENTS`` segments.
+    forms are that rule with one internal child); with a few hundred segments, the vectorized
+    engine's few hundred numpy calls cost more than the whole plan. Returns the ``CallPlan``
+    fields (``num_calls`` and the plan arrays); ``plan_calls`` uses it up to
+    ``LEAN_MAX_SEGMENTS`` segments.
     """
     v = forest.num_segments
     start, end = forest.start.tolist(), forest.end.tolist()
     ptr, kid = forest.child_ptr.tolist(), forest.child_idx.tolist()
-    forks = [u for u in range(v) if ptr[u + 1] > ptr[u]]
-    cross = [False] * v  # Eq. 11 fails: S_{b_v} is produced inside the call
+    forks = np.flatnonzero(forest.child_ptr[1:] > forest.child_ptr[:-1]).tolist()
     tp, ti = [1] * v, [1] * v
+    cross = [False] * v  # Eq. 11 fails: S_{b_v} is produced inside the call
+    sec = [0] * v  # per fork: second-largest child T_pre (of the multiset)
+    arg = [0] * v  # per fork: its first child of largest T_pre
     for u in reversed(forks):  # pass 1, children before parents
-        lo, hi = ptr[u], ptr[u + 1]
-        m1 = m2 = 0  # largest and second-largest child T_pre
-        for c in kid[lo:hi]:
+        # T_in = min_o max(T_in(o), 1 + h_o) is reached at a child of largest T_pre m1 (any
+        # other has T_in <= T_pre + 1 <= m1 < 1 + h_o = 1 + m1), where h_o = m2, the
+        # second largest of the multiset: T_in = max(min T_in over those children, 1 + m2)
+        m1 = m2 = mt = 0
+        a = -1
+        for c in kid[ptr[u] : ptr[u + 1]]:
             t = tp[c]
             if t > m1:
-                m1, m2 = t, m1
+                m1, m2, mt, a = t, m1, ti[c], c
+            elif t == m1:
+                m2 = t
+                if ti[c] < mt:
+                    mt = ti[c]
             elif t > m2:
                 m2 = t
-        best = 1 << 62
-        for c in kid[lo:hi]:
-            t = m2 + 1 if tp[c] == m1 else m1 + 1  # 1 + h_o
-            if ti[c] > t:
-                t = ti[c]
-            if t < best:
-                best = t
-        ti[u] = best
+        t = mt if mt > m2 else m2 + 1
+        ti[u], sec[u], arg[u] = t, m2, a
         cross[u] = cr = end[u] >= start[u] // b * b + b
-        tp[u] = best if cr else m1
-    # pass 2 in preorder: a segment's state is set by its parent before it is visited
+        tp[u] = t if cr else m1
+    # pass 2 in preorder: a segment's state is set by its parent before it is visited. The
+    # direct child is the first one fitting K_round that covers every child over K_side: with
+    # no child over K_side that is the first child (T_pre <= K_side, and T_in <= T_pre + 1 <=
+    # K_round when K_side = K_round - 1); with one, that child; with two, none exists.
     bud, rdy, rnd, head = tp[:], [True] * v, [0] * v, list(range(v))
+    segs = {r: [r] for r in forest.roots.tolist()}  # head -> its segments in chain order
     init: dict[int, tuple[int, int]] = {}  # head -> (producer head, state position)
     for u in forks:
-        lo, hi = ptr[u], ptr[u + 1]
         same = rdy[u] and not cross[u]
         kr = bud[u]
         ks = kr if same else kr - 1
-        f = 0
-        for c in kid[lo:hi]:
-            f += tp[c] > ks
-        o = -1
-        for c in kid[lo:hi]:
-            if (tp[c] if same else ti[c]) <= kr and f == (tp[c] > ks):
-                o = c
-                break
-        if o < 0:
+        lo, hi = ptr[u], ptr[u + 1]
+        if tp[arg[u]] <= ks:
+            o = kid[lo]
+        elif sec[u] <= ks and (tp if same else ti)[arg[u]] <= kr:
+            o = arg[u]
+        else:
             raise AssertionError(_FAIL)
         h = head[u]
         src = init.get(h) if same else (h, end[u] // b * b)
@@ -399,18 +403,12 @@ def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
         for c in kid[lo:hi]:
             if c == o:
                 bud[c], rdy[c], rnd[c], head[c] = kr, same, rnd[u], h
+                segs[h].append(c)
             else:
                 bud[c], rnd[c] = ks, r
+                segs[c] = [c]
                 if src is not None:
                     init[c] = src
-    # sequences: chains run down the tree, so preorder is each chain's order
-    segs: dict[int, list[int]] = {}
-    for u in range(v):
-        h = head[u]
-        if h == u:
-            segs[u] = [u]
-        else:
-            segs[h].append(u)
     return plan_fields(forest, b, tp, ti, segs, {h: rnd[h] for h in segs}, init)
 
 
@@ -429,27 +427,25 @@ def plan_fields(
     head -> (producer head, state position) for heads that import a state (a producer < 0,
     or a head not in ``init``, starts from the zero state).
     """
-    start, parent = forest.start.tolist(), forest.parent.tolist()
-    heads = sorted(segs, key=lambda h: (rnd[h], h))
-    seq_of = {h: q for q, h in enumerate(heads)}
-    seg_seq = [0] * len(tp)
-    seq_segments: list[int] = []
-    seq_ptr = [0]
-    for q, h in enumerate(heads):
-        for u in segs[h]:
-            seg_seq[u] = q
-        seq_segments += segs[h]
-        seq_ptr.append(len(seq_segments))
+    v = len(tp)
+    # by (round, head id) through one integer key; a round is below V
+    heads = [k % v for k in sorted([rnd[h] * v + h for h in segs])] if v else []
+    q = len(heads)
+    seq_of = dict(zip(heads, range(q)))
+    seq_segments = [u for h in heads for u in segs[h]]
+    lens = [len(segs[h]) for h in heads]
+    seq_ptr = np.zeros(q + 1, dtype=np.int64)
+    np.cumsum(lens, out=seq_ptr[1:])
+    seg_seq = np.empty(v, dtype=np.int64)
+    seg_seq[seq_segments] = np.repeat(np.arange(q, dtype=np.int64), lens)
     imports = {h: (seq_of[p], pos) for h, (p, pos) in init.items() if p >= 0}
     reqs = sorted(set(imports.values()))
     req_of = {r: i for i, r in enumerate(reqs)}
     seq_round = [rnd[h] for h in heads]
     num_calls = seq_round[-1] + 1 if heads else 0
-    round_ptr = [0] * (num_calls + 1)
-    for r in seq_round:
-        round_ptr[r + 1] += 1
-    for k in range(num_calls):
-        round_ptr[k + 1] += round_ptr[k]
+    round_ptr = np.zeros(num_calls + 1, dtype=np.int64)
+    np.cumsum(np.bincount(seq_round, minlength=num_calls), out=round_ptr[1:])
+    hd = np.array(heads, dtype=np.int64)
 
     def a(x: list[int]) -> np.ndarray:
         return np.array(x, dtype=np.int64)
@@ -458,14 +454,14 @@ def plan_fields(
         "num_calls": num_calls,
         "t_pre": a(tp),
         "t_in": a(ti),
-        "seg_seq": a(seg_seq),
+        "seg_seq": seg_seq,
         "seq_round": a(seq_round),
-        "seq_ptr": a(seq_ptr),
+        "seq_ptr": seq_ptr,
         "seq_segments": a(seq_segments),
-        "seq_fork": a([parent[h] for h in heads]),
-        "seq_anchor": a([start[h] // b * b for h in heads]),
+        "seq_fork": forest.parent[hd],
+        "seq_anchor": forest.start[hd] // b * b,
         "seq_init": a([req_of[imports[h]] if h in imports else -1 for h in heads]),
         "req_seq": a([r[0] for r in reqs]),
         "req_pos": a([r[1] for r in reqs]),
-        "round_ptr": a(round_ptr),
+        "round_ptr": round_ptr,
     }
