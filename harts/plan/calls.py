@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from harts.plan.calls_units import plan_lean, plan_units
+from harts.plan.calls_units import pack_lists, plan_lean, plan_units
 from harts.tree.segments import SegmentForest
 
 __all__ = [
@@ -222,26 +222,37 @@ def _small_ints(x: np.ndarray) -> np.ndarray:
 
 
 #: forests up to this many segments are planned fork by fork on lists (``plan_lean``): below
-#: it the vectorized engine's fixed cost of a few hundred numpy calls dominates (measured:
-#: break-even near 250 segments on caterpillars, above 1,000 on random trees)
-LEAN_MAX_SEGMENTS = 256
+#: it the units engine's per-level numpy calls cost more than the walk (``calls_bench --sweep``)
+LEAN_MAX_SEGMENTS = 2048
+#: lean plans up to this many segments are packed on lists too (``pack_lists``), not by
+#: ``_assemble``'s few dozen numpy calls (a step's microbatches have a dozen segments)
+PACK_LISTS_MAX = 64
 
 
-def plan_calls(forest: SegmentForest, chunk_size: int) -> CallPlan:
+def plan_calls(forest: SegmentForest, chunk_size: int, *, path: str = "auto") -> CallPlan:
     """Algorithm 1 on every tree of ``forest``; sequences merged by round (see module doc).
 
     Args:
         forest: V segments in preorder (``SegmentForest``).
         chunk_size: the linear-attention chunk B (positive integer).
+        path: ``"auto"`` (the lean list walk up to ``LEAN_MAX_SEGMENTS`` segments, else the
+            units engine), ``"lean"`` or ``"units"`` (for benchmarks and tests: every path
+            gives the identical plan).
 
     Returns:
         the ``CallPlan`` (arrays as in the module doc). Many small forests (one step's
         microbatches) are planned together by ``plan_calls_many``.
     """
     b = _check_chunk_size(chunk_size)
-    if forest.num_segments <= LEAN_MAX_SEGMENTS:
-        return CallPlan(chunk_size=b, forest=forest, **plan_lean(forest, b))  # type: ignore[arg-type]
-    return _assemble(forest, b, *plan_units(forest, b))
+    if path not in ("auto", "lean", "units"):
+        raise ValueError(f"path must be 'auto', 'lean' or 'units', got {path!r}")
+    v = forest.num_segments
+    if path == "units" or (path == "auto" and v > LEAN_MAX_SEGMENTS):
+        return _assemble(forest, b, *plan_units(forest, b))
+    lists = plan_lean(forest, b)
+    if v <= PACK_LISTS_MAX:
+        return CallPlan(chunk_size=b, forest=forest, **pack_lists(forest, b, *lists))  # type: ignore[arg-type]
+    return _assemble(forest, b, *(np.array(x, dtype=np.int64) for x in lists))
 
 
 def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallPlan]:

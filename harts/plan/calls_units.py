@@ -44,7 +44,7 @@ import numpy as np
 
 from harts.tree.segments import SegmentForest, parent_depth
 
-__all__ = ["plan_fields", "plan_lean", "plan_units"]
+__all__ = ["pack_lists", "plan_lean", "plan_units"]
 
 _FAIL = "recovery found no direct continuation (DP invariant broken)"
 _BIG = np.int64(1) << 40
@@ -342,30 +342,33 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     return tpre_s, tin_s, head, rnd_s, init_prod, init_pos, offset
 
 
-def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
+def plan_lean(forest: SegmentForest, b: int) -> tuple[list[int], ...]:
     """The same two passes fork by fork on plain lists, for small forests (see ``plan_calls``).
 
-    Every internal segment takes the general-fork rule of ``plan_units`` (the spine closed
-    forms are that rule with one internal child); with a few hundred segments, the vectorized
-    engine's few hundred numpy calls cost more than the whole plan. Returns the ``CallPlan``
-    fields (``num_calls`` and the plan arrays); ``plan_calls`` uses it up to
-    ``LEAN_MAX_SEGMENTS`` segments.
+    Every internal segment takes the general-fork rule (the spine closed forms of
+    ``plan_units`` are that rule with one internal child); below a few thousand segments the
+    units engine's per-level numpy calls cost more than this walk. Returns the seven
+    per-segment results of ``plan_units`` as lists of length V.
     """
     v = forest.num_segments
-    start, end = forest.start.tolist(), forest.end.tolist()
-    ptr, kid = forest.child_ptr.tolist(), forest.child_idx.tolist()
-    forks = np.flatnonzero(forest.child_ptr[1:] > forest.child_ptr[:-1]).tolist()
+    ptr = forest.child_ptr
+    fk = np.flatnonzero(ptr[1:] > ptr[:-1])  # forks in preorder
+    forks = fk.tolist()
+    p, kid = ptr.tolist(), forest.child_idx.tolist()
+    end_f = forest.end[fk]
+    cross = (end_f >= forest.start[fk] // b * b + b).tolist()  # Eq. 11 fails: S_{b_v} made in the call
+    bv = (end_f // b * b).tolist()
+    ch = [kid[p[u] : p[u + 1]] for u in forks]
+    nf = len(forks)
     tp, ti = [1] * v, [1] * v
-    cross = [False] * v  # Eq. 11 fails: S_{b_v} is produced inside the call
-    sec = [0] * v  # per fork: second-largest child T_pre (of the multiset)
-    arg = [0] * v  # per fork: its first child of largest T_pre
-    for u in reversed(forks):  # pass 1, children before parents
+    sec, arg = [0] * nf, [0] * nf  # per fork: second-largest child T_pre (multiset), first largest child
+    for i in range(nf - 1, -1, -1):  # pass 1, children before parents
         # T_in = min_o max(T_in(o), 1 + h_o) is reached at a child of largest T_pre m1 (any
-        # other has T_in <= T_pre + 1 <= m1 < 1 + h_o = 1 + m1), where h_o = m2, the
-        # second largest of the multiset: T_in = max(min T_in over those children, 1 + m2)
+        # other has T_in <= T_pre + 1 <= m1 < 1 + h_o = 1 + m1), where h_o = m2, the second
+        # largest of the multiset: T_in = max(min T_in over those children, 1 + m2)
         m1 = m2 = mt = 0
         a = -1
-        for c in kid[ptr[u] : ptr[u + 1]]:
+        for c in ch[i]:
             t = tp[c]
             if t > m1:
                 m1, m2, mt, a = t, m1, ti[c], c
@@ -376,76 +379,83 @@ def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
             elif t > m2:
                 m2 = t
         t = mt if mt > m2 else m2 + 1
-        ti[u], sec[u], arg[u] = t, m2, a
-        cross[u] = cr = end[u] >= start[u] // b * b + b
-        tp[u] = t if cr else m1
+        u = forks[i]
+        ti[u], sec[i], arg[i] = t, m2, a
+        tp[u] = t if cross[i] else m1
     # pass 2 in preorder: a segment's state is set by its parent before it is visited. The
     # direct child is the first one fitting K_round that covers every child over K_side: with
     # no child over K_side that is the first child (T_pre <= K_side, and T_in <= T_pre + 1 <=
     # K_round when K_side = K_round - 1); with one, that child; with two, none exists.
-    bud, rdy, rnd, head = tp[:], [True] * v, [0] * v, list(range(v))
-    segs = {r: [r] for r in forest.roots.tolist()}  # head -> its segments in chain order
-    init: dict[int, tuple[int, int]] = {}  # head -> (producer head, state position)
-    for u in forks:
-        same = rdy[u] and not cross[u]
+    bud, rdy, rnd, head, off = tp[:], [True] * v, [0] * v, list(range(v)), [0] * v
+    ipr, ipo = [-1] * v, [0] * v  # per head: producer head (-1 zero state), state position
+    for i in range(nf):
+        u = forks[i]
+        same = rdy[u] and not cross[i]
         kr = bud[u]
         ks = kr if same else kr - 1
-        lo, hi = ptr[u], ptr[u + 1]
-        if tp[arg[u]] <= ks:
-            o = kid[lo]
-        elif sec[u] <= ks and (tp if same else ti)[arg[u]] <= kr:
-            o = arg[u]
+        a = arg[i]
+        if tp[a] <= ks:
+            o = ch[i][0]
+        elif sec[i] <= ks and (tp[a] if same else ti[a]) <= kr:
+            o = a
         else:
             raise AssertionError(_FAIL)
-        h = head[u]
-        src = init.get(h) if same else (h, end[u] // b * b)
-        r = rnd[u] if same else rnd[u] + 1
-        for c in kid[lo:hi]:
+        h, ru = head[u], rnd[u]
+        # a same-round side branch starts from S_{a_v}, the parent sequence's own initial
+        # state; otherwise it requests S_{b_v} from the parent's sequence, a round later
+        pp, pq, r = (ipr[h], ipo[h], ru) if same else (h, bv[i], ru + 1)
+        for c in ch[i]:
             if c == o:
-                bud[c], rdy[c], rnd[c], head[c] = kr, same, rnd[u], h
-                segs[h].append(c)
+                bud[c], rdy[c], rnd[c], head[c], off[c] = kr, same, ru, h, off[u] + 1
             else:
-                bud[c], rnd[c] = ks, r
-                segs[c] = [c]
-                if src is not None:
-                    init[c] = src
-    return plan_fields(forest, b, tp, ti, segs, {h: rnd[h] for h in segs}, init)
+                bud[c], rnd[c], ipr[c], ipo[c] = ks, r, pp, pq
+    return tp, ti, head, rnd, ipr, ipo, off
 
 
-def plan_fields(
+def pack_lists(
     forest: SegmentForest,
     b: int,
     tp: list[int],
     ti: list[int],
-    segs: dict[int, list[int]],
-    rnd: dict[int, int],
-    init: dict[int, tuple[int, int]],
+    head: list[int],
+    rnd: list[int],
+    ipr: list[int],
+    ipo: list[int],
+    off: list[int],
 ) -> dict[str, object]:
-    """The ``CallPlan`` fields from per-sequence lists (``plan_lean`` and the tests' oracle).
+    """The ``CallPlan`` fields from ``plan_lean``'s lists, in plain Python.
 
-    ``segs``: head -> its segments in chain order; ``rnd``: head -> 0-based round; ``init``:
-    head -> (producer head, state position) for heads that import a state (a producer < 0,
-    or a head not in ``init``, starts from the zero state).
+    The numpy assembly (``harts.plan.calls``) costs a few dozen numpy calls, more than the
+    whole plan of a microbatch of a dozen segments; this packs the same fields list by list
+    (tested equal). Returns ``num_calls`` and the plan arrays.
     """
     v = len(tp)
-    # by (round, head id) through one integer key; a round is below V
-    heads = [k % v for k in sorted([rnd[h] * v + h for h in segs])] if v else []
+    heads = [k % v for k in sorted([rnd[u] * v + u for u in range(v) if head[u] == u])]  # by (round, id)
     q = len(heads)
-    seq_of = dict(zip(heads, range(q)))
-    seq_segments = [u for h in heads for u in segs[h]]
-    lens = [len(segs[h]) for h in heads]
-    seq_ptr = np.zeros(q + 1, dtype=np.int64)
-    np.cumsum(lens, out=seq_ptr[1:])
-    seg_seq = np.empty(v, dtype=np.int64)
-    seg_seq[seq_segments] = np.repeat(np.arange(q, dtype=np.int64), lens)
-    imports = {h: (seq_of[p], pos) for h, (p, pos) in init.items() if p >= 0}
-    reqs = sorted(set(imports.values()))
+    seq_of = [0] * v
+    for i, h in enumerate(heads):
+        seq_of[h] = i
+    seg_seq = [seq_of[h] for h in head]
+    seq_ptr = [0] * (q + 1)
+    for s in seg_seq:
+        seq_ptr[s + 1] += 1
+    for i in range(q):
+        seq_ptr[i + 1] += seq_ptr[i]
+    seq_segments = [0] * v
+    for u in range(v):
+        seq_segments[seq_ptr[seg_seq[u]] + off[u]] = u
+    # requested states: unique (exporting sequence, position), sorted
+    keys = {h: (seq_of[ipr[h]], ipo[h]) for h in heads if ipr[h] >= 0}
+    reqs = sorted(set(keys.values()))
     req_of = {r: i for i, r in enumerate(reqs)}
     seq_round = [rnd[h] for h in heads]
-    num_calls = seq_round[-1] + 1 if heads else 0
-    round_ptr = np.zeros(num_calls + 1, dtype=np.int64)
-    np.cumsum(np.bincount(seq_round, minlength=num_calls), out=round_ptr[1:])
-    hd = np.array(heads, dtype=np.int64)
+    num_calls = seq_round[-1] + 1 if q else 0
+    round_ptr = [0] * (num_calls + 1)
+    for r in seq_round:
+        round_ptr[r + 1] += 1
+    for k in range(num_calls):
+        round_ptr[k + 1] += round_ptr[k]
+    parent, start = forest.parent.tolist(), forest.start.tolist()
 
     def a(x: list[int]) -> np.ndarray:
         return np.array(x, dtype=np.int64)
@@ -454,14 +464,14 @@ def plan_fields(
         "num_calls": num_calls,
         "t_pre": a(tp),
         "t_in": a(ti),
-        "seg_seq": seg_seq,
+        "seg_seq": a(seg_seq),
         "seq_round": a(seq_round),
-        "seq_ptr": seq_ptr,
+        "seq_ptr": a(seq_ptr),
         "seq_segments": a(seq_segments),
-        "seq_fork": forest.parent[hd],
-        "seq_anchor": forest.start[hd] // b * b,
-        "seq_init": a([req_of[imports[h]] if h in imports else -1 for h in heads]),
+        "seq_fork": a([parent[h] for h in heads]),
+        "seq_anchor": a([start[h] // b * b for h in heads]),
+        "seq_init": a([req_of[keys[h]] if h in keys else -1 for h in heads]),
         "req_seq": a([r[0] for r in reqs]),
         "req_pos": a([r[1] for r in reqs]),
-        "round_ptr": round_ptr,
+        "round_ptr": a(round_ptr),
     }

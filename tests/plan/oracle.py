@@ -1,16 +1,18 @@
 """Algorithm 1 (paper §3.3) transcribed line by line: the test oracle of ``plan_calls``.
 
 Every node is visited, recursion is an explicit stack, dictionaries hold the sequences, no
-numpy. Slow (seconds on a million segments) but obviously the pseudocode; the tests require
+numpy until the final arrays. Slow (seconds on a million segments) but obviously the pseudocode; the tests require
 both paths of ``plan_calls`` (the vectorized ``plan_units`` and the lean list path) to produce
-exactly this plan. The sequences are packed into plan arrays by ``plan_fields``, shared with
-the lean path; the vectorized engine packs its own, so a packing slip still shows.
+exactly this plan. The sequences are packed into plan arrays by ``plan_fields`` below, from
+dictionaries: production packs with numpy (``_assemble``) or lists (``pack_lists``), so a
+packing slip still shows.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from harts.plan.calls import CallPlan
-from harts.plan.calls_units import plan_fields
 from harts.tree.segments import SegmentForest
 
 _FAIL = "recovery found no direct continuation (DP invariant broken)"
@@ -94,3 +96,60 @@ def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
         stack.append((o, same, k_round, r, hq))
 
     return plan_fields(forest, b, tpre, tin, seq_segs, seq_rnd, init_of)
+
+
+def plan_fields(
+    forest: SegmentForest,
+    b: int,
+    tp: list[int],
+    ti: list[int],
+    segs: dict[int, list[int]],
+    rnd: dict[int, int],
+    init: dict[int, tuple[int, int]],
+) -> dict[str, object]:
+    """The ``CallPlan`` fields from per-sequence lists (dictionaries, no production packing code).
+
+    ``segs``: head -> its segments in chain order; ``rnd``: head -> 0-based round; ``init``:
+    head -> (producer head, state position) for heads that import a state (a producer < 0,
+    or a head not in ``init``, starts from the zero state).
+    """
+    start, parent = forest.start.tolist(), forest.parent.tolist()
+    heads = sorted(segs, key=lambda h: (rnd[h], h))
+    seq_of = {h: q for q, h in enumerate(heads)}
+    seg_seq = [0] * len(tp)
+    seq_segments: list[int] = []
+    seq_ptr = [0]
+    for q, h in enumerate(heads):
+        for u in segs[h]:
+            seg_seq[u] = q
+        seq_segments += segs[h]
+        seq_ptr.append(len(seq_segments))
+    imports = {h: (seq_of[p], pos) for h, (p, pos) in init.items() if p >= 0}
+    reqs = sorted(set(imports.values()))
+    req_of = {r: i for i, r in enumerate(reqs)}
+    seq_round = [rnd[h] for h in heads]
+    num_calls = seq_round[-1] + 1 if heads else 0
+    round_ptr = [0] * (num_calls + 1)
+    for r in seq_round:
+        round_ptr[r + 1] += 1
+    for k in range(num_calls):
+        round_ptr[k + 1] += round_ptr[k]
+
+    def a(x: list[int]) -> np.ndarray:
+        return np.array(x, dtype=np.int64)
+
+    return {
+        "num_calls": num_calls,
+        "t_pre": a(tp),
+        "t_in": a(ti),
+        "seg_seq": a(seg_seq),
+        "seq_round": a(seq_round),
+        "seq_ptr": a(seq_ptr),
+        "seq_segments": a(seq_segments),
+        "seq_fork": a([parent[h] for h in heads]),
+        "seq_anchor": a([start[h] // b * b for h in heads]),
+        "seq_init": a([req_of[imports[h]] if h in imports else -1 for h in heads]),
+        "req_seq": a([r[0] for r in reqs]),
+        "req_pos": a([r[1] for r in reqs]),
+        "round_ptr": a(round_ptr),
+    }
