@@ -98,8 +98,6 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     fl, fe = lp[lfirst], le[lfirst]
     first_leaf = np.full(n, -1, dtype=np.int64)
     first_leaf[fl] = kid[fe]
-    leaf_pos = np.full(n, _BIG, dtype=np.int64)
-    leaf_pos[fl] = fe - first_edge[fl]
     end_i = forest.end[ids]
     cross = end_i >= forest.start[ids] // b * b + b  # Eq. 11 fails: S_{b_v} is produced inside the call
     bv = end_i // b * b
@@ -131,7 +129,6 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ge = np.flatnonzero(int_edge & (nint >= 2)[edge_par])
     ge = ge[_levels(udepth[uid[edge_par[ge]]], num_levels)[0]]
     ge_kid = kid_rank[ge]
-    ge_pos = ge - first_edge[edge_par[ge]]
     gen = np.flatnonzero(nint >= 2)
     gen_order, gen_ptr = _levels(udepth[uid[gen]], num_levels)
     gen = gen[gen_order]
@@ -139,6 +136,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     np.cumsum(nint[gen], out=edge_ptr[1:])
     edge_fork = np.repeat(np.arange(gen.size), nint[gen])
     g_cnt, g_nl, g_cross = nint[gen], nleaf[gen], cross[gen]  # per general fork, level order
+    g_m1, g_m2, g_arg = (np.zeros(gen.size, dtype=np.int64) for _ in range(3))  # set by pass 1
     long_units = np.flatnonzero(spine[tops])  # units of two or more ranks (a spine top)
     lu_order, lu_ptr = _levels(udepth[long_units], num_levels)
     level_tops = tops[long_units[lu_order]]  # their tops by level; a one-rank unit needs no walk
@@ -173,11 +171,14 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             # second largest of the children's multiset; leaves count as T_pre = 1
             sec = np.maximum(np.maximum.reduceat(np.where(is_max, 0, tpc), grp), nl > 0)
             m2 = np.where(n_max >= 2, m1, sec)
-            h = np.where(is_max, np.repeat(m2, cnt), m1c)  # h_o = max_{u != o} T_pre(u)
-            t = np.minimum.reduceat(np.maximum(tic, 1 + h), grp)
-            t = np.where(nl > 0, np.minimum(t, 1 + np.where(m1 == 1, m2, m1)), t)  # a leaf continues
+            # T_in = max(min T_in over the children of largest T_pre, 1 + m2) (see plan_lean);
+            # a leaf is such a child (T_in = 1) when m1 = 1
+            mt = np.minimum.reduceat(np.where(is_max, tic, _BIG), grp)
+            t = np.maximum(np.where((m1 == 1) & (nl > 0), 1, mt), 1 + m2)
             tin[par] = t
             tp[par] = np.where(g_cross[g0:g1], t, m1)
+            g_m1[g0:g1], g_m2[g0:g1] = m1, m2
+            g_arg[g0:g1] = kids[np.minimum.reduceat(np.where(is_max, np.arange(hi - lo), _BIG), grp)]
         ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]
         if ut.size:
             spine_values(ut)
@@ -202,8 +203,8 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     cut = nxt_cross - 1
     before_cross = np.where(cut >= idx, prv_lf[np.maximum(cut, 0)], -1)
     phases: list[tuple[np.ndarray, ...]] = []
-    e_tp, e_tin, e_seg = tp[ge_kid], tin[ge_kid], ids[ge_kid]  # per general-fork edge
-    g_lpos, g_bv = leaf_pos[gen], bv[gen]
+    e_seg = ids[ge_kid]  # per general-fork edge: the child segment
+    g_bv, g_first = bv[gen], kid[first_edge[gen]]  # per general fork: b_v, first child (segment)
 
     def walk_units(s: np.ndarray) -> None:
         """Phases down the units topped by spine ranks ``s``; sets each bottom's state."""
@@ -235,30 +236,30 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             h, pr, po = s, h_e[more], bv[e]
 
     def recover_forks(g0: int, g1: int) -> None:
-        """General forks gen[g0:g1] choose their direct child and set their children's state."""
+        """General forks gen[g0:g1] choose their direct child and set their children's state.
+
+        The direct child is the first one fitting K_round that covers every child over
+        K_side (the pseudocode): the first child when none exceeds K_side (T_pre <= K_side,
+        and T_in <= T_pre + 1 <= K_round when K_side = K_round - 1), else the one exceeding
+        child, the first of largest T_pre, which must fit K_round with no second one.
+        """
         par = gen[g0:g1]
         lo, hi = int(edge_ptr[g0]), int(edge_ptr[g1])
-        grp = edge_ptr[g0:g1] - lo
         ef = edge_fork[lo:hi] - g0  # fork (in par) of each edge
         kids = ge_kid[lo:hi]
         kr = bud[par]
         same = rdy[par] & ~g_cross[g0:g1]
         ks = kr - ~same  # K_side >= 1: a fork that is not same-round has K_round >= T_in >= 2
-        kr_e, ks_e, same_e = kr[ef], ks[ef], same[ef]
-        tpc = e_tp[lo:hi]
-        exc = tpc > ks_e  # leaves (T_pre = 1) never exceed K_side
-        f = np.add.reduceat(exc, grp)
-        ok = (np.where(same_e, tpc, e_tin[lo:hi]) <= kr_e) & (f[ef] == exc)
-        pos = ge_pos[lo:hi]
-        best = np.minimum.reduceat(np.where(ok, pos, _BIG), grp)
-        leaf_at = np.where((g_nl[g0:g1] > 0) & (f == 0), g_lpos[g0:g1], _BIG)
-        use_int = best < leaf_at
-        if not np.all(use_int | (leaf_at < _BIG)):
+        ar = g_arg[g0:g1]
+        use_arg = g_m1[g0:g1] > ks
+        if np.any(use_arg & ((g_m2[g0:g1] > ks) | (np.where(same, tp[ar], tin[ar]) > kr))):
             raise AssertionError(_FAIL)
-        direct = (pos == best[ef]) & use_int[ef]
-        dirc[par[use_int]] = e_seg[lo:hi][direct]
+        dseg = np.where(use_arg, ids[ar], g_first[g0:g1])
+        dirc[par] = dseg
+        direct = e_seg[lo:hi] == dseg[ef]
+        kr_e, same_e = kr[ef], same[ef]
         hpar = hd[par]
-        bud[kids] = np.where(direct, kr_e, ks_e)
+        bud[kids] = kr_e - (~direct & ~same_e)
         rdy[kids] = direct <= same_e  # a side child is ready; a direct one iff same-round
         rnd[kids] = rnd[par][ef] + (~direct & ~same_e)
         hd[kids] = np.where(direct, hpar[ef], kids)
