@@ -366,15 +366,14 @@ def _assemble(
     tin: np.ndarray,
     head: np.ndarray,
     rnd: np.ndarray,
-    init_prod: np.ndarray,
-    init_pos: np.ndarray,
+    init_fork: np.ndarray,
     offset: np.ndarray,
 ) -> CallPlan:
-    """Build the CallPlan from per-segment results (segment ids; ``init_*`` valid on heads).
+    """Build the CallPlan from per-segment results (segment ids; ``init_fork`` valid on heads).
 
     ``head[v]``: first segment of v's sequence; ``rnd[v]``: its 0-based round;
-    ``init_prod[h]``: head of the sequence exporting h's initial state (-1 zero state) and
-    ``init_pos[h]`` that state's position; ``offset[v]``: v's place in its sequence.
+    ``init_fork[h]``: the fork u whose state S_{b_u} (exported by u's sequence) is head h's
+    initial state, -1 for the zero state; ``offset[v]``: v's place in its sequence.
     """
     v = forest.num_segments
     heads = np.flatnonzero(head == np.arange(v))
@@ -385,19 +384,30 @@ def _assemble(
     seg_seq = seq_of_head[head]
     seq_ptr = np.zeros(q + 1, dtype=np.int64)
     np.cumsum(np.bincount(seg_seq, minlength=q), out=seq_ptr[1:])
+    place = seq_ptr[seg_seq] + offset  # place of every segment in seq_segments
     seq_segments = np.empty(v, dtype=np.int64)
-    seq_segments[seq_ptr[seg_seq] + offset] = np.arange(v)
+    seq_segments[place] = np.arange(v)
     seq_round = rnd[heads]
     num_calls = int(seq_round.max()) + 1 if q else 0
     round_ptr = np.zeros(num_calls + 1, dtype=np.int64)
     np.cumsum(np.bincount(seq_round, minlength=num_calls), out=round_ptr[1:])
 
-    has = init_prod[heads] >= 0
-    scale = int(forest.end.max()) + 1 if v else 1
-    key = seq_of_head[np.maximum(init_prod[heads], 0)] * scale + init_pos[heads]
-    uniq, inv = np.unique(key[has], return_inverse=True)
+    # requested states, sorted by (exporting sequence, position) without a sort: the
+    # exporting forks in seq_segments order (sequence, then chain order, along which b_u
+    # never decreases); neighbours with equal (sequence, b_u) are one request
+    fork = init_fork[heads]
+    has = fork >= 0
+    fork = fork[has]
+    mark = np.zeros(v, dtype=bool)
+    mark[place[fork]] = True
+    fs = seq_segments[np.flatnonzero(mark)]
+    rs, rp = seg_seq[fs], forest.end[fs] // b * b
+    new = np.ones(fs.size, dtype=bool)
+    new[1:] = (rs[1:] != rs[:-1]) | (rp[1:] != rp[:-1])
+    req_of = np.zeros(v, dtype=np.int64)
+    req_of[fs] = np.cumsum(new) - 1
     seq_init = np.full(q, -1, dtype=np.int64)
-    seq_init[has] = inv
+    seq_init[has] = req_of[fork]
     return CallPlan(
         chunk_size=b,
         num_calls=num_calls,
@@ -411,7 +421,7 @@ def _assemble(
         seq_fork=forest.parent[heads],
         seq_anchor=forest.start[heads] // b * b,
         seq_init=seq_init,
-        req_seq=(uniq // scale).astype(np.int64),
-        req_pos=(uniq % scale).astype(np.int64),
+        req_seq=rs[new],
+        req_pos=rp[new],
         round_ptr=round_ptr,
     )

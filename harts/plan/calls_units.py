@@ -67,9 +67,8 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     """Algorithm 1 on ``forest`` with chunk size ``b`` (see module doc).
 
     Returns per segment (int64 [V]): t_pre, t_in, head (first segment of its sequence),
-    round (0-based), init_prod (head of the sequence exporting the head's initial state,
-    -1 = zero state; valid on heads), init_pos (that state's trajectory position), offset
-    (place in its sequence).
+    round (0-based), init_fork (the fork v whose state S_{b_v} is the head's initial state,
+    exported by v's sequence; -1 = zero state; valid on heads), offset (place in its sequence).
     """
     v = forest.num_segments
     ptr, kid, parent = forest.child_ptr, forest.child_idx, forest.parent
@@ -79,7 +78,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ones = np.ones(v, dtype=np.int64)
     if n == 0:  # single-segment trees: one sequence each, round 0
         z = np.zeros(v, dtype=np.int64)
-        return ones, ones.copy(), np.arange(v, dtype=np.int64), z, np.full(v, -1, dtype=np.int64), z, z
+        return ones, ones.copy(), np.arange(v, dtype=np.int64), z, np.full(v, -1, dtype=np.int64), z
     rank = np.full(v, -1, dtype=np.int64)
     rank[ids] = np.arange(n)
     idx = np.arange(n, dtype=np.int64)
@@ -100,7 +99,6 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     first_leaf[fl] = kid[fe]
     end_i = forest.end[ids]
     cross = end_i >= forest.start[ids] // b * b + b  # Eq. 11 fails: S_{b_v} is produced inside the call
-    bv = end_i // b * b
     spine = nint == 1
     has_leaf = nleaf > 0
     leaf_first = spine & has_leaf & ~int_edge[first_edge]  # a spine whose first child is a leaf
@@ -189,8 +187,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     rdy = np.ones(n, dtype=bool)
     rnd = np.zeros(n, dtype=np.int64)
     hd = idx.copy()
-    ipr = np.full(n, -1, dtype=np.int64)  # per head rank: producer head rank (-1 zero state)
-    ipo = np.zeros(n, dtype=np.int64)  # per head rank: the state's position
+    ipr = np.full(n, -1, dtype=np.int64)  # per head rank: rank of the fork exporting its state (-1 zero)
     dirc = first_leaf.copy()  # direct child (segment id)
     root_tops = tops[ptop < 0]
     bud[root_tops] = tp[root_tops]
@@ -204,12 +201,12 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     before_cross = np.where(cut >= idx, prv_lf[np.maximum(cut, 0)], -1)
     phases: list[tuple[np.ndarray, ...]] = []
     e_seg = ids[ge_kid]  # per general-fork edge: the child segment
-    g_bv, g_first = bv[gen], kid[first_edge[gen]]  # per general fork: b_v, first child (segment)
+    g_first = kid[first_edge[gen]]  # per general fork: its first child (segment)
 
     def walk_units(s: np.ndarray) -> None:
         """Phases down the units topped by spine ranks ``s``; sets each bottom's state."""
         k, r, rd, h = bud[s], rdy[s], rnd[s], hd[s]
-        pr, po = ipr[h], ipo[h]  # initial state of the phase's sequences
+        pr = ipr[h]  # initial state of the phase's sequences
         bt = bot_of[s]
         while s.size:
             cr = nxt_cross[s]
@@ -220,12 +217,12 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             # before the first crossing), else the phase's head
             last = before_cross[s]
             h_e = np.where(r & (last >= s), last + 1, h)
-            phases.append((s, e, k, r, rd, h, pr, po))
+            phases.append((s, e, k, r, rd, h, pr))
             done = e == bt
             fb, hb = bt[done], h_e[done]
             bud[fb], rnd[fb], hd[fb] = k[done], rd[done], hb
             rdy[fb] = r[done] & (cr[done] == fb)
-            ipr[hb], ipo[hb] = pr[done], po[done]
+            ipr[hb] = pr[done]
             if fb.size == s.size:
                 return
             # the next phase starts at e + 1 as a new head, one round later with K - 1
@@ -233,7 +230,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             e = e[more]
             s, k, rd, bt = e + 1, k[more] - 1, rd[more] + 1, bt[more]
             r = np.ones(s.size, dtype=bool)
-            h, pr, po = s, h_e[more], bv[e]
+            h, pr = s, e
 
     def recover_forks(g0: int, g1: int) -> None:
         """General forks gen[g0:g1] choose their direct child and set their children's state.
@@ -267,8 +264,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         # initial state; otherwise it requests S_{b_v} from the parent's sequence
         se = np.flatnonzero(~direct)
         sf = ef[se]
-        ipr[kids[se]] = np.where(same, ipr[hpar], hpar)[sf]
-        ipo[kids[se]] = np.where(same, ipo[hpar], g_bv[g0:g1])[sf]
+        ipr[kids[se]] = np.where(same, ipr[hpar], par)[sf]
 
     for d in range(num_levels):
         ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]  # a one-rank unit keeps its parent fork's state
@@ -281,7 +277,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     # continuations (K_round inside a unit is needed no more)
     cont = np.zeros(n, dtype=bool)  # a spine's internal child continues
     if phases:
-        ps, pe, _, pr_, prd, ph, ppr, ppo = (np.concatenate(x) for x in zip(*phases))
+        ps, pe, _, pr_, prd, ph, ppr = (np.concatenate(x) for x in zip(*phases))
         ln = pe - ps + 1
         first = np.cumsum(ln) - ln
         ph_of = np.repeat(np.arange(ps.size), ln)
@@ -302,7 +298,6 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         hd[j] = val[np.maximum.accumulate(np.where(mark, np.arange(j.size), 0))]
         nh = np.concatenate([bi, first[ph == ps]])
         ipr[j[nh]] = ppr[ph_of[nh]]
-        ipo[j[nh]] = ppo[ph_of[nh]]
 
     same_i = rdy & ~cross  # side branches start in the fork's own round
     if np.any((nint == 0) & (bud - ~same_i < 1) & (nch_i >= 2)):  # leaf-only fork, every leaf over K_side
@@ -319,10 +314,8 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     head[ids] = ids[hd]
     rnd_s = np.zeros(v, dtype=np.int64)
     rnd_s[ids] = rnd
-    init_prod = np.full(v, -1, dtype=np.int64)
-    init_pos = np.zeros(v, dtype=np.int64)
-    init_prod[ids] = np.where(ipr >= 0, ids[np.maximum(ipr, 0)], -1)
-    init_pos[ids] = ipo
+    init_fork = np.full(v, -1, dtype=np.int64)
+    init_fork[ids] = np.where(ipr >= 0, ids[np.maximum(ipr, 0)], -1)
     offset = np.zeros(v, dtype=np.int64)  # a chain has consecutive depths
     offset[ids] = depth_i - depth_i[hd]
     leaves = kid[le]  # leaf children; lp: their parents' ranks
@@ -337,10 +330,9 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ls, ps = leaves[si], lp[si]
     hps, sm = hd[ps], same_i[ps]
     rnd_s[ls] = rnd[ps] + ~sm
-    prod = np.where(sm, ipr[hps], hps)
-    init_prod[ls] = np.where(prod >= 0, ids[np.maximum(prod, 0)], -1)
-    init_pos[ls] = np.where(sm, ipo[hps], bv[ps])
-    return tpre_s, tin_s, head, rnd_s, init_prod, init_pos, offset
+    fork = np.where(sm, ipr[hps], ps)
+    init_fork[ls] = np.where(fork >= 0, ids[np.maximum(fork, 0)], -1)
+    return tpre_s, tin_s, head, rnd_s, init_fork, offset
 
 
 def plan_lean(forest: SegmentForest, b: int) -> tuple[list[int], ...]:
@@ -348,7 +340,7 @@ def plan_lean(forest: SegmentForest, b: int) -> tuple[list[int], ...]:
 
     Every internal segment takes the general-fork rule (the spine closed forms of
     ``plan_units`` are that rule with one internal child); below a few thousand segments the
-    units engine's per-level numpy calls cost more than this walk. Returns the seven
+    units engine's per-level numpy calls cost more than this walk. Returns the six
     per-segment results of ``plan_units`` as lists of length V.
     """
     v = forest.num_segments
@@ -358,7 +350,6 @@ def plan_lean(forest: SegmentForest, b: int) -> tuple[list[int], ...]:
     p, kid = ptr.tolist(), forest.child_idx.tolist()
     end_f = forest.end[fk]
     cross = (end_f >= forest.start[fk] // b * b + b).tolist()  # Eq. 11 fails: S_{b_v} made in the call
-    bv = (end_f // b * b).tolist()
     ch = [kid[p[u] : p[u + 1]] for u in forks]
     nf = len(forks)
     tp, ti = [1] * v, [1] * v
@@ -388,7 +379,7 @@ def plan_lean(forest: SegmentForest, b: int) -> tuple[list[int], ...]:
     # no child over K_side that is the first child (T_pre <= K_side, and T_in <= T_pre + 1 <=
     # K_round when K_side = K_round - 1); with one, that child; with two, none exists.
     bud, rdy, rnd, head, off = tp[:], [True] * v, [0] * v, list(range(v)), [0] * v
-    ipr, ipo = [-1] * v, [0] * v  # per head: producer head (-1 zero state), state position
+    ifk = [-1] * v  # per head: the fork exporting its initial state (-1 zero state)
     for i in range(nf):
         u = forks[i]
         same = rdy[u] and not cross[i]
@@ -404,13 +395,13 @@ def plan_lean(forest: SegmentForest, b: int) -> tuple[list[int], ...]:
         h, ru = head[u], rnd[u]
         # a same-round side branch starts from S_{a_v}, the parent sequence's own initial
         # state; otherwise it requests S_{b_v} from the parent's sequence, a round later
-        pp, pq, r = (ipr[h], ipo[h], ru) if same else (h, bv[i], ru + 1)
+        src, r = (ifk[h], ru) if same else (u, ru + 1)
         for c in ch[i]:
             if c == o:
                 bud[c], rdy[c], rnd[c], head[c], off[c] = kr, same, ru, h, off[u] + 1
             else:
-                bud[c], rnd[c], ipr[c], ipo[c] = ks, r, pp, pq
-    return tp, ti, head, rnd, ipr, ipo, off
+                bud[c], rnd[c], ifk[c] = ks, r, src
+    return tp, ti, head, rnd, ifk, off
 
 
 def pack_lists(
@@ -420,8 +411,7 @@ def pack_lists(
     ti: list[int],
     head: list[int],
     rnd: list[int],
-    ipr: list[int],
-    ipo: list[int],
+    ifk: list[int],
     off: list[int],
 ) -> dict[str, object]:
     """The ``CallPlan`` fields from ``plan_lean``'s lists, in plain Python.
@@ -446,7 +436,8 @@ def pack_lists(
     for u in range(v):
         seq_segments[seq_ptr[seg_seq[u]] + off[u]] = u
     # requested states: unique (exporting sequence, position), sorted
-    keys = {h: (seq_of[ipr[h]], ipo[h]) for h in heads if ipr[h] >= 0}
+    end = forest.end.tolist()
+    keys = {h: (seq_of[head[f]], end[f] // b * b) for h in heads if (f := ifk[h]) >= 0}
     reqs = sorted(set(keys.values()))
     req_of = {r: i for i, r in enumerate(reqs)}
     seq_round = [rnd[h] for h in heads]
