@@ -18,9 +18,11 @@ Trees are planned independently and merged by round; the call count is their max
 The engine is ``harts.plan.calls_units.plan_units``: both passes vectorized with numpy over
 internal segments, unit level by unit level, where a unit is a chain of spine nodes (one
 internal child) handled in closed form, so a caterpillar of any length is one step and a
-random forest a few dozen; leaves are settled in bulk. Forests of at most
-``LEAN_MAX_SEGMENTS`` segments (a step's microbatches) take ``plan_lean``: the same passes
-fork by fork on plain lists, where numpy's per-call cost would dominate. ``plan_calls_many``
+random forest a few dozen; leaves are settled in bulk. Small forests (a step's microbatches,
+up to a few thousand segments on bushy shapes: ``takes_lean_path``) take ``plan_lean``: the
+same passes fork by fork on plain lists, where numpy's per-call cost would dominate; both
+hand the same per-segment results to one assembly (``_assemble``, or ``pack_lists`` on lists
+for the smallest). ``plan_calls_many``
 plans many small forests (one step's microbatches) as one disjoint union through the same
 engine. Algorithm 1 transcribed line by line is the test oracle (``tests/plan/oracle.py``);
 tests check both paths against it.
@@ -52,6 +54,8 @@ __all__ = [
     "CallPlan",
     "plan_calls",
     "plan_calls_many",
+    "general_forks",
+    "takes_lean_path",
     "mandatory_replay",
     "ranges_to_indices",
 ]
@@ -221,12 +225,33 @@ def _small_ints(x: np.ndarray) -> np.ndarray:
     return x.astype(np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64)
 
 
-#: forests up to this many segments are planned fork by fork on lists (``plan_lean``): below
-#: it the units engine's per-level numpy calls cost more than the walk (``calls_bench --sweep``)
-LEAN_MAX_SEGMENTS = 2048
+#: the lean list walk (``plan_lean``) costs about the same per segment on every shape; the units
+#: engine costs a few hundred numpy calls per unit level, and unit levels come with general
+#: forks (two or more internal children): a forest takes the walk when it has at most
+#: ``LEAN_BASE + LEAN_PER_GENERAL_FORK * G`` segments (G general forks), and never above
+#: ``LEAN_MAX_SEGMENTS``. Break-even measured by ``calls_bench --sweep`` (README): near 500
+#: segments on caterpillars (G = 0), 1,500 on swe step forests (V/G ~ 25), 4,000 on random
+#: recursive trees (V/G ~ 8)
+LEAN_BASE = 512
+LEAN_PER_GENERAL_FORK = 12
+LEAN_MAX_SEGMENTS = 4096
 #: lean plans up to this many segments are packed on lists too (``pack_lists``), not by
 #: ``_assemble``'s few dozen numpy calls (a step's microbatches have a dozen segments)
 PACK_LISTS_MAX = 64
+
+
+def general_forks(forest: SegmentForest) -> int:
+    """Segments with two or more internal children (what the units engine's levels come from)."""
+    par = forest.parent[np.flatnonzero(forest.num_children > 0)]
+    return int(np.count_nonzero(np.bincount(par[par >= 0], minlength=forest.num_segments) >= 2))
+
+
+def takes_lean_path(forest: SegmentForest) -> bool:
+    """Whether ``plan_calls`` plans ``forest`` by the lean list walk (see ``LEAN_BASE``)."""
+    v = forest.num_segments
+    if v <= LEAN_BASE:
+        return True
+    return v <= LEAN_MAX_SEGMENTS and v <= LEAN_BASE + LEAN_PER_GENERAL_FORK * general_forks(forest)
 
 
 def plan_calls(forest: SegmentForest, chunk_size: int, *, path: str = "auto") -> CallPlan:
@@ -235,9 +260,9 @@ def plan_calls(forest: SegmentForest, chunk_size: int, *, path: str = "auto") ->
     Args:
         forest: V segments in preorder (``SegmentForest``).
         chunk_size: the linear-attention chunk B (positive integer).
-        path: ``"auto"`` (the lean list walk up to ``LEAN_MAX_SEGMENTS`` segments, else the
-            units engine), ``"lean"`` or ``"units"`` (for benchmarks and tests: every path
-            gives the identical plan).
+        path: ``"auto"`` (the lean list walk where ``takes_lean_path``, else the units
+            engine), ``"lean"`` or ``"units"`` (for benchmarks and tests: every path gives
+            the identical plan).
 
     Returns:
         the ``CallPlan`` (arrays as in the module doc). Many small forests (one step's
@@ -247,7 +272,7 @@ def plan_calls(forest: SegmentForest, chunk_size: int, *, path: str = "auto") ->
     if path not in ("auto", "lean", "units"):
         raise ValueError(f"path must be 'auto', 'lean' or 'units', got {path!r}")
     v = forest.num_segments
-    if path == "units" or (path == "auto" and v > LEAN_MAX_SEGMENTS):
+    if path == "units" or (path == "auto" and not takes_lean_path(forest)):
         return _assemble(forest, b, *plan_units(forest, b))
     lists = plan_lean(forest, b)
     if v <= PACK_LISTS_MAX:

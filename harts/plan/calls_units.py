@@ -27,12 +27,13 @@ unit level with numpy, spines in closed form:
     General forks choose the first child (in the fixed order) that fits K_round and covers
     every child exceeding K_side, exactly as the pseudocode, over a level at once.
 
-Small forests (``plan_calls`` below ``LEAN_MAX_SEGMENTS``, a step's microbatches) take
-``plan_lean``: the same two passes fork by fork on plain lists, every fork under the general
-rule (the spine closed forms are that rule with one internal child), since there a few hundred
-numpy calls cost more than the whole plan. ``plan_fields`` packs its per-sequence lists into
-the ``CallPlan`` fields. Algorithm 1 transcribed line by line is the test oracle
-(``tests/plan/oracle.py``); both paths are tested against it at every size.
+Small forests (``plan_calls`` where ``takes_lean_path``: a step's microbatches, bushy forests
+of a few thousand segments) take ``plan_lean``: the same two passes fork by fork on plain
+lists, every fork under the general rule (the spine closed forms are that rule with one
+internal child), since there the units' per-level numpy calls cost more than the walk. It
+returns the same per-segment results; ``pack_lists`` packs the smallest plans on lists.
+Algorithm 1 transcribed line by line is the test oracle (``tests/plan/oracle.py``); both
+paths are tested against it at every size.
 
 Shapes (V segments, I internal segments, U units): per rank int64/bool [I]; per unit [U];
 the results of ``plan_units`` are int64 [V] per segment.
