@@ -88,14 +88,16 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     first_edge = ptr[ids]  # every edge has an internal parent: edges are in rank order
     edge_par = np.repeat(idx, nch_i)  # parent rank of every child edge
     int_edge = kid_rank >= 0
-    nint = np.add.reduceat(int_edge, first_edge).astype(np.int64)
+    nonroot = parent[ids]
+    nint = np.bincount(rank[nonroot[nonroot >= 0]], minlength=n)  # internal children
     nleaf = nch_i - nint
     # first leaf child of each internal segment (-1: none) and its place among the children
     le = np.flatnonzero(~int_edge)
     lp = edge_par[le]
     lfirst = np.ones(lp.size, dtype=bool)
     lfirst[1:] = lp[1:] != lp[:-1]
-    fl, fe = lp[lfirst], le[lfirst]
+    w = np.flatnonzero(lfirst)
+    fl, fe = lp[w], le[w]
     first_leaf = np.full(n, -1, dtype=np.int64)
     first_leaf[fl] = kid[fe]
     end_i = forest.end[ids]
