@@ -353,15 +353,15 @@ def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallP
     np.maximum.at(num_calls, seq_forest[perm], seq_round + 1)
     call_off = np.concatenate([[0], np.cumsum(num_calls)])
     counts = np.bincount(call_off[seq_forest[perm]] + seq_round, minlength=int(call_off[-1]))
+    round_cum = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=round_cum[1:])
 
+    # one slice per field and forest; the bounds as Python ints (hundreds of forests)
+    sb, rb, so, co = seq_base.tolist(), req_base.tolist(), seg_off.tolist(), call_off.tolist()
+    sc, rc = seg_cum.tolist(), round_cum.tolist()
     plans = []
     for k, f in enumerate(forests):
-        s0, s1 = int(seq_base[k]), int(seq_base[k + 1])
-        r0, r1 = int(req_base[k]), int(req_base[k + 1])
-        lo, hi = int(seg_off[k]), int(seg_off[k + 1])
-        c0, c1 = int(call_off[k]), int(call_off[k + 1])
-        round_ptr = np.zeros(c1 - c0 + 1, dtype=np.int64)
-        np.cumsum(counts[c0:c1], out=round_ptr[1:])
+        s0, s1, r0, r1, lo, hi, c0, c1 = sb[k], sb[k + 1], rb[k], rb[k + 1], so[k], so[k + 1], co[k], co[k + 1]
         plans.append(
             CallPlan(
                 chunk_size=b,
@@ -371,14 +371,14 @@ def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallP
                 t_in=whole.t_in[lo:hi],
                 seg_seq=seg_seq[lo:hi],
                 seq_round=seq_round[s0:s1],
-                seq_ptr=seg_cum[s0 : s1 + 1] - seg_cum[s0],
-                seq_segments=seq_segments[seg_cum[s0] : seg_cum[s1]],
+                seq_ptr=seg_cum[s0 : s1 + 1] - sc[s0],
+                seq_segments=seq_segments[sc[s0] : sc[s1]],
                 seq_fork=seq_fork[s0:s1],
                 seq_anchor=seq_anchor[s0:s1],
                 seq_init=seq_init[s0:s1],
                 req_seq=req_seq[r0:r1],
                 req_pos=req_pos[r0:r1],
-                round_ptr=round_ptr,
+                round_ptr=round_cum[c0 : c1 + 1] - rc[c0],
             )
         )
     return plans
