@@ -1,18 +1,17 @@
 """Algorithm 1 (paper §3.3) transcribed line by line: the test oracle of ``plan_calls``.
 
 Every node is visited, recursion is an explicit stack, dictionaries hold the sequences, no
-numpy until the final arrays. Slow (seconds on a million segments) but obviously the pseudocode; the tests require
+numpy. Slow (seconds on a million segments) but obviously the pseudocode; the tests require
 both paths of ``plan_calls`` (the vectorized ``plan_units`` and the lean list path) to produce
-exactly this plan. The sequences are packed into plan arrays by ``plan_fields`` below, from
-dictionaries: production packs with numpy (``_assemble``) or lists (``pack_lists``), so a
-packing slip still shows.
+exactly this plan. Its sequences are packed into plan arrays by ``pack_lists``, the lean
+path's packing for the smallest forests; the units engine and larger lean plans pack with
+numpy (``_assemble``), so a packing slip still shows.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from harts.plan.calls import CallPlan
+from harts.plan.calls_units import pack_lists
 from harts.tree.segments import SegmentForest
 
 _FAIL = "recovery found no direct continuation (DP invariant broken)"
@@ -59,7 +58,7 @@ def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
     # pass 2: Recover(v, ready, K_round, r, q) with an explicit stack (lines 10-25)
     seq_segs: dict[int, list[int]] = {}  # head -> its segments in chain order
     seq_rnd: dict[int, int] = {}
-    init_of: dict[int, tuple[int, int]] = {}  # head -> (producer head | -1, state position)
+    init_of: dict[int, int] = {}  # head -> the fork v whose S_{b_v} it starts from (-1: zero state)
     stack = [(r, True, tpre[r], 0, r) for r in reversed(forest.roots.tolist())]
     while stack:
         u, ready, k_round, r, hq = stack.pop()
@@ -86,8 +85,9 @@ def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
                 break
         assert o >= 0, _FAIL
         # a same-round side branch starts from S_{a_v}, the parent sequence's own initial
-        # state; otherwise it requests S_{b_v} and starts one round later
-        src = init_of.get(hq, (-1, 0)) if same else (hq, end[u] // b * b)
+        # state; otherwise it requests S_{b_v} from the parent's sequence and starts one
+        # round later
+        src = init_of.get(hq, -1) if same else u
         for i in range(hi - 1, lo - 1, -1):  # pushed in reverse: popped in child order
             c = kid[i]
             if c != o:
@@ -95,61 +95,10 @@ def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
                 stack.append((c, True, k_side, r + delta, c))
         stack.append((o, same, k_round, r, hq))
 
-    return plan_fields(forest, b, tpre, tin, seq_segs, seq_rnd, init_of)
-
-
-def plan_fields(
-    forest: SegmentForest,
-    b: int,
-    tp: list[int],
-    ti: list[int],
-    segs: dict[int, list[int]],
-    rnd: dict[int, int],
-    init: dict[int, tuple[int, int]],
-) -> dict[str, object]:
-    """The ``CallPlan`` fields from per-sequence lists (dictionaries, no production packing code).
-
-    ``segs``: head -> its segments in chain order; ``rnd``: head -> 0-based round; ``init``:
-    head -> (producer head, state position) for heads that import a state (a producer < 0,
-    or a head not in ``init``, starts from the zero state).
-    """
-    start, parent = forest.start.tolist(), forest.parent.tolist()
-    heads = sorted(segs, key=lambda h: (rnd[h], h))
-    seq_of = {h: q for q, h in enumerate(heads)}
-    seg_seq = [0] * len(tp)
-    seq_segments: list[int] = []
-    seq_ptr = [0]
-    for q, h in enumerate(heads):
-        for u in segs[h]:
-            seg_seq[u] = q
-        seq_segments += segs[h]
-        seq_ptr.append(len(seq_segments))
-    imports = {h: (seq_of[p], pos) for h, (p, pos) in init.items() if p >= 0}
-    reqs = sorted(set(imports.values()))
-    req_of = {r: i for i, r in enumerate(reqs)}
-    seq_round = [rnd[h] for h in heads]
-    num_calls = seq_round[-1] + 1 if heads else 0
-    round_ptr = [0] * (num_calls + 1)
-    for r in seq_round:
-        round_ptr[r + 1] += 1
-    for k in range(num_calls):
-        round_ptr[k + 1] += round_ptr[k]
-
-    def a(x: list[int]) -> np.ndarray:
-        return np.array(x, dtype=np.int64)
-
-    return {
-        "num_calls": num_calls,
-        "t_pre": a(tp),
-        "t_in": a(ti),
-        "seg_seq": a(seg_seq),
-        "seq_round": a(seq_round),
-        "seq_ptr": a(seq_ptr),
-        "seq_segments": a(seq_segments),
-        "seq_fork": a([parent[h] for h in heads]),
-        "seq_anchor": a([start[h] // b * b for h in heads]),
-        "seq_init": a([req_of[imports[h]] if h in imports else -1 for h in heads]),
-        "req_seq": a([r[0] for r in reqs]),
-        "req_pos": a([r[1] for r in reqs]),
-        "round_ptr": a(round_ptr),
-    }
+    # per segment: head, round, place in its sequence; per head: the fork exporting its state
+    head, rnd, off, ifk = [0] * v, [0] * v, [0] * v, [-1] * v
+    for h, segs in seq_segs.items():
+        ifk[h] = init_of.get(h, -1)
+        for i, u in enumerate(segs):
+            head[u], rnd[u], off[u] = h, seq_rnd[h], i
+    return pack_lists(forest, b, tpre, tin, head, rnd, ifk, off)

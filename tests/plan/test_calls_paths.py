@@ -17,6 +17,7 @@ from harts.plan.calls import (
     LEAN_MAX_SEGMENTS,
     LEAN_PER_GENERAL_FORK,
     PACK_LISTS_MAX,
+    CallPlan,
     general_forks,
     mandatory_replay,
     plan_calls,
@@ -72,16 +73,21 @@ def shaped_forests(draw: st.DrawFn) -> tuple[SegmentForest, int]:
     return SegmentForest.from_parents(lengths, parents)[0], b
 
 
-@given(shaped_forests())
-@settings(max_examples=300, deadline=None)
-def test_both_paths_equal_oracle(fb):
-    forest, b = fb
+def assert_paths_equal_oracle(forest: SegmentForest, b: int) -> CallPlan:
+    """The units engine, the lean walk (packed on lists and by numpy) and plan_calls all give
+    the oracle's plan; returns it."""
     want = plan_oracle(forest, b)
     assert_same_plan(plan_units_only(forest, b), want)
     for plan in lean_packings(forest, b):
         assert_same_plan(plan, want)
     assert_same_plan(plan_calls(forest, b), want)
-    check_plan(want)
+    return want
+
+
+@given(shaped_forests())
+@settings(max_examples=300, deadline=None)
+def test_both_paths_equal_oracle(fb):
+    check_plan(assert_paths_equal_oracle(*fb))
 
 
 def test_aligned_forests_have_no_replay():
@@ -135,12 +141,7 @@ def threshold_forests(draw: st.DrawFn) -> tuple[SegmentForest, int]:
 def test_paths_equal_oracle_at_thresholds(fb):
     """At threshold - 1, threshold, threshold + 1 segments: lean (both packings), units and
     plan_calls equal the oracle."""
-    forest, b = fb
-    want = plan_oracle(forest, b)
-    assert_same_plan(plan_units_only(forest, b), want)
-    for plan in lean_packings(forest, b):
-        assert_same_plan(plan, want)
-    assert_same_plan(plan_calls(forest, b), want)
+    assert_paths_equal_oracle(*fb)
 
 
 def test_lean_path_choice():
