@@ -117,7 +117,19 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     # unit depth and each top's segment depth in one pointer doubling: a parent unit adds
     # 1 << 32 (one unit level) + its length (segment levels), V < 2**31
     up = np.where(ptop >= 0, uid[rank[np.maximum(ptop, 0)]], -1)
-    packed = parent_depth(up, weight=(bots - tops + 1)[np.maximum(up, 0)] + (1 << 32))
+    weight = (bots - tops + 1)[np.maximum(up, 0)] + (1 << 32)
+    # the doubling runs over units that can be parents (bottom with an internal child) or
+    # that are walked; the rest, one-rank units of leaves only (most units of a bushy
+    # forest), are one step below their parent unit, always one of the former
+    inner = np.flatnonzero((nint[bots] > 0) | (tops < bots))
+    sub = np.full(tops.size, -1, dtype=np.int64)
+    sub[inner] = np.arange(inner.size)
+    up_in = up[inner]
+    packed = np.empty(tops.size, dtype=np.int64)
+    packed[inner] = parent_depth(np.where(up_in >= 0, sub[np.maximum(up_in, 0)], -1), weight=weight[inner])
+    outer = np.flatnonzero(sub < 0)
+    up_out = up[outer]
+    packed[outer] = np.where(up_out >= 0, packed[np.maximum(up_out, 0)] + weight[outer], 0)
     udepth = packed >> 32
     depth_i = (packed & 0xFFFFFFFF)[uid] + idx - top_of  # segment depth of every rank
     num_levels = int(udepth.max()) + 1
@@ -126,13 +138,20 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     nxt_lf = _next_at(leaf_first, bot_of)
     prv = np.maximum.accumulate(np.where(leaf_first, idx, -1))
     prv_lf = np.where(prv >= top_of, prv, -1)  # last leaf-first spine <= j in j's unit
-    # internal edges of general forks, by the fork's unit level, then rank, then child order
-    ge = np.flatnonzero(int_edge & (nint >= 2)[edge_par])
-    ge = ge[_levels(udepth[uid[edge_par[ge]]], num_levels)[0]]
-    ge_kid = kid_rank[ge]
     gen = np.flatnonzero(nint >= 2)
     gen_order, gen_ptr = _levels(udepth[uid[gen]], num_levels)
     gen = gen[gen_order]
+    # internal edges of general forks, by the fork's unit level, then rank, then child order:
+    # each fork's edge range in level order (one cumulative sum), leaf edges dropped
+    g_nch = nch_i[gen]
+    ge = np.ones(int(g_nch.sum()), dtype=np.int64)
+    if ge.size:
+        g_start = first_edge[gen]
+        ge[0] = g_start[0]
+        ge[(np.cumsum(g_nch) - g_nch)[1:]] = g_start[1:] - (g_start[:-1] + g_nch[:-1] - 1)
+        np.cumsum(ge, out=ge)
+    ge = ge[int_edge[ge]]
+    ge_kid = kid_rank[ge]
     edge_ptr = np.zeros(gen.size + 1, dtype=np.int64)
     np.cumsum(nint[gen], out=edge_ptr[1:])
     edge_fork = np.repeat(np.arange(gen.size), nint[gen])
