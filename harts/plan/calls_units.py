@@ -117,19 +117,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     # unit depth and each top's segment depth in one pointer doubling: a parent unit adds
     # 1 << 32 (one unit level) + its length (segment levels), V < 2**31
     up = np.where(ptop >= 0, uid[rank[np.maximum(ptop, 0)]], -1)
-    weight = (bots - tops + 1)[np.maximum(up, 0)] + (1 << 32)
-    # the doubling runs over units that can be parents (bottom with an internal child) or
-    # that are walked; the rest, one-rank units of leaves only (most units of a bushy
-    # forest), are one step below their parent unit, always one of the former
-    inner = np.flatnonzero((nint[bots] > 0) | (tops < bots))
-    sub = np.full(tops.size, -1, dtype=np.int64)
-    sub[inner] = np.arange(inner.size)
-    up_in = up[inner]
-    packed = np.empty(tops.size, dtype=np.int64)
-    packed[inner] = parent_depth(np.where(up_in >= 0, sub[np.maximum(up_in, 0)], -1), weight=weight[inner])
-    outer = np.flatnonzero(sub < 0)
-    up_out = up[outer]
-    packed[outer] = np.where(up_out >= 0, packed[np.maximum(up_out, 0)] + weight[outer], 0)
+    packed = parent_depth(up, weight=(bots - tops + 1)[np.maximum(up, 0)] + (1 << 32))
     udepth = packed >> 32
     depth_i = (packed & 0xFFFFFFFF)[uid] + idx - top_of  # segment depth of every rank
     num_levels = int(udepth.max()) + 1
