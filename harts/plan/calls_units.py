@@ -197,7 +197,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     rdy = np.ones(n, dtype=bool)
     rnd = np.zeros(n, dtype=np.int64)
     hd = idx.copy()
-    ipr = np.full(n, -1, dtype=np.int64)  # per head rank: rank of the fork exporting its state (-1 zero)
+    ipr = np.full(n, -1, dtype=np.int64)  # per head rank: the fork (segment) exporting its state (-1 zero)
     dirc = first_leaf.copy()  # direct child (segment id)
     root_tops = tops[ptop < 0]
     bud[root_tops] = tp[root_tops]
@@ -240,7 +240,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             e = e[more]
             s, k, rd, bt = e + 1, k[more] - 1, rd[more] + 1, bt[more]
             r = np.ones(s.size, dtype=bool)
-            h, pr = s, e
+            h, pr = s, ids[e]
 
     def recover_forks(g0: int, g1: int) -> None:
         """General forks gen[g0:g1] choose their direct child and set their children's state.
@@ -274,7 +274,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         # initial state; otherwise it requests S_{b_v} from the parent's sequence
         se = np.flatnonzero(~direct)
         sf = ef[se]
-        ipr[kids[se]] = np.where(same, ipr[hpar], par)[sf]
+        ipr[kids[se]] = np.where(same, ipr[hpar], ids[par])[sf]
 
     for d in range(num_levels):
         ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]  # a one-rank unit keeps its parent fork's state
@@ -325,14 +325,14 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     rnd_s = np.zeros(v, dtype=np.int64)
     rnd_s[ids] = rnd
     init_fork = np.full(v, -1, dtype=np.int64)
-    init_fork[ids] = np.where(ipr >= 0, ids[np.maximum(ipr, 0)], -1)
+    init_fork[ids] = ipr
     offset = np.zeros(v, dtype=np.int64)  # a chain has consecutive depths
     offset[ids] = depth_i - depth_i[hd]
     leaves = kid[le]  # leaf children; lp: their parents' ranks
     direct_l = dirc[lp] == leaves
     di, si = np.flatnonzero(direct_l), np.flatnonzero(~direct_l)
     ld, pd = leaves[di], lp[di]
-    head[ld] = head[ids[pd]]
+    head[ld] = ids[hd[pd]]
     rnd_s[ld] = rnd[pd]
     offset[ld] = offset[ids[pd]] + 1
     # a side leaf (its own head, offset 0) of a same-round fork inherits its parent
@@ -340,8 +340,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ls, ps = leaves[si], lp[si]
     hps, sm = hd[ps], same_i[ps]
     rnd_s[ls] = rnd[ps] + ~sm
-    fork = np.where(sm, ipr[hps], ps)
-    init_fork[ls] = np.where(fork >= 0, ids[np.maximum(fork, 0)], -1)
+    init_fork[ls] = np.where(sm, ipr[hps], ids[ps])
     return tpre_s, tin_s, head, rnd_s, init_fork, offset
 
 
