@@ -41,6 +41,8 @@ the results of ``plan_units`` are int64 [V] per segment.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 
 from harts.tree.segments import SegmentForest, parent_depth
@@ -436,11 +438,10 @@ def pack_lists(
     for i, h in enumerate(heads):
         seq_of[h] = i
     seg_seq = [seq_of[h] for h in head]
-    seq_ptr = [0] * (q + 1)
+    counts = [0] * q
     for s in seg_seq:
-        seq_ptr[s + 1] += 1
-    for i in range(q):
-        seq_ptr[i + 1] += seq_ptr[i]
+        counts[s] += 1
+    seq_ptr = [0, *accumulate(counts)]
     seq_segments = [0] * v
     for u in range(v):
         seq_segments[seq_ptr[seg_seq[u]] + off[u]] = u
@@ -451,28 +452,34 @@ def pack_lists(
     req_of = {r: i for i, r in enumerate(reqs)}
     seq_round = [rnd[h] for h in heads]
     num_calls = seq_round[-1] + 1 if q else 0
-    round_ptr = [0] * (num_calls + 1)
+    per_round = [0] * num_calls
     for r in seq_round:
-        round_ptr[r + 1] += 1
-    for k in range(num_calls):
-        round_ptr[k + 1] += round_ptr[k]
+        per_round[r] += 1
     parent, start = forest.parent.tolist(), forest.start.tolist()
-
-    def a(x: list[int]) -> np.ndarray:
-        return np.array(x, dtype=np.int64)
-
+    # one numpy conversion per length (V, Q, Rq): the fields are rows of three arrays
+    per_seg = np.array([tp, ti, seg_seq, seq_segments], dtype=np.int64).reshape(4, v)
+    per_seq = np.array(
+        [
+            seq_round,
+            [parent[h] for h in heads],
+            [start[h] // b * b for h in heads],
+            [req_of[keys[h]] if h in keys else -1 for h in heads],
+        ],
+        dtype=np.int64,
+    ).reshape(4, q)
+    per_req = np.ascontiguousarray(np.array(reqs, dtype=np.int64).reshape(-1, 2).T)
     return {
         "num_calls": num_calls,
-        "t_pre": a(tp),
-        "t_in": a(ti),
-        "seg_seq": a(seg_seq),
-        "seq_round": a(seq_round),
-        "seq_ptr": a(seq_ptr),
-        "seq_segments": a(seq_segments),
-        "seq_fork": a([parent[h] for h in heads]),
-        "seq_anchor": a([start[h] // b * b for h in heads]),
-        "seq_init": a([req_of[keys[h]] if h in keys else -1 for h in heads]),
-        "req_seq": a([r[0] for r in reqs]),
-        "req_pos": a([r[1] for r in reqs]),
-        "round_ptr": a(round_ptr),
+        "t_pre": per_seg[0],
+        "t_in": per_seg[1],
+        "seg_seq": per_seg[2],
+        "seq_round": per_seq[0],
+        "seq_ptr": np.array(seq_ptr, dtype=np.int64),
+        "seq_segments": per_seg[3],
+        "seq_fork": per_seq[1],
+        "seq_anchor": per_seq[2],
+        "seq_init": per_seq[3],
+        "req_seq": per_req[0],
+        "req_pos": per_req[1],
+        "round_ptr": np.array([0, *accumulate(per_round)], dtype=np.int64),
     }
