@@ -230,11 +230,11 @@ def _small_ints(x: np.ndarray) -> np.ndarray:
 #: forks (two or more internal children): a forest takes the walk when it has at most
 #: ``LEAN_BASE + LEAN_PER_GENERAL_FORK * G`` segments (G general forks), and never above
 #: ``LEAN_MAX_SEGMENTS``. Break-even measured by ``calls_bench --sweep`` (README): near 500
-#: segments on caterpillars (G = 0), 1,500 on swe step forests (V/G ~ 25), 4,000 on random
+#: segments on caterpillars (G = 0), 1,500 on swe step forests (V/G ~ 25), 3,500 on random
 #: recursive trees (V/G ~ 8)
 LEAN_BASE = 512
 LEAN_PER_GENERAL_FORK = 12
-LEAN_MAX_SEGMENTS = 4096
+LEAN_MAX_SEGMENTS = 3500
 #: lean plans up to this many segments are packed on lists too (``pack_lists``), not by
 #: ``_assemble``'s few dozen numpy calls (a step's microbatches have a dozen segments)
 PACK_LISTS_MAX = 64
