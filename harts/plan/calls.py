@@ -421,7 +421,7 @@ def _assemble(
     # exporting forks in seq_segments order (sequence, then chain order, along which b_u
     # never decreases); neighbours with equal (sequence, b_u) are one request
     fork = init_fork[heads]
-    has = fork >= 0
+    has = np.flatnonzero(fork >= 0)
     fork = fork[has]
     mark = np.zeros(v, dtype=bool)
     mark[place[fork]] = True

@@ -53,10 +53,17 @@ _FAIL = "recovery found no direct continuation (DP invariant broken)"
 _BIG = np.int64(1) << 40
 
 
+def _pick(c: np.ndarray, a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
+    """``np.where(c, a, b)`` for integers by arithmetic: on large arrays with an irregular
+    mask, numpy's ``where`` (like boolean indexing) runs several times slower (branch
+    mispredictions; measured 2.7 vs 1.4 ms at 500 k)."""
+    return b + (a - b) * c
+
+
 def _next_at(mask: np.ndarray, cap: np.ndarray) -> np.ndarray:
     """int64 [I]: first rank >= j where ``mask`` holds, capped at ``cap[j]`` (the unit's bottom)."""
     n = mask.size
-    nxt = np.where(mask, np.arange(n), n)
+    nxt = _pick(mask, np.arange(n), n)
     return np.minimum(np.minimum.accumulate(nxt[::-1])[::-1], cap)
 
 
@@ -91,7 +98,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     edge_par = np.repeat(idx, nch_i)  # parent rank of every child edge
     int_edge = kid_rank >= 0
     nonroot = parent[ids]
-    nint = np.bincount(rank[nonroot[nonroot >= 0]], minlength=n)  # internal children
+    nint = np.bincount(rank[nonroot[np.flatnonzero(nonroot >= 0)]], minlength=n)  # internal children
     nleaf = nch_i - nint
     # first leaf child of each internal segment (-1: none) and its place among the children
     le = np.flatnonzero(~int_edge)
@@ -118,7 +125,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ptop = parent[ids[tops]]
     # unit depth and each top's segment depth in one pointer doubling: a parent unit adds
     # 1 << 32 (one unit level) + its length (segment levels), V < 2**31
-    up = np.where(ptop >= 0, uid[rank[np.maximum(ptop, 0)]], -1)
+    up = _pick(ptop >= 0, uid[rank[np.maximum(ptop, 0)]], -1)
     packed = parent_depth(up, weight=(bots - tops + 1)[np.maximum(up, 0)] + (1 << 32))
     udepth = packed >> 32
     depth_i = (packed & 0xFFFFFFFF)[uid] + idx - top_of  # segment depth of every rank
@@ -126,8 +133,8 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     nxt_cross = _next_at(spine & cross, bot_of)
     nxt_leaf = _next_at(spine & has_leaf, bot_of)
     nxt_lf = _next_at(leaf_first, bot_of)
-    prv = np.maximum.accumulate(np.where(leaf_first, idx, -1))
-    prv_lf = np.where(prv >= top_of, prv, -1)  # last leaf-first spine <= j in j's unit
+    prv = np.maximum.accumulate(_pick(leaf_first, idx, -1))
+    prv_lf = _pick(prv >= top_of, prv, -1)  # last leaf-first spine <= j in j's unit
     gen = np.flatnonzero(nint >= 2)
     gen_order, gen_ptr = _levels(udepth[uid[gen]], num_levels)
     gen = gen[gen_order]
@@ -140,7 +147,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         ge[0] = g_start[0]
         ge[(np.cumsum(g_nch) - g_nch)[1:]] = g_start[1:] - (g_start[:-1] + g_nch[:-1] - 1)
         np.cumsum(ge, out=ge)
-    ge = ge[int_edge[ge]]
+    ge = ge[np.flatnonzero(int_edge[ge])]
     ge_kid = kid_rank[ge]
     edge_ptr = np.zeros(gen.size + 1, dtype=np.int64)
     np.cumsum(nint[gen], out=edge_ptr[1:])
@@ -152,8 +159,8 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     level_tops = tops[long_units[lu_order]]  # their tops by level; a one-rank unit needs no walk
 
     # ---- pass 1: leaf-only forks in closed form, then unit levels bottom-up
-    tin = np.where(nch_i >= 2, 2, 1)
-    tp = np.where(cross, tin, 1)
+    tin = 1 + (nch_i >= 2)
+    tp = _pick(cross, tin, 1)
 
     def spine_values(j: np.ndarray) -> None:
         """T of spine ranks j from their unit bottom's T (the closed form of the module doc)."""
@@ -161,7 +168,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         y0 = tin[bt]
         tin_j = np.maximum(y0, 2 * (nxt_leaf[j] < bt))
         c = nxt_cross[j]
-        tp[j] = np.where(c < bt, np.maximum(y0, 2 * (nxt_leaf[c] < bt)), tp[bt])
+        tp[j] = _pick(c < bt, np.maximum(y0, 2 * (nxt_leaf[c] < bt)), tp[bt])
         tin[j] = tin_j
 
     for d in range(num_levels - 1, -1, -1):
@@ -207,10 +214,10 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     span = int(tp.max()) + 2
     tnext = np.append(tp[1:], 0)
     kbase = uid * span + span - 1
-    key = kbase - np.where(idx < bot_of, tnext, 0)
+    key = kbase - tnext * (idx < bot_of)
     # last leaf-first spine before the first crossing at or after j (-1: none in j's unit)
     cut = nxt_cross - 1
-    before_cross = np.where(cut >= idx, prv_lf[np.maximum(cut, 0)], -1)
+    before_cross = _pick(cut >= idx, prv_lf[np.maximum(cut, 0)], -1)
     phases: list[tuple[np.ndarray, ...]] = []
     e_seg = ids[ge_kid]  # per general-fork edge: the child segment
     g_first = kid[first_edge[gen]]  # per general fork: its first child (segment)
@@ -307,7 +314,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         bi = np.flatnonzero(brk) + 1
         mark[bi] = True
         val[bi] = j[bi]
-        hd[j] = val[np.maximum.accumulate(np.where(mark, np.arange(j.size), 0))]
+        hd[j] = val[np.maximum.accumulate(np.arange(j.size) * mark)]
         nh = np.concatenate([bi, first[ph == ps]])
         ipr[j[nh]] = ppr[ph_of[nh]]
 
@@ -342,7 +349,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ls, ps = leaves[si], lp[si]
     hps, sm = hd[ps], same_i[ps]
     rnd_s[ls] = rnd[ps] + ~sm
-    init_fork[ls] = np.where(sm, ipr[hps], ids[ps])
+    init_fork[ls] = _pick(sm, ipr[hps], ids[ps])
     return tpre_s, tin_s, head, rnd_s, init_fork, offset
 
 
