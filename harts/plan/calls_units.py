@@ -15,8 +15,10 @@ unit level with numpy, spines in closed form:
         a chunk boundary (Eq. 11 fails) else x.
     Up a unit from its bottom's (x0, y0): T_in(j) = max(y0, 2 [a leaf fork in j..bot-1]) and
     T_pre(j) = T_in(c) at the nearest crossing spine node c in j..bot-1 (x0 if none).
-    General forks reduce over their internal children with segment reductions; leaf children
-    enter as a count.
+    General forks reduce over their internal children with segment reductions: the largest
+    and second-largest T_pre m1 >= m2 of the children's multiset and T_in = max(least T_in
+    among the children of T_pre m1, 1 + m2) (Eq. 13's minimum is reached at such a child);
+    leaf children enter as a count.
   * Pass 2 (recovery, lines 10-25). Down a unit the state is (ready, K_round); the round is
     T_pre(root) - K_round. A spine node whose internal child comes first (or that has no leaf)
     always continues into it. One whose leaf comes first hands the internal child a side
@@ -24,8 +26,9 @@ unit level with numpy, spines in closed form:
     or when T_pre(c) < K_round (K - 1, one round later, ready again); otherwise it continues.
     T_pre is non-increasing down a unit, so each *phase* of constant K_round ends at one
     searchsorted and next-index lookups: at most T_pre(root) phases per unit.
-    General forks choose the first child (in the fixed order) that fits K_round and covers
-    every child exceeding K_side, exactly as the pseudocode, over a level at once.
+    General forks, a level at once, take the pseudocode's child (the first that fits K_round
+    and covers every child exceeding K_side) in closed form: the first child when m1 <=
+    K_side, else the first child of T_pre m1, which must be the only one over K_side.
 
 Small forests (``plan_calls`` where ``takes_lean_path``: a step's microbatches, bushy forests
 of a few thousand segments) take ``plan_lean``: the same two passes fork by fork on plain
