@@ -155,7 +155,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     edge_ptr = np.zeros(gen.size + 1, dtype=np.int64)
     np.cumsum(nint[gen], out=edge_ptr[1:])
     edge_fork = np.repeat(np.arange(gen.size), nint[gen])
-    g_cnt, g_nl, g_cross = nint[gen], nleaf[gen], cross[gen]  # per general fork, level order
+    g_cnt, g_leaf, g_cross = nint[gen], has_leaf[gen], cross[gen]  # per general fork, level order
     g_m1, g_m2, g_arg = (np.zeros(gen.size, dtype=np.int64) for _ in range(3))  # set by pass 1
     long_units = np.flatnonzero(spine[tops])  # units of two or more ranks (a spine top)
     lu_order, lu_ptr = _levels(udepth[long_units], num_levels)
@@ -184,21 +184,21 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             kids = ge_kid[lo:hi]
             tpc, tic = tp[kids], tin[kids]
             m1 = np.maximum.reduceat(tpc, grp)
-            m1c = np.repeat(m1, cnt)
-            is_max = tpc == m1c
-            n_max = np.add.reduceat(is_max.astype(np.int64), grp)
-            nl = g_nl[g0:g1]
-            # second largest of the children's multiset; leaves count as T_pre = 1
-            sec = np.maximum(np.maximum.reduceat(np.where(is_max, 0, tpc), grp), nl > 0)
-            m2 = np.where(n_max >= 2, m1, sec)
+            is_max = tpc == np.repeat(m1, cnt)
+            first_max = np.minimum.reduceat(np.where(is_max, np.arange(hi - lo), _BIG), grp)
+            # second largest of the children's multiset (the largest without its first
+            # occurrence); leaves count as T_pre = 1
+            rest = tpc.copy()
+            rest[first_max] = 0
+            lf = g_leaf[g0:g1]
+            m2 = np.maximum(np.maximum.reduceat(rest, grp), lf)
             # T_in = max(min T_in over the children of largest T_pre, 1 + m2) (see plan_lean);
             # a leaf is such a child (T_in = 1) when m1 = 1
             mt = np.minimum.reduceat(np.where(is_max, tic, _BIG), grp)
-            t = np.maximum(np.where((m1 == 1) & (nl > 0), 1, mt), 1 + m2)
+            t = np.maximum(np.where((m1 == 1) & lf, 1, mt), 1 + m2)
             tin[par] = t
             tp[par] = np.where(g_cross[g0:g1], t, m1)
-            g_m1[g0:g1], g_m2[g0:g1] = m1, m2
-            g_arg[g0:g1] = kids[np.minimum.reduceat(np.where(is_max, np.arange(hi - lo), _BIG), grp)]
+            g_m1[g0:g1], g_m2[g0:g1], g_arg[g0:g1] = m1, m2, kids[first_max]
         ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]
         if ut.size:
             spine_values(ut)
@@ -278,9 +278,10 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         direct = e_seg[lo:hi] == dseg[ef]
         kr_e, same_e = kr[ef], same[ef]
         hpar = hd[par]
-        bud[kids] = kr_e - (~direct & ~same_e)
+        later = ~(direct | same_e)  # a side child of a fork that is not same-round
+        bud[kids] = kr_e - later
         rdy[kids] = direct <= same_e  # a side child is ready; a direct one iff same-round
-        rnd[kids] = rnd[par][ef] + (~direct & ~same_e)
+        rnd[kids] = rnd[par][ef] + later
         hd[kids] = np.where(direct, hpar[ef], kids)
         # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
         # initial state; otherwise it requests S_{b_v} from the parent's sequence
