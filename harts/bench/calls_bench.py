@@ -148,11 +148,22 @@ def bench_forests(args: argparse.Namespace, swe_forest: SegmentForest | None) ->
     return rows
 
 
+def _sizes(text: str) -> list[int]:
+    """``--sweep-sizes``: comma-separated segment counts, each at least 2."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"sizes must be at least 2, got {text!r}")
+    return sizes
+
+
 def bench_sweep(args: argparse.Namespace) -> list[dict]:
     """Each path of ``plan_calls`` on random forests and caterpillars of every sweep size."""
     rng = np.random.default_rng(args.seed)
     b = args.chunk_size
-    sizes = [int(x) for x in args.sweep_sizes.split(",")]
+    sizes = args.sweep_sizes
     rows = []
     print(f"{'shape':>7} {'V':>8} {'V/G':>6}  {'lean ms':>9} {'units ms':>9}  auto")
     for shape in ("random", "deep"):
@@ -263,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-swe", action="store_true", help="skip the workload part (and the swe-tiled shape)")
     p.add_argument("--deep-chain", action="store_true", help="add the single deep caterpillar worst case")
     p.add_argument("--sweep", action="store_true", help="time each planner path over forest sizes (only that)")
-    p.add_argument("--sweep-sizes", default="64,256,512,1024,2048,4096,8192,32768,262144")
+    p.add_argument(
+        "--sweep-sizes", type=_sizes, default=_sizes("64,256,512,1024,2048,4096,8192,32768,262144"), help="N,N,..."
+    )
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
     out: dict = {"chunk_size": args.chunk_size}

@@ -9,6 +9,7 @@ exactly threshold - 1, threshold and threshold + 1 segments around each size thr
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -175,3 +176,9 @@ def test_general_forks_counts_internal_children():
         nch = forest.num_children
         want = sum(int(np.count_nonzero(nch[forest.children(u)] > 0) >= 2) for u in range(forest.num_segments))
         assert general_forks(forest) == want
+
+
+def test_unknown_path_rejected():
+    forest, _ = SegmentForest.from_parents([3, 2], [-1, 0])
+    with pytest.raises(ValueError, match="path"):
+        plan_calls(forest, 4, path="nodes")
