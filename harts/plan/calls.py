@@ -226,12 +226,12 @@ def _small_ints(x: np.ndarray) -> np.ndarray:
 
 
 #: the lean list walk (``plan_lean``) costs about the same per segment on every shape; the units
-#: engine costs a few hundred numpy calls per unit level, and unit levels come with general
+#: engine costs about a hundred numpy calls per unit level, and unit levels come with general
 #: forks (two or more internal children): a forest takes the walk when it has at most
 #: ``LEAN_BASE + LEAN_PER_GENERAL_FORK * G`` segments (G general forks), and never above
-#: ``LEAN_MAX_SEGMENTS``. Break-even measured by ``calls_bench --sweep`` (README): near 500
+#: ``LEAN_MAX_SEGMENTS``. Break-even measured by ``calls_bench --sweep`` (README): near 600
 #: segments on caterpillars (G = 0), 1,500 on swe step forests (V/G ~ 25), 3,500 on random
-#: recursive trees (V/G ~ 8)
+#: recursive trees (V/G ~ 9)
 LEAN_BASE = 512
 LEAN_PER_GENERAL_FORK = 12
 LEAN_MAX_SEGMENTS = 3500
