@@ -103,7 +103,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     nonroot = parent[ids]
     nint = np.bincount(rank[nonroot[np.flatnonzero(nonroot >= 0)]], minlength=n)  # internal children
     nleaf = nch_i - nint
-    # first leaf child of each internal segment (-1: none) and its place among the children
+    # first leaf child of each internal segment (-1: none): its direct child unless recovery says otherwise
     le = np.flatnonzero(~int_edge)
     lp = edge_par[le]
     lfirst = np.ones(lp.size, dtype=bool)
