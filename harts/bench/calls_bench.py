@@ -1,6 +1,7 @@
 """Call-planner benchmark (paper §3.3): Algorithm 1 on 1 M-segment forests and on a workload step.
 
     python -m harts.bench.calls_bench [--segments 1000000] [--json out.json]
+    python -m harts.bench.calls_bench --sweep [--sweep-sizes 64,256,...] [--json out.json]
 
 Part 1 plans forests of ``--segments`` segments of three shapes with ``plan_calls`` (best of
 ``--repeat`` runs). Algorithm 1 transcribed line by line is the tests' oracle
@@ -15,6 +16,11 @@ Part 2 splits one ``swe`` step into microbatches with the step planner (``plan_s
 ``--dp``, ``--capacity``), compacts each microbatch (setup, not timed), then times planning
 every microbatch and building every microbatch's physical layout (``build_layout``), and
 compares both with the time to compact the whole step (each timing the best of ``--repeat``).
+
+``--sweep`` instead times random forests and caterpillars of ``--sweep-sizes`` segments through
+each path of ``plan_calls`` (the lean list walk, the units engine, and ``auto``, which picks one
+by ``takes_lean_path``), alternating the three in every round and keeping each one's best: the
+data behind ``LEAN_BASE`` / ``LEAN_PER_GENERAL_FORK`` / ``LEAN_MAX_SEGMENTS``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from harts.plan.calls import plan_calls, plan_calls_many
+from harts.plan.calls import general_forks, plan_calls, plan_calls_many, takes_lean_path
 from harts.tree.segments import SegmentForest, parent_depth, preorder_from_parents
 
 T = TypeVar("T")
@@ -142,6 +148,55 @@ def bench_forests(args: argparse.Namespace, swe_forest: SegmentForest | None) ->
     return rows
 
 
+def _sizes(text: str) -> list[int]:
+    """``--sweep-sizes``: comma-separated segment counts, each at least 2."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"sizes must be at least 2, got {text!r}")
+    return sizes
+
+
+def bench_sweep(args: argparse.Namespace) -> list[dict]:
+    """Each path of ``plan_calls`` on random forests and caterpillars of every sweep size."""
+    rng = np.random.default_rng(args.seed)
+    b = args.chunk_size
+    sizes = args.sweep_sizes
+    rows = []
+    print(f"{'shape':>7} {'V':>8} {'V/G':>6}  {'lean ms':>9} {'units ms':>9}  auto")
+    for shape in ("random", "deep"):
+        for v in sizes:
+            if shape == "random":
+                forest = random_forest(rng, v, b)
+            else:
+                forest = caterpillars(rng, v, b, spine=max(1, min(2_000, v // 2 - 1)))
+            best = {"lean": np.inf, "units": np.inf, "auto": np.inf}
+            # every round runs the three paths once each, so load on the machine hits all alike
+            for _ in range(max(args.repeat, 20_000 // forest.num_segments)):
+                for path in best:
+                    t0 = time.perf_counter()
+                    plan_calls(forest, b, path=path)
+                    best[path] = min(best[path], time.perf_counter() - t0)
+            g = general_forks(forest)
+            auto = "lean" if takes_lean_path(forest) else "units"
+            row: dict[str, object] = {
+                "shape": shape,
+                "segments": forest.num_segments,
+                "general_forks": g,
+                "auto_path": auto,
+            }
+            row.update({f"{k}_ms": round(x * 1e3, 4) for k, x in best.items()})
+            rows.append(row)
+            ratio = f"{forest.num_segments / g:6.1f}" if g else f"{'-':>6}"
+            print(
+                f"{shape:>7} {forest.num_segments:>8,} {ratio}  {best['lean'] * 1e3:9.3f} "
+                f"{best['units'] * 1e3:9.3f}  {auto} {best['auto'] * 1e3:.3f} ms"
+            )
+    return rows
+
+
 def bench_swe(args: argparse.Namespace) -> tuple[dict, SegmentForest]:
     import harts
 
@@ -218,9 +273,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=65_536)
     p.add_argument("--no-swe", action="store_true", help="skip the workload part (and the swe-tiled shape)")
     p.add_argument("--deep-chain", action="store_true", help="add the single deep caterpillar worst case")
+    p.add_argument("--sweep", action="store_true", help="time each planner path over forest sizes (only that)")
+    p.add_argument(
+        "--sweep-sizes", type=_sizes, default=_sizes("64,256,512,1024,2048,4096,8192,32768,262144"), help="N,N,..."
+    )
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
     out: dict = {"chunk_size": args.chunk_size}
+    if args.sweep:
+        out["sweep"] = bench_sweep(args)
+        if args.json_out:
+            with open(args.json_out, "w") as fh:
+                json.dump(out, fh, indent=2)
+        return 0
     swe_forest = None
     if not args.no_swe:
         out["swe"], swe_forest = bench_swe(args)

@@ -18,9 +18,11 @@ Trees are planned independently and merged by round; the call count is their max
 The engine is ``harts.plan.calls_units.plan_units``: both passes vectorized with numpy over
 internal segments, unit level by unit level, where a unit is a chain of spine nodes (one
 internal child) handled in closed form, so a caterpillar of any length is one step and a
-random forest a few dozen; leaves are settled in bulk. Forests of at most
-``LEAN_MAX_SEGMENTS`` segments (a step's microbatches) take ``plan_lean``: the same passes
-fork by fork on plain lists, where numpy's per-call cost would dominate. ``plan_calls_many``
+random forest a few dozen; leaves are settled in bulk. Small forests (a step's microbatches,
+up to a few thousand segments on bushy shapes: ``takes_lean_path``) take ``plan_lean``: the
+same passes fork by fork on plain lists, where numpy's per-call cost would dominate; both
+hand the same per-segment results to one assembly (``_assemble``, or ``pack_lists`` on lists
+for the smallest). ``plan_calls_many``
 plans many small forests (one step's microbatches) as one disjoint union through the same
 engine. Algorithm 1 transcribed line by line is the test oracle (``tests/plan/oracle.py``);
 tests check both paths against it.
@@ -45,13 +47,15 @@ from typing import Any
 
 import numpy as np
 
-from harts.plan.calls_units import plan_lean, plan_units
+from harts.plan.calls_units import pack_lists, plan_lean, plan_units
 from harts.tree.segments import SegmentForest
 
 __all__ = [
     "CallPlan",
     "plan_calls",
     "plan_calls_many",
+    "general_forks",
+    "takes_lean_path",
     "mandatory_replay",
     "ranges_to_indices",
 ]
@@ -221,27 +225,59 @@ def _small_ints(x: np.ndarray) -> np.ndarray:
     return x.astype(np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64)
 
 
-#: forests up to this many segments are planned fork by fork on lists (``plan_lean``): below
-#: it the vectorized engine's fixed cost of a few hundred numpy calls dominates (measured:
-#: break-even near 250 segments on caterpillars, above 1,000 on random trees)
-LEAN_MAX_SEGMENTS = 256
+#: the lean list walk (``plan_lean``) costs about the same per segment on every shape; the units
+#: engine costs about a hundred numpy calls per unit level, and unit levels come with general
+#: forks (two or more internal children): a forest takes the walk when it has at most
+#: ``LEAN_BASE + LEAN_PER_GENERAL_FORK * G`` segments (G general forks), and never above
+#: ``LEAN_MAX_SEGMENTS``. Break-even measured by ``calls_bench --sweep`` (README): near 600
+#: segments on caterpillars (G = 0), 1,500 on swe step forests (V/G ~ 25), 3,500 on random
+#: recursive trees (V/G ~ 9)
+LEAN_BASE = 512
+LEAN_PER_GENERAL_FORK = 12
+LEAN_MAX_SEGMENTS = 3500
+#: lean plans up to this many segments are packed on lists too (``pack_lists``), not by
+#: ``_assemble``'s few dozen numpy calls (a step's microbatches have a dozen segments)
+PACK_LISTS_MAX = 64
 
 
-def plan_calls(forest: SegmentForest, chunk_size: int) -> CallPlan:
+def general_forks(forest: SegmentForest) -> int:
+    """Segments with two or more internal children (what the units engine's levels come from)."""
+    par = forest.parent[np.flatnonzero(forest.num_children > 0)]
+    return int(np.count_nonzero(np.bincount(par[par >= 0], minlength=forest.num_segments) >= 2))
+
+
+def takes_lean_path(forest: SegmentForest) -> bool:
+    """Whether ``plan_calls`` plans ``forest`` by the lean list walk (see ``LEAN_BASE``)."""
+    v = forest.num_segments
+    if v <= LEAN_BASE:
+        return True
+    return v <= LEAN_MAX_SEGMENTS and v <= LEAN_BASE + LEAN_PER_GENERAL_FORK * general_forks(forest)
+
+
+def plan_calls(forest: SegmentForest, chunk_size: int, *, path: str = "auto") -> CallPlan:
     """Algorithm 1 on every tree of ``forest``; sequences merged by round (see module doc).
 
     Args:
         forest: V segments in preorder (``SegmentForest``).
         chunk_size: the linear-attention chunk B (positive integer).
+        path: ``"auto"`` (the lean list walk where ``takes_lean_path``, else the units
+            engine), ``"lean"`` or ``"units"`` (for benchmarks and tests: every path gives
+            the identical plan).
 
     Returns:
         the ``CallPlan`` (arrays as in the module doc). Many small forests (one step's
         microbatches) are planned together by ``plan_calls_many``.
     """
     b = _check_chunk_size(chunk_size)
-    if forest.num_segments <= LEAN_MAX_SEGMENTS:
-        return CallPlan(chunk_size=b, forest=forest, **plan_lean(forest, b))  # type: ignore[arg-type]
-    return _assemble(forest, b, *plan_units(forest, b))
+    if path not in ("auto", "lean", "units"):
+        raise ValueError(f"path must be 'auto', 'lean' or 'units', got {path!r}")
+    v = forest.num_segments
+    if path == "units" or (path == "auto" and not takes_lean_path(forest)):
+        return _assemble(forest, b, *plan_units(forest, b))
+    lists = plan_lean(forest, b)
+    if v <= PACK_LISTS_MAX:
+        return CallPlan(chunk_size=b, forest=forest, **pack_lists(forest, b, *lists))  # type: ignore[arg-type]
+    return _assemble(forest, b, *(np.array(x, dtype=np.int64) for x in lists))
 
 
 def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallPlan]:
@@ -317,15 +353,15 @@ def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallP
     np.maximum.at(num_calls, seq_forest[perm], seq_round + 1)
     call_off = np.concatenate([[0], np.cumsum(num_calls)])
     counts = np.bincount(call_off[seq_forest[perm]] + seq_round, minlength=int(call_off[-1]))
+    round_cum = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=round_cum[1:])
 
+    # one slice per field and forest; the bounds as Python ints (hundreds of forests)
+    sb, rb, so, co = seq_base.tolist(), req_base.tolist(), seg_off.tolist(), call_off.tolist()
+    sc, rc = seg_cum.tolist(), round_cum.tolist()
     plans = []
     for k, f in enumerate(forests):
-        s0, s1 = int(seq_base[k]), int(seq_base[k + 1])
-        r0, r1 = int(req_base[k]), int(req_base[k + 1])
-        lo, hi = int(seg_off[k]), int(seg_off[k + 1])
-        c0, c1 = int(call_off[k]), int(call_off[k + 1])
-        round_ptr = np.zeros(c1 - c0 + 1, dtype=np.int64)
-        np.cumsum(counts[c0:c1], out=round_ptr[1:])
+        s0, s1, r0, r1, lo, hi, c0, c1 = sb[k], sb[k + 1], rb[k], rb[k + 1], so[k], so[k + 1], co[k], co[k + 1]
         plans.append(
             CallPlan(
                 chunk_size=b,
@@ -335,14 +371,14 @@ def plan_calls_many(forests: list[SegmentForest], chunk_size: int) -> list[CallP
                 t_in=whole.t_in[lo:hi],
                 seg_seq=seg_seq[lo:hi],
                 seq_round=seq_round[s0:s1],
-                seq_ptr=seg_cum[s0 : s1 + 1] - seg_cum[s0],
-                seq_segments=seq_segments[seg_cum[s0] : seg_cum[s1]],
+                seq_ptr=seg_cum[s0 : s1 + 1] - sc[s0],
+                seq_segments=seq_segments[sc[s0] : sc[s1]],
                 seq_fork=seq_fork[s0:s1],
                 seq_anchor=seq_anchor[s0:s1],
                 seq_init=seq_init[s0:s1],
                 req_seq=req_seq[r0:r1],
                 req_pos=req_pos[r0:r1],
-                round_ptr=round_ptr,
+                round_ptr=round_cum[c0 : c1 + 1] - rc[c0],
             )
         )
     return plans
@@ -355,15 +391,14 @@ def _assemble(
     tin: np.ndarray,
     head: np.ndarray,
     rnd: np.ndarray,
-    init_prod: np.ndarray,
-    init_pos: np.ndarray,
+    init_fork: np.ndarray,
     offset: np.ndarray,
 ) -> CallPlan:
-    """Build the CallPlan from per-segment results (segment ids; ``init_*`` valid on heads).
+    """Build the CallPlan from per-segment results (segment ids; ``init_fork`` valid on heads).
 
     ``head[v]``: first segment of v's sequence; ``rnd[v]``: its 0-based round;
-    ``init_prod[h]``: head of the sequence exporting h's initial state (-1 zero state) and
-    ``init_pos[h]`` that state's position; ``offset[v]``: v's place in its sequence.
+    ``init_fork[h]``: the fork u whose state S_{b_u} (exported by u's sequence) is head h's
+    initial state, -1 for the zero state; ``offset[v]``: v's place in its sequence.
     """
     v = forest.num_segments
     heads = np.flatnonzero(head == np.arange(v))
@@ -374,19 +409,30 @@ def _assemble(
     seg_seq = seq_of_head[head]
     seq_ptr = np.zeros(q + 1, dtype=np.int64)
     np.cumsum(np.bincount(seg_seq, minlength=q), out=seq_ptr[1:])
+    place = seq_ptr[seg_seq] + offset  # place of every segment in seq_segments
     seq_segments = np.empty(v, dtype=np.int64)
-    seq_segments[seq_ptr[seg_seq] + offset] = np.arange(v)
+    seq_segments[place] = np.arange(v)
     seq_round = rnd[heads]
     num_calls = int(seq_round.max()) + 1 if q else 0
     round_ptr = np.zeros(num_calls + 1, dtype=np.int64)
     np.cumsum(np.bincount(seq_round, minlength=num_calls), out=round_ptr[1:])
 
-    has = init_prod[heads] >= 0
-    scale = int(forest.end.max()) + 1 if v else 1
-    key = seq_of_head[np.maximum(init_prod[heads], 0)] * scale + init_pos[heads]
-    uniq, inv = np.unique(key[has], return_inverse=True)
+    # requested states, sorted by (exporting sequence, position) without a sort: the
+    # exporting forks in seq_segments order (sequence, then chain order, along which b_u
+    # never decreases); neighbours with equal (sequence, b_u) are one request
+    fork = init_fork[heads]
+    has = np.flatnonzero(fork >= 0)
+    fork = fork[has]
+    mark = np.zeros(v, dtype=bool)
+    mark[place[fork]] = True
+    fs = seq_segments[np.flatnonzero(mark)]
+    rs, rp = seg_seq[fs], forest.end[fs] // b * b
+    new = np.ones(fs.size, dtype=bool)
+    new[1:] = (rs[1:] != rs[:-1]) | (rp[1:] != rp[:-1])
+    req_of = np.zeros(v, dtype=np.int64)
+    req_of[fs] = np.cumsum(new) - 1
     seq_init = np.full(q, -1, dtype=np.int64)
-    seq_init[has] = inv
+    seq_init[has] = req_of[fork]
     return CallPlan(
         chunk_size=b,
         num_calls=num_calls,
@@ -400,7 +446,7 @@ def _assemble(
         seq_fork=forest.parent[heads],
         seq_anchor=forest.start[heads] // b * b,
         seq_init=seq_init,
-        req_seq=(uniq // scale).astype(np.int64),
-        req_pos=(uniq % scale).astype(np.int64),
+        req_seq=rs[new],
+        req_pos=rp[new],
         round_ptr=round_ptr,
     )

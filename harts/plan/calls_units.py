@@ -15,8 +15,10 @@ unit level with numpy, spines in closed form:
         a chunk boundary (Eq. 11 fails) else x.
     Up a unit from its bottom's (x0, y0): T_in(j) = max(y0, 2 [a leaf fork in j..bot-1]) and
     T_pre(j) = T_in(c) at the nearest crossing spine node c in j..bot-1 (x0 if none).
-    General forks reduce over their internal children with segment reductions; leaf children
-    enter as a count.
+    General forks reduce over their internal children with segment reductions: the largest
+    and second-largest T_pre m1 >= m2 of the children's multiset and T_in = max(least T_in
+    among the children of T_pre m1, 1 + m2) (Eq. 13's minimum is reached at such a child);
+    leaf children enter as a count.
   * Pass 2 (recovery, lines 10-25). Down a unit the state is (ready, K_round); the round is
     T_pre(root) - K_round. A spine node whose internal child comes first (or that has no leaf)
     always continues into it. One whose leaf comes first hands the internal child a side
@@ -24,15 +26,17 @@ unit level with numpy, spines in closed form:
     or when T_pre(c) < K_round (K - 1, one round later, ready again); otherwise it continues.
     T_pre is non-increasing down a unit, so each *phase* of constant K_round ends at one
     searchsorted and next-index lookups: at most T_pre(root) phases per unit.
-    General forks choose the first child (in the fixed order) that fits K_round and covers
-    every child exceeding K_side, exactly as the pseudocode, over a level at once.
+    General forks, a level at once, take the pseudocode's child (the first that fits K_round
+    and covers every child exceeding K_side) in closed form: the first child when m1 <=
+    K_side, else the first child of T_pre m1, which must be the only one over K_side.
 
-Small forests (``plan_calls`` below ``LEAN_MAX_SEGMENTS``, a step's microbatches) take
-``plan_lean``: the same two passes fork by fork on plain lists, every fork under the general
-rule (the spine closed forms are that rule with one internal child), since there a few hundred
-numpy calls cost more than the whole plan. ``plan_fields`` packs its per-sequence lists into
-the ``CallPlan`` fields. Algorithm 1 transcribed line by line is the test oracle
-(``tests/plan/oracle.py``); both paths are tested against it at every size.
+Small forests (``plan_calls`` where ``takes_lean_path``: a step's microbatches, bushy forests
+of a few thousand segments) take ``plan_lean``: the same two passes fork by fork on plain
+lists, every fork under the general rule (the spine closed forms are that rule with one
+internal child), since there the units' per-level numpy calls cost more than the walk. It
+returns the same per-segment results; ``pack_lists`` packs the smallest plans on lists.
+Algorithm 1 transcribed line by line is the test oracle (``tests/plan/oracle.py``); both
+paths are tested against it at every size.
 
 Shapes (V segments, I internal segments, U units): per rank int64/bool [I]; per unit [U];
 the results of ``plan_units`` are int64 [V] per segment.
@@ -40,20 +44,29 @@ the results of ``plan_units`` are int64 [V] per segment.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 
 from harts.tree.segments import SegmentForest, parent_depth
 
-__all__ = ["plan_fields", "plan_lean", "plan_units"]
+__all__ = ["pack_lists", "plan_lean", "plan_units"]
 
 _FAIL = "recovery found no direct continuation (DP invariant broken)"
 _BIG = np.int64(1) << 40
 
 
+def _pick(c: np.ndarray, a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
+    """``np.where(c, a, b)`` for integers by arithmetic: on large arrays with an irregular
+    mask, numpy's ``where`` (like boolean indexing) runs several times slower (branch
+    mispredictions; measured 2.7 vs 1.4 ms at 500 k)."""
+    return b + (a - b) * c
+
+
 def _next_at(mask: np.ndarray, cap: np.ndarray) -> np.ndarray:
     """int64 [I]: first rank >= j where ``mask`` holds, capped at ``cap[j]`` (the unit's bottom)."""
     n = mask.size
-    nxt = np.where(mask, np.arange(n), n)
+    nxt = _pick(mask, np.arange(n), n)
     return np.minimum(np.minimum.accumulate(nxt[::-1])[::-1], cap)
 
 
@@ -67,9 +80,8 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     """Algorithm 1 on ``forest`` with chunk size ``b`` (see module doc).
 
     Returns per segment (int64 [V]): t_pre, t_in, head (first segment of its sequence),
-    round (0-based), init_prod (head of the sequence exporting the head's initial state,
-    -1 = zero state; valid on heads), init_pos (that state's trajectory position), offset
-    (place in its sequence).
+    round (0-based), init_fork (the fork v whose state S_{b_v} is the head's initial state,
+    exported by v's sequence; -1 = zero state; valid on heads), offset (place in its sequence).
     """
     v = forest.num_segments
     ptr, kid, parent = forest.child_ptr, forest.child_idx, forest.parent
@@ -79,7 +91,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ones = np.ones(v, dtype=np.int64)
     if n == 0:  # single-segment trees: one sequence each, round 0
         z = np.zeros(v, dtype=np.int64)
-        return ones, ones.copy(), np.arange(v, dtype=np.int64), z, np.full(v, -1, dtype=np.int64), z, z
+        return ones, ones.copy(), np.arange(v, dtype=np.int64), z, np.full(v, -1, dtype=np.int64), z
     rank = np.full(v, -1, dtype=np.int64)
     rank[ids] = np.arange(n)
     idx = np.arange(n, dtype=np.int64)
@@ -88,21 +100,20 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     first_edge = ptr[ids]  # every edge has an internal parent: edges are in rank order
     edge_par = np.repeat(idx, nch_i)  # parent rank of every child edge
     int_edge = kid_rank >= 0
-    nint = np.add.reduceat(int_edge, first_edge).astype(np.int64)
+    nonroot = parent[ids]
+    nint = np.bincount(rank[nonroot[np.flatnonzero(nonroot >= 0)]], minlength=n)  # internal children
     nleaf = nch_i - nint
-    # first leaf child of each internal segment (-1: none) and its place among the children
+    # first leaf child of each internal segment (-1: none): its direct child unless recovery says otherwise
     le = np.flatnonzero(~int_edge)
     lp = edge_par[le]
     lfirst = np.ones(lp.size, dtype=bool)
     lfirst[1:] = lp[1:] != lp[:-1]
-    fl, fe = lp[lfirst], le[lfirst]
+    w = np.flatnonzero(lfirst)
+    fl, fe = lp[w], le[w]
     first_leaf = np.full(n, -1, dtype=np.int64)
     first_leaf[fl] = kid[fe]
-    leaf_pos = np.full(n, _BIG, dtype=np.int64)
-    leaf_pos[fl] = fe - first_edge[fl]
     end_i = forest.end[ids]
     cross = end_i >= forest.start[ids] // b * b + b  # Eq. 11 fails: S_{b_v} is produced inside the call
-    bv = end_i // b * b
     spine = nint == 1
     has_leaf = nleaf > 0
     leaf_first = spine & has_leaf & ~int_edge[first_edge]  # a spine whose first child is a leaf
@@ -117,7 +128,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ptop = parent[ids[tops]]
     # unit depth and each top's segment depth in one pointer doubling: a parent unit adds
     # 1 << 32 (one unit level) + its length (segment levels), V < 2**31
-    up = np.where(ptop >= 0, uid[rank[np.maximum(ptop, 0)]], -1)
+    up = _pick(ptop >= 0, uid[rank[np.maximum(ptop, 0)]], -1)
     packed = parent_depth(up, weight=(bots - tops + 1)[np.maximum(up, 0)] + (1 << 32))
     udepth = packed >> 32
     depth_i = (packed & 0xFFFFFFFF)[uid] + idx - top_of  # segment depth of every rank
@@ -125,27 +136,34 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     nxt_cross = _next_at(spine & cross, bot_of)
     nxt_leaf = _next_at(spine & has_leaf, bot_of)
     nxt_lf = _next_at(leaf_first, bot_of)
-    prv = np.maximum.accumulate(np.where(leaf_first, idx, -1))
-    prv_lf = np.where(prv >= top_of, prv, -1)  # last leaf-first spine <= j in j's unit
-    # internal edges of general forks, by the fork's unit level, then rank, then child order
-    ge = np.flatnonzero(int_edge & (nint >= 2)[edge_par])
-    ge = ge[_levels(udepth[uid[edge_par[ge]]], num_levels)[0]]
-    ge_kid = kid_rank[ge]
-    ge_pos = ge - first_edge[edge_par[ge]]
+    prv = np.maximum.accumulate(_pick(leaf_first, idx, -1))
+    prv_lf = _pick(prv >= top_of, prv, -1)  # last leaf-first spine <= j in j's unit
     gen = np.flatnonzero(nint >= 2)
     gen_order, gen_ptr = _levels(udepth[uid[gen]], num_levels)
     gen = gen[gen_order]
+    # internal edges of general forks, by the fork's unit level, then rank, then child order:
+    # each fork's edge range in level order (one cumulative sum), leaf edges dropped
+    g_nch = nch_i[gen]
+    ge = np.ones(int(g_nch.sum()), dtype=np.int64)
+    if ge.size:
+        g_start = first_edge[gen]
+        ge[0] = g_start[0]
+        ge[(np.cumsum(g_nch) - g_nch)[1:]] = g_start[1:] - (g_start[:-1] + g_nch[:-1] - 1)
+        np.cumsum(ge, out=ge)
+    ge = ge[np.flatnonzero(int_edge[ge])]
+    ge_kid = kid_rank[ge]
     edge_ptr = np.zeros(gen.size + 1, dtype=np.int64)
     np.cumsum(nint[gen], out=edge_ptr[1:])
     edge_fork = np.repeat(np.arange(gen.size), nint[gen])
-    g_cnt, g_nl, g_cross = nint[gen], nleaf[gen], cross[gen]  # per general fork, level order
+    g_cnt, g_leaf, g_cross = nint[gen], has_leaf[gen], cross[gen]  # per general fork, level order
+    g_m1, g_m2, g_arg = (np.zeros(gen.size, dtype=np.int64) for _ in range(3))  # set by pass 1
     long_units = np.flatnonzero(spine[tops])  # units of two or more ranks (a spine top)
     lu_order, lu_ptr = _levels(udepth[long_units], num_levels)
     level_tops = tops[long_units[lu_order]]  # their tops by level; a one-rank unit needs no walk
 
     # ---- pass 1: leaf-only forks in closed form, then unit levels bottom-up
-    tin = np.where(nch_i >= 2, 2, 1)
-    tp = np.where(cross, tin, 1)
+    tin = 1 + (nch_i >= 2)
+    tp = _pick(cross, tin, 1)
 
     def spine_values(j: np.ndarray) -> None:
         """T of spine ranks j from their unit bottom's T (the closed form of the module doc)."""
@@ -153,7 +171,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         y0 = tin[bt]
         tin_j = np.maximum(y0, 2 * (nxt_leaf[j] < bt))
         c = nxt_cross[j]
-        tp[j] = np.where(c < bt, np.maximum(y0, 2 * (nxt_leaf[c] < bt)), tp[bt])
+        tp[j] = _pick(c < bt, np.maximum(y0, 2 * (nxt_leaf[c] < bt)), tp[bt])
         tin[j] = tin_j
 
     for d in range(num_levels - 1, -1, -1):
@@ -166,18 +184,21 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             kids = ge_kid[lo:hi]
             tpc, tic = tp[kids], tin[kids]
             m1 = np.maximum.reduceat(tpc, grp)
-            m1c = np.repeat(m1, cnt)
-            is_max = tpc == m1c
-            n_max = np.add.reduceat(is_max.astype(np.int64), grp)
-            nl = g_nl[g0:g1]
-            # second largest of the children's multiset; leaves count as T_pre = 1
-            sec = np.maximum(np.maximum.reduceat(np.where(is_max, 0, tpc), grp), nl > 0)
-            m2 = np.where(n_max >= 2, m1, sec)
-            h = np.where(is_max, np.repeat(m2, cnt), m1c)  # h_o = max_{u != o} T_pre(u)
-            t = np.minimum.reduceat(np.maximum(tic, 1 + h), grp)
-            t = np.where(nl > 0, np.minimum(t, 1 + np.where(m1 == 1, m2, m1)), t)  # a leaf continues
+            is_max = tpc == np.repeat(m1, cnt)
+            first_max = np.minimum.reduceat(np.where(is_max, np.arange(hi - lo), _BIG), grp)
+            # second largest of the children's multiset (the largest without its first
+            # occurrence); leaves count as T_pre = 1
+            rest = tpc.copy()
+            rest[first_max] = 0
+            lf = g_leaf[g0:g1]
+            m2 = np.maximum(np.maximum.reduceat(rest, grp), lf)
+            # T_in = max(min T_in over the children of largest T_pre, 1 + m2) (see plan_lean);
+            # a leaf is such a child (T_in = 1) when m1 = 1
+            mt = np.minimum.reduceat(np.where(is_max, tic, _BIG), grp)
+            t = np.maximum(np.where((m1 == 1) & lf, 1, mt), 1 + m2)
             tin[par] = t
             tp[par] = np.where(g_cross[g0:g1], t, m1)
+            g_m1[g0:g1], g_m2[g0:g1], g_arg[g0:g1] = m1, m2, kids[first_max]
         ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]
         if ut.size:
             spine_values(ut)
@@ -188,8 +209,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     rdy = np.ones(n, dtype=bool)
     rnd = np.zeros(n, dtype=np.int64)
     hd = idx.copy()
-    ipr = np.full(n, -1, dtype=np.int64)  # per head rank: producer head rank (-1 zero state)
-    ipo = np.zeros(n, dtype=np.int64)  # per head rank: the state's position
+    ipr = np.full(n, -1, dtype=np.int64)  # per head rank: the fork (segment) exporting its state (-1 zero)
     dirc = first_leaf.copy()  # direct child (segment id)
     root_tops = tops[ptop < 0]
     bud[root_tops] = tp[root_tops]
@@ -197,18 +217,18 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     span = int(tp.max()) + 2
     tnext = np.append(tp[1:], 0)
     kbase = uid * span + span - 1
-    key = kbase - np.where(idx < bot_of, tnext, 0)
+    key = kbase - tnext * (idx < bot_of)
     # last leaf-first spine before the first crossing at or after j (-1: none in j's unit)
     cut = nxt_cross - 1
-    before_cross = np.where(cut >= idx, prv_lf[np.maximum(cut, 0)], -1)
+    before_cross = _pick(cut >= idx, prv_lf[np.maximum(cut, 0)], -1)
     phases: list[tuple[np.ndarray, ...]] = []
-    e_tp, e_tin, e_seg = tp[ge_kid], tin[ge_kid], ids[ge_kid]  # per general-fork edge
-    g_lpos, g_bv = leaf_pos[gen], bv[gen]
+    e_seg = ids[ge_kid]  # per general-fork edge: the child segment
+    g_first = kid[first_edge[gen]]  # per general fork: its first child (segment)
 
     def walk_units(s: np.ndarray) -> None:
         """Phases down the units topped by spine ranks ``s``; sets each bottom's state."""
         k, r, rd, h = bud[s], rdy[s], rnd[s], hd[s]
-        pr, po = ipr[h], ipo[h]  # initial state of the phase's sequences
+        pr = ipr[h]  # initial state of the phase's sequences
         bt = bot_of[s]
         while s.size:
             cr = nxt_cross[s]
@@ -219,12 +239,12 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             # before the first crossing), else the phase's head
             last = before_cross[s]
             h_e = np.where(r & (last >= s), last + 1, h)
-            phases.append((s, e, k, r, rd, h, pr, po))
+            phases.append((s, e, k, r, rd, h, pr))
             done = e == bt
             fb, hb = bt[done], h_e[done]
             bud[fb], rnd[fb], hd[fb] = k[done], rd[done], hb
             rdy[fb] = r[done] & (cr[done] == fb)
-            ipr[hb], ipo[hb] = pr[done], po[done]
+            ipr[hb] = pr[done]
             if fb.size == s.size:
                 return
             # the next phase starts at e + 1 as a new head, one round later with K - 1
@@ -232,42 +252,42 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             e = e[more]
             s, k, rd, bt = e + 1, k[more] - 1, rd[more] + 1, bt[more]
             r = np.ones(s.size, dtype=bool)
-            h, pr, po = s, h_e[more], bv[e]
+            h, pr = s, ids[e]
 
     def recover_forks(g0: int, g1: int) -> None:
-        """General forks gen[g0:g1] choose their direct child and set their children's state."""
+        """General forks gen[g0:g1] choose their direct child and set their children's state.
+
+        The direct child is the first one fitting K_round that covers every child over
+        K_side (the pseudocode): the first child when none exceeds K_side (T_pre <= K_side,
+        and T_in <= T_pre + 1 <= K_round when K_side = K_round - 1), else the one exceeding
+        child, the first of largest T_pre, which must fit K_round with no second one.
+        """
         par = gen[g0:g1]
         lo, hi = int(edge_ptr[g0]), int(edge_ptr[g1])
-        grp = edge_ptr[g0:g1] - lo
         ef = edge_fork[lo:hi] - g0  # fork (in par) of each edge
         kids = ge_kid[lo:hi]
         kr = bud[par]
         same = rdy[par] & ~g_cross[g0:g1]
         ks = kr - ~same  # K_side >= 1: a fork that is not same-round has K_round >= T_in >= 2
-        kr_e, ks_e, same_e = kr[ef], ks[ef], same[ef]
-        tpc = e_tp[lo:hi]
-        exc = tpc > ks_e  # leaves (T_pre = 1) never exceed K_side
-        f = np.add.reduceat(exc, grp)
-        ok = (np.where(same_e, tpc, e_tin[lo:hi]) <= kr_e) & (f[ef] == exc)
-        pos = ge_pos[lo:hi]
-        best = np.minimum.reduceat(np.where(ok, pos, _BIG), grp)
-        leaf_at = np.where((g_nl[g0:g1] > 0) & (f == 0), g_lpos[g0:g1], _BIG)
-        use_int = best < leaf_at
-        if not np.all(use_int | (leaf_at < _BIG)):
+        ar = g_arg[g0:g1]
+        use_arg = g_m1[g0:g1] > ks
+        if np.any(use_arg & ((g_m2[g0:g1] > ks) | (np.where(same, tp[ar], tin[ar]) > kr))):
             raise AssertionError(_FAIL)
-        direct = (pos == best[ef]) & use_int[ef]
-        dirc[par[use_int]] = e_seg[lo:hi][direct]
+        dseg = np.where(use_arg, ids[ar], g_first[g0:g1])
+        dirc[par] = dseg
+        direct = e_seg[lo:hi] == dseg[ef]
+        kr_e, same_e = kr[ef], same[ef]
         hpar = hd[par]
-        bud[kids] = np.where(direct, kr_e, ks_e)
+        later = ~(direct | same_e)  # a side child of a fork that is not same-round
+        bud[kids] = kr_e - later
         rdy[kids] = direct <= same_e  # a side child is ready; a direct one iff same-round
-        rnd[kids] = rnd[par][ef] + (~direct & ~same_e)
+        rnd[kids] = rnd[par][ef] + later
         hd[kids] = np.where(direct, hpar[ef], kids)
         # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
         # initial state; otherwise it requests S_{b_v} from the parent's sequence
         se = np.flatnonzero(~direct)
         sf = ef[se]
-        ipr[kids[se]] = np.where(same, ipr[hpar], hpar)[sf]
-        ipo[kids[se]] = np.where(same, ipo[hpar], g_bv[g0:g1])[sf]
+        ipr[kids[se]] = np.where(same, ipr[hpar], ids[par])[sf]
 
     for d in range(num_levels):
         ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]  # a one-rank unit keeps its parent fork's state
@@ -280,7 +300,7 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     # continuations (K_round inside a unit is needed no more)
     cont = np.zeros(n, dtype=bool)  # a spine's internal child continues
     if phases:
-        ps, pe, _, pr_, prd, ph, ppr, ppo = (np.concatenate(x) for x in zip(*phases))
+        ps, pe, _, pr_, prd, ph, ppr = (np.concatenate(x) for x in zip(*phases))
         ln = pe - ps + 1
         first = np.cumsum(ln) - ln
         ph_of = np.repeat(np.arange(ps.size), ln)
@@ -298,10 +318,9 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
         bi = np.flatnonzero(brk) + 1
         mark[bi] = True
         val[bi] = j[bi]
-        hd[j] = val[np.maximum.accumulate(np.where(mark, np.arange(j.size), 0))]
+        hd[j] = val[np.maximum.accumulate(np.arange(j.size) * mark)]
         nh = np.concatenate([bi, first[ph == ps]])
         ipr[j[nh]] = ppr[ph_of[nh]]
-        ipo[j[nh]] = ppo[ph_of[nh]]
 
     same_i = rdy & ~cross  # side branches start in the fork's own round
     if np.any((nint == 0) & (bud - ~same_i < 1) & (nch_i >= 2)):  # leaf-only fork, every leaf over K_side
@@ -318,17 +337,15 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     head[ids] = ids[hd]
     rnd_s = np.zeros(v, dtype=np.int64)
     rnd_s[ids] = rnd
-    init_prod = np.full(v, -1, dtype=np.int64)
-    init_pos = np.zeros(v, dtype=np.int64)
-    init_prod[ids] = np.where(ipr >= 0, ids[np.maximum(ipr, 0)], -1)
-    init_pos[ids] = ipo
+    init_fork = np.full(v, -1, dtype=np.int64)
+    init_fork[ids] = ipr
     offset = np.zeros(v, dtype=np.int64)  # a chain has consecutive depths
     offset[ids] = depth_i - depth_i[hd]
     leaves = kid[le]  # leaf children; lp: their parents' ranks
     direct_l = dirc[lp] == leaves
     di, si = np.flatnonzero(direct_l), np.flatnonzero(~direct_l)
     ld, pd = leaves[di], lp[di]
-    head[ld] = head[ids[pd]]
+    head[ld] = ids[hd[pd]]
     rnd_s[ld] = rnd[pd]
     offset[ld] = offset[ids[pd]] + 1
     # a side leaf (its own head, offset 0) of a same-round fork inherits its parent
@@ -336,136 +353,144 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     ls, ps = leaves[si], lp[si]
     hps, sm = hd[ps], same_i[ps]
     rnd_s[ls] = rnd[ps] + ~sm
-    prod = np.where(sm, ipr[hps], hps)
-    init_prod[ls] = np.where(prod >= 0, ids[np.maximum(prod, 0)], -1)
-    init_pos[ls] = np.where(sm, ipo[hps], bv[ps])
-    return tpre_s, tin_s, head, rnd_s, init_prod, init_pos, offset
+    init_fork[ls] = _pick(sm, ipr[hps], ids[ps])
+    return tpre_s, tin_s, head, rnd_s, init_fork, offset
 
 
-def plan_lean(forest: SegmentForest, b: int) -> dict[str, object]:
+def plan_lean(forest: SegmentForest, b: int) -> tuple[list[int], ...]:
     """The same two passes fork by fork on plain lists, for small forests (see ``plan_calls``).
 
-    Every internal segment takes the general-fork rule of ``plan_units`` (the spine closed
-    forms are that rule with one internal child); with a few dozen segments, a few dozen
-    numpy calls cost more than the whole plan. Returns the ``CallPlan`` fields (``num_calls``
-    and the plan arrays); ``plan_calls`` uses it below ``LEAN_MAX_SEGMENTS`` segments.
+    Every internal segment takes the general-fork rule (the spine closed forms of
+    ``plan_units`` are that rule with one internal child); below a few thousand segments the
+    units engine's per-level numpy calls cost more than this walk. Returns the six
+    per-segment results of ``plan_units`` as lists of length V.
     """
     v = forest.num_segments
-    start, end = forest.start.tolist(), forest.end.tolist()
-    ptr, kid = forest.child_ptr.tolist(), forest.child_idx.tolist()
-    forks = [u for u in range(v) if ptr[u + 1] > ptr[u]]
-    cross = [False] * v  # Eq. 11 fails: S_{b_v} is produced inside the call
+    ptr = forest.child_ptr
+    fk = np.flatnonzero(ptr[1:] > ptr[:-1])  # forks in preorder
+    forks = fk.tolist()
+    p, kid = ptr.tolist(), forest.child_idx.tolist()
+    end_f = forest.end[fk]
+    cross = (end_f >= forest.start[fk] // b * b + b).tolist()  # Eq. 11 fails: S_{b_v} made in the call
+    ch = [kid[p[u] : p[u + 1]] for u in forks]
+    nf = len(forks)
     tp, ti = [1] * v, [1] * v
-    for u in reversed(forks):  # pass 1, children before parents
-        lo, hi = ptr[u], ptr[u + 1]
-        m1 = m2 = 0  # largest and second-largest child T_pre
-        for c in kid[lo:hi]:
+    sec, arg = [0] * nf, [0] * nf  # per fork: second-largest child T_pre (multiset), first largest child
+    for i in range(nf - 1, -1, -1):  # pass 1, children before parents
+        # T_in = min_o max(T_in(o), 1 + h_o) is reached at a child of largest T_pre m1 (any
+        # other has T_in <= T_pre + 1 <= m1 < 1 + h_o = 1 + m1), where h_o = m2, the second
+        # largest of the multiset: T_in = max(min T_in over those children, 1 + m2)
+        m1 = m2 = mt = 0
+        a = -1
+        for c in ch[i]:
             t = tp[c]
             if t > m1:
-                m1, m2 = t, m1
+                m1, m2, mt, a = t, m1, ti[c], c
+            elif t == m1:
+                m2 = t
+                if ti[c] < mt:
+                    mt = ti[c]
             elif t > m2:
                 m2 = t
-        best = 1 << 62
-        for c in kid[lo:hi]:
-            t = m2 + 1 if tp[c] == m1 else m1 + 1  # 1 + h_o
-            if ti[c] > t:
-                t = ti[c]
-            if t < best:
-                best = t
-        ti[u] = best
-        cross[u] = cr = end[u] >= start[u] // b * b + b
-        tp[u] = best if cr else m1
-    # pass 2 in preorder: a segment's state is set by its parent before it is visited
-    bud, rdy, rnd, head = tp[:], [True] * v, [0] * v, list(range(v))
-    init: dict[int, tuple[int, int]] = {}  # head -> (producer head, state position)
-    for u in forks:
-        lo, hi = ptr[u], ptr[u + 1]
-        same = rdy[u] and not cross[u]
+        t = mt if mt > m2 else m2 + 1
+        u = forks[i]
+        ti[u], sec[i], arg[i] = t, m2, a
+        tp[u] = t if cross[i] else m1
+    # pass 2 in preorder: a segment's state is set by its parent before it is visited. The
+    # direct child is the first one fitting K_round that covers every child over K_side: with
+    # no child over K_side that is the first child (T_pre <= K_side, and T_in <= T_pre + 1 <=
+    # K_round when K_side = K_round - 1); with one, that child; with two, none exists.
+    bud, rdy, rnd, head, off = tp[:], [True] * v, [0] * v, list(range(v)), [0] * v
+    ifk = [-1] * v  # per head: the fork exporting its initial state (-1 zero state)
+    for i in range(nf):
+        u = forks[i]
+        same = rdy[u] and not cross[i]
         kr = bud[u]
         ks = kr if same else kr - 1
-        f = 0
-        for c in kid[lo:hi]:
-            f += tp[c] > ks
-        o = -1
-        for c in kid[lo:hi]:
-            if (tp[c] if same else ti[c]) <= kr and f == (tp[c] > ks):
-                o = c
-                break
-        if o < 0:
-            raise AssertionError(_FAIL)
-        h = head[u]
-        src = init.get(h) if same else (h, end[u] // b * b)
-        r = rnd[u] if same else rnd[u] + 1
-        for c in kid[lo:hi]:
-            if c == o:
-                bud[c], rdy[c], rnd[c], head[c] = kr, same, rnd[u], h
-            else:
-                bud[c], rnd[c] = ks, r
-                if src is not None:
-                    init[c] = src
-    # sequences: chains run down the tree, so preorder is each chain's order
-    segs: dict[int, list[int]] = {}
-    for u in range(v):
-        h = head[u]
-        if h == u:
-            segs[u] = [u]
+        a = arg[i]
+        if tp[a] <= ks:
+            o = ch[i][0]
+        elif sec[i] <= ks and (tp[a] if same else ti[a]) <= kr:
+            o = a
         else:
-            segs[h].append(u)
-    return plan_fields(forest, b, tp, ti, segs, {h: rnd[h] for h in segs}, init)
+            raise AssertionError(_FAIL)
+        h, ru = head[u], rnd[u]
+        # a same-round side branch starts from S_{a_v}, the parent sequence's own initial
+        # state; otherwise it requests S_{b_v} from the parent's sequence, a round later
+        src, r = (ifk[h], ru) if same else (u, ru + 1)
+        for c in ch[i]:
+            if c == o:
+                bud[c], rdy[c], rnd[c], head[c], off[c] = kr, same, ru, h, off[u] + 1
+            else:
+                bud[c], rnd[c], ifk[c] = ks, r, src
+    return tp, ti, head, rnd, ifk, off
 
 
-def plan_fields(
+def pack_lists(
     forest: SegmentForest,
     b: int,
     tp: list[int],
     ti: list[int],
-    segs: dict[int, list[int]],
-    rnd: dict[int, int],
-    init: dict[int, tuple[int, int]],
+    head: list[int],
+    rnd: list[int],
+    ifk: list[int],
+    off: list[int],
 ) -> dict[str, object]:
-    """The ``CallPlan`` fields from per-sequence lists (``plan_lean`` and the tests' oracle).
+    """The ``CallPlan`` fields from ``plan_lean``'s lists, in plain Python.
 
-    ``segs``: head -> its segments in chain order; ``rnd``: head -> 0-based round; ``init``:
-    head -> (producer head, state position) for heads that import a state (a producer < 0,
-    or a head not in ``init``, starts from the zero state).
+    The numpy assembly (``harts.plan.calls``) costs a few dozen numpy calls, more than the
+    whole plan of a microbatch of a dozen segments; this packs the same fields list by list
+    (tested equal). Returns ``num_calls`` and the plan arrays.
     """
-    start, parent = forest.start.tolist(), forest.parent.tolist()
-    heads = sorted(segs, key=lambda h: (rnd[h], h))
-    seq_of = {h: q for q, h in enumerate(heads)}
-    seg_seq = [0] * len(tp)
-    seq_segments: list[int] = []
-    seq_ptr = [0]
-    for q, h in enumerate(heads):
-        for u in segs[h]:
-            seg_seq[u] = q
-        seq_segments += segs[h]
-        seq_ptr.append(len(seq_segments))
-    imports = {h: (seq_of[p], pos) for h, (p, pos) in init.items() if p >= 0}
-    reqs = sorted(set(imports.values()))
+    v = len(tp)
+    heads = [k % v for k in sorted([rnd[u] * v + u for u in range(v) if head[u] == u])]  # by (round, id)
+    q = len(heads)
+    seq_of = [0] * v
+    for i, h in enumerate(heads):
+        seq_of[h] = i
+    seg_seq = [seq_of[h] for h in head]
+    counts = [0] * q
+    for s in seg_seq:
+        counts[s] += 1
+    seq_ptr = [0, *accumulate(counts)]
+    seq_segments = [0] * v
+    for u in range(v):
+        seq_segments[seq_ptr[seg_seq[u]] + off[u]] = u
+    # requested states: unique (exporting sequence, position), sorted
+    end = forest.end.tolist()
+    keys = {h: (seq_of[head[f]], end[f] // b * b) for h in heads if (f := ifk[h]) >= 0}
+    reqs = sorted(set(keys.values()))
     req_of = {r: i for i, r in enumerate(reqs)}
     seq_round = [rnd[h] for h in heads]
-    num_calls = seq_round[-1] + 1 if heads else 0
-    round_ptr = [0] * (num_calls + 1)
+    num_calls = seq_round[-1] + 1 if q else 0
+    per_round = [0] * num_calls
     for r in seq_round:
-        round_ptr[r + 1] += 1
-    for k in range(num_calls):
-        round_ptr[k + 1] += round_ptr[k]
-
-    def a(x: list[int]) -> np.ndarray:
-        return np.array(x, dtype=np.int64)
-
+        per_round[r] += 1
+    parent, start = forest.parent.tolist(), forest.start.tolist()
+    # one numpy conversion per length (V, Q, Rq): the fields are rows of three arrays
+    per_seg = np.array([tp, ti, seg_seq, seq_segments], dtype=np.int64).reshape(4, v)
+    per_seq = np.array(
+        [
+            seq_round,
+            [parent[h] for h in heads],
+            [start[h] // b * b for h in heads],
+            [req_of[keys[h]] if h in keys else -1 for h in heads],
+        ],
+        dtype=np.int64,
+    ).reshape(4, q)
+    per_req = np.ascontiguousarray(np.array(reqs, dtype=np.int64).reshape(-1, 2).T)
     return {
         "num_calls": num_calls,
-        "t_pre": a(tp),
-        "t_in": a(ti),
-        "seg_seq": a(seg_seq),
-        "seq_round": a(seq_round),
-        "seq_ptr": a(seq_ptr),
-        "seq_segments": a(seq_segments),
-        "seq_fork": a([parent[h] for h in heads]),
-        "seq_anchor": a([start[h] // b * b for h in heads]),
-        "seq_init": a([req_of[imports[h]] if h in imports else -1 for h in heads]),
-        "req_seq": a([r[0] for r in reqs]),
-        "req_pos": a([r[1] for r in reqs]),
-        "round_ptr": a(round_ptr),
+        "t_pre": per_seg[0],
+        "t_in": per_seg[1],
+        "seg_seq": per_seg[2],
+        "seq_round": per_seq[0],
+        "seq_ptr": np.array(seq_ptr, dtype=np.int64),
+        "seq_segments": per_seg[3],
+        "seq_fork": per_seq[1],
+        "seq_anchor": per_seq[2],
+        "seq_init": per_seq[3],
+        "req_seq": per_req[0],
+        "req_pos": per_req[1],
+        "round_ptr": np.array([0, *accumulate(per_round)], dtype=np.int64),
     }

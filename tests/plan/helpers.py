@@ -7,20 +7,27 @@ import itertools
 
 import numpy as np
 
-from harts.plan.calls import CallPlan, _assemble
-from harts.plan.calls_units import plan_lean, plan_units
+from harts.plan.calls import CallPlan, _assemble, plan_calls
+from harts.plan.calls_units import pack_lists, plan_lean
 from harts.tree.segments import SegmentForest
 
 
 # ------------------------------------------------- the two paths of plan_calls
 def plan_units_only(forest: SegmentForest, b: int) -> CallPlan:
     """``plan_calls`` through the vectorized engine whatever the forest's size."""
-    return _assemble(forest, b, *plan_units(forest, b))
+    return plan_calls(forest, b, path="units")
 
 
 def lean_only(forest: SegmentForest, b: int) -> CallPlan:
-    """``plan_calls`` through the lean list path whatever the forest's size."""
-    return CallPlan(chunk_size=b, forest=forest, **plan_lean(forest, b))  # type: ignore[arg-type]
+    """``plan_calls`` through the lean list walk whatever the forest's size (its own packing)."""
+    return plan_calls(forest, b, path="lean")
+
+
+def lean_packings(forest: SegmentForest, b: int) -> tuple[CallPlan, CallPlan]:
+    """The lean walk's results packed both ways, whatever the size: on lists and by numpy."""
+    lists = plan_lean(forest, b)
+    on_lists = CallPlan(chunk_size=b, forest=forest, **pack_lists(forest, b, *lists))  # type: ignore[arg-type]
+    return on_lists, _assemble(forest, b, *(np.array(x, dtype=np.int64) for x in lists))
 
 
 # ----------------------------------------------------------- execution model

@@ -3,14 +3,15 @@
 Every node is visited, recursion is an explicit stack, dictionaries hold the sequences, no
 numpy. Slow (seconds on a million segments) but obviously the pseudocode; the tests require
 both paths of ``plan_calls`` (the vectorized ``plan_units`` and the lean list path) to produce
-exactly this plan. The sequences are packed into plan arrays by ``plan_fields``, shared with
-the lean path; the vectorized engine packs its own, so a packing slip still shows.
+exactly this plan. Its sequences are packed into plan arrays by ``pack_lists``, the lean
+path's packing for the smallest forests; the units engine and larger lean plans pack with
+numpy (``_assemble``), so a packing slip still shows.
 """
 
 from __future__ import annotations
 
 from harts.plan.calls import CallPlan
-from harts.plan.calls_units import plan_fields
+from harts.plan.calls_units import pack_lists
 from harts.tree.segments import SegmentForest
 
 _FAIL = "recovery found no direct continuation (DP invariant broken)"
@@ -57,7 +58,7 @@ def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
     # pass 2: Recover(v, ready, K_round, r, q) with an explicit stack (lines 10-25)
     seq_segs: dict[int, list[int]] = {}  # head -> its segments in chain order
     seq_rnd: dict[int, int] = {}
-    init_of: dict[int, tuple[int, int]] = {}  # head -> (producer head | -1, state position)
+    init_of: dict[int, int] = {}  # head -> the fork v whose S_{b_v} it starts from (-1: zero state)
     stack = [(r, True, tpre[r], 0, r) for r in reversed(forest.roots.tolist())]
     while stack:
         u, ready, k_round, r, hq = stack.pop()
@@ -84,8 +85,9 @@ def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
                 break
         assert o >= 0, _FAIL
         # a same-round side branch starts from S_{a_v}, the parent sequence's own initial
-        # state; otherwise it requests S_{b_v} and starts one round later
-        src = init_of.get(hq, (-1, 0)) if same else (hq, end[u] // b * b)
+        # state; otherwise it requests S_{b_v} from the parent's sequence and starts one
+        # round later
+        src = init_of.get(hq, -1) if same else u
         for i in range(hi - 1, lo - 1, -1):  # pushed in reverse: popped in child order
             c = kid[i]
             if c != o:
@@ -93,4 +95,10 @@ def plan_scalar(forest: SegmentForest, b: int) -> dict[str, object]:
                 stack.append((c, True, k_side, r + delta, c))
         stack.append((o, same, k_round, r, hq))
 
-    return plan_fields(forest, b, tpre, tin, seq_segs, seq_rnd, init_of)
+    # per segment: head, round, place in its sequence; per head: the fork exporting its state
+    head, rnd, off, ifk = [0] * v, [0] * v, [0] * v, [-1] * v
+    for h, segs in seq_segs.items():
+        ifk[h] = init_of.get(h, -1)
+        for i, u in enumerate(segs):
+            head[u], rnd[u], off[u] = h, seq_rnd[h], i
+    return pack_lists(forest, b, tpre, tin, head, rnd, ifk, off)
