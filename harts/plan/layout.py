@@ -145,12 +145,106 @@ def _sequence_schedule(plan: CallPlan, no_replay: bool) -> tuple[np.ndarray, ...
     return rnd, f.start[heads], init, uniq // scale, uniq % scale
 
 
+def _merge_runs(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs ``dst_k + i <- src_k + i`` (i < n_k) with empty runs dropped and every run that
+    continues its predecessor on both sides fused into it (a sequence's segments usually
+    continue each other: one run per sequence instead of one per segment)."""
+    keep = n > 0
+    if not keep.all():
+        dst, src, n = dst[keep], src[keep], n[keep]
+    if n.size < 2:
+        return dst, src, n
+    cont = (dst[1:] == dst[:-1] + n[:-1]) & (src[1:] == src[:-1] + n[:-1])
+    if not cont.any():
+        return dst, src, n
+    first = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return dst[first], src[first], np.add.reduceat(n, first)
+
+
+def _few_long(n: np.ndarray) -> bool:
+    """Slice-by-slice writes beat the vectorised form (ranges_to_indices' break-even)."""
+    return n.size <= 16 or n.size * 4096 <= int(n.sum())
+
+
+def _fill(out: np.ndarray, dst: np.ndarray, src: np.ndarray, n: np.ndarray, iota: np.ndarray) -> None:
+    """``out[dst_k + i] = src_k + i`` for i < n_k, one slice per run, from ``iota`` = arange(>= n_k)
+    (the layout's ``arange(P)``: every run here is a run of distinct physical rows, so no
+    per-call base array has to be written first)."""
+    assert not n.size or int(n.max()) <= iota.size
+    for d, s, k in zip(dst.tolist(), src.tolist(), n.tolist()):
+        np.add(iota[:k], s, out=out[d : d + k])
+
+
+def _runs(
+    size: int,
+    dst: np.ndarray,
+    src: np.ndarray,
+    n: np.ndarray,
+    fill: int,
+    iota: np.ndarray,
+    values: np.ndarray | None = None,
+) -> np.ndarray:
+    """int64 [size]: ``out[dst_k + i] = src_k + i`` (or ``values[src_k + i]``) for i < n_k, and
+    ``fill`` on rows no run covers. Runs are disjoint and sorted by ``dst``; ``iota`` as in
+    ``_fill``.
+
+    A layout's per-row arrays are a few long runs (one per segment or sequence), so each is
+    written once, slice by slice, instead of gathered row by row; many short runs (deep or
+    bushy forests) take the vectorised form.
+    """
+    dst, src, n = _merge_runs(dst, src, n)
+    covered = int(n.sum())
+    if not _few_long(n):
+        idx = ranges_to_indices(src, n)
+        vals = idx if values is None else values[idx].astype(np.int64, copy=False)
+        if covered == size:
+            return vals
+        out = np.full(size, fill, dtype=np.int64)
+        out[ranges_to_indices(dst, n)] = vals
+        return out
+    out = np.empty(size, dtype=np.int64)
+    if covered != size:  # the gaps between runs (padding)
+        g0 = np.concatenate(([0], dst + n))
+        g1 = np.concatenate((dst, [size]))
+        for a, z in zip(g0[g1 > g0].tolist(), g1[g1 > g0].tolist()):
+            out[a:z] = fill
+    if values is None:
+        _fill(out, dst, src, n, iota)
+    else:
+        for d, s, k in zip(dst.tolist(), src.tolist(), n.tolist()):
+            out[d : d + k] = values[s : s + k]
+    return out
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray, iota: np.ndarray) -> np.ndarray:
+    """``ranges_to_indices(starts, lengths)`` with ranges that continue each other fused (few
+    long ones are written slice by slice, ``iota`` as in ``_fill``) and a short output
+    (replay rows, segment lists) in one vectorised expression instead of a per-range loop."""
+    first = np.cumsum(lengths) - lengths
+    total = int(first[-1] + lengths[-1]) if lengths.size else 0
+    if total < 16384:
+        return np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
+    first, starts, lengths = _merge_runs(first, starts, lengths)
+    if not _few_long(lengths):
+        return ranges_to_indices(starts, lengths)
+    out = np.empty(total, dtype=np.int64)
+    _fill(out, first, starts, lengths, iota)
+    return out
+
+
 def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay: bool = False) -> Layout:
-    """The physical layout of ``cb`` under ``plan`` (see module docstring)."""
+    """The physical layout of ``cb`` under ``plan`` (see module docstring).
+
+    Work is O(Q + V + N) numpy calls plus one write per output row (N = trajectories): every
+    per-row array is assembled from runs of segments, sequences or trajectories.
+    """
     f = plan.forest
     g = cb.segment_trees
-    if f.num_segments != g.num_segments or not (
-        np.array_equal(f.row, g.row) and np.array_equal(f.start, g.start) and np.array_equal(f.parent, g.parent)
+    if f is not g and (
+        f.num_segments != g.num_segments
+        or not (
+            np.array_equal(f.row, g.row) and np.array_equal(f.start, g.start) and np.array_equal(f.parent, g.parent)
+        )
     ):
         raise ValueError("build_layout: the plan was made for a different segment forest than cb.segment_trees")
     if isinstance(pad_to, bool) or int(pad_to) != pad_to or pad_to < 1:
@@ -178,49 +272,33 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     init[init >= 0] = req_id_of[init[init >= 0]]
     req_count = req_pos - la_start[req_seq]
 
-    # ---- physical rows: own rows of each sequence, contiguous, padded to pad_to
-    nseg = np.diff(plan.seq_ptr)[perm]
-    segs = plan.seq_segments[ranges_to_indices(plan.seq_ptr[:-1][perm], nseg)]
-    comp_rows = ranges_to_indices(f.row[segs], f.length[segs])
+    # ---- physical rows: own rows of each sequence, contiguous, padded to pad_to; each
+    # segment is one run of physical rows holding one run of compact rows
     own = plan.seq_tokens[perm]
     padded = -(-own // pad_to) * pad_to
     phys_start = np.cumsum(padded) - padded
     p = int(padded.sum())
+    # every physical row; also the base the run writers add offsets to (_fill)
+    all_rows = np.arange(p, dtype=np.int64)
+    nseg = np.diff(plan.seq_ptr)[perm]
+    segs = plan.seq_segments[_ranges(plan.seq_ptr[:-1][perm], nseg, all_rows)]
+    seg_len = f.length[segs]
+    seg_row = f.row[segs]
     # segments' row ranges partition the compact rows, so every row is covered exactly once
     # iff every segment runs exactly once (a V-sized check instead of a C-sized one)
-    if comp_rows.size != c or not np.all(np.bincount(segs, minlength=f.num_segments) == 1):
+    if int(seg_len.sum()) != c or not np.all(np.bincount(segs, minlength=f.num_segments) == 1):
         raise AssertionError("plan does not cover every compact row once")
-    compact_to_phys = np.empty(c, dtype=np.int64)
-    all_rows = np.arange(p, dtype=np.int64)  # shared by the views that are plain row ranges
-    if p == c:  # no padding: physical row i holds comp_rows[i]
+    seg_off = np.cumsum(seg_len) - seg_len  # in the unpadded concatenation of own rows
+    seg_phys = seg_off + np.repeat(phys_start - (np.cumsum(own) - own), nseg)
+    phys_to_compact = _runs(p, seg_phys, seg_row, seg_len, -1, all_rows)
+    by_row = np.argsort(seg_row)
+    compact_to_phys = _runs(c, seg_row[by_row], seg_phys[by_row], seg_len[by_row], -1, all_rows)
+    if p == c:
         own_phys = all_rows
-        phys_to_compact = comp_rows
-        compact_to_phys[comp_rows] = own_phys
         is_pad = np.zeros(p, dtype=bool)
-        pc = phys_to_compact
-
-        def per_row(x: np.ndarray) -> np.ndarray:
-            return x[pc].astype(np.int64, copy=False)
-
-        def on_own_rows(x: np.ndarray, fill: int) -> np.ndarray:
-            return x
-
     else:
-        own_phys = ranges_to_indices(phys_start, own)
-        phys_to_compact = np.full(p, -1, dtype=np.int64)
-        phys_to_compact[own_phys] = comp_rows
-        compact_to_phys[comp_rows] = own_phys
+        own_phys = _ranges(phys_start, own, all_rows)
         is_pad = phys_to_compact < 0
-        real = ~is_pad
-        pc = np.maximum(phys_to_compact, 0)
-
-        def per_row(x: np.ndarray) -> np.ndarray:
-            return np.where(real, x[pc], 0).astype(np.int64, copy=False)
-
-        def on_own_rows(x: np.ndarray, fill: int) -> np.ndarray:
-            out = np.full(p, fill, dtype=np.int64)
-            out[own_phys] = x
-            return out
 
     # ---- attention view (a): ancestors of each head (root first) + own rows. A sequence's
     # own rows are contiguous and in position order, so the ancestors inside one ancestor
@@ -243,7 +321,8 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         lvl += 1
     rq_, rl_ = np.concatenate(rng_q), np.concatenate(rng_lvl)
     o = np.lexsort((-rl_, rq_))  # per branch: root-most range first, own rows last
-    kv_rows = ranges_to_indices(np.concatenate(rng_start)[o], np.concatenate(rng_len)[o])
+    run_q, run_start, run_len = rq_[o], np.concatenate(rng_start)[o], np.concatenate(rng_len)[o]
+    kv_rows = _ranges(run_start, run_len, all_rows)
     kv_len = h + own
     cu_q = np.zeros(q + 1, dtype=np.int64)
     np.cumsum(own, out=cu_q[1:])
@@ -255,25 +334,34 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     parent_phys = np.arange(-1, p - 1, dtype=np.int64)
     parent_phys[phys_start] = np.where(h > 0, kv_rows[np.maximum(cu_kv[:-1] + h - 1, 0)], -1)
     if p != c:
-        parent_phys[is_pad] = -1
+        parent_phys[_ranges(phys_start + own, padded - own, all_rows)] = -1
 
     # ---- replay rows: the last `replay` ancestor rows of each head, i.e. the tail of the
     # branch's ancestor part in view (a)
-    replay_phys = kv_rows[ranges_to_indices(cu_kv[:-1] + h - replay, replay)]
+    replay_phys = kv_rows[_ranges(cu_kv[:-1] + h - replay, replay, all_rows)]
 
     # ---- linear-attention input of all sequences: [replay rows, own rows (+ padding)]
     la_len = replay + padded
     la_off = np.cumsum(la_len) - la_len
-    # own rows (+ padding) continue the physical order; the few replay slots are overwritten
-    la_rows = ranges_to_indices(phys_start - replay, la_len)
-    is_output = np.ones(la_rows.size, dtype=bool)
-    rep_slots = ranges_to_indices(la_off, replay)
-    la_rows[rep_slots] = replay_phys
-    is_output[rep_slots] = False
+    is_output = np.ones(int(la_len.sum()), dtype=bool)
+    if replay.any():
+        # own rows (+ padding) continue the physical order; the few replay slots are overwritten
+        la_rows = _ranges(phys_start - replay, la_len, all_rows)
+        rep_slots = _ranges(la_off, replay, all_rows)
+        la_rows[rep_slots] = replay_phys
+        is_output[rep_slots] = False
+    else:  # no replay rows (always so with no_replay): the physical order itself
+        la_rows = all_rows
 
     num_calls = int(seq_round.max()) + 1 if q else 0
     seq_rptr = np.searchsorted(seq_round, np.arange(num_calls + 1))
     req_rptr = np.searchsorted(req_seq, seq_rptr)
+    # requests of every round at once: (sequence within its round, position count)
+    requests = np.empty((req_seq.size, 2), dtype=np.int64)
+    requests[:, 0] = req_seq - seq_rptr[seq_round[req_seq]]
+    requests[:, 1] = req_count
+    request_ids = np.arange(req_seq.size, dtype=np.int64)
+    seq_ids = np.arange(q, dtype=np.int64)
     rounds = []
     for k in range(num_calls):
         s0, s1 = int(seq_rptr[k]), int(seq_rptr[k + 1])
@@ -282,26 +370,50 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         cu = np.zeros(s1 - s0 + 1, dtype=np.int64)
         np.cumsum(la_len[s0:s1], out=cu[1:])
         r0, r1 = int(req_rptr[k]), int(req_rptr[k + 1])
-        rows_k, out_k = la_rows[t0:t1], is_output[t0:t1]
         rounds.append(
             RoundView(
-                la_rows=rows_k,
+                la_rows=la_rows[t0:t1],
                 cu_seqlens=cu,
-                is_output=out_k,
+                is_output=is_output[t0:t1],
                 out_rows=all_rows[phys_start[s0] : phys_start[s1 - 1] + padded[s1 - 1]],
                 init_state=init[s0:s1],
-                requests=np.stack([req_seq[r0:r1] - s0, req_count[r0:r1]], axis=1).astype(np.int64),
-                request_ids=np.arange(r0, r1, dtype=np.int64),
-                seq_ids=np.arange(s0, s1, dtype=np.int64),
+                requests=requests[r0:r1],
+                request_ids=request_ids[r0:r1],
+                seq_ids=seq_ids[s0:s1],
             )
         )
 
     # ---- attention view (b): preorder intervals of the compact trie (a segment's rows share
-    # one subtree end); positions run on inside each segment
-    seg_len = f.length[segs]
-    tree_end = on_own_rows(np.repeat(f.subtree_end_rows()[segs], seg_len), -1)
-    position = on_own_rows(ranges_to_indices(f.start[segs], seg_len), 0)
+    # one subtree end; padding: -1); positions run on inside each sequence
+    seg_end = f.subtree_end_rows()[segs]
+    if p == c:
+        tree_end = np.repeat(seg_end, seg_len)
+    else:  # each sequence's segments, then its padding as one more run
+        slot = np.arange(segs.size) + np.repeat(np.arange(q), nseg)
+        pad_slot = np.cumsum(nseg + 1) - 1
+        vals = np.full(segs.size + q, -1, dtype=np.int64)
+        reps = np.empty(segs.size + q, dtype=np.int64)
+        vals[slot], reps[slot] = seg_end, seg_len
+        reps[pad_slot] = padded - own
+        tree_end = np.repeat(vals, reps)
+    position = _runs(p, seg_phys, f.start[segs], seg_len, 0, all_rows)
 
+    # ---- semantic positions: trajectory t's j-th token is row j of the view-(a) branch of
+    # the sequence holding its last token (ancestors root first, then own rows), so its rows
+    # are a prefix of that branch's kv runs
+    offsets = cb.batch.offsets
+    t_len = np.diff(offsets)
+    t_len = t_len[t_len > 0]
+    t_seq = seq_of_seg[cb.row_segment[cb.semantic_to_compact[offsets[1:][np.diff(offsets) > 0] - 1]]]
+    run_ptr = np.searchsorted(run_q, np.arange(q + 1))
+    run_off = np.cumsum(run_len) - run_len - cu_kv[run_q]  # offset of each run inside its branch
+    t_runs = run_ptr[t_seq + 1] - run_ptr[t_seq]
+    ri = _ranges(run_ptr[t_seq], t_runs, all_rows)
+    piece = np.clip(np.repeat(t_len, t_runs) - run_off[ri], 0, run_len[ri])
+    semantic_to_phys = _ranges(run_start[ri], piece, all_rows)
+    assert semantic_to_phys.size == cb.num_semantic_tokens
+
+    on_real = (seg_phys, seg_row, seg_len, 0, all_rows)
     return Layout(
         num_rows=p,
         chunk_size=b,
@@ -309,8 +421,8 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         phys_to_compact=phys_to_compact,
         compact_to_phys=compact_to_phys,
         position=position,
-        multiplicity=per_row(cb.multiplicity),
-        tokens=per_row(cb.tokens),
+        multiplicity=_runs(p, *on_real, values=cb.multiplicity),
+        tokens=_runs(p, *on_real, values=cb.tokens),
         is_pad=is_pad,
         rounds=rounds,
         num_boundary_states=int(req_seq.size),
@@ -320,7 +432,7 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         attn_cu_kv=cu_kv,
         tree_pre=phys_to_compact,  # compact rows are preorder ids; -1 on padding
         tree_end=tree_end,
-        semantic_to_phys=compact_to_phys[cb.semantic_to_compact],
+        semantic_to_phys=semantic_to_phys,
         parent_phys=parent_phys,
         seq_plan_index=perm,
         seq_phys_start=phys_start,
