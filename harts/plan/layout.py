@@ -162,8 +162,9 @@ def _merge_runs(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> tuple[np.nda
 
 
 def _few_long(n: np.ndarray) -> bool:
-    """Slice-by-slice writes beat the vectorised form (ranges_to_indices' break-even)."""
-    return n.size <= 16 or n.size * 4096 <= int(n.sum())
+    """Slice-by-slice writes beat the vectorised forms: a slice costs about a microsecond, the
+    vectorised forms several passes over the output (measured break-even: runs of 150-400 rows)."""
+    return n.size <= 16 or n.size * 512 <= int(n.sum())
 
 
 def _fill(out: np.ndarray, dst: np.ndarray, src: np.ndarray, n: np.ndarray, iota: np.ndarray) -> None:
@@ -175,39 +176,38 @@ def _fill(out: np.ndarray, dst: np.ndarray, src: np.ndarray, n: np.ndarray, iota
         np.add(iota[:k], s, out=out[d : d + k])
 
 
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 def _runs(
     size: int,
-    dst: np.ndarray,
-    src: np.ndarray,
-    n: np.ndarray,
+    runs: Runs,
+    gaps: tuple[np.ndarray, np.ndarray],
     fill: int,
     iota: np.ndarray,
     values: np.ndarray | None = None,
 ) -> np.ndarray:
-    """int64 [size]: ``out[dst_k + i] = src_k + i`` (or ``values[src_k + i]``) for i < n_k, and
-    ``fill`` on rows no run covers. Runs are disjoint and sorted by ``dst``; ``iota`` as in
-    ``_fill``.
+    """int64 [size]: ``out[dst_k + i] = src_k + i`` (or ``values[src_k + i]``) for i < n_k, where
+    ``runs = (dst, src, n)`` are disjoint, sorted by ``dst`` and fused (``_merge_runs``), and
+    ``fill`` on the rows ``gaps = (start, length)`` (padding) that no run covers; ``iota``
+    as in ``_fill``.
 
     A layout's per-row arrays are a few long runs (one per segment or sequence), so each is
     written once, slice by slice, instead of gathered row by row; many short runs (deep or
     bushy forests) take the vectorised form.
     """
-    dst, src, n = _merge_runs(dst, src, n)
-    covered = int(n.sum())
+    dst, src, n = runs
     if not _few_long(n):
         idx = ranges_to_indices(src, n)
         vals = idx if values is None else values[idx].astype(np.int64, copy=False)
-        if covered == size:
+        if not gaps[0].size:
             return vals
         out = np.full(size, fill, dtype=np.int64)
         out[ranges_to_indices(dst, n)] = vals
         return out
     out = np.empty(size, dtype=np.int64)
-    if covered != size:  # the gaps between runs (padding)
-        g0 = np.concatenate(([0], dst + n))
-        g1 = np.concatenate((dst, [size]))
-        for a, z in zip(g0[g1 > g0].tolist(), g1[g1 > g0].tolist()):
-            out[a:z] = fill
+    for a, k in zip(gaps[0].tolist(), gaps[1].tolist()):
+        out[a : a + k] = fill
     if values is None:
         _fill(out, dst, src, n, iota)
     else:
@@ -290,9 +290,14 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         raise AssertionError("plan does not cover every compact row once")
     seg_off = np.cumsum(seg_len) - seg_len  # in the unpadded concatenation of own rows
     seg_phys = seg_off + np.repeat(phys_start - (np.cumsum(own) - own), nseg)
-    phys_to_compact = _runs(p, seg_phys, seg_row, seg_len, -1, all_rows)
+    # physical rows <- compact rows, segment by segment; padding rows after each sequence
+    on_real = _merge_runs(seg_phys, seg_row, seg_len)
+    pad = padded - own
+    gaps = ((phys_start + own)[pad > 0], pad[pad > 0])
+    phys_to_compact = _runs(p, on_real, gaps, -1, all_rows)
     by_row = np.argsort(seg_row)
-    compact_to_phys = _runs(c, seg_row[by_row], seg_phys[by_row], seg_len[by_row], -1, all_rows)
+    no_gaps = (np.zeros(0, np.int64),) * 2
+    compact_to_phys = _runs(c, _merge_runs(seg_row[by_row], seg_phys[by_row], seg_len[by_row]), no_gaps, -1, all_rows)
     if p == c:
         own_phys = all_rows
         is_pad = np.zeros(p, dtype=bool)
@@ -334,7 +339,7 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     parent_phys = np.arange(-1, p - 1, dtype=np.int64)
     parent_phys[phys_start] = np.where(h > 0, kv_rows[np.maximum(cu_kv[:-1] + h - 1, 0)], -1)
     if p != c:
-        parent_phys[_ranges(phys_start + own, padded - own, all_rows)] = -1
+        parent_phys[_ranges(*gaps, all_rows)] = -1
 
     # ---- replay rows: the last `replay` ancestor rows of each head, i.e. the tail of the
     # branch's ancestor part in view (a)
@@ -384,7 +389,7 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         )
 
     # ---- attention view (b): preorder intervals of the compact trie (a segment's rows share
-    # one subtree end; padding: -1); positions run on inside each sequence
+    # one subtree end; padding: -1); positions run on inside each sequence (from its head's)
     seg_end = f.subtree_end_rows()[segs]
     if p == c:
         tree_end = np.repeat(seg_end, seg_len)
@@ -394,9 +399,9 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         vals = np.full(segs.size + q, -1, dtype=np.int64)
         reps = np.empty(segs.size + q, dtype=np.int64)
         vals[slot], reps[slot] = seg_end, seg_len
-        reps[pad_slot] = padded - own
+        reps[pad_slot] = pad
         tree_end = np.repeat(vals, reps)
-    position = _runs(p, seg_phys, f.start[segs], seg_len, 0, all_rows)
+    position = _runs(p, _merge_runs(phys_start, h, own), gaps, 0, all_rows)
 
     # ---- semantic positions: trajectory t's j-th token is row j of the view-(a) branch of
     # the sequence holding its last token (ancestors root first, then own rows), so its rows
@@ -413,7 +418,6 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     semantic_to_phys = _ranges(run_start[ri], piece, all_rows)
     assert semantic_to_phys.size == cb.num_semantic_tokens
 
-    on_real = (seg_phys, seg_row, seg_len, 0, all_rows)
     return Layout(
         num_rows=p,
         chunk_size=b,
@@ -421,8 +425,8 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         phys_to_compact=phys_to_compact,
         compact_to_phys=compact_to_phys,
         position=position,
-        multiplicity=_runs(p, *on_real, values=cb.multiplicity),
-        tokens=_runs(p, *on_real, values=cb.tokens),
+        multiplicity=_runs(p, on_real, gaps, 0, all_rows, values=cb.multiplicity),
+        tokens=_runs(p, on_real, gaps, 0, all_rows, values=cb.tokens),
         is_pad=is_pad,
         rounds=rounds,
         num_boundary_states=int(req_seq.size),

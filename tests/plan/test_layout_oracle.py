@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import harts
 from harts.plan.calls import plan_calls, ranges_to_indices
-from harts.plan.layout import _ranges, _runs, build_layout
+from harts.plan.layout import _merge_runs, _ranges, _runs, build_layout
 from tests.plan.layout_oracle import build_layout_oracle
 from tests.strategies import batch_from_forest, compact_batches, spine_forest, trajectory_lists
 
@@ -118,8 +118,14 @@ def test_runs_fills_gaps_and_copies(runs):
         want_idx[d : d + k] = np.arange(s, s + k)
         want_val[d : d + k] = values[s : s + k]
     iota = np.arange(size)
-    np.testing.assert_array_equal(_runs(size, dst, src, n, -1, iota), want_idx)
-    np.testing.assert_array_equal(_runs(size, dst, src, n, -1, iota, values=values), want_val)
+    runs = _merge_runs(dst, src, n)
+    covered = np.zeros(size + 1, dtype=np.int64)
+    np.add.at(covered, dst, 1)
+    np.add.at(covered, dst + n, -1)
+    gap_rows = np.flatnonzero(np.cumsum(covered)[:size] == 0)
+    gaps = (gap_rows, np.ones(gap_rows.size, dtype=np.int64))  # one-row gaps: any split works
+    np.testing.assert_array_equal(_runs(size, runs, gaps, -1, iota), want_idx)
+    np.testing.assert_array_equal(_runs(size, runs, gaps, -1, iota, values=values), want_val)
 
 
 @pytest.mark.parametrize("count,length", [(3, 20000), (40, 3), (400, 100), (5, 1)])
