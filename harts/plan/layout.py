@@ -10,6 +10,17 @@ own compact rows contiguously (optionally followed by padding up to a multiple o
   * full attention view (b): a tree mask over physical rows from preorder intervals;
   * the causal-conv context (true ancestors) and the semantic -> physical row map.
 
+Construction works on runs, not rows: every per-row array is a few runs (a segment's rows
+are one run of compact and of physical rows, a sequence's positions one run, a trajectory's
+semantic rows a prefix of its branch's view-(a) runs), each written once as a slice (or, for
+many short runs, in a vectorised form), so the cost is O(Q + V + N) numpy calls (N
+trajectories) plus one write per output row; no row-sized gather such as
+``compact_to_phys[semantic_to_compact]``. The S-sized ``attn_kv_rows`` and
+``semantic_to_phys`` are most of it. Arrays are shared where equal and must be treated as
+read-only: ``tree_pre`` is ``phys_to_compact``; ``attn_q_rows`` (without padding), every
+``out_rows`` and, without replay rows, the LA input rows are views of one ``arange(P)``; a
+RoundView's arrays are slices of layout-wide ones.
+
 ``no_replay=True`` is the ablation: every side branch starts from its parent's exact state at
 the fork (no replay rows, so its chunk grid starts at the fork). Such a state is always
 produced inside the parent's call, so each side sequence runs one round after its producer.
@@ -145,7 +156,11 @@ def _sequence_schedule(plan: CallPlan, no_replay: bool) -> tuple[np.ndarray, ...
     return rnd, f.start[heads], init, uniq // scale, uniq % scale
 
 
-def _merge_runs(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+#: runs (dst, src, n): rows dst_k .. dst_k + n_k - 1 take the values src_k .. src_k + n_k - 1
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _merge_runs(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> Runs:
     """Runs ``dst_k + i <- src_k + i`` (i < n_k) with empty runs dropped and every run that
     continues its predecessor on both sides fused into it (a sequence's segments usually
     continue each other: one run per sequence instead of one per segment)."""
@@ -169,14 +184,11 @@ def _few_long(n: np.ndarray) -> bool:
 
 def _fill(out: np.ndarray, dst: np.ndarray, src: np.ndarray, n: np.ndarray, iota: np.ndarray) -> None:
     """``out[dst_k + i] = src_k + i`` for i < n_k, one slice per run, from ``iota`` = arange(>= n_k)
-    (the layout's ``arange(P)``: every run here is a run of distinct physical rows, so no
-    per-call base array has to be written first)."""
+    (the layout's ``arange(P)``: each run here lists distinct physical rows, compact rows,
+    segments or view-(a) runs, so none is longer than P and no base array is written first)."""
     assert not n.size or int(n.max()) <= iota.size
     for d, s, k in zip(dst.tolist(), src.tolist(), n.tolist()):
         np.add(iota[:k], s, out=out[d : d + k])
-
-
-Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _runs(
