@@ -31,6 +31,8 @@ Shapes: P hidden rows, D model dim, V vocabulary, n positions, U unique rows amo
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -198,7 +200,8 @@ class _MappedLogprobs(torch.autograd.Function):
 # The fused passes: torch.compile (Inductor) turns each into one Triton kernel over the chunk.
 # dynamic=None compiles the first shape statically and recompiles once with a symbolic row count
 # when the last, shorter chunk arrives; V stays static. Built on first use, so importing this
-# module never starts the compiler.
+# module never starts the compiler. If compiling fails on this torch / device, the pass runs
+# eagerly from then on, with a warning that says why (training goes on, at the eager speed).
 _COMPILED: dict[str, object] = {}
 
 
@@ -206,7 +209,19 @@ def _compiled(name: str, fn, on_cuda: bool):  # noqa: ANN001, ANN202
     if not on_cuda:
         return fn
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn)
+        compiled = torch.compile(fn)
+
+        def guarded(*args):  # noqa: ANN002, ANN202
+            try:
+                return compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, say why
+                warnings.warn(f"compiling the LM head's {name} pass failed ({exc!r}); running it eagerly", stacklevel=2)
+                _COMPILED[name] = fn
+                return fn(*args)
+
+        _COMPILED[name] = guarded
     return _COMPILED[name]
 
 
