@@ -88,6 +88,34 @@ def test_moe_permutation_functions_gradcheck() -> None:
     torch.testing.assert_close(_PairsToRows.apply(h, src, back, k), h[back].view(t, k, d).sum(1))
 
 
+def test_failed_compile_falls_back_to_eager_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler failure on CUDA: warn, run the eager function, and keep it (the compiler is
+    replaced and the CUDA check faked, so this runs on CPU)."""
+    import harts.ops.compiled as compiled_mod
+
+    compiles = []
+
+    def broken_compile(fn, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        compiles.append(kwargs)
+
+        def run(*args):  # noqa: ANN002, ANN202
+            raise RuntimeError("no triton here")
+
+        return run
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = True  # type: ignore[assignment]
+
+    monkeypatch.setattr(compiled_mod.torch, "compile", broken_compile)
+    lse = cuda_compiled(opt_in=False, dynamic=None)(lambda x: torch.logsumexp(x.as_subclass(torch.Tensor), -1))
+    x = torch.randn(3, 5, dtype=F64).as_subclass(FakeCuda)
+    with pytest.warns(UserWarning, match="no triton here"):
+        got = lse(x)
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), torch.logsumexp(x.as_subclass(torch.Tensor), -1))
+    lse(x)  # the eager function from now on: no second compile, no second warning
+    assert compiles == [{"dynamic": None}]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

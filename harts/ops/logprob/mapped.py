@@ -31,10 +31,10 @@ Shapes: P hidden rows, D model dim, V vocabulary, n positions, U unique rows amo
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
+
+from harts.ops.compiled import cuda_compiled
 
 __all__ = ["mapped_logprobs"]
 
@@ -197,51 +197,20 @@ class _MappedLogprobs(torch.autograd.Function):
         )
 
 
-# The fused passes: torch.compile (Inductor) turns each into one Triton kernel over the chunk.
-# dynamic=None compiles the first shape statically and recompiles once with a symbolic row count
-# when the last, shorter chunk arrives; V stays static. Built on first use, so importing this
-# module never starts the compiler. If compiling fails on this torch / device, the pass runs
-# eagerly from then on, with a warning that says why (training goes on, at the eager speed).
-_COMPILED: dict[str, object] = {}
+# The fused passes: torch.compile (Inductor) turns each into one Triton kernel over the chunk
+# (``harts.ops.compiled``; eager off CUDA). dynamic=None compiles the first shape statically and
+# recompiles once with a symbolic row count when the last, shorter chunk arrives; V stays static.
 
 
-def _compiled(name: str, fn, on_cuda: bool):  # noqa: ANN001, ANN202
-    if not on_cuda:
-        return fn
-    if name not in _COMPILED:
-        compiled = torch.compile(fn)
-
-        def guarded(*args):  # noqa: ANN002, ANN202
-            try:
-                return compiled(*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, say why
-                warnings.warn(f"compiling the LM head's {name} pass failed ({exc!r}); running it eagerly", stacklevel=2)
-                _COMPILED[name] = fn
-                return fn(*args)
-
-        _COMPILED[name] = guarded
-    return _COMPILED[name]
-
-
-def _row_logsumexp(logits_cV: torch.Tensor) -> torch.Tensor:
+@cuda_compiled(opt_in=False, dynamic=None)
+def _fused_row_logsumexp(logits_cV: torch.Tensor) -> torch.Tensor:
+    """[c, V] float32 -> [c] logsumexp in one read of the chunk."""
     return torch.logsumexp(logits_cV, dim=-1)
 
 
-def _softmax_grad(
-    logits_cV: torch.Tensor, lse_c: torch.Tensor, grad_c: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    return (torch.exp(logits_cV - lse_c[:, None]) * -grad_c[:, None]).to(dtype)
-
-
-def _fused_row_logsumexp(logits_cV: torch.Tensor) -> torch.Tensor:
-    """[c, V] float32 -> [c] logsumexp in one read of the chunk."""
-    return _compiled("lse", _row_logsumexp, logits_cV.is_cuda)(logits_cV)  # type: ignore[operator]
-
-
+@cuda_compiled(opt_in=False, dynamic=None)
 def _fused_softmax_grad(
     logits_cV: torch.Tensor, lse_c: torch.Tensor, grad_c: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """-grad_c * softmax(logits_cV) as ``dtype`` [c, V], in one read of the float32 chunk."""
-    return _compiled("softmax_grad", _softmax_grad, logits_cV.is_cuda)(logits_cV, lse_c, grad_c, dtype)  # type: ignore[operator]
+    return (torch.exp(logits_cV - lse_c[:, None]) * -grad_c[:, None]).to(dtype)
