@@ -11,7 +11,7 @@
 #                norms; tolerance per quantity max(4 |one - rerun|, 1e-5 |one|) -> correctness.json
 #                (exit status 1 if a quantity is outside its tolerance)
 # scaling      full ling3_tiny, swe workload (SCALE_WORK), T = 65,536, bf16, recompute, harts
-#              (compact) and the trajectory baseline on the same plan, D in SCALE_DS (<= N):
+#              (compact) and the trajectory baseline (raw tokens packed at T), D in SCALE_DS (<= N):
 #                scaling_D<d>.json per D: step time, tokens/s/GPU, MFU and effective MFU, measured vs
 #                predicted per-replica time
 #

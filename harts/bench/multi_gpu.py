@@ -14,7 +14,7 @@ against one-process run A with tolerances from the difference of two one-process
 
 ``scaling``: ``--steps`` steps of the workload at capacity T on the launch's ranks, the model
 FSDP2-sharded (``--ep`` for experts), for each ``--modes`` (``compact`` = harts,
-``trajectory`` = the baseline on the same plan), after ``--warmup`` untimed steps. Per step: step time (slowest rank), raw
+``trajectory`` = the baseline, its raw-token microbatches at capacity T), after ``--warmup`` untimed steps. Per step: step time (slowest rank), raw
 tokens/s/GPU, MFU (the model FLOPs the mode executes, counted as ``harts bench`` counts them:
 compact rows and tree-visible pairs for harts; ``harts.bench.flops``), effective MFU (the step's
 trajectory-wise model FLOPs over the same time: what harts' prefix sharing is worth), and each
@@ -147,6 +147,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
 
     from harts.bench.flops import FlopModel, peak_tflops
     from harts.models.execution.config import ExecutionConfig
+    from harts.plan.baselines.trajectory_plan import plan_trajectory_step
     from harts.plan.step import plan_step
     from harts.rl.train import TrainConfig, train_step
 
@@ -185,19 +186,17 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
                 gathered: list[Any] = [None] * world
                 dist.all_gather_object(gathered, (compute[0], log.train_seconds))
                 compute, step_time = [g[0] for g in gathered], [g[1] for g in gathered]
-            plan = plan_step(batch, dp=world, capacity=args.capacity)
+            # the plan train_step ran: harts' step plan, or the baseline's raw-token packing
             if mode == "compact":
+                plan = plan_step(batch, dp=world, capacity=args.capacity)
                 work = plan.work_matrix().sum(1).astype(float)
+                model_flops = _executed_flops(model, batch, plan, execution, flops)
             else:
-                work = np.array([sum(int(batch.lengths[plan.microbatches[k]].sum()) for k in plan.for_replica(d))
-                                 for d in range(world)], dtype=float)  # fmt: skip
+                raw_plan = plan_trajectory_step(batch.lengths, dp=world, capacity=args.capacity)
+                work = raw_plan.replica_work().astype(float)
+                model_flops = _raw_flops(batch, flops)
             predicted = work / work.mean() * float(np.mean(compute))
-            model_flops = _executed_flops(model, batch, plan, execution, flops)
-            lengths = batch.lengths.astype(np.int64)
-            raw_flops = flops.training_flops(
-                rows=batch.num_tokens, logit_rows=len(batch.predicting_positions()),
-                pairs=int((lengths * (lengths + 1) // 2).sum()),
-            )  # fmt: skip
+            raw_flops = _raw_flops(batch, flops)
             seconds = max(step_time)
             steps.append(
                 {
@@ -218,26 +217,31 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _raw_flops(batch: RolloutBatch, flops: FlopModel) -> float:
+    """The step's trajectory-wise model FLOPs: every raw row, its logit row, causal pairs (what
+    the baseline executes, whatever its microbatching)."""
+    import numpy as np
+
+    lengths = batch.lengths.astype(np.int64)
+    return flops.training_flops(
+        rows=batch.num_tokens,
+        logit_rows=len(batch.predicting_positions()),
+        pairs=int((lengths * (lengths + 1) // 2).sum()),
+    )
+
+
 def _executed_flops(
     model: HybridLM, batch: RolloutBatch, plan: StepPlan, execution: ExecutionConfig, flops: FlopModel
 ) -> float:
-    """The step's model FLOPs as the mode executes them, over every replica: compact rows, their
-    logit rows and tree-visible pairs for harts, raw rows and causal pairs for the baseline (the
-    same count as ``harts bench``, so MFU means the same thing in both reports)."""
+    """harts' step FLOPs as compact execution runs them, over every replica: compact rows, their
+    logit rows and tree-visible pairs (the same count as ``harts bench``, so MFU means the same
+    thing in both reports)."""
     from harts.bench.step_bench import microbatch_counts
 
     rows = logit_rows = pairs = 0
     for d in range(plan.dp):
-        items: list[tuple[RolloutBatch, Any]]
-        if execution.mode == "compact":
-            items = [
-                (cb.batch, model.prepare_compact(cb, execution, plan=cp))
-                for cb, cp in plan.prepare_replica(d, model.config.chunk_size)
-            ]
-        else:
-            items = [(batch.select(plan.microbatches[k]), None) for k in plan.for_replica(d)]
-        for sub, inputs in items:
-            r, lr, pr = microbatch_counts(sub, inputs, execution.mode)
+        for cb, cp in plan.prepare_replica(d, model.config.chunk_size):
+            r, lr, pr = microbatch_counts(cb.batch, model.prepare_compact(cb, execution, plan=cp), "compact")
             rows, logit_rows, pairs = rows + r, logit_rows + lr, pairs + pr
     return flops.training_flops(rows, logit_rows, pairs)
 

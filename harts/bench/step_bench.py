@@ -3,8 +3,8 @@
 Both sides train on the whole step (every trajectory), as in the paper's Table 4:
 
 * baseline: the trees are expanded into trajectories and packed, in batch order, into
-  microbatches of at most T raw tokens (a longer trajectory goes alone); each microbatch runs
-  ``mode="trajectory"``;
+  microbatches of at most T raw tokens (``harts.plan.baselines.trajectory_plan``, the plan
+  ``harts train --mode trajectory`` runs); each microbatch runs ``mode="trajectory"``;
 * harts: ``plan_step(dp=D, capacity=T)`` groups trajectories by compact work; each
   microbatch's slice of the step's compaction and its call plan come from the plan
   (``StepPlan.prepare_replica``), it is laid out, then runs ``mode="compact"``.
@@ -16,7 +16,7 @@ Each microbatch does forward, GRPO loss normalized by the step's denominator, Mo
 objective, backward (gradients accumulate; no optimizer update). With ``dp = D > 1`` one
 replica's share is timed: harts runs the microbatches the step planner gives replica
 ``replica``; the baseline's microbatches are dealt to D replicas by raw tokens (largest first,
-to the lightest replica) and replica ``replica``'s are run. Every replica's predicted work is
+to the lightest replica with fewer than its share) and replica ``replica``'s are run. Every replica's predicted work is
 reported (harts: compact tokens from the plan; baseline: raw tokens).
 
 Reported per step and side: rows, tokens/s (harts: compact rows and raw-equivalent), model
@@ -32,7 +32,6 @@ Per step:
 
 from __future__ import annotations
 
-import heapq
 import os
 import time
 from collections.abc import Callable
@@ -46,11 +45,12 @@ import harts.models.regions as regions
 from harts.bench.flops import FlopModel
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
+from harts.plan.baselines.trajectory_plan import plan_trajectory_step
 from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 
-__all__ = ["BenchSide", "StepBench", "bench_step", "deal_to_replicas", "pack_raw"]
+__all__ = ["BenchSide", "StepBench", "bench_step"]
 
 #: breakdown components: the model's regions, plus "other layers" (the rest of forward/backward)
 COMPONENTS = ("linear_attention", "attention", "moe", "lm_head", "other")
@@ -150,36 +150,6 @@ class StepBench:
         return d
 
 
-def pack_raw(batch: RolloutBatch, capacity: int) -> list[list[int]]:
-    """Baseline microbatches: trajectories in batch order, at most ``capacity`` raw tokens each."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for j, n in enumerate(batch.lengths.tolist()):
-        if cur and used + n > capacity:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(j)
-        used += n
-    if cur:
-        out.append(cur)
-    return out
-
-
-def deal_to_replicas(work: list[int], dp: int) -> list[int]:
-    """Replica of each item: largest work first, each to the replica with the least work so far
-    (ties to the lower replica). Deterministic."""
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1; got {dp}")
-    heap = [(0, d) for d in range(dp)]
-    owner = [0] * len(work)
-    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
-        load, d = heapq.heappop(heap)
-        owner[i] = d
-        heapq.heappush(heap, (load + work[i], d))
-    return owner
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -233,10 +203,15 @@ def _run_side(
         return out.info
 
     warm = 0.0
-    if warmup and prepared:  # compile / autotune / allocator warm-up on the first microbatch, untimed
+    if warmup and prepared:
+        # compile / autotune / allocator warm-up, untimed: the first microbatch and the one with
+        # the fewest rows (a call below harts.ops.compiled.MIN_ROWS rows is padded, which
+        # compiles the glue once more: the timed step then meets no first-time compilation)
+        smallest = min(range(len(prepared)), key=lambda i: microbatch_counts(*prepared[i], mode)[0])
         _sync(device)
         t0 = time.perf_counter()
-        one(*prepared[0])
+        for i in dict.fromkeys((0, smallest)):
+            one(*prepared[i])
         _sync(device)
         warm = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
@@ -355,11 +330,11 @@ def bench_step(
     plan = plan_step(batch, dp=dp, capacity=capacity)
     plan_seconds = time.perf_counter() - t0
     predicted_harts = [int(x) for x in plan.work_matrix().sum(1)]
-    raw_groups = pack_raw(batch, capacity)
-    raw_work = [int(batch.lengths[g].sum()) for g in raw_groups]
-    owner = deal_to_replicas(raw_work, dp)
-    predicted_base = [sum(w for w, o in zip(raw_work, owner) if o == d) for d in range(dp)]
-    base_groups = [g for g, o in zip(raw_groups, owner) if o == replica]
+    # the baseline's own microbatches: raw tokens packed at the capacity (the harness's and
+    # ``harts train --mode trajectory``'s plan)
+    raw_plan = plan_trajectory_step(batch.lengths, dp=dp, capacity=capacity)
+    predicted_base = [int(w) for w in raw_plan.replica_work()]
+    base_groups = [raw_plan.microbatches[k] for k in raw_plan.for_replica(replica)]
     flop_model = FlopModel.from_model(model)
     execution = replace(ExecutionConfig.of(execution), fused_logprobs=True)
     kw: dict[str, Any] = dict(warmup=warmup, flop_model=flop_model, progress=progress, profile_dir=profile_dir)

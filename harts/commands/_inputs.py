@@ -238,17 +238,24 @@ def check_capacity(
             )
 
 
-def check_plannable(batch: RolloutBatch, summary: StepSummary, capacity: int, dp: int) -> None:
-    """The step planner can split ``batch`` into a multiple of ``dp`` microbatches of ``capacity``
-    (with D > 1 a small capacity can need more microbatches than there are trajectories)."""
+def check_plannable(
+    batch: RolloutBatch, summary: StepSummary, capacity: int, dp: int, modes: tuple[str, ...] = ("compact",)
+) -> None:
+    """Each of ``modes`` can plan ``batch`` for ``dp`` replicas: harts' step planner ("compact")
+    splits it into a multiple of ``dp`` microbatches of ``capacity`` compact tokens (with D > 1
+    a small capacity can need more microbatches than there are trajectories); the baseline's
+    raw-token packing ("trajectory") gives every replica as many microbatches."""
+    from harts.plan.baselines.trajectory_plan import plan_trajectory_step
     from harts.plan.step.step_plan import check_inputs
     from harts.tree.compact import compact
 
     n = summary.trajectories
-    if dp * max(1, -(-summary.tokens // (capacity * dp))) <= dp * (n // dp):
-        return  # even the raw tokens (>= the compact work) fit: no need to compact
     try:
-        check_inputs(compact(batch), dp, capacity)
+        if "trajectory" in modes:
+            plan_trajectory_step(batch.lengths, dp=dp, capacity=capacity)
+        if "compact" in modes and dp * max(1, -(-summary.tokens // (capacity * dp))) > dp * (n // dp):
+            # (when even the raw tokens, >= the compact work, fit, there is no need to compact)
+            check_inputs(compact(batch), dp, capacity)
     except ValueError as err:
         raise CapacityError(f"{summary.where()}: {err}; raise --capacity") from None
 

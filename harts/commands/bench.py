@@ -49,7 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="write a Chrome trace (torch profiler) of one microbatch per side into DIR, and its top-40 operator table (.txt)",
     )
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed first microbatch of each side")
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed warm-up of each side (its first and its smallest microbatch)",
+    )
     add_output_arguments(p, what="every figure")
 
 
@@ -92,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             batch = make()
             st = summarize(i, label, batch)
             if args.dp > 1 and st.longest_len <= args.capacity and st.trajectories >= args.dp:
-                check_plannable(batch, st, args.capacity, args.dp)
+                check_plannable(batch, st, args.capacity, args.dp, ("compact", "trajectory"))
             summaries.append(st)
             del batch  # steps are made again when they run: a paper-scale step is ~0.5 GB of ids
             bar.update()

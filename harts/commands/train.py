@@ -4,8 +4,9 @@ Single process by default. Several ranks: ``torchrun --nproc-per-node N -m harts
 (gloo on CPU, NCCL on CUDA; ``-m harts.cli`` works from any install, unlike ``$(which harts)``,
 which may be a shell shim). ``--dp D --ep E`` chooses the mesh (D * E = N; default D = N, E = 1):
 every rank is one replica of the step plan, parameters are FSDP2-sharded, and each MoE layer's
-experts are split E ways (``harts.parallel``). ``--mode trajectory`` runs the baseline on the
-same plan.
+experts are split E ways (``harts.parallel``). ``--mode trajectory`` runs the baseline: every
+trajectory whole, in microbatches of at most ``--capacity`` raw tokens
+(``harts.plan.baselines.trajectory_plan``).
 
 Checkpoints (``harts.parallel.checkpoint``): ``--run-dir DIR --save-every N`` writes a
 resumable, sharded checkpoint every N steps (model, optimizer, step, data position, RNG states;
@@ -77,9 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--mode",
         default="compact",
         choices=["compact", "trajectory"],
-        help="compact (harts) or trajectory (the baseline, same plan)",
+        help="compact (harts) or trajectory (the baseline: raw-token microbatches)",
     )
-    p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (compact tokens)")
+    p.add_argument(
+        "--capacity",
+        type=positive_int,
+        default=65_536,
+        help="microbatch capacity T (compact tokens; raw tokens with --mode trajectory)",
+    )
     p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="KL penalty coefficient (needs ref_logprobs)")
     add_execution_arguments(p)
@@ -215,7 +221,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                     st = summarize(i, label, batch)
                     summaries.append(st)
                     if replicas > 1 and st.longest_len <= args.capacity and st.trajectories >= replicas:
-                        check_plannable(batch, st, args.capacity, replicas)
+                        check_plannable(batch, st, args.capacity, replicas, (args.mode,))
                     if kept_tokens + batch.num_tokens <= KEEP_TOKENS:
                         kept[i] = batch
                         kept_tokens += batch.num_tokens

@@ -3,7 +3,9 @@
 Per step (one RolloutBatch):
 
 1. ``plan_step(batch, dp=D, capacity=T)`` with D = ``cfg.replicas`` (default: the ranks) —
-   every rank builds the same plan (numpy only, deterministic), so no plan is communicated;
+   every rank builds the same plan (numpy only, deterministic), so no plan is communicated
+   (the "trajectory" baseline instead packs raw tokens at T:
+   ``harts.plan.baselines.trajectory_plan``, as a trajectory-wise trainer must);
 2. each rank executes its replicas' microbatches in slot order (rank r of W: replicas r, r + W,
    ...): the plan hands out each one's
    slice of the step's compaction with its call plan (``StepPlan.prepare_replica``; nothing is
@@ -43,8 +45,9 @@ from harts.models.hybrid_lm import HybridLM
 from harts.models.layers.moe import MoE
 from harts.parallel.mesh import ParallelConfig, ParallelState
 from harts.parallel.parallelize import clip_grad_norm, finish_gradients, set_gradient_sync
+from harts.plan.baselines.trajectory_plan import TrajectoryPlan, plan_trajectory_step
 from harts.plan.calls import CallPlan
-from harts.plan.step import plan_step
+from harts.plan.step import StepPlan, plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch
@@ -64,10 +67,11 @@ __all__ = [
 class TrainConfig:
     """Optimisation and execution settings of ``train``."""
 
-    #: microbatch capacity T in compact tokens (planner); trajectories longer than T are an error
+    #: microbatch capacity T in compact tokens (harts' planner; raw tokens for the trajectory
+    #: baseline, which holds every token); trajectories longer than T are an error
     capacity: int = 65_536
-    #: how every microbatch executes: mode "compact" (harts) or "trajectory" (the baseline,
-    #: same planner and microbatches), attention, recompute, linear-attention backend
+    #: how every microbatch executes: mode "compact" (harts) or "trajectory" (the baseline, its
+    #: microbatches packed from raw tokens), attention, recompute, linear-attention backend
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -239,8 +243,14 @@ def accumulate_step_gradients(
         batch = replace(batch, old_logprobs=None, ref_logprobs=None)
     kl = cfg.kl_coef if batch.ref_logprobs is not None else 0.0
     check_capacity(batch, cfg.capacity)
+    compact_mode = cfg.execution.mode == "compact"
     t0 = time.perf_counter()
-    plan = plan_step(batch, dp=cfg.replicas or world, capacity=cfg.capacity)
+    # harts plans compact tokens; the trajectory-wise baseline packs raw tokens at the capacity
+    plan: StepPlan | TrajectoryPlan = (
+        plan_step(batch, dp=cfg.replicas or world, capacity=cfg.capacity)
+        if compact_mode
+        else plan_trajectory_step(batch.lengths, dp=cfg.replicas or world, capacity=cfg.capacity)
+    )
     plan_seconds = time.perf_counter() - t0
     mine = [k for r in replicas for k in plan.for_replica(r)]
     # every rank must run as many microbatches (FSDP's last-backward sync, expert all-to-alls)
@@ -255,7 +265,7 @@ def accumulate_step_gradients(
     counts_sum = None
     rows = calls = replay = 0
     tp = time.perf_counter()
-    if cfg.execution.mode == "compact":
+    if isinstance(plan, StepPlan):
         # slices of the step's compaction, call plans made together: nothing is compacted twice
         prepared: list[tuple[RolloutBatch, CompactBatch | None, CallPlan | None]] = [
             (c.batch, c, p) for r in replicas for c, p in plan.prepare_replica(r, model.config.chunk_size)

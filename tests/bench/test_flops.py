@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 import harts
 from harts.bench.flops import FlopModel
-from harts.bench.step_bench import deal_to_replicas, microbatch_counts
+from harts.bench.step_bench import microbatch_counts
 
 
 def test_matmul_and_head_flops_by_hand() -> None:
@@ -49,12 +48,3 @@ def test_pairs_of_a_tree_and_of_its_trajectories() -> None:
     assert rows == 7 and pairs == 1 + 2 + 3 + 4 + 4 + 5 + 2
     # logits come from rows that have a child: 1 (predicts 5 and 4), 5, 9 (predicts 2 and 7), first 7
     assert logit_rows == 4
-
-
-def test_deal_to_replicas_balances_deterministically() -> None:
-    work = [5, 9, 1, 7, 3, 3]
-    owner = deal_to_replicas(work, 2)
-    assert owner == deal_to_replicas(work, 2)
-    loads = np.bincount(owner, weights=work, minlength=2)
-    assert loads.max() - loads.min() <= max(work)
-    assert deal_to_replicas(work, 1) == [0] * 6

@@ -5,16 +5,8 @@ from __future__ import annotations
 import torch
 
 import harts
-from harts.bench.step_bench import bench_step, pack_raw
+from harts.bench.step_bench import bench_step
 from harts.tree.workloads import generate
-
-
-def test_pack_raw_respects_capacity_and_order():
-    batch = generate("tiny", step=0)
-    groups = pack_raw(batch, 300)
-    assert sum(groups, []) == list(range(batch.num_trajectories))
-    for g in groups:
-        assert len(g) == 1 or batch.lengths[g].sum() <= 300
 
 
 def test_bench_step_counts():

@@ -74,7 +74,7 @@ def test_scaling_counts_the_flops_each_mode_executes():
     import numpy as np
 
     from harts.bench.flops import FlopModel
-    from harts.bench.multi_gpu import _executed_flops
+    from harts.bench.multi_gpu import _executed_flops, _raw_flops
     from harts.models import HybridConfig, HybridLM
     from harts.models.execution.config import ExecutionConfig
     from harts.plan.step import plan_step
@@ -85,7 +85,7 @@ def test_scaling_counts_the_flops_each_mode_executes():
     plan = plan_step(batch, dp=2, capacity=4096)
     fm = FlopModel.from_model(model)
     compact = _executed_flops(model, batch, plan, ExecutionConfig(mode="compact"), fm)
-    traj = _executed_flops(model, batch, plan, ExecutionConfig(mode="trajectory"), fm)
+    traj = _raw_flops(batch, fm)  # the baseline executes every raw row, whatever its microbatches
     lengths = batch.lengths.astype(np.int64)
     raw = fm.training_flops(
         batch.num_tokens, len(batch.predicting_positions()), int((lengths * (lengths + 1) // 2).sum())
