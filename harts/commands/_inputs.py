@@ -390,6 +390,7 @@ def build_model(
     import torch
 
     from harts.integrations.loading import load_model
+    from harts.ops.linear_attn.dispatch import linear_attn_op
 
     check_device(args.device)
     check_la_backend(getattr(args, "la_backend", "reference"), args.device)
@@ -399,7 +400,7 @@ def build_model(
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return load_model(
+        model = load_model(
             args.model,
             vocab_size=vocab_size,
             dtype=args.dtype,
@@ -411,6 +412,12 @@ def build_model(
         if isinstance(err, UserError):
             raise
         raise UserError(f"--model {args.model}: {err}") from None
+    backend = getattr(args, "la_backend", "reference")
+    try:  # the model's chunk size against the backend's kernels
+        linear_attn_op(backend, torch.device(args.device), model.config.chunk_size)
+    except ValueError as err:
+        raise UserError(f"--la-backend {backend} with --model {args.model}: {err}; use --la-backend auto") from None
+    return model
 
 
 # ---------------------------------------------------------------------- outputs

@@ -222,3 +222,21 @@ def test_backend_dispatch_on_cpu():
         linear_attn_op("fla", cpu)
     with pytest.raises(ValueError, match="must be one of"):
         linear_attn_op("triton", cpu)
+
+
+def test_backend_dispatch_follows_the_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fla-core's kernels run chunk 64 (KDA also 32): "auto" on CUDA picks the reference op for
+    another chunk size (the tiny preset's 8; it had picked the tree kernel, which then raised in
+    the middle of ``harts compare``), and an explicit fla backend names the mismatch."""
+    import harts.ops.linear_attn.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "fla_available", lambda: True)
+    cuda = torch.device("cuda")  # only the device type is read
+    assert dispatch.linear_attn_op("auto", cuda, 8) is dispatch.chunk_linear_attn
+    with pytest.raises(
+        ValueError, match="'tree' runs fla-core's kernels at chunk size 64; this model's chunk size is 8"
+    ):
+        dispatch.linear_attn_op("tree", cuda, 8)
+    with pytest.raises(ValueError, match="'fla' runs fla-core's kernels at chunk size 32 or 64; .* is 16"):
+        dispatch.linear_attn_op("fla", cuda, 16)
+    assert dispatch.linear_attn_op("fla", cuda, 32) is dispatch.fla_chunk_linear_attn

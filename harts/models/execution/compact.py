@@ -68,7 +68,7 @@ class CompactContext(RowContext):
     ) -> None:
         from harts.ops.linear_attn import linear_attn_op
 
-        self.la_op = linear_attn_op(la_backend, device)
+        self.la_op = linear_attn_op(la_backend, device, int(layout.chunk_size))
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
         self.layout = layout

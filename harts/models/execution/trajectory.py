@@ -34,7 +34,7 @@ class TrajectoryContext(RowContext):
     ) -> None:
         from harts.ops.linear_attn import linear_attn_op
 
-        self.la_op = linear_attn_op(la_backend, device)
+        self.la_op = linear_attn_op(la_backend, device, chunk_size)
         offsets = batch.offsets
         self.num_rows = batch.num_tokens
         self.chunk_size = chunk_size

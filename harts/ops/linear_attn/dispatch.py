@@ -9,7 +9,9 @@ states, requested boundary states, all differentiable), so executors pick by nam
     "tree"       ``tree_chunk_linear_attn`` (CUDA + fla-core + Triton): one packed call per
                  round, requested states exported and their gradients injected by harts' own
                  state scans (``tree_scan``); GDN trains through it too, on Hopper as well
-    "auto"       "tree" on CUDA when fla-core imports, else "reference". On one H200 (bf16,
+    "auto"       "tree" on CUDA when fla-core imports and the chunk size is fla's 64, else
+                 "reference" (a model with another chunk size, e.g. the tiny preset's 8, runs
+                 the reference op; asking for "tree" or "fla" there is an error). On one H200 (bf16,
                  16 heads of 128, the medium workload's first 4 microbatches) the tree kernel's
                  forward + backward took 0.92x plain fla's time on the same rows without any
                  state export, and 1/5.7 of the split path's on rounds with >= 8 requested
@@ -31,17 +33,28 @@ __all__ = ["LINEAR_ATTN_BACKENDS", "linear_attn_op"]
 LINEAR_ATTN_BACKENDS = ("reference", "fla", "tree", "auto")
 
 
-def linear_attn_op(backend: str, device: torch.device) -> Callable:
-    """The operator for ``backend`` on ``device`` (see the module docstring)."""
+#: chunk sizes fla-core's chunked kernels run (KDA: 32 or 64; harts' tree kernel and GDN: 64)
+FLA_CHUNK_SIZES = {"fla": (32, 64), "tree": (64,)}
+
+
+def linear_attn_op(backend: str, device: torch.device, chunk_size: int | None = None) -> Callable:
+    """The operator for ``backend`` on ``device`` (see the module docstring). ``chunk_size``: the
+    model's linear-attention chunk B, when known (None: not checked)."""
     if backend not in LINEAR_ATTN_BACKENDS:
         raise ValueError(f"linear-attention backend must be one of {LINEAR_ATTN_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = "tree" if device.type == "cuda" and fla_available() else "reference"
+        fits = chunk_size is None or chunk_size in FLA_CHUNK_SIZES["tree"]
+        backend = "tree" if device.type == "cuda" and fla_available() and fits else "reference"
     if backend == "reference":
         return chunk_linear_attn
     if device.type != "cuda" or not fla_available():
         raise ValueError(
             f"linear-attention backend {backend!r} needs a CUDA device and fla-core (pip install harts[gpu])"
+        )
+    if chunk_size is not None and chunk_size not in FLA_CHUNK_SIZES[backend]:
+        raise ValueError(
+            f"linear-attention backend {backend!r} runs fla-core's kernels at chunk size "
+            f"{' or '.join(map(str, FLA_CHUNK_SIZES[backend]))}; this model's chunk size is {chunk_size}"
         )
     if backend == "tree":
         from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
