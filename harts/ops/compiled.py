@@ -1,7 +1,7 @@
 """Element-wise passes compiled by ``torch.compile`` on CUDA, eager everywhere else.
 
 One mechanism for two uses: the LM head's fused passes (``harts.ops.logprob.mapped``, always
-compiled on CUDA: ``opt_in=False``) and the layer glue below (opt-in).
+compiled on CUDA: ``opt_in=False``) and the layer glue below (``HARTS_COMPILE=0`` turns it off).
 
 A profile of one trajectory-wise microbatch on an H200 (ling3_tiny's dimensions, pattern KKKM,
 bf16, recompute) spent about a third of the device time outside GEMMs and attention kernels:
@@ -10,15 +10,24 @@ RMS norms taken in float32, gates, l2 norms, SwiGLU products, casts, each a sepa
 below into one or two Triton kernels per direction.
 
 ``cuda_compiled(fn)`` keeps ``fn`` itself as the reference: CPU tensors (every float64 test)
-always run it eagerly; CUDA tensors run ``torch.compile(fn, dynamic=True)`` when
-``HARTS_COMPILE=1`` is set in the environment, so the row count T may change from microbatch to
-microbatch without recompiling. It is off by default, because of what it measured on an H200
-(``harts bench --workload medium --dp 8 --replica 0``, ling3_tiny's dimensions, pattern KKKM,
-bf16, recompute): the trajectory-wise baseline's step went from 6.16 s to 5.47-5.54 s ("other"
-1.75 -> 1.20-1.25 s), but harts' compact step went from 0.93 s to 6.5-7.1 s, with no Dynamo
-recompilation during the timed step ("other" 0.27 -> 5.6-6.1 s, MoE 0.19 -> 0.41-0.48 s). The
-cause is not found yet; until it is, turning it on would make the baseline faster and harts
-slower. ``compile_enabled()`` says which is in force.
+always run it eagerly; CUDA tensors run ``torch.compile(fn, dynamic=True)`` unless
+``HARTS_COMPILE=0`` (``compile_enabled()``). Both sides of ``harts bench`` get it. On an H200 it
+took a full ``medium`` step (``harts bench --workload medium``, ling3_tiny's dimensions, pattern
+KKKM, bf16, recompute) from 50.98 s to 45.13 s trajectory-wise and from 8.09 s to 7.39 s for
+harts (README, GPU section).
+
+**Row counts never recompile.** Every microbatch has its own row count T, and a tree step's
+microbatches differ widely. With plain dynamic shapes Inductor still guards on T's size class
+(``4096 <= T``, ``T * 768 >= 5242880``: fusion and indexing heuristics evaluated at the first T
+it saw), so a smaller microbatch recompiled every glue function in the middle of a timed step
+(about 20 compilations, 1-3 s each; an H200 log of ``harts bench --workload medium --dp 8
+--replica 0`` with ``TORCH_LOGS=recompiles``). The arguments named by ``rows`` (positions of the
+row-first tensors, all with the same T) are therefore marked dynamic in dim 0 with the range
+``[MIN_ROWS, 2**31 / row size]``: every such heuristic is decided once, for all T in the range,
+without a guard. A call with fewer than ``MIN_ROWS`` rows is zero-padded up to it (an
+element-wise pass over ``MIN_ROWS`` rows costs microseconds) and its result cut back to T; a
+call with more rows than 32-bit indexing allows runs eagerly. Recompilation is left only for
+what really changes the kernel: the feature width, dtype, and whether an argument is a view.
 
 If compiling fails on this torch / device, the function runs eagerly from then on, with a
 warning that says why (training goes on, at the eager speed).
@@ -34,26 +43,79 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["compile_enabled", "cuda_compiled"]
+__all__ = ["MIN_ROWS", "compile_enabled", "cuda_compiled", "run_row_bounded"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+#: rows every compiled row-first call sees at least (smaller calls are zero-padded up to it)
+MIN_ROWS = 16_384
+_INT32_MAX = 2**31 - 1
+
+
 def compile_enabled() -> bool:
-    """Whether CUDA glue is compiled: ``HARTS_COMPILE`` set to 1/true/yes/on (default off)."""
-    return os.environ.get("HARTS_COMPILE", "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether CUDA glue is compiled: on unless ``HARTS_COMPILE`` is 0/false/no/off."""
+    return os.environ.get("HARTS_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def cuda_compiled(fn: F | None = None, *, opt_in: bool = True, dynamic: bool | None = True) -> Any:
+def _row_bounded(args: tuple[Any, ...], rows: tuple[int, ...]) -> tuple[list[Any], int, int] | None:
+    """``args`` with the row-first tensors at ``rows`` padded to ``MIN_ROWS`` rows and marked
+    dynamic in dim 0 over ``[MIN_ROWS, int32 limit / row size]``; with the original row count T
+    and the padded one. None when T is beyond that limit (the call then runs eagerly)."""
+    out = list(args)
+    t = out[rows[0]].shape[0]
+    n = max(t, MIN_ROWS)
+    for i in rows:
+        x = out[i]
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.ndim == 0 or x.shape[0] != t:
+            raise ValueError(f"argument {i} has {tuple(x.shape)} rows-first, expected {t} rows like argument {rows[0]}")
+        limit = _INT32_MAX // max(1, x[:1].numel())
+        if n > limit:
+            return None
+        if n > t:
+            x = torch.cat([x, x.new_zeros((n - t, *x.shape[1:]))])
+        torch._dynamo.mark_dynamic(x, 0, min=MIN_ROWS, max=limit)
+        out[i] = x
+    return out, t, n
+
+
+def run_row_bounded(
+    compiled: Callable[..., Any],
+    eager: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rows: tuple[int, ...] | None,
+) -> Any:
+    """``compiled(*args, **kwargs)`` with the row-first arguments at ``rows`` padded to
+    ``MIN_ROWS`` and their dim 0 marked dynamic over one range (module docstring); the result
+    cut back to the original rows. ``eager`` runs calls beyond 32-bit indexing."""
+    if rows is None:
+        return compiled(*args, **kwargs)
+    bounded = _row_bounded(args, rows)
+    if bounded is None:
+        return eager(*args, **kwargs)
+    call_args, t, n = bounded
+    out = compiled(*call_args, **kwargs)
+    return out[:t] if n > t else out
+
+
+def cuda_compiled(
+    fn: F | None = None, *, opt_in: bool = True, dynamic: bool | None = True, rows: tuple[int, ...] | None = (0,)
+) -> Any:
     """``fn`` compiled when its first argument is a CUDA tensor; eager otherwise.
 
     ``opt_in``: compiled only when ``compile_enabled()`` (the layer glue); False: always on CUDA.
     ``dynamic``: ``torch.compile``'s (True: symbolic sizes from the start; None: the first shape
-    static, symbolic after a second one). Usable bare (``@cuda_compiled``) or with keywords. The
-    compiled function is built on first CUDA use, so importing a module that uses this decorator
-    never starts the compiler; ``wrapper.eager`` is ``fn`` itself."""
+    static, symbolic after a second one). ``rows``: positions of the positional arguments whose
+    dim 0 is the row count T (the same for all of them; ``fn`` returns one row-first tensor):
+    T gets one compiled kernel for every size (module docstring); None leaves the shapes to
+    ``dynamic``. Usable bare (``@cuda_compiled``) or with keywords. The compiled function is
+    built on first CUDA use, so importing a module that uses this decorator never starts the
+    compiler; ``wrapper.eager`` is ``fn`` itself."""
     if fn is None:
-        return functools.partial(cuda_compiled, opt_in=opt_in, dynamic=dynamic)
+        return functools.partial(cuda_compiled, opt_in=opt_in, dynamic=dynamic, rows=rows)
     compiled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
@@ -64,7 +126,7 @@ def cuda_compiled(fn: F | None = None, *, opt_in: bool = True, dynamic: bool | N
         if not compiled:
             compiled.append(torch.compile(fn, dynamic=dynamic))
         try:
-            return compiled[0](*args, **kwargs)
+            return run_row_bounded(compiled[0], fn, args, kwargs, rows)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, say why

@@ -63,8 +63,8 @@ def test_switch_and_eager_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
     assert double.eager(torch.ones(2)).tolist() == [2.0, 2.0]  # type: ignore[attr-defined]
     assert double(torch.ones(2)).tolist() == [2.0, 2.0] and len(calls) == 2
     monkeypatch.delenv("HARTS_COMPILE", raising=False)
-    assert not compile_enabled()  # off by default (see harts.ops.compiled)
-    for off in ("0", "false", "Off"):
+    assert compile_enabled()  # on by default (see harts.ops.compiled)
+    for off in ("0", "false", "Off", " no "):
         monkeypatch.setenv("HARTS_COMPILE", off)
         assert not compile_enabled()
     for on in ("1", "true", "ON"):
@@ -124,7 +124,7 @@ def test_compiled_as_close_to_float64_as_eager_on_cuda(dtype: torch.dtype, monke
     within 2x the eager function's own error (+ a float32-rounding floor), at two row counts
     (dynamic shapes: the second must not need new code to be right)."""
     monkeypatch.setenv("HARTS_COMPILE", "1")
-    for T in (333, 1024):
+    for T in (333, 1024, 20_000):  # below MIN_ROWS (zero-padded) and above
         for name, fn, args in _cases(T, "cuda", dtype, seed=T):
             args64 = [
                 a.detach().double().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
@@ -137,4 +137,45 @@ def test_compiled_as_close_to_float64_as_eager_on_cuda(dtype: torch.dtype, monke
                     ((a.double() - r).abs().max() / scale).item(),
                     ((e.double() - r).abs().max() / scale).item(),
                 )
-                assert err <= 2 * err_eager + 1e-5, f"{name}[{i}] T={T}: compiled {err:.2e} vs eager {err_eager:.2e}"
+                # a parameter's gradient sums out.numel() / r.numel() terms, which Inductor adds in
+                # another order than eager (float32 accumulation: error ~ sqrt(terms) * 2^-24; the
+                # A_log gradient of kda_log_decay sums 160 k terms at T = 20,000)
+                floor = 1e-5 + 4 * (got[0].numel() / r.numel()) ** 0.5 * 2**-24
+                assert err <= 2 * err_eager + floor, f"{name}[{i}] T={T}: compiled {err:.2e} vs eager {err_eager:.2e}"
+
+
+def test_row_counts_share_one_compiled_graph() -> None:
+    """``run_row_bounded`` with the real compiler (Inductor on CPU): one graph serves every row
+    count, 0 and 1 and counts below ``MIN_ROWS`` (zero-padded) included, with values and
+    gradients equal to the eager function's. Plain ``dynamic=True`` recompiled on an H200 when
+    a smaller microbatch crossed Inductor's size-class guards (``harts.ops.compiled``)."""
+    from torch._dynamo.utils import counters
+
+    from harts.ops.compiled import MIN_ROWS, run_row_bounded
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = rms_norm_gated.eager
+    compiled = torch.compile(fn, dynamic=True)
+    w = torch.randn(32, dtype=F64, requires_grad=True)  # float64: the weight gradient sums 16 k+ rows
+    for t in (MIN_ROWS + 5, 3, 0, 1, 2 * MIN_ROWS + 17):
+        x = torch.randn(t, 2, 32, dtype=F64, requires_grad=True)
+        gate = torch.randn(t, 2, 32, dtype=F64, requires_grad=True)
+        out = run_row_bounded(compiled, fn, (x, gate, w, 1e-6, "silu"), {}, (0, 1))
+        assert out.shape == (t, 2, 32)
+        ref = fn(x, gate, w, 1e-6, "silu")
+        torch.testing.assert_close(out, ref)
+        if t:
+            up = torch.randn_like(ref)
+            got = torch.autograd.grad((out * up).sum(), (x, gate, w))
+            want = torch.autograd.grad((ref * up).sum(), (x, gate, w))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_row_bounded_arguments_must_agree() -> None:
+    from harts.ops.compiled import run_row_bounded
+
+    with pytest.raises(ValueError, match="argument 1 has \\(4, 8\\) rows-first, expected 3 rows"):
+        run_row_bounded(swiglu.eager, swiglu.eager, (torch.ones(3, 8), torch.ones(4, 8)), {}, (0, 1))

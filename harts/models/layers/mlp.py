@@ -11,7 +11,7 @@ from harts.ops.compiled import cuda_compiled
 __all__ = ["MLP", "swiglu"]
 
 
-@cuda_compiled
+@cuda_compiled(rows=(0, 1))
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (one fused pass on CUDA). gate, up: [..., I]."""
     return F.silu(gate) * up

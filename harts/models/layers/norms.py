@@ -2,8 +2,8 @@
 
 Shapes: ``x_TD`` rows x features; the gated norm works on ``[..., V]`` head slices.
 
-The arithmetic lives in three functions that ``HARTS_COMPILE=1`` compiles on CUDA
-(``harts.ops.compiled``, off by default); eager, each is several float32 passes over the rows.
+The arithmetic lives in three functions that are compiled on CUDA (``harts.ops.compiled``;
+``HARTS_COMPILE=0`` keeps them eager); eager, each is several float32 passes over the rows.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return (h * (1.0 + w if unit_offset else w)).to(x.dtype)
 
 
-@cuda_compiled
+@cuda_compiled(rows=(0, 1))
 def rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str
 ) -> torch.Tensor:

@@ -30,7 +30,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-@cuda_compiled
+@cuda_compiled(rows=(0, 1, 2))
 def apply_rope(
     x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, *, interleaved: bool = False
 ) -> torch.Tensor:

@@ -202,13 +202,13 @@ class _MappedLogprobs(torch.autograd.Function):
 # recompiles once with a symbolic row count when the last, shorter chunk arrives; V stays static.
 
 
-@cuda_compiled(opt_in=False, dynamic=None)
+@cuda_compiled(opt_in=False, dynamic=None, rows=None)
 def _fused_row_logsumexp(logits_cV: torch.Tensor) -> torch.Tensor:
     """[c, V] float32 -> [c] logsumexp in one read of the chunk."""
     return torch.logsumexp(logits_cV, dim=-1)
 
 
-@cuda_compiled(opt_in=False, dynamic=None)
+@cuda_compiled(opt_in=False, dynamic=None, rows=None)
 def _fused_softmax_grad(
     logits_cV: torch.Tensor, lse_c: torch.Tensor, grad_c: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
