@@ -17,17 +17,19 @@ KKKM, bf16, recompute) from 50.98 s to 45.13 s trajectory-wise and from 8.09 s t
 harts (README, GPU section).
 
 **Row counts never recompile.** Every microbatch has its own row count T, and a tree step's
-microbatches differ widely. With plain dynamic shapes Inductor still guards on T's size class
+microbatches differ widely. With dynamic shapes Inductor still guards on T's size class
 (``4096 <= T``, ``T * 768 >= 5242880``: fusion and indexing heuristics evaluated at the first T
 it saw), so a smaller microbatch recompiled every glue function in the middle of a timed step
 (about 20 compilations, 1-3 s each; an H200 log of ``harts bench --workload medium --dp 8
---replica 0`` with ``TORCH_LOGS=recompiles``). The arguments named by ``rows`` (positions of the
-row-first tensors, all with the same T) are therefore marked dynamic in dim 0 with the range
-``[MIN_ROWS, 2**31 / row size]``: every such heuristic is decided once, for all T in the range,
-without a guard. A call with fewer than ``MIN_ROWS`` rows is zero-padded up to it (an
-element-wise pass over ``MIN_ROWS`` rows costs microseconds) and its result cut back to T; a
-call with more rows than 32-bit indexing allows runs eagerly. Recompilation is left only for
-what really changes the kernel: the feature width, dtype, and whether an argument is a view.
+--replica 0`` with ``TORCH_LOGS=recompiles``). A call whose row-first arguments (positions
+``rows``, all with the same T) have fewer than ``MIN_ROWS`` rows is therefore zero-padded up to
+it (an element-wise pass over ``MIN_ROWS`` rows costs microseconds) and its result cut back to
+T: every call, and the first one the kernels are compiled for, lies above those thresholds, so
+the guards hold for all of them. (Declaring the range with ``torch._dynamo.mark_dynamic(min=,
+max=)`` instead failed on the H200: Inductor's 32-bit indexing guards depend on the inputs'
+strides, and a declared upper bound above them is a constraint violation.) Recompilation is
+left for what changes the kernel: the feature width, dtype, and whether an argument is a view
+-- a handful of variants per function, compiled once per process.
 
 If compiling fails on this torch / device, the function runs eagerly from then on, with a
 warning that says why (training goes on, at the eager speed).
@@ -50,7 +52,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: rows every compiled row-first call sees at least (smaller calls are zero-padded up to it)
 MIN_ROWS = 16_384
-_INT32_MAX = 2**31 - 1
 
 
 def compile_enabled() -> bool:
@@ -58,10 +59,9 @@ def compile_enabled() -> bool:
     return os.environ.get("HARTS_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _row_bounded(args: tuple[Any, ...], rows: tuple[int, ...]) -> tuple[list[Any], int, int] | None:
-    """``args`` with the row-first tensors at ``rows`` padded to ``MIN_ROWS`` rows and marked
-    dynamic in dim 0 over ``[MIN_ROWS, int32 limit / row size]``; with the original row count T
-    and the padded one. None when T is beyond that limit (the call then runs eagerly)."""
+def _padded(args: tuple[Any, ...], rows: tuple[int, ...]) -> tuple[list[Any], int, int]:
+    """``args`` with the row-first tensors at ``rows`` zero-padded to ``MIN_ROWS`` rows; with the
+    original row count T and the padded one."""
     out = list(args)
     t = out[rows[0]].shape[0]
     n = max(t, MIN_ROWS)
@@ -71,32 +71,19 @@ def _row_bounded(args: tuple[Any, ...], rows: tuple[int, ...]) -> tuple[list[Any
             continue
         if x.ndim == 0 or x.shape[0] != t:
             raise ValueError(f"argument {i} has {tuple(x.shape)} rows-first, expected {t} rows like argument {rows[0]}")
-        limit = _INT32_MAX // max(1, x[:1].numel())
-        if n > limit:
-            return None
         if n > t:
-            x = torch.cat([x, x.new_zeros((n - t, *x.shape[1:]))])
-        torch._dynamo.mark_dynamic(x, 0, min=MIN_ROWS, max=limit)
-        out[i] = x
+            out[i] = torch.cat([x, x.new_zeros((n - t, *x.shape[1:]))])
     return out, t, n
 
 
 def run_row_bounded(
-    compiled: Callable[..., Any],
-    eager: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    rows: tuple[int, ...] | None,
+    compiled: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], rows: tuple[int, ...] | None
 ) -> Any:
-    """``compiled(*args, **kwargs)`` with the row-first arguments at ``rows`` padded to
-    ``MIN_ROWS`` and their dim 0 marked dynamic over one range (module docstring); the result
-    cut back to the original rows. ``eager`` runs calls beyond 32-bit indexing."""
+    """``compiled(*args, **kwargs)`` with the row-first arguments at ``rows`` zero-padded to
+    ``MIN_ROWS`` rows (module docstring); the result cut back to the original rows."""
     if rows is None:
         return compiled(*args, **kwargs)
-    bounded = _row_bounded(args, rows)
-    if bounded is None:
-        return eager(*args, **kwargs)
-    call_args, t, n = bounded
+    call_args, t, n = _padded(args, rows)
     out = compiled(*call_args, **kwargs)
     return out[:t] if n > t else out
 
@@ -110,8 +97,8 @@ def cuda_compiled(
     ``dynamic``: ``torch.compile``'s (True: symbolic sizes from the start; None: the first shape
     static, symbolic after a second one). ``rows``: positions of the positional arguments whose
     dim 0 is the row count T (the same for all of them; ``fn`` returns one row-first tensor):
-    T gets one compiled kernel for every size (module docstring); None leaves the shapes to
-    ``dynamic``. Usable bare (``@cuda_compiled``) or with keywords. The compiled function is
+    calls below ``MIN_ROWS`` rows are padded, so one compiled kernel serves every T (module
+    docstring); None passes the arguments as they are. Usable bare (``@cuda_compiled``) or with keywords. The compiled function is
     built on first CUDA use, so importing a module that uses this decorator never starts the
     compiler; ``wrapper.eager`` is ``fn`` itself."""
     if fn is None:
@@ -126,7 +113,7 @@ def cuda_compiled(
         if not compiled:
             compiled.append(torch.compile(fn, dynamic=dynamic))
         try:
-            return run_row_bounded(compiled[0], fn, args, kwargs, rows)
+            return run_row_bounded(compiled[0], args, kwargs, rows)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, say why

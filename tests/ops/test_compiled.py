@@ -161,7 +161,7 @@ def test_row_counts_share_one_compiled_graph() -> None:
     for t in (MIN_ROWS + 5, 3, 0, 1, 2 * MIN_ROWS + 17):
         x = torch.randn(t, 2, 32, dtype=F64, requires_grad=True)
         gate = torch.randn(t, 2, 32, dtype=F64, requires_grad=True)
-        out = run_row_bounded(compiled, fn, (x, gate, w, 1e-6, "silu"), {}, (0, 1))
+        out = run_row_bounded(compiled, (x, gate, w, 1e-6, "silu"), {}, (0, 1))
         assert out.shape == (t, 2, 32)
         ref = fn(x, gate, w, 1e-6, "silu")
         torch.testing.assert_close(out, ref)
@@ -178,4 +178,4 @@ def test_row_bounded_arguments_must_agree() -> None:
     from harts.ops.compiled import run_row_bounded
 
     with pytest.raises(ValueError, match="argument 1 has \\(4, 8\\) rows-first, expected 3 rows"):
-        run_row_bounded(swiglu.eager, swiglu.eager, (torch.ones(3, 8), torch.ones(4, 8)), {}, (0, 1))
+        run_row_bounded(swiglu.eager, (torch.ones(3, 8), torch.ones(4, 8)), {}, (0, 1))
