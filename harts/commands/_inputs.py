@@ -390,6 +390,7 @@ def build_model(
     import torch
 
     from harts.integrations.loading import load_model
+    from harts.models.execution.config import ExecutionConfig
     from harts.ops.linear_attn.dispatch import linear_attn_op
 
     check_device(args.device)
@@ -417,6 +418,13 @@ def build_model(
         linear_attn_op(backend, torch.device(args.device), model.config.chunk_size)
     except ValueError as err:
         raise UserError(f"--la-backend {backend} with --model {args.model}: {err}; use --la-backend auto") from None
+    attention = getattr(args, "attention", "auto")
+    try:  # the model's attention head dims against FlexAttention's
+        ExecutionConfig(attention=attention).resolved_attention(
+            torch.device(args.device).type, model.config.min_attention_head_dim
+        )
+    except ValueError as err:
+        raise UserError(f"--attention {attention} with --model {args.model}: {err}") from None
     return model
 
 

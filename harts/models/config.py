@@ -133,6 +133,17 @@ class HybridConfig:
     def moe_layer_ids(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
+    @property
+    def min_attention_head_dim(self) -> int | None:
+        """The smallest query/key or value head dim of the full-attention layers (MLA: nope + rope
+        and v; GQA: head_dim); None without full attention. FlexAttention on CUDA needs >= 16."""
+        dims = []
+        if "M" in self.layer_pattern:
+            dims += [self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim]
+        if "A" in self.layer_pattern:
+            dims.append(self.head_dim)
+        return min(dims) if dims else None
+
     def torch_dtype(self) -> torch.dtype:
         import torch
 

@@ -186,7 +186,7 @@ class HybridLM(nn.Module):
         cfg = ExecutionConfig.of(config, **fields)
         mode, recompute, no_replay = cfg.mode, cfg.recompute, cfg.no_replay
         device = self.embed_tokens.weight.device
-        attention = cfg.resolved_attention(device.type)
+        attention = cfg.resolved_attention(device.type, self.config.min_attention_head_dim)
         if mode == "trajectory":
             from harts.models.execution.trajectory import TrajectoryContext
 

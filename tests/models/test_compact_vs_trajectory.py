@@ -187,3 +187,22 @@ def test_replay_reproduces_float32_path_and_no_replay_does_not(per_channel: bool
     print(f"float32 max |diff| vs trajectory-wise: replay {err_replay:.3e}, no_replay {err_no_replay:.3e}")
     assert err_no_replay > 0.0
     assert err_no_replay > 10 * err_replay, (err_replay, err_no_replay)
+
+
+def test_attention_auto_avoids_flex_below_its_head_dim() -> None:
+    """FlexAttention lowers on CUDA only for head dims >= 16: "auto" takes the mask path there
+    only for models that have them (the tiny preset's MLA has 12 / 8 and had ended ``harts
+    compare --device cuda`` in an Inductor traceback), and an explicit "mask" names the dims."""
+    from harts.models.execution.config import FLEX_MIN_HEAD_DIM
+
+    tiny, ling = HybridConfig.tiny(), HybridConfig.ling3_tiny()
+    assert tiny.min_attention_head_dim == 8 < FLEX_MIN_HEAD_DIM <= ling.min_attention_head_dim
+    assert HybridConfig.tiny(layer_pattern="KG").min_attention_head_dim is None
+    auto, mask = ExecutionConfig(attention="auto"), ExecutionConfig(attention="mask")
+    assert auto.resolved_attention("cuda", tiny.min_attention_head_dim) == "gather"
+    assert auto.resolved_attention("cuda", ling.min_attention_head_dim) == "mask"
+    assert auto.resolved_attention("cuda", None) == "mask"
+    assert auto.resolved_attention("cpu", ling.min_attention_head_dim) == "gather"
+    assert mask.resolved_attention("cpu", 8) == "mask"  # the CPU path has no such limit
+    with pytest.raises(ValueError, match="head dims >= 16; this model's smallest is 8"):
+        mask.resolved_attention("cuda", 8)

@@ -19,6 +19,8 @@ __all__ = ["ATTENTION_IMPLS", "MODES", "ExecutionConfig"]
 
 MODES = ("compact", "trajectory")
 ATTENTION_IMPLS = ("auto", "gather", "mask")
+#: FlexAttention (torch 2.11) lowers on CUDA only for query/key/value head dims of at least 16
+FLEX_MIN_HEAD_DIM = 16
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,10 +67,18 @@ class ExecutionConfig:
     def use_fused_logprobs(self) -> bool:
         return self.mode == "compact" if self.fused_logprobs is None else self.fused_logprobs
 
-    def resolved_attention(self, device_type: str) -> str:
-        """ "gather" or "mask": ``attention`` with "auto" decided for ``device_type``."""
+    def resolved_attention(self, device_type: str, min_head_dim: int | None = None) -> str:
+        """ "gather" or "mask": ``attention`` with "auto" decided for ``device_type`` and the
+        model's smallest attention head dim (FlexAttention, the mask path, lowers on CUDA only
+        for head dims >= ``FLEX_MIN_HEAD_DIM``; an explicit "mask" below it is a ValueError)."""
+        flex_ok = device_type != "cuda" or min_head_dim is None or min_head_dim >= FLEX_MIN_HEAD_DIM
+        if self.attention == "mask" and not flex_ok:
+            raise ValueError(
+                f"attention='mask' runs FlexAttention, which on CUDA needs attention head dims >= "
+                f"{FLEX_MIN_HEAD_DIM}; this model's smallest is {min_head_dim}: use attention='gather' or 'auto'"
+            )
         if self.attention != "auto":
             return self.attention
         # one FlexAttention call per layer on CUDA (launch-bound otherwise); per-branch dense
         # calls on CPU, where the dense tree mask costs more than the loop
-        return "mask" if device_type == "cuda" else "gather"
+        return "mask" if device_type == "cuda" and flex_ok else "gather"
