@@ -1,0 +1,46 @@
+"""Compilation in a training step: ``harts bench`` with Dynamo's compile statistics.
+
+    OUT=DIR TAG=name TORCH_LOGS=recompiles python scripts/diagnostics/compile_profile.py \
+        bench --device cuda ... --profile DIR/prof
+
+Takes ``harts bench``'s arguments. The ``--profile`` tables of one microbatch per side are sorted
+by device time, host self time and host total time; DIR/dynamo_<TAG>.txt gets
+``torch._dynamo.utils.compile_times()`` and Dynamo's counters. With ``TORCH_LOGS=recompiles`` it
+showed the compiled glue recompiling inside harts' timed step (2026-12-01, README).
+"""
+
+import os
+import sys
+
+import torch
+
+import harts.bench.step_bench as SB
+from harts.cli import main
+
+OUT = os.environ.get("OUT", ".")
+tag = os.environ.get("TAG", "run")
+
+
+def _profile(one, item, device, path):
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one(*item)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    with open(os.path.splitext(path)[0] + ".txt", "w") as f:
+        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60) + "\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60) + "\n")
+        f.write(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60) + "\n")
+
+
+SB._profile = _profile
+rc = main(sys.argv[1:])
+from torch._dynamo.utils import compile_times, counters  # noqa: E402
+
+with open(os.path.join(OUT, f"dynamo_{tag}.txt"), "w") as f:
+    f.write(str(compile_times(repr="str")) + "\n")
+    for k, v in counters.items():
+        f.write(f"{k}: {dict(v)}\n")
+sys.exit(rc)
