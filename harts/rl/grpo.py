@@ -31,8 +31,17 @@ __all__ = ["GRPOOutput", "grpo_loss", "grpo_normalizer", "group_advantages", "pe
 @dataclass
 class GRPOOutput:
     loss: torch.Tensor
-    #: detached diagnostics: clip fraction, mean ratio, mean KL, action tokens
-    metrics: dict[str, float]
+    #: detached diagnostics as 0-dim tensors on the loss's device, so computing them does not
+    #: wait for the device: clip fraction, mean ratio, mean KL, action tokens
+    metric_tensors: dict[str, torch.Tensor]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """``metric_tensors`` as Python floats (waits for the device)."""
+        if not self.metric_tensors:
+            return {}
+        values = torch.stack([t.to(torch.float64) for t in self.metric_tensors.values()]).tolist()
+        return dict(zip(self.metric_tensors, values))
 
 
 def per_logprob(batch: RolloutBatch, values: np.ndarray) -> np.ndarray:
@@ -133,9 +142,9 @@ def grpo_loss(
         w = weight.sum().clamp_min(1e-12)
         was_clipped = ((ratio - clipped).abs() > 0).to(dt)
         metrics = {
-            "clip_frac": float((was_clipped * weight).sum() / w),
-            "ratio_mean": float((ratio * weight).sum() / w),
-            "kl_mean": float((kl * weight).sum() / w) if kl is not None else 0.0,
-            "action_tokens": float(mask.sum()),
+            "clip_frac": (was_clipped * weight).sum() / w,
+            "ratio_mean": (ratio * weight).sum() / w,
+            "kl_mean": (kl * weight).sum() / w if kl is not None else torch.zeros((), device=dev, dtype=dt),
+            "action_tokens": mask.sum(),
         }
-    return GRPOOutput(loss=loss, metrics=metrics)
+    return GRPOOutput(loss=loss, metric_tensors=metrics)

@@ -50,8 +50,8 @@ def ppo_policy_loss(
     loss = (pg * weight).sum() / total
     with torch.no_grad():
         metrics = {
-            "ratio_mean": float((ratio * weight).sum() / total),
-            "clip_frac": float((((ratio - 1).abs() > clip_eps).to(dt) * weight).sum() / total),
-            "action_tokens": float(weight.gt(0).sum()),
+            "ratio_mean": (ratio * weight).sum() / total,
+            "clip_frac": (((ratio - 1).abs() > clip_eps).to(dt) * weight).sum() / total,
+            "action_tokens": weight.gt(0).sum(),
         }
-    return GRPOOutput(loss=loss, metrics=metrics)
+    return GRPOOutput(loss=loss, metric_tensors=metrics)

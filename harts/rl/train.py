@@ -260,8 +260,10 @@ def accumulate_step_gradients(
     normalizer = grpo_normalizer(batch, cfg.reduction)
     z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
 
-    loss_sum = moe_sum = 0.0
-    diag = {"clip_frac": 0.0, "kl": 0.0, "action_tokens": 0.0}
+    # the step's scalars stay on the device until the step ends (no host sync between
+    # microbatches, so the host prepares microbatch k + 1 while the device runs k):
+    # loss, MoE objective, clip fraction x action tokens, KL x action tokens, action tokens
+    sums = torch.zeros(5, dtype=torch.float64, device=state.device)
     counts_sum = None
     rows = calls = replay = 0
     tp = time.perf_counter()
@@ -290,26 +292,34 @@ def accumulate_step_gradients(
             pg = grpo_loss(
                 out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer
             )
-            loss = total = pg.loss
-            acts = pg.metrics["action_tokens"]
-            diag["clip_frac"] += pg.metrics["clip_frac"] * acts
-            diag["kl"] += pg.metrics["kl_mean"] * acts
-            diag["action_tokens"] += acts
+            total = pg.loss
+            m = pg.metric_tensors
+            acts = m["action_tokens"].to(sums.dtype)
+            moe = torch.zeros((), dtype=sums.dtype, device=sums.device)
             if out.moe_losses is not None:
                 # step-level statistics are already the microbatch's share of the step's losses
                 share = 1.0 if step_level else sub.num_tokens / batch.num_tokens
-                moe = share * out.moe_objective(z_coef, aux_coef)
-                total = total + moe
-                moe_sum += float(moe.detach())
+                objective = share * out.moe_objective(z_coef, aux_coef)
+                total = total + objective
+                moe = torch.as_tensor(objective, device=sums.device).detach().to(sums.dtype)
                 c = out.expert_counts.detach()
                 counts_sum = c.clone() if counts_sum is None else counts_sum + c
+            sums += torch.stack(
+                [
+                    pg.loss.detach().to(sums.dtype),
+                    moe,
+                    m["clip_frac"].to(sums.dtype) * acts,
+                    m["kl_mean"].to(sums.dtype) * acts,
+                    acts,
+                ]
+            )
             # FSDP reduces the gradients once, in the step's last backward (or after each one)
             set_gradient_sync(model, cfg.reduce_every_microbatch or done == len(prepared))
             total.backward()
-            loss_sum += float(loss.detach())
             rows += int(out.info["rows"])
             calls += int(out.info["calls"])
             replay += int(out.info["replay_rows"])
+            del out, pg, total, m  # nothing of this microbatch outlives its backward
             if progress is not None:
                 progress(done, len(mine))
     finally:
@@ -318,12 +328,10 @@ def accumulate_step_gradients(
 
     if world > 1:
         finish_gradients(model, state)
-        scalars = torch.tensor([loss_sum, moe_sum, *diag.values()], dtype=torch.float64, device=state.device)
-        dist.all_reduce(scalars)
-        loss_sum, moe_sum = float(scalars[0]), float(scalars[1])
-        diag = dict(zip(diag, scalars[2:].tolist()))
+        dist.all_reduce(sums)
         if counts_sum is not None:
             dist.all_reduce(counts_sum)
+    loss_sum, moe_sum, clip_acts, kl_acts, acts_sum = sums.tolist()  # the step's one host sync
     return _Accumulated(
         loss=loss_sum,
         moe_objective=moe_sum,
@@ -335,7 +343,7 @@ def accumulate_step_gradients(
         replay_rows=replay,
         plan_seconds=plan_seconds,
         prepare_seconds=prepare_seconds,
-        diagnostics=diag,
+        diagnostics={"clip_frac": clip_acts, "kl": kl_acts, "action_tokens": acts_sum},
     )
 
 
