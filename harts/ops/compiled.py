@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["MIN_ROWS", "compile_enabled", "cuda_compiled", "run_row_bounded"]
+__all__ = ["MIN_ROWS", "RowMismatchError", "compile_enabled", "cuda_compiled", "run_row_bounded"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,6 +59,11 @@ def compile_enabled() -> bool:
     return os.environ.get("HARTS_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+class RowMismatchError(ValueError):
+    """Row-first arguments of a ``cuda_compiled`` call with different row counts (a caller's bug,
+    raised as it is rather than taken for a compiler failure)."""
+
+
 def _padded(args: tuple[Any, ...], rows: tuple[int, ...]) -> tuple[list[Any], int, int]:
     """``args`` with the row-first tensors at ``rows`` zero-padded to ``MIN_ROWS`` rows; with the
     original row count T and the padded one."""
@@ -70,7 +75,9 @@ def _padded(args: tuple[Any, ...], rows: tuple[int, ...]) -> tuple[list[Any], in
         if not isinstance(x, torch.Tensor):
             continue
         if x.ndim == 0 or x.shape[0] != t:
-            raise ValueError(f"argument {i} has {tuple(x.shape)} rows-first, expected {t} rows like argument {rows[0]}")
+            raise RowMismatchError(
+                f"argument {i} has {tuple(x.shape)} rows-first, expected {t} rows like argument {rows[0]}"
+            )
         if n > t:
             out[i] = torch.cat([x, x.new_zeros((n - t, *x.shape[1:]))])
     return out, t, n
@@ -98,9 +105,9 @@ def cuda_compiled(
     static, symbolic after a second one). ``rows``: positions of the positional arguments whose
     dim 0 is the row count T (the same for all of them; ``fn`` returns one row-first tensor):
     calls below ``MIN_ROWS`` rows are padded, so one compiled kernel serves every T (module
-    docstring); None passes the arguments as they are. Usable bare (``@cuda_compiled``) or with keywords. The compiled function is
-    built on first CUDA use, so importing a module that uses this decorator never starts the
-    compiler; ``wrapper.eager`` is ``fn`` itself."""
+    docstring); None passes the arguments as they are. Usable bare (``@cuda_compiled``) or with
+    keywords. The compiled function is built on first CUDA use, so importing a module that uses
+    this decorator never starts the compiler; ``wrapper.eager`` is ``fn`` itself."""
     if fn is None:
         return functools.partial(cuda_compiled, opt_in=opt_in, dynamic=dynamic, rows=rows)
     compiled: list[Callable[..., Any]] = []
@@ -114,7 +121,7 @@ def cuda_compiled(
             compiled.append(torch.compile(fn, dynamic=dynamic))
         try:
             return run_row_bounded(compiled[0], args, kwargs, rows)
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, RowMismatchError):
             raise
         except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, say why
             warnings.warn(f"compiling {fn.__name__} failed ({exc!r}); running it eagerly", stacklevel=2)

@@ -174,8 +174,19 @@ def test_row_counts_share_one_compiled_graph() -> None:
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_row_bounded_arguments_must_agree() -> None:
-    from harts.ops.compiled import run_row_bounded
+def test_row_bounded_arguments_must_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Different row counts are the caller's bug: raised, not taken for a compiler failure (the
+    CUDA check is faked and the compiler is never reached, so this runs on CPU)."""
+    import harts.ops.compiled as compiled_mod
+    from harts.ops.compiled import RowMismatchError, run_row_bounded
 
-    with pytest.raises(ValueError, match="argument 1 has \\(4, 8\\) rows-first, expected 3 rows"):
+    with pytest.raises(RowMismatchError, match="argument 1 has \\(4, 8\\) rows-first, expected 3 rows"):
         run_row_bounded(swiglu.eager, (torch.ones(3, 8), torch.ones(4, 8)), {}, (0, 1))
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = True  # type: ignore[assignment]
+
+    monkeypatch.setattr(compiled_mod.torch, "compile", lambda fn, **kw: fn)
+    gate, up = torch.ones(3, 8).as_subclass(FakeCuda), torch.ones(4, 8).as_subclass(FakeCuda)
+    with pytest.raises(RowMismatchError):
+        swiglu(gate, up)
