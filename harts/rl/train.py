@@ -263,7 +263,7 @@ def accumulate_step_gradients(
     # the step's scalars stay on the device until the step ends (no host sync between
     # microbatches, so the host prepares microbatch k + 1 while the device runs k):
     # loss, MoE objective, clip fraction x action tokens, KL x action tokens, action tokens
-    sums = torch.zeros(5, dtype=torch.float64, device=state.device)
+    sums = torch.zeros(5, dtype=torch.float32 if state.device.type == "mps" else torch.float64, device=state.device)
     counts_sum = None
     rows = calls = replay = 0
     tp = time.perf_counter()
