@@ -159,6 +159,24 @@ def test_plan_capacity_and_dp_are_checked(tmp_path, capsys):
     )
 
 
+def test_trajectory_baseline_plan_is_checked_before_step_0(capsys):
+    # tiny step 0 at --capacity 230 packs into 12 raw-token microbatches; 9 replicas need 18, and
+    # 17 trajectories cannot fill them (harts' compact plan fits: 9 microbatches)
+    assert_user_error(
+        capsys,
+        *TRAIN_FAST,
+        "--mode",
+        "trajectory",
+        "--replicas",
+        "9",
+        "--capacity",
+        "230",
+        match="step 0 (tiny[0]): trajectory-wise baseline: dp=9: the 17 trajectories need 17 microbatches",
+    )
+    code, _, err = run(capsys, *TRAIN_FAST, "--replicas", "9", "--capacity", "230")  # compact: fits
+    assert code == 0, err
+
+
 def test_calls_json_file(tmp_path, capsys):
     tree = tmp_path / "t.json"
     tree.write_text(

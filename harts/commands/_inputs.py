@@ -250,14 +250,17 @@ def check_plannable(
     from harts.tree.compact import compact
 
     n = summary.trajectories
-    try:
-        if "trajectory" in modes:
+    if "trajectory" in modes:
+        try:
             plan_trajectory_step(batch.lengths, dp=dp, capacity=capacity)
-        if "compact" in modes and dp * max(1, -(-summary.tokens // (capacity * dp))) > dp * (n // dp):
-            # (when even the raw tokens, >= the compact work, fit, there is no need to compact)
+        except ValueError as err:  # its message says what to change
+            raise CapacityError(f"{summary.where()}: trajectory-wise baseline: {err}") from None
+    if "compact" in modes and dp * max(1, -(-summary.tokens // (capacity * dp))) > dp * (n // dp):
+        # (when even the raw tokens, >= the compact work, fit, there is no need to compact)
+        try:
             check_inputs(compact(batch), dp, capacity)
-    except ValueError as err:
-        raise CapacityError(f"{summary.where()}: {err}; raise --capacity") from None
+        except ValueError as err:
+            raise CapacityError(f"{summary.where()}: {err}; raise --capacity") from None
 
 
 def needed_vocab(summaries: list[StepSummary]) -> tuple[int, str]:

@@ -114,7 +114,7 @@ def plan_trajectory_step(lengths: np.ndarray, *, dp: int, capacity: int) -> Traj
             raise ValueError(
                 f"dp={dp}: the {n} trajectories need {len(groups)} microbatches of at most {capacity} raw tokens, "
                 f"each holding one trajectory, and {len(groups)} is not a multiple of dp (every replica runs "
-                "the same number of microbatches); use another dp or a larger capacity"
+                "the same number of microbatches); use another number of replicas or a larger capacity"
             )
         _, i = heapq.heappop(heap)
         a, b = _cut(groups[i], lengths)
