@@ -1,0 +1,119 @@
+"""hf_anchor: transformers' BailingHybrid on the baseline's packed rows equals harts' trajectory mode,
+and keeps the trajectories of a row apart (CPU, float32: transformers computes its norms, router
+and KDA core in float32, so float64 would only measure those casts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import torch  # noqa: E402
+
+from harts.bench.hf_anchor import (  # noqa: E402
+    bailing_hybrid_pair,
+    build_anchor_models,
+    hf_packed_logprobs,
+    main,
+    packed_kernels,
+)
+from harts.models.config import HybridConfig  # noqa: E402
+from harts.models.execution.config import ExecutionConfig  # noqa: E402
+from harts.ops.logprob import mapped_logprobs  # noqa: E402
+from harts.tree.batch import RolloutBatch  # noqa: E402
+
+TOL = 1e-4  # relative to the log-prob scale, as tests/integrations/test_hf_logits.py
+
+
+@pytest.fixture(scope="module")
+def models():
+    preset = HybridConfig.preset("tiny", layer_pattern="KKMKM", vocab_size=64, dtype="float32")
+    harts, hf, info = build_anchor_models(preset, device="cpu", seed=3)
+    return harts.eval(), hf.eval(), info
+
+
+def _batch() -> RolloutBatch:
+    # lengths 1-3 are shorter than the conv window (4), 9 and 17 cross the chunk size (8)
+    g = torch.Generator().manual_seed(0)
+    trajs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 1, 3, 17, 2, 12)]
+    return RolloutBatch.from_trajectories(trajs, advantages=[0.0] * len(trajs))
+
+
+def test_packed_row_matches_harts_and_each_trajectory_alone(models):
+    harts, hf, _ = models
+    sub = _batch()
+    with torch.no_grad():
+        with packed_kernels(torch.device("cpu")):
+            packed = hf_packed_logprobs(hf, sub).double()
+        ours = harts(sub, ExecutionConfig(mode="trajectory")).logprobs.double()
+        # transformers unmodified, one trajectory per forward: nothing to leak from
+        alone = []
+        for j in range(sub.num_trajectories):
+            t = torch.as_tensor(sub.trajectory(j))[None]
+            h = hf.model(input_ids=t, use_cache=False).last_hidden_state[0]
+            alone.append(mapped_logprobs(h, hf.lm_head.weight, torch.arange(t.shape[1] - 1), t[0, 1:]))
+        alone_lp = torch.cat(alone).double()
+        # the same row with nothing marking the trajectories: what a leak looks like
+        plain = hf.model(input_ids=torch.as_tensor(sub.tokens)[None], use_cache=False).last_hidden_state[0]
+        leaky = mapped_logprobs(
+            plain,
+            hf.lm_head.weight,
+            torch.as_tensor(sub.predicting_positions()),
+            torch.as_tensor(sub.next_token_targets()),
+        ).double()
+    scale = max(1.0, float(alone_lp.abs().max()))
+    assert packed.shape == ours.shape == alone_lp.shape == (sub.num_logprobs,)
+    assert float((packed - alone_lp).abs().max()) <= TOL * scale
+    assert float((packed - ours).abs().max()) <= TOL * scale
+    assert float((leaky - alone_lp).abs().max()) > 100 * TOL * scale
+
+
+def test_packed_kernels_restore_transformers_functions():
+    import transformers.models.bailing_hybrid.modeling_bailing_hybrid as mod
+
+    before = (mod.chunk_kimi_delta_attention, mod.causal_conv1d_fn)
+    with packed_kernels(torch.device("cpu")) as used:
+        assert (mod.chunk_kimi_delta_attention, mod.causal_conv1d_fn) != before
+        assert "once per trajectory" in used["kda_core"] and "once per trajectory" in used["conv"]
+    assert (mod.chunk_kimi_delta_attention, mod.causal_conv1d_fn) == before
+
+
+def test_ling3_tiny_differs_from_bailing_hybrid_in_semantics_only():
+    """The ling3_tiny preset is not BailingHybrid: the anchor's harts side changes these (and no size)."""
+    preset = HybridConfig.preset("ling3_tiny", layer_pattern="KKKM")
+    hf_cfg, cfg = bailing_hybrid_pair(preset)
+    assert hf_cfg.linear_num_heads == 16 and hf_cfg.linear_head_dim == 128 and hf_cfg.head_dim == 64
+    changed = {k for k, v in preset.to_dict().items() if getattr(cfg, k) != v}
+    # head_dim: gated-GQA (A) layers only, of which there are none
+    assert changed == {
+        "head_dim",
+        "kda_low_rank_gates",
+        "kda_safe_gate",
+        "rope_interleave",
+        "mla_head_gate",
+        "mla_norm_eps",
+    }
+
+
+def test_main_cpu_writes_both_sides(tmp_path):
+    out = tmp_path / "anchor.json"
+    argv = ["--model", "tiny", "--workload", "tiny", "--capacity", "1024", "--microbatches", "2"]
+    argv += ["--device", "cpu", "--dtype", "float32", "--repeat", "1", "--json", str(out)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["microbatches"] == 2 and r["raw_tokens"] > 0
+    for side in ("harts", "transformers"):
+        assert r[side]["best_seconds"] > 0 and r[side]["tokens_per_second"] > 0
+    assert r["parameters"]["harts"] == r["parameters"]["transformers"]
+    assert r["experts_implementation"] in ("grouped_mm", "batched_mm", "eager")
+    assert r["warmup_max_abs_logprob_diff"] < 1e-3
+    assert main(argv) == 2  # the JSON exists and --overwrite is not given
+
+
+def test_main_refuses_layers_bailing_hybrid_lacks(capsys):
+    assert main(["--model", "tiny", "--pattern", "KGMA", "--workload", "tiny", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("harts: error:") and "KGMA" in err and "Traceback" not in err
