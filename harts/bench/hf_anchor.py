@@ -30,8 +30,7 @@ What runs (same weights on both sides):
    references run once per trajectory. The JSON names the implementation of each.
 4. Timing: forward + backward of the sum of the target log-probs, per side, after one untimed
    warm-up microbatch, CUDA-synchronized wall time over the ``--microbatches`` microbatches,
-   ``--repeat`` times (the best counts: transformers' compiled FlexAttention meets new row
-   lengths in the first pass). harts: ``ExecutionConfig(mode="trajectory", recompute, attention,
+   ``--repeat`` times (the best counts). harts: ``ExecutionConfig(mode="trajectory", recompute, attention,
    linear_attention_backend, fused_logprobs=True)``, as ``harts bench``. transformers: its model
    body (``model.model``) in training mode, gradient checkpointing (``use_reentrant=False``) with
    ``--recompute``. Its own loss path would materialize [T, V] logits (20 GiB at T = 65,536,
@@ -39,8 +38,13 @@ What runs (same weights on both sides):
    weight through harts' chunked ``mapped_logprobs``: the comparison is of the model bodies
    with the same head. MoE experts: ``--experts auto`` is transformers' default choice
    (``grouped_mm`` where it can dispatch, else ``eager``); the one used is reported. Attention:
-   ``--attn auto`` is ``flex_attention`` on CUDA (FlexAttention over the packed mask; SDPA would
-   read a dense [T, T] mask) and ``sdpa`` on CPU.
+   ``--attn auto`` is ``sdpa``, under the dense [1, 1, T, T] packed mask transformers builds
+   (4 GiB of bool at T = 65,536): transformers 5.24 refuses ``flex_attention`` for BailingHybrid
+   ("does not support an attention implementation through torch's flex_attention"), and
+   ``flash_attention_2`` (which would take ``position_ids`` as varlen boundaries) needs flash-attn,
+   which the H200 machine lacks. harts' attention on CUDA is FlexAttention: the anchor's MLA
+   layers are at a kernel disadvantage, to be read with the per-side figures. Both models stay
+   on the device together, so each side's peak memory includes the other's weights.
 5. Agreement: the warm-up microbatch's log-probs of both sides, max |difference| (reported).
 
 On the H200 (no registry access; transformers 5.17 there has no ``bailing_hybrid``: its wheel
@@ -232,9 +236,13 @@ def _segments(cu_seqlens: torch.Tensor | None, total: int) -> list[tuple[int, in
 
 
 @contextlib.contextmanager
-def packed_kernels(device: torch.device) -> Iterator[dict[str, str]]:
+def packed_kernels(device: torch.device, *, fla: bool | None = None) -> Iterator[dict[str, str]]:
     """Within: BailingHybrid's KDA core and short convolution keep the trajectories of a packed
-    row apart (module docstring, step 3); yields which implementation runs each."""
+    row apart (module docstring, step 3); yields which implementation runs each.
+
+    ``fla`` (default: on CUDA) takes fla-core's kernels (transformers binds its ``chunk_kda``
+    when fla-core was importable at its import); otherwise transformers' PyTorch references run
+    once per trajectory."""
     import torch
     import transformers.models.bailing_hybrid.modeling_bailing_hybrid as mod
 
@@ -263,10 +271,10 @@ def packed_kernels(device: torch.device) -> Iterator[dict[str, str]]:
         )
         return y.transpose(1, 2).to(x.dtype)
 
-    if device.type == "cuda":
+    if device.type == "cuda" if fla is None else fla:
         if importlib.util.find_spec("fla") is None:
             raise UserError(
-                "--device cuda: fla-core is not importable; transformers' BailingHybrid would run its PyTorch KDA "
+                f"--device {device}: fla-core is not importable; transformers' BailingHybrid would run its PyTorch KDA "
                 "reference, which refuses packed rows (carry the fla-core wheel, see the module docstring)"
             )
         used = {
@@ -372,7 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError(str(err)) from None
     groups = plan.microbatches[: args.microbatches] if args.microbatches else plan.microbatches
     subs = [batch.select(g) for g in groups]
-    attn = args.attn if args.attn != "auto" else ("flex_attention" if device.type == "cuda" else "sdpa")
+    attn = "sdpa" if args.attn == "auto" else args.attn
     experts = None if args.experts == "auto" else args.experts
     model, hf, info = build_anchor_models(
         preset, device=args.device, seed=args.seed, attn_implementation=attn, experts_implementation=experts
@@ -440,7 +448,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"], help="harts' full attention")
     p.add_argument("--la-backend", default="auto", choices=["reference", "fla", "tree", "auto"], help="harts' KDA core")
     p.add_argument(
-        "--attn", default="auto", help="transformers attn_implementation (auto: flex_attention on CUDA, sdpa)"
+        "--attn", default="auto", help="transformers attn_implementation (auto: sdpa; see the module docstring)"
     )
     p.add_argument("--experts", default="auto", choices=["auto", "grouped_mm", "batched_mm", "eager"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")

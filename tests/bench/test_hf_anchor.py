@@ -35,11 +35,25 @@ def models():
     return harts.eval(), hf.eval(), info
 
 
-def _batch() -> RolloutBatch:
+def _batch(lengths: tuple[int, ...] = (9, 1, 3, 17, 2, 12)) -> RolloutBatch:
     # lengths 1-3 are shorter than the conv window (4), 9 and 17 cross the chunk size (8)
     g = torch.Generator().manual_seed(0)
-    trajs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 1, 3, 17, 2, 12)]
+    trajs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in lengths]
     return RolloutBatch.from_trajectories(trajs, advantages=[0.0] * len(trajs))
+
+
+def _alone_and_leaky(hf, sub: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers unmodified: each trajectory in its own forward (nothing to leak from), and
+    the packed row with nothing marking the trajectories (what a leak looks like)."""
+    alone = []
+    for j in range(sub.num_trajectories):
+        t = torch.as_tensor(sub.trajectory(j), device=hf.device)[None]
+        h = hf.model(input_ids=t, use_cache=False).last_hidden_state[0]
+        alone.append(mapped_logprobs(h, hf.lm_head.weight, torch.arange(t.shape[1] - 1), t[0, 1:].cpu()))
+    ids = torch.as_tensor(sub.tokens, device=hf.device)[None]
+    plain = hf.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+    rows, targets = torch.as_tensor(sub.predicting_positions()), torch.as_tensor(sub.next_token_targets())
+    return torch.cat(alone).double(), mapped_logprobs(plain, hf.lm_head.weight, rows, targets).double()
 
 
 def test_packed_row_matches_harts_and_each_trajectory_alone(models):
@@ -49,26 +63,51 @@ def test_packed_row_matches_harts_and_each_trajectory_alone(models):
         with packed_kernels(torch.device("cpu")):
             packed = hf_packed_logprobs(hf, sub).double()
         ours = harts(sub, ExecutionConfig(mode="trajectory")).logprobs.double()
-        # transformers unmodified, one trajectory per forward: nothing to leak from
-        alone = []
-        for j in range(sub.num_trajectories):
-            t = torch.as_tensor(sub.trajectory(j))[None]
-            h = hf.model(input_ids=t, use_cache=False).last_hidden_state[0]
-            alone.append(mapped_logprobs(h, hf.lm_head.weight, torch.arange(t.shape[1] - 1), t[0, 1:]))
-        alone_lp = torch.cat(alone).double()
-        # the same row with nothing marking the trajectories: what a leak looks like
-        plain = hf.model(input_ids=torch.as_tensor(sub.tokens)[None], use_cache=False).last_hidden_state[0]
-        leaky = mapped_logprobs(
-            plain,
-            hf.lm_head.weight,
-            torch.as_tensor(sub.predicting_positions()),
-            torch.as_tensor(sub.next_token_targets()),
-        ).double()
-    scale = max(1.0, float(alone_lp.abs().max()))
-    assert packed.shape == ours.shape == alone_lp.shape == (sub.num_logprobs,)
-    assert float((packed - alone_lp).abs().max()) <= TOL * scale
+        alone, leaky = _alone_and_leaky(hf, sub)
+    scale = max(1.0, float(alone.abs().max()))
+    assert packed.shape == ours.shape == alone.shape == (sub.num_logprobs,)
+    assert float((packed - alone).abs().max()) <= TOL * scale
     assert float((packed - ours).abs().max()) <= TOL * scale
-    assert float((leaky - alone_lp).abs().max()) > 100 * TOL * scale
+    assert float((leaky - alone).abs().max()) > 100 * TOL * scale
+
+
+@pytest.mark.gpu
+def test_packed_row_on_cuda_with_fla_matches_each_trajectory_alone():
+    """The H200 path: fla-core's chunk_kda (through transformers) and varlen conv; float32 with
+    head dims fla's kernels take. Log-probs and every weight gradient against transformers'
+    per-trajectory forward."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("fla")
+    preset = HybridConfig.preset(
+        "tiny",
+        layer_pattern="KKMKM",
+        vocab_size=64,
+        dtype="float32",
+        num_attention_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=32,
+        chunk_size=64,
+    )
+    _, hf, _ = build_anchor_models(preset, device="cuda", seed=3)
+    sub = _batch(lengths=(9, 1, 3, 130, 2, 64, 65))
+    with packed_kernels(torch.device("cuda")) as used:
+        assert "fla-core" in used["kda_core"] and "fla-core" in used["conv"]
+        packed = hf_packed_logprobs(hf, sub)
+        packed.sum().backward()
+    grads = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+    hf.zero_grad(set_to_none=True)
+    alone, leaky = _alone_and_leaky(hf, sub)
+    alone.sum().backward()
+    scale = max(1.0, float(alone.abs().max()))
+    assert float((packed.double() - alone).abs().max()) <= TOL * scale
+    assert float((leaky - alone).abs().max()) > 100 * TOL * scale
+    for n, p in hf.named_parameters():
+        if p.grad is not None:
+            assert float((grads[n] - p.grad).abs().max()) <= 1e-3 * max(float(p.grad.abs().max()), 1e-6), n
 
 
 def test_packed_kernels_restore_transformers_functions():
