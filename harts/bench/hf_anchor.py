@@ -45,6 +45,10 @@ What runs (same weights on both sides):
    which the H200 machine lacks. harts' attention on CUDA is FlexAttention: the anchor's MLA
    layers are at a kernel disadvantage, to be read with the per-side figures. Both models stay
    on the device together, so each side's peak memory includes the other's weights.
+   In bfloat16 transformers keeps the router, its correction bias, the conv weight, ``A_log`` and
+   ``dt_bias`` in float32 (``_keep_in_fp32_modules_strict``; same values, upcast), and casts the
+   KDA log-decay to bfloat16 before the core: the agreement figure (5.) then measures bf16
+   rounding, not a different model.
 5. Agreement: the warm-up microbatch's log-probs of both sides, max |difference| (reported).
 
 On the H200 (no registry access; transformers 5.17 there has no ``bailing_hybrid``: its wheel
@@ -277,9 +281,15 @@ def packed_kernels(device: torch.device, *, fla: bool | None = None) -> Iterator
                 f"--device {device}: fla-core is not importable; transformers' BailingHybrid would run its PyTorch KDA "
                 "reference, which refuses packed rows (carry the fla-core wheel, see the module docstring)"
             )
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            fla_core = version("fla-core")
+        except PackageNotFoundError:  # importable from a source tree
+            fla_core = "(version unknown)"
         used = {
-            "kda_core": "transformers -> fla-core chunk_kda (cu_seqlens)",
-            "conv": "fla-core causal_conv1d (varlen)",
+            "kda_core": f"transformers -> fla-core {fla_core} chunk_kda (cu_seqlens)",
+            "conv": f"fla-core {fla_core} causal_conv1d (varlen)",
         }
         mod.causal_conv1d_fn = conv_fla
     else:
@@ -408,7 +418,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     with packed_kernels(device) as kernels:
         harts_lp, harts_t = _time_side(harts_step, subs, lambda: model.zero_grad(set_to_none=True), device, args.repeat)
-        hf_lp, hf_t = _time_side(hf_step, subs, lambda: hf.zero_grad(set_to_none=True), device, args.repeat)
+        try:
+            hf_lp, hf_t = _time_side(hf_step, subs, lambda: hf.zero_grad(set_to_none=True), device, args.repeat)
+        except ValueError as err:
+            # transformers' PyTorch fallbacks refuse cu_seqlens: fla-core failed to import there
+            if "packed sequences" not in str(err):
+                raise
+            raise UserError(f"transformers: {err}") from None
     return {
         "model": args.model,
         "pattern": preset.layer_pattern,
