@@ -58,7 +58,9 @@ against). transformers is pure Python; carry its wheel with fla-core's::
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 -d .whl transformers==5.24.0 fla-core==0.6.0
-    # there (5.24 needs huggingface-hub >= 1.31: if the machine's is older, download it too):
+    # there: 5.24 checks huggingface-hub >= 1.31 and tokenizers 0.23.x at import (5.17 needs hub >= 1.5
+    # and the same tokenizers): python3 -c "import huggingface_hub as h; print(h.__version__)"; if older,
+    # add huggingface-hub==1.31.0 to the download (pure Python; its own requirements then apply)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     python -m harts.bench.hf_anchor --model ling3_tiny --pattern KKKM --workload medium --step 0 \\
         --microbatches 4 --device cuda --dtype bfloat16 --recompute --repeat 2 --json out/hf_anchor.json

@@ -156,3 +156,13 @@ def test_main_refuses_layers_bailing_hybrid_lacks(capsys):
     assert main(["--model", "tiny", "--pattern", "KGMA", "--workload", "tiny", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("harts: error:") and "KGMA" in err and "Traceback" not in err
+
+
+def test_main_says_when_transformers_lacks_bailing_hybrid(monkeypatch, capsys):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="5.17.0"))
+    assert main(["--model", "tiny", "--workload", "tiny", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "transformers 5.17.0 has no BailingHybridForCausalLM" in err and "5.24.0" in err
