@@ -458,7 +458,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=0, help="workload step")
     p.add_argument("--seed", type=int, default=0, help="workload and model-init seed")
     p.add_argument("--capacity", type=int, default=65_536, help="baseline microbatch capacity T (raw tokens)")
-    p.add_argument("--microbatches", type=int, default=0, help="time the first N microbatches (0: all)")
+    p.add_argument("--microbatches", type=int, default=4, help="time the first N microbatches (0: all)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--recompute", action="store_true", help="recompute layers in backward, both sides")
