@@ -13,21 +13,22 @@ below into one or two Triton kernels per direction.
 always run it eagerly; CUDA tensors run ``torch.compile(fn, dynamic=True)`` unless
 ``HARTS_COMPILE=0`` (``compile_enabled()``). Both sides of ``harts bench`` get it. On an H200 it
 took a full ``medium`` step (``harts bench --workload medium``, ling3_tiny's dimensions, pattern
-KKKM, bf16, recompute) from 50.98 s to 45.13 s trajectory-wise and from 8.09 s to 7.39 s for
-harts (README, GPU section).
+KKKM, bf16, recompute) from 50.98 s to 44.82 s trajectory-wise and from 8.09 s to 7.22 s for
+harts (README, GPU section; measured with RoPE still eager, see below).
 
 **Row counts never recompile.** Every microbatch has its own row count T, and a tree step's
 microbatches differ widely. With dynamic shapes Inductor still guards on T's size class
 (``4096 <= T``, ``T * 768 >= 5242880``: fusion and indexing heuristics evaluated at the first T
-it saw), so a smaller microbatch recompiled every glue function in the middle of a timed step
-(about 20 compilations, 1-3 s each; an H200 log of ``harts bench --workload medium --dp 8
+it saw), so a smaller microbatch recompiled the glue in the middle of a timed step (six
+recompilations of the norms, 1-3 s each, in an H200 log of ``harts bench --workload medium --dp 8
 --replica 0`` with ``TORCH_LOGS=recompiles``). A call whose row-first arguments (positions
 ``rows``, all with the same T) have fewer than ``MIN_ROWS`` rows is therefore zero-padded up to
 it (an element-wise pass over ``MIN_ROWS`` rows costs microseconds) and its result cut back to
 T: every call, and the first one the kernels are compiled for, lies above those thresholds, so
 the guards hold for all of them. (Declaring the range with ``torch._dynamo.mark_dynamic(min=,
 max=)`` instead failed on the H200: Inductor's 32-bit indexing guards depend on the inputs'
-strides, and a declared upper bound above them is a constraint violation.) Recompilation is
+strides, and a declared upper bound above them is a constraint violation; RoPE then ran eagerly
+in the measurements above. The padding alone has not run on a GPU yet.) Recompilation is
 left for what changes the kernel: the feature width, dtype, and whether an argument is a view
 -- a handful of variants per function, compiled once per process.
 
