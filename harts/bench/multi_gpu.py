@@ -222,14 +222,9 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
 def _raw_flops(batch: RolloutBatch, flops: FlopModel) -> float:
     """The step's trajectory-wise model FLOPs: every raw row, its logit row, causal pairs (what
     the baseline executes, whatever its microbatching)."""
-    import numpy as np
+    from harts.bench.step_bench import microbatch_counts
 
-    lengths = batch.lengths.astype(np.int64)
-    return flops.training_flops(
-        rows=batch.num_tokens,
-        logit_rows=len(batch.predicting_positions()),
-        pairs=int((lengths * (lengths + 1) // 2).sum()),
-    )
+    return flops.training_flops(*microbatch_counts(batch, None, "trajectory"))
 
 
 def _executed_flops(

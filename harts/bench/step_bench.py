@@ -189,10 +189,10 @@ def _run_side(
     t0 = time.perf_counter()
     prepared = prepare()  # (microbatch, model inputs) in slot order
     prep_seconds = time.perf_counter() - t0 if mode == "compact" else 0.0
-    raw = logit_rows = pairs = 0
-    for sub, inputs in prepared:
-        _, lr, pr = microbatch_counts(sub, inputs, mode)
-        raw, logit_rows, pairs = raw + sub.num_tokens, logit_rows + lr, pairs + pr
+    counts = [microbatch_counts(sub, inputs, mode) for sub, inputs in prepared]  # (rows, logit rows, pairs)
+    raw = sum(sub.num_tokens for sub, _ in prepared)
+    logit_rows = sum(c[1] for c in counts)
+    pairs = sum(c[2] for c in counts)
 
     def one(sub: RolloutBatch, inputs) -> dict:  # noqa: ANN001
         out = model(inputs, execution)
@@ -207,7 +207,7 @@ def _run_side(
         # compile / autotune / allocator warm-up, untimed: the first microbatch and the one with
         # the fewest rows (a call below harts.ops.compiled.MIN_ROWS rows is padded, which
         # compiles the glue once more: the timed step then meets no first-time compilation)
-        smallest = min(range(len(prepared)), key=lambda i: microbatch_counts(*prepared[i], mode)[0])
+        smallest = min(range(len(prepared)), key=lambda i: counts[i][0])
         _sync(device)
         t0 = time.perf_counter()
         for i in dict.fromkeys((0, smallest)):

@@ -299,17 +299,20 @@ def check_device(spec: str) -> None:
     raise UserError(f"--device {spec}: not available here; use cpu or cuda")
 
 
-def check_la_backend(backend: str, device: str) -> None:
-    """``--la-backend`` can run on ``--device`` (fla needs CUDA and fla-core)."""
+def check_la_backend(backend: str, device: str, chunk_size: int | None = None, model: str | None = None) -> None:
+    """``--la-backend`` can run on ``--device`` (fla needs CUDA and fla-core) and, once the model
+    is known (``chunk_size`` of ``--model``), at its linear-attention chunk size."""
     import torch
 
     from harts.ops.linear_attn.dispatch import linear_attn_op
 
     try:
-        linear_attn_op(backend, torch.device(device))
+        linear_attn_op(backend, torch.device(device), chunk_size)
     except ValueError as err:
+        with_model = f" with --model {model}" if model else ""
         raise UserError(
-            f"--la-backend {backend} on --device {device}: {err}; use --la-backend reference (any device) or auto"
+            f"--la-backend {backend} on --device {device}{with_model}: {err}; use --la-backend auto "
+            "(or reference, which runs on any device)"
         ) from None
 
 
@@ -394,7 +397,6 @@ def build_model(
 
     from harts.integrations.loading import load_model
     from harts.models.execution.config import ExecutionConfig
-    from harts.ops.linear_attn.dispatch import linear_attn_op
 
     check_device(args.device)
     check_la_backend(getattr(args, "la_backend", "reference"), args.device)
@@ -416,11 +418,8 @@ def build_model(
         if isinstance(err, UserError):
             raise
         raise UserError(f"--model {args.model}: {err}") from None
-    backend = getattr(args, "la_backend", "reference")
-    try:  # the model's chunk size against the backend's kernels
-        linear_attn_op(backend, torch.device(args.device), model.config.chunk_size)
-    except ValueError as err:
-        raise UserError(f"--la-backend {backend} with --model {args.model}: {err}; use --la-backend auto") from None
+    # device and fla-core were checked before loading; now the model's chunk size too
+    check_la_backend(getattr(args, "la_backend", "reference"), args.device, model.config.chunk_size, args.model)
     attention = getattr(args, "attention", "auto")
     try:  # the model's attention head dims against FlexAttention's
         ExecutionConfig(attention=attention).resolved_attention(
