@@ -1,7 +1,7 @@
 """Full attention of one training microbatch: FlexAttention tile options against each other.
 
     python -m harts.bench.attention_bench --workload medium --capacity 65536 --json out.json \
-        --variant default --variant "bwd=64,64,64,64,3,4"
+        --variant harts --variant torch --variant "bwd=64,64,64,64,3,4"
 
 Takes the largest microbatch of each side of ``--workload``'s step ``--step`` at capacity T
 (``harts bench``'s plans): the baseline's raw microbatch under its document-causal mask, and
@@ -10,10 +10,12 @@ passes). On random q, k, v of the model's MLA shapes (H heads, qk dim ``nope + r
 ``v_head_dim``) it times FlexAttention's forward and forward + backward (CUDA events, median of
 ``--repeat`` after one untimed call that compiles), once per ``--variant``:
 
-* ``default``: harts' ``flex_kernel_options`` (torch's tiles, except float32 above head dim 128);
-* ``bwd=M1,N1,M2,N2,stages,warps``: those backward tiles (``bwd_BLOCK_M1`` ...);
+* ``harts``: harts' ``flex_kernel_options`` (what the model runs);
+* ``torch``: no kernel options (torch's own tiles);
+* ``bwd=M1,N1,M2,N2,stages,warps``: those backward tiles (``bwd_BLOCK_M1`` ...) over torch's;
 * ``fwd=M,N,stages,warps``: those forward tiles;
-* several, joined by ``+``, plus ``safe`` (``ROWS_GUARANTEED_SAFE``: every row sees itself).
+* several, joined by ``+`` and applied left to right (``harts+bwd=...``), plus ``safe``
+  (``ROWS_GUARANTEED_SAFE``: every row sees itself).
 
 With ``--varlen`` the baseline's mask is also run through torch's flash-attention varlen kernel
 (``torch.nn.attention.varlen``, v zero-padded to the qk dim) where this torch has it: what a
@@ -38,12 +40,16 @@ import torch
 __all__ = ["parse_variant", "masks_of_step", "main"]
 
 
-def parse_variant(spec: str) -> dict[str, Any]:
-    """``"bwd=64,64,64,64,3,4+safe"`` -> FlexAttention kernel options (``default`` -> {})."""
+def parse_variant(spec: str, harts_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``"bwd=64,64,64,64,3,4+safe"`` -> FlexAttention kernel options; ``harts`` adds
+    ``harts_options`` (the model's), ``torch`` adds nothing."""
     opts: dict[str, Any] = {}
     for part in spec.split("+"):
         part = part.strip()
-        if part in ("", "default"):
+        if part in ("", "torch"):
+            continue
+        if part == "harts":
+            opts.update(harts_options or {})
             continue
         if part == "safe":
             opts["ROWS_GUARANTEED_SAFE"] = True
@@ -60,7 +66,7 @@ def parse_variant(spec: str) -> dict[str, Any]:
             names = ("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_stages", "fwd_num_warps")
         else:
             raise ValueError(
-                f"variant {spec!r}: {part!r} must be default, safe, bwd=M1,N1,M2,N2,stages,warps or fwd=M,N,stages,warps"
+                f"variant {spec!r}: {part!r} must be harts, torch, safe, bwd=M1,N1,M2,N2,stages,warps or fwd=M,N,stages,warps"
             )
         opts.update(zip(names, nums))
     return opts
@@ -134,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
     try:
-        variants = [(v, parse_variant(v)) for v in (args.variant or ["default"])]
+        specs = args.variant or ["harts"]
+        for v in specs:
+            parse_variant(v)  # checked before any CUDA work
     except ValueError as exc:
         p.error(str(exc))
     sides = args.sides.split(",")
@@ -150,9 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     H, dqk, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     dtype, dev = getattr(torch, args.dtype), torch.device("cuda")
     masks = masks_of_step(args.workload, args.step, args.capacity, cfg.chunk_size)
+    harts_options = flex_kernel_options(dev, dtype, dqk, dv) or {}
+    variants = [(v, parse_variant(v, harts_options)) for v in specs]
     flex = _compiled_flex()
     results: list[dict[str, Any]] = []
-    print(f"{args.workload}[{args.step}] T={args.capacity} H={H} d_qk={dqk} d_v={dv} {args.dtype}")
+    print(
+        f"{args.workload}[{args.step}] T={args.capacity} H={H} d_qk={dqk} d_v={dv} {args.dtype}; harts: {harts_options}"
+    )
     print(
         f"{'side':9} {'rows':>7} {'pairs':>10} {'variant':34} {'fwd ms':>8} {'f+b ms':>8} {'bwd/fwd':>7} "
         f"{'fwd TF/s':>8} {'f+b TF/s':>8} {'max diff':>9}"

@@ -257,12 +257,25 @@ def test_flex_block_mask_is_built_once_per_cache_and_matches_eager(monkeypatch):
         torch.testing.assert_close(o, dense, rtol=1e-5, atol=1e-5)
 
 
-def test_flex_kernel_options_only_shrink_float32_wide_heads_on_cuda():
+def test_flex_kernel_options_float32_wide_heads_and_hopper_half(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 above head dim 128 gets a forward tile that fits shared memory on any GPU; half
+    precision above 128 gets the measured Hopper tiles on sm 9.0 only; everything else torch's."""
     from harts.ops.attention.tree_mask import flex_kernel_options
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     opts = flex_kernel_options(cuda, torch.float32, 192, 128)
     assert opts is not None and opts["fwd_BLOCK_M"] * 192 * 4 + opts["fwd_BLOCK_N"] * (192 + 128) * 4 < 227 * 1024
     assert flex_kernel_options(cuda, torch.float32, 128, 128) is None
-    assert flex_kernel_options(cuda, torch.bfloat16, 192, 128) is None
     assert flex_kernel_options(cpu, torch.float32, 192, 128) is None
+    assert flex_kernel_options(cpu, torch.bfloat16, 192, 128) is None
+    assert flex_kernel_options(cuda, torch.bfloat16, 128, 128) is None
+    half = flex_kernel_options(cuda, torch.bfloat16, 192, 128)
+    assert half is not None and half["bwd_BLOCK_N1"] % half["bwd_BLOCK_M1"] == 0  # the kernel's static asserts
+    assert half["bwd_BLOCK_M2"] % half["bwd_BLOCK_N2"] == 0
+    half["bwd_num_warps"] = 1  # a copy: the caller may not change the table
+    assert flex_kernel_options(cuda, torch.float16, 192, 128) == {**half, "bwd_num_warps": 8}
+    for other in [(8, 0), (10, 0)]:
+        capability[0] = other
+        assert flex_kernel_options(cuda, torch.bfloat16, 192, 128) is None

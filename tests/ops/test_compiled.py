@@ -7,7 +7,7 @@ import torch
 
 from harts.models.layers.kda import kda_log_decay
 from harts.models.layers.mlp import swiglu
-from harts.models.layers.moe import _PairsToRows, _RowsToPairs
+from harts.models.layers.moe import _PairsToRows, _RowsToPairs, sum_slots, weighted_swiglu
 from harts.models.layers.norms import l2norm, rms_norm, rms_norm_gated
 from harts.models.layers.rope import apply_rope, rope_cos_sin
 from harts.ops.compiled import compile_enabled, cuda_compiled
@@ -23,6 +23,7 @@ def _cases(T: int, device: str, dtype: torch.dtype, seed: int = 0):  # noqa: ANN
         return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(device, dtype).requires_grad_()
 
     cos, sin = rope_cos_sin(torch.arange(T, device=device), 64, 10_000.0, dtype)
+    slots = torch.randperm(3 * T, generator=g).view(T, 3).to(device)  # each of T*3 rows once
     return [
         ("rms_norm", rms_norm, (r(T, 96), r(96), 1e-6, False)),
         ("rms_norm_unit_offset", rms_norm, (r(T, 96), r(96, scale=0.1), 1e-6, True)),
@@ -33,6 +34,8 @@ def _cases(T: int, device: str, dtype: torch.dtype, seed: int = 0):  # noqa: ANN
         ("kda_log_decay", kda_log_decay, (r(T, 4, 32), r(4, 32), r(4, scale=0.5), None)),
         ("kda_log_decay_safe", kda_log_decay, (r(T, 4, 32), r(4, 32), r(4, scale=0.5), -5.0)),
         ("apply_rope", apply_rope, (r(T, 4, 96), cos, sin)),
+        ("weighted_swiglu", weighted_swiglu, (r(T, 2 * 48), r(T))),
+        ("sum_slots", sum_slots, (slots, r(T, 3, 40))),
     ]
 
 
@@ -127,7 +130,10 @@ def test_compiled_as_close_to_float64_as_eager_on_cuda(dtype: torch.dtype, monke
     for T in (333, 1024, 20_000):  # below MIN_ROWS (zero-padded) and above
         for name, fn, args in _cases(T, "cuda", dtype, seed=T):
             args64 = [
-                a.detach().double().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
+                a.detach().double().requires_grad_(a.requires_grad)
+                if isinstance(a, torch.Tensor) and a.is_floating_point()
+                else a
+                for a in args
             ]
             ref = _value_and_grads(fn.eager, args64)
             got, eager = _value_and_grads(fn, args), _value_and_grads(fn.eager, args)
@@ -171,6 +177,33 @@ def test_row_counts_share_one_compiled_graph() -> None:
             want = torch.autograd.grad((ref * up).sum(), (x, gate, w))
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_sum_slots_padded_index_rows() -> None:
+    """``sum_slots`` through ``run_row_bounded`` (Inductor on CPU): padded index rows point at row
+    0 and are cut off again, so every row count gives the eager sums and gradients, from one graph."""
+    from torch._dynamo.utils import counters
+
+    from harts.ops.compiled import MIN_ROWS, run_row_bounded
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(sum_slots.eager, dynamic=True)
+    g = torch.Generator().manual_seed(5)
+    for t in (MIN_ROWS + 3, 2, 1, 0):
+        # not views: a view and a padded copy are two graphs (Dynamo guards on ``_base``), a
+        # variant compiled once per process (harts.ops.compiled), not per row count
+        index = torch.randperm(4 * t, generator=g).view(t, 4).clone()
+        x = torch.randn(t, 4, 8, dtype=F64, generator=g, requires_grad=True)
+        out = run_row_bounded(compiled, (index, x), {}, (0, 1))
+        ref = x.reshape(-1, 8)[index].sum(1)
+        torch.testing.assert_close(out, ref)
+        if t:
+            up = torch.randn_like(ref)
+            (got,) = torch.autograd.grad((out * up).sum(), x)
+            (want,) = torch.autograd.grad((ref * up).sum(), x)
+            torch.testing.assert_close(got, want)
     assert counters["stats"]["unique_graphs"] == 1
 
 

@@ -175,13 +175,40 @@ def _flex(q, k, v, block_mask, scale: float) -> torch.Tensor:
 
 
 def flex_kernel_options(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int) -> dict | None:
-    """FlexAttention forward tile sizes where torch's defaults overflow shared memory, else None.
+    """FlexAttention tile sizes where torch 2.11's defaults fail or are slow, else None (torch's).
 
-    torch 2.11 on Hopper tiles a float32 forward with head dims above 128 (MLA: 192 / 128) as
-    64 x 64 rows in 3 stages, which needs ~274 KiB of shared memory against 227 KiB; the
-    H100 table of later torch releases uses 32 x 64 rows in one stage, 8 warps, for float32 at
-    192. That tile is used here for every float32 head dim above 128. CPU kernels take none.
+    * float32 above head dim 128 (MLA: 192 / 128), any CUDA GPU: torch tiles the forward as 64 x 64
+      rows in 3 stages, which needs ~274 KiB of shared memory against 227 KiB; the H100 table of
+      later torch releases uses 32 x 64 rows in one stage, 8 warps. That tile is used here.
+    * bfloat16 / float16 above head dim 128 on Hopper (sm 9.0): torch's backward tile (64, 64, 64,
+      64; 2 stages, 4 warps) ran 6.7x the forward's time. ``harts.bench.attention_bench`` on the
+      largest microbatch of each side of ``medium`` step 0 (T = 65,536, MLA 16 x 192 / 128, H200)
+      measured forward + backward at 122.8 -> 65.0 ms (document-causal) and 134.9 -> 74.9 ms
+      (tree) with backward tiles (32, 128, 128, 32; 2 stages, 8 warps), the same speed as
+      flash-attention's varlen kernel on the causal rows (67.9 ms, v padded to 192), and the
+      forward at 15.9 -> 13.1 ms with 128 x 64 rows, 3 stages, 8 warps; outputs and gradients
+      bitwise equal. (64, 128, 128, 64; 3 stages) needs 243 KiB of shared memory and fails.
+    CPU kernels take none.
     """
-    if device.type != "cuda" or dtype != torch.float32 or max(qk_dim, v_dim) <= 128:
+    if device.type != "cuda" or max(qk_dim, v_dim) <= 128:
         return None
-    return {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 64, "fwd_num_stages": 1, "fwd_num_warps": 8}
+    if dtype == torch.float32:
+        return {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 64, "fwd_num_stages": 1, "fwd_num_warps": 8}
+    if dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device) == (9, 0):
+        return dict(_HOPPER_HALF_ABOVE_128)
+    return None
+
+
+#: Hopper, half precision, head dim above 128 (``flex_kernel_options``)
+_HOPPER_HALF_ABOVE_128 = {
+    "fwd_BLOCK_M": 128,
+    "fwd_BLOCK_N": 64,
+    "fwd_num_stages": 3,
+    "fwd_num_warps": 8,
+    "bwd_BLOCK_M1": 32,
+    "bwd_BLOCK_N1": 128,
+    "bwd_BLOCK_M2": 128,
+    "bwd_BLOCK_N2": 32,
+    "bwd_num_stages": 2,
+    "bwd_num_warps": 8,
+}
