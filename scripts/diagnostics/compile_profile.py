@@ -4,7 +4,8 @@
         bench --device cuda ... --profile DIR/prof
 
 Takes ``harts bench``'s arguments. The ``--profile`` tables of one microbatch per side are sorted
-by device time, host self time and host total time; DIR/dynamo_<TAG>.txt gets
+by device time, host self time and host total time, then by device time per operator and input
+shapes; DIR/dynamo_<TAG>.txt gets
 ``torch._dynamo.utils.compile_times()`` and Dynamo's counters. With ``TORCH_LOGS=recompiles`` it
 showed the compiled glue recompiling inside harts' timed step (2026-12-01, README).
 """
@@ -25,7 +26,7 @@ def _profile(one, item, device, path):
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         one(*item)
         torch.cuda.synchronize()
     ka = prof.key_averages()
@@ -33,6 +34,14 @@ def _profile(one, item, device, path):
         f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60) + "\n")
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60) + "\n")
         f.write(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60) + "\n")
+        # operators by input shapes: which aten::mul / index / copy is which
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        f.write(
+            by_shape.table(
+                sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=90
+            )
+            + "\n"
+        )
 
 
 SB._profile = _profile

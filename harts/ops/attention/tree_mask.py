@@ -182,12 +182,14 @@ def flex_kernel_options(device: torch.device, dtype: torch.dtype, qk_dim: int, v
       later torch releases uses 32 x 64 rows in one stage, 8 warps. That tile is used here.
     * bfloat16 / float16 above head dim 128 on Hopper (sm 9.0): torch's backward tile (64, 64, 64,
       64; 2 stages, 4 warps) ran 6.7x the forward's time. ``harts.bench.attention_bench`` on the
-      largest microbatch of each side of ``medium`` step 0 (T = 65,536, MLA 16 x 192 / 128, H200)
-      measured forward + backward at 122.8 -> 65.0 ms (document-causal) and 134.9 -> 74.9 ms
-      (tree) with backward tiles (32, 128, 128, 32; 2 stages, 8 warps), the same speed as
-      flash-attention's varlen kernel on the causal rows (67.9 ms, v padded to 192), and the
-      forward at 15.9 -> 13.1 ms with 128 x 64 rows, 3 stages, 8 warps; outputs and gradients
-      bitwise equal. (64, 128, 128, 64; 3 stages) needs 243 KiB of shared memory and fails.
+      largest microbatch of each side of ``medium`` step 0 (T = 65,536, MLA 16 x 192 / 128, H200):
+      forward + backward 122.8 -> 59.1 ms (document-causal rows) and 134.9 -> 68.2 ms (tree) with
+      backward tiles (32, 128, 128, 32; 3 stages, 8 warps) and forward tiles 128 x 64 rows (3
+      stages, 8 warps; forward alone 15.9 -> 13.0 ms); flash-attention's varlen kernel took 67.9
+      ms on the causal rows (v padded to 192). Outputs and gradients were bitwise equal across
+      tiles. (64, 128, 128, 64; 3 stages) and a 128 x 128 forward need more shared memory than an
+      SM has; 4 warps instead of 8 made the backward 4x slower. In a full ``medium`` step the
+      attention took 8.10 -> 4.72 s trajectory-wise and 1.70 -> 0.96 s for harts (2 stages then).
     CPU kernels take none.
     """
     if device.type != "cuda" or max(qk_dim, v_dim) <= 128:
@@ -209,6 +211,6 @@ _HOPPER_HALF_ABOVE_128 = {
     "bwd_BLOCK_N1": 128,
     "bwd_BLOCK_M2": 128,
     "bwd_BLOCK_N2": 32,
-    "bwd_num_stages": 2,
+    "bwd_num_stages": 3,
     "bwd_num_warps": 8,
 }
