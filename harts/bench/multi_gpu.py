@@ -236,7 +236,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _raw_flops(batch: RolloutBatch, flops: FlopModel, logprob_positions: str) -> float:
+def _raw_flops(batch: RolloutBatch, flops: FlopModel, logprob_positions: str = "all") -> float:
     """The step's trajectory-wise model FLOPs: every raw row, its logit row (action positions
     only with ``logprob_positions="actions"``), causal pairs (what the baseline executes,
     whatever its microbatching)."""

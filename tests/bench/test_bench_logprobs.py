@@ -79,3 +79,27 @@ def test_logprobs_flag_rejects_other_values(capsys, command: str) -> None:
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--logprobs" in err and "'bogus'" in err and "Traceback" not in err
+
+
+def test_multi_gpu_harness_counts_action_logit_rows(tmp_path) -> None:
+    """The scaling report's FLOPs follow ``--logprobs`` (default actions, as ``harts train``)."""
+    from harts.bench.flops import FlopModel
+    from harts.bench.multi_gpu import _executed_flops, _raw_flops, main
+    from harts.plan.step import plan_step
+
+    model = harts.HybridLM(harts.HybridConfig.tiny())
+    batch = generate("tiny")
+    fm = FlopModel.from_model(model)
+    plan = plan_step(batch, dp=2, capacity=4096)
+    lengths = batch.lengths.astype(np.int64)
+    pairs = int((lengths * (lengths + 1) // 2).sum())
+    actions = int(batch.action_mask.sum())
+    assert _raw_flops(batch, fm, "actions") == fm.training_flops(batch.num_tokens, actions, pairs)
+    compact = {
+        p: _executed_flops(model, batch, plan, ExecutionConfig(logprob_positions=p), fm) for p in ("all", "actions")
+    }
+    assert 0 < compact["actions"] < compact["all"]
+    out = tmp_path / "c.json"
+    argv = ["correctness", "--replicas", "1", "--workload", "tiny", "--pattern", "KM", "--out", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["logprobs"] == "actions"
