@@ -21,6 +21,10 @@ trajectory-wise model FLOPs over the same time: what harts' prefix sharing is wo
 replica's measured compute time (its microbatches, from the plan to the end of its last
 backward) next to the time predicted from the plan's per-replica work (compact tokens for harts,
 raw tokens for the baseline), scaled to the same mean.
+
+Both parts follow ``harts train``: the LM head runs at action positions only unless
+``--logprobs all`` (``ExecutionConfig.logprob_positions``), and the FLOPs count the logit rows
+computed.
 """
 
 from __future__ import annotations
@@ -93,7 +97,12 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
     from harts.rl.train import TrainConfig, accumulate_step_gradients
 
     model, state, batches, _ = _setup(args)
-    execution = ExecutionConfig(mode=args.mode, recompute=args.recompute, linear_attention_backend=args.la_backend)
+    execution = ExecutionConfig(
+        mode=args.mode,
+        recompute=args.recompute,
+        linear_attention_backend=args.la_backend,
+        logprob_positions=args.logprobs,
+    )
     cfg = TrainConfig(capacity=args.capacity, replicas=args.replicas, execution=execution)
     acc = accumulate_step_gradients(model, batches[0], cfg, parallel=state)
     squares: dict[str, float] = {}
@@ -106,6 +115,7 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
         "world_size": state.world_size,
         "replicas": args.replicas,
         "dtype": args.dtype,
+        "logprobs": args.logprobs,
         "loss": acc.loss,
         "moe_objective": acc.moe_objective,
         "expert_counts": acc.expert_counts.tolist() if acc.expert_counts is not None else None,
@@ -155,7 +165,13 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     flops = FlopModel.from_model(model)
     peak = peak_tflops(torch.device(state.device))
     world = state.world_size
-    result: dict[str, Any] = {"world_size": world, "ep": args.ep, "capacity": args.capacity, "modes": {}}
+    result: dict[str, Any] = {
+        "world_size": world,
+        "ep": args.ep,
+        "capacity": args.capacity,
+        "logprobs": args.logprobs,
+        "modes": {},
+    }
     for mode in args.modes:
         # fused log-probs on both sides, as in ``harts bench``: the baseline's plain log_softmax
         # would hold [positions, V] logits (70 GiB for a 65 k-token microbatch at V = 157 k)
@@ -165,6 +181,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             attention=args.attention,
             linear_attention_backend=args.la_backend,
             fused_logprobs=True,
+            logprob_positions=args.logprobs,
         )
         cfg = TrainConfig(capacity=args.capacity, execution=execution)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -196,9 +213,9 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 raw_plan = plan_trajectory_step(batch.lengths, dp=world, capacity=args.capacity)
                 work = raw_plan.replica_work().astype(float)
-                model_flops = _raw_flops(batch, flops)
+                model_flops = _raw_flops(batch, flops, args.logprobs)
             predicted = work / work.mean() * float(np.mean(compute))
-            raw_flops = _raw_flops(batch, flops)
+            raw_flops = _raw_flops(batch, flops, args.logprobs)
             seconds = max(step_time)
             steps.append(
                 {
@@ -219,12 +236,13 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _raw_flops(batch: RolloutBatch, flops: FlopModel) -> float:
-    """The step's trajectory-wise model FLOPs: every raw row, its logit row, causal pairs (what
-    the baseline executes, whatever its microbatching)."""
+def _raw_flops(batch: RolloutBatch, flops: FlopModel, logprob_positions: str = "all") -> float:
+    """The step's trajectory-wise model FLOPs: every raw row, its logit row (action positions
+    only with ``logprob_positions="actions"``), causal pairs (what the baseline executes,
+    whatever its microbatching)."""
     from harts.bench.step_bench import microbatch_counts
 
-    return flops.training_flops(*microbatch_counts(batch, None, "trajectory"))
+    return flops.training_flops(*microbatch_counts(batch, None, "trajectory", logprob_positions))
 
 
 def _executed_flops(
@@ -238,7 +256,8 @@ def _executed_flops(
     rows = logit_rows = pairs = 0
     for d in range(plan.dp):
         for cb, cp in plan.prepare_replica(d, model.config.chunk_size):
-            r, lr, pr = microbatch_counts(cb.batch, model.prepare_compact(cb, execution, plan=cp), "compact")
+            inputs = model.prepare_compact(cb, execution, plan=cp)
+            r, lr, pr = microbatch_counts(cb.batch, inputs, "compact", execution.logprob_positions)
             rows, logit_rows, pairs = rows + r, logit_rows + lr, pairs + pr
     return flops.training_flops(rows, logit_rows, pairs)
 
@@ -262,6 +281,12 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"])
         s.add_argument("--la-backend", default="reference", choices=["reference", "fla", "tree", "auto"])
         s.add_argument("--threads", type=int, default=0)
+        s.add_argument(
+            "--logprobs",
+            default="actions",
+            choices=["actions", "all"],
+            help="LM head at action positions only (the training default) or at every position",
+        )
     sub.choices["correctness"].add_argument("--replicas", type=int, required=True, help="plan replicas (fixed)")
     sub.choices["correctness"].add_argument("--mode", default="compact", choices=["compact", "trajectory"])
     sub.choices["scaling"].add_argument("--modes", nargs="+", default=["compact", "trajectory"])

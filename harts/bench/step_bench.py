@@ -10,7 +10,7 @@ Both sides train on the whole step (every trajectory), as in the paper's Table 4
   (``StepPlan.prepare_replica``), it is laid out, then runs ``mode="compact"``.
 
 Both sides get the same kernels and options (linear-attention backend, attention
-implementation, fused log-probs, grouped-GEMM MoE, recomputation).
+implementation, fused log-probs, log-prob positions, grouped-GEMM MoE, recomputation).
 
 Each microbatch does forward, GRPO loss normalized by the step's denominator, MoE router
 objective, backward (gradients accumulate; no optimizer update). With ``dp = D > 1`` one
@@ -68,7 +68,8 @@ class BenchSide:
     peak_memory_gb: float | None
     #: raw (semantic) tokens this side's microbatches stand for
     raw_tokens: int = 0
-    #: rows whose logits the LM head computes; visible full-attention pairs
+    #: rows whose logits the LM head computes (compact: unique physical rows; only those of
+    #: action positions with ``logprob_positions="actions"``); visible full-attention pairs
     logit_rows: int = 0
     attention_pairs: int = 0
     #: useful training FLOPs (harts.bench.flops), recomputation excluded
@@ -155,11 +156,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def microbatch_counts(sub: RolloutBatch, inputs, mode: str) -> tuple[int, int, int]:  # noqa: ANN001
+def microbatch_counts(
+    sub: RolloutBatch,
+    inputs,  # noqa: ANN001
+    mode: str,
+    logprob_positions: str = "all",
+) -> tuple[int, int, int]:
     """(rows, logit rows, visible attention pairs) that one microbatch executes (host data only):
     ``inputs`` is what the model runs (a ``prepare_compact`` result in compact mode; unused in
-    trajectory mode). ``FlopModel.training_flops`` of these is the work MFU counts."""
+    trajectory mode). Logit rows are those the LM head computes under ``logprob_positions``
+    (``ExecutionConfig``): every predicting position, or those whose target is an action; in
+    compact mode the unique physical rows among them. ``FlopModel.training_flops`` of these is
+    the work MFU counts."""
     pred = sub.predicting_positions()
+    if logprob_positions == "actions":
+        pred = pred[sub.action_logprob_entries()]
     if mode == "trajectory":
         lengths = sub.lengths.astype(np.int64)
         return int(sub.num_tokens), int(len(pred)), int((lengths * (lengths + 1) // 2).sum())
@@ -189,7 +200,9 @@ def _run_side(
     t0 = time.perf_counter()
     prepared = prepare()  # (microbatch, model inputs) in slot order
     prep_seconds = time.perf_counter() - t0 if mode == "compact" else 0.0
-    counts = [microbatch_counts(sub, inputs, mode) for sub, inputs in prepared]  # (rows, logit rows, pairs)
+    counts = [
+        microbatch_counts(sub, inputs, mode, execution.logprob_positions) for sub, inputs in prepared
+    ]  # (rows, logit rows, pairs)
     raw = sum(sub.num_tokens for sub, _ in prepared)
     logit_rows = sum(c[1] for c in counts)
     pairs = sum(c[2] for c in counts)
@@ -321,7 +334,8 @@ def bench_step(
 ) -> StepBench:
     """Time one step (or replica ``replica``'s share of it at ``dp`` replicas) both ways on
     ``model`` (its weights are not changed) under ``execution`` (its mode is set per side, and
-    both sides use the fused log-prob, as a real trainer does). ``optimizer`` also times one AdamW step;
+    both sides use the fused log-prob, as a real trainer does; its ``logprob_positions`` holds for
+    both, and the logit rows counted are the ones computed). ``optimizer`` also times one AdamW step;
     ``profile_dir`` writes a Chrome trace of one microbatch per side."""
     if not 0 <= replica < dp:
         raise ValueError(f"--replica must lie in [0, {dp}) for --dp {dp}; got {replica}")

@@ -135,6 +135,17 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_logprobs_argument(p: argparse.ArgumentParser, *, default: str, why: str) -> None:
+    """``--logprobs {actions,all}`` (``ExecutionConfig.logprob_positions``), ``default`` with ``why``."""
+    p.add_argument(
+        "--logprobs",
+        default=default,
+        choices=["actions", "all"] if default == "actions" else ["all", "actions"],
+        help="where the LM head runs: only at positions whose target is an action token (actions; "
+        f"the other log-probs are not computed) or at every position (all). Default {default}: {why}",
+    )
+
+
 def add_output_arguments(p: argparse.ArgumentParser, *, what: str = "the figures") -> None:
     """``--json FILE`` and ``--overwrite`` (every command that writes files has both)."""
     p.add_argument(

@@ -15,6 +15,7 @@ import argparse
 
 from harts.commands._inputs import (
     add_execution_arguments,
+    add_logprobs_argument,
     add_model_arguments,
     add_output_arguments,
     add_workload_arguments,
@@ -32,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (tokens)")
     add_execution_arguments(p)
+    add_logprobs_argument(p, default="all", why="the paper-comparable figure; both sides always use the same setting")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas the step is planned for")
     p.add_argument(
         "--replica", type=nonneg_int, default=0, help="which replica's share of the step to time (0 .. dp-1)"
@@ -107,12 +109,15 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
         f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
-        f"recompute {'on' if args.recompute else 'off'}; dp {args.dp}, replica {args.replica}; "
+        f"recompute {'on' if args.recompute else 'off'}; log-probs {args.logprobs}; dp {args.dp}, replica {args.replica}; "
         f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}",
         flush=True,
     )
     execution = ExecutionConfig(
-        recompute=args.recompute, attention=args.attention, linear_attention_backend=args.la_backend
+        recompute=args.recompute,
+        attention=args.attention,
+        linear_attention_backend=args.la_backend,
+        logprob_positions=args.logprobs,
     )
     results = []
     steps_bar = progress(len(sources), "bench", "step", disable=len(sources) < 2)
@@ -261,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
                 "recompute": args.recompute,
                 "attention": args.attention,
                 "la_backend": args.la_backend,
+                "logprobs": args.logprobs,
                 "dp": args.dp,
                 "replica": args.replica,
                 "peak_tflops": peak,

@@ -43,6 +43,7 @@ import contextlib
 
 from harts.commands._inputs import (
     add_execution_arguments,
+    add_logprobs_argument,
     add_model_arguments,
     add_output_arguments,
     add_workload_arguments,
@@ -89,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="KL penalty coefficient (needs ref_logprobs)")
     add_execution_arguments(p)
+    add_logprobs_argument(p, default="actions", why="the GRPO loss and the step logs read no other log-prob")
     p.add_argument(
         "--save",
         default=None,
@@ -244,6 +246,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 # chunked log-probs in both modes: the baseline's plain log_softmax would hold
                 # [positions, V] logits (tens of GiB per microbatch at a 157 k vocabulary)
                 fused_logprobs=True,
+                logprob_positions=args.logprobs,
             )
             cfg = TrainConfig(
                 capacity=args.capacity,
@@ -264,7 +267,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             mesh = f"; {world} ranks (dp {parallel_cfg.dp} x ep {parallel_cfg.ep})" if distributed else ""
             print(
                 f"model {args.model}: {model.config.layer_pattern} x hidden {model.config.hidden_size}, "
-                f"{num_parameters:,} parameters, {args.dtype} on {args.device}; mode {args.mode}{mesh}",
+                f"{num_parameters:,} parameters, {args.dtype} on {args.device}; mode {args.mode}; "
+                f"log-probs {args.logprobs}{mesh}",
                 flush=True,
             )
             if start:
@@ -539,7 +543,13 @@ def _finish(
             except OSError as err:
                 save_error = OutputPathError(f"--save {args.save}: cannot write the weights ({err.strerror or err})")
     if args.json_out and rank == 0:
-        record = {"mode": args.mode, "model": args.model, "world_size": world, "steps": [l.to_dict() for l in logs]}
+        record = {
+            "mode": args.mode,
+            "model": args.model,
+            "world_size": world,
+            "logprobs": args.logprobs,
+            "steps": [l.to_dict() for l in logs],
+        }
         if interrupted:
             record["interrupted"] = {"signal": interrupted, "completed_steps": len(logs)}
         if failed:

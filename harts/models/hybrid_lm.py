@@ -15,7 +15,8 @@ the P physical rows of that layout (paper §3.4), MoE weights its statistics by 
 q, and log-probs come from ``mapped_logprobs`` (logsumexp once per compact row, §3.5).
 
 ``out.logprobs`` [S - N] is in original batch order: for trajectory j, entry
-``offsets[j] - j + i`` is log p(x_j[i+1] | x_j[:i+1]). ``out.moe_losses`` holds per-MoE-layer
+``offsets[j] - j + i`` is log p(x_j[i+1] | x_j[:i+1]). With ``logprob_positions="actions"``
+only the entries whose target is an action token are computed; the others are NaN. ``out.moe_losses`` holds per-MoE-layer
 router z-loss and load-balancing aux loss ([L_moe] each), ``out.expert_counts`` the
 q-weighted top-k assignment counts [L_moe, E] (None without MoE layers).
 
@@ -54,6 +55,8 @@ _MIXERS = {"K": KimiDeltaAttention, "G": GatedDeltaNet, "M": MultiheadLatentAtte
 class ModelOutput:
     """What one forward returns; see the module docstring."""
 
+    #: [S - N] in batch order; NaN at the entries not computed (``logprob_positions="actions"``:
+    #: every entry whose target is not an action token)
     logprobs: torch.Tensor
     moe_losses: dict[str, torch.Tensor] | None = None
     expert_counts: torch.Tensor | None = None
@@ -179,6 +182,13 @@ class HybridLM(nn.Module):
             config: ``ExecutionConfig`` (default ``ExecutionConfig()``: compact, attention auto).
             **fields: ``ExecutionConfig`` fields, e.g. ``mode="trajectory"``.
 
+        Returns:
+            ``ModelOutput``: ``logprobs`` [S - N] in batch order (module docstring). With
+            ``logprob_positions="actions"`` only the entries ``batch.action_logprob_entries()``
+            are computed (the LM head runs on those positions only) and every other entry is
+            NaN, never a silent 0; gradients flow into the computed entries only.
+            ``info["logit_positions"]`` is the number of positions the LM head computed.
+
         Raises:
             ValueError: ``CompactInputs`` prepared with another ``no_replay`` than ``config``'s
                 (the model executes the plan it is given and never re-plans).
@@ -241,13 +251,19 @@ class HybridLM(nn.Module):
                 counts.append(outs[3])
         h = self.norm(h)
 
-        pred = batch.predicting_positions()
+        pred, targets_np = batch.predicting_positions(), batch.next_token_targets()
+        # "actions": the LM head runs only where the loss reads a log-prob (its largest cost)
+        entries = batch.action_logprob_entries() if cfg.logprob_positions == "actions" else None
+        if entries is not None:
+            pred, targets_np = pred[entries], targets_np[entries]
+        info["logit_positions"] = int(pred.size)
         # host tensors: mapped_logprobs plans its indices on the host (no device sync)
-        targets = torch.as_tensor(batch.next_token_targets())
+        targets = torch.as_tensor(targets_np)
         if mode == "trajectory":
             rows = torch.as_tensor(pred)
         else:
             assert isinstance(inputs, CompactInputs)
+            # a compact row shared by several selected positions is computed once (mapped_logprobs)
             rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred])
         h, head_weight = regions.enter("lm_head", h, self.lm_head_weight)
         if cfg.use_fused_logprobs:
@@ -259,6 +275,11 @@ class HybridLM(nn.Module):
             logits = torch.nn.functional.linear(h[rows], head_weight)
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
         (logprobs,) = regions.exit("lm_head", logprobs)
+        if entries is not None:
+            # NaN where nothing was computed, so that any use of those entries is loud; the
+            # out-of-place index_copy sends gradients to the computed entries only
+            index = torch.as_tensor(entries).to(logprobs.device, non_blocking=True)
+            logprobs = logprobs.new_full((batch.num_logprobs,), float("nan")).index_copy(0, index, logprobs)
 
         if not z_losses:
             return ModelOutput(logprobs=logprobs, info=info)

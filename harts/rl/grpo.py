@@ -13,6 +13,12 @@ Reduction: "token_mean" (sum l / sum mask*weight over the batch) or "sequence_me
 trajectories of each trajectory's token mean; trajectories without actions are skipped).
 Without ``old_logprobs`` the ratio is taken against the detached current log-probs (on-policy).
 
+Every per-token term is computed on the entries with a non-zero action weight only (they are
+index-selected first): the other entries may be NaN (``ExecutionConfig.logprob_positions=
+"actions"`` leaves them uncomputed) and never reach the loss, the metrics or the gradient. A NaN
+at a weighted entry is a bug upstream and is not hidden: the loss and metrics become NaN. A
+batch without any weighted entry has loss 0 (and zero gradients).
+
 Shapes: lp_L with L = S - N; meta_L the batch's per-token arrays minus first tokens.
 """
 
@@ -25,7 +31,7 @@ import torch
 
 from harts.tree.batch import RolloutBatch
 
-__all__ = ["GRPOOutput", "grpo_loss", "grpo_normalizer", "group_advantages", "per_logprob"]
+__all__ = ["GRPOOutput", "grpo_loss", "grpo_normalizer", "group_advantages", "per_logprob", "weighted_entries"]
 
 
 @dataclass
@@ -71,6 +77,13 @@ def action_weight(batch: RolloutBatch) -> np.ndarray:
     return mask if batch.loss_weights is None else mask * per_logprob(batch, batch.loss_weights)
 
 
+def weighted_entries(batch: RolloutBatch, weight: np.ndarray) -> np.ndarray:
+    """int64 [A']: the entries of ``logprobs`` [S - N] with a non-zero action weight ``weight``
+    (``action_weight(batch)``): the only ones a policy loss reads (a subset of
+    ``batch.action_logprob_entries()``)."""
+    return np.flatnonzero(weight != 0)
+
+
 def grpo_normalizer(batch: RolloutBatch, reduction: str = "token_mean") -> float:
     """The denominator ``grpo_loss`` uses for the whole of ``batch`` (see ``normalizer``)."""
     weight = action_weight(batch)
@@ -106,22 +119,26 @@ def grpo_loss(
     if kl_coef and batch.ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs in the batch")
     dev, dt = logprobs.device, logprobs.dtype
+    weight_np = action_weight(batch)
+    sel = weighted_entries(batch, weight_np)
+    sel_t = torch.as_tensor(sel).to(dev, non_blocking=True)
 
     def meta(a: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(per_logprob(batch, a), device=dev, dtype=dt)
+        return torch.as_tensor(per_logprob(batch, a)[sel], device=dev, dtype=dt)
 
-    mask = meta(batch.action_mask.astype(np.float64))
-    weight = torch.as_tensor(action_weight(batch), device=dev, dtype=dt)
+    # from here on every per-token tensor holds the weighted entries only (module docstring)
+    lp = logprobs.index_select(0, sel_t)
+    weight = torch.as_tensor(weight_np[sel], device=dev, dtype=dt)
     adv = meta(batch.advantages)
-    old = logprobs.detach() if batch.old_logprobs is None else meta(batch.old_logprobs)
-    ratio = torch.exp(logprobs - old)
+    old = lp.detach() if batch.old_logprobs is None else meta(batch.old_logprobs)
+    ratio = torch.exp(lp - old)
     hi = clip_eps if clip_eps_high is None else clip_eps_high
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi)
     per_tok = -torch.minimum(ratio * adv, clipped * adv)
     kl = None
     if kl_coef:
         assert batch.ref_logprobs is not None, "kl_coef needs ref_logprobs"
-        d = meta(batch.ref_logprobs) - logprobs
+        d = meta(batch.ref_logprobs) - lp
         kl = torch.exp(d) - d - 1.0
         per_tok = per_tok + kl_coef * kl
 
@@ -129,9 +146,8 @@ def grpo_loss(
         den = weight.sum().clamp_min(1e-12) if normalizer is None else normalizer
         loss = (per_tok * weight).sum() / den
     else:
-        traj = torch.as_tensor(
-            np.repeat(np.arange(batch.num_trajectories), batch.lengths - 1), device=dev, dtype=torch.int64
-        )
+        traj_np = np.repeat(np.arange(batch.num_trajectories), batch.lengths - 1)[sel]
+        traj = torch.as_tensor(traj_np, device=dev, dtype=torch.int64)
         num = torch.zeros(batch.num_trajectories, device=dev, dtype=dt).index_add(0, traj, per_tok * weight)
         den = torch.zeros(batch.num_trajectories, device=dev, dtype=dt).index_add(0, traj, weight)
         has = den > 0
@@ -145,6 +161,6 @@ def grpo_loss(
             "clip_frac": (was_clipped * weight).sum() / w,
             "ratio_mean": (ratio * weight).sum() / w,
             "kl_mean": (kl * weight).sum() / w if kl is not None else torch.zeros((), device=dev, dtype=dt),
-            "action_tokens": mask.sum(),
+            "action_tokens": torch.as_tensor(float(batch.action_mask.sum()), device=dev, dtype=dt),
         }
     return GRPOOutput(loss=loss, metric_tensors=metrics)

@@ -97,7 +97,8 @@ def policy_pass(model: HybridLM, batch: RolloutBatch, trainer: TrainConfig) -> t
     The entropy reads the final hidden rows the forward computed (a hook on ``model.norm``) and
     forms logits for the predicting rows of action tokens only, ``chunk`` rows at a time.
     """
-    cfg = trainer.execution
+    # every entry: they become the batch's ref_logprobs, which must be finite everywhere
+    cfg = replace(trainer.execution, logprob_positions="all")
     inputs: Any = batch
     pred = batch.predicting_positions()
     if cfg.mode == "compact":

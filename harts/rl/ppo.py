@@ -6,14 +6,17 @@ token with negative advantage contributes at most ``-c * A``:
 
     pg = -min(r A, clip(r, 1 - eps, 1 + eps) A);   pg = min(pg, -c A) where A < 0
 
-Reduction as in ``grpo_loss``. Shapes: lp_L, L = S - N.
+Reduction as in ``grpo_loss``; as there, every term is computed on the entries with a non-zero
+action weight only (the others may be NaN: ``logprob_positions="actions"``), and a NaN at a
+weighted entry makes the loss NaN. Shapes: lp_L, L = S - N.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from harts.rl.grpo import GRPOOutput, per_logprob
+from harts.rl.grpo import GRPOOutput, action_weight, per_logprob, weighted_entries
 from harts.tree.batch import RolloutBatch
 
 __all__ = ["ppo_policy_loss"]
@@ -34,15 +37,17 @@ def ppo_policy_loss(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     dev, dt = logprobs.device, logprobs.dtype
+    weight_np = action_weight(batch)
+    sel = weighted_entries(batch, weight_np)
 
-    def meta(a) -> torch.Tensor:  # noqa: ANN001
-        return torch.as_tensor(per_logprob(batch, a), device=dev, dtype=dt)
+    def meta(a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(per_logprob(batch, a)[sel], device=dev, dtype=dt)
 
-    weight = meta(batch.action_mask.astype("float64"))
-    if batch.loss_weights is not None:
-        weight = weight * meta(batch.loss_weights)
+    # the weighted entries only: the others may be NaN (never computed) and never enter the loss
+    lp = logprobs.index_select(0, torch.as_tensor(sel).to(dev, non_blocking=True))
+    weight = torch.as_tensor(weight_np[sel], device=dev, dtype=dt)
     adv = meta(batch.advantages)
-    ratio = torch.exp(logprobs - meta(batch.old_logprobs))
+    ratio = torch.exp(lp - meta(batch.old_logprobs))
     pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
     if dual_clip is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip * adv), pg)

@@ -71,8 +71,11 @@ class TrainConfig:
     #: baseline, which holds every token); trajectories longer than T are an error
     capacity: int = 65_536
     #: how every microbatch executes: mode "compact" (harts) or "trajectory" (the baseline, its
-    #: microbatches packed from raw tokens), attention, recompute, linear-attention backend
-    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    #: microbatches packed from raw tokens), attention, recompute, linear-attention backend;
+    #: by default log-probs at action tokens only (``logprob_positions="actions"``): the loss and
+    #: every diagnostic of ``StepLog`` read nothing else, and the LM head is a step's largest cost
+    #: (an ``ExecutionConfig`` given here keeps its own setting, ``"all"`` unless it says otherwise)
+    execution: ExecutionConfig = field(default_factory=lambda: ExecutionConfig(logprob_positions="actions"))
     lr: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0

@@ -98,11 +98,21 @@ class RolloutBatch:
         idx[self.offsets[:-1]] = -1
         return idx
 
-    def next_token_targets(self) -> np.ndarray:
-        """int64 [S - N]: for every predicting position, the token it predicts (original order)."""
+    def _predicted(self) -> np.ndarray:
+        """bool [S]: tokens that have a log-prob (every token but each trajectory's first)."""
         keep = np.ones(self.num_tokens, dtype=bool)
         keep[self.offsets[:-1]] = False
-        return self.tokens[keep]
+        return keep
+
+    def next_token_targets(self) -> np.ndarray:
+        """int64 [S - N]: for every predicting position, the token it predicts (original order)."""
+        return self.tokens[self._predicted()]
+
+    def action_logprob_entries(self) -> np.ndarray:
+        """int64 [A]: the entries of ``logprobs`` [S - N] whose target token is an action
+        (``action_mask``), ascending; A = ``action_mask.sum()`` (a first token is never an action).
+        The only entries an RL loss reads (``ExecutionConfig.logprob_positions="actions"``)."""
+        return np.flatnonzero(self.action_mask[self._predicted()])
 
     def predicting_positions(self) -> np.ndarray:
         """int64 [S - N]: the semantic position that predicts each log-prob entry."""

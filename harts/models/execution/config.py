@@ -15,9 +15,10 @@ from typing import Any
 
 from harts.ops.linear_attn.dispatch import LINEAR_ATTN_BACKENDS
 
-__all__ = ["ATTENTION_IMPLS", "MODES", "ExecutionConfig"]
+__all__ = ["ATTENTION_IMPLS", "LOGPROB_POSITIONS", "MODES", "ExecutionConfig"]
 
 MODES = ("compact", "trajectory")
+LOGPROB_POSITIONS = ("all", "actions")
 ATTENTION_IMPLS = ("auto", "gather", "mask")
 #: FlexAttention (torch 2.11) lowers on CUDA only for query/key/value head dims of at least 16
 FLEX_MIN_HEAD_DIM = 16
@@ -45,6 +46,10 @@ class ExecutionConfig:
     #: log-probs by ``mapped_logprobs`` (chunked, never [S, V]); None: in compact mode only
     #: (trajectory mode's plain log_softmax is the oracle; benchmarks pass True for both)
     fused_logprobs: bool | None = None
+    #: where the LM head runs: "all" (every predicting position) or "actions" (only positions
+    #: whose target is an action token, ``RolloutBatch.action_logprob_entries``: what an RL
+    #: loss reads; the other log-prob entries are NaN). Both modes honour it.
+    logprob_positions: str = "all"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -55,6 +60,8 @@ class ExecutionConfig:
             raise ValueError(
                 f"linear-attention backend must be one of {LINEAR_ATTN_BACKENDS}, got {self.linear_attention_backend!r}"
             )
+        if self.logprob_positions not in LOGPROB_POSITIONS:
+            raise ValueError(f"logprob_positions must be 'all' or 'actions', got {self.logprob_positions!r}")
 
     @classmethod
     def of(cls, config: ExecutionConfig | None = None, **fields: Any) -> ExecutionConfig:
