@@ -7,7 +7,7 @@ import torch
 
 from harts.models.layers.kda import kda_log_decay
 from harts.models.layers.mlp import swiglu
-from harts.models.layers.moe import _PairsToRows, _RowsToPairs, gather_slots, sum_slots, weighted_swiglu
+from harts.models.layers.moe import _PairsToRows, _RowsToPairs, sum_slots, weighted_swiglu
 from harts.models.layers.norms import l2norm, rms_norm, rms_norm_gated
 from harts.models.layers.rope import apply_rope, rope_cos_sin
 from harts.ops.compiled import compile_enabled, cuda_compiled
@@ -36,7 +36,6 @@ def _cases(T: int, device: str, dtype: torch.dtype, seed: int = 0):  # noqa: ANN
         ("apply_rope", apply_rope, (r(T, 4, 96), cos, sin)),
         ("weighted_swiglu", weighted_swiglu, (r(T, 2 * 48), r(T))),
         ("sum_slots", sum_slots, (slots, r(T, 3, 40))),
-        ("gather_slots", gather_slots, (slots.remainder(T), r(T, 40))),
     ]
 
 
