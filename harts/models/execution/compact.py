@@ -23,11 +23,13 @@ Shapes (P physical rows, T_r rows of round r): x_PD; la_rows_r [T_r]; states [H,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from harts.models.execution.base import RowContext
+from harts.ops.conv import conv_uses_fla
 
 __all__ = ["CompactContext", "RoundTensors"]
 
@@ -82,6 +84,8 @@ class CompactContext(RowContext):
         self.rounds = [self._round(r) for r in layout.rounds]
         self.num_boundary_states = int(layout.num_boundary_states)
         self._ancestors: dict[int, torch.Tensor] = {}
+        self._conv_runs: dict[int, Any] = {}
+        self.conv_fla = conv_uses_fla(la_backend, device)
         self._attn: dict[str, torch.Tensor] = {}
 
     def _round(self, r) -> RoundTensors:  # noqa: ANN001
@@ -109,9 +113,14 @@ class CompactContext(RowContext):
 
     # ------------------------------------------------------------------ ops
     def short_conv(self, x_TD, weight_DW, bias_D, activation):  # type: ignore[override]
-        from harts.ops.conv import tree_causal_conv1d
+        from harts.ops.conv import conv_runs_from_ancestors, runs_causal_conv1d, tree_causal_conv1d
 
         k = weight_DW.shape[-1] - 1
+        if self.conv_fla:
+            # runs of consecutive rows with their ancestors as initial states (harts.ops.conv.runs)
+            if k not in self._conv_runs:
+                self._conv_runs[k] = conv_runs_from_ancestors(self.layout.ancestors(k))
+            return runs_causal_conv1d(x_TD, weight_DW, self._conv_runs[k], bias_D, activation)
         if k not in self._ancestors:
             self._ancestors[k] = _t(self.layout.ancestors(k), self.device)
         return tree_causal_conv1d(x_TD, weight_DW, self._ancestors[k], bias_D, activation=activation)

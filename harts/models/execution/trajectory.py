@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from harts.models.execution.base import RowContext
+from harts.ops.conv import conv_runs_from_offsets, conv_uses_fla
 from harts.tree.batch import RolloutBatch
 
 __all__ = ["TrajectoryContext"]
@@ -43,6 +44,8 @@ class TrajectoryContext(RowContext):
         pos = np.arange(batch.num_tokens) - np.repeat(offsets[:-1], batch.lengths)
         self.position = torch.as_tensor(pos, dtype=torch.int64).to(device, non_blocking=True)
         self.row_weight = torch.ones(batch.num_tokens, dtype=torch.float64, device=device)
+        self.conv_fla = conv_uses_fla(la_backend, device)
+        self.conv_runs = conv_runs_from_offsets(offsets) if self.conv_fla else None
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
         self.attention_impl = attention
@@ -53,9 +56,12 @@ class TrajectoryContext(RowContext):
             self.chain_end = torch.as_tensor(end, dtype=torch.int64).to(device, non_blocking=True)
 
     def short_conv(self, x_TD, weight_DW, bias_D, activation):  # type: ignore[override]
-        from harts.ops.conv import causal_conv1d_varlen
+        from harts.ops.conv import causal_conv1d_varlen, runs_causal_conv1d
 
-        return causal_conv1d_varlen(x_TD, weight_DW, self.cu_seqlens, bias=bias_D, activation=activation)
+        if self.conv_runs is not None:  # fla-core's kernel, one run per trajectory
+            return runs_causal_conv1d(x_TD, weight_DW, self.conv_runs, bias_D, activation)
+        # host boundaries: checking them costs the device no synchronization
+        return causal_conv1d_varlen(x_TD, weight_DW, self.cu_seqlens_host, bias=bias_D, activation=activation)
 
     def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
         o, _, _ = self.la_op(

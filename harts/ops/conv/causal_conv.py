@@ -35,7 +35,8 @@ def tree_causal_conv1d(
         x_PD: [P, D] inputs on physical rows.
         weight_DW: [D, W] depthwise kernel; column W-1 multiplies the row itself.
         ancestors_PW1: int [P, W-1]; column d-1 is the physical row of the d-th true ancestor
-            of row i, or -1 (none: before the root, or a padding row) which reads zero.
+            of row i, or -1 (none: before the root, or a padding row) which reads zero. Range-
+            checked when on the host.
         bias_D: [D] or None.
         activation: None, "silu" or "swish" (the same).
 
@@ -52,7 +53,13 @@ def tree_causal_conv1d(
         raise ValueError(f"bias must be [D={D}]; got {tuple(bias_D.shape)}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}; got {activation!r}")
-    if ancestors_PW1.numel() and (int(ancestors_PW1.min()) < -1 or int(ancestors_PW1.max()) >= P):
+    # checked where the indices live on the host (no device sync); a device tensor is the
+    # caller's (an executor's, built from a Layout) and an index out of range is a device assert
+    if (
+        not ancestors_PW1.is_cuda
+        and ancestors_PW1.numel()
+        and (int(ancestors_PW1.min()) < -1 or int(ancestors_PW1.max()) >= P)
+    ):
         raise ValueError(
             f"ancestors must hold row ids in [-1, {P}); got [{int(ancestors_PW1.min())}, {int(ancestors_PW1.max())}]"
         )
@@ -94,14 +101,16 @@ def causal_conv1d_varlen(
     Args:
         x_TD: [T, D] packed rows.
         weight_DW: [D, W] depthwise kernel.
-        cu_seqlens: int [N + 1] boundaries; a window never reaches into the previous sequence.
+        cu_seqlens: int [N + 1] boundaries (host or device; the host costs no synchronization);
+            a window never reaches into the previous sequence.
         bias: [D] or None.
         activation: None, "silu" or "swish".
 
     Returns:
         y_TD: [T, D].
     """
-    if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != x_TD.shape[0]:
-        raise ValueError(f"cu_seqlens must run from 0 to T={x_TD.shape[0]}; got {cu_seqlens.tolist()}")
-    ancestors = sequence_ancestors(cu_seqlens.to(x_TD.device), weight_DW.shape[-1] - 1)
+    cu = cu_seqlens.cpu()  # host boundaries (pass them on the host: no device sync)
+    if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != x_TD.shape[0]:
+        raise ValueError(f"cu_seqlens must run from 0 to T={x_TD.shape[0]}; got {cu.tolist()}")
+    ancestors = sequence_ancestors(cu, weight_DW.shape[-1] - 1).to(x_TD.device, non_blocking=True)
     return tree_causal_conv1d(x_TD, weight_DW, ancestors, bias, activation)

@@ -1,0 +1,179 @@
+"""The short conv as packed runs with initial states: fla-core's varlen kernel on tree rows.
+
+A run is a maximal block of consecutive physical rows in which every row's parent is the row
+before it. Inside a run the conv window is the plain causal one; at a run's first row the W-1
+earlier taps are the row's true ancestors (``Layout.ancestors``), which become the run's
+*initial state*. So the tree conv of ``tree_causal_conv1d`` equals a varlen conv over the runs
+with initial states
+
+    state[r] = [x[anc_{W-1}(s_r)], ..., x[anc_1(s_r)]]     (s_r the run's first row; -1 reads 0)
+
+and a trajectory-wise batch is the special case of one run per trajectory and no state. A row
+read by several runs' states (a fork's last W-1 rows) gets their gradients through the state
+gather's backward (a deterministic index_put); everything else is fla-core's ``causal_conv1d``
+(Triton; float32 accumulation, rounded once, the activation fused) forward and backward.
+
+Both sides of a benchmark run this one kernel: trajectory-wise (runs = trajectories, no state)
+and compact (runs of the layout, states from ancestors). Per tap the kernel adds ``x`` or the
+state's entry in the same order, so a compact row's output equals its trajectory-wise twin's
+bit for bit when their inputs do.
+
+Shapes: P rows, D channels, W kernel width, R runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ConvRuns", "conv_runs_from_ancestors", "conv_runs_from_offsets", "conv_uses_fla", "runs_causal_conv1d"]
+
+
+@dataclass(frozen=True)
+class ConvRuns:
+    """Runs of a layout's physical rows (host arrays; device copies made once per device)."""
+
+    #: int64 [R + 1] run boundaries (0 .. P)
+    cu_seqlens: np.ndarray
+    #: int64 [R, W-1] physical rows of each run's state, oldest first, -1 reads zero; None: no
+    #: run has a state (trajectory-wise rows)
+    state_rows: np.ndarray | None
+    _device: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.cu_seqlens.size - 1)
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(cu_seqlens on ``device``, cu_seqlens on the host, state rows on ``device`` or None)."""
+        key = str(device)
+        if key not in self._device:
+            cu_host = torch.as_tensor(self.cu_seqlens, dtype=torch.int64)
+            rows = None
+            if self.state_rows is not None:
+                p = int(self.cu_seqlens[-1])
+                # -1 reads the zero row appended at P
+                rows = torch.as_tensor(np.where(self.state_rows < 0, p, self.state_rows)).to(device)
+            self._device[key] = (cu_host.to(device), cu_host, rows)
+        return self._device[key]  # type: ignore[no-any-return]
+
+
+def conv_runs_from_offsets(offsets: np.ndarray) -> ConvRuns:
+    """Trajectory-wise rows: one run per trajectory (``offsets`` int [N + 1]), no states."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or (lengths < 0).any():
+        raise ValueError(f"offsets must rise from 0; got {offsets[:8].tolist()}...")
+    return ConvRuns(cu_seqlens=offsets[np.r_[True, lengths > 0]], state_rows=None)
+
+
+def conv_runs_from_ancestors(ancestors_PW1: np.ndarray) -> ConvRuns:
+    """Runs and states of rows whose ancestors ``ancestors_PW1`` (int [P, W-1], column d-1 the
+    d-th ancestor or -1) follow parent chains, as ``Layout.ancestors`` builds them.
+
+    Raises ValueError naming the first row whose ancestors are not its parent's shifted by one
+    (then the rows are not a tree and no run decomposition exists).
+    """
+    anc = np.asarray(ancestors_PW1, dtype=np.int64)
+    if anc.ndim != 2:
+        raise ValueError(f"ancestors must be [P, W-1]; got shape {anc.shape}")
+    p, k = anc.shape
+    if k == 0:
+        return ConvRuns(cu_seqlens=np.array([0, p], dtype=np.int64)[: 2 if p else 1], state_rows=None)
+    rows = np.arange(p)
+    start = anc[:, 0] != rows - 1
+    start[:1] = True
+    # a chain: the d-th ancestor of row i is the (d-1)-th of its parent (checked where the
+    # parent is the previous row, i.e. inside runs; run starts carry their ancestors as state)
+    inner = np.flatnonzero(~start)
+    if k > 1 and inner.size:
+        bad = inner[(anc[inner, 1:] != anc[inner - 1, :-1]).any(1)]
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"row {i}'s ancestors {anc[i].tolist()} are not its parent row {i - 1}'s "
+                f"{anc[i - 1].tolist()} shifted by one: not parent chains"
+            )
+    starts = np.flatnonzero(start)
+    cu = np.append(starts, p).astype(np.int64)
+    return ConvRuns(cu_seqlens=cu, state_rows=np.ascontiguousarray(anc[starts, ::-1]))
+
+
+def runs_causal_conv1d(
+    x_PD: torch.Tensor,
+    weight_DW: torch.Tensor,
+    runs: ConvRuns,
+    bias_D: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    *,
+    impl: str = "fla",
+) -> torch.Tensor:
+    """The causal depthwise conv over ``runs`` (module docstring): [P, D] -> [P, D].
+
+    Args:
+        x_PD: [P, D] rows; weight_DW: [D, W] (column W-1 multiplies the row itself); bias_D: [D].
+        runs: from ``conv_runs_from_ancestors`` / ``conv_runs_from_offsets`` over these P rows.
+        activation: None, "silu" or "swish".
+        impl: "fla" (fla-core's Triton kernel; CUDA) or "reference" (one ``F.conv1d`` per run
+            with its state prepended: slow, any device; what the CPU tests compare against).
+    """
+    P, D = x_PD.shape
+    W = weight_DW.shape[-1]
+    if int(runs.cu_seqlens[-1]) != P:
+        raise ValueError(f"runs cover {int(runs.cu_seqlens[-1])} rows; x has {P}")
+    if runs.state_rows is not None and runs.state_rows.shape[1] != W - 1:
+        raise ValueError(f"runs carry states of {runs.state_rows.shape[1]} rows; the kernel width {W} needs {W - 1}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish'; got {activation!r}")
+    if P == 0:
+        return x_PD.new_zeros(0, D)
+    cu, cu_host, state_index = runs.on(x_PD.device)
+    states = None
+    if state_index is not None:
+        x_pad = torch.cat([x_PD, x_PD.new_zeros(1, D)])
+        states = x_pad[state_index]  # [R, W-1, D], oldest first
+    if impl == "reference":
+        return _reference(x_PD, weight_DW, cu_host.tolist(), states, bias_D, activation)
+    if impl != "fla":
+        raise ValueError(f"impl must be 'fla' or 'reference'; got {impl!r}")
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    h0 = None
+    if states is not None:
+        # fla's state [R, D, W]: entry W-1 is the row just before the run, entry 0 is never read
+        h0 = F.pad(states.transpose(1, 2), (1, 0)).contiguous()
+    y, _ = causal_conv1d(
+        x_PD[None],
+        weight_DW,
+        bias_D,
+        initial_state=h0,
+        activation=activation,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_host,
+    )
+    return y[0]
+
+
+def _reference(x_PD, weight_DW, bounds: list[int], states, bias_D, activation) -> torch.Tensor:  # noqa: ANN001
+    D, W = weight_DW.shape
+    outs = []
+    for r, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        before = states[r] if states is not None else x_PD.new_zeros(W - 1, D)
+        seq = torch.cat([before, x_PD[a:b]]).T[None]  # [1, D, W-1 + L]
+        outs.append(F.conv1d(seq, weight_DW[:, None, :], bias_D, groups=D)[0].T)
+    y = torch.cat(outs) if outs else x_PD.new_zeros(0, D)
+    return y if activation is None else F.silu(y)
+
+
+def conv_uses_fla(la_backend: str, device: torch.device) -> bool:
+    """Whether executors run the short conv through fla-core (``runs_causal_conv1d``): with any
+    linear-attention backend but "reference" (which keeps every op the torch reference), on CUDA
+    with fla-core installed."""
+    if la_backend == "reference" or device.type != "cuda":
+        return False
+    from harts.ops.linear_attn.fla import fla_available
+
+    return fla_available()

@@ -1,0 +1,128 @@
+"""The short conv as runs with initial states (fla-core's kernel on CUDA) equals the gather conv."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from harts.ops.conv import (
+    causal_conv1d_varlen,
+    conv_runs_from_ancestors,
+    conv_runs_from_offsets,
+    runs_causal_conv1d,
+    tree_causal_conv1d,
+)
+from tests.ops._trees import ancestors, random_forest
+
+F64 = torch.float64
+
+
+def _unshuffled_forest(num_rows: int, seed: int) -> torch.Tensor:
+    """Parents in packing order (long runs of consecutive rows, forks to earlier rows)."""
+    gen = np.random.default_rng(seed)
+    parent = np.full(num_rows, -1, dtype=np.int64)
+    for i in range(2, num_rows):
+        parent[i] = gen.integers(0, i) if gen.random() < 0.15 else i - 1
+    return torch.from_numpy(parent)
+
+
+def _layout_ancestors(k: int) -> torch.Tensor:
+    """``Layout.ancestors`` of an adversarial step (forks at and around chunk boundaries, replay)."""
+    from harts.models.config import HybridConfig
+    from harts.models.hybrid_lm import HybridLM
+    from tests.models._trees import mixed_batch
+
+    model = HybridLM(HybridConfig.tiny(dtype="float64"))
+    inputs = model.prepare_compact(mixed_batch(model.config.chunk_size, seed=4))
+    return torch.from_numpy(inputs.layout.ancestors(k))
+
+
+CASES = {
+    "shuffled": lambda k: ancestors(random_forest(97, num_roots=3, seed=1), k),
+    "packed": lambda k: ancestors(_unshuffled_forest(120, seed=2), k),
+    "layout": _layout_ancestors,
+}
+
+
+def _grads(y: torch.Tensor, inputs: tuple[torch.Tensor, ...], up: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad((y * up).sum(), inputs)
+
+
+@pytest.mark.parametrize("act", [None, "silu"], ids=["linear", "silu"])
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_runs_equal_the_gather_conv(case: str, W: int, act: str | None) -> None:
+    """Values and the gradients of x, weight and bias (float64): the runs' states carry every
+    ancestor a run's first rows read, and a forked row gets every reader's gradient."""
+    anc = CASES[case](W - 1)
+    P, D = anc.shape[0], 6
+    runs = conv_runs_from_ancestors(anc.numpy())
+    assert runs.num_runs < P or case == "shuffled"  # real runs exist where rows are packed
+    g = torch.Generator().manual_seed(W)
+    x = torch.randn(P, D, dtype=F64, generator=g, requires_grad=True)
+    w = torch.randn(D, W, dtype=F64, generator=g, requires_grad=True)
+    b = torch.randn(D, dtype=F64, generator=g, requires_grad=True)
+    ref = tree_causal_conv1d(x, w, anc, b, activation=act)
+    got = runs_causal_conv1d(x, w, runs, b, act, impl="reference")
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    up = torch.randn(P, D, dtype=F64, generator=g)
+    for a, r in zip(_grads(got, (x, w, b), up), _grads(ref, (x, w, b), up)):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_offsets_runs_equal_the_varlen_conv_with_empty_trajectories() -> None:
+    offsets = np.array([0, 5, 5, 12, 13, 13, 30])
+    runs = conv_runs_from_offsets(offsets)
+    assert runs.state_rows is None and runs.cu_seqlens.tolist() == [0, 5, 12, 13, 30]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 4, dtype=F64, generator=g, requires_grad=True)
+    w = torch.randn(4, 4, dtype=F64, generator=g, requires_grad=True)
+    ref = causal_conv1d_varlen(x, w, torch.as_tensor(offsets))
+    got = runs_causal_conv1d(x, w, runs, None, "silu", impl="reference")
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_bad_runs_and_ancestors_are_named() -> None:
+    anc = np.array([[-1, -1], [0, -1], [1, 0], [2, 5]])  # row 3's second ancestor is not row 2's first
+    with pytest.raises(ValueError, match="row 3's ancestors"):
+        conv_runs_from_ancestors(anc)
+    runs = conv_runs_from_ancestors(anc[:3])
+    assert runs.cu_seqlens.tolist() == [0, 3] and runs.state_rows.tolist() == [[-1, -1]]
+    x, w = torch.randn(4, 3), torch.randn(3, 3)
+    with pytest.raises(ValueError, match="runs cover 3 rows; x has 4"):
+        runs_causal_conv1d(x, w, runs)
+    with pytest.raises(ValueError, match="kernel width 4 needs 3"):
+        runs_causal_conv1d(x[:3], torch.randn(3, 4), runs)
+    with pytest.raises(ValueError, match="impl"):
+        runs_causal_conv1d(x[:3], w, runs, impl="cuda")
+    with pytest.raises(ValueError, match="offsets must rise"):
+        conv_runs_from_offsets(np.array([0, 4, 2]))
+    empty = conv_runs_from_ancestors(np.zeros((0, 2), dtype=np.int64))
+    assert runs_causal_conv1d(torch.zeros(0, 3), w, empty).shape == (0, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fla_runs_equal_the_reference_on_cuda(dtype: torch.dtype) -> None:
+    """fla-core's kernel with initial states against the float64 gather conv: output and
+    gradients within the dtype's rounding (fla accumulates in float32 and rounds once)."""
+    pytest.importorskip("fla")
+    anc = _layout_ancestors(3)
+    P, D, W = anc.shape[0], 96, 4
+    runs = conv_runs_from_ancestors(anc.numpy())
+    g = torch.Generator().manual_seed(1)
+    x64 = torch.randn(P, D, dtype=F64, generator=g)
+    w64 = torch.randn(D, W, dtype=F64, generator=g) * 0.5
+    up = torch.randn(P, D, dtype=F64, generator=g)
+    x, w = (t.to("cuda", dtype).requires_grad_() for t in (x64, w64))
+    got = runs_causal_conv1d(x, w, runs, None, "silu", impl="fla")
+    gx, gw = _grads(got, (x, w), up.to("cuda", dtype))
+    xr, wr = (t.detach().double().requires_grad_() for t in (x, w))  # the same rounded inputs
+    ref = tree_causal_conv1d(xr, wr, anc.cuda(), None, activation="silu")
+    rx, rw = _grads(ref, (xr, wr), up.to("cuda", dtype).double())
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    for a, r in [(got, ref), (gx, rx), (gw, rw)]:
+        err = ((a.double() - r).abs().max() / r.abs().max()).item()
+        assert err < tol, err
