@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 runs.append(("flash varlen (v padded)", varlen))
         for name, call in runs:
+            # every variant compiles afresh: in one H200 run a variant without kernel options
+            # timed like the variant compiled before it, as if it had reused that kernel
+            torch._dynamo.reset()
             try:
                 t_f = _time(call, args.repeat)
 

@@ -76,6 +76,9 @@ class BenchSide:
     flops: float = 0.0
     #: untimed first microbatch (compile, autotune, allocator), seconds
     warmup_seconds: float = 0.0
+    #: graphs torch.compile (Dynamo) built during the timed step: 0 when the warm-up compiled
+    #: every variant the step needs (a compilation inside the timed step inflates its time)
+    compiles_in_timed_step: int = 0
     #: seconds per component and phase: {component: {forward, backward, recompute}}; "other"
     #: is the timed step minus the regions
     breakdown: dict = field(default_factory=dict)
@@ -235,6 +238,7 @@ def _run_side(
     bar = (
         progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches") if progress else None
     )
+    graphs_before = _compiled_graphs()
     with regions.RegionTimer(device) as timer:
         t0 = time.perf_counter()
         for sub, inputs in prepared:
@@ -276,8 +280,16 @@ def _run_side(
         attention_pairs=pairs,
         flops=flop_model.training_flops(rows, logit_rows, pairs),
         warmup_seconds=round(warm, 3),
+        compiles_in_timed_step=_compiled_graphs() - graphs_before,
         breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()},
     )
+
+
+def _compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (its ``unique_graphs`` counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN001

@@ -145,6 +145,13 @@ def run(args: argparse.Namespace) -> int:
                 f"(warm-up {r.baseline.warmup_seconds:.1f} / {r.harts.warmup_seconds:.1f} s, untimed)",
                 flush=True,
             )
+            for name, side in (("baseline", r.baseline), ("harts", r.harts)):
+                if side.compiles_in_timed_step:
+                    print(
+                        f"step {step}: note: torch.compile built {side.compiles_in_timed_step} graph(s) inside "
+                        f"{name}'s timed step (a shape or variant the warm-up did not meet); its time includes them",
+                        flush=True,
+                    )
             steps_bar.update()
 
     def mem(x: float | None) -> str:

@@ -33,3 +33,28 @@ def test_bench_profile_writes_trace_and_operator_table(tmp_path) -> None:
         assert (prof / "step0" / f"{side}.json").stat().st_size > 0
         table = (prof / "step0" / f"{side}.txt").read_text()
         assert "Self CPU" in table and "aten::" in table
+
+
+def test_bench_reports_compilations_inside_the_timed_step(tmp_path, capsys, monkeypatch) -> None:
+    """Graphs Dynamo builds between the timed step's start and end are counted per side, written
+    to the JSON and named in a note (the CPU runs the glue eagerly: none there, and no note)."""
+    import itertools
+    import json
+
+    import harts.bench.step_bench as SB
+    from harts.cli import main
+
+    out = tmp_path / "b.json"
+    argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--steps", "1", "--no-warmup"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert "inside" not in capsys.readouterr().out
+    steps = json.loads(out.read_text())["steps"][0]
+    assert steps["baseline"]["compiles_in_timed_step"] == steps["harts"]["compiles_in_timed_step"] == 0
+    # every read of the counter finds one more graph: one compilation inside each timed step
+    counter = itertools.count()
+    monkeypatch.setattr(SB, "_compiled_graphs", lambda: next(counter))
+    assert main([*argv, "--json", str(out), "--overwrite"]) == 0
+    text = capsys.readouterr().out
+    assert "built 1 graph(s) inside baseline's timed step" in text and "inside harts's timed step" in text
+    steps = json.loads(out.read_text())["steps"][0]
+    assert steps["baseline"]["compiles_in_timed_step"] == steps["harts"]["compiles_in_timed_step"] == 1
