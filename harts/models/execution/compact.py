@@ -23,13 +23,12 @@ Shapes (P physical rows, T_r rows of round r): x_PD; la_rows_r [T_r]; states [H,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from harts.models.execution.base import RowContext
-from harts.ops.conv import conv_uses_fla
+from harts.ops.conv import ConvRuns, conv_uses_fla
 
 __all__ = ["CompactContext", "RoundTensors"]
 
@@ -84,7 +83,7 @@ class CompactContext(RowContext):
         self.rounds = [self._round(r) for r in layout.rounds]
         self.num_boundary_states = int(layout.num_boundary_states)
         self._ancestors: dict[int, torch.Tensor] = {}
-        self._conv_runs: dict[int, Any] = {}
+        self._conv_runs: dict[int, ConvRuns] = {}
         self.conv_fla = conv_uses_fla(la_backend, device)
         self._attn: dict[str, torch.Tensor] = {}
 
