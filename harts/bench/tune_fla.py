@@ -4,7 +4,9 @@
 
 Runs fla's ``chunk_kda`` (bfloat16; ``--dtypes bfloat16,float32`` for both) and ``chunk_gated_delta_rule`` forward and
 backward (GDN backward only where fla allows it) on packed varlen sequences with initial and
-final states, heads H = 16 of K = V = 128, chunk 64 -- the calls harts makes -- with
+final states, heads H = 16 of K = V = 128, chunk 64, and the short conv's varlen kernels over
+3 x H x K channels of width ``--conv-width`` with and without initial states
+(``harts.ops.conv.runs``) -- the calls harts makes -- with
 ``HARTS_FLA_AUTOTUNE=1`` so fla autotunes, then writes every autotuned kernel's chosen configs
 into ``OUT/<GPU name>/`` (see ``harts.ops.linear_attn.fla_configs``). Needs CUDA and fla-core.
 """
@@ -22,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16,float32 (default bfloat16)")
+    p.add_argument(
+        "--conv-width",
+        type=int,
+        default=4,
+        help="short-conv kernel width W (linear_conv_kernel_dim); the conv channels are 3 x heads x dim",
+    )
     args = p.parse_args(argv)
     os.environ["HARTS_FLA_AUTOTUNE"] = "1"
 
@@ -63,8 +71,35 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(names)} kernel configs in {out}",
                 flush=True,
             )
+        # the short conv (harts.ops.conv.runs): fla's varlen kernels without states (trajectory
+        # rows) and with them (compact runs); fla keys them on (channels, width) and the variant
+        t0 = time.perf_counter()
+        _tune_short_conv(3 * H * D, args.conv_width, dtype, lengths)
+        torch.cuda.synchronize()
+        names = dump_fla_autotune(out)
+        print(f"short conv {dtype}: {time.perf_counter() - t0:.1f} s; {len(names)} kernel configs in {out}", flush=True)
     print(f"kernels: {', '.join(names)}")
     return 0
+
+
+def _tune_short_conv(channels: int, width: int, dtype, lengths: list[int]) -> None:  # noqa: ANN001
+    """Forward + backward of ``runs_causal_conv1d`` on packed rows, with and without states."""
+    import numpy as np
+    import torch
+
+    from harts.ops.conv import ConvRuns, runs_causal_conv1d
+
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    P = int(cu[-1])
+    x = torch.randn(P, channels, device="cuda", dtype=dtype, requires_grad=True)
+    w = (torch.randn(channels, width, device="cuda") * 0.5).to(dtype).requires_grad_()
+    # states from the previous run's last rows (-1 before the first): a chain, as in a layout
+    starts = cu[:-1]
+    states = np.stack([starts - width + 1 + j for j in range(width - 1)], 1)
+    states = np.where(states < 0, -1, states)
+    for runs in (ConvRuns(cu_seqlens=cu, state_rows=None), ConvRuns(cu_seqlens=cu, state_rows=states)):
+        y = runs_causal_conv1d(x, w, runs, None, "silu")
+        y.float().square().sum().backward()
 
 
 if __name__ == "__main__":
