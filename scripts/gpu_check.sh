@@ -7,7 +7,9 @@
 #            gradients alone, replay bit-identity) and its state scans; the grouped-GEMM MoE
 #            without host syncs; fla-core KDA (float32, bfloat16) and GDN against the reference op
 #            with exported boundary states and their consumers' gradients, split exactness,
-#            the GDN backward guard, FlexAttention tree mask against the dense mask.
+#            the GDN backward guard, FlexAttention tree mask against the dense mask, the short
+#            conv on fla-core's kernel (runs with initial states) against the gather conv, and
+#            the compiled glue against float64.
 # 2. compare harts compare --device cuda, float32: trajectory-wise vs compact, one forward +
 #            backward, for la-backend {tree, fla, reference} x attention {mask, gather}. Model:
 #            ling3_tiny's dimensions (chunk 64, 16 heads of 128: what fla's kernels take) with
@@ -58,7 +60,7 @@ STEPS=${STEPS:-tests compare bench fidelity}
 BENCH_MODEL=${BENCH_MODEL:---model ling3_tiny --pattern KKKM}
 BENCH_WORK=${BENCH_WORK:---workload small}
 BENCH_ATTN=${BENCH_ATTN:-gather mask}
-TEST_FILES=${TEST_FILES:-tests/ops/test_linear_attn_fla.py tests/ops/test_tree_kernel.py tests/ops/test_tree_scan.py tests/models/test_moe.py tests/ops/test_attention.py}
+TEST_FILES=${TEST_FILES:-tests/ops/test_linear_attn_fla.py tests/ops/test_tree_kernel.py tests/ops/test_tree_scan.py tests/models/test_moe.py tests/ops/test_attention.py tests/ops/test_conv_runs.py tests/ops/test_compiled.py}
 COMPARE_LA=${COMPARE_LA:-tree fla reference}
 COMPARE_ATTN=${COMPARE_ATTN:-mask gather}
 mkdir -p "$OUT"
