@@ -54,7 +54,11 @@ def parse_variant(spec: str, harts_options: dict[str, Any] | None = None) -> dic
         if part == "safe":
             opts["ROWS_GUARANTEED_SAFE"] = True
             continue
-        key, _, vals = part.partition("=")
+        key, eq, vals = part.partition("=")
+        if not eq or key not in ("bwd", "fwd"):
+            raise ValueError(
+                f"variant {spec!r}: {part!r} must be harts, torch, safe, bwd=M1,N1,M2,N2,stages,warps or fwd=M,N,stages,warps"
+            )
         try:
             nums = [int(x) for x in vals.split(",")]
         except ValueError:
