@@ -126,3 +126,42 @@ def test_fla_runs_equal_the_reference_on_cuda(dtype: torch.dtype) -> None:
     for a, r in [(got, ref), (gx, rx), (gw, rw)]:
         err = ((a.double() - r).abs().max() / r.abs().max()).item()
         assert err < tol, err
+
+
+@pytest.mark.parametrize("case", ["mixed", "forks_near_chunk_boundaries"])
+def test_executors_route_the_conv_through_runs(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both executors with the runs conv (the path CUDA + fla-core takes; here its torch
+    reference): compact equals trajectory-wise, and both equal the gather conv's run (float64)."""
+    import functools
+
+    import harts.models.execution.compact as compact_mod
+    import harts.models.execution.trajectory as trajectory_mod
+    import harts.ops.conv as conv_mod
+    from harts.models.config import HybridConfig
+    from harts.models.hybrid_lm import HybridLM
+    from harts.rl.verify import compare_runs, run_step
+    from tests.models._trees import batch_of, mixed_batch, tree_cases
+
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig.tiny(dtype="float64", layer_pattern="KGMA", chunk_size=8, num_experts=4))
+    cases = tree_cases(8)
+    name = case if case in cases else sorted(cases)[0]
+    batch = mixed_batch(8) if case == "mixed" else batch_of(cases[name], seed=3)
+    inputs = model.prepare_compact(batch)
+    gather = run_step(model, inputs, mode="trajectory", kl_coef=0.1)
+
+    calls: list[int] = []
+    reference = functools.partial(conv_mod.runs_causal_conv1d, impl="reference")
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return reference(*args, **kwargs)
+
+    monkeypatch.setattr(conv_mod, "runs_causal_conv1d", counted)
+    for mod in (compact_mod, trajectory_mod):
+        monkeypatch.setattr(mod, "conv_uses_fla", lambda backend, device: True)
+    runs_traj = run_step(model, inputs, mode="trajectory", kl_coef=0.1)
+    runs_compact = run_step(model, inputs, mode="compact", kl_coef=0.1)
+    assert calls, "the runs conv was not used"
+    for got in (runs_traj, runs_compact):
+        assert max(compare_runs(gather, got).values()) <= 1e-9
