@@ -144,9 +144,7 @@ def test_executors_route_the_conv_through_runs(case: str, monkeypatch: pytest.Mo
 
     torch.manual_seed(0)
     model = HybridLM(HybridConfig.tiny(dtype="float64", layer_pattern="KGMA", chunk_size=8, num_experts=4))
-    cases = tree_cases(8)
-    name = case if case in cases else sorted(cases)[0]
-    batch = mixed_batch(8) if case == "mixed" else batch_of(cases[name], seed=3)
+    batch = mixed_batch(8) if case == "mixed" else batch_of(tree_cases(8)[case], seed=3)
     inputs = model.prepare_compact(batch)
     gather = run_step(model, inputs, mode="trajectory", kl_coef=0.1)
 
