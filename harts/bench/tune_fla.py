@@ -1,6 +1,6 @@
 """Autotune fla-core's kernels on ling3_tiny's shapes and write harts' pinned configs.
 
-    python -m harts.bench.tune_fla --out harts/ops/linear_attn/fla_configs
+    python -m harts.bench.tune_fla --out harts/ops/linear_attn/fla_configs [--kernels conv]
 
 Runs fla's ``chunk_kda`` (bfloat16; ``--dtypes bfloat16,float32`` for both) and ``chunk_gated_delta_rule`` forward and
 backward (GDN backward only where fla allows it) on packed varlen sequences with initial and
@@ -30,7 +30,16 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="short-conv kernel width W (linear_conv_kernel_dim); the conv channels are 3 x heads x dim",
     )
+    p.add_argument(
+        "--kernels",
+        default="kda,gdn,conv",
+        help="comma-separated subset of kda,gdn,conv to tune (default all); the JSON files of the "
+        "others in OUT are left as they are",
+    )
     args = p.parse_args(argv)
+    kernels = set(args.kernels.split(","))
+    if not kernels or not kernels <= {"kda", "gdn", "conv"}:
+        p.error(f"--kernels: expected a subset of kda,gdn,conv; got {args.kernels!r}")
     os.environ["HARTS_FLA_AUTOTUNE"] = "1"
 
     import torch
@@ -50,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [1, 63, 64, 65, 1000, 4096]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
     T, N = sum(lengths), len(lengths)
+    names: list[str] = []
     for dtype in dtypes:
-        for gdn in (False, True):
+        for gdn in [g for g in (False, True) if ("gdn" if g else "kda") in kernels]:
             t0 = time.perf_counter()
             torch.manual_seed(0)
             q = torch.nn.functional.normalize(torch.randn(1, T, H, D, device=dev), dim=-1).to(dtype).requires_grad_()
@@ -73,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         # the short conv (harts.ops.conv.runs): fla's varlen kernels without states (trajectory
         # rows) and with them (compact runs); fla keys them on (channels, width) and the variant
+        if "conv" not in kernels:
+            continue
         t0 = time.perf_counter()
         _tune_short_conv(3 * H * D, args.conv_width, dtype, lengths)
         torch.cuda.synchronize()
