@@ -30,6 +30,12 @@ HELP = "Time training steps compactly vs trajectory-wise (F/B/Grad, Core, tokens
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, default="small")
+    p.add_argument(
+        "--first-step",
+        type=nonneg_int,
+        default=0,
+        help="start at this step of a preset (--first-step 5 --steps 1 times step 5 alone); default 0",
+    )
     add_model_arguments(p)
     p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (tokens)")
     add_execution_arguments(p)
@@ -91,10 +97,16 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.json_out, "--json", args.overwrite)
     check_output_dir(args.profile, "--profile", args.overwrite)
     # every step is read and checked before the first one runs
-    sources = step_sources(args.workload, args.steps, args.seed)
+    sources = step_sources(args.workload, None if args.steps is None else args.first_step + args.steps, args.seed)
+    if args.first_step >= len(sources):
+        raise UserError(
+            f"--first-step {args.first_step}: workload {args.workload!r} has {len(sources)} step(s) here "
+            f"(0 .. {len(sources) - 1}{'' if args.steps is None else f' with --steps {args.steps}'})"
+        )
+    sources = sources[args.first_step :]
     summaries = []
     with progress(len(sources), "checking inputs", "step", leave=False, disable=len(sources) < 2) as bar:
-        for i, (label, make) in enumerate(sources):
+        for i, (label, make) in enumerate(sources, start=args.first_step):
             batch = make()
             st = summarize(i, label, batch)
             if args.dp > 1 and st.longest_len <= args.capacity and st.trajectories >= args.dp:
@@ -122,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     steps_bar = progress(len(sources), "bench", "step", disable=len(sources) < 2)
     with steps_bar:
-        for step, (_, make) in enumerate(sources):
+        for step, (_, make) in enumerate(sources, start=args.first_step):
             batch = make()
             r = bench_step(
                 model,

@@ -58,3 +58,23 @@ def test_bench_reports_compilations_inside_the_timed_step(tmp_path, capsys, monk
     assert "built 1 graph(s) inside baseline's timed step" in text and "inside harts's timed step" in text
     steps = json.loads(out.read_text())["steps"][0]
     assert steps["baseline"]["compiles_in_timed_step"] == steps["harts"]["compiles_in_timed_step"] == 1
+
+
+def test_bench_first_step_times_a_later_step_alone(tmp_path, capsys) -> None:
+    """``--first-step K --steps 1`` times step K of a preset (its own batch, labelled K); a step the
+    preset does not have is a clear error, no traceback."""
+    import json
+
+    from harts.cli import main
+    from harts.tree.workloads import generate
+
+    out = tmp_path / "b.json"
+    argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--no-warmup"]
+    assert main([*argv, "--first-step", "1", "--steps", "1", "--json", str(out)]) == 0
+    steps = json.loads(out.read_text())["steps"]
+    assert [s["step"] for s in steps] == [1]
+    assert steps[0]["raw_tokens"] == generate("tiny", step=1).num_tokens != generate("tiny", step=0).num_tokens
+    capsys.readouterr()
+    assert main([*argv, "--first-step", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--first-step 2: workload 'tiny' has 2 step(s) here (0 .. 1)" in err and "Traceback" not in err
