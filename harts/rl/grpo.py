@@ -31,7 +31,7 @@ import torch
 
 from harts.tree.batch import RolloutBatch
 
-__all__ = ["GRPOOutput", "grpo_loss", "grpo_normalizer", "group_advantages", "per_logprob", "weighted_entries"]
+__all__ = ["GRPOOutput", "grpo_loss", "grpo_normalizer", "group_advantages", "per_logprob", "upload", "weighted_entries"]
 
 
 @dataclass
@@ -75,6 +75,13 @@ def action_weight(batch: RolloutBatch) -> np.ndarray:
     """float64 [S - N]: action mask times loss weight, aligned with ``logprobs``."""
     mask = per_logprob(batch, batch.action_mask.astype(np.float64))
     return mask if batch.loss_weights is None else mask * per_logprob(batch, batch.loss_weights)
+
+
+def upload(a: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Host array -> tensor on ``device`` (converted to ``dtype`` on the host), without waiting
+    for the device: a synchronous host-to-device copy (``torch.as_tensor(a, device=cuda)``) first
+    drains the stream, so the host stops running ahead of the GPU in the middle of a step."""
+    return torch.as_tensor(a, dtype=dtype).to(device, non_blocking=True)
 
 
 def weighted_entries(batch: RolloutBatch, weight: np.ndarray) -> np.ndarray:
@@ -124,11 +131,11 @@ def grpo_loss(
     sel_t = torch.as_tensor(sel).to(dev, non_blocking=True)
 
     def meta(a: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(per_logprob(batch, a)[sel], device=dev, dtype=dt)
+        return upload(per_logprob(batch, a)[sel], dev, dt)
 
     # from here on every per-token tensor holds the weighted entries only (module docstring)
     lp = logprobs.index_select(0, sel_t)
-    weight = torch.as_tensor(weight_np[sel], device=dev, dtype=dt)
+    weight = upload(weight_np[sel], dev, dt)
     adv = meta(batch.advantages)
     old = lp.detach() if batch.old_logprobs is None else meta(batch.old_logprobs)
     ratio = torch.exp(lp - old)
@@ -147,7 +154,7 @@ def grpo_loss(
         loss = (per_tok * weight).sum() / den
     else:
         traj_np = np.repeat(np.arange(batch.num_trajectories), batch.lengths - 1)[sel]
-        traj = torch.as_tensor(traj_np, device=dev, dtype=torch.int64)
+        traj = upload(traj_np, dev, torch.int64)
         num = torch.zeros(batch.num_trajectories, device=dev, dtype=dt).index_add(0, traj, per_tok * weight)
         den = torch.zeros(batch.num_trajectories, device=dev, dtype=dt).index_add(0, traj, weight)
         has = den > 0
@@ -161,6 +168,6 @@ def grpo_loss(
             "clip_frac": (was_clipped * weight).sum() / w,
             "ratio_mean": (ratio * weight).sum() / w,
             "kl_mean": (kl * weight).sum() / w if kl is not None else torch.zeros((), device=dev, dtype=dt),
-            "action_tokens": torch.as_tensor(float(batch.action_mask.sum()), device=dev, dtype=dt),
+            "action_tokens": upload(np.asarray(float(batch.action_mask.sum())), dev, dt),
         }
     return GRPOOutput(loss=loss, metric_tensors=metrics)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from harts.rl.grpo import GRPOOutput, action_weight, per_logprob, weighted_entries
+from harts.rl.grpo import GRPOOutput, action_weight, per_logprob, upload, weighted_entries
 from harts.tree.batch import RolloutBatch
 
 __all__ = ["ppo_policy_loss"]
@@ -41,11 +41,11 @@ def ppo_policy_loss(
     sel = weighted_entries(batch, weight_np)
 
     def meta(a: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(per_logprob(batch, a)[sel], device=dev, dtype=dt)
+        return upload(per_logprob(batch, a)[sel], dev, dt)
 
     # the weighted entries only: the others may be NaN (never computed) and never enter the loss
     lp = logprobs.index_select(0, torch.as_tensor(sel).to(dev, non_blocking=True))
-    weight = torch.as_tensor(weight_np[sel], device=dev, dtype=dt)
+    weight = upload(weight_np[sel], dev, dt)
     adv = meta(batch.advantages)
     ratio = torch.exp(lp - meta(batch.old_logprobs))
     pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)

@@ -20,7 +20,8 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[T, rotary_dim]`` in the half-split layout (``cat(freqs, freqs)``)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    freqs = position_T.to(torch.float64)[:, None] * inv_freq.to(position_T.device)[None, :]
+    # non_blocking: a synchronous upload would first wait for the device's queue
+    freqs = position_T.to(torch.float64)[:, None] * inv_freq.to(position_T.device, non_blocking=True)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -56,8 +56,10 @@ class ConvRuns:
             if self.state_rows is not None:
                 p = int(self.cu_seqlens[-1])
                 # -1 reads the zero row appended at P
-                rows = torch.as_tensor(np.where(self.state_rows < 0, p, self.state_rows)).to(device)
-            self._device[key] = (cu_host.to(device), cu_host, rows)
+                rows = torch.as_tensor(np.where(self.state_rows < 0, p, self.state_rows))
+                rows = rows.to(device, non_blocking=True)
+            # non_blocking: a synchronous upload would first wait for the device's queue
+            self._device[key] = (cu_host.to(device, non_blocking=True), cu_host, rows)
         return self._device[key]  # type: ignore[no-any-return]
 
 

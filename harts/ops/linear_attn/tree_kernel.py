@@ -135,7 +135,8 @@ def _device_meta(
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
     def up(a: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(np.ascontiguousarray(a), device=device)
+        # non_blocking: a synchronous upload would first wait for the device's queue
+        return torch.as_tensor(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
     meta = _DeviceMeta(
         io=io,
