@@ -31,7 +31,15 @@ import torch
 
 from harts.tree.batch import RolloutBatch
 
-__all__ = ["GRPOOutput", "grpo_loss", "grpo_normalizer", "group_advantages", "per_logprob", "upload", "weighted_entries"]
+__all__ = [
+    "GRPOOutput",
+    "grpo_loss",
+    "grpo_normalizer",
+    "group_advantages",
+    "per_logprob",
+    "upload",
+    "weighted_entries",
+]
 
 
 @dataclass
