@@ -90,8 +90,9 @@ class Experts(nn.Module):
       over the per-expert groups (offsets from a scatter-add histogram, never read on the host).
       The combine weight scales the I-wide SwiGLU activation before the down projection (one
       fused pass, ``weighted_swiglu``), and each row's K outputs are gathered back and summed in
-      top-k slot order (``sum_slots``): no atomics, so it is deterministic. No ``.item()``, ``.tolist()`` or ``unique``: the forward
-      and backward never synchronize with the host, and no token is dropped.
+      top-k slot order (``sum_slots``): no atomics, so it is deterministic. No ``.item()``,
+      ``.tolist()`` or ``unique``: the forward and backward never synchronize with the host, and
+      no token is dropped.
     * ``"loop"``: the reference (one pair of GEMMs per hit expert; a host sync on ``unique``).
       It is what the tests compare ``"grouped"`` against, and the path for float64 (which
       ``torch._grouped_mm`` does not take).
