@@ -189,7 +189,7 @@ def flex_kernel_options(device: torch.device, dtype: torch.dtype, qk_dim: int, v
       ms on the causal rows (v padded to 192). Outputs and gradients were bitwise equal across
       tiles. (64, 128, 128, 64; 3 stages) and a 128 x 128 forward need more shared memory than an
       SM has; 4 warps instead of 8 made the backward 4x slower. In a full ``medium`` step the
-      attention took 8.10 -> 4.72 s trajectory-wise and 1.70 -> 0.96 s for harts (2 stages then).
+      attention took 8.10 -> 4.57 s trajectory-wise and 1.70 -> 0.92 s for harts.
     CPU kernels take none.
     """
     if device.type != "cuda" or max(qk_dim, v_dim) <= 128:
