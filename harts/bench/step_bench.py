@@ -79,6 +79,10 @@ class BenchSide:
     #: graphs torch.compile (Dynamo) built during the timed step: 0 when the warm-up compiled
     #: every variant the step needs (a compilation inside the timed step inflates its time)
     compiles_in_timed_step: int = 0
+    #: seconds from ``clock_origin`` (``bench_step``; ``harts bench``: the command's start) to
+    #: this side's first timed microbatch: the cold start, untimed warm-up included; None
+    #: without an origin
+    seconds_to_timed: float | None = None
     #: seconds per component and phase: {component: {forward, backward, recompute}}; "other"
     #: is the timed step minus the regions
     breakdown: dict = field(default_factory=dict)
@@ -195,6 +199,7 @@ def _run_side(
     flop_model: FlopModel,
     progress: Callable[[int, str], Any] | None = None,
     profile_dir: str | None = None,
+    clock_origin: float | None = None,
 ) -> BenchSide:
     mode = execution.mode
     device = model.embed_tokens.weight.device
@@ -241,6 +246,7 @@ def _run_side(
     graphs_before = _compiled_graphs()
     with regions.RegionTimer(device) as timer:
         t0 = time.perf_counter()
+        to_timed = None if clock_origin is None else round(t0 - clock_origin, 3)
         for sub, inputs in prepared:
             info = one(sub, inputs)
             rows += int(info.get("compact_rows", info["rows"]))
@@ -281,6 +287,7 @@ def _run_side(
         flops=flop_model.training_flops(rows, logit_rows, pairs),
         warmup_seconds=round(warm, 3),
         compiles_in_timed_step=_compiled_graphs() - graphs_before,
+        seconds_to_timed=to_timed,
         breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()},
     )
 
@@ -343,12 +350,15 @@ def bench_step(
     peak_tflops: float | None = None,
     progress: Callable[[int, str], Any] | None = None,
     profile_dir: str | None = None,
+    clock_origin: float | None = None,
 ) -> StepBench:
     """Time one step (or replica ``replica``'s share of it at ``dp`` replicas) both ways on
     ``model`` (its weights are not changed) under ``execution`` (its mode is set per side, and
     both sides use the fused log-prob, as a real trainer does; its ``logprob_positions`` holds for
     both, and the logit rows counted are the ones computed). ``optimizer`` also times one AdamW step;
-    ``profile_dir`` writes a Chrome trace of one microbatch per side."""
+    ``profile_dir`` writes a Chrome trace of one microbatch per side. ``clock_origin`` (a
+    ``time.perf_counter()`` value) makes each side report the seconds from it to its first timed
+    microbatch (``BenchSide.seconds_to_timed``)."""
     if not 0 <= replica < dp:
         raise ValueError(f"--replica must lie in [0, {dp}) for --dp {dp}; got {replica}")
     batch = replace(batch, old_logprobs=None, ref_logprobs=None)
@@ -363,7 +373,9 @@ def bench_step(
     base_groups = [raw_plan.microbatches[k] for k in raw_plan.for_replica(replica)]
     flop_model = FlopModel.from_model(model)
     execution = replace(ExecutionConfig.of(execution), fused_logprobs=True)
-    kw: dict[str, Any] = dict(warmup=warmup, flop_model=flop_model, progress=progress, profile_dir=profile_dir)
+    kw: dict[str, Any] = dict(
+        warmup=warmup, flop_model=flop_model, progress=progress, profile_dir=profile_dir, clock_origin=clock_origin
+    )
     compact_side = replace(execution, mode="compact")
 
     def prepare_harts() -> list[tuple[RolloutBatch, Any]]:

@@ -71,6 +71,9 @@ def _fmt_rate(x: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import os
+    import time
+
+    started = time.perf_counter()  # the cold-start clock: before torch is imported
 
     import torch
 
@@ -149,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
                 peak_tflops=peak,
                 progress=lambda total, desc: progress(total, desc, "mb", leave=False, position=1),
                 profile_dir=os.path.join(args.profile, f"step{step}") if args.profile else None,
+                clock_origin=started,
             )
             results.append(r)
             print(
@@ -157,6 +161,13 @@ def run(args: argparse.Namespace) -> int:
                 f"(warm-up {r.baseline.warmup_seconds:.1f} / {r.harts.warmup_seconds:.1f} s, untimed)",
                 flush=True,
             )
+            if len(results) == 1:
+                print(
+                    f"cold start: the first timed microbatch began {r.baseline.seconds_to_timed:.1f} s (baseline) and "
+                    f"{r.harts.seconds_to_timed:.1f} s (harts) after the command started (model build, planning "
+                    "and the untimed warm-ups included)",
+                    flush=True,
+                )
             for name, side in (("baseline", r.baseline), ("harts", r.harts)):
                 if side.compiles_in_timed_step:
                     print(

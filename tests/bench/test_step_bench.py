@@ -78,3 +78,21 @@ def test_bench_first_step_times_a_later_step_alone(tmp_path, capsys) -> None:
     assert main([*argv, "--first-step", "2"]) == 2
     err = capsys.readouterr().err
     assert "--first-step 2: workload 'tiny' has 2 step(s) here (0 .. 1)" in err and "Traceback" not in err
+
+
+def test_bench_reports_the_cold_start(tmp_path, capsys) -> None:
+    """Seconds from the command's start to each side's first timed microbatch: printed once and in
+    the JSON; harts' side starts after the baseline's whole timed step."""
+    import json
+
+    from harts.cli import main
+
+    out = tmp_path / "b.json"
+    argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--steps", "2", "--json", str(out)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.count("cold start: the first timed microbatch began") == 1
+    first, second = json.loads(out.read_text())["steps"]
+    base, harts = first["baseline"], first["harts"]
+    assert 0 < base["seconds_to_timed"] < harts["seconds_to_timed"]
+    assert harts["seconds_to_timed"] - base["seconds_to_timed"] >= base["train_seconds"]
+    assert second["baseline"]["seconds_to_timed"] > harts["seconds_to_timed"]
