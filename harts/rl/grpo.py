@@ -92,7 +92,7 @@ def upload(a: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Ten
     return torch.as_tensor(a, dtype=dtype).to(device, non_blocking=True)
 
 
-def weighted_entries(batch: RolloutBatch, weight: np.ndarray) -> np.ndarray:
+def weighted_entries(weight: np.ndarray) -> np.ndarray:
     """int64 [A']: the entries of ``logprobs`` [S - N] with a non-zero action weight ``weight``
     (``action_weight(batch)``): the only ones a policy loss reads (a subset of
     ``batch.action_logprob_entries()``)."""
@@ -135,7 +135,7 @@ def grpo_loss(
         raise ValueError("kl_coef > 0 needs ref_logprobs in the batch")
     dev, dt = logprobs.device, logprobs.dtype
     weight_np = action_weight(batch)
-    sel = weighted_entries(batch, weight_np)
+    sel = weighted_entries(weight_np)
     sel_t = torch.as_tensor(sel).to(dev, non_blocking=True)
 
     def meta(a: np.ndarray) -> torch.Tensor:

@@ -38,7 +38,7 @@ def ppo_policy_loss(
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     dev, dt = logprobs.device, logprobs.dtype
     weight_np = action_weight(batch)
-    sel = weighted_entries(batch, weight_np)
+    sel = weighted_entries(weight_np)
 
     def meta(a: np.ndarray) -> torch.Tensor:
         return upload(per_logprob(batch, a)[sel], dev, dt)

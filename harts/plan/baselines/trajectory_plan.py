@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harts.plan.step.step_plan import check_dp_capacity
+
 __all__ = ["TrajectoryPlan", "plan_trajectory_step"]
 
 
@@ -90,21 +92,9 @@ def plan_trajectory_step(lengths: np.ndarray, *, dp: int, capacity: int) -> Traj
     of microbatches on every replica exists (fewer trajectories than ``dp``, or every trajectory
     alone in its microbatch and their number not a multiple of ``dp``)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    if int(dp) != dp or dp < 1:
-        raise ValueError(f"dp must be a positive integer, got {dp!r}")
-    if int(capacity) != capacity or capacity < 1:
-        raise ValueError(f"capacity must be a positive integer number of raw tokens, got {capacity!r}")
+    check_dp_capacity(lengths, dp, capacity, "raw")
     dp, capacity = int(dp), int(capacity)
     n = len(lengths)
-    if n < dp:
-        raise ValueError(f"dp={dp} exceeds the number of trajectories ({n}): every replica needs a microbatch")
-    too_long = np.flatnonzero(lengths > capacity)
-    if too_long.size:
-        j = int(too_long[0])
-        raise ValueError(
-            f"trajectory {j} has {int(lengths[j])} tokens, more than capacity={capacity} "
-            f"({too_long.size} trajectories are too long); a trajectory is never split"
-        )
     groups = _next_fit(lengths, capacity)
     # cut the largest splittable microbatch until every replica gets the same number
     heap = [(-int(lengths[g].sum()), i) for i, g in enumerate(groups) if len(g) > 1]

@@ -102,16 +102,17 @@ class StepPlan:
         }
 
 
-def check_inputs(cb: CompactBatch, dp: int, capacity: int) -> None:
-    """Clear errors for D, T and trajectories that cannot be planned."""
-    n = cb.num_trajectories
+def check_dp_capacity(lengths: np.ndarray, dp: int, capacity: int, unit: str) -> None:
+    """Clear errors for D, T (counted in ``unit`` tokens) and trajectory ``lengths`` [N] that no
+    step plan can take: non-positive or fractional D or T, fewer trajectories than replicas, a
+    trajectory longer than T (the harts planner's and the trajectory baseline's shared checks)."""
     if int(dp) != dp or dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp!r}")
     if int(capacity) != capacity or capacity < 1:
-        raise ValueError(f"capacity must be a positive integer number of compact tokens, got {capacity!r}")
+        raise ValueError(f"capacity must be a positive integer number of {unit} tokens, got {capacity!r}")
+    n = len(lengths)
     if dp > n:
         raise ValueError(f"dp={dp} exceeds the number of trajectories ({n}): every replica needs a microbatch")
-    lengths = cb.batch.lengths
     too_long = np.flatnonzero(lengths > capacity)
     if too_long.size:
         j = int(too_long[0])
@@ -119,6 +120,12 @@ def check_inputs(cb: CompactBatch, dp: int, capacity: int) -> None:
             f"trajectory {j} has {int(lengths[j])} tokens, more than capacity={capacity} "
             f"({too_long.size} trajectories are too long); a trajectory is never split"
         )
+
+
+def check_inputs(cb: CompactBatch, dp: int, capacity: int) -> None:
+    """Clear errors for D, T and trajectories that cannot be planned."""
+    n = cb.num_trajectories
+    check_dp_capacity(cb.batch.lengths, dp, capacity, "compact")
     g = cb.lcp_index.total_work()
     need = dp * max(1, -(-g // (capacity * dp)))
     if need > dp * (n // dp):
