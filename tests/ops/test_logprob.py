@@ -45,14 +45,16 @@ def make_case(P: int, D: int, V: int, n: int, seed: int = 0):
     ],
 )
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
-def test_values_and_gradients_match_log_softmax(P, D, V, n, chunk, fused):
-    """Both backward paths (fused: the target entries set to their totals afterwards) are exact
-    in float64, including a fork row with a repeated target."""
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "kept-probs"])
+def test_values_and_gradients_match_log_softmax(P, D, V, n, chunk, fused, keep):
+    """Every backward path (recomputed logits, eager or fused: the target entries set to their
+    totals afterwards; or the forward's kept softmax) is exact in float64, including a fork row
+    with a repeated target."""
     hidden, weight, rows, targets = make_case(P, D, V, n)
     # a fork: one row read by several positions with different targets (and one repeated target)
     rows[:4] = 5
     targets[:4] = torch.tensor([1, 2, 3, 1])
-    out = mapped_logprobs(hidden, weight, rows, targets, row_chunk=chunk, fused=fused)
+    out = mapped_logprobs(hidden, weight, rows, targets, row_chunk=chunk, fused=fused, keep_probs=keep)
     ref = naive_mapped_logprobs(hidden, weight, rows, targets)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     up = torch.randn(n, dtype=F64)
@@ -65,6 +67,9 @@ def test_values_and_gradients_match_log_softmax(P, D, V, n, chunk, fused):
 def test_gradcheck_and_second_consumers():
     hidden, weight, rows, targets = make_case(6, 3, 7, 15, seed=1)
     assert torch.autograd.gradcheck(lambda h, w: mapped_logprobs(h, w, rows, targets, row_chunk=4), (hidden, weight))
+    assert torch.autograd.gradcheck(
+        lambda h, w: mapped_logprobs(h, w, rows, targets, row_chunk=4, keep_probs=True), (hidden, weight)
+    )
     # only hidden needs a gradient (a frozen head): the weight gradient is skipped
     (g,) = torch.autograd.grad(mapped_logprobs(hidden, weight.detach(), rows, targets).sum(), (hidden,))
     (g_ref,) = torch.autograd.grad(naive_mapped_logprobs(hidden, weight.detach(), rows, targets).sum(), (hidden,))
@@ -127,6 +132,8 @@ def test_half_gemms_on_cuda_within_plain_bf16_error():
     ref = run(h64, w64, lambda h, w: naive_mapped_logprobs(h, w, rows_c, targets_c))
     ours = run(h16, w16, lambda h, w: mapped_logprobs(h, w, rows, targets, row_chunk=256))
     eager = run(h16, w16, lambda h, w: mapped_logprobs(h, w, rows, targets, row_chunk=256, fused=False))
+    # the kept bf16 softmax instead of recomputed logits (one more rounding per d(logits) entry)
+    kept = run(h16, w16, lambda h, w: mapped_logprobs(h, w, rows, targets, row_chunk=256, keep_probs=True))
     plain = run(
         h16.detach().clone().requires_grad_(),
         w16.detach().clone().requires_grad_(),
@@ -134,9 +141,14 @@ def test_half_gemms_on_cuda_within_plain_bf16_error():
     )
     err = [(a - r).abs().max().item() / r.abs().max().item() for a, r in zip(ours, ref)]
     err_eager = [(a - r).abs().max().item() / r.abs().max().item() for a, r in zip(eager, ref)]
+    err_kept = [(a - r).abs().max().item() / r.abs().max().item() for a, r in zip(kept, ref)]
     err_plain = [(a - r).abs().max().item() / r.abs().max().item() for a, r in zip(plain, ref)]
     assert err[0] < 1e-5, err
     for name, e, ee, ep in zip(["logprobs", "d_hidden", "d_weight"], err, err_eager, err_plain):
         assert e <= 2 * ep + 1e-6, f"{name}: {e:.2e} vs plain bf16 {ep:.2e}"
         # the fused passes (compiled exp, one rounding per entry) stay as close as the eager ones
         assert e <= 1.5 * ee + 1e-6, f"{name}: fused {e:.2e} vs eager {ee:.2e}"
+    # kept probabilities: the same forward; gradients within plain bf16's error (2x, as above)
+    assert err_kept[0] == err[0], (err_kept, err)
+    for name, ek, ep in zip(["logprobs", "d_hidden", "d_weight"], err_kept, err_plain):
+        assert ek <= 2 * ep + 1e-6, f"{name}: kept probs {ek:.2e} vs plain bf16 {ep:.2e}"

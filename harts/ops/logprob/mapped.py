@@ -26,17 +26,38 @@ exp_, mul_, the cast), which cost about a third of the LM head's time at V = 157
 position's target adds to are then set to their float32 totals, rounded once, as the eager path
 does. ``fused=False`` keeps the eager passes (the reference the GPU test compares against).
 
+Kept probabilities (``keep_probs``): the backward above recomputes every chunk's logits, one of
+the LM head's four [rows x V x D] GEMMs (a quarter of its GEMM time at V = 157 k). With
+``keep_probs`` the forward writes each chunk's softmax in the GEMM dtype (bf16 for half inputs on
+CUDA) beside its logsumexp and keeps it for the backward, which then needs no logits at all:
+d(logits) = -grad_row * p, the target entries set to their float32 totals from the kept target
+logits as above. This is how Megatron's cross entropy keeps its softmax; the cost is U x V kept
+entries from forward to backward (20.6 GB at 65,536 rows x 157,184 in bf16). Precision: the kept
+bf16 p is rounded once more before the product (relative error <= 2^-8 per d(logits) entry instead
+of 2^-9; the GEMMs read d(logits) in bf16 either way); in float32 / float64 nothing changes beyond
+rounding. ``keep_probs=None`` keeps them on CUDA with half inputs when they take at most
+``KEEP_PROBS_MEMORY_FRACTION`` of the device's memory.
+
+Weight gradient: each chunk's d(weight) GEMM adds into the float32 accumulator in place (cuBLAS
+with beta = 1, ``torch.addmm(..., out_dtype=float32, out=acc)``) instead of writing a [V, D]
+float32 product and adding it in a second pass (about 1 ms per chunk at V = 157 k, D = 1,536).
+
 Shapes: P hidden rows, D model dim, V vocabulary, n positions, U unique rows among rows_n.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
 
 from harts.ops.compiled import cuda_compiled
 
-__all__ = ["mapped_logprobs"]
+__all__ = ["KEEP_PROBS_MEMORY_FRACTION", "mapped_logprobs"]
+
+#: ``keep_probs=None`` keeps the softmax when it takes at most this fraction of the device memory
+KEEP_PROBS_MEMORY_FRACTION = 0.25
 
 
 def mapped_logprobs(
@@ -47,6 +68,7 @@ def mapped_logprobs(
     *,
     row_chunk: int = 2048,
     fused: bool | None = None,
+    keep_probs: bool | None = None,
 ) -> torch.Tensor:
     """log_softmax(hidden[rows] @ weight^T)[targets] without materializing n x V logits.
 
@@ -61,6 +83,10 @@ def mapped_logprobs(
             (where the GEMMs run in the half dtype), False: eager passes. They are compiled on
             CUDA only; elsewhere ``fused=True`` runs the same arithmetic eagerly (how the CPU
             tests check the target-entry bookkeeping).
+        keep_probs: keep each chunk's softmax [rows, V] from the forward for the backward
+            instead of recomputing its logits (module docstring: one GEMM fewer per chunk, U x V
+            entries of memory); None: on CUDA with half inputs when U x V entries fit in
+            ``KEEP_PROBS_MEMORY_FRACTION`` of the device memory, else False.
 
     Returns:
         logprobs_n: [n] in the compute dtype (float32 for half inputs, else the input dtype).
@@ -85,7 +111,21 @@ def mapped_logprobs(
     half = _half_gemms(hidden_PD)
     plan = _IndexPlan(rows_h, targets_h, V, row_chunk, hidden_PD.device)
     targets = targets_h.to(hidden_PD.device, non_blocking=True)
-    return _MappedLogprobs.apply(hidden_PD, lm_head_weight_VD, targets, plan, half if fused is None else fused)
+    if keep_probs is None:
+        keep_probs = half and _probs_fit(plan.num_unique * V * hidden_PD.element_size(), hidden_PD.device)
+    # nothing to keep them for without a backward
+    keep_probs = keep_probs and torch.is_grad_enabled() and (hidden_PD.requires_grad or lm_head_weight_VD.requires_grad)
+    return _MappedLogprobs.apply(
+        hidden_PD, lm_head_weight_VD, targets, plan, half if fused is None else fused, keep_probs
+    )
+
+
+def _probs_fit(nbytes: int, device: torch.device) -> bool:
+    """Whether ``nbytes`` of kept probabilities stay within ``KEEP_PROBS_MEMORY_FRACTION`` of the
+    device's total memory (a property of the device, not of what is free now: the choice, and so
+    the rounding, does not depend on what else happens to be allocated)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return nbytes <= KEEP_PROBS_MEMORY_FRACTION * total
 
 
 class _IndexPlan:
@@ -130,27 +170,42 @@ def _mm(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 
 class _MappedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, plan: _IndexPlan, fused: bool):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, plan: _IndexPlan, fused: bool, keep: bool):  # type: ignore[override]
         cdt = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
         uniq, inv, order, bounds, pos_bounds = plan.uniq, plan.inv, plan.order, plan.bounds, plan.pos_bounds
-        w = weight if _half_gemms(hidden) else weight.to(cdt)
+        half = _half_gemms(hidden)
+        w = weight if half else weight.to(cdt)
         lse = hidden.new_empty(plan.num_unique, dtype=cdt)
         target_logit = hidden.new_empty(targets.numel(), dtype=cdt)
+        # kept: each chunk's softmax in the GEMM dtype and each (row, target) pair's logit
+        probs: list[torch.Tensor] = []
+        pair_logit = hidden.new_empty(plan.num_pairs if keep else 0, dtype=cdt)
         for c in range(len(bounds) - 1):
             lo, hi = bounds[c], bounds[c + 1]
             if hi == lo:
+                probs.append(hidden.new_empty(0))
                 continue
             logits = _mm(hidden[uniq[lo:hi]], w.T, cdt)  # [c, V]
-            lse[lo:hi] = _fused_row_logsumexp(logits) if fused else torch.logsumexp(logits, dim=-1)
+            if keep:
+                lse[lo:hi], p = (_fused_lse_softmax if fused else _fused_lse_softmax.eager)(
+                    logits, hidden.dtype if half else cdt
+                )
+                probs.append(p)
+                p_lo, p_hi = plan.pair_bounds[c], plan.pair_bounds[c + 1]
+                pair_logit[p_lo:p_hi] = logits[plan.pair_row[p_lo:p_hi] - lo, plan.pair_target[p_lo:p_hi]]
+            else:
+                lse[lo:hi] = _fused_row_logsumexp(logits) if fused else torch.logsumexp(logits, dim=-1)
             pos = order[pos_bounds[c] : pos_bounds[c + 1]]
             target_logit[pos] = logits[inv[pos] - lo, targets[pos]]
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.plan, ctx.cdt, ctx.fused = plan, cdt, fused
+        # saved, not held: autograd frees them after the backward (and a second backward without
+        # retain_graph is the usual error)
+        ctx.save_for_backward(hidden, weight, targets, lse, pair_logit, *probs)
+        ctx.plan, ctx.cdt, ctx.fused, ctx.keep = plan, cdt, fused, keep
         return target_logit - lse[inv]
 
     @staticmethod
     def backward(ctx, grad_n):  # type: ignore[override]
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, kept_pair_logit, *probs = ctx.saved_tensors
         plan, cdt = ctx.plan, ctx.cdt
         uniq, inv, order = plan.uniq, plan.inv, plan.order
         grad_n = grad_n.to(cdt)
@@ -158,7 +213,9 @@ class _MappedLogprobs(torch.autograd.Function):
         w = weight if half else weight.to(cdt)
         # each unique row's softmax term is weighted by the sum of its positions' gradients
         grad_row = grad_n.new_zeros(plan.num_unique).index_add_(0, inv, grad_n)
-        grad_pair = grad_n.new_zeros(plan.num_pairs).index_add_(0, plan.pair_inv, grad_n) if ctx.fused else None
+        kept = ctx.keep
+        by_pair = ctx.fused or kept
+        grad_pair = grad_n.new_zeros(plan.num_pairs).index_add_(0, plan.pair_inv, grad_n) if by_pair else None
         d_hidden = torch.zeros_like(hidden, dtype=cdt) if ctx.needs_input_grad[0] else None
         d_weight = torch.zeros_like(weight, dtype=cdt) if ctx.needs_input_grad[1] else None
         for c in range(len(plan.bounds) - 1):
@@ -166,35 +223,71 @@ class _MappedLogprobs(torch.autograd.Function):
             if hi == lo:
                 continue
             h = hidden[uniq[lo:hi]]
-            logits = _mm(h, w.T, cdt)  # recomputed [c, V]
-            if ctx.fused:
-                # one pass: -grad_row * softmax in the half dtype; then each target entry gets its
-                # float32 total (softmax term + its positions' gradients), rounded once
-                d_logits = _fused_softmax_grad(logits, lse[lo:hi], grad_row[lo:hi], hidden.dtype if half else cdt)
+            if by_pair:
                 p_lo, p_hi = plan.pair_bounds[c], plan.pair_bounds[c + 1]
                 pr, pt = plan.pair_row[p_lo:p_hi], plan.pair_target[p_lo:p_hi]
-                total = grad_pair[p_lo:p_hi] - grad_row[pr] * (logits[pr - lo, pt] - lse[pr]).exp()
-                d_logits[pr - lo, pt] = total.to(d_logits.dtype)
+            if kept:
+                # no logits: -grad_row * the kept softmax, then the target entries as below
+                probs_grad = _fused_probs_grad if ctx.fused else _fused_probs_grad.eager
+                d_logits = probs_grad(probs[c], grad_row[lo:hi], probs[c].dtype)
+                pair_logit = kept_pair_logit[p_lo:p_hi]
+            elif ctx.fused:
+                logits = _mm(h, w.T, cdt)  # recomputed [c, V]
+                # one pass: -grad_row * softmax in the half dtype
+                d_logits = _fused_softmax_grad(logits, lse[lo:hi], grad_row[lo:hi], hidden.dtype if half else cdt)
+                pair_logit = logits[pr - lo, pt]
             else:
                 # d(logits) in place: -grad_row * softmax + onehot
+                logits = _mm(h, w.T, cdt)  # recomputed [c, V]
                 d_logits = logits.sub_(lse[lo:hi, None]).exp_().mul_(-grad_row[lo:hi, None])
                 pos = order[plan.pos_bounds[c] : plan.pos_bounds[c + 1]]
                 d_logits.index_put_((inv[pos] - lo, targets[pos]), grad_n[pos], accumulate=True)
                 if half:
                     d_logits = d_logits.to(hidden.dtype)
+            if by_pair:
+                # each target entry gets its float32 total (softmax term + its positions'
+                # gradients), rounded once
+                total = grad_pair[p_lo:p_hi] - grad_row[pr] * (pair_logit - lse[pr]).exp()
+                d_logits[pr - lo, pt] = total.to(d_logits.dtype)
             if d_hidden is not None:
                 d_hidden.index_add_(0, uniq[lo:hi], _mm(d_logits, w, cdt))
-            if d_weight is not None and half:
-                d_weight.add_(_mm(d_logits.T, h, cdt))
-            elif d_weight is not None:
-                d_weight.addmm_(d_logits.T, h.to(cdt))
+            if d_weight is not None:
+                _add_mm_(d_weight, d_logits.T, h)
         return (
             None if d_hidden is None else d_hidden.to(hidden.dtype),
             None if d_weight is None else d_weight.to(weight.dtype),
             None,
             None,
             None,
+            None,
         )
+
+
+def _add_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b in place, the GEMM adding into ``acc`` (beta = 1): half operands on CUDA into
+    a float32 ``acc`` through ``addmm``'s ``out_dtype`` where this torch has it, else a float32
+    product added in a second pass; other operands are upcast to ``acc``'s dtype."""
+    if _half_gemms(a) and acc.dtype != a.dtype:
+        if _addmm_out_dtype_works(acc.device):
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        else:
+            acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+@functools.cache
+def _addmm_out_dtype_works(device: torch.device) -> bool:
+    """Whether ``torch.addmm(acc_f32, a_half, b_half, out_dtype=float32, out=acc_f32)`` accumulates
+    on ``device`` (torch versions differ in which ``self`` dtypes the out_dtype overload takes);
+    probed once per device on 16 x 16 operands."""
+    a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+    acc = torch.ones(16, 16, device=device, dtype=torch.float32)
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):
+        return False
+    return bool((acc == 17).all())
 
 
 # The fused passes: torch.compile (Inductor) turns each into one Triton kernel over the chunk
@@ -206,6 +299,19 @@ class _MappedLogprobs(torch.autograd.Function):
 def _fused_row_logsumexp(logits_cV: torch.Tensor) -> torch.Tensor:
     """[c, V] float32 -> [c] logsumexp in one read of the chunk."""
     return torch.logsumexp(logits_cV, dim=-1)
+
+
+@cuda_compiled(opt_in=False, dynamic=None, rows=None)
+def _fused_lse_softmax(logits_cV: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[c, V] float32 -> ([c] logsumexp, [c, V] softmax as ``dtype``) (``.eager``: unfused)."""
+    lse = torch.logsumexp(logits_cV, dim=-1)
+    return lse, torch.exp(logits_cV - lse[:, None]).to(dtype)
+
+
+@cuda_compiled(opt_in=False, dynamic=None, rows=None)
+def _fused_probs_grad(p_cV: torch.Tensor, grad_c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """-grad_c * p as ``dtype`` [c, V], in one read of the kept softmax chunk (``.eager``: unfused)."""
+    return (p_cV.to(grad_c.dtype) * -grad_c[:, None]).to(dtype)
 
 
 @cuda_compiled(opt_in=False, dynamic=None, rows=None)
