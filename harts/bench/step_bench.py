@@ -32,6 +32,7 @@ Per step:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -301,20 +302,49 @@ def _compiled_graphs() -> int:
 
 def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN001
     """One microbatch under the torch profiler: a Chrome trace at ``path`` and, beside it
-    (``.txt``), the 40 operators with the most self time on the device (on the host for CPU
-    runs) — the kernel-level breakdown without opening the trace."""
+    (``.txt``), a summary line (the microbatch's wall time, how much of it the device was busy,
+    kernels launched) and the 40 operators with the most self time on the device, then the 40
+    with the most host time — where a launch-bound step spends its time (CPU runs: host only)."""
+    import json
+
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         one(*item)
         _sync(device)
+        wall = time.perf_counter() - t0
     prof.export_chrome_trace(path)
-    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70)
+    with open(path) as f:
+        busy, kernels = device_busy_seconds(json.load(f).get("traceEvents", []))
+    keys = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
     with open(os.path.splitext(path)[0] + ".txt", "w") as f:
-        f.write(table + "\n")
+        f.write(
+            f"microbatch wall {wall * 1e3:.1f} ms under the profiler; device busy {busy * 1e3:.1f} ms "
+            f"({busy / wall:.0%}); {kernels} kernels and copies\n"
+        )
+        for key in keys:
+            f.write(f"\nsorted by {key}:\n")
+            f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+
+
+def device_busy_seconds(trace_events: list[dict]) -> tuple[float, int]:
+    """(seconds during which at least one kernel, copy or memset ran; how many ran) from a
+    Chrome trace's ``traceEvents`` (torch profiler export: ``ts`` / ``dur`` in microseconds,
+    device work under the categories "kernel", "gpu_memcpy", "gpu_memset")."""
+    spans = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in trace_events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e
+    )
+    busy, end = 0.0, -math.inf
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy * 1e-6, len(spans)
 
 
 def _optimizer_seconds(model: HybridLM) -> float:

@@ -33,6 +33,24 @@ def test_bench_profile_writes_trace_and_operator_table(tmp_path) -> None:
         assert (prof / "step0" / f"{side}.json").stat().st_size > 0
         table = (prof / "step0" / f"{side}.txt").read_text()
         assert "Self CPU" in table and "aten::" in table
+        assert table.startswith("microbatch wall ") and "device busy 0.0 ms" in table  # CPU: no kernels
+
+
+def test_device_busy_seconds_is_the_union_of_device_spans() -> None:
+    """Overlapping and nested kernels count once, gaps not at all, host events never."""
+    from harts.bench.step_bench import device_busy_seconds
+
+    events = [
+        {"cat": "kernel", "ts": 0, "dur": 10},
+        {"cat": "kernel", "ts": 5, "dur": 10},  # overlaps: busy to 15
+        {"cat": "gpu_memcpy", "ts": 6, "dur": 2},  # nested
+        {"cat": "cpu_op", "ts": 15, "dur": 100},  # host: ignored
+        {"cat": "gpu_memset", "ts": 30, "dur": 5},  # after a gap
+        {"ph": "M", "name": "process_name"},  # metadata without ts
+    ]
+    busy, n = device_busy_seconds(events)
+    assert n == 4
+    assert abs(busy - 20e-6) < 1e-12
 
 
 def test_bench_reports_compilations_inside_the_timed_step(tmp_path, capsys, monkeypatch) -> None:
