@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=1536, help="model width D (default: ling3_tiny's 1,536)")
     p.add_argument("--vocab", type=int, default=157_184, help="vocabulary V (default: the paper's 157,184)")
     p.add_argument("--fork-every", type=int, default=64, help="a second position on every k-th row (0: none)")
-    p.add_argument("--row-chunk", type=int, default=2048)
+    p.add_argument("--row-chunk", type=int, default=4096)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeat", type=int, default=5)
