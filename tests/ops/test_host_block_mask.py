@@ -12,11 +12,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from harts.ops.attention import tree_mask as tm
 from harts.ops.attention.host_block_mask import block_lists, host_block_mask, tree_block_classes
 from tests.ops._trees import preorder, random_forest
+from tests.strategies import compact_batches
 
 LISTS = (
     "kv_num_blocks",
@@ -144,6 +147,20 @@ def test_planner_compact_layouts():
             assert np.array_equal(ef, bf) and not (ep & ~bp).any()
             checked += 1
     assert checked >= 2
+
+
+@given(compact_batches(), st.sampled_from([1, 3, 8]), st.sampled_from([2, 4, 16]))
+@settings(max_examples=30, deadline=None)
+def test_random_compact_layouts(cbb, pad_to, block):
+    """Layouts of random trees (several trees, forks at any position, padding), at block sizes
+    small enough for many full, partial and empty blocks."""
+    from harts.plan.calls import plan_calls
+    from harts.plan.layout import build_layout
+
+    cb, b = cbb
+    layout = build_layout(cb, plan_calls(cb.segment_trees, b), pad_to=pad_to)
+    pre, end = layout.tree_pre, layout.tree_end
+    assert_same_block_mask(host_mask(pre, end, block), reference_mask(pre, end, block))
 
 
 def test_a_wrong_end_changes_the_full_blocks_and_is_caught():
