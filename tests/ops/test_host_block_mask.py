@@ -239,7 +239,8 @@ def test_flex_with_host_masks_matches_dense_reference_without_recompiling(monkey
     """FlexAttention (compiled for CPU: float32 only) under host-built masks against the float64
     dense reference, err <= 2 x the float32 dense error. The device builder is never called,
     the mask is cached, and masks of five row counts share the dynamic-shape graph (one graph
-    per P would hit dynamo's recompile limit and fall back to eager [H, P, P] scores)."""
+    per P would hit dynamo's recompile limit and fall back to eager [H, P, P] scores). A
+    partial block marked full is visible in the output (the kernel skips its mask_mod)."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(tm, "tree_block_mask", lambda *a: pytest.fail("device builder called"))
@@ -278,3 +279,20 @@ def test_flex_with_host_masks_matches_dense_reference_without_recompiling(monkey
         for o in outs:
             assert (o.double() - ref).abs().max().item() <= 2 * err_low + 1e-6
     assert counters["stats"]["unique_graphs"] - before <= 3
+
+    # the kernel skips the mask_mod on full blocks: one partial block marked full shows
+    pre, end = cases[0]
+    P = len(pre)
+    partial, full = tree_block_classes(pre, end)
+    a, b = np.argwhere(partial & ~np.eye(len(partial), dtype=bool))[0]
+    partial[a, b], full[a, b] = False, True
+    lists = [torch.from_numpy(x[None, None]) for x in (*block_lists(partial), *block_lists(full))]
+    t_pre, t_end = torch.from_numpy(pre), torch.from_numpy(end)
+    wrong = BlockMask.from_kv_blocks(
+        *lists, BLOCK_SIZE=128, mask_mod=tm.tree_mask_mod(t_pre, t_end), seq_lengths=(P, P)
+    )
+    x32 = [torch.randn(P, 2, 16), torch.randn(P, 1, 16), torch.randn(P, 1, 8)]
+    with torch.no_grad():
+        o_wrong = tm._flex(*x32, wrong, 0.25)
+        ref = tm.tree_mask_attention(*x32, tree_pre=t_pre, tree_end=t_end, scale=0.25, impl="dense")
+    assert (o_wrong - ref).abs().max().item() > 1e-2
