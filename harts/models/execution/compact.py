@@ -182,4 +182,6 @@ class CompactContext(RowContext):
             tree_end=self._attn_index("tree_end"),
             scale=scale,
             mask_cache=self._mask_cache,
+            tree_pre_host=self.layout.tree_pre,
+            tree_end_host=self.layout.tree_end,
         )

@@ -51,9 +51,11 @@ class TrajectoryContext(RowContext):
         self.attention_impl = attention
         self._mask_cache: dict = {}  # one FlexAttention BlockMask for every layer of this batch
         if attention == "mask":
+            # host copies too: the FlexAttention BlockMask is built from them on the host
+            self.chain_pre_host = np.arange(batch.num_tokens, dtype=np.int64)
+            self.chain_end_host = np.repeat(offsets[1:], batch.lengths).astype(np.int64)
             self.chain_pre = torch.arange(batch.num_tokens, dtype=torch.int64, device=device)
-            end = np.repeat(offsets[1:], batch.lengths)
-            self.chain_end = torch.as_tensor(end, dtype=torch.int64).to(device, non_blocking=True)
+            self.chain_end = torch.as_tensor(self.chain_end_host).to(device, non_blocking=True)
 
     def short_conv(self, x_TD, weight_DW, bias_D, activation):  # type: ignore[override]
         from harts.ops.conv import causal_conv1d_varlen, runs_causal_conv1d
@@ -81,5 +83,7 @@ class TrajectoryContext(RowContext):
                 tree_end=self.chain_end,
                 scale=scale,
                 mask_cache=self._mask_cache,
+                tree_pre_host=self.chain_pre_host,
+                tree_end_host=self.chain_end_host,
             )
         return varlen_causal_attention(q_THD, k_TGD, v_TGE, cu_seqlens=self.cu_seqlens, scale=scale)

@@ -9,8 +9,20 @@ Row j is visible to row i iff j is an ancestor of i or i itself in the compact t
   candidate rows that can be visible to any of its queries (pre[j] <= max pre and end[j] >
   min pre), with the exact mask inside. Under autograd each chunk is checkpointed, so memory
   stays at one chunk's scores in forward and backward.
-- "flex" (CUDA): torch FlexAttention with a BlockMask built from the same mask_mod; blocks
-  that hold no ancestor pair are skipped.
+- "flex" (CUDA): torch FlexAttention with a BlockMask over the same mask_mod; blocks that hold
+  no ancestor pair are skipped, and blocks whose every pair is visible ("full") skip the
+  mask_mod. Given host copies of tree_pre / tree_end (``tree_pre_host``, ``tree_end_host``:
+  both execution contexts pass them), the BlockMask is built on the host
+  (``harts.ops.attention.host_block_mask``): the compiled ``create_block_mask`` evaluates the
+  mask_mod on the whole [P, P] grid, one kernel of ~13-16 ms per 64k-row microbatch on an H200
+  (about 1 s of a 36.6 s ``medium`` step trajectory-wise), while the host needs only the block
+  bounds: ~15 ms (document-causal) and ~9 ms (compact) per microbatch of ``medium`` step 0 at
+  T = 65,536 (``python -m harts.bench.block_mask_bench``), uploaded non-blocking. Its rule,
+  exact (the same blocks as ``create_block_mask``): a (q, kv) block is full iff both blocks are
+  complete and padding-free, max kv pre <= min q pre and max q pre < min kv end; empty iff off
+  the diagonal and no valid q pre lies in any valid kv row's [pre, end); else partial. The
+  device builder (``tree_block_mask``) stays the reference and the path when only device
+  tensors are given.
 
 Shapes: P physical rows, H query heads, G kv heads (G divides H), D qk dim, E v dim.
 """
@@ -19,12 +31,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from harts.ops.attention.core import attend, check_qkv
+from harts.ops.attention.host_block_mask import host_block_mask
 
-__all__ = ["tree_block_mask", "tree_mask_attention", "tree_visibility"]
+__all__ = ["tree_block_mask", "tree_mask_attention", "tree_mask_mod", "tree_visibility"]
 
 
 def tree_visibility(tree_pre_q: torch.Tensor, tree_pre_kv: torch.Tensor, tree_end_kv: torch.Tensor) -> torch.Tensor:
@@ -45,6 +59,8 @@ def tree_mask_attention(
     impl: str = "auto",
     row_chunk: int = 256,
     mask_cache: dict | None = None,
+    tree_pre_host: np.ndarray | None = None,
+    tree_end_host: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Tree-masked attention over all physical rows.
 
@@ -69,6 +85,9 @@ def tree_mask_attention(
         mask_cache: a dict owned by the caller for one (tree_pre, tree_end): the flex
             implementation stores its BlockMask there and reuses it (every attention layer of
             a microbatch, and its recomputation, shares one mask).
+        tree_pre_host, tree_end_host: int [P] numpy copies of tree_pre / tree_end (both or
+            neither): the flex BlockMask is then built on the host, with no mask kernel and no
+            device synchronization (module docstring).
 
     Returns:
         o_PHE: [P, H, E].
@@ -77,6 +96,11 @@ def tree_mask_attention(
     P = q_PHD.shape[0]
     if k_PGD.shape[0] != P or tree_pre.shape != (P,) or tree_end.shape != (P,):
         raise ValueError(f"k, v, tree_pre and tree_end must all have P={P} rows")
+    if tree_pre_host is None or tree_end_host is None:
+        if tree_pre_host is not None or tree_end_host is not None:
+            raise ValueError("tree_pre_host and tree_end_host go together: give both or neither")
+    elif np.shape(tree_pre_host) != (P,) or np.shape(tree_end_host) != (P,):
+        raise ValueError(f"tree_pre_host and tree_end_host must have P={P} rows")
     if impl == "auto":
         impl = "flex" if q_PHD.is_cuda else "dense"
     if impl == "dense":
@@ -84,7 +108,11 @@ def tree_mask_attention(
     if impl == "flex":
         block_mask = mask_cache.get("flex_block_mask") if mask_cache is not None else None
         if block_mask is None:
-            block_mask = tree_block_mask(tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device))
+            pre, end = tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device)
+            if tree_pre_host is not None and tree_end_host is not None:
+                block_mask = host_block_mask(tree_pre_host, tree_end_host, tree_mask_mod(pre, end), q_PHD.device)
+            else:
+                block_mask = tree_block_mask(pre, end)
             if mask_cache is not None:
                 mask_cache["flex_block_mask"] = block_mask
         return _flex(q_PHD, k_PGD, v_PGE, block_mask, scale)
@@ -126,16 +154,22 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def _build_block_mask(pre: torch.Tensor, end: torch.Tensor):  # noqa: ANN202
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    P = pre.shape[0]
+def tree_mask_mod(pre: torch.Tensor, end: torch.Tensor):  # noqa: ANN201
+    """FlexAttention mask_mod of the ancestor-or-self mask over int [P] device tensors pre / end
+    (module docstring): what the kernel evaluates on partial blocks, however they were found."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         pq, pk = pre[q_idx], pre[kv_idx]
         return ((pk <= pq) & (pq < end[kv_idx]) & (pk >= 0) & (pq >= 0)) | (q_idx == kv_idx)
 
-    return create_block_mask(mask_mod, None, None, P, P, device=pre.device)
+    return mask_mod
+
+
+def _build_block_mask(pre: torch.Tensor, end: torch.Tensor):  # noqa: ANN202
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    P = pre.shape[0]
+    return create_block_mask(tree_mask_mod(pre, end), None, None, P, P, device=pre.device)
 
 
 @functools.cache

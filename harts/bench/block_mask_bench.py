@@ -1,0 +1,115 @@
+"""FlexAttention block masks built on the host: block counts and host time per microbatch.
+
+    python -m harts.bench.block_mask_bench --workload medium --step 0 --capacity 65536 --json out.json
+
+For every microbatch of each side of ``--workload``'s step (``harts bench``'s plans, as in
+``harts.bench.attention_bench``: the baseline's document-causal rows, harts' compact layouts),
+it classifies the 128 x 128 blocks of the tree mask on the host
+(``harts.ops.attention.host_block_mask``) twice: exactly, and with the conservative block-bounds
+EMPTY test. Printed per side: microbatches, rows, partial and full blocks of each, how many
+more blocks (partial + full) the bounds leave to the kernel, and the host time of
+``host_block_mask`` (classification, block lists, BlockMask) per microbatch: the median over
+microbatches of each one's median of ``--repeat`` runs, and the largest microbatch's. CPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+__all__ = ["main", "step_masks"]
+
+
+def step_masks(
+    workload: str, step: int, capacity: int, chunk_size: int
+) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """(side, pre int64 [P], end int64 [P]) of every microbatch: "baseline" then "harts"."""
+    from harts.plan.baselines.trajectory_plan import plan_trajectory_step
+    from harts.plan.layout import build_layout
+    from harts.plan.step import plan_step
+    from harts.tree.workloads import workload_steps
+
+    batch = workload_steps(workload, step + 1)[step][1]()
+    lengths = np.asarray(batch.lengths)
+    for mb in plan_trajectory_step(batch.lengths, dp=1, capacity=capacity).microbatches:
+        lens = lengths[mb]
+        ends = np.cumsum(lens)
+        yield "baseline", np.arange(int(ends[-1]), dtype=np.int64), np.repeat(ends, lens).astype(np.int64)
+    for cb, call_plan in plan_step(batch, dp=1, capacity=capacity).prepare_replica(0, chunk_size):
+        layout = build_layout(cb, call_plan)
+        yield "harts", np.asarray(layout.tree_pre, dtype=np.int64), np.asarray(layout.tree_end, dtype=np.int64)
+
+
+def _host_seconds(pre: np.ndarray, end: np.ndarray, repeat: int) -> float:
+    from harts.ops.attention.host_block_mask import host_block_mask
+    from harts.ops.attention.tree_mask import tree_mask_mod
+
+    mask_mod = tree_mask_mod(torch.from_numpy(pre), torch.from_numpy(end))
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        host_block_mask(pre, end, mask_mod, torch.device("cpu"))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="medium")
+    p.add_argument("--step", type=int, default=0)
+    p.add_argument("--capacity", type=int, default=65536)
+    p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk of the compact layouts")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", dest="json_out", default=None)
+    args = p.parse_args(argv)
+    from harts.ops.attention.host_block_mask import tree_block_classes
+
+    sides: dict[str, dict] = {}
+    for side, pre, end in step_masks(args.workload, args.step, args.capacity, args.chunk_size):
+        s = sides.setdefault(side, {"rows": [], "exact": [0, 0], "bounds": [0, 0], "ms": []})
+        for key, exact in (("exact", True), ("bounds", False)):
+            partial, full = tree_block_classes(pre, end, exact=exact)
+            s[key][0] += int(partial.sum())
+            s[key][1] += int(full.sum())
+        s["rows"].append(len(pre))
+        s["ms"].append(1e3 * _host_seconds(pre, end, args.repeat))
+    print(f"{args.workload}[{args.step}] T={args.capacity}: 128 x 128 blocks, summed over microbatches")
+    print(
+        f"{'side':9} {'mbs':>4} {'max rows':>8} {'exact partial':>13} {'exact full':>10} {'bounds partial':>14} "
+        f"{'bounds full':>11} {'+blocks':>8} {'host ms med':>11} {'host ms max-row mb':>18}"
+    )
+    report = {"workload": args.workload, "step": args.step, "capacity": args.capacity, "sides": {}}
+    for side, s in sides.items():
+        ex, bd = sum(s["exact"]), sum(s["bounds"])
+        big = int(np.argmax(s["rows"]))
+        row = {
+            "microbatches": len(s["rows"]),
+            "max_rows": max(s["rows"]),
+            "exact_partial": s["exact"][0],
+            "exact_full": s["exact"][1],
+            "bounds_partial": s["bounds"][0],
+            "bounds_full": s["bounds"][1],
+            "bounds_extra_pct": 100.0 * (bd - ex) / ex,
+            "host_ms_median": statistics.median(s["ms"]),
+            "host_ms_largest": s["ms"][big],
+        }
+        report["sides"][side] = row
+        print(
+            f"{side:9} {row['microbatches']:>4} {row['max_rows']:>8} {row['exact_partial']:>13} {row['exact_full']:>10} "
+            f"{row['bounds_partial']:>14} {row['bounds_full']:>11} {row['bounds_extra_pct']:>7.2f}% "
+            f"{row['host_ms_median']:>11.1f} {row['host_ms_largest']:>18.1f}"
+        )
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
