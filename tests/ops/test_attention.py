@@ -167,16 +167,20 @@ def test_bad_inputs_raise():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("D,E", [(64, 32), (192, 128)], ids=["D64-E32", "mla-D192-E128"])
-def test_flex_tree_mask_matches_dense_on_cuda(dtype, D, E):
+@pytest.mark.parametrize("mask_on", ["device", "host"])
+def test_flex_tree_mask_matches_dense_on_cuda(dtype, D, E, mask_on):
     # D192/E128 are the MLA head dims of ling3_tiny: torch 2.11's default float32 forward tile
-    # for them needs more shared memory than a Hopper SM has (see flex_kernel_options)
+    # for them needs more shared memory than a Hopper SM has (see flex_kernel_options).
+    # mask_on: the BlockMask from the compiled device builder or built on the host (what both
+    # execution contexts use)
     P, H, G = 700, 4, 2
     parent = random_forest(P, num_roots=3, branchy=0.05, seed=1)
     pre, end = preorder(parent)
+    host = dict(tree_pre_host=pre.numpy(), tree_end_host=end.numpy()) if mask_on == "host" else {}
     x64 = [t.detach().cuda() for t in qkv(P, H, G, D, E)]
     x = [t.to(dtype).requires_grad_() for t in x64]
     w = torch.randn(P, H, E, device="cuda", dtype=torch.float64)
-    out_flex = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=D**-0.5, impl="flex")
+    out_flex = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=D**-0.5, impl="flex", **host)
     x_ref = [t.clone().requires_grad_() for t in x64]
     out_ref = tree_mask_attention(*x_ref, tree_pre=pre, tree_end=end, scale=D**-0.5, impl="dense")
     # tolerance from the dense path run at the same low precision (flash-attention's rule)

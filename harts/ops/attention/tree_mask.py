@@ -109,9 +109,10 @@ def tree_mask_attention(
         block_mask = mask_cache.get("flex_block_mask") if mask_cache is not None else None
         if block_mask is None:
             pre, end = tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device)
+            block_mask = None
             if tree_pre_host is not None and tree_end_host is not None:
-                block_mask = host_block_mask(tree_pre_host, tree_end_host, tree_mask_mod(pre, end), q_PHD.device)
-            else:
+                block_mask = _host_block_mask_or_none(tree_pre_host, tree_end_host, pre, end)
+            if block_mask is None:
                 block_mask = tree_block_mask(pre, end)
             if mask_cache is not None:
                 mask_cache["flex_block_mask"] = block_mask
@@ -152,6 +153,22 @@ def _compiled_flex():
     # recompile limit (8) after a few microbatches; past it flex_attention runs eagerly, which
     # materializes the [H, P, P] score matrix (hundreds of GB at P = 64k)
     return torch.compile(flex_attention, dynamic=True)
+
+
+def _host_block_mask_or_none(pre_host: np.ndarray, end_host: np.ndarray, pre: torch.Tensor, end: torch.Tensor):  # noqa: ANN202
+    """The host-built BlockMask, or None with a warning where this torch's ``BlockMask`` does not
+    take the host lists (its constructor's keywords exist since torch 2.6; the caller then uses
+    the device builder). Input errors (``ValueError`` from the classification) still raise."""
+    try:
+        return host_block_mask(pre_host, end_host, tree_mask_mod(pre, end), pre.device)
+    except (TypeError, ImportError) as exc:
+        import warnings
+
+        warnings.warn(
+            f"building the FlexAttention BlockMask on the host failed ({exc!r}); building it on the device",
+            stacklevel=3,
+        )
+        return None
 
 
 def tree_mask_mod(pre: torch.Tensor, end: torch.Tensor):  # noqa: ANN201
