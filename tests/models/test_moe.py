@@ -138,3 +138,37 @@ def test_grouped_experts_cuda_no_host_sync() -> None:
     for a, b in zip(ref, got):
         scale = a.float().abs().max().item() + 1e-6
         assert (a.float() - b.float()).abs().max().item() <= 0.03 * scale
+
+
+def test_half_router_logits_match_the_upcast_linear() -> None:
+    """The half-precision router GEMM's autograd (the Function itself, on CPU) gives the upcast
+    F.linear's logits and gradients: the same products, float32 gradients rounded once."""
+    _check_half_router(torch.device("cpu"), exact_logits=True)
+
+
+@pytest.mark.gpu
+def test_half_router_logits_match_the_upcast_linear_on_cuda() -> None:
+    """On CUDA: one bf16 tensor-core GEMM with float32 output; logits agree with the float32
+    GEMM up to summation order, gradients (the same float32 GEMMs) bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _check_half_router(torch.device("cuda"), exact_logits=False)
+
+
+def _check_half_router(device: torch.device, exact_logits: bool) -> None:
+    from harts.models.layers.moe import _HalfRouterLogits, router_logits
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 256).bfloat16().to(device).requires_grad_()
+    w = (torch.randn(32, 256) * 0.1).bfloat16().to(device).requires_grad_()
+    g = torch.randn(512, 32, device=device)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    dx_ref, dw_ref = torch.autograd.grad((ref * g).sum(), (x, w))
+    out = _HalfRouterLogits.apply(x, w) if device.type == "cpu" else router_logits(x, w, torch.float32)
+    assert out.dtype == torch.float32
+    tol = 0.0 if exact_logits else 1e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    dx, dw = torch.autograd.grad((out * g).sum(), (x, w))
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
+    torch.testing.assert_close(dx, dx_ref, rtol=0, atol=0)
+    torch.testing.assert_close(dw, dw_ref, rtol=0, atol=0)

@@ -40,7 +40,7 @@ from harts.models.config import HybridConfig
 from harts.models.layers.mlp import MLP, swiglu
 from harts.ops.compiled import cuda_compiled
 
-__all__ = ["TopKRouter", "Experts", "MoE", "grouped_mm_supported", "moe_statistics"]
+__all__ = ["TopKRouter", "Experts", "MoE", "grouped_mm_supported", "moe_statistics", "router_logits"]
 
 
 class TopKRouter(nn.Module):
@@ -62,7 +62,7 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (logits_TE, scores_TE, topk_idx_TK, topk_w_TK); logits in >= float32."""
         work = torch.promote_types(x_TD.dtype, torch.float32)
-        logits = F.linear(x_TD.to(work), self.weight.to(work))
+        logits = router_logits(x_TD, self.weight, work)
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         with torch.no_grad():
             choice = scores + self.e_score_correction_bias.to(work)
@@ -78,6 +78,41 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             topk_w = topk_w / (topk_w.sum(-1, keepdim=True) + 1e-20)
         return logits, scores, topk_idx, topk_w * self.routed_scaling_factor
+
+
+def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """[T, E] router logits ``x @ weight^T`` in ``work`` (float32 or float64).
+
+    Half-precision rows and weight on CUDA: one tensor-core GEMM of the half operands with
+    float32 accumulation and output (``_HalfRouterLogits``). Its products are those of the
+    upcast GEMM (a bf16 x bf16 product is exact in float32), without the float32 copy of x or a
+    float32 GEMM on CUDA cores (torch keeps TF32 off); the backward is the upcast GEMM's, in
+    float32. Elsewhere: the upcast ``F.linear``, the reference.
+    """
+    half = (torch.float16, torch.bfloat16)
+    if x_TD.is_cuda and x_TD.dtype in half and weight_ED.dtype == x_TD.dtype and work == torch.float32:
+        return _HalfRouterLogits.apply(x_TD, weight_ED)
+    return F.linear(x_TD.to(work), weight_ED.to(work))
+
+
+class _HalfRouterLogits(torch.autograd.Function):
+    """logits = x @ w^T with half x, w and float32 logits; gradients as ``F.linear`` on the
+    float32 copies gives them (float32 GEMMs, rounded once to the half dtype)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_ED):  # type: ignore[override]  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x_TD, w_ED)
+        if x_TD.is_cuda:
+            return torch.mm(x_TD, w_ED.t(), out_dtype=torch.float32)
+        return x_TD.float() @ w_ED.float().t()  # the same products (CPU torch has no out_dtype GEMM)
+
+    @staticmethod
+    def backward(ctx, g_TE):  # type: ignore[override]  # noqa: ANN001, ANN205
+        x_TD, w_ED = ctx.saved_tensors
+        g_TE = g_TE.float()
+        d_x = (g_TE @ w_ED.float()).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
+        d_w = (g_TE.t() @ x_TD.float()).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
+        return d_x, d_w
 
 
 class Experts(nn.Module):
