@@ -269,7 +269,7 @@ class HybridLM(nn.Module):
         if cfg.use_fused_logprobs:
             from harts.ops.logprob import mapped_logprobs
 
-            logprobs = mapped_logprobs(h, head_weight, rows, targets)
+            logprobs = mapped_logprobs(h, head_weight, rows, targets, keep_probs=cfg.keep_lm_head_probs)
         else:
             rows, targets = rows.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             logits = torch.nn.functional.linear(h[rows], head_weight)

@@ -149,6 +149,21 @@ def test_grpo_step_metrics_with_actions_equal_all(model: HybridLM) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("positions", ["all", "actions"])
+def test_kept_lm_head_probs_give_the_same_step(model: HybridLM, mode: str, positions: str) -> None:
+    """``ExecutionConfig.keep_lm_head_probs`` reaches the LM head: keeping the forward's softmax
+    for the backward gives the recomputing head's step (float64: log-probs, losses, every
+    gradient)."""
+    batch = CASES["shared_rows"]
+    kw = dict(mode=mode, kl_coef=0.1, logprob_positions=positions, fused_logprobs=True)
+    ref = run_step(model, batch, keep_lm_head_probs=False, **kw)
+    got = run_step(model, batch, keep_lm_head_probs=True, **kw)
+    finite = torch.isfinite(ref.logprobs)
+    diff = compare_runs(replace(ref, logprobs=ref.logprobs[finite]), replace(got, logprobs=got.logprobs[finite]))
+    assert max(diff.values()) <= TOL, diff
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_batch_without_any_action_is_empty_work_and_zero_loss(model: HybridLM, mode: str) -> None:
     trajs = tree_cases(B)["fan_out_9"]
     batch = RolloutBatch.from_trajectories(

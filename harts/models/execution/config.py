@@ -50,6 +50,11 @@ class ExecutionConfig:
     #: whose target is an action token, ``RolloutBatch.action_logprob_entries``: what an RL
     #: loss reads; the other log-prob entries are NaN). Both modes honour it.
     logprob_positions: str = "all"
+    #: the LM head's backward: True keeps each logits chunk's softmax from the forward (one GEMM
+    #: fewer per chunk; rows x V half-precision entries of memory until the backward), False
+    #: recomputes the logits, None: keep on CUDA with half precision when they take at most a
+    #: quarter of the device's memory (``harts.ops.logprob.mapped_logprobs``'s ``keep_probs``)
+    keep_lm_head_probs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
