@@ -14,6 +14,7 @@ import torch
 
 from harts.models.config import HybridConfig
 from harts.models.hybrid_lm import HybridLM
+from harts.models.init import init_weights
 
 __all__ = ["load_model", "is_checkpoint"]
 
@@ -78,7 +79,14 @@ def load_model(
             fields[name] = value
     config = HybridConfig.preset(spec, **fields)
     torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = HybridLM(config, seed=seed)
     if meta:
-        with torch.device("meta"):
-            return HybridLM(config, seed=seed)
-    return HybridLM(config, seed=seed).to(device)
+        return model
+    # storage straight on ``device`` and each tensor's seeded value copied in: the same values
+    # as ``HybridLM(config, seed=seed).to(device)`` without building the model in float32 on
+    # the host first (the layers' own default inits drew 9 B values there for the full
+    # ling3_tiny, only to be overwritten: minutes of a cold start)
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model

@@ -60,3 +60,44 @@ def test_distributions_follow_the_layers():
             assert torch.all(t == 0)
     zero_centred = _model(norm_unit_offset=True)
     assert torch.all(zero_centred.norm.weight == 0)
+
+
+def test_large_tensors_draw_seeded_chunks_independent_of_threads(monkeypatch):
+    """Above DRAW_CHUNK entries a tensor is drawn chunk by chunk, chunk i from the generator of
+    (seed, name#i), on host threads: the same values with one thread or many; smaller tensors
+    keep their single stream."""
+    import harts.models.init as I
+
+    monkeypatch.setattr(I, "DRAW_CHUNK", 1000)
+    spec = I.InitSpec(name="w", kind="normal", shape=(7, 450), dtype=torch.float64, a=0.5)  # 3,150 entries
+    many = I.init_value(spec, 11)
+    monkeypatch.setattr(I.os, "cpu_count", lambda: 1)
+    one = I.init_value(spec, 11)
+    assert torch.equal(many, one)
+    flat = many.reshape(-1)
+    for i, lo in enumerate(range(0, 3150, 1000)):
+        gen = torch.Generator().manual_seed(I.tensor_seed(11, f"w#{i}"))
+        want = torch.empty(min(1000, 3150 - lo)).normal_(0.0, 0.5, generator=gen).double()
+        assert torch.equal(flat[lo : lo + 1000], want), i
+    assert abs(float(flat.std()) - 0.5) < 0.05
+    # at most DRAW_CHUNK entries: one stream seeded by the name, as before
+    small = I.InitSpec(name="w", kind="uniform", shape=(1000,), dtype=torch.float32, a=-1.0, b=1.0)
+    gen = torch.Generator().manual_seed(I.tensor_seed(11, "w"))
+    assert torch.equal(I.init_value(small, 11), torch.empty(1000).uniform_(-1.0, 1.0, generator=gen))
+    log = I.InitSpec(name="a", kind="log_uniform", shape=(2500,), dtype=torch.float32, a=1.0, b=16.0)
+    v = I.init_value(log, 11)
+    assert float(v.min()) >= 0.0 and float(v.max()) <= math.log(16.0) and len(v.unique()) > 2000
+
+
+def test_load_model_preset_equals_the_constructor_built_model():
+    """``load_model`` builds a preset on the meta device and fills storage on the target device
+    directly: every tensor equals ``HybridLM(config, seed=seed)``'s, dtype included."""
+    from harts.integrations.loading import load_model
+
+    got = load_model("tiny", vocab_size=128, dtype="bfloat16", layer_pattern="KGMA", seed=5)
+    want = HybridLM(HybridConfig.preset("tiny", vocab_size=128, dtype="bfloat16", layer_pattern="KGMA"), seed=5)
+    a = dict(got.named_parameters()) | dict(got.named_buffers())
+    b = dict(want.named_parameters()) | dict(want.named_buffers())
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
