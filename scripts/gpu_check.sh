@@ -48,7 +48,7 @@
 #                 340 s on an H200 with this model)
 #   BENCH_ATTN    attention implementations to bench (default "gather mask")
 #   BENCH_LA      linear-attention backend of the bench (default auto: the one-pass tree kernel on CUDA; "fla" for the split path)
-#   TEST_FILES    GPU test files (default: the fla and the attention tests)
+#   TEST_FILES    GPU test files (default: the fla, tree-kernel, MoE, attention, conv, glue, no-sync and LM-head tests)
 #   PYTEST_XDIST  extra pytest flags, e.g. "-n 4" (tests autotune different shapes: parallel helps)
 #   COMPARE_LA, COMPARE_ATTN   compare grid (default "fla reference" x "mask gather")
 #   FIDELITY_MODEL, FIDELITY_WORK   fidelity model and workload flags (defaults in step 4)
@@ -60,7 +60,7 @@ STEPS=${STEPS:-tests compare bench fidelity}
 BENCH_MODEL=${BENCH_MODEL:---model ling3_tiny --pattern KKKM}
 BENCH_WORK=${BENCH_WORK:---workload small}
 BENCH_ATTN=${BENCH_ATTN:-gather mask}
-TEST_FILES=${TEST_FILES:-tests/ops/test_linear_attn_fla.py tests/ops/test_tree_kernel.py tests/ops/test_tree_scan.py tests/models/test_moe.py tests/ops/test_attention.py tests/ops/test_conv_runs.py tests/ops/test_compiled.py tests/models/test_no_host_sync.py}
+TEST_FILES=${TEST_FILES:-tests/ops/test_linear_attn_fla.py tests/ops/test_tree_kernel.py tests/ops/test_tree_scan.py tests/models/test_moe.py tests/ops/test_attention.py tests/ops/test_conv_runs.py tests/ops/test_compiled.py tests/models/test_no_host_sync.py tests/ops/test_logprob.py}
 COMPARE_LA=${COMPARE_LA:-tree fla reference}
 COMPARE_ATTN=${COMPARE_ATTN:-mask gather}
 mkdir -p "$OUT"
