@@ -14,7 +14,6 @@ import torch
 
 from harts.models.config import HybridConfig
 from harts.models.hybrid_lm import HybridLM
-from harts.models.init import init_weights
 
 __all__ = ["load_model", "is_checkpoint"]
 
@@ -79,14 +78,6 @@ def load_model(
             fields[name] = value
     config = HybridConfig.preset(spec, **fields)
     torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = HybridLM(config, seed=seed)
-    if meta:
-        return model
-    # storage straight on ``device`` and each tensor's seeded value copied in: the same values
-    # as ``HybridLM(config, seed=seed).to(device)`` without building the model in float32 on
-    # the host first (the layers' own default inits drew 9 B values there for the full
-    # ling3_tiny, only to be overwritten: minutes of a cold start)
-    model.to_empty(device=device)
-    init_weights(model, seed)
-    return model
+    # storage straight on ``device`` (HybridLM builds on the default device), no host copy first
+    with torch.device(device):
+        return HybridLM(config, seed=seed)

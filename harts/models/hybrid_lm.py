@@ -134,15 +134,22 @@ class HybridLM(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self.to(config.torch_dtype())
         seed = draw_seed() if seed is None else seed
-        if not self.embed_tokens.weight.is_meta:
+        # the structure on the meta device, then storage where the caller builds (the default
+        # device, ``with torch.device(...)`` included) and every tensor's seeded value: the
+        # layers' own default inits would draw every parameter once more in float32, only to
+        # be overwritten (minutes for the full ling3_tiny)
+        target = torch.get_default_device()
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
+            self.lm_head = (
+                None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            )
+            self.to(config.torch_dtype())
+        if target.type != "meta":
+            self.to_empty(device=target)
             init_weights(self, seed)
 
     @property

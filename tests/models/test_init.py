@@ -89,15 +89,19 @@ def test_large_tensors_draw_seeded_chunks_independent_of_threads(monkeypatch):
     assert float(v.min()) >= 0.0 and float(v.max()) <= math.log(16.0) and len(v.unique()) > 2000
 
 
-def test_load_model_preset_equals_the_constructor_built_model():
-    """``load_model`` builds a preset on the meta device and fills storage on the target device
-    directly: every tensor equals ``HybridLM(config, seed=seed)``'s, dtype included."""
+def test_load_model_and_device_contexts_build_the_seeded_values():
+    """``HybridLM`` builds its structure on the meta device and gives storage on the default
+    device only then: ``load_model`` (a device context) holds every tensor's seeded value in the
+    model's dtype, and under ``torch.device("meta")`` nothing gets storage."""
     from harts.integrations.loading import load_model
 
     got = load_model("tiny", vocab_size=128, dtype="bfloat16", layer_pattern="KGMA", seed=5)
-    want = HybridLM(HybridConfig.preset("tiny", vocab_size=128, dtype="bfloat16", layer_pattern="KGMA"), seed=5)
-    a = dict(got.named_parameters()) | dict(got.named_buffers())
-    b = dict(want.named_parameters()) | dict(want.named_buffers())
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    specs = init_specs(got)
+    tensors = dict(got.named_parameters()) | dict(got.named_buffers())
+    assert specs.keys() == tensors.keys()
+    for name, spec in specs.items():
+        assert tensors[name].dtype == torch.bfloat16 or spec.dtype != torch.bfloat16, name
+        assert tensors[name].device.type == "cpu" and torch.equal(tensors[name], init_value(spec, 5)), name
+    with torch.device("meta"):
+        meta = HybridLM(HybridConfig.tiny(vocab_size=128), seed=5)
+    assert all(t.is_meta for t in meta.state_dict().values())
