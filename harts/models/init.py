@@ -140,10 +140,18 @@ def init_value(spec: InitSpec, seed: int) -> torch.Tensor:
         chunks = [
             (flat[lo:hi], tensor_seed(seed, f"{spec.name}#{i}")) for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
         ]
-        workers = min(len(chunks), os.cpu_count() or 1)
+        workers = min(len(chunks), _draw_threads())
         with ThreadPoolExecutor(max_workers=workers) as pool:  # torch's kernels release the GIL
             list(pool.map(lambda c: _draw(c[0], spec, c[1]), chunks))
     return x.to(spec.dtype)
+
+
+def _draw_threads() -> int:
+    """Host threads for chunked draws: the CPUs this process may run on (its affinity, which a
+    launcher binding ranks to cores sets), else every CPU."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def _draw(out: torch.Tensor, spec: InitSpec, gen_seed: int) -> None:

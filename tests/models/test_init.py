@@ -71,7 +71,7 @@ def test_large_tensors_draw_seeded_chunks_independent_of_threads(monkeypatch):
     monkeypatch.setattr(I, "DRAW_CHUNK", 1000)
     spec = I.InitSpec(name="w", kind="normal", shape=(7, 450), dtype=torch.float64, a=0.5)  # 3,150 entries
     many = I.init_value(spec, 11)
-    monkeypatch.setattr(I.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(I, "_draw_threads", lambda: 1)
     one = I.init_value(spec, 11)
     assert torch.equal(many, one)
     flat = many.reshape(-1)
