@@ -163,3 +163,15 @@ def test_executors_route_the_conv_through_runs(case: str, monkeypatch: pytest.Mo
     assert calls, "the runs conv was not used"
     for got in (runs_traj, runs_compact):
         assert max(compare_runs(gather, got).values()) <= 1e-9
+
+
+def test_runs_carry_fla_s_chunk_index_of_their_lengths() -> None:
+    """The chunk index passed to fla (so fla need not upload one synchronously) is that of the runs."""
+    from harts.ops.conv.runs import FLA_CONV_CHUNK
+
+    runs = conv_runs_from_offsets(np.array([0, 5, 5, 200, 264]))
+    cu, cu_host, chunks, states = runs.on(torch.device("cpu"))
+    assert cu_host.tolist() == cu.tolist() == [0, 5, 200, 264] and states is None
+    lengths = np.diff(cu_host.numpy())
+    expected = [(r, c) for r, m in enumerate(lengths) for c in range(-(-int(m) // FLA_CONV_CHUNK))]
+    assert [tuple(x) for x in chunks.tolist()] == expected

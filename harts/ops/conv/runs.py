@@ -29,6 +29,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from harts.ops.fla_index import fla_chunk_indices
+
+#: rows per chunk of fla-core's causal_conv1d (its Triton path always uses its default, 64)
+FLA_CONV_CHUNK = 64
+
 __all__ = ["ConvRuns", "conv_runs_from_ancestors", "conv_runs_from_offsets", "conv_uses_fla", "runs_causal_conv1d"]
 
 
@@ -47,19 +52,26 @@ class ConvRuns:
     def num_runs(self) -> int:
         return int(self.cu_seqlens.size - 1)
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(cu_seqlens on ``device``, cu_seqlens on the host, state rows on ``device`` or None)."""
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(cu_seqlens on ``device``, cu_seqlens on the host, fla's chunk index [NT, 2] of the
+        runs on ``device`` (chunks of ``FLA_CONV_CHUNK`` rows), state rows on ``device`` or None).
+        Every upload is non-blocking: a synchronous one would first wait for the device's queue."""
         key = str(device)
         if key not in self._device:
             cu_host = torch.as_tensor(self.cu_seqlens, dtype=torch.int64)
+            _, chunks = fla_chunk_indices(np.diff(self.cu_seqlens), FLA_CONV_CHUNK)
             rows = None
             if self.state_rows is not None:
                 p = int(self.cu_seqlens[-1])
                 # -1 reads the zero row appended at P
                 rows = torch.as_tensor(np.where(self.state_rows < 0, p, self.state_rows))
                 rows = rows.to(device, non_blocking=True)
-            # non_blocking: a synchronous upload would first wait for the device's queue
-            self._device[key] = (cu_host.to(device, non_blocking=True), cu_host, rows)
+            self._device[key] = (
+                cu_host.to(device, non_blocking=True),
+                cu_host,
+                torch.from_numpy(chunks).to(device, non_blocking=True),
+                rows,
+            )
         return self._device[key]  # type: ignore[no-any-return]
 
 
@@ -132,7 +144,7 @@ def runs_causal_conv1d(
         raise ValueError(f"activation must be None, 'silu' or 'swish'; got {activation!r}")
     if P == 0:
         return x_PD.new_zeros(0, D)
-    cu, cu_host, state_index = runs.on(x_PD.device)
+    cu, cu_host, chunk_indices, state_index = runs.on(x_PD.device)
     states = None
     if state_index is not None:
         x_pad = torch.cat([x_PD, x_PD.new_zeros(1, D)])
@@ -155,6 +167,8 @@ def runs_causal_conv1d(
         activation=activation,
         cu_seqlens=cu,
         cu_seqlens_cpu=cu_host,
+        # built on the host: left to fla, it would be uploaded synchronously (a device sync)
+        chunk_indices=chunk_indices,
     )
     return y[0]
 

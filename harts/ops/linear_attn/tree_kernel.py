@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harts.ops.fla_index import fla_chunk_indices
 from harts.ops.linear_attn.utils import check_linear_attn_inputs
 
 __all__ = ["StateIO", "plan_state_io", "tree_chunk_linear_attn"]
@@ -69,11 +70,8 @@ def plan_state_io(lengths: list[int], requests: list[tuple[int, int]], chunk_siz
     """
     B = chunk_size
     n = len(lengths)
-    chunks = np.array([(m + B - 1) // B for m in lengths], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+    offsets, chunk_indices = fla_chunk_indices(np.asarray(lengths, dtype=np.int64), B)
     nt = int(offsets[-1])
-    seq_of_chunk = np.repeat(np.arange(n, dtype=np.int64), chunks)
-    within = np.arange(nt, dtype=np.int64) - offsets[:-1][seq_of_chunk]
     export_index = np.full(nt, -1, dtype=np.int32)
     inject_index = np.full(nt, -1, dtype=np.int32)
     slots: dict[int, int] = {}
@@ -100,7 +98,7 @@ def plan_state_io(lengths: list[int], requests: list[tuple[int, int]], chunk_siz
     source[final] = e + (-1 - source[final])  # -1 - seq -> E + seq, -1 - N - seq -> E + N + seq
     return StateIO(
         chunk_offsets=offsets,
-        chunk_indices=np.stack([seq_of_chunk, within], 1),
+        chunk_indices=chunk_indices,
         export_index=export_index,
         inject_index=inject_index,
         num_exported=e,
