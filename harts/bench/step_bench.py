@@ -51,7 +51,7 @@ from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 
-__all__ = ["BenchSide", "StepBench", "bench_step"]
+__all__ = ["BenchSide", "StepBench", "bench_step", "device_busy_seconds", "device_time_by_region", "region_table"]
 
 #: breakdown components: the model's regions, plus "other layers" (the rest of forward/backward)
 COMPONENTS = ("linear_attention", "attention", "moe", "lm_head", "other")
@@ -303,8 +303,10 @@ def _compiled_graphs() -> int:
 def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN001
     """One microbatch under the torch profiler: a Chrome trace at ``path`` and, beside it
     (``.txt``), a summary line (the microbatch's wall time, how much of it the device was busy,
-    kernels launched) and the 40 operators with the most self time on the device, then the 40
-    with the most host time — where a launch-bound step spends its time (CPU runs: host only)."""
+    kernels launched), the device time of each region and phase (kernels attributed to the
+    region that launched them, ``device_time_by_region``) with the top kernels launched outside
+    every region ("other"), then the 40 operators with the most self time on the device and the
+    40 with the most host time (CPU runs: host only)."""
     import json
 
     from torch.profiler import ProfilerActivity, profile
@@ -312,22 +314,95 @@ def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN00
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        one(*item)
-        _sync(device)
-        wall = time.perf_counter() - t0
+        with regions.RegionTimer(device, annotate=True):
+            t0 = time.perf_counter()
+            one(*item)
+            _sync(device)
+            wall = time.perf_counter() - t0
     prof.export_chrome_trace(path)
     with open(path) as f:
-        busy, kernels = device_busy_seconds(json.load(f).get("traceEvents", []))
+        events = json.load(f).get("traceEvents", [])
+    busy, kernels = device_busy_seconds(events)
+    by_region, outside = device_time_by_region(events)
     keys = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
     with open(os.path.splitext(path)[0] + ".txt", "w") as f:
         f.write(
             f"microbatch wall {wall * 1e3:.1f} ms under the profiler; device busy {busy * 1e3:.1f} ms "
             f"({busy / wall:.0%}); {kernels} kernels and copies\n"
         )
+        f.write(region_table(by_region, outside, wall, busy))
         for key in keys:
             f.write(f"\nsorted by {key}:\n")
             f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+
+
+def region_table(by_region: dict[str, float], outside: list[tuple[str, float, int]], wall: float, busy: float) -> str:
+    """``device_time_by_region``'s result as text: regions by device time, the idle time, then the
+    25 kernels with the most time outside every region. Empty without device work."""
+    if not by_region:
+        return ""
+    lines = ["", "device time by region (each kernel in the region open on the thread that launched it):"]
+    lines += [f"  {label:<36} {sec * 1e3:10.2f} ms" for label, sec in sorted(by_region.items(), key=lambda kv: -kv[1])]
+    lines.append(f"  {'idle (wall - busy)':<36} {(wall - busy) * 1e3:10.2f} ms")
+    lines += ["", "top kernels launched outside every region (ms, launches):"]
+    lines += [f"  {sec * 1e3:9.2f} {n:6d}  {name[:110]}" for name, sec, n in outside[:25]]
+    return "\n".join(lines) + "\n"
+
+
+#: trace categories of device work, and of the host calls that launch it
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+OUTSIDE_REGIONS = "other (outside every region)"
+
+
+def device_time_by_region(trace_events: list[dict]) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+    """Device seconds per region and phase, from a torch profiler Chrome trace recorded under
+    ``RegionTimer(annotate=True)``.
+
+    Each kernel, copy or memset is matched to the host call that launched it (``args.correlation``)
+    and attributed to the innermost ``harts/<region>/<phase>`` range open on that thread at the
+    launch (``OUTSIDE_REGIONS`` when none is). Unlike the timer's event brackets this adds
+    kernel durations only: device idle time counts nowhere.
+
+    Returns:
+        ({"<region>/<phase>" or OUTSIDE_REGIONS: seconds}, [(kernel name, seconds, count)] of the
+        work attributed to OUTSIDE_REGIONS, largest first). Both empty without device events.
+    """
+    prefix = regions.ANNOTATION_PREFIX
+    spans: dict[Any, list[tuple[float, float, str]]] = {}
+    launches: dict[Any, tuple[Any, float]] = {}
+    work: list[tuple[Any, str, float]] = []
+    for e in trace_events:
+        cat, args = e.get("cat"), e.get("args") or {}
+        if cat == "user_annotation" and str(e.get("name", "")).startswith(prefix):
+            ts = float(e["ts"])
+            spans.setdefault(e.get("tid"), []).append((ts, ts + float(e.get("dur", 0.0)), e["name"][len(prefix) :]))
+        elif cat in _LAUNCH_CATS and "correlation" in args:
+            launches[args["correlation"]] = (e.get("tid"), float(e["ts"]))
+        elif cat in _DEVICE_CATS:
+            work.append((args.get("correlation"), str(e.get("name", "?")), float(e.get("dur", 0.0)) * 1e-6))
+    for v in spans.values():
+        v.sort()
+    starts = {tid: np.array([a for a, _, _ in v]) for tid, v in spans.items()}
+    by_region: dict[str, float] = {}
+    outside: dict[str, list] = {}
+    for corr, name, sec in work:
+        label = OUTSIDE_REGIONS
+        tid, ts = launches.get(corr, (None, 0.0))
+        if tid in spans:
+            # innermost = the latest-starting range that contains the launch
+            j = int(np.searchsorted(starts[tid], ts, side="right")) - 1
+            while j >= 0 and spans[tid][j][1] < ts:
+                j -= 1
+            if j >= 0:
+                label = spans[tid][j][2]
+        by_region[label] = by_region.get(label, 0.0) + sec
+        if label == OUTSIDE_REGIONS:
+            acc = outside.setdefault(name, [0.0, 0])
+            acc[0] += sec
+            acc[1] += 1
+    top = sorted(((n, s, c) for n, (s, c) in outside.items()), key=lambda t: -t[1])
+    return by_region, top
 
 
 def device_busy_seconds(trace_events: list[dict]) -> tuple[float, int]:

@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile",
         default=None,
         metavar="DIR",
-        help="write a Chrome trace (torch profiler) of one microbatch per side into DIR, and its top-40 operator table (.txt)",
+        help="write a Chrome trace (torch profiler) of one microbatch per side into DIR and, beside it (.txt), device busy time, device time by region (kernels attributed to the region that launched them; the top kernels outside every region) and the top-40 operator tables",
     )
     p.add_argument(
         "--no-warmup",

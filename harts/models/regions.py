@@ -16,6 +16,11 @@ On CUDA the marks are ``torch.cuda.Event``s (recorded on the current stream, rea
 step's final synchronization: no host sync inside the step); on CPU they are host clocks.
 With no active timer ``enter`` / ``exit`` return their arguments untouched.
 
+``RegionTimer(device, annotate=True)`` also opens a profiler range ``harts/<region>/<phase>``
+(``ANNOTATION_PREFIX``) on the launching thread for each region it times, so a torch profiler
+trace can attribute every kernel to the region that launched it
+(``harts.bench.step_bench.device_time_by_region``).
+
 Usage in a module::
 
     q, k = regions.enter("attention", q, k)
@@ -30,9 +35,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["RegionTimer", "enter", "exit", "PHASES"]
+__all__ = ["ANNOTATION_PREFIX", "RegionTimer", "enter", "exit", "PHASES"]
 
 PHASES = ("forward", "backward", "recompute")
+#: profiler ranges of an annotating timer are named f"{ANNOTATION_PREFIX}{region}/{phase}"
+ANNOTATION_PREFIX = "harts/"
 
 _ACTIVE: RegionTimer | None = None
 
@@ -47,12 +54,14 @@ class RegionTimer:
     every tensor it needs) is dropped, and its time stays with its parent.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, *, annotate: bool = False) -> None:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
+        self._annotate = annotate
         # closed regions: (name, phase, start, end, [(child start, child end), ...])
         self._closed: list[tuple[str, str, object, object, list]] = []
-        self._stack: list[tuple[str, str, object, list]] = []  # open regions, innermost last
+        # open regions, innermost last: (name, phase, start, children, profiler range or None)
+        self._stack: list[tuple[str, str, object, list, Any]] = []
 
     def __enter__(self) -> RegionTimer:
         global _ACTIVE
@@ -64,6 +73,10 @@ class RegionTimer:
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
         _ACTIVE = None
+        while self._stack:  # profiler ranges of regions never closed (an aborted step)
+            span = self._stack.pop()[4]
+            if span is not None:
+                span.__exit__(None, None, None)
 
     def _mark(self) -> object:
         if self._cuda:
@@ -73,14 +86,20 @@ class RegionTimer:
         return time.perf_counter()
 
     def start(self, name: str, phase: str) -> None:
-        self._stack.append((name, phase, self._mark(), []))
+        span = None
+        if self._annotate:
+            span = torch.autograd.profiler.record_function(f"{ANNOTATION_PREFIX}{name}/{phase}")
+            span.__enter__()
+        self._stack.append((name, phase, self._mark(), [], span))
 
     def stop(self, name: str, phase: str) -> None:
-        if not any(n == name and p == phase for n, p, _, _ in self._stack):
+        if not any(n == name and p == phase for n, p, _, _, _ in self._stack):
             return  # a backward end whose start never ran (no gradient reached the outputs)
         end = self._mark()
         while True:
-            n, p, start, children = self._stack.pop()
+            n, p, start, children, span = self._stack.pop()
+            if span is not None:  # regions dropped on the way are closed too, innermost first
+                span.__exit__(None, None, None)
             if n == name and p == phase:
                 break
         self._closed.append((name, phase, start, end, children))

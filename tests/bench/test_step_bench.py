@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import harts
@@ -114,3 +115,65 @@ def test_bench_reports_the_cold_start(tmp_path, capsys) -> None:
     assert 0 < base["seconds_to_timed"] < harts["seconds_to_timed"]
     assert harts["seconds_to_timed"] - base["seconds_to_timed"] >= base["train_seconds"]
     assert second["baseline"]["seconds_to_timed"] > harts["seconds_to_timed"]
+
+
+def test_device_time_by_region_attributes_each_kernel_to_its_launching_range() -> None:
+    """Synthetic trace: two threads (forward and autograd), nested ranges, a kernel launched
+    outside every range, one whose launch is unknown; idle time counts nowhere."""
+    from harts.bench.step_bench import OUTSIDE_REGIONS, device_time_by_region, region_table
+
+    def span(tid: int, ts: float, dur: float, name: str) -> dict:
+        return {"ph": "X", "cat": "user_annotation", "name": f"harts/{name}", "tid": tid, "ts": ts, "dur": dur}
+
+    def launch(tid: int, ts: float, corr: int, cat: str = "cuda_runtime") -> dict:
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": "cudaLaunchKernel",
+            "tid": tid,
+            "ts": ts,
+            "dur": 1,
+            "args": {"correlation": corr},
+        }
+
+    def kernel(corr: int, name: str, dur: float, cat: str = "kernel") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "tid": 7, "ts": 1e6, "dur": dur, "args": {"correlation": corr}}
+
+    events = [
+        span(1, 100, 100, "moe/forward"),
+        span(1, 120, 20, "attention/forward"),  # nested (not a real model shape, but allowed)
+        span(2, 500, 100, "moe/backward"),
+        span(2, 550, 10, "linear_attention/recompute"),
+        launch(1, 110, 1),  # moe forward
+        launch(1, 130, 2),  # attention inside moe: the innermost wins
+        launch(1, 150, 3, "cuda_driver"),  # moe again (Triton launches through the driver API)
+        launch(1, 300, 4),  # outside
+        launch(2, 555, 5),  # recompute inside a backward
+        launch(2, 590, 6),  # backward, after the nested range closed
+        launch(1, 125, 99),  # a launch whose kernel is not in the trace
+        kernel(1, "gemm", 1000),
+        kernel(2, "flash", 2000),
+        kernel(3, "triton_moe", 500),
+        kernel(4, "elementwise", 250),
+        kernel(4, "elementwise", 250),
+        kernel(5, "chunk_kda", 4000),
+        kernel(6, "memcpy", 100, "gpu_memcpy"),
+        kernel(77, "orphan", 50),  # no launch recorded
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 110, "dur": 5, "args": {"correlation": 1}},
+    ]
+    by_region, outside = device_time_by_region(events)
+    assert by_region == pytest.approx(
+        {
+            "moe/forward": 1.5e-3,
+            "attention/forward": 2e-3,
+            "linear_attention/recompute": 4e-3,
+            "moe/backward": 1e-4,
+            OUTSIDE_REGIONS: 5.5e-4,
+        }
+    )
+    assert outside == [("elementwise", pytest.approx(5e-4), 2), ("orphan", pytest.approx(5e-5), 1)]
+    assert device_time_by_region([span(1, 0, 1, "moe/forward")]) == ({}, [])
+    text = region_table(by_region, outside, wall=0.01, busy=0.0077)
+    assert text.index("linear_attention/recompute") < text.index("moe/forward") < text.index(OUTSIDE_REGIONS)
+    assert "idle (wall - busy)                         2.30 ms" in text and "0.50      2  elementwise" in text
+    assert region_table({}, [], 1.0, 0.0) == ""

@@ -51,3 +51,31 @@ def test_only_one_timer_at_a_time() -> None:
         with pytest.raises(RuntimeError, match="already active"):
             with regions.RegionTimer("cpu"):
                 pass
+
+
+def test_annotating_timer_leaves_a_profiler_range_per_region_and_phase(tmp_path) -> None:  # noqa: ANN001
+    """Under the profiler, an annotating timer opens ``harts/<region>/<phase>`` ranges (what
+    ``device_time_by_region`` attributes kernels to) around the same work it times, without
+    changing a number."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    batch = generate("tiny", step=0)
+    model = harts.HybridLM(harts.HybridConfig.tiny(dtype="float64", vocab_size=int(batch.tokens.max()) + 1))
+    ref = _run(model, batch, True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with regions.RegionTimer("cpu", annotate=True) as timer:
+            got = _run(model, batch, True)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("cat") == "user_annotation"}
+    timed = {f"{regions.ANNOTATION_PREFIX}{r}/{p}" for r, ph in timer.totals().items() for p, s in ph.items() if s > 0}
+    assert timed and timed <= names
+    assert f"{regions.ANNOTATION_PREFIX}attention/recompute" in names
+    # an annotating timer without a profiler changes nothing either
+    with regions.RegionTimer("cpu", annotate=True):
+        assert torch.equal(_run(model, batch, True)[0], ref[0])
