@@ -6,7 +6,7 @@ context maps the three row-coupling operations onto it:
 * short conv: ``tree_causal_conv1d`` over each row's true ancestors (``layout.ancestors``),
   one post-conv result per physical row; replay never re-runs it.
 * linear attention: one packed ``chunk_linear_attn`` call per round over
-  ``x[round.la_rows]``; a sequence starts from zero (``init_state == -1``) or from a
+  ``x[round.la_rows]`` (all rounds' rows in one gather, ``harts.ops.row_gather``); a sequence starts from zero (``init_state == -1``) or from a
   boundary state exported by an earlier round; the round exports ``round.requests`` into
   ``states[round.request_ids]``; outputs of non-replay positions go to ``round.out_rows``.
   Replay positions only update state. Autograd sums every consumer's gradient into the
@@ -29,6 +29,7 @@ import torch
 
 from harts.models.execution.base import RowContext
 from harts.ops.conv import ConvRuns, conv_uses_fla
+from harts.ops.row_gather import gather_rows, row_gather_plan
 
 __all__ = ["CompactContext", "RoundTensors"]
 
@@ -48,7 +49,7 @@ def _host(a: np.ndarray) -> torch.Tensor:
 class RoundTensors:
     """One RoundView as device tensors (plus host copies of the small id arrays)."""
 
-    la_rows: torch.Tensor
+    num_la_rows: int  # T_r: the round's input rows (gathered for all rounds at once)
     cu_seqlens: torch.Tensor  # host (CPU) tensor: the op plans from it without a device sync
     out_pos: torch.Tensor  # positions within la_rows that produce output
     out_rows: torch.Tensor
@@ -81,6 +82,11 @@ class CompactContext(RowContext):
         self.position = _t(layout.position, device)
         self.row_weight = torch.as_tensor(layout.multiplicity, dtype=torch.float64).to(device, non_blocking=True)
         self.rounds = [self._round(r) for r in layout.rounds]
+        self._la_gather = row_gather_plan(
+            np.concatenate([np.asarray(r.la_rows, dtype=np.int64) for r in layout.rounds] or [np.zeros(0, np.int64)]),
+            self.num_rows,
+            device,
+        )
         self.num_boundary_states = int(layout.num_boundary_states)
         self._ancestors: dict[int, torch.Tensor] = {}
         self._conv_runs: dict[int, ConvRuns] = {}
@@ -91,7 +97,7 @@ class CompactContext(RowContext):
         is_output = np.asarray(r.is_output, dtype=bool)
         requests = np.asarray(r.requests, dtype=np.int64).reshape(-1, 2)
         return RoundTensors(
-            la_rows=_t(r.la_rows, self.device),
+            num_la_rows=int(np.asarray(r.la_rows).shape[0]),
             cu_seqlens=_host(r.cu_seqlens),
             out_pos=_t(np.flatnonzero(is_output), self.device),
             out_rows=_t(r.out_rows, self.device),
@@ -128,18 +134,23 @@ class CompactContext(RowContext):
         h, kd, vd = q_THK.shape[1], q_THK.shape[2], v_THV.shape[2]
         states: list[torch.Tensor | None] = [None] * self.num_boundary_states
         out_rows, out_vals = [], []
-        for r in self.rounds:
-            idx = r.la_rows
+        # every round's input rows in one gather per input (harts.ops.row_gather: one
+        # deterministic backward instead of a [P, ...] zero fill, scatter and add per round)
+        sizes = [r.num_la_rows for r in self.rounds]
+        q_r, k_r, v_r, g_r, b_r = (
+            torch.split(gather_rows(t, self._la_gather), sizes) for t in (q_THK, k_THK, v_THV, g, beta_TH)
+        )
+        for i, r in enumerate(self.rounds):
             init = None
             if (r.init_state >= 0).any():
                 zero = q_THK.new_zeros(h, kd, vd)
-                init = torch.stack([states[i] if i >= 0 else zero for i in r.init_state.tolist()])
+                init = torch.stack([states[s] if s >= 0 else zero for s in r.init_state.tolist()])
             o, _, req = self.la_op(
-                q_THK[idx],
-                k_THK[idx],
-                v_THV[idx],
-                g[idx],
-                beta_TH[idx],
+                q_r[i],
+                k_r[i],
+                v_r[i],
+                g_r[i],
+                b_r[i],
                 cu_seqlens=r.cu_seqlens,
                 initial_state=init,
                 chunk_size=self.chunk_size,
@@ -149,7 +160,7 @@ class CompactContext(RowContext):
             for j, sid in enumerate(r.request_ids.tolist()):
                 states[sid] = req[j]
             out_rows.append(r.out_rows)
-            out_vals.append(o[r.out_pos])
+            out_vals.append(o if r.num_replay == 0 else o[r.out_pos])  # no replay: every position is output
         out = v_THV.new_zeros(self.num_rows, h, vd)
         return out.index_copy(0, torch.cat(out_rows), torch.cat(out_vals))
 
