@@ -170,7 +170,7 @@ def test_runs_carry_fla_s_chunk_index_of_their_lengths() -> None:
     from harts.ops.conv.runs import FLA_CONV_CHUNK
 
     runs = conv_runs_from_offsets(np.array([0, 5, 5, 200, 264]))
-    cu, cu_host, chunks, states = runs.on(torch.device("cpu"))
+    cu, cu_host, chunks, states, _ = runs.on(torch.device("cpu"))
     assert cu_host.tolist() == cu.tolist() == [0, 5, 200, 264] and states is None
     lengths = np.diff(cu_host.numpy())
     expected = [(r, c) for r, m in enumerate(lengths) for c in range(-(-int(m) // FLA_CONV_CHUNK))]

@@ -24,6 +24,7 @@ Shapes: P rows, D channels, W kernel width, R runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,7 +35,14 @@ from harts.ops.fla_index import fla_chunk_indices
 #: rows per chunk of fla-core's causal_conv1d (its Triton path always uses its default, 64)
 FLA_CONV_CHUNK = 64
 
-__all__ = ["ConvRuns", "conv_runs_from_ancestors", "conv_runs_from_offsets", "conv_uses_fla", "runs_causal_conv1d"]
+__all__ = [
+    "ConvRuns",
+    "DeviceRuns",
+    "conv_runs_from_ancestors",
+    "conv_runs_from_offsets",
+    "conv_uses_fla",
+    "runs_causal_conv1d",
+]
 
 
 @dataclass(frozen=True)
@@ -52,27 +60,37 @@ class ConvRuns:
     def num_runs(self) -> int:
         return int(self.cu_seqlens.size - 1)
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(cu_seqlens on ``device``, cu_seqlens on the host, fla's chunk index [NT, 2] of the
-        runs on ``device`` (chunks of ``FLA_CONV_CHUNK`` rows), state rows on ``device`` or None).
-        Every upload is non-blocking: a synchronous one would first wait for the device's queue."""
+    def on(self, device: torch.device) -> DeviceRuns:
+        """The runs' index tensors on ``device`` (made once per device). Every upload is
+        non-blocking: a synchronous one would first wait for the device's queue."""
         key = str(device)
         if key not in self._device:
             cu_host = torch.as_tensor(self.cu_seqlens, dtype=torch.int64)
             _, chunks = fla_chunk_indices(np.diff(self.cu_seqlens), FLA_CONV_CHUNK)
-            rows = None
+
+            def up(a: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+            rows = zero = None
             if self.state_rows is not None:
-                p = int(self.cu_seqlens[-1])
-                # -1 reads the zero row appended at P
-                rows = torch.as_tensor(np.where(self.state_rows < 0, p, self.state_rows))
-                rows = rows.to(device, non_blocking=True)
-            self._device[key] = (
-                cu_host.to(device, non_blocking=True),
-                cu_host,
-                torch.from_numpy(chunks).to(device, non_blocking=True),
-                rows,
-            )
+                rows = up(np.maximum(self.state_rows, 0))
+                zero = up((self.state_rows < 0)[..., None]) if (self.state_rows < 0).any() else None
+            self._device[key] = DeviceRuns(up(self.cu_seqlens), cu_host, up(chunks), rows, zero)
         return self._device[key]  # type: ignore[no-any-return]
+
+
+class DeviceRuns(NamedTuple):
+    """``ConvRuns.on``: the runs' index tensors on one device."""
+
+    #: int64 [R + 1] run boundaries on the device, and the same on the host
+    cu_seqlens: torch.Tensor
+    cu_seqlens_host: torch.Tensor
+    #: int64 [NT, 2] fla's chunk index of the runs (chunks of ``FLA_CONV_CHUNK`` rows)
+    chunk_indices: torch.Tensor
+    #: int64 [R, W-1] rows of each run's state, oldest first (-1 read as row 0), or None
+    state_rows: torch.Tensor | None
+    #: bool [R, W-1, 1] state entries that read zero (a row before the root), or None if none do
+    state_zero: torch.Tensor | None
 
 
 def conv_runs_from_offsets(offsets: np.ndarray) -> ConvRuns:
@@ -144,11 +162,12 @@ def runs_causal_conv1d(
         raise ValueError(f"activation must be None, 'silu' or 'swish'; got {activation!r}")
     if P == 0:
         return x_PD.new_zeros(0, D)
-    cu, cu_host, chunk_indices, state_index = runs.on(x_PD.device)
+    cu, cu_host, chunk_indices, state_rows, state_zero = runs.on(x_PD.device)
     states = None
-    if state_index is not None:
-        x_pad = torch.cat([x_PD, x_PD.new_zeros(1, D)])
-        states = x_pad[state_index]  # [R, W-1, D], oldest first
+    if state_rows is not None:
+        states = x_PD[state_rows]  # [R, W-1, D], oldest first (no padded copy of x)
+        if state_zero is not None:
+            states = states.masked_fill(state_zero, 0)
     if impl == "reference":
         return _reference(x_PD, weight_DW, cu_host.tolist(), states, bias_D, activation)
     if impl != "fla":
