@@ -206,3 +206,36 @@ def test_attention_auto_avoids_flex_below_its_head_dim() -> None:
     assert mask.resolved_attention("cpu", 8) == "mask"  # the CPU path has no such limit
     with pytest.raises(ValueError, match="head dims >= 16; this model's smallest is 8"):
         mask.resolved_attention("cuda", 8)
+
+
+def test_rounds_in_physical_order_concatenate_to_the_scattered_output() -> None:
+    """The planner's rounds cover the physical rows in order, so the linear-attention output is
+    their outputs concatenated; the general scatter (index_copy) gives the same values and
+    gradients (float64, a replay tree)."""
+    import numpy as np
+
+    from harts.models.execution.compact import CompactContext
+    from harts.models.layers.norms import l2norm
+
+    batch = _no_replay_batch()
+    lay = make_model("K", moe=False).prepare_compact(batch).layout
+    p, h, k = int(lay.num_rows), 2, 16
+    gen = torch.Generator().manual_seed(0)
+    xs = [l2norm(torch.randn(p, h, k, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    xs += [
+        torch.randn(p, h, k, generator=gen, dtype=torch.float64),
+        -torch.rand(p, h, k, generator=gen, dtype=torch.float64) * 0.2,
+    ]
+    xs += [torch.rand(p, h, generator=gen, dtype=torch.float64)]
+    w = torch.randn(p, h, k, generator=gen, dtype=torch.float64)
+    results = []
+    for in_order in (True, False):
+        ctx = CompactContext(lay, device=torch.device("cpu"))
+        assert ctx.outputs_in_order and any(r.num_replay for r in ctx.rounds)
+        ctx.outputs_in_order = in_order
+        leaves = [x.clone().requires_grad_() for x in xs]
+        out = ctx.linear_attention(*leaves)
+        results.append([out, *torch.autograd.grad((out * w).sum(), leaves)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert np.asarray(lay.rounds[0].out_rows)[0] == 0

@@ -82,6 +82,16 @@ class CompactContext(RowContext):
         self.position = _t(layout.position, device)
         self.row_weight = torch.as_tensor(layout.multiplicity, dtype=torch.float64).to(device, non_blocking=True)
         self.rounds = [self._round(r) for r in layout.rounds]
+        # the planner lays rounds out in physical order (each round's output rows one range,
+        # the ranges consecutive): the output is then the rounds' outputs concatenated
+        self.outputs_in_order = bool(
+            np.array_equal(
+                np.concatenate(
+                    [np.asarray(r.out_rows, dtype=np.int64) for r in layout.rounds] or [np.zeros(0, np.int64)]
+                ),
+                np.arange(self.num_rows),
+            )
+        )
         self._la_gather = row_gather_plan(
             np.concatenate([np.asarray(r.la_rows, dtype=np.int64) for r in layout.rounds] or [np.zeros(0, np.int64)]),
             self.num_rows,
@@ -161,6 +171,8 @@ class CompactContext(RowContext):
                 states[sid] = req[j]
             out_rows.append(r.out_rows)
             out_vals.append(o if r.num_replay == 0 else o[r.out_pos])  # no replay: every position is output
+        if self.outputs_in_order:
+            return torch.cat(out_vals) if out_vals else v_THV.new_zeros(0, h, vd)
         out = v_THV.new_zeros(self.num_rows, h, vd)
         return out.index_copy(0, torch.cat(out_rows), torch.cat(out_vals))
 
