@@ -154,6 +154,8 @@ def test_main_cpu_writes_both_sides(tmp_path):
     assert r["parameters"]["harts"] == r["parameters"]["transformers"]
     assert r["experts_implementation"] in ("grouped_mm", "batched_mm", "eager")
     assert r["warmup_max_abs_logprob_diff"] < 1e-3
+    top = r["warmup_max_abs_logprob_diff"]
+    assert 0 <= r["warmup_mean_abs_logprob_diff"] <= top and 0 <= r["warmup_p999_abs_logprob_diff"] <= top
     assert main(argv) == 2  # the JSON exists and --overwrite is not given
 
 
