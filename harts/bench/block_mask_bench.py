@@ -7,7 +7,9 @@ For every microbatch of each side of ``--workload``'s step (``harts bench``'s pl
 it classifies the 128 x 128 blocks of the tree mask on the host
 (``harts.ops.attention.host_block_mask``) twice: exactly, and with the conservative block-bounds
 EMPTY test. Printed per side: microbatches, rows, partial and full blocks of each, how many
-more blocks (partial + full) the bounds leave to the kernel, and the host time of
+more blocks (partial + full) the bounds leave to the kernel, the kernel's block efficiency
+(pairs in exact partial + full blocks over the visible (query, key) pairs: FlexAttention computes
+every pair of a kept block), and the host time of
 ``host_block_mask`` (classification, block lists, BlockMask) per microbatch: the median over
 microbatches of each one's median of ``--repeat`` runs, and the largest microbatch's. CPU only.
 """
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-__all__ = ["main", "step_masks"]
+__all__ = ["main", "step_masks", "visible_pairs"]
 
 
 def step_masks(
@@ -44,6 +46,20 @@ def step_masks(
     for cb, call_plan in plan_step(batch, dp=1, capacity=capacity).prepare_replica(0, chunk_size):
         layout = build_layout(cb, call_plan)
         yield "harts", np.asarray(layout.tree_pre, dtype=np.int64), np.asarray(layout.tree_end, dtype=np.int64)
+
+
+def visible_pairs(pre: np.ndarray, end: np.ndarray) -> int:
+    """Useful (query, key) pairs of the tree mask: each valid row sees its ancestors and itself,
+    the rows j with pre[j] <= pre[i] < end[j]. Padding rows (pre -1) count nothing (the mask lets
+    each see itself, which only keeps its softmax finite)."""
+    pre, end = np.asarray(pre, dtype=np.int64), np.asarray(end, dtype=np.int64)
+    valid = pre >= 0
+    p, e = pre[valid], end[valid]
+    n = int(max(int(e.max()), int(p.max()) + 1)) if p.size else 0
+    depth = np.zeros(n + 1, dtype=np.int64)  # +1 where a row's subtree starts, -1 where it ends
+    np.add.at(depth, p, 1)
+    np.add.at(depth, e, -1)
+    return int(np.cumsum(depth)[:n][p].sum())
 
 
 def _host_seconds(pre: np.ndarray, end: np.ndarray, repeat: int) -> float:
@@ -72,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sides: dict[str, dict] = {}
     for side, pre, end in step_masks(args.workload, args.step, args.capacity, args.chunk_size):
-        s = sides.setdefault(side, {"rows": [], "exact": [0, 0], "bounds": [0, 0], "ms": []})
+        s = sides.setdefault(side, {"rows": [], "exact": [0, 0], "bounds": [0, 0], "ms": [], "visible": 0})
+        s["visible"] += visible_pairs(pre, end)
         for key, exact in (("exact", True), ("bounds", False)):
             partial, full = tree_block_classes(pre, end, exact=exact)
             s[key][0] += int(partial.sum())
@@ -82,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.workload}[{args.step}] T={args.capacity}: 128 x 128 blocks, summed over microbatches")
     print(
         f"{'side':9} {'mbs':>4} {'max rows':>8} {'exact partial':>13} {'exact full':>10} {'bounds partial':>14} "
-        f"{'bounds full':>11} {'+blocks':>8} {'host ms med':>11} {'host ms max-row mb':>18}"
+        f"{'bounds full':>11} {'+blocks':>8} {'visible pairs':>15} {'efficiency':>10} {'host ms med':>11} "
+        f"{'host ms max-row mb':>18}"
     )
     report = {"workload": args.workload, "step": args.step, "capacity": args.capacity, "sides": {}}
     for side, s in sides.items():
@@ -96,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             "bounds_partial": s["bounds"][0],
             "bounds_full": s["bounds"][1],
             "bounds_extra_pct": 100.0 * (bd - ex) / ex,
+            "visible_pairs": s["visible"],
+            "block_efficiency": s["visible"] / (ex * 128 * 128),
             "host_ms_median": statistics.median(s["ms"]),
             "host_ms_largest": s["ms"][big],
         }
@@ -103,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{side:9} {row['microbatches']:>4} {row['max_rows']:>8} {row['exact_partial']:>13} {row['exact_full']:>10} "
             f"{row['bounds_partial']:>14} {row['bounds_full']:>11} {row['bounds_extra_pct']:>7.2f}% "
+            f"{row['visible_pairs']:>15,} {row['block_efficiency']:>10.3f} "
             f"{row['host_ms_median']:>11.1f} {row['host_ms_largest']:>18.1f}"
         )
     if args.json_out:

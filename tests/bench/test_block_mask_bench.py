@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from harts.bench.block_mask_bench import main, step_masks
+import numpy as np
+
+from harts.bench.block_mask_bench import main, step_masks, visible_pairs
 
 
 def test_block_mask_bench_counts(tmp_path, capsys):
@@ -23,6 +25,19 @@ def test_block_mask_bench_counts(tmp_path, capsys):
         assert row["bounds_full"] == row["exact_full"]
         assert row["bounds_partial"] >= row["exact_partial"] > 0
         assert row["host_ms_median"] > 0
+        assert row["visible_pairs"] == sum(visible_pairs(pre, end) for s, pre, end in masks if s == side)
+        assert 0 < row["block_efficiency"] <= 1
     # document-causal rows: the bounds are exact
     assert sides["baseline"]["bounds_partial"] == sides["baseline"]["exact_partial"]
     assert "harts" in capsys.readouterr().out
+
+
+def test_visible_pairs_count_ancestors_and_self() -> None:
+    # a root (pre 0, subtree [0, 4)) with children 1 and 2 (leaf) and 3 under 2; a padding row
+    pre = np.array([0, 1, 2, 3, -1])
+    end = np.array([4, 2, 4, 4, -1])
+    # rows see 1, 2, 2, 3 rows (themselves and their ancestors); padding counts nothing
+    assert visible_pairs(pre, end) == 1 + 2 + 2 + 3
+    chain = np.arange(5)
+    assert visible_pairs(chain, np.full(5, 5)) == 15  # causal: n (n + 1) / 2
+    assert visible_pairs(np.array([-1, -1]), np.array([-1, -1])) == 0
