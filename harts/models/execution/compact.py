@@ -6,11 +6,11 @@ context maps the three row-coupling operations onto it:
 * short conv: ``tree_causal_conv1d`` over each row's true ancestors (``layout.ancestors``),
   one post-conv result per physical row; replay never re-runs it.
 * linear attention: one packed ``chunk_linear_attn`` call per round over
-  ``x[round.la_rows]`` (all rounds' rows in one gather, ``harts.ops.row_gather``); a sequence starts from zero (``init_state == -1``) or from a
-  boundary state exported by an earlier round; the round exports ``round.requests`` into
-  ``states[round.request_ids]``; outputs of non-replay positions go to ``round.out_rows``.
-  Replay positions only update state. Autograd sums every consumer's gradient into the
-  producing round through the shared state tensors.
+  ``x[round.la_rows]`` (all rounds' rows in one gather, ``harts.ops.row_gather``); a sequence
+  starts from zero (``init_state == -1``) or from a boundary state exported by an earlier
+  round; the round exports ``round.requests`` into ``states[round.request_ids]``; outputs of
+  non-replay positions go to ``round.out_rows``. Replay positions only update state. Autograd
+  sums every consumer's gradient into the producing round through the shared state tensors.
 * attention: ``ancestor_view_attention`` (gather each branch's ancestor K/V, bottom-right
   causal, scatter outputs) or ``tree_mask_attention`` (ancestor-or-self mask).
 
