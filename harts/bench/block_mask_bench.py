@@ -1,6 +1,7 @@
 """FlexAttention block masks built on the host: block counts and host time per microbatch.
 
     python -m harts.bench.block_mask_bench --workload medium --step 0 --capacity 65536 --json out.json
+    python -m harts.bench.block_mask_bench --workload swe --step 5 --dp 8 --replica 0 --repeat 1
 
 For every microbatch of each side of ``--workload``'s step (``harts bench``'s plans, as in
 ``harts.bench.attention_bench``: the baseline's document-causal rows, harts' compact layouts),
@@ -29,9 +30,10 @@ __all__ = ["main", "step_masks", "visible_pairs"]
 
 
 def step_masks(
-    workload: str, step: int, capacity: int, chunk_size: int
+    workload: str, step: int, capacity: int, chunk_size: int, dp: int = 1, replica: int = 0
 ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    """(side, pre int64 [P], end int64 [P]) of every microbatch: "baseline" then "harts"."""
+    """(side, pre int64 [P], end int64 [P]) of every microbatch of data-parallel replica
+    ``replica`` of ``dp``: "baseline" then "harts"."""
     from harts.plan.baselines.trajectory_plan import plan_trajectory_step
     from harts.plan.layout import build_layout
     from harts.plan.step import plan_step
@@ -39,11 +41,12 @@ def step_masks(
 
     batch = workload_steps(workload, step + 1)[step][1]()
     lengths = np.asarray(batch.lengths)
-    for mb in plan_trajectory_step(batch.lengths, dp=1, capacity=capacity).microbatches:
-        lens = lengths[mb]
+    baseline = plan_trajectory_step(batch.lengths, dp=dp, capacity=capacity)
+    for i in baseline.slots[replica]:
+        lens = lengths[baseline.microbatches[i]]
         ends = np.cumsum(lens)
         yield "baseline", np.arange(int(ends[-1]), dtype=np.int64), np.repeat(ends, lens).astype(np.int64)
-    for cb, call_plan in plan_step(batch, dp=1, capacity=capacity).prepare_replica(0, chunk_size):
+    for cb, call_plan in plan_step(batch, dp=dp, capacity=capacity).prepare_replica(replica, chunk_size):
         layout = build_layout(cb, call_plan)
         yield "harts", np.asarray(layout.tree_pre, dtype=np.int64), np.asarray(layout.tree_end, dtype=np.int64)
 
@@ -82,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=65536)
     p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk of the compact layouts")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas the step is planned for")
+    p.add_argument("--replica", type=int, default=0, help="the replica whose microbatches are counted")
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
     from harts.ops.attention.host_block_mask import tree_block_classes
 
     sides: dict[str, dict] = {}
-    for side, pre, end in step_masks(args.workload, args.step, args.capacity, args.chunk_size):
+    if not 0 <= args.replica < args.dp:
+        p.error(f"--replica must lie in [0, --dp={args.dp}); got {args.replica}")
+    for side, pre, end in step_masks(args.workload, args.step, args.capacity, args.chunk_size, args.dp, args.replica):
         s = sides.setdefault(side, {"rows": [], "exact": [0, 0], "bounds": [0, 0], "ms": [], "visible": 0})
         s["visible"] += visible_pairs(pre, end)
         for key, exact in (("exact", True), ("bounds", False)):
@@ -96,13 +103,23 @@ def main(argv: list[str] | None = None) -> int:
             s[key][1] += int(full.sum())
         s["rows"].append(len(pre))
         s["ms"].append(1e3 * _host_seconds(pre, end, args.repeat))
-    print(f"{args.workload}[{args.step}] T={args.capacity}: 128 x 128 blocks, summed over microbatches")
+    print(
+        f"{args.workload}[{args.step}] T={args.capacity}, replica {args.replica} of {args.dp}: 128 x 128 blocks, "
+        "summed over microbatches"
+    )
     print(
         f"{'side':9} {'mbs':>4} {'max rows':>8} {'exact partial':>13} {'exact full':>10} {'bounds partial':>14} "
         f"{'bounds full':>11} {'+blocks':>8} {'visible pairs':>15} {'efficiency':>10} {'host ms med':>11} "
         f"{'host ms max-row mb':>18}"
     )
-    report = {"workload": args.workload, "step": args.step, "capacity": args.capacity, "sides": {}}
+    report = {
+        "workload": args.workload,
+        "step": args.step,
+        "capacity": args.capacity,
+        "dp": args.dp,
+        "replica": args.replica,
+        "sides": {},
+    }
     for side, s in sides.items():
         ex, bd = sum(s["exact"]), sum(s["bounds"])
         big = int(np.argmax(s["rows"]))

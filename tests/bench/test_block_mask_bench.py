@@ -41,3 +41,23 @@ def test_visible_pairs_count_ancestors_and_self() -> None:
     chain = np.arange(5)
     assert visible_pairs(chain, np.full(5, 5)) == 15  # causal: n (n + 1) / 2
     assert visible_pairs(np.array([-1, -1]), np.array([-1, -1])) == 0
+
+
+def test_block_mask_bench_counts_one_replica(tmp_path, capsys):
+    """--dp/--replica count one replica's microbatches only; a replica outside [0, dp) is named."""
+    import pytest
+
+    argv = ["--workload", "tiny", "--capacity", "600", "--chunk-size", "16", "--repeat", "1"]
+    whole = {s: sum(len(pre) for t, pre, _ in step_masks("tiny", 0, 600, 16) if t == s) for s in ("baseline", "harts")}
+    rows = {s: 0 for s in whole}
+    for r in range(2):
+        out = tmp_path / f"r{r}.json"
+        assert main([*argv, "--dp", "2", "--replica", str(r), "--json", str(out)]) == 0
+        masks = list(step_masks("tiny", 0, 600, 16, dp=2, replica=r))
+        for side in rows:
+            rows[side] += sum(len(pre) for t, pre, _ in masks if t == side)
+            assert json.loads(out.read_text())["sides"][side]["microbatches"] == sum(t == side for t, _, _ in masks)
+    assert rows["baseline"] == whole["baseline"]  # the replicas split the raw tokens
+    with pytest.raises(SystemExit):
+        main([*argv, "--dp", "2", "--replica", "2"])
+    assert "--replica must lie in [0, --dp=2)" in capsys.readouterr().err
