@@ -60,7 +60,7 @@ STEPS=${STEPS:-tests compare bench fidelity}
 BENCH_MODEL=${BENCH_MODEL:---model ling3_tiny --pattern KKKM}
 BENCH_WORK=${BENCH_WORK:---workload small}
 BENCH_ATTN=${BENCH_ATTN:-gather mask}
-TEST_FILES=${TEST_FILES:-tests/ops/test_linear_attn_fla.py tests/ops/test_tree_kernel.py tests/ops/test_tree_scan.py tests/models/test_moe.py tests/ops/test_attention.py tests/ops/test_conv_runs.py tests/ops/test_compiled.py tests/models/test_no_host_sync.py tests/ops/test_logprob.py}
+TEST_FILES=${TEST_FILES:-tests/ops/test_linear_attn_fla.py tests/ops/test_tree_kernel.py tests/ops/test_tree_scan.py tests/models/test_moe.py tests/ops/test_attention.py tests/ops/test_conv_runs.py tests/ops/test_compiled.py tests/models/test_no_host_sync.py tests/ops/test_logprob.py tests/ops/test_row_gather.py}
 COMPARE_LA=${COMPARE_LA:-tree fla reference}
 COMPARE_ATTN=${COMPARE_ATTN:-mask gather}
 mkdir -p "$OUT"
