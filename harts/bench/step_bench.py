@@ -140,12 +140,52 @@ class StepBench:
     def mfu(self, side: BenchSide) -> float | None:
         return None if not self.peak_tflops else side.tflops / self.peak_tflops
 
+    def ideal(self) -> dict | None:
+        """harts at the baseline's time per unit of work, component by component: what the
+        speedup would be if compaction cost nothing beyond the work it removes.
+
+        The unit is a row for linear attention, MoE and "other" (the baseline's semantic rows,
+        harts' compact rows), an LM-head row for the head, and a visible (query, key) pair for
+        attention (a tree's pairs compress less than its rows). Returns {"seconds": ideal harts
+        seconds per component, "ratio": measured / ideal per component, "total_seconds",
+        "fbg_speedup", "of_compression"}; None without a breakdown or baseline work.
+        """
+        b, h = self.baseline, self.harts
+        units = {
+            "linear_attention": (b.rows, h.rows),
+            "moe": (b.rows, h.rows),
+            "other": (b.rows, h.rows),
+            "lm_head": (b.logit_rows, h.logit_rows),
+            "attention": (b.attention_pairs, h.attention_pairs),
+        }
+        if not b.breakdown or not h.breakdown or b.train_seconds <= 0 or b.raw_tokens <= 0:
+            return None
+        seconds, ratio = {}, {}
+        for c in COMPONENTS:
+            base_work, harts_work = units[c]
+            base_s = b.breakdown.get(c, {}).get("total", 0.0)
+            if base_s > 0 and base_work <= 0:
+                return None
+            seconds[c] = base_s * harts_work / base_work if base_work > 0 else 0.0
+            measured = h.breakdown.get(c, {}).get("total", 0.0)
+            ratio[c] = measured / seconds[c] if seconds[c] > 0 else None
+        total = sum(seconds.values())
+        fbg = self._rate(h, total) / max(self._rate(b, b.train_seconds), 1e-12)
+        return {
+            "seconds": {c: round(v, 4) for c, v in seconds.items()},
+            "ratio": {c: None if v is None else round(v, 4) for c, v in ratio.items()},
+            "total_seconds": round(total, 4),
+            "fbg_speedup": round(fbg, 4),
+            "of_compression": round(fbg / max(self.compression, 1e-12), 4),
+        }
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(
             compression=round(self.compression, 4),
             fbg_speedup=round(self.fbg_speedup, 4),
             core_speedup=round(self.core_speedup, 4),
+            ideal=self.ideal(),
         )
         for name in ("baseline", "harts"):
             side = getattr(self, name)

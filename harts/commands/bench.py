@@ -267,6 +267,22 @@ def run(args: argparse.Namespace) -> int:
             rows,
         )
     )
+    labels = {
+        "linear_attention": "lin. attn",
+        "attention": "attention",
+        "moe": "MoE",
+        "lm_head": "LM head",
+        "other": "other",
+    }
+    for r in results:
+        ideal = r.ideal()
+        if ideal is not None:
+            ratios = ", ".join(f"{labels[c]} {v:.2f}" for c, v in ideal["ratio"].items() if v is not None)
+            print(
+                f"step {r.step}: at the baseline's time per unit of work (a row; an LM-head row; an attention "
+                f"pair) harts would take {ideal['total_seconds']:.3f} s: F/B/Grad {ideal['fbg_speedup']:.2f}x = "
+                f"{ideal['of_compression']:.2f}x of compression; measured / that: {ratios}"
+            )
     for r in results:
         if r.optimizer_seconds is not None:
             print(f"step {r.step}: optimizer (AdamW, one step) {r.optimizer_seconds:.3f} s")

@@ -93,7 +93,14 @@ def test_bench_first_step_times_a_later_step_alone(tmp_path, capsys) -> None:
     steps = json.loads(out.read_text())["steps"]
     assert [s["step"] for s in steps] == [1]
     assert steps[0]["raw_tokens"] == generate("tiny", step=1).num_tokens != generate("tiny", step=0).num_tokens
-    capsys.readouterr()
+    assert steps[0]["ideal"]["fbg_speedup"] > 0 and set(steps[0]["ideal"]["ratio"]) == {
+        "linear_attention",
+        "attention",
+        "moe",
+        "lm_head",
+        "other",
+    }
+    assert "at the baseline's time per unit of work" in capsys.readouterr().out
     assert main([*argv, "--first-step", "2"]) == 2
     err = capsys.readouterr().err
     assert "--first-step 2: workload 'tiny' has 2 step(s) here (0 .. 1)" in err and "Traceback" not in err
@@ -177,3 +184,44 @@ def test_device_time_by_region_attributes_each_kernel_to_its_launching_range() -
     assert text.index("linear_attention/recompute") < text.index("moe/forward") < text.index(OUTSIDE_REGIONS)
     assert "idle (wall - busy)                         2.30 ms" in text and "0.50      2  elementwise" in text
     assert region_table({}, [], 1.0, 0.0) == ""
+
+
+def test_ideal_takes_each_component_at_the_baseline_s_cost_per_unit() -> None:
+    """Rows for LA / MoE / other, LM-head rows for the head, pairs for attention."""
+    from harts.bench.step_bench import BenchSide, StepBench
+
+    def side(rows, logit_rows, pairs, raw, times):  # noqa: ANN001, ANN202
+        names = ("linear_attention", "attention", "moe", "lm_head", "other")
+        breakdown = {n: {"total": t} for n, t in zip(names, times)}
+        return BenchSide(
+            microbatches=1,
+            rows=rows,
+            calls=1,
+            replay_rows=0,
+            plan_seconds=0.5,
+            train_seconds=sum(times),
+            peak_memory_gb=None,
+            raw_tokens=raw,
+            logit_rows=logit_rows,
+            attention_pairs=pairs,
+            breakdown=breakdown,
+        )
+
+    base = side(1000, 1000, 10_000, 1000, (10.0, 20.0, 30.0, 5.0, 15.0))  # 80 s
+    harts = side(200, 100, 4_000, 1000, (3.0, 8.0, 6.0, 0.5, 6.0))  # rows 5x, head 10x, pairs 2.5x
+    r = StepBench(step=0, paths=1, raw_tokens=1000, baseline=base, harts=harts)
+    ideal = r.ideal()
+    assert ideal is not None
+    assert ideal["seconds"] == pytest.approx(
+        {"linear_attention": 2.0, "attention": 8.0, "moe": 6.0, "lm_head": 0.5, "other": 3.0}
+    )
+    assert ideal["ratio"] == pytest.approx(
+        {"linear_attention": 1.5, "attention": 1.0, "moe": 1.0, "lm_head": 1.0, "other": 2.0}
+    )
+    assert ideal["total_seconds"] == pytest.approx(19.5)
+    assert ideal["fbg_speedup"] == pytest.approx(80 / 19.5, rel=1e-4)
+    assert ideal["of_compression"] == pytest.approx(80 / 19.5 / 5, rel=1e-4)
+    assert r.to_dict()["ideal"] == ideal
+    no_breakdown = StepBench(step=0, paths=1, raw_tokens=1000, baseline=side(1, 1, 1, 1, (1, 1, 1, 1, 1)), harts=harts)
+    no_breakdown.baseline.breakdown = {}
+    assert no_breakdown.ideal() is None
