@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harts.ops.upload import upload
+
 __all__ = ["RowGatherPlan", "gather_rows", "row_gather_plan"]
 
 
@@ -62,16 +64,12 @@ def row_gather_plan(index: np.ndarray, num_rows: int, device: torch.device) -> R
     is_extra[first] = False
     extra_slots = np.flatnonzero(is_extra)
     unread = np.setdiff1d(np.arange(num_rows, dtype=np.int64), rows, assume_unique=True)
-
-    def up(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
-
     return RowGatherPlan(
-        index=up(index),
-        primary=up(primary),
-        unread=up(unread) if unread.size else None,
-        extra_rows=up(index[extra_slots]) if extra_slots.size else None,
-        extra_slots=up(extra_slots) if extra_slots.size else None,
+        index=upload(index, device),
+        primary=upload(primary, device),
+        unread=upload(unread, device) if unread.size else None,
+        extra_rows=upload(index[extra_slots], device) if extra_slots.size else None,
+        extra_slots=upload(extra_slots, device) if extra_slots.size else None,
         num_rows=num_rows,
     )
 

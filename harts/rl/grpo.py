@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harts.ops.upload import upload
 from harts.tree.batch import RolloutBatch
 
 __all__ = [
@@ -37,7 +38,6 @@ __all__ = [
     "grpo_normalizer",
     "group_advantages",
     "per_logprob",
-    "upload",
     "weighted_entries",
 ]
 
@@ -83,13 +83,6 @@ def action_weight(batch: RolloutBatch) -> np.ndarray:
     """float64 [S - N]: action mask times loss weight, aligned with ``logprobs``."""
     mask = per_logprob(batch, batch.action_mask.astype(np.float64))
     return mask if batch.loss_weights is None else mask * per_logprob(batch, batch.loss_weights)
-
-
-def upload(a: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Host array -> tensor on ``device`` (converted to ``dtype`` on the host), without waiting
-    for the device: a synchronous host-to-device copy (``torch.as_tensor(a, device=cuda)``) first
-    drains the stream, so the host stops running ahead of the GPU in the middle of a step."""
-    return torch.as_tensor(a, dtype=dtype).to(device, non_blocking=True)
 
 
 def weighted_entries(weight: np.ndarray) -> np.ndarray:

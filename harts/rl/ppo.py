@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from harts.rl.grpo import GRPOOutput, action_weight, per_logprob, upload, weighted_entries
+from harts.ops.upload import upload
+from harts.rl.grpo import GRPOOutput, action_weight, per_logprob, weighted_entries
 from harts.tree.batch import RolloutBatch
 
 __all__ = ["ppo_policy_loss"]

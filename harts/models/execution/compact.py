@@ -30,14 +30,14 @@ import torch
 from harts.models.execution.base import RowContext
 from harts.ops.conv import ConvRuns, conv_uses_fla
 from harts.ops.row_gather import gather_rows, row_gather_plan
+from harts.ops.upload import upload
 
 __all__ = ["CompactContext", "RoundTensors"]
 
 
 def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """int64 index array on ``device``, uploaded without waiting for the device (the pageable
-    source is staged before the call returns, so a non-blocking copy is safe)."""
-    return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64).to(device, non_blocking=True)
+    """int64 index array on ``device``, uploaded without waiting for the device."""
+    return upload(a, device, torch.int64)
 
 
 def _host(a: np.ndarray) -> torch.Tensor:
@@ -51,8 +51,8 @@ class RoundTensors:
 
     num_la_rows: int  # T_r: the round's input rows (gathered for all rounds at once)
     cu_seqlens: torch.Tensor  # host (CPU) tensor: the op plans from it without a device sync
-    out_pos: torch.Tensor  # positions within la_rows that produce output
-    out_rows: torch.Tensor
+    out_pos: torch.Tensor | None  # positions within la_rows that produce output; None: all do
+    out_rows: np.ndarray  # host: read only when the rounds are not in physical order
     init_state: np.ndarray
     requests: torch.Tensor | None  # host (CPU) tensor, like cu_seqlens
     request_ids: np.ndarray
@@ -84,14 +84,9 @@ class CompactContext(RowContext):
         self.rounds = [self._round(r) for r in layout.rounds]
         # the planner lays rounds out in physical order (each round's output rows one range,
         # the ranges consecutive): the output is then the rounds' outputs concatenated
-        self.outputs_in_order = bool(
-            np.array_equal(
-                np.concatenate(
-                    [np.asarray(r.out_rows, dtype=np.int64) for r in layout.rounds] or [np.zeros(0, np.int64)]
-                ),
-                np.arange(self.num_rows),
-            )
-        )
+        self._out_rows = np.concatenate([r.out_rows for r in self.rounds] or [np.zeros(0, np.int64)])
+        self.outputs_in_order = bool(np.array_equal(self._out_rows, np.arange(self.num_rows)))
+        self._out_rows_dev: torch.Tensor | None = None  # uploaded on first use (rounds out of order only)
         self._la_gather = row_gather_plan(
             np.concatenate([np.asarray(r.la_rows, dtype=np.int64) for r in layout.rounds] or [np.zeros(0, np.int64)]),
             self.num_rows,
@@ -109,8 +104,8 @@ class CompactContext(RowContext):
         return RoundTensors(
             num_la_rows=int(np.asarray(r.la_rows).shape[0]),
             cu_seqlens=_host(r.cu_seqlens),
-            out_pos=_t(np.flatnonzero(is_output), self.device),
-            out_rows=_t(r.out_rows, self.device),
+            out_pos=None if is_output.all() else _t(np.flatnonzero(is_output), self.device),
+            out_rows=np.asarray(r.out_rows, dtype=np.int64),
             init_state=np.asarray(r.init_state, dtype=np.int64),
             requests=_host(requests) if requests.shape[0] else None,
             request_ids=np.asarray(r.request_ids, dtype=np.int64),
@@ -143,7 +138,7 @@ class CompactContext(RowContext):
     def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
         h, kd, vd = q_THK.shape[1], q_THK.shape[2], v_THV.shape[2]
         states: list[torch.Tensor | None] = [None] * self.num_boundary_states
-        out_rows, out_vals = [], []
+        out_vals = []
         # every round's input rows in one gather per input (harts.ops.row_gather: one
         # deterministic backward instead of a [P, ...] zero fill, scatter and add per round)
         sizes = [r.num_la_rows for r in self.rounds]
@@ -169,12 +164,13 @@ class CompactContext(RowContext):
             )
             for j, sid in enumerate(r.request_ids.tolist()):
                 states[sid] = req[j]
-            out_rows.append(r.out_rows)
-            out_vals.append(o if r.num_replay == 0 else o[r.out_pos])  # no replay: every position is output
+            out_vals.append(o if r.out_pos is None else o[r.out_pos])
         if self.outputs_in_order:
             return torch.cat(out_vals) if out_vals else v_THV.new_zeros(0, h, vd)
         out = v_THV.new_zeros(self.num_rows, h, vd)
-        return out.index_copy(0, torch.cat(out_rows), torch.cat(out_vals))
+        if self._out_rows_dev is None:
+            self._out_rows_dev = _t(self._out_rows, self.device)
+        return out.index_copy(0, self._out_rows_dev, torch.cat(out_vals))
 
     def _attn_index(self, name: str) -> torch.Tensor:
         if name not in self._attn:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from harts.ops.fla_index import fla_chunk_indices
+from harts.ops.upload import upload
 
 #: rows per chunk of fla-core's causal_conv1d (its Triton path always uses its default, 64)
 FLA_CONV_CHUNK = 64
@@ -67,15 +68,11 @@ class ConvRuns:
         if key not in self._device:
             cu_host = torch.as_tensor(self.cu_seqlens, dtype=torch.int64)
             _, chunks = fla_chunk_indices(np.diff(self.cu_seqlens), FLA_CONV_CHUNK)
-
-            def up(a: np.ndarray) -> torch.Tensor:
-                return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
-
             rows = zero = None
             if self.state_rows is not None:
-                rows = up(np.maximum(self.state_rows, 0))
-                zero = up((self.state_rows < 0)[..., None]) if (self.state_rows < 0).any() else None
-            self._device[key] = DeviceRuns(up(self.cu_seqlens), cu_host, up(chunks), rows, zero)
+                rows = upload(np.maximum(self.state_rows, 0), device)
+                zero = upload((self.state_rows < 0)[..., None], device) if (self.state_rows < 0).any() else None
+            self._device[key] = DeviceRuns(upload(self.cu_seqlens, device), cu_host, upload(chunks, device), rows, zero)
         return self._device[key]  # type: ignore[no-any-return]
 
 

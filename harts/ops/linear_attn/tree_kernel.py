@@ -39,6 +39,7 @@ import torch
 
 from harts.ops.fla_index import fla_chunk_indices
 from harts.ops.linear_attn.utils import check_linear_attn_inputs
+from harts.ops.upload import upload
 
 __all__ = ["StateIO", "plan_state_io", "tree_chunk_linear_attn"]
 
@@ -131,19 +132,14 @@ def _device_meta(
         return hit
     io = plan_state_io(lengths, requests, chunk_size)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-
-    def up(a: np.ndarray) -> torch.Tensor:
-        # non_blocking: a synchronous upload would first wait for the device's queue
-        return torch.as_tensor(np.ascontiguousarray(a)).to(device, non_blocking=True)
-
     meta = _DeviceMeta(
         io=io,
-        cu_seqlens=up(cu),
-        chunk_offsets=up(io.chunk_offsets),
-        chunk_indices=up(io.chunk_indices),
-        export_index=up(io.export_index),
-        inject_index=up(io.inject_index),
-        source=up(io.source),
+        cu_seqlens=upload(cu, device),
+        chunk_offsets=upload(io.chunk_offsets, device),
+        chunk_indices=upload(io.chunk_indices, device),
+        export_index=upload(io.export_index, device),
+        inject_index=upload(io.inject_index, device),
+        source=upload(io.source, device),
     )
     _META_CACHE[key] = meta
     if len(_META_CACHE) > _META_CACHE_SIZE:
