@@ -129,7 +129,7 @@ def grpo_loss(
     dev, dt = logprobs.device, logprobs.dtype
     weight_np = action_weight(batch)
     sel = weighted_entries(weight_np)
-    sel_t = torch.as_tensor(sel).to(dev, non_blocking=True)
+    sel_t = upload(sel, dev)
 
     def meta(a: np.ndarray) -> torch.Tensor:
         return upload(per_logprob(batch, a)[sel], dev, dt)

@@ -45,7 +45,7 @@ def ppo_policy_loss(
         return upload(per_logprob(batch, a)[sel], dev, dt)
 
     # the weighted entries only: the others may be NaN (never computed) and never enter the loss
-    lp = logprobs.index_select(0, torch.as_tensor(sel).to(dev, non_blocking=True))
+    lp = logprobs.index_select(0, upload(sel, dev))
     weight = upload(weight_np[sel], dev, dt)
     adv = meta(batch.advantages)
     ratio = torch.exp(lp - meta(batch.old_logprobs))

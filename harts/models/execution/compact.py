@@ -80,7 +80,7 @@ class CompactContext(RowContext):
         self.num_rows = int(layout.num_rows)
         self.chunk_size = int(layout.chunk_size)
         self.position = _t(layout.position, device)
-        self.row_weight = torch.as_tensor(layout.multiplicity, dtype=torch.float64).to(device, non_blocking=True)
+        self.row_weight = upload(layout.multiplicity, device, torch.float64)
         self.rounds = [self._round(r) for r in layout.rounds]
         # the planner lays rounds out in physical order (each round's output rows one range,
         # the ranges consecutive): the output is then the rounds' outputs concatenated

@@ -19,6 +19,7 @@ import torch
 
 from harts.models.execution.base import RowContext
 from harts.ops.conv import conv_runs_from_offsets, conv_uses_fla
+from harts.ops.upload import upload
 from harts.tree.batch import RolloutBatch
 
 __all__ = ["TrajectoryContext"]
@@ -39,10 +40,10 @@ class TrajectoryContext(RowContext):
         offsets = batch.offsets
         self.num_rows = batch.num_tokens
         self.chunk_size = chunk_size
-        self.cu_seqlens = torch.as_tensor(offsets, dtype=torch.int64).to(device, non_blocking=True)
+        self.cu_seqlens = upload(offsets, device, torch.int64)
         self.cu_seqlens_host = torch.as_tensor(offsets, dtype=torch.int64)  # for the LA op: no device sync
         pos = np.arange(batch.num_tokens) - np.repeat(offsets[:-1], batch.lengths)
-        self.position = torch.as_tensor(pos, dtype=torch.int64).to(device, non_blocking=True)
+        self.position = upload(pos, device, torch.int64)
         self.row_weight = torch.ones(batch.num_tokens, dtype=torch.float64, device=device)
         self.conv_fla = conv_uses_fla(la_backend, device)
         self.conv_runs = conv_runs_from_offsets(offsets) if self.conv_fla else None
@@ -55,7 +56,7 @@ class TrajectoryContext(RowContext):
             self.chain_pre_host = np.arange(batch.num_tokens, dtype=np.int64)
             self.chain_end_host = np.repeat(offsets[1:], batch.lengths).astype(np.int64)
             self.chain_pre = torch.arange(batch.num_tokens, dtype=torch.int64, device=device)
-            self.chain_end = torch.as_tensor(self.chain_end_host).to(device, non_blocking=True)
+            self.chain_end = upload(self.chain_end_host, device)
 
     def short_conv(self, x_TD, weight_DW, bias_D, activation):  # type: ignore[override]
         from harts.ops.conv import causal_conv1d_varlen, runs_causal_conv1d

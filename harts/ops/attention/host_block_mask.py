@@ -40,6 +40,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from harts.ops.upload import upload
+
 __all__ = ["block_lists", "host_block_mask", "tree_block_classes"]
 
 _DEFAULT_BLOCK = 128  # torch's _DEFAULT_SPARSE_BLOCK_SIZE
@@ -199,7 +201,7 @@ def host_block_mask(
 
     partial, full = tree_block_classes(tree_pre, tree_end, block_size)
     lists = [*block_lists(partial), *block_lists(full), *block_lists(partial.T), *block_lists(full.T)]
-    up = [torch.from_numpy(x[None, None]).to(device, non_blocking=True) for x in lists]
+    up = [upload(x[None, None], device) for x in lists]
     P = len(tree_pre)
     return BlockMask(
         seq_lengths=(P, P),

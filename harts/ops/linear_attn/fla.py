@@ -35,6 +35,7 @@ import torch
 
 from harts.ops.linear_attn.chunk import chunk_linear_attn
 from harts.ops.linear_attn.utils import LinearAttnSpec, check_linear_attn_inputs
+from harts.ops.upload import upload
 
 __all__ = ["fla_chunk_linear_attn", "fla_available"]
 
@@ -168,7 +169,7 @@ def fla_chunk_linear_attn(
 
     if out_pieces:
         # every row is in exactly one piece: sorting the pieces' rows restores packed order
-        order = torch.from_numpy(np.argsort(np.concatenate(out_rows), kind="stable")).to(dev, non_blocking=True)
+        order = upload(np.argsort(np.concatenate(out_rows), kind="stable"), dev)
         o = torch.cat(out_pieces)[order]
     else:
         o = v.new_zeros(0, spec.H, spec.V)
@@ -195,8 +196,7 @@ def _fla_call(
     # index arrays built on the host and uploaded once, without waiting for the device
     rows_np = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans])
     cu_np = np.concatenate([[0], np.cumsum([b - a for a, b in spans])]).astype(np.int64)
-    rows = torch.from_numpy(rows_np).to(dev, non_blocking=True)
-    cu = torch.from_numpy(cu_np).to(dev, non_blocking=True)
+    rows, cu = upload(rows_np, dev), upload(cu_np, dev)
     args = [x[rows].unsqueeze(0).contiguous() for x in (q, k, v, g, beta)]
     if spec.scalar_decay:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from harts.ops.compiled import cuda_compiled
+from harts.ops.upload import upload
 
 __all__ = ["KEEP_PROBS_MEMORY_FRACTION", "mapped_logprobs"]
 
@@ -153,8 +154,7 @@ class _IndexPlan:
         self.pair_bounds: list[int] = np.searchsorted(pair_row, bounds).tolist()
         self.num_pairs = int(pairs.size)
         self.uniq, self.inv, self.order, self.pair_inv, self.pair_row, self.pair_target = (
-            torch.from_numpy(np.ascontiguousarray(t, dtype=np.int64)).to(device, non_blocking=True)
-            for t in (uniq, inv, order, pair_inv, pair_row, pair_target)
+            upload(t, device, torch.int64) for t in (uniq, inv, order, pair_inv, pair_row, pair_target)
         )
 
 
