@@ -48,6 +48,9 @@ def assert_user_error(capsys, *argv, match: str) -> str:
         (["stats", "--workload", "tiny", "--chunk-size", "0"], "argument --chunk-size: must be a positive integer"),
         (["plan", "--workload", "tiny", "--dp", "0"], "argument --dp: must be a positive integer"),
         (["compare", "--threads", "-2"], "argument --threads: must be a non-negative integer"),
+        (["compare", "--recompute", "--recompute-skip", "moe"], "--recompute-skip: recompute_skip: unknown core 'moe'"),
+        (["bench", "--recompute-skip", "attention"], "needs recompute=True"),
+        ([*TRAIN_FAST, "--recompute", "--recompute-skip", "attention,attention"], "names a core twice"),
     ],
 )
 def test_bad_option_values_name_the_option(capsys, argv, match):

@@ -51,7 +51,15 @@ from harts.plan.step import plan_step
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 
-__all__ = ["BenchSide", "StepBench", "bench_step", "device_busy_seconds", "device_time_by_region", "region_table"]
+__all__ = [
+    "BenchSide",
+    "StepBench",
+    "bench_step",
+    "device_busy_seconds",
+    "device_time_by_region",
+    "kernels_by_region",
+    "region_table",
+]
 
 #: breakdown components: the model's regions, plus "other layers" (the rest of forward/backward)
 COMPONENTS = ("linear_attention", "attention", "moe", "lm_head", "other")
@@ -87,6 +95,20 @@ class BenchSide:
     #: seconds per component and phase: {component: {forward, backward, recompute}}; "other"
     #: is the timed step minus the regions
     breakdown: dict = field(default_factory=dict)
+    #: per timed microbatch, in order: its seconds (device events on CUDA: the time from its
+    #: first launch to the next one's, so host gaps count) and its rows (as ``rows``)
+    microbatch_seconds: list[float] = field(default_factory=list)
+    microbatch_rows: list[int] = field(default_factory=list)
+
+    def microbatch_fit(self) -> dict[str, float] | None:
+        """Least-squares ``seconds = fixed + per_row * rows`` over the timed microbatches (None with
+        fewer than 3 or all of one size): what a microbatch costs beyond its rows."""
+        x = np.asarray(self.microbatch_rows, dtype=float)
+        y = np.asarray(self.microbatch_seconds, dtype=float)
+        if x.size < 3 or x.size != y.size or np.ptp(x) == 0:
+            return None
+        per_row, fixed = np.polyfit(x, y, 1)
+        return {"fixed_seconds": float(fixed), "seconds_per_1k_rows": float(per_row * 1e3)}
 
     @property
     def rows_per_second(self) -> float:
@@ -195,6 +217,7 @@ class StepBench:
                 raw_tokens_per_second=round(side.raw_tokens_per_second, 1),
                 tflops=round(side.tflops, 3),
                 mfu=None if mfu is None else round(mfu, 4),
+                microbatch_fit=side.microbatch_fit(),
             )
         return d
 
@@ -285,20 +308,25 @@ def _run_side(
         progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches") if progress else None
     )
     graphs_before = _compiled_graphs()
+    marks, mb_rows = [], []
     with regions.RegionTimer(device) as timer:
         t0 = time.perf_counter()
         to_timed = None if clock_origin is None else round(t0 - clock_origin, 3)
         for sub, inputs in prepared:
+            marks.append(_mark(device))
             info = one(sub, inputs)
-            rows += int(info.get("compact_rows", info["rows"]))
+            mb_rows.append(int(info.get("compact_rows", info["rows"])))
+            rows += mb_rows[-1]
             calls += int(info["calls"])
             replay += int(info["replay_rows"])
             if bar is not None:
                 bar.update(1)
+        marks.append(_mark(device))
         _sync(device)
         seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
+    mb_seconds = [_between(a, b) for a, b in zip(marks, marks[1:])]
     breakdown = timer.totals()
     in_regions = sum(sum(v.values()) for v in breakdown.values())
     breakdown["other"] = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "total": max(seconds - in_regions, 0.0)}
@@ -330,7 +358,23 @@ def _run_side(
         compiles_in_timed_step=_compiled_graphs() - graphs_before,
         seconds_to_timed=to_timed,
         breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()},
+        microbatch_seconds=[round(x, 5) for x in mb_seconds],
+        microbatch_rows=mb_rows,
     )
+
+
+def _mark(device: torch.device) -> object:
+    """A point in the device's stream order (a CUDA event) or, on CPU, in host time."""
+    if device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _between(a: Any, b: Any) -> float:
+    """Seconds between two ``_mark``s (after the device has synchronized)."""
+    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
 
 def _compiled_graphs() -> int:
@@ -364,21 +408,30 @@ def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN00
         events = json.load(f).get("traceEvents", [])
     busy, kernels = device_busy_seconds(events)
     by_region, outside = device_time_by_region(events)
+    per_region = kernels_by_region(events)
     keys = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
     with open(os.path.splitext(path)[0] + ".txt", "w") as f:
         f.write(
             f"microbatch wall {wall * 1e3:.1f} ms under the profiler; device busy {busy * 1e3:.1f} ms "
             f"({busy / wall:.0%}); {kernels} kernels and copies\n"
         )
-        f.write(region_table(by_region, outside, wall, busy))
+        f.write(region_table(by_region, outside, wall, busy, per_region))
         for key in keys:
             f.write(f"\nsorted by {key}:\n")
             f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
 
 
-def region_table(by_region: dict[str, float], outside: list[tuple[str, float, int]], wall: float, busy: float) -> str:
+def region_table(
+    by_region: dict[str, float],
+    outside: list[tuple[str, float, int]],
+    wall: float,
+    busy: float,
+    per_region: dict[str, list[tuple[str, float, int]]] | None = None,
+) -> str:
     """``device_time_by_region``'s result as text: regions by device time, the idle time, then the
-    25 kernels with the most time outside every region. Empty without device work."""
+    25 kernels with the most time outside every region; with ``per_region``
+    (``kernels_by_region``) also the 8 largest kernels of every region holding at least 2% of
+    the device time. Empty without device work."""
     if not by_region:
         return ""
     lines = ["", "device time by region (each kernel in the region open on the thread that launched it):"]
@@ -386,6 +439,12 @@ def region_table(by_region: dict[str, float], outside: list[tuple[str, float, in
     lines.append(f"  {'idle (wall - busy)':<36} {(wall - busy) * 1e3:10.2f} ms")
     lines += ["", "top kernels launched outside every region (ms, launches):"]
     lines += [f"  {sec * 1e3:9.2f} {n:6d}  {name[:110]}" for name, sec, n in outside[:25]]
+    total = sum(by_region.values())
+    for label, sec in sorted(by_region.items(), key=lambda kv: -kv[1]):
+        if per_region is None or label == OUTSIDE_REGIONS or sec < 0.02 * total:
+            continue
+        lines += ["", f"top kernels of {label} ({sec * 1e3:.2f} ms; ms, launches):"]
+        lines += [f"  {t * 1e3:9.2f} {n:6d}  {name[:110]}" for name, t, n in per_region.get(label, [])[:8]]
     return "\n".join(lines) + "\n"
 
 
@@ -408,6 +467,28 @@ def device_time_by_region(trace_events: list[dict]) -> tuple[dict[str, float], l
         ({"<region>/<phase>" or OUTSIDE_REGIONS: seconds}, [(kernel name, seconds, count)] of the
         work attributed to OUTSIDE_REGIONS, largest first). Both empty without device events.
     """
+    by_region: dict[str, float] = {}
+    for label, _, sec in _attributed_work(trace_events):
+        by_region[label] = by_region.get(label, 0.0) + sec
+    return by_region, kernels_by_region(trace_events).get(OUTSIDE_REGIONS, [])
+
+
+def kernels_by_region(trace_events: list[dict]) -> dict[str, list[tuple[str, float, int]]]:
+    """``{label: [(kernel name, seconds, count)], largest first}`` for every label of
+    ``device_time_by_region`` (the same attribution): which kernels make up each region's time."""
+    tally: dict[str, dict[str, list]] = {}
+    for label, name, sec in _attributed_work(trace_events):
+        acc = tally.setdefault(label, {}).setdefault(name, [0.0, 0])
+        acc[0] += sec
+        acc[1] += 1
+    return {
+        label: sorted(((n, t, c) for n, (t, c) in names.items()), key=lambda x: -x[1]) for label, names in tally.items()
+    }
+
+
+def _attributed_work(trace_events: list[dict]) -> list[tuple[str, str, float]]:
+    """[(label, kernel name, seconds)] of every kernel, copy and memset in the trace
+    (``device_time_by_region`` says how a label is chosen)."""
     prefix = regions.ANNOTATION_PREFIX
     spans: dict[Any, list[tuple[float, float, str]]] = {}
     launches: dict[Any, tuple[Any, float]] = {}
@@ -424,8 +505,7 @@ def device_time_by_region(trace_events: list[dict]) -> tuple[dict[str, float], l
     for v in spans.values():
         v.sort()
     starts = {tid: np.array([a for a, _, _ in v]) for tid, v in spans.items()}
-    by_region: dict[str, float] = {}
-    outside: dict[str, list] = {}
+    out = []
     for corr, name, sec in work:
         label = OUTSIDE_REGIONS
         tid, ts = launches.get(corr, (None, 0.0))
@@ -436,13 +516,8 @@ def device_time_by_region(trace_events: list[dict]) -> tuple[dict[str, float], l
                 j -= 1
             if j >= 0:
                 label = spans[tid][j][2]
-        by_region[label] = by_region.get(label, 0.0) + sec
-        if label == OUTSIDE_REGIONS:
-            acc = outside.setdefault(name, [0.0, 0])
-            acc[0] += sec
-            acc[1] += 1
-    top = sorted(((n, s, c) for n, (s, c) in outside.items()), key=lambda t: -t[1])
-    return by_region, top
+        out.append((label, name, sec))
+    return out
 
 
 def device_busy_seconds(trace_events: list[dict]) -> tuple[float, int]:

@@ -127,12 +127,38 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
     """``--recompute`` and ``--attention`` (fields of ``ExecutionConfig``) for model-running commands."""
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
     p.add_argument(
+        "--recompute-skip",
+        type=_names,
+        default=(),
+        metavar="CORES",
+        help="with --recompute: cores not rerun in the backward, their forward kept instead "
+        "(comma-separated: attention, linear_attention; more memory, less time)",
+    )
+    p.add_argument(
         "--attention",
         default="auto",
         choices=["auto", "gather", "mask"],
         help="full attention: one call per branch (gather), one FlexAttention call over "
         "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
     )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """argparse type: a comma-separated list of names (checked where they are used)."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def recompute_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """``recompute`` and ``recompute_skip`` of ``ExecutionConfig`` from ``--recompute`` and
+    ``--recompute-skip``; UserError names a bad core or a skip without ``--recompute``."""
+    from harts.models.execution.config import check_recompute_skip
+
+    skip = tuple(getattr(args, "recompute_skip", ()))
+    try:
+        check_recompute_skip(skip, args.recompute)
+    except ValueError as err:
+        raise UserError(f"--recompute-skip: {err}") from None
+    return {"recompute": args.recompute, "recompute_skip": skip}
 
 
 def add_logprobs_argument(p: argparse.ArgumentParser, *, default: str, why: str) -> None:

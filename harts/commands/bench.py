@@ -22,6 +22,7 @@ from harts.commands._inputs import (
     nonneg_int,
     positive_float,
     positive_int,
+    recompute_fields,
 )
 
 TYPED_ERRORS = True
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
     check_output_file(args.json_out, "--json", args.overwrite)
     check_output_dir(args.profile, "--profile", args.overwrite)
+    recompute = recompute_fields(args)
     # every step is read and checked before the first one runs
     sources = step_sources(args.workload, None if args.steps is None else args.first_step + args.steps, args.seed)
     if args.first_step >= len(sources):
@@ -124,12 +126,12 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
         f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
-        f"recompute {'on' if args.recompute else 'off'}; log-probs {args.logprobs}; dp {args.dp}, replica {args.replica}; "
+        f"recompute {_recompute_words(recompute)}; log-probs {args.logprobs}; dp {args.dp}, replica {args.replica}; "
         f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}",
         flush=True,
     )
     execution = ExecutionConfig(
-        recompute=args.recompute,
+        **recompute,
         attention=args.attention,
         linear_attention_backend=args.la_backend,
         logprob_positions=args.logprobs,
@@ -284,6 +286,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{ideal['of_compression']:.2f}x of compression; measured / that: {ratios}"
             )
     for r in results:
+        for name in ("baseline", "harts"):
+            side = getattr(r, name)
+            print(f"step {r.step}: {name} {_microbatch_words(side)}")
         if r.optimizer_seconds is not None:
             print(f"step {r.step}: optimizer (AdamW, one step) {r.optimizer_seconds:.3f} s")
         if r.dp > 1:
@@ -310,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
                 "dtype": args.dtype,
                 "capacity": args.capacity,
                 "recompute": args.recompute,
+                "recompute_skip": list(recompute["recompute_skip"]),
                 "attention": args.attention,
                 "la_backend": args.la_backend,
                 "logprobs": args.logprobs,
@@ -321,3 +327,28 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _recompute_words(fields: dict) -> str:
+    """The run header's recompute setting: off, on, or on with the kept cores named."""
+    if not fields["recompute"]:
+        return "off"
+    skip = fields["recompute_skip"]
+    return f"on ({', '.join(skip)} kept)" if skip else "on"
+
+
+def _microbatch_words(side) -> str:  # noqa: ANN001 - a harts.bench.step_bench.BenchSide
+    """Spread of the timed microbatches' seconds and rows, and the fixed / per-row cost fit."""
+    import numpy as np
+
+    sec, rows = np.asarray(side.microbatch_seconds), np.asarray(side.microbatch_rows)
+    if sec.size == 0:
+        return "no timed microbatches"
+    text = (
+        f"{sec.size} microbatches, seconds min / median / max {sec.min():.3f} / {np.median(sec):.3f} / {sec.max():.3f}, "
+        f"rows {rows.min():,} / {int(np.median(rows)):,} / {rows.max():,}"
+    )
+    fit = side.microbatch_fit()
+    if fit is not None:
+        text += f"; fit: {fit['fixed_seconds']:.3f} s + {fit['seconds_per_1k_rows'] * 1e3:.2f} ms per 1k rows"
+    return text

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from harts.commands._inputs import add_execution_arguments, add_output_arguments, nonneg_int, seed_int
+from harts.commands._inputs import add_execution_arguments, add_output_arguments, nonneg_int, recompute_fields, seed_int
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     bar = progress(1 + 2 * per_mode, "compare", "phase")
     bar.set_postfix_str("prepare compact", refresh=False)
     execution = ExecutionConfig(
-        recompute=args.recompute,
+        **recompute_fields(args),
         attention=args.attention,
         no_replay=args.no_replay,
         linear_attention_backend=args.la_backend,

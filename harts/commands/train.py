@@ -50,6 +50,7 @@ from harts.commands._inputs import (
     nonneg_float,
     positive_float,
     positive_int,
+    recompute_fields,
 )
 from harts.commands._runs import Interrupted, Signals, check_run_dir
 
@@ -183,6 +184,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     from harts.parallel.parallelize import parallelize
     from harts.rl.train import TrainConfig, train_step
 
+    recompute = recompute_fields(args)  # a bad --recompute-skip fails before any work
     args.device = setup_process_group(args.device)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
@@ -240,7 +242,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             parallel = init_parallel(parallel_cfg, args.device, moe_experts(model))
             execution = ExecutionConfig(
                 mode=args.mode,
-                recompute=args.recompute,
+                **recompute,
                 attention=args.attention,
                 linear_attention_backend=args.la_backend,
                 # chunked log-probs in both modes: the baseline's plain log_softmax would hold

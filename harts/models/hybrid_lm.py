@@ -244,10 +244,14 @@ class HybridLM(nn.Module):
             raise ValueError(f"mode must be 'trajectory' or 'compact', got {mode!r}")
         info["recompute"] = recompute
 
+        info["recompute_skip"] = list(cfg.recompute_skip)
+        checkpointing = recompute and torch.is_grad_enabled()
+        ctx.recompute_skip = cfg.recompute_skip if checkpointing else ()
+
         h = self.embed_tokens(tokens)
         z_losses, aux_losses, counts = [], [], []
         for layer in self.layers:
-            if recompute and torch.is_grad_enabled():
+            if checkpointing:
                 outs = checkpoint(layer, h, ctx, use_reentrant=False)
             else:
                 outs = layer(h, ctx)

@@ -23,6 +23,27 @@ def test_bench_step_counts():
     assert set(r.to_dict()) >= {"fbg_speedup", "core_speedup", "compression"}
     # the benchmark leaves no gradients behind
     assert all(p.grad is None for p in model.parameters())
+    # per microbatch: seconds and rows, adding up to the side's
+    small = bench_step(model, batch, capacity=400, warmup=False)
+    for side in (small.baseline, small.harts):
+        assert len(side.microbatch_seconds) == len(side.microbatch_rows) == side.microbatches
+        assert sum(side.microbatch_rows) == side.rows
+        assert 0 < sum(side.microbatch_seconds) <= side.train_seconds + 1e-3  # train_seconds: 4 decimals
+    assert small.baseline.microbatches >= 3
+
+
+def test_microbatch_fit_recovers_fixed_and_per_row_cost() -> None:
+    from harts.bench.step_bench import BenchSide
+
+    side = BenchSide(
+        microbatches=4, rows=0, calls=0, replay_rows=0, plan_seconds=0, train_seconds=1, peak_memory_gb=None
+    )
+    side.microbatch_rows = [1000, 2000, 4000, 3000]
+    side.microbatch_seconds = [0.05 + 2e-5 * r for r in side.microbatch_rows]
+    fit = side.microbatch_fit()
+    assert fit == {"fixed_seconds": pytest.approx(0.05), "seconds_per_1k_rows": pytest.approx(0.02)}
+    side.microbatch_rows = [1000] * 4
+    assert side.microbatch_fit() is None  # one size: no slope
 
 
 def test_bench_profile_writes_trace_and_operator_table(tmp_path) -> None:
@@ -127,7 +148,7 @@ def test_bench_reports_the_cold_start(tmp_path, capsys) -> None:
 def test_device_time_by_region_attributes_each_kernel_to_its_launching_range() -> None:
     """Synthetic trace: two threads (forward and autograd), nested ranges, a kernel launched
     outside every range, one whose launch is unknown; idle time counts nowhere."""
-    from harts.bench.step_bench import OUTSIDE_REGIONS, device_time_by_region, region_table
+    from harts.bench.step_bench import OUTSIDE_REGIONS, device_time_by_region, kernels_by_region, region_table
 
     def span(tid: int, ts: float, dur: float, name: str) -> dict:
         return {"ph": "X", "cat": "user_annotation", "name": f"harts/{name}", "tid": tid, "ts": ts, "dur": dur}
@@ -184,6 +205,12 @@ def test_device_time_by_region_attributes_each_kernel_to_its_launching_range() -
     assert text.index("linear_attention/recompute") < text.index("moe/forward") < text.index(OUTSIDE_REGIONS)
     assert "idle (wall - busy)                         2.30 ms" in text and "0.50      2  elementwise" in text
     assert region_table({}, [], 1.0, 0.0) == ""
+    per = kernels_by_region(events)
+    assert per["moe/forward"] == [("gemm", pytest.approx(1e-3), 1), ("triton_moe", pytest.approx(5e-4), 1)]
+    assert per[OUTSIDE_REGIONS] == outside
+    text = region_table(by_region, outside, wall=0.01, busy=0.0077, per_region=per)
+    assert "top kernels of linear_attention/recompute (4.00 ms; ms, launches):\n       4.00      1  chunk_kda" in text
+    assert "top kernels of moe/backward" not in text  # 1.2% of the device time: below 2%
 
 
 def test_ideal_takes_each_component_at_the_baseline_s_cost_per_unit() -> None:

@@ -33,6 +33,15 @@ class RowContext:
     row_weight: torch.Tensor
     #: linear-attention chunk size B
     chunk_size: int
+    #: cores whose forward survives recomputation (``harts.models.recompute``); set by
+    #: ``HybridLM.forward`` while recomputation is on
+    recompute_skip: tuple[str, ...] = ()
+
+    @property
+    def kept_cores(self) -> dict:
+        """``{(id(module), region): (detached output, requires_grad)}`` of skipped cores, from the
+        forward until checkpoint's recomputation takes them (``harts.models.recompute.run_core``)."""
+        return self.__dict__.setdefault("_kept_cores", {})
 
     def rope(self, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, rotary_dim]`` for ``position``, computed once per (dim, theta, dtype)."""

@@ -15,11 +15,21 @@ from typing import Any
 
 from harts.ops.linear_attn.dispatch import LINEAR_ATTN_BACKENDS
 
-__all__ = ["ATTENTION_IMPLS", "LOGPROB_POSITIONS", "MODES", "ExecutionConfig"]
+__all__ = [
+    "ATTENTION_IMPLS",
+    "LOGPROB_POSITIONS",
+    "MODES",
+    "SKIPPABLE_CORES",
+    "ExecutionConfig",
+    "check_recompute_skip",
+]
 
 MODES = ("compact", "trajectory")
 LOGPROB_POSITIONS = ("all", "actions")
 ATTENTION_IMPLS = ("auto", "gather", "mask")
+#: cores that ``ExecutionConfig.recompute_skip`` may name (region names of ``harts.models.regions``;
+#: ``harts.models.recompute`` runs them)
+SKIPPABLE_CORES = ("attention", "linear_attention")
 #: FlexAttention (torch 2.11) lowers on CUDA only for query/key/value head dims of at least 16
 FLEX_MIN_HEAD_DIM = 16
 
@@ -38,6 +48,9 @@ class ExecutionConfig:
     attention: str = "auto"
     #: recompute every layer in the backward pass (activation checkpointing)
     recompute: bool = False
+    #: with ``recompute``: cores not rerun in the backward, their forward outputs and saved
+    #: tensors kept instead (``harts.models.recompute``): "attention" and / or "linear_attention"
+    recompute_skip: tuple[str, ...] = ()
     #: linear-attention core, one of ``LINEAR_ATTN_BACKENDS`` ("reference": torch, any device)
     linear_attention_backend: str = "reference"
     #: ablation: side branches start from the fork's exact state instead of replaying from the
@@ -65,6 +78,7 @@ class ExecutionConfig:
             raise ValueError(
                 f"linear-attention backend must be one of {LINEAR_ATTN_BACKENDS}, got {self.linear_attention_backend!r}"
             )
+        check_recompute_skip(self.recompute_skip, self.recompute)
         if self.logprob_positions not in LOGPROB_POSITIONS:
             raise ValueError(f"logprob_positions must be 'all' or 'actions', got {self.logprob_positions!r}")
 
@@ -94,3 +108,17 @@ class ExecutionConfig:
         # one FlexAttention call per layer on CUDA (launch-bound otherwise); per-branch dense
         # calls on CPU, where the dense tree mask costs more than the loop
         return "mask" if device_type == "cuda" and flex_ok else "gather"
+
+
+def check_recompute_skip(skip: tuple[str, ...], recompute: bool) -> None:
+    """Raise ValueError naming the offending entry unless ``skip`` lists distinct
+    ``SKIPPABLE_CORES`` and recompute is on (without recomputation nothing is rerun)."""
+    if isinstance(skip, str):
+        raise ValueError(f"recompute_skip must be a tuple of core names, got the string {skip!r}")
+    for name in skip:
+        if name not in SKIPPABLE_CORES:
+            raise ValueError(f"recompute_skip: unknown core {name!r}; known: {', '.join(SKIPPABLE_CORES)}")
+    if len(set(skip)) != len(skip):
+        raise ValueError(f"recompute_skip names a core twice: {skip}")
+    if skip and not recompute:
+        raise ValueError(f"recompute_skip={skip} needs recompute=True (without recomputation nothing is rerun)")

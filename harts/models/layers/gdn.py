@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import harts.models.regions as regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.kda import ShortConvolution
 from harts.models.layers.norms import RMSNormGated, l2norm
+from harts.models.recompute import run_core
 
 __all__ = ["GatedDeltaNet"]
 
@@ -63,7 +63,6 @@ class GatedDeltaNet(nn.Module):
         vv = vv.reshape(t, hv, v)
         beta = torch.sigmoid(b.reshape(t, hv))
         g = -self.A_log.exp() * F.softplus(a.reshape(t, hv) + self.dt_bias)
-        q, kk, vv, g, beta = regions.enter("linear_attention", q, kk, vv, g, beta)
-        (o,) = regions.exit("linear_attention", ctx.linear_attention(q, kk, vv, g, beta))
+        o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta)
         o = self.norm(o, z.reshape(t, hv, v))
         return self.out_proj(o.reshape(t, hv * v))

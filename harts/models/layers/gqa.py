@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import harts.models.regions as regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNorm
 from harts.models.layers.rope import apply_rope
+from harts.models.recompute import run_core
 
 __all__ = ["GatedAttention"]
 
@@ -54,8 +54,7 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x_TD).reshape(t, g, hd)
         cos, sin = ctx.rope(self.rotary_dim, self.rope_theta, x_TD.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = regions.enter("attention", q, k, v)
-        (o,) = regions.exit("attention", ctx.attention(q, k, v, scale=self.scaling))
+        o = run_core(ctx, self, "attention", ctx.attention, q, k, v, scale=self.scaling)
         o = o.reshape(t, h * hd)
         if gate is not None:
             o = o * torch.sigmoid(gate)

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import harts.models.regions as regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNormGated, l2norm
+from harts.models.recompute import run_core
 from harts.ops.compiled import cuda_compiled
 
 __all__ = ["KimiDeltaAttention", "ShortConvolution"]
@@ -107,8 +107,7 @@ class KimiDeltaAttention(nn.Module):
             f.reshape(t, h, k), self.dt_bias.reshape(h, k), self.A_log, self.lower_bound if self.safe_gate else None
         )
         beta = torch.sigmoid(self.b_proj(x_TD))
-        q, kk, vv, g, beta = regions.enter("linear_attention", q, kk, vv, g, beta)
-        (o,) = regions.exit("linear_attention", ctx.linear_attention(q, kk, vv, g, beta))
+        o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta)
         gate = self.g_b_proj(self.g_a_proj(x_TD)) if self.low_rank_gates else self.g_proj(x_TD)
         gate = gate.reshape(t, h, v)
         o = self.o_norm(o, gate)

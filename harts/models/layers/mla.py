@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import harts.models.regions as regions
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNorm
 from harts.models.layers.rope import apply_rope
+from harts.models.recompute import run_core
 
 __all__ = ["MultiheadLatentAttention"]
 
@@ -72,8 +72,7 @@ class MultiheadLatentAttention(nn.Module):
             k_rot = apply_rope(k_rot, cos, sin, interleaved=self.rope_interleave)
         query = torch.cat([q_nope, q_rot], dim=-1)
         key = torch.cat([k_nope, k_rot.expand(t, h, self.rope_dim)], dim=-1)
-        query, key, v = regions.enter("attention", query, key, v.contiguous())
-        (o,) = regions.exit("attention", ctx.attention(query, key, v, scale=self.scaling))
+        o = run_core(ctx, self, "attention", ctx.attention, query, key, v.contiguous(), scale=self.scaling)
         o = o.reshape(t, h * self.v_dim)
         if self.g_proj is not None and self.head_gate:  # one gate per head (Ling 3.0)
             o = (o.reshape(t, h, self.v_dim) * torch.sigmoid(self.g_proj(x_TD))[..., None]).reshape(t, -1)

@@ -1,0 +1,77 @@
+"""Selective recomputation: row-coupling cores whose forward survives activation checkpointing.
+
+With ``ExecutionConfig(recompute=True)`` every decoder layer runs under
+``torch.utils.checkpoint`` (non-reentrant): the forward keeps only the layer's input, and the
+backward reruns the whole layer to rebuild what its gradients need. ``recompute_skip`` names
+cores that are not rerun (``harts.models.execution.config.SKIPPABLE_CORES``):
+
+* ``"attention"``: the full-attention core (FlexAttention / SDPA). Rerunning it is the costliest
+  recomputation per byte it saves: on ``ling3_tiny``'s MLA at T = 65,536 rows it keeps
+  q, k (16 x 192), v, o (16 x 128) in bf16 and the log-sum-exp, about 1.3 GB per layer;
+* ``"linear_attention"``: the chunkwise KDA / GDN core (fla-core or the tree kernel), whose
+  saved tensors include float32 decays and per-chunk matrices (about 2 GB per layer there).
+
+A skipped core runs in the forward with its saved tensors kept (an identity
+``saved_tensors_hooks`` inside checkpoint's, so checkpoint never sees them) and its output
+stored on the row context, detached. When checkpoint reruns the layer, the core returns that
+output instead of running: the rest of the layer recomputes from the very tensor the forward
+used, so gradients are those of full recomputation, bit for bit. A second recomputation of the
+same layer (``retain_graph`` and another backward) finds nothing stored and runs the core again
+(kept out of checkpoint the same way), which is correct but not free.
+
+Shapes and meaning of a core's arguments are its own (``RowContext.attention`` /
+``RowContext.linear_attention``); this module only decides whether it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import harts.models.regions as regions
+
+__all__ = ["run_core"]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _recomputing() -> bool:
+    # a forward inside a running backward graph task is checkpoint's recomputation
+    return torch._C._current_graph_task_id() != -1
+
+
+def run_core(
+    ctx: Any, owner: torch.nn.Module, region: str, fn: Callable[..., torch.Tensor], *args: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
+    """``fn(*args, **kwargs)`` timed as ``region`` (``harts.models.regions``), or its stored
+    forward output when checkpoint recomputes a layer whose ``region`` core is skipped.
+
+    Args:
+        ctx: the forward's ``RowContext``; ``ctx.recompute_skip`` holds the skipped cores
+            (set by ``HybridLM.forward`` only while recomputation is on and grad is enabled; a
+            context without the attribute skips nothing).
+        owner: the module calling the core (one stored output per module and region).
+        region: "attention" or "linear_attention".
+        fn: the core; returns one tensor.
+    """
+    skip = region in getattr(ctx, "recompute_skip", ()) and torch.is_grad_enabled()
+    if skip and _recomputing():
+        kept = ctx.kept_cores.pop((id(owner), region), None)
+        if kept is not None:
+            # the forward's requires_grad: every op after the core builds (and saves for) the
+            # same nodes as in the forward, as checkpoint's saved-tensor bookkeeping expects
+            out, requires_grad = kept
+            return out.requires_grad_(requires_grad)
+    args = regions.enter(region, *args)
+    if not skip:
+        (out,) = regions.exit(region, fn(*args, **kwargs))
+        return out
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        (out,) = regions.exit(region, fn(*args, **kwargs))
+    if not _recomputing():
+        ctx.kept_cores[(id(owner), region)] = (out.detach(), out.requires_grad)
+    return out
