@@ -99,6 +99,8 @@ class BenchSide:
     #: first launch to the next one's, so host gaps count) and its rows (as ``rows``)
     microbatch_seconds: list[float] = field(default_factory=list)
     microbatch_rows: list[int] = field(default_factory=list)
+    #: per timed microbatch: its visible full-attention pairs (as ``attention_pairs``)
+    microbatch_pairs: list[int] = field(default_factory=list)
 
     def microbatch_fit(self) -> dict[str, float] | None:
         """Least-squares ``seconds = fixed + per_row * rows`` over the timed microbatches (None with
@@ -360,6 +362,7 @@ def _run_side(
         breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()},
         microbatch_seconds=[round(x, 5) for x in mb_seconds],
         microbatch_rows=mb_rows,
+        microbatch_pairs=[int(c[2]) for c in counts],
     )
 
 

@@ -348,6 +348,9 @@ def _microbatch_words(side) -> str:  # noqa: ANN001 - a harts.bench.step_bench.B
         f"{sec.size} microbatches, seconds min / median / max {sec.min():.3f} / {np.median(sec):.3f} / {sec.max():.3f}, "
         f"rows {rows.min():,} / {int(np.median(rows)):,} / {rows.max():,}"
     )
+    slow = int(sec.argmax())
+    if side.microbatch_pairs:
+        text += f"; slowest #{slow}: {rows[slow]:,} rows, {side.microbatch_pairs[slow] / 1e9:.2f} G attention pairs"
     fit = side.microbatch_fit()
     if fit is not None:
         text += f"; fit: {fit['fixed_seconds']:.3f} s + {fit['seconds_per_1k_rows'] * 1e3:.2f} ms per 1k rows"

@@ -28,6 +28,7 @@ def test_bench_step_counts():
     for side in (small.baseline, small.harts):
         assert len(side.microbatch_seconds) == len(side.microbatch_rows) == side.microbatches
         assert sum(side.microbatch_rows) == side.rows
+        assert sum(side.microbatch_pairs) == side.attention_pairs
         assert 0 < sum(side.microbatch_seconds) <= side.train_seconds + 1e-3  # train_seconds: 4 decimals
     assert small.baseline.microbatches >= 3
 
