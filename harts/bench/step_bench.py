@@ -254,6 +254,33 @@ def microbatch_counts(
     return int(inputs.cb.num_compact_tokens), logit_rows, pairs
 
 
+def warmup_microbatches(executed_rows: list[int], rows: list[int]) -> list[int]:
+    """Indices of the microbatches the untimed warm-up runs (compile, autotune, allocator), so
+    that the timed step meets no first-time compilation:
+
+    * the first;
+    * the one with the fewest ``rows`` (a call below ``harts.ops.compiled.MIN_ROWS`` rows is
+      padded, which compiles the glue once more);
+    * the first whose executed row count (``executed_rows``: the T the kernels take, physical
+      rows with replay in compact mode) is a multiple of 16 if the first's is not, or the other
+      way round. Triton compiles a kernel once per divisibility class of its integer arguments
+      (a multiple of 16 gets its own binary), and every fla / tree / Inductor kernel takes T: in
+      three H200 runs the slowest timed microbatch was, each time, the first one of a multiple
+      of 16 rows (``medium`` step 0 baseline #14, 63,344 rows: 2.16 s against a 0.50 s median;
+      ``swe`` step 5 replica 0, baseline #11, 62,448 rows: 4.28 s against 2.14 s, harts #8,
+      50,864 rows: 6.51 s against 2.55 s), and in a rerun on the same machine, with the
+      compiled kernels cached, no microbatch stood out (the ``medium`` baseline's slowest 0.56 s).
+    """
+    if not executed_rows:
+        return []
+    chosen = [0, min(range(len(rows)), key=lambda i: rows[i])]
+    first_class = executed_rows[0] % 16 == 0
+    other = next((i for i, t in enumerate(executed_rows) if (t % 16 == 0) != first_class), None)
+    if other is not None:
+        chosen.append(other)
+    return list(dict.fromkeys(chosen))
+
+
 def _run_side(
     model: HybridLM,
     batch: RolloutBatch,
@@ -291,13 +318,10 @@ def _run_side(
 
     warm = 0.0
     if warmup and prepared:
-        # compile / autotune / allocator warm-up, untimed: the first microbatch and the one with
-        # the fewest rows (a call below harts.ops.compiled.MIN_ROWS rows is padded, which
-        # compiles the glue once more: the timed step then meets no first-time compilation)
-        smallest = min(range(len(prepared)), key=lambda i: counts[i][0])
+        executed = [sub.num_tokens if mode == "trajectory" else inputs.layout.num_rows for sub, inputs in prepared]
         _sync(device)
         t0 = time.perf_counter()
-        for i in dict.fromkeys((0, smallest)):
+        for i in warmup_microbatches(executed, [c[0] for c in counts]):
             one(*prepared[i])
         _sync(device)
         warm = time.perf_counter() - t0

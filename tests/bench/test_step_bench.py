@@ -253,3 +253,13 @@ def test_ideal_takes_each_component_at_the_baseline_s_cost_per_unit() -> None:
     no_breakdown = StepBench(step=0, paths=1, raw_tokens=1000, baseline=side(1, 1, 1, 1, (1, 1, 1, 1, 1)), harts=harts)
     no_breakdown.baseline.breakdown = {}
     assert no_breakdown.ideal() is None
+
+
+def test_warmup_covers_the_first_the_smallest_and_both_divisibility_classes() -> None:
+    from harts.bench.step_bench import warmup_microbatches
+
+    # executed rows 101 (not a multiple of 16), ..., 160 (a multiple): index 3 joins
+    assert warmup_microbatches([101, 99, 90, 160, 32], [100, 98, 80, 150, 30]) == [0, 4, 3]
+    assert warmup_microbatches([160, 99, 96], [150, 98, 90]) == [0, 2, 1]
+    assert warmup_microbatches([100, 200], [100, 200]) == [0]  # no multiple of 16: one class
+    assert warmup_microbatches([], []) == []
