@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"model {args.model} ({config.layer_pattern}, {model.num_parameters():,} params, {args.dtype}), "
-        f"recompute={args.recompute}, attention={args.attention}, no_replay={args.no_replay}, "
+        f"recompute={args.recompute}, recompute_skip={','.join(args.recompute_skip) or 'none'}, "
+        f"attention={args.attention}, no_replay={args.no_replay}, "
         f"la_backend={args.la_backend}, device={args.device}"
     )
     print(
@@ -146,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             "config": config.to_dict(),
             "dtype": args.dtype,
             "recompute": args.recompute,
+            "recompute_skip": list(args.recompute_skip),
             "attention": args.attention,
             "no_replay": args.no_replay,
             "la_backend": args.la_backend,
