@@ -5,11 +5,14 @@ With ``ExecutionConfig(recompute=True)`` every decoder layer runs under
 backward reruns the whole layer to rebuild what its gradients need. ``recompute_skip`` names
 cores that are not rerun (``harts.models.execution.config.SKIPPABLE_CORES``):
 
-* ``"attention"``: the full-attention core (FlexAttention / SDPA). Rerunning it is the costliest
-  recomputation per byte it saves: on ``ling3_tiny``'s MLA at T = 65,536 rows it keeps
-  q, k (16 x 192), v, o (16 x 128) in bf16 and the log-sum-exp, about 1.3 GB per layer;
+* ``"attention"``: the full-attention core (FlexAttention / SDPA). On an H200 its recomputation
+  took 12.7 s of the full ``ling3_tiny`` model's 240 s ``swe`` replica step trajectory-wise (the
+  linear-attention cores' 6.5 s); at T = 65,536 rows an MLA layer keeps q, k (16 x 192), v, o
+  (16 x 128) in bf16 and the log-sum-exp, 1.35 GB by their shapes;
 * ``"linear_attention"``: the chunkwise KDA / GDN core (fla-core or the tree kernel), whose
-  saved tensors include float32 decays and per-chunk matrices (about 2 GB per layer there).
+  saved tensors include float32 decays and per-chunk matrices. On an H200, keeping both kinds
+  of core raised the full ``ling3_tiny`` model's peak on a ``swe`` replica step from 56.8 to
+  95.5 GiB (trajectory-wise) and cut its time by 7.9 % (README, session 10).
 
 A skipped core runs in the forward with its saved tensors kept (an identity
 ``saved_tensors_hooks`` inside checkpoint's, so checkpoint never sees them) and its output
