@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 
 from harts.commands._inputs import (
     add_execution_arguments,
@@ -182,6 +183,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     from harts.parallel.build import materialize, moe_experts
     from harts.parallel.mesh import ParallelConfig, init_parallel, setup_process_group
     from harts.parallel.parallelize import parallelize
+    from harts.rl.prefetch import StepPrefetcher
     from harts.rl.train import TrainConfig, train_step
 
     recompute = recompute_fields(args)  # a bad --recompute-skip fails before any work
@@ -282,8 +284,16 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         steps_bar.update(start)
         # with several ranks a signal is acted on at a step's end, by all ranks together
         step_window = contextlib.nullcontext if distributed else signals.window
+
+        def load(i: int):  # noqa: ANN202 - runs in the prefetcher's thread
+            return kept.pop(i) if i in kept else sources[i][1]()
+
+        # the next step is read and planned in a background thread while this one trains
+        ahead = StepPrefetcher(cfg, world)
+        if start < len(sources):
+            ahead.submit(start, functools.partial(load, start))
         try:
-            for i, (_, make) in enumerate(sources):
+            for i in range(len(sources)):
                 if i < start:
                     continue
                 mb_bar = progress(None, f"step {i}", "mb", leave=False, position=1, disable=rank != 0)
@@ -297,17 +307,21 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
 
                 try:
                     with step_window():
-                        batch = kept.pop(i) if i in kept else make()
+                        planned = ahead.take(i)
+                        assert planned is not None
+                        if i + 1 < len(sources):
+                            ahead.submit(i + 1, functools.partial(load, i + 1))
                         # on_update closes the window before the weights change
                         log = train_step(
                             model,
                             optimizer,
-                            batch,
+                            planned.source,
                             cfg,
                             step=i,
                             progress=on_progress,
                             on_update=on_update,
                             parallel=parallel,
+                            planned=planned,
                         )
                 finally:
                     mb_bar.close()
@@ -337,6 +351,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             with signals.window():
                 pass  # a signal during the last step's update or bookkeeping
         finally:
+            ahead.close()
             steps_bar.close()
     except (Interrupted, Exception) as err:
         if isinstance(err, Interrupted):

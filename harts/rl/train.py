@@ -30,6 +30,7 @@ microbatches, hence the same step objective, as D ranks.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
@@ -53,10 +54,12 @@ from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch
 
 __all__ = [
+    "PlannedStep",
     "TrainConfig",
     "StepLog",
     "accumulate_step_gradients",
     "check_capacity",
+    "plan_training_step",
     "replicas_of",
     "train",
     "train_step",
@@ -224,6 +227,39 @@ def _step_expert_counts(model: HybridLM, inputs: list[Any], cfg: TrainConfig, st
     return counts
 
 
+@dataclass(frozen=True)
+class PlannedStep:
+    """A step's batch as training runs it, with its plan (``plan_training_step``): step 1 of the
+    module docstring, which needs no model and no device, so it can run ahead of training
+    (``StepPrefetcher``)."""
+
+    #: the batch given to ``plan_training_step``
+    source: RolloutBatch
+    #: the batch trained on (``cfg.on_policy``: without old / reference log-probs)
+    batch: RolloutBatch
+    plan: StepPlan | TrajectoryPlan
+    #: seconds the planning took (wherever it ran)
+    plan_seconds: float
+
+
+def plan_training_step(batch: RolloutBatch, cfg: TrainConfig, world: int = 1) -> PlannedStep:
+    """Check ``batch`` against ``cfg.capacity`` and plan it for ``cfg.replicas`` (default
+    ``world``) replicas: harts' step plan in compact mode, raw-token packing trajectory-wise.
+    Raises ``CapacityError`` naming the longest trajectory."""
+    source = batch
+    if cfg.on_policy:
+        batch = replace(batch, old_logprobs=None, ref_logprobs=None)
+    check_capacity(batch, cfg.capacity)
+    t0 = time.perf_counter()
+    # harts plans compact tokens; the trajectory-wise baseline packs raw tokens at the capacity
+    plan: StepPlan | TrajectoryPlan = (
+        plan_step(batch, dp=cfg.replicas or world, capacity=cfg.capacity)
+        if cfg.execution.mode == "compact"
+        else plan_trajectory_step(batch.lengths, dp=cfg.replicas or world, capacity=cfg.capacity)
+    )
+    return PlannedStep(source=source, batch=batch, plan=plan, plan_seconds=time.perf_counter() - t0)
+
+
 def accumulate_step_gradients(
     model: HybridLM,
     batch: RolloutBatch,
@@ -231,6 +267,7 @@ def accumulate_step_gradients(
     *,
     progress: Callable[[int, int], None] | None = None,
     parallel: ParallelState | None = None,
+    planned: PlannedStep | None = None,
 ) -> _Accumulated:
     """Steps 1-3 of the module docstring: afterwards every ``p.grad`` holds the gradient of
     the whole step's loss (summed over this rank's microbatches and across ranks).
@@ -238,23 +275,20 @@ def accumulate_step_gradients(
     ``progress(done, total)`` is called once the step is planned (``done = 0``) and after each of
     this rank's microbatches. Only ``p.grad`` changes here, so interrupting this function leaves
     the weights and the optimizer state as they were (the next ``zero_grad`` discards the rest).
+    ``planned``: ``plan_training_step(batch, cfg, world)``, made ahead (else it is made here);
+    ValueError if it was made for another batch or replica count.
     """
     state = _state(model, parallel)
     world = state.world_size
     replicas = replicas_of(cfg, state)
-    if cfg.on_policy:
-        batch = replace(batch, old_logprobs=None, ref_logprobs=None)
+    if planned is None:
+        planned = plan_training_step(batch, cfg, world)
+    elif planned.source is not batch:
+        raise ValueError("planned= was made for another batch (plan_training_step(batch, cfg, world) of this one)")
+    elif planned.plan.dp != (cfg.replicas or world):
+        raise ValueError(f"planned= has {planned.plan.dp} replicas; this step runs {cfg.replicas or world}")
+    batch, plan, plan_seconds = planned.batch, planned.plan, planned.plan_seconds
     kl = cfg.kl_coef if batch.ref_logprobs is not None else 0.0
-    check_capacity(batch, cfg.capacity)
-    compact_mode = cfg.execution.mode == "compact"
-    t0 = time.perf_counter()
-    # harts plans compact tokens; the trajectory-wise baseline packs raw tokens at the capacity
-    plan: StepPlan | TrajectoryPlan = (
-        plan_step(batch, dp=cfg.replicas or world, capacity=cfg.capacity)
-        if compact_mode
-        else plan_trajectory_step(batch.lengths, dp=cfg.replicas or world, capacity=cfg.capacity)
-    )
-    plan_seconds = time.perf_counter() - t0
     mine = [k for r in replicas for k in plan.for_replica(r)]
     # every rank must run as many microbatches (FSDP's last-backward sync, expert all-to-alls)
     assert all(len(plan.for_replica(r)) == plan.num_slots for r in replicas), "a replica's slots are uneven"
@@ -360,8 +394,10 @@ def train_step(
     progress: Callable[[int, int], None] | None = None,
     on_update: Callable[[], None] | None = None,
     parallel: ParallelState | None = None,
+    planned: PlannedStep | None = None,
 ) -> StepLog:
-    """One optimizer update on ``batch`` (see the module docstring).
+    """One optimizer update on ``batch`` (see the module docstring); ``planned``: its plan made
+    ahead (``plan_training_step``, e.g. by a ``StepPrefetcher``), else it is planned here.
 
     ``progress(done, total)`` follows this rank's microbatches (see
     ``accumulate_step_gradients``). ``on_update()`` is called when the gradients are complete,
@@ -373,7 +409,8 @@ def train_step(
     world = state.world_size
     optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    acc = accumulate_step_gradients(model, batch, cfg, progress=progress, parallel=state)
+    acc = accumulate_step_gradients(model, batch, cfg, progress=progress, parallel=state, planned=planned)
+    planned_here = planned is None
     if on_update is not None:
         on_update()
     grad_norm = clip_grad_norm(model, cfg.max_grad_norm, state)
@@ -382,8 +419,9 @@ def train_step(
         model.update_expert_bias(acc.expert_counts, rate=cfg.expert_bias_rate)
     if state.device.type == "cuda":
         torch.cuda.synchronize(state.device)
-    # planning is reported apart from the training interval (the paper's F/B/Grad vs Core)
-    train_seconds = time.perf_counter() - t0 - acc.plan_seconds
+    # planning is reported apart from the training interval (the paper's F/B/Grad vs Core); a
+    # plan made ahead took none of it
+    train_seconds = time.perf_counter() - t0 - (acc.plan_seconds if planned_here else 0.0)
     acts = acc.diagnostics["action_tokens"]
     adv = batch.advantages[batch.action_mask]
     return StepLog(
@@ -421,11 +459,16 @@ def train(
     optimizer: torch.optim.Optimizer | None = None,
     on_step: Callable[[StepLog], None] | None = None,
     parallel: ParallelState | None = None,
+    plan_ahead: bool = False,
 ) -> list[StepLog]:
     """Run ``train_step`` over ``batches``; returns the logs (``on_step`` sees each as it ends).
 
     ``batches`` may be a lazy iterable; give a list to have every step checked against
-    ``cfg.capacity`` before the first one runs.
+    ``cfg.capacity`` before the first one runs. ``plan_ahead``: a background thread takes the
+    next batch from ``batches`` and plans it while the current step trains
+    (``harts.rl.prefetch.StepPrefetcher``); only for batches that do not depend on the weights
+    being trained (not for rollouts sampled from this model between steps). The logs are the
+    same either way; the steps take less wall time.
     """
     if isinstance(batches, (list, tuple)):
         for i, b in enumerate(batches):
@@ -433,9 +476,23 @@ def train(
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     logs = []
-    for i, batch in enumerate(batches):
-        log = train_step(model, optimizer, batch, cfg, step=i, parallel=parallel)
-        logs.append(log)
-        if on_step is not None:
-            on_step(log)
+    if not plan_ahead:
+        for i, batch in enumerate(batches):
+            logs.append(train_step(model, optimizer, batch, cfg, step=i, parallel=parallel))
+            if on_step is not None:
+                on_step(logs[-1])
+        return logs
+    from harts.rl.prefetch import StepPrefetcher
+
+    source = iter(batches)
+    with StepPrefetcher(cfg, _state(model, parallel).world_size) as ahead:
+        ahead.submit(0, lambda: next(source, None))
+        for i in itertools.count():
+            planned = ahead.take(i)
+            if planned is None:
+                break
+            ahead.submit(i + 1, lambda: next(source, None))
+            logs.append(train_step(model, optimizer, planned.source, cfg, step=i, parallel=parallel, planned=planned))
+            if on_step is not None:
+                on_step(logs[-1])
     return logs
