@@ -41,6 +41,7 @@ from harts.models.execution.config import ExecutionConfig
 from harts.models.init import draw_seed, init_weights
 from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
 from harts.models.layers.norms import RMSNorm
+from harts.models.recompute import kept_routing
 from harts.plan.calls import CallPlan, plan_calls
 from harts.plan.layout import Layout, build_layout
 from harts.tree.batch import RolloutBatch
@@ -117,7 +118,7 @@ class DecoderLayer(nn.Module):
         if not self.is_moe:
             return (h_TD + self.mlp(x),)
         (x,) = regions.enter("moe", x)
-        y, z_loss, aux_loss, counts = self.mlp(x, ctx.row_weight)
+        y, z_loss, aux_loss, counts = self.mlp(x, ctx.row_weight, routing=kept_routing(ctx, self))
         y, z_loss, aux_loss = regions.exit("moe", y, z_loss, aux_loss)
         return h_TD + y, z_loss, aux_loss, counts
 
@@ -246,6 +247,7 @@ class HybridLM(nn.Module):
 
         info["recompute_skip"] = list(cfg.recompute_skip)
         checkpointing = recompute and torch.is_grad_enabled()
+        ctx.checkpointing = checkpointing
         ctx.recompute_skip = cfg.recompute_skip if checkpointing else ()
 
         h = self.embed_tokens(tokens)

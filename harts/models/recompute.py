@@ -35,7 +35,7 @@ import torch
 
 import harts.models.regions as regions
 
-__all__ = ["run_core"]
+__all__ = ["KeptSlot", "kept_routing", "run_core"]
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def run_core(
     """
     skip = region in getattr(ctx, "recompute_skip", ()) and torch.is_grad_enabled()
     if skip and _recomputing():
-        kept = ctx.kept_cores.pop((id(owner), region), None)
+        kept = ctx.kept_for_recompute.pop((id(owner), region), None)
         if kept is not None:
             # the forward's requires_grad: every op after the core builds (and saves for) the
             # same nodes as in the forward, as checkpoint's saved-tensor bookkeeping expects
@@ -76,5 +76,35 @@ def run_core(
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
         (out,) = regions.exit(region, fn(*args, **kwargs))
     if not _recomputing():
-        ctx.kept_cores[(id(owner), region)] = (out.detach(), out.requires_grad)
+        ctx.kept_for_recompute[(id(owner), region)] = (out.detach(), out.requires_grad)
     return out
+
+
+class KeptSlot:
+    """One entry of ``ctx.kept_for_recompute``: ``put`` in a layer's forward, ``take`` (once) in
+    checkpoint's recomputation of it."""
+
+    def __init__(self, store: dict, key: tuple) -> None:
+        self._store, self._key = store, key
+
+    def take(self) -> Any:
+        """What the forward put here (removed), or None."""
+        return self._store.pop(self._key, None)
+
+    def put(self, value: Any) -> None:
+        self._store[self._key] = value
+
+
+def kept_routing(ctx: Any, owner: torch.nn.Module) -> KeptSlot | None:
+    """The slot where MoE layer ``owner`` leaves its expert choice for checkpoint's recomputation
+    (``MoE.forward``'s ``routing``), or None when ``ctx`` does not checkpoint.
+
+    The choice (top-k over the biased scores, under ``no_grad``) is integers that nothing
+    differentiates: the recomputation takes the forward's instead of choosing again, which
+    skips the router's top-k passes and cannot route a token differently, whatever the
+    kernels' rounding. Its weights (``scores.gather``) are still recomputed, for their gradient.
+    A layer recomputed twice (``retain_graph``) chooses again the second time.
+    """
+    if not getattr(ctx, "checkpointing", False) or not torch.is_grad_enabled():
+        return None
+    return KeptSlot(ctx.kept_for_recompute, (id(owner), "routing"))

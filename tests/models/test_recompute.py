@@ -79,7 +79,7 @@ def test_a_skipped_core_runs_once_and_leaves_nothing_behind(
         # checkpoint reruns every layer in the backward, except the skipped cores
         assert calls[core] == forward[core] * (1 if core in skip else 2), (core, calls)
     (ctx,) = seen
-    assert ctx.kept_cores == {}, "every stored core output is taken by the recomputation"
+    assert ctx.kept_for_recompute == {}, "every stored core output is taken by the recomputation"
 
 
 def test_a_second_backward_recomputes_the_skipped_core() -> None:
@@ -161,3 +161,30 @@ def test_skipped_cores_on_cuda_match_full_recomputation() -> None:
         for n in ref_g:
             rerun = float((again_g[n].float() - ref_g[n].float()).abs().max())
             assert float((g[n].float() - ref_g[n].float()).abs().max()) <= 2 * rerun + 1e-6, n
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"], ids=["loop-experts", "grouped-experts"])
+def test_recomputation_reuses_the_forward_s_expert_choice(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """With recomputation each MoE layer chooses its experts once (the forward's choice is
+    reused by checkpoint), and the gradients are those of a run without recomputation."""
+    from harts.models.layers.moe import TopKRouter
+
+    model = make_model("KM", moe=True, dtype=dtype)
+    batch = mixed_batch(B, seed=7)
+    inputs = model.prepare_compact(batch)
+    plain = run_step(model, inputs, mode="compact", recompute=False, kl_coef=0.1)
+    chosen = []
+    original = TopKRouter.choose
+
+    def counted(self, scores):  # noqa: ANN001, ANN202
+        chosen.append(self)
+        return original(self, scores)
+
+    monkeypatch.setattr(TopKRouter, "choose", counted)
+    moe_layers = sum(layer.is_moe for layer in model.layers)
+    recomputed = run_step(model, inputs, mode="compact", recompute=True, kl_coef=0.1)
+    assert moe_layers >= 1 and len(chosen) == moe_layers  # not 2 x: the recomputation reuses it
+    assert torch.equal(plain.logprobs, recomputed.logprobs)
+    for name, g in plain.grads.items():
+        assert torch.equal(g, recomputed.grads[name]), name
+    assert torch.equal(plain.expert_counts, recomputed.expert_counts)

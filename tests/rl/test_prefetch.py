@@ -13,8 +13,7 @@ import torch
 import harts.rl.train as train_mod
 from harts import ExecutionConfig, HybridConfig, HybridLM
 from harts.errors import CapacityError
-from harts.rl.prefetch import StepPrefetcher
-from harts.rl.train import TrainConfig, accumulate_step_gradients, plan_training_step, train
+from harts.rl.train import StepPrefetcher, TrainConfig, accumulate_step_gradients, plan_training_step, train
 from harts.tree.workloads import generate
 
 TIMES = {"plan_seconds", "prepare_seconds", "train_seconds", "tokens_per_second"}

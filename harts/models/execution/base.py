@@ -33,15 +33,19 @@ class RowContext:
     row_weight: torch.Tensor
     #: linear-attention chunk size B
     chunk_size: int
+    #: whether ``HybridLM.forward`` runs each layer under activation checkpointing
+    checkpointing: bool = False
     #: cores whose forward survives recomputation (``harts.models.recompute``); set by
     #: ``HybridLM.forward`` while recomputation is on
     recompute_skip: tuple[str, ...] = ()
 
     @property
-    def kept_cores(self) -> dict:
-        """``{(id(module), region): (detached output, requires_grad)}`` of skipped cores, from the
-        forward until checkpoint's recomputation takes them (``harts.models.recompute.run_core``)."""
-        return self.__dict__.setdefault("_kept_cores", {})
+    def kept_for_recompute(self) -> dict:
+        """What a layer's forward leaves for checkpoint's recomputation of it, taken by that
+        recomputation (``harts.models.recompute``): ``{(id(module), region): (detached output,
+        requires_grad)}`` of skipped cores and ``{(id(module), "routing"): topk_idx}`` of MoE
+        layers."""
+        return self.__dict__.setdefault("_kept_for_recompute", {})
 
     def rope(self, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, rotary_dim]`` for ``position``, computed once per (dim, theta, dtype)."""

@@ -31,6 +31,7 @@ Shapes: x_TD, w_T, logits/scores_TE, topk_idx/topk_w_TK, counts_E.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,25 +60,37 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, std=config.initializer_range)
         self.register_buffer("e_score_correction_bias", torch.zeros(e), persistent=config.router_bias)
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (logits_TE, scores_TE, topk_idx_TK, topk_w_TK); logits in >= float32."""
+    def forward(
+        self, x_TD: torch.Tensor, topk_idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (logits_TE, scores_TE, topk_idx_TK, topk_w_TK); logits in >= float32.
+
+        ``topk_idx``: the experts already chosen for these rows (by this router on the same
+        rows and bias: checkpoint's recomputation reuses the forward's choice), else chosen here.
+        """
         work = torch.promote_types(x_TD.dtype, torch.float32)
         logits = router_logits(x_TD, self.weight, work)
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        with torch.no_grad():
-            choice = scores + self.e_score_correction_bias.to(work)
-            if self.n_group > 1:
-                t = choice.shape[0]
-                grouped = choice.reshape(t, self.n_group, -1)
-                group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-                keep = group_score.topk(self.topk_group, dim=-1).indices
-                group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-                choice = grouped.masked_fill(~group_mask[..., None], -math.inf).reshape(t, -1)
-            topk_idx = choice.topk(self.top_k, dim=-1, sorted=True).indices
+        if topk_idx is None:
+            topk_idx = self.choose(scores)
         topk_w = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
             topk_w = topk_w / (topk_w.sum(-1, keepdim=True) + 1e-20)
         return logits, scores, topk_idx, topk_w * self.routed_scaling_factor
+
+    @torch.no_grad()
+    def choose(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """int64 [T, K]: the top-k experts of each row on ``scores + e_score_correction_bias``
+        within its ``topk_group`` best groups (group score: the sum of its top 2)."""
+        choice = scores_TE + self.e_score_correction_bias.to(scores_TE.dtype)
+        if self.n_group > 1:
+            t = choice.shape[0]
+            grouped = choice.reshape(t, self.n_group, -1)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = group_score.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[..., None], -math.inf).reshape(t, -1)
+        return choice.topk(self.top_k, dim=-1, sorted=True).indices
 
 
 def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, work: torch.dtype) -> torch.Tensor:
@@ -322,10 +335,17 @@ class MoE(nn.Module):
         )
 
     def forward(
-        self, x_TD: torch.Tensor, w_T: torch.Tensor
+        self, x_TD: torch.Tensor, w_T: torch.Tensor, routing: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (y_TD, z_loss, aux_loss, counts_E)."""
-        logits, scores, topk_idx, topk_w = self.gate(x_TD)
+        """Returns (y_TD, z_loss, aux_loss, counts_E).
+
+        ``routing``: a slot (``harts.models.recompute.kept_routing``: ``take()`` / ``put()``)
+        that carries the forward's expert choice to checkpoint's recomputation of this layer.
+        """
+        chosen = routing.take() if routing is not None else None
+        logits, scores, topk_idx, topk_w = self.gate(x_TD, chosen)
+        if routing is not None and chosen is None:
+            routing.put(topk_idx)
         y = self.experts(x_TD, topk_idx, topk_w)
         if self.shared_experts is not None:
             s = self.shared_experts(x_TD)
