@@ -287,7 +287,8 @@ class StepPrefetcher:
     ``take(k)``, in the training thread, with its traceback.
 
     Only for batches that do not depend on the weights being trained: rollouts sampled from the
-    model between steps must be planned after they are sampled.
+    model between steps must be planned after they are sampled. The host holds one more step
+    (its batch and its plan's compaction) than without it.
     """
 
     def __init__(self, cfg: TrainConfig, world: int = 1) -> None:
