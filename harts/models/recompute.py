@@ -23,8 +23,8 @@ same layer (``retain_graph`` and another backward) finds nothing stored and runs
 (kept out of checkpoint the same way), which is correct but not free.
 
 Whatever ``recompute_skip`` says, each MoE layer's recomputation reuses the forward's expert
-choice (``kept_routing``): the same routing by construction, even where the GPU's router GEMM
-would round differently the second time, and no second top-k.
+choice (``kept_routing``): the same routing by construction (a rerun cannot choose
+differently, whatever its kernels do), and no second top-k.
 
 Shapes and meaning of a core's arguments are its own (``RowContext.attention`` /
 ``RowContext.linear_attention``); this module only decides whether it runs.
