@@ -59,6 +59,7 @@ __all__ = [
     "device_time_by_region",
     "kernels_by_region",
     "region_table",
+    "warmup_microbatches",
 ]
 
 #: breakdown components: the model's regions, plus "other layers" (the rest of forward/backward)
@@ -494,17 +495,22 @@ def device_time_by_region(trace_events: list[dict]) -> tuple[dict[str, float], l
         ({"<region>/<phase>" or OUTSIDE_REGIONS: seconds}, [(kernel name, seconds, count)] of the
         work attributed to OUTSIDE_REGIONS, largest first). Both empty without device events.
     """
+    work = _attributed_work(trace_events)
     by_region: dict[str, float] = {}
-    for label, _, sec in _attributed_work(trace_events):
+    for label, _, sec in work:
         by_region[label] = by_region.get(label, 0.0) + sec
-    return by_region, kernels_by_region(trace_events).get(OUTSIDE_REGIONS, [])
+    return by_region, _kernels_by_label(work).get(OUTSIDE_REGIONS, [])
 
 
 def kernels_by_region(trace_events: list[dict]) -> dict[str, list[tuple[str, float, int]]]:
     """``{label: [(kernel name, seconds, count)], largest first}`` for every label of
     ``device_time_by_region`` (the same attribution): which kernels make up each region's time."""
+    return _kernels_by_label(_attributed_work(trace_events))
+
+
+def _kernels_by_label(work: list[tuple[str, str, float]]) -> dict[str, list[tuple[str, float, int]]]:
     tally: dict[str, dict[str, list]] = {}
-    for label, name, sec in _attributed_work(trace_events):
+    for label, name, sec in work:
         acc = tally.setdefault(label, {}).setdefault(name, [0.0, 0])
         acc[0] += sec
         acc[1] += 1
