@@ -100,6 +100,7 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
     execution = ExecutionConfig(
         mode=args.mode,
         recompute=args.recompute,
+        recompute_skip=args.recompute_skip,
         linear_attention_backend=args.la_backend,
         logprob_positions=args.logprobs,
     )
@@ -178,6 +179,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         execution = ExecutionConfig(
             mode=mode,
             recompute=args.recompute,
+            recompute_skip=args.recompute_skip,
             attention=args.attention,
             linear_attention_backend=args.la_backend,
             fused_logprobs=True,
@@ -278,6 +280,13 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--capacity", type=int, default=65_536)
         s.add_argument("--ep", type=int, default=1)
         s.add_argument("--recompute", action="store_true")
+        s.add_argument(
+            "--recompute-skip",
+            type=lambda text: tuple(n.strip() for n in text.split(",") if n.strip()),
+            default=(),
+            metavar="CORES",
+            help="with --recompute: cores whose forward is kept (attention, linear_attention)",
+        )
         s.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"])
         s.add_argument("--la-backend", default="reference", choices=["reference", "fla", "tree", "auto"])
         s.add_argument("--threads", type=int, default=0)
@@ -301,7 +310,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.part != "compare":
+        from harts.models.execution.config import check_recompute_skip
+
+        try:
+            check_recompute_skip(args.recompute_skip, args.recompute)
+        except ValueError as err:
+            parser.error(f"--recompute-skip: {err}")  # exits 2 with the message, no traceback
     if args.part == "compare":
         runs = [json.loads(open(f).read()) for f in (args.one, args.rerun, args.many)]
         result = compare(runs[0], runs[1], runs[2], floor=args.floor)

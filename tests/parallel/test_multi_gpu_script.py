@@ -92,3 +92,21 @@ def test_scaling_counts_the_flops_each_mode_executes():
     )
     assert traj == raw
     assert 0 < compact < traj
+
+
+def test_bad_recompute_skip_is_an_argument_error(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            [
+                "correctness",
+                "--replicas",
+                "2",
+                *SMALL,
+                "--out",
+                str(tmp_path / "a.json"),
+                "--recompute-skip",
+                "attention",
+            ]
+        )
+    assert exit_.value.code == 2
+    assert "needs recompute=True" in capsys.readouterr().err
