@@ -46,11 +46,6 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _recomputing() -> bool:
-    # a forward inside a running backward graph task is checkpoint's recomputation
-    return torch._C._current_graph_task_id() != -1
-
-
 def run_core(
     ctx: Any, owner: torch.nn.Module, region: str, fn: Callable[..., torch.Tensor], *args: torch.Tensor, **kwargs: Any
 ) -> torch.Tensor:
@@ -66,7 +61,7 @@ def run_core(
         fn: the core; returns one tensor.
     """
     skip = region in getattr(ctx, "recompute_skip", ()) and torch.is_grad_enabled()
-    if skip and _recomputing():
+    if skip and regions.recomputing():
         kept = ctx.kept_for_recompute.pop((id(owner), region), None)
         if kept is not None:
             # the forward's requires_grad: every op after the core builds (and saves for) the
@@ -79,7 +74,7 @@ def run_core(
         return out
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
         (out,) = regions.exit(region, fn(*args, **kwargs))
-    if not _recomputing():
+    if not regions.recomputing():
         ctx.kept_for_recompute[(id(owner), region)] = (out.detach(), out.requires_grad)
     return out
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ANNOTATION_PREFIX", "RegionTimer", "enter", "exit", "PHASES"]
+__all__ = ["ANNOTATION_PREFIX", "RegionTimer", "enter", "exit", "PHASES", "recomputing"]
 
 PHASES = ("forward", "backward", "recompute")
 #: profiler ranges of an annotating timer are named f"{ANNOTATION_PREFIX}{region}/{phase}"
@@ -121,9 +121,13 @@ class RegionTimer:
         return out
 
 
+def recomputing() -> bool:
+    """Whether a forward runs as checkpoint's recomputation (inside a running backward graph task)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _phase() -> str:
-    # a forward inside a running backward graph task is checkpoint's recomputation
-    return "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "recompute" if recomputing() else "forward"
 
 
 class _BackwardMark(torch.autograd.Function):
