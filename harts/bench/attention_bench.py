@@ -14,8 +14,10 @@ passes). On random q, k, v of the model's MLA shapes (H heads, qk dim ``nope + r
 * ``torch``: no kernel options (torch's own tiles);
 * ``bwd=M1,N1,M2,N2,stages,warps``: those backward tiles (``bwd_BLOCK_M1`` ...) over torch's;
 * ``fwd=M,N,stages,warps``: those forward tiles;
-* several, joined by ``+`` and applied left to right (``harts+bwd=...``), plus ``safe``
-  (``ROWS_GUARANTEED_SAFE``: every row sees itself).
+* several, joined by ``+`` and applied left to right (``harts+bwd=...``), plus the flags
+  ``safe`` (``ROWS_GUARANTEED_SAFE``: every row sees itself), ``tma`` (``USE_TMA``: Hopper's
+  bulk tensor copies), ``prescale`` (``PRESCALE_QK``: q scaled once, not every score) and
+  ``nodq`` (``WRITE_DQ=False``: dq written in the dk/dv loop).
 
 With ``--varlen`` the baseline's mask is also run through torch's flash-attention varlen kernel
 (``torch.nn.attention.varlen``, v zero-padded to the qk dim) where this torch has it: what a
@@ -39,6 +41,21 @@ import torch
 
 __all__ = ["parse_variant", "masks_of_step", "main"]
 
+#: the flag tokens of a variant and the FlexAttention kernel options each sets
+_FLAGS: dict[str, dict[str, Any]] = {
+    "safe": {"ROWS_GUARANTEED_SAFE": True},
+    "tma": {"USE_TMA": True},
+    "prescale": {"PRESCALE_QK": True},
+    "nodq": {"WRITE_DQ": False},
+}
+
+
+def _bad_part(spec: str, part: str) -> ValueError:
+    return ValueError(
+        f"variant {spec!r}: {part!r} must be harts, torch, {', '.join(_FLAGS)}, bwd=M1,N1,M2,N2,stages,warps "
+        "or fwd=M,N,stages,warps"
+    )
+
 
 def parse_variant(spec: str, harts_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``"bwd=64,64,64,64,3,4+safe"`` -> FlexAttention kernel options; ``harts`` adds
@@ -51,14 +68,12 @@ def parse_variant(spec: str, harts_options: dict[str, Any] | None = None) -> dic
         if part == "harts":
             opts.update(harts_options or {})
             continue
-        if part == "safe":
-            opts["ROWS_GUARANTEED_SAFE"] = True
+        if part in _FLAGS:
+            opts.update(_FLAGS[part])
             continue
         key, eq, vals = part.partition("=")
         if not eq or key not in ("bwd", "fwd"):
-            raise ValueError(
-                f"variant {spec!r}: {part!r} must be harts, torch, safe, bwd=M1,N1,M2,N2,stages,warps or fwd=M,N,stages,warps"
-            )
+            raise _bad_part(spec, part)
         try:
             nums = [int(x) for x in vals.split(",")]
         except ValueError:
@@ -69,9 +84,7 @@ def parse_variant(spec: str, harts_options: dict[str, Any] | None = None) -> dic
         elif key == "fwd" and len(nums) == 4:
             names = ("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_stages", "fwd_num_warps")
         else:
-            raise ValueError(
-                f"variant {spec!r}: {part!r} must be harts, torch, safe, bwd=M1,N1,M2,N2,stages,warps or fwd=M,N,stages,warps"
-            )
+            raise _bad_part(spec, part)
         opts.update(zip(names, nums))
     return opts
 
