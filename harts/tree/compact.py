@@ -30,7 +30,7 @@ import numpy as np
 
 from harts.tree.batch import RolloutBatch
 from harts.tree.lcp import LCPIndex
-from harts.tree.segments import SegmentForest, segments_from_rows
+from harts.tree.segments import SegmentForest, segments_from_nodes, segments_from_rows
 
 __all__ = ["CompactBatch", "compact", "lexicographic_order", "adjacent_lcp"]
 
@@ -239,12 +239,7 @@ def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
     pn = tree.parent[node_order]
     parent[starts] = np.where(pn >= 0, node_row[np.maximum(pn, 0)] + node_len[np.maximum(pn, 0)] - 1, -1)
 
-    m = np.empty(batch.num_tokens, dtype=np.int64)
-    paths = tree.leaf_paths()
-    for j, path in enumerate(paths):
-        lens = node_len[path]
-        g = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens - node_row[path], lens)
-        m[batch.offsets[j] : batch.offsets[j + 1]] = g
+    m = _semantic_rows(tree.leaf_paths(), node_len, node_row, batch.num_tokens)
 
     # leaves in trie preorder are the lexicographic order (no leaf prefixes another)
     leaf_rank = np.empty(nn, dtype=np.int64)
@@ -252,7 +247,28 @@ def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
     order = np.argsort(leaf_rank[tree.leaves], kind="stable")
     rows_sorted = [m[batch.offsets[j] : batch.offsets[j + 1]] for j in order]
     lcp = adjacent_lcp(rows_sorted)
-    return _finish(batch, tokens, m, parent, position, LCPIndex(order, batch.lengths, lcp))
+    segments = segments_from_nodes(tree.parent, node_order, node_row, node_len, node_pos, c)
+    return _finish(batch, tokens, m, parent, position, LCPIndex(order, batch.lengths, lcp), segments)
+
+
+def _semantic_rows(paths: list[np.ndarray], node_len: np.ndarray, node_row: np.ndarray, s: int) -> np.ndarray:
+    """int64 [S]: the compact row of every semantic token, trajectory j's tokens being its root-to-leaf
+    ``paths[j]`` (node indices) laid end to end in trajectory order.
+
+    Each (trajectory, node) pair is a run of consecutive rows starting at ``node_row[node]``, so
+    ``m`` is a cumulative sum of ones with a jump at every pair's first token: one pass over S
+    instead of a per-trajectory arange / repeat / subtract."""
+    pair_node = np.concatenate(paths) if paths else np.zeros(0, dtype=np.int64)
+    pair_len = node_len[pair_node]
+    first = node_row[pair_node]
+    pair_start = np.zeros(pair_node.size, dtype=np.int64)
+    np.cumsum(pair_len[:-1], out=pair_start[1:])
+    step = np.ones(s, dtype=np.int64)
+    if pair_node.size:
+        # the row a pair starts at, minus the row the run before it ended on
+        step[pair_start[0]] = first[0]
+        step[pair_start[1:]] = first[1:] - (first[:-1] + pair_len[:-1] - 1)
+    return np.cumsum(step, out=step)
 
 
 def _finish(
@@ -262,9 +278,12 @@ def _finish(
     parent: np.ndarray,
     position: np.ndarray,
     lcp_index: LCPIndex,
+    segments: tuple[SegmentForest, np.ndarray] | None = None,
 ) -> CompactBatch:
+    """The batch from its rows; ``segments``: ``segments_from_rows(parent, position)`` where the
+    caller has it more cheaply (the tree path)."""
     c = tokens.size
-    forest, row_segment = segments_from_rows(parent, position)
+    forest, row_segment = segments if segments is not None else segments_from_rows(parent, position)
     return CompactBatch(
         batch=batch,
         tokens=tokens.astype(np.int64, copy=False),

@@ -278,6 +278,8 @@ def test_flex_kernel_options_float32_wide_heads_and_hopper_half(monkeypatch: pyt
     half = flex_kernel_options(cuda, torch.bfloat16, 192, 128)
     assert half is not None and half["bwd_BLOCK_N1"] % half["bwd_BLOCK_M1"] == 0  # the kernel's static asserts
     assert half["bwd_BLOCK_M2"] % half["bwd_BLOCK_N2"] == 0
+    # bulk tensor copies in the forward only (measured slower in the backward)
+    assert half["fwd_USE_TMA"] is True and "USE_TMA" not in half and "bwd_USE_TMA" not in half
     half["bwd_num_warps"] = 1  # a copy: the caller may not change the table
     assert flex_kernel_options(cuda, torch.float16, 192, 128) == {**half, "bwd_num_warps": 8}
     for other in [(8, 0), (10, 0)]:

@@ -241,6 +241,13 @@ def flex_kernel_options(device: torch.device, dtype: torch.dtype, qk_dim: int, v
       tiles. (64, 128, 128, 64; 3 stages) and a 128 x 128 forward need more shared memory than an
       SM has; 4 warps instead of 8 made the backward 4x slower. In a full ``medium`` step the
       attention took 8.10 -> 4.57 s trajectory-wise and 1.70 -> 0.92 s for harts.
+      The forward also loads its tiles with Hopper's bulk tensor copies (``fwd_USE_TMA``): on
+      harts' largest microbatch of ``swe`` step 5 (65,486 rows, 1.76 G visible pairs; ``python -m
+      harts.bench.attention_bench --workload swe --step 5 --sides harts --variant harts --variant
+      harts+tma ...``) the forward took 48.97 -> 44.59 ms, outputs and gradients bitwise equal;
+      TMA in the backward too made it slower (forward + backward 226.6 -> 263.6 ms), so the
+      backward keeps plain loads. Of eight variants in that run (``safe``, ``prescale``,
+      ``nodq``, backward tiles 32/128 in 2 stages, 64/128, 64/64) none beat these tiles.
     CPU kernels take none.
     """
     if device.type != "cuda" or max(qk_dim, v_dim) <= 128:
@@ -258,6 +265,7 @@ _HOPPER_HALF_ABOVE_128 = {
     "fwd_BLOCK_N": 64,
     "fwd_num_stages": 3,
     "fwd_num_warps": 8,
+    "fwd_USE_TMA": True,
     "bwd_BLOCK_M1": 32,
     "bwd_BLOCK_N1": 128,
     "bwd_BLOCK_M2": 128,
