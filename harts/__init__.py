@@ -25,6 +25,8 @@ _EXPORTS = {
     "RolloutTree": "harts.tree.rollout_tree",
     "CompactBatch": "harts.tree.compact",
     "compact": "harts.tree.compact",
+    "PrefixIndex": "harts.tree.compact",
+    "prefix_index": "harts.tree.compact",
     "SegmentForest": "harts.tree.segments",
     "LCPIndex": "harts.tree.lcp",
     "plan_step": "harts.plan.step.planner",

@@ -284,7 +284,7 @@ def check_plannable(
     raw-token packing ("trajectory") gives every replica as many microbatches."""
     from harts.plan.baselines.trajectory_plan import plan_trajectory_step
     from harts.plan.step.step_plan import check_inputs
-    from harts.tree.compact import compact
+    from harts.tree.compact import prefix_index
 
     n = summary.trajectories
     if "trajectory" in modes:
@@ -295,7 +295,7 @@ def check_plannable(
     if "compact" in modes and dp * max(1, -(-summary.tokens // (capacity * dp))) > dp * (n // dp):
         # (when even the raw tokens, >= the compact work, fit, there is no need to compact)
         try:
-            check_inputs(compact(batch), dp, capacity)
+            check_inputs(prefix_index(batch), dp, capacity)
         except ValueError as err:
             raise CapacityError(f"{summary.where()}: {err}; raise --capacity") from None
 

@@ -1,7 +1,7 @@
 """Rollout data without torch: batches, validation, files, compaction, segment trees, workloads."""
 
 from harts.tree.batch import BatchValidationError, RolloutBatch
-from harts.tree.compact import CompactBatch, compact
+from harts.tree.compact import CompactBatch, PrefixIndex, compact, prefix_index
 from harts.tree.lcp import LCPIndex
 from harts.tree.rollout_tree import RolloutTree
 from harts.tree.segments import SegmentForest
@@ -10,8 +10,10 @@ __all__ = [
     "BatchValidationError",
     "CompactBatch",
     "LCPIndex",
+    "PrefixIndex",
     "RolloutBatch",
     "RolloutTree",
     "SegmentForest",
     "compact",
+    "prefix_index",
 ]

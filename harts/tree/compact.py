@@ -30,9 +30,56 @@ import numpy as np
 
 from harts.tree.batch import RolloutBatch
 from harts.tree.lcp import LCPIndex
-from harts.tree.segments import SegmentForest, segments_from_nodes, segments_from_rows
+from harts.tree.rollout_tree import RolloutTree
+from harts.tree.segments import SegmentForest, parent_depth, segments_from_nodes, segments_from_rows
 
-__all__ = ["CompactBatch", "compact", "lexicographic_order", "adjacent_lcp"]
+__all__ = ["CompactBatch", "PrefixIndex", "compact", "prefix_index", "lexicographic_order", "adjacent_lcp"]
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixIndex:
+    """A batch and the LCP index of its lexicographically sorted trajectories: everything the step
+    planner reads (compact work of any subset, Eq. 5) and enough to compact any subset
+    (``select``), without the trie of the whole batch (``prefix_index`` builds it in O(N) token
+    comparisons, or from an explicit tree's nodes; ``compact`` also writes the S- and C-sized
+    arrays)."""
+
+    batch: RolloutBatch
+    lcp_index: LCPIndex
+
+    @property
+    def num_trajectories(self) -> int:
+        return self.batch.num_trajectories
+
+    @property
+    def num_compact_tokens(self) -> int:
+        """C of the whole batch, from the LCP index."""
+        return int(self.lcp_index.total_work())
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> CompactBatch:
+        """``compact(self.batch.select(indices))`` from the LCP index (tested equal).
+
+        Compaction's cost is the lexicographic sort and the adjacent LCPs (token comparisons);
+        for a subset both follow from this batch's LCP index (sorted positions, range-minimum
+        LCPs), so only the O(S_sub) trie construction runs.
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        sub = self.batch.select(idx)  # validates the indices
+        # sorted order of the subset: by this batch's sorted position, identical trajectories
+        # (one class) by their index in the subset, as a stable sort of the subset would
+        lcp = self.lcp_index
+        new_class = np.ones(self.num_trajectories, dtype=bool)
+        new_class[1:] = (lcp.adj_lcp[1:] != lcp.sorted_len[1:]) | (lcp.sorted_len[1:] != lcp.sorted_len[:-1])
+        cls = np.cumsum(new_class)[lcp.rank[idx]]
+        order = np.lexsort((np.arange(idx.size), cls))
+        r = lcp.rank[idx[order]]
+        adj = np.zeros(idx.size, dtype=np.int64)
+        if idx.size > 1:
+            lo, hi = np.minimum(r[:-1], r[1:]), np.maximum(r[:-1], r[1:])
+            adj[1:] = lcp.sorted_len[lo]  # one trajectory selected twice: its whole length
+            two = lo < hi
+            adj[1:][two] = lcp.range_min(lo[two] + 1, hi[two] + 1)
+        return _compact_sorted(sub, order, adj)
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,30 +120,14 @@ class CompactBatch:
         """S / C: non-replay compact-row compression."""
         return self.num_semantic_tokens / self.num_compact_tokens
 
-    def select(self, indices: Sequence[int] | np.ndarray) -> CompactBatch:
-        """``compact(self.batch.select(indices))`` without compacting again (tested equal).
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        """The batch with its LCP index: what planning and ``select`` need of a compaction."""
+        return PrefixIndex(self.batch, self.lcp_index)
 
-        Compaction's cost is the lexicographic sort and the adjacent LCPs (token comparisons);
-        for a subset both follow from this batch's LCP index (sorted positions, range-minimum
-        LCPs), so only the O(S_sub) trie construction runs.
-        """
-        idx = np.asarray(indices, dtype=np.int64)
-        sub = self.batch.select(idx)  # validates the indices
-        # sorted order of the subset: by this batch's sorted position, identical trajectories
-        # (one class) by their index in the subset, as a stable sort of the subset would
-        lcp = self.lcp_index
-        new_class = np.ones(self.num_trajectories, dtype=bool)
-        new_class[1:] = (lcp.adj_lcp[1:] != lcp.sorted_len[1:]) | (lcp.sorted_len[1:] != lcp.sorted_len[:-1])
-        cls = np.cumsum(new_class)[lcp.rank[idx]]
-        order = np.lexsort((np.arange(idx.size), cls))
-        r = lcp.rank[idx[order]]
-        adj = np.zeros(idx.size, dtype=np.int64)
-        if idx.size > 1:
-            lo, hi = np.minimum(r[:-1], r[1:]), np.maximum(r[:-1], r[1:])
-            adj[1:] = lcp.sorted_len[lo]  # one trajectory selected twice: its whole length
-            two = lo < hi
-            adj[1:][two] = lcp.range_min(lo[two] + 1, hi[two] + 1)
-        return _compact_sorted(sub, order, adj)
+    def select(self, indices: Sequence[int] | np.ndarray) -> CompactBatch:
+        """``compact(self.batch.select(indices))`` without compacting again (``PrefixIndex.select``)."""
+        return self.prefix_index.select(indices)
 
     def __repr__(self) -> str:
         f = self.segment_trees
@@ -148,6 +179,73 @@ def compact(batch: RolloutBatch) -> CompactBatch:
     return _compact_sorted(batch)
 
 
+def prefix_index(batch: RolloutBatch) -> PrefixIndex:
+    """The batch's ``PrefixIndex`` (the same LCP index as ``compact(batch).lcp_index``) without
+    building the trie: a canonical explicit tree gives it from its nodes (``_tree_lcp_index``),
+    other input from the lexicographic sort and adjacent LCPs of the token sequences."""
+    if batch.tree is not None and _tree_is_canonical(batch):
+        return PrefixIndex(batch, _tree_lcp_index(batch))
+    return PrefixIndex(batch, _sorted_lcp_index(batch))
+
+
+def _sorted_lcp_index(batch: RolloutBatch) -> LCPIndex:
+    """The LCP index by sorting the token sequences (any input)."""
+    trajs = batch.trajectories()
+    order = lexicographic_order(batch)
+    return LCPIndex(order, batch.lengths, adjacent_lcp([trajs[j] for j in order]))
+
+
+def _tree_lcp_index(batch: RolloutBatch) -> LCPIndex:
+    """The LCP index of a canonical tree's trajectories from its nodes alone.
+
+    With children in first-token order, the trie's preorder of the leaves is the lexicographic
+    order (no leaf prefixes another). Two adjacent leaves' token sequences agree exactly up to
+    the end of their deepest common node: below it their paths enter siblings, whose first
+    tokens differ (canonical), and distinct roots differ at the first token."""
+    tree = batch.tree
+    assert tree is not None
+    node_order = _node_preorder(tree)
+    leaf_rank = np.empty(tree.num_nodes, dtype=np.int64)
+    leaf_rank[node_order] = np.arange(tree.num_nodes)
+    order = np.argsort(leaf_rank[tree.leaves], kind="stable")
+    node_end = _node_start(tree) + np.diff(tree.offsets)
+    paths = tree.leaf_paths()
+    lcp = np.zeros(order.size, dtype=np.int64)
+    for k in range(1, order.size):
+        a, b = paths[order[k - 1]], paths[order[k]]
+        n = min(a.size, b.size)
+        differ = np.flatnonzero(a[:n] != b[:n])
+        common = int(differ[0]) if differ.size else n
+        if common:
+            lcp[k] = node_end[a[common - 1]]
+    return LCPIndex(order, batch.lengths, lcp)
+
+
+def _node_start(tree: RolloutTree) -> np.ndarray:
+    """int64 [nodes]: the position of each node's first token in its trajectories (the summed
+    lengths of its ancestors)."""
+    node_len = np.diff(tree.offsets)
+    return parent_depth(tree.parent, node_len[np.maximum(tree.parent, 0)])
+
+
+def _node_preorder(tree: RolloutTree) -> np.ndarray:
+    """int64 [nodes]: the tree's nodes in the trie's preorder (roots and children by first token)."""
+    first = tree.tokens[tree.offsets[:-1]]
+    kids: list[list[int]] = [[] for _ in range(tree.num_nodes)]
+    for v in np.lexsort((first, tree.parent)):
+        p = int(tree.parent[v])
+        if p >= 0:
+            kids[p].append(int(v))
+    roots = sorted(tree.roots.tolist(), key=lambda r: first[r])
+    visit: list[int] = []
+    stack = roots[::-1]
+    while stack:
+        u = stack.pop()
+        visit.append(u)
+        stack.extend(reversed(kids[u]))
+    return np.asarray(visit, dtype=np.int64)
+
+
 def _compact_sorted(
     batch: RolloutBatch, order: np.ndarray | None = None, lcp: np.ndarray | None = None
 ) -> CompactBatch:
@@ -156,9 +254,8 @@ def _compact_sorted(
     n = batch.num_trajectories
     lengths = batch.lengths
     if order is None:
-        trajs = batch.trajectories()
-        order = lexicographic_order(batch)
-        lcp = adjacent_lcp([trajs[j] for j in order])
+        index = _sorted_lcp_index(batch)
+        order, lcp = index.order, index.adj_lcp
     assert lcp is not None
     sorted_len = lengths[order]
     fresh = sorted_len - lcp  # rows each sorted trajectory adds
@@ -204,21 +301,8 @@ def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
     assert tree is not None
     nn = tree.num_nodes
     node_len = np.diff(tree.offsets)
-    first = tree.tokens[tree.offsets[:-1]]
     # children sorted by first token: preorder of nodes == preorder of the token trie
-    kids: list[list[int]] = [[] for _ in range(nn)]
-    for v in np.lexsort((first, tree.parent)):
-        p = int(tree.parent[v])
-        if p >= 0:
-            kids[p].append(int(v))
-    roots = sorted(tree.roots.tolist(), key=lambda r: first[r])
-    visit: list[int] = []
-    stack = roots[::-1]
-    while stack:
-        u = stack.pop()
-        visit.append(u)
-        stack.extend(reversed(kids[u]))
-    node_order = np.asarray(visit, dtype=np.int64)
+    node_order = _node_preorder(tree)
     node_row = np.empty(nn, dtype=np.int64)
     lens_in_order = node_len[node_order]
     starts = np.zeros(nn, dtype=np.int64)
@@ -226,11 +310,7 @@ def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
     node_row[node_order] = starts
     c = int(node_len.sum())
 
-    node_pos = np.zeros(nn, dtype=np.int64)
-    for u in node_order:  # preorder: parents first
-        p = int(tree.parent[u])
-        if p >= 0:
-            node_pos[u] = node_pos[p] + node_len[p]
+    node_pos = _node_start(tree)
     run = np.repeat(node_order, lens_in_order)
     within = np.arange(c) - node_row[run]
     position = node_pos[run] + within
@@ -241,14 +321,8 @@ def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
 
     m = _semantic_rows(tree.leaf_paths(), node_len, node_row, batch.num_tokens)
 
-    # leaves in trie preorder are the lexicographic order (no leaf prefixes another)
-    leaf_rank = np.empty(nn, dtype=np.int64)
-    leaf_rank[node_order] = np.arange(nn)
-    order = np.argsort(leaf_rank[tree.leaves], kind="stable")
-    rows_sorted = [m[batch.offsets[j] : batch.offsets[j + 1]] for j in order]
-    lcp = adjacent_lcp(rows_sorted)
     segments = segments_from_nodes(tree.parent, node_order, node_row, node_len, node_pos, c)
-    return _finish(batch, tokens, m, parent, position, LCPIndex(order, batch.lengths, lcp), segments)
+    return _finish(batch, tokens, m, parent, position, _tree_lcp_index(batch), segments)
 
 
 def _semantic_rows(paths: list[np.ndarray], node_len: np.ndarray, node_row: np.ndarray, s: int) -> np.ndarray:

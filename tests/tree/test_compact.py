@@ -150,3 +150,33 @@ def test_select_on_workload_trees():
         for _ in range(10):
             idx = rng.choice(batch.num_trajectories, int(rng.integers(1, batch.num_trajectories + 1)), replace=False)
             assert_same_compaction(cb.select(idx), harts.compact(batch.select(idx)))
+
+
+def assert_same_lcp_index(a: harts.LCPIndex, b: harts.LCPIndex) -> None:
+    for k in ("order", "rank", "sorted_len", "adj_lcp"):
+        np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=k)
+
+
+@given(rollout_trees(), st.data())
+def test_prefix_index_of_a_tree_is_the_compactions(nodes, data):
+    """prefix_index of an explicit tree (from its nodes: no trie, no token comparisons) has the
+    compaction's LCP index, and its slices are the compactions of the slices."""
+    batch = harts.RolloutBatch.from_tree(nodes)
+    index, cb = harts.prefix_index(batch), harts.compact(batch)
+    assert_same_lcp_index(index.lcp_index, cb.lcp_index)
+    assert index.num_compact_tokens == cb.num_compact_tokens and index.num_trajectories == cb.num_trajectories
+    n = batch.num_trajectories
+    idx = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=2 * n))
+    assert_same_compaction(index.select(idx), harts.compact(batch.select(idx)))
+
+
+@given(trajectory_lists())
+def test_prefix_index_of_trajectories_is_the_compactions(trajs):
+    batch = harts.RolloutBatch.from_trajectories(trajs)
+    assert_same_lcp_index(harts.prefix_index(batch).lcp_index, harts.compact(batch).lcp_index)
+
+
+def test_prefix_index_of_workload_trees() -> None:
+    for name in ("tiny", "small"):
+        batch = harts.workloads.generate(name, step=1)  # canonical trees: the node path
+        assert_same_lcp_index(harts.prefix_index(batch).lcp_index, _compact_sorted(batch).lcp_index)

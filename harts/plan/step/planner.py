@@ -41,7 +41,7 @@ from harts.plan.step.repair import deep_repair, sparse_repair
 from harts.plan.step.step_plan import StepPlan, check_inputs, plan_from_owner, to_step_plan
 from harts.plan.step.swap import repack_tail, slot_swaps
 from harts.tree.batch import RolloutBatch
-from harts.tree.compact import CompactBatch, compact
+from harts.tree.compact import CompactBatch, PrefixIndex, prefix_index
 
 __all__ = ["StepPlan", "PlannerParams", "plan_step", "check_inputs", "plan_from_owner"]
 
@@ -102,21 +102,21 @@ def _deep_candidates(
 
 
 def _polish(
-    cb: CompactBatch, cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int
+    index: PrefixIndex, cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int
 ) -> tuple[dict[str, Any], str]:
     """Balancing (``balance.py``), then tail repack and slot swaps (``swap.py``); each result
     is kept only when valid with J not above the previous one."""
     suffix = ""
     if BALANCE_ROUNDS > 0:
         owner = balance(cost, sched["owner"], dp, capacity, BALANCE_ROUNDS)
-        nxt = plan_from_owner(cb, cost, owner, dp, capacity)
+        nxt = plan_from_owner(index, cost, owner, dp, capacity)
         # balance() returns its input unless J drops, or ties with more equal works
         if _valid(owner, nxt["work"], dp, capacity) and nxt["objective"] <= sched["objective"]:
             sched, suffix = nxt, suffix + " +balance"
     if SWAP_ROUNDS > 0:
         owner = repack_tail(cost, sched["owner"], dp, capacity)
         owner = slot_swaps(cost, owner, dp, capacity, rounds=SWAP_ROUNDS)
-        nxt = plan_from_owner(cb, cost, owner, dp, capacity)
+        nxt = plan_from_owner(index, cost, owner, dp, capacity)
         # never raises total work nor J; it may only even out slots
         changed = not np.array_equal(owner, sched["owner"])
         if changed and _valid(owner, nxt["work"], dp, capacity) and nxt["objective"] <= sched["objective"]:
@@ -124,9 +124,9 @@ def _polish(
     return sched, suffix
 
 
-def harts_plan(cb: CompactBatch, dp: int, capacity: int, params: PlannerParams) -> StepPlan:
+def harts_plan(index: PrefixIndex, dp: int, capacity: int, params: PlannerParams) -> StepPlan:
     t0 = time.perf_counter()
-    cost = PrefixCost(cb.lcp_index)
+    cost = PrefixCost(index.lcp_index)
     n = cost.n
     p0 = natural_partition(cost, capacity)
     ks = k_range(cost.total_work(), p0.size - 1, n, dp, capacity)
@@ -158,7 +158,7 @@ def harts_plan(cb: CompactBatch, dp: int, capacity: int, params: PlannerParams) 
 
     scored = []
     for i, (name, owner) in enumerate(candidates):
-        sched = plan_from_owner(cb, cost, owner, dp, capacity)
+        sched = plan_from_owner(index, cost, owner, dp, capacity)
         if _valid(owner, sched["work"], dp, capacity):
             scored.append((sched["objective"], i, name, sched))
     if not scored:
@@ -178,20 +178,23 @@ def harts_plan(cb: CompactBatch, dp: int, capacity: int, params: PlannerParams) 
             if any(np.array_equal(sched0["owner"], o) for o in seen):
                 continue
             seen.append(sched0["owner"])
-            sched, suffix = _polish(cb, cost, sched0, dp, capacity)
+            sched, suffix = _polish(index, cost, sched0, dp, capacity)
             first = sched0 is scored[0][3]
             if sched["objective"] < best["objective"] or (first and sched["objective"] <= best["objective"]):
                 best, best_name = sched, name + suffix
     seconds = time.perf_counter() - t0
     info = {"winner": best_name, "candidates": len(candidates), "k0": int(p0.size - 1), "k_range": ks}
-    return to_step_plan(cb, best, dp, capacity, "harts", seconds, info)
+    return to_step_plan(index, best, dp, capacity, "harts", seconds, info)
 
 
-def plan_step(batch: RolloutBatch | CompactBatch, *, dp: int, capacity: int, **params: Any) -> StepPlan:
+def plan_step(batch: RolloutBatch | CompactBatch | PrefixIndex, *, dp: int, capacity: int, **params: Any) -> StepPlan:
     """Plan one training step: microbatches, their DP replicas and slots.
 
     Args:
-        batch: a ``RolloutBatch`` (compacted here, not timed) or a ``CompactBatch``.
+        batch: a ``RolloutBatch`` (its ``prefix_index`` is built here, not timed: the LCP index
+            of its sorted trajectories, which is all the planner reads, without the whole step's
+            trie; each microbatch is compacted on its own by ``StepPlan.compact_microbatch``), a
+            ``PrefixIndex`` or a ``CompactBatch``.
         dp: data-parallel degree D (1 <= D <= N).
         capacity: microbatch capacity T in compact tokens.
         **params: ``PlannerParams`` fields (the paper's n0, q_max, window, sweeps, anchors,
@@ -199,9 +202,12 @@ def plan_step(batch: RolloutBatch | CompactBatch, *, dp: int, capacity: int, **p
             ``harts.plan.baselines.ortools_partition.ortools_step`` (same arguments).
 
     Returns:
-        A ``StepPlan``; ``plan_seconds`` excludes compaction.
+        A ``StepPlan``; ``plan_seconds`` excludes building the prefix index.
     """
-    cb = batch if isinstance(batch, CompactBatch) else compact(batch)
-    check_inputs(cb, dp, capacity)
+    if isinstance(batch, CompactBatch):
+        index = batch.prefix_index
+    else:
+        index = batch if isinstance(batch, PrefixIndex) else prefix_index(batch)
+    check_inputs(index, dp, capacity)
     dp, capacity = int(dp), int(capacity)
-    return harts_plan(cb, dp, capacity, PlannerParams(**params))
+    return harts_plan(index, dp, capacity, PlannerParams(**params))

@@ -18,7 +18,7 @@ import numpy as np
 from harts.plan.calls import CallPlan, plan_calls_many
 from harts.plan.step.objective import PrefixCost, imbalance
 from harts.plan.step.schedule import build_schedule
-from harts.tree.compact import CompactBatch
+from harts.tree.compact import CompactBatch, PrefixIndex
 
 __all__ = ["StepPlan", "check_inputs", "plan_from_owner", "to_step_plan"]
 
@@ -29,9 +29,9 @@ class StepPlan:
 
     ``microbatches[k]`` lists batch trajectory indices (lexicographic order) and runs on
     replica ``replica[k]`` in slot ``slot[k]``; microbatches are listed by (slot, replica).
-    ``compact`` is the step's compaction the plan was made from: ``compact_microbatch(k)``
-    and ``prepare_replica(d, chunk_size)`` hand out its slices, so execution never compacts
-    a microbatch again.
+    ``prefix`` is the step's prefix index the plan was made from: ``compact_microbatch(k)``
+    and ``prepare_replica(d, chunk_size)`` compact each microbatch from it
+    (``PrefixIndex.select``), with no token comparisons and no trie of the whole step.
     """
 
     microbatches: list[list[int]]
@@ -44,7 +44,7 @@ class StepPlan:
     capacity: int
     method: str
     info: dict[str, Any] = field(default_factory=dict)
-    compact: CompactBatch | None = field(default=None, repr=False)
+    prefix: PrefixIndex | None = field(default=None, repr=False)
 
     @property
     def num_microbatches(self) -> int:
@@ -78,11 +78,11 @@ class StepPlan:
         return sorted((k for k in range(self.num_microbatches) if self.replica[k] == d), key=self.slot.__getitem__)
 
     def compact_microbatch(self, k: int) -> CompactBatch:
-        """Microbatch k compacted: a slice of the step's compaction (``CompactBatch.select``),
-        equal to compacting ``batch.select(microbatches[k])``."""
-        if self.compact is None:
-            raise ValueError("this StepPlan carries no compaction (it was not made by plan_step)")
-        return self.compact.select(self.microbatches[k])
+        """Microbatch k compacted from the step's prefix index (``PrefixIndex.select``), equal to
+        compacting ``batch.select(microbatches[k])``."""
+        if self.prefix is None:
+            raise ValueError("this StepPlan carries no prefix index (it was not made by plan_step)")
+        return self.prefix.select(self.microbatches[k])
 
     def prepare_replica(self, d: int, chunk_size: int) -> list[tuple[CompactBatch, CallPlan]]:
         """Replica d's microbatches in slot order, each compacted (``compact_microbatch``) with
@@ -122,11 +122,11 @@ def check_dp_capacity(lengths: np.ndarray, dp: int, capacity: int, unit: str) ->
         )
 
 
-def check_inputs(cb: CompactBatch, dp: int, capacity: int) -> None:
+def check_inputs(index: PrefixIndex | CompactBatch, dp: int, capacity: int) -> None:
     """Clear errors for D, T and trajectories that cannot be planned."""
-    n = cb.num_trajectories
-    check_dp_capacity(cb.batch.lengths, dp, capacity, "compact")
-    g = cb.lcp_index.total_work()
+    n = index.num_trajectories
+    check_dp_capacity(index.batch.lengths, dp, capacity, "compact")
+    g = index.lcp_index.total_work()
     need = dp * max(1, -(-g // (capacity * dp)))
     if need > dp * (n // dp):
         raise ValueError(
@@ -135,7 +135,9 @@ def check_inputs(cb: CompactBatch, dp: int, capacity: int) -> None:
         )
 
 
-def plan_from_owner(cb: CompactBatch, cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int) -> dict[str, Any]:
+def plan_from_owner(
+    index: PrefixIndex | CompactBatch, cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int
+) -> dict[str, Any]:
     """Schedule one grouping and return its parts (used by both planners)."""
     work = cost.works(owner)
     replica, slot, j = build_schedule(work, dp)
@@ -143,10 +145,17 @@ def plan_from_owner(cb: CompactBatch, cost: PrefixCost, owner: np.ndarray, dp: i
 
 
 def to_step_plan(
-    cb: CompactBatch, best: dict[str, Any], dp: int, capacity: int, method: str, seconds: float, info: dict
+    index: PrefixIndex | CompactBatch,
+    best: dict[str, Any],
+    dp: int,
+    capacity: int,
+    method: str,
+    seconds: float,
+    info: dict,
 ) -> StepPlan:
-    """The StepPlan of a scheduled grouping ``best`` (a ``plan_from_owner`` result) of ``cb``."""
-    order = cb.lcp_index.order
+    """The StepPlan of a scheduled grouping ``best`` (a ``plan_from_owner`` result) of ``index``'s
+    batch."""
+    order = index.lcp_index.order
     owner = best["owner"]
     k = best["work"].size
     by_group = np.argsort(owner, kind="stable")
@@ -164,5 +173,5 @@ def to_step_plan(
         capacity=capacity,
         method=method,
         info=info,
-        compact=cb,
+        prefix=index if isinstance(index, PrefixIndex) else index.prefix_index,
     )

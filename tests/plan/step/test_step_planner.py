@@ -221,6 +221,24 @@ def test_ortools_baseline_keeps_trees_that_fit_whole() -> None:
     assert sum(plan.work) == 400
 
 
+def test_plan_from_a_batch_its_prefix_index_or_its_compaction_is_the_same() -> None:
+    """plan_step reads only the LCP index: a batch (prefix index built from its tree), its
+    PrefixIndex and its CompactBatch give the same plan, and its microbatches compact alike."""
+    batch = harts.workloads.generate("small", step=1)
+    plans = [harts.plan_step(x, dp=2, capacity=8192) for x in (batch, harts.prefix_index(batch), harts.compact(batch))]
+    for p in plans[1:]:
+        assert (p.microbatches, p.replica, p.slot, p.work, p.objective) == (
+            plans[0].microbatches,
+            plans[0].replica,
+            plans[0].slot,
+            plans[0].work,
+            plans[0].objective,
+        )
+    a, b = plans[0].compact_microbatch(0), harts.compact(batch.select(plans[0].microbatches[0]))
+    np.testing.assert_array_equal(a.semantic_to_compact, b.semantic_to_compact)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
 def test_workload_step_plan() -> None:
     batch = harts.workloads.generate("small", step=0, seed=0)
     cb = harts.compact(batch)
