@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     headers = ["step", "paths", "raw tokens", "harts compact"]
     if base:
         headers += [f"{base} compact", "compact OR/H", "time OR/H"]
-    headers += ["harts s"] + ([f"{base} s"] if base else [])
+    headers += ["harts s", "index s"] + ([f"{base} s"] if base else [])
     rows = []
     for s in steps:
         h = s["harts"]
@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{b['compact_tokens'] / h['compact_tokens']:.6f}x",
                 f"{b['plan_seconds'] / h['plan_seconds']:.3f}x",
             ]
-        row += [f"{h['plan_seconds']:.3f}"] + ([f"{s[base]['plan_seconds']:.3f}"] if base else [])
+        row += [f"{h['plan_seconds']:.3f}", f"{h['index_seconds']:.3f}"] + (
+            [f"{s[base]['plan_seconds']:.3f}"] if base else []
+        )
         rows.append(row)
     print(format_table(headers, rows))
     print()
