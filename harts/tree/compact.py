@@ -183,8 +183,11 @@ def prefix_index(batch: RolloutBatch) -> PrefixIndex:
     """The batch's ``PrefixIndex`` (the same LCP index as ``compact(batch).lcp_index``) without
     building the trie: a canonical explicit tree gives it from its nodes (``_tree_lcp_index``),
     other input from the lexicographic sort and adjacent LCPs of the token sequences."""
-    if batch.tree is not None and _tree_is_canonical(batch):
-        return PrefixIndex(batch, _tree_lcp_index(batch))
+    tree = batch.tree
+    if tree is not None and _tree_is_canonical(batch):
+        return PrefixIndex(
+            batch, _tree_lcp_index(tree, batch.lengths, _node_preorder(tree), _node_start(tree), tree.leaf_paths())
+        )
     return PrefixIndex(batch, _sorted_lcp_index(batch))
 
 
@@ -195,21 +198,20 @@ def _sorted_lcp_index(batch: RolloutBatch) -> LCPIndex:
     return LCPIndex(order, batch.lengths, adjacent_lcp([trajs[j] for j in order]))
 
 
-def _tree_lcp_index(batch: RolloutBatch) -> LCPIndex:
-    """The LCP index of a canonical tree's trajectories from its nodes alone.
+def _tree_lcp_index(
+    tree: RolloutTree, lengths: np.ndarray, node_order: np.ndarray, node_start: np.ndarray, paths: list[np.ndarray]
+) -> LCPIndex:
+    """The LCP index of a canonical tree's trajectories (lengths ``lengths``, root-to-leaf node paths
+    ``paths``) from its nodes alone, given their trie preorder ``_node_preorder`` and ``_node_start``.
 
     With children in first-token order, the trie's preorder of the leaves is the lexicographic
     order (no leaf prefixes another). Two adjacent leaves' token sequences agree exactly up to
     the end of their deepest common node: below it their paths enter siblings, whose first
     tokens differ (canonical), and distinct roots differ at the first token."""
-    tree = batch.tree
-    assert tree is not None
-    node_order = _node_preorder(tree)
     leaf_rank = np.empty(tree.num_nodes, dtype=np.int64)
     leaf_rank[node_order] = np.arange(tree.num_nodes)
     order = np.argsort(leaf_rank[tree.leaves], kind="stable")
-    node_end = _node_start(tree) + np.diff(tree.offsets)
-    paths = tree.leaf_paths()
+    node_end = node_start + np.diff(tree.offsets)
     lcp = np.zeros(order.size, dtype=np.int64)
     for k in range(1, order.size):
         a, b = paths[order[k - 1]], paths[order[k]]
@@ -218,7 +220,7 @@ def _tree_lcp_index(batch: RolloutBatch) -> LCPIndex:
         common = int(differ[0]) if differ.size else n
         if common:
             lcp[k] = node_end[a[common - 1]]
-    return LCPIndex(order, batch.lengths, lcp)
+    return LCPIndex(order, lengths, lcp)
 
 
 def _node_start(tree: RolloutTree) -> np.ndarray:
@@ -319,10 +321,11 @@ def _compact_from_tree(batch: RolloutBatch) -> CompactBatch:
     pn = tree.parent[node_order]
     parent[starts] = np.where(pn >= 0, node_row[np.maximum(pn, 0)] + node_len[np.maximum(pn, 0)] - 1, -1)
 
-    m = _semantic_rows(tree.leaf_paths(), node_len, node_row, batch.num_tokens)
-
+    paths = tree.leaf_paths()
+    m = _semantic_rows(paths, node_len, node_row, batch.num_tokens)
     segments = segments_from_nodes(tree.parent, node_order, node_row, node_len, node_pos, c)
-    return _finish(batch, tokens, m, parent, position, _tree_lcp_index(batch), segments)
+    lcp_index = _tree_lcp_index(tree, batch.lengths, node_order, node_pos, paths)
+    return _finish(batch, tokens, m, parent, position, lcp_index, segments)
 
 
 def _semantic_rows(paths: list[np.ndarray], node_len: np.ndarray, node_row: np.ndarray, s: int) -> np.ndarray:
