@@ -101,22 +101,20 @@ def _deep_candidates(
     return out
 
 
-def _polish(
-    index: PrefixIndex, cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int
-) -> tuple[dict[str, Any], str]:
+def _polish(cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int) -> tuple[dict[str, Any], str]:
     """Balancing (``balance.py``), then tail repack and slot swaps (``swap.py``); each result
     is kept only when valid with J not above the previous one."""
     suffix = ""
     if BALANCE_ROUNDS > 0:
         owner = balance(cost, sched["owner"], dp, capacity, BALANCE_ROUNDS)
-        nxt = plan_from_owner(index, cost, owner, dp, capacity)
+        nxt = plan_from_owner(cost, owner, dp)
         # balance() returns its input unless J drops, or ties with more equal works
         if _valid(owner, nxt["work"], dp, capacity) and nxt["objective"] <= sched["objective"]:
             sched, suffix = nxt, suffix + " +balance"
     if SWAP_ROUNDS > 0:
         owner = repack_tail(cost, sched["owner"], dp, capacity)
         owner = slot_swaps(cost, owner, dp, capacity, rounds=SWAP_ROUNDS)
-        nxt = plan_from_owner(index, cost, owner, dp, capacity)
+        nxt = plan_from_owner(cost, owner, dp)
         # never raises total work nor J; it may only even out slots
         changed = not np.array_equal(owner, sched["owner"])
         if changed and _valid(owner, nxt["work"], dp, capacity) and nxt["objective"] <= sched["objective"]:
@@ -158,7 +156,7 @@ def harts_plan(index: PrefixIndex, dp: int, capacity: int, params: PlannerParams
 
     scored = []
     for i, (name, owner) in enumerate(candidates):
-        sched = plan_from_owner(index, cost, owner, dp, capacity)
+        sched = plan_from_owner(cost, owner, dp)
         if _valid(owner, sched["work"], dp, capacity):
             scored.append((sched["objective"], i, name, sched))
     if not scored:
@@ -178,7 +176,7 @@ def harts_plan(index: PrefixIndex, dp: int, capacity: int, params: PlannerParams
             if any(np.array_equal(sched0["owner"], o) for o in seen):
                 continue
             seen.append(sched0["owner"])
-            sched, suffix = _polish(index, cost, sched0, dp, capacity)
+            sched, suffix = _polish(cost, sched0, dp, capacity)
             first = sched0 is scored[0][3]
             if sched["objective"] < best["objective"] or (first and sched["objective"] <= best["objective"]):
                 best, best_name = sched, name + suffix

@@ -135,9 +135,7 @@ def check_inputs(index: PrefixIndex | CompactBatch, dp: int, capacity: int) -> N
         )
 
 
-def plan_from_owner(
-    index: PrefixIndex | CompactBatch, cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int
-) -> dict[str, Any]:
+def plan_from_owner(cost: PrefixCost, owner: np.ndarray, dp: int) -> dict[str, Any]:
     """Schedule one grouping and return its parts (used by both planners)."""
     work = cost.works(owner)
     replica, slot, j = build_schedule(work, dp)
