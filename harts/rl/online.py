@@ -46,7 +46,7 @@ from harts.rl.grpo import per_logprob
 from harts.rl.train import TrainConfig, train_step
 from harts.rollout.collect import RolloutConfig, collect
 from harts.tree.batch import RolloutBatch
-from harts.tree.compact import compact
+from harts.tree.compact import prefix_index
 
 __all__ = ["OnlineConfig", "OnlineState", "OnlineTrainer", "policy_pass"]
 
@@ -211,7 +211,7 @@ class OnlineTrainer:
             "kl": kl,
             "clip_frac": sum(log.clip_frac * log.action_tokens for log in logs) / acts,
             "entropy": entropy,
-            "compression": batch.num_tokens / compact(batch).num_compact_tokens,
+            "compression": batch.num_tokens / prefix_index(batch).num_compact_tokens,
             "loss": float(np.mean([log.loss for log in logs])),
             "grad_norm": float(np.mean([log.grad_norm for log in logs])),
             "mismatch": mismatch,
