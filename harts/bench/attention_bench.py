@@ -17,7 +17,10 @@ passes). On random q, k, v of the model's MLA shapes (H heads, qk dim ``nope + r
 * several, joined by ``+`` and applied left to right (``harts+bwd=...``), plus the flags
   ``safe`` (``ROWS_GUARANTEED_SAFE``: every row sees itself), ``tma`` (``USE_TMA``: Hopper's
   bulk tensor copies), ``prescale`` (``PRESCALE_QK``: q scaled once, not every score) and
-  ``nodq`` (``WRITE_DQ=False``: dq written in the dk/dv loop).
+  ``nodq`` (``WRITE_DQ=False``: dq written in the dk/dv loop) and ``flash`` (``BACKEND="FLASH"``:
+  torch's flash-attention backend on the CuTe DSL, where ``flash-attn-4`` is installed; use it
+  alone, ``--variant flash``, since the Triton tile options do not apply to it). A variant that
+  does not compile or run is reported as failed and the others go on.
 
 With ``--varlen`` the baseline's mask is also run through torch's flash-attention varlen kernel
 (``torch.nn.attention.varlen``, v zero-padded to the qk dim) where this torch has it: what a
@@ -47,6 +50,8 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "tma": {"USE_TMA": True},
     "prescale": {"PRESCALE_QK": True},
     "nodq": {"WRITE_DQ": False},
+    # torch's CuTe-DSL flash-attention backend (needs flash-attn-4 and nvidia-cutlass-dsl)
+    "flash": {"BACKEND": "FLASH"},
 }
 
 
@@ -199,9 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         ref = None
         runs: list[tuple[str, Callable[[], torch.Tensor]]] = []
         for name, opts in variants:
-            kopts = dict(flex_kernel_options(dev, dtype, dqk, dv) or {}) | opts
-
-            runs.append((name, functools.partial(_flex_call, flex, q, k, v, block_mask, dqk**-0.5, kopts or None)))
+            # exactly the variant's options: ``torch`` and ``flash`` must not carry harts' tiles
+            runs.append((name, functools.partial(_flex_call, flex, q, k, v, block_mask, dqk**-0.5, opts or None)))
         if args.varlen and side == "baseline":
             varlen = _varlen_call(q, k, v, m, dqk, dv)
             if varlen is None:

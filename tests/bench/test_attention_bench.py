@@ -24,6 +24,7 @@ def test_parse_variant_layers_options_left_to_right() -> None:
         "ROWS_GUARANTEED_SAFE": True,
     }
     assert parse_variant("torch+tma+prescale+nodq") == {"USE_TMA": True, "PRESCALE_QK": True, "WRITE_DQ": False}
+    assert parse_variant("flash") == {"BACKEND": "FLASH"}
     assert parse_variant("fwd=64,32,1,4") == {
         "fwd_BLOCK_M": 64,
         "fwd_BLOCK_N": 32,
