@@ -242,7 +242,7 @@ def ortools_step(batch: RolloutBatch | CompactBatch, *, dp: int, capacity: int, 
     """``plan_step``'s counterpart for the baseline: a ``RolloutBatch`` (compacted here, not
     timed) or ``CompactBatch``, D replicas, capacity T; ``params`` are ``ORToolsParams`` fields."""
     cb = batch if isinstance(batch, CompactBatch) else compact(batch)
-    check_inputs(cb, dp, capacity)
+    check_inputs(cb.prefix_index, dp, capacity)
     return ortools_plan(cb, int(dp), int(capacity), ORToolsParams(**params))
 
 
@@ -287,4 +287,4 @@ def ortools_plan(cb: CompactBatch, dp: int, capacity: int, params: ORToolsParams
     }
     seconds = time.perf_counter() - t0
     info = {"time_limit": params.time_limit, "num_workers": params.num_workers, "seed": params.seed}
-    return to_step_plan(cb, best, dp, capacity, "ortools", seconds, info)
+    return to_step_plan(cb.prefix_index, best, dp, capacity, "ortools", seconds, info)

@@ -122,7 +122,7 @@ def check_dp_capacity(lengths: np.ndarray, dp: int, capacity: int, unit: str) ->
         )
 
 
-def check_inputs(index: PrefixIndex | CompactBatch, dp: int, capacity: int) -> None:
+def check_inputs(index: PrefixIndex, dp: int, capacity: int) -> None:
     """Clear errors for D, T and trajectories that cannot be planned."""
     n = index.num_trajectories
     check_dp_capacity(index.batch.lengths, dp, capacity, "compact")
@@ -143,7 +143,7 @@ def plan_from_owner(cost: PrefixCost, owner: np.ndarray, dp: int) -> dict[str, A
 
 
 def to_step_plan(
-    index: PrefixIndex | CompactBatch,
+    index: PrefixIndex,
     best: dict[str, Any],
     dp: int,
     capacity: int,
@@ -171,5 +171,5 @@ def to_step_plan(
         capacity=capacity,
         method=method,
         info=info,
-        prefix=index if isinstance(index, PrefixIndex) else index.prefix_index,
+        prefix=index,
     )
