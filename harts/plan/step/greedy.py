@@ -64,64 +64,75 @@ class Grouping:
         self.kpos[: self.m] = by
         self.starts = np.zeros(n + 1, dtype=np.int64)
         self.starts[: self.k] = np.searchsorted(self.owner[by], np.arange(self.k))
+        # whether a group is empty (only while eliminate_small re-places one): ``shared`` then
+        # masks the empty groups' reduceat values; groups only gain members otherwise
+        self._empty = bool(self.k) and int(np.bincount(self.owner[by], minlength=self.k).min()) == 0
 
-    def lcp_to_all(self, x: int) -> np.ndarray:
-        """int64 [N + 1]: LCP of x with every sorted position (entry N is a 0 pad)."""
+    def lcp_to_all(self, x: int, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 [N + 1]: LCP of x with every sorted position (entry N is a 0 pad), written into
+        ``out`` when given (the two running minima go straight into their halves of it)."""
         adj = self.cost.adj
-        out = np.empty(self.cost.n + 1, dtype=np.int64)
+        if out is None:
+            out = np.empty(self.cost.n + 1, dtype=np.int64)
         out[x] = self.cost.length[x]
-        out[:x] = np.minimum.accumulate(adj[x:0:-1])[::-1]
-        out[x + 1 :] = np.minimum.accumulate(adj[x + 1 :])
+        if x:
+            np.minimum.accumulate(adj[x:0:-1], out=out[x - 1 :: -1])
+        np.minimum.accumulate(adj[x + 1 :], out=out[x + 1 :])
         return out
 
-    def shared(self, x: int) -> np.ndarray:
-        """int64 [K]: longest prefix x shares with any member of each group (0 if empty)."""
+    def shared(self, x: int, lcp: np.ndarray | None = None) -> np.ndarray:
+        """int64 [K]: longest prefix x shares with any member of each group (0 if empty);
+        ``lcp`` is ``lcp_to_all(x)`` when the caller has it already."""
         k = self.k
         if self.m == 0:
             return np.zeros(k, dtype=np.int64)
         starts = self.starts[:k]
-        v = self.lcp_to_all(x)[self.kpos[: self.m + 1]]
+        v = (self.lcp_to_all(x) if lcp is None else lcp)[self.kpos[: self.m + 1]]
         out = np.maximum.reduceat(v, starts)
-        ends = self.starts[1 : k + 1].copy()
-        ends[-1] = self.m
-        return np.where(ends > starts, out, 0)
+        if self._empty:
+            ends = self.starts[1 : k + 1].copy()
+            ends[-1] = self.m
+            out = np.where(ends > starts, out, 0)
+        return out
 
     def place(self, x: int, g: int, delta: int) -> None:
-        m = self.m
-        if g == self.k:
+        m, k = self.m, self.work.size
+        if g == k:
             self.work = np.append(self.work, 0)
             self.starts[g] = m
+            k += 1
         self.owner[x] = g
-        lo = int(self.starts[g])
-        hi = int(self.starts[g + 1]) if g + 1 < self.k else m
-        at = lo + int(np.searchsorted(self.kpos[lo:hi], x))
-        self.kpos[at + 1 : m + 1] = self.kpos[at:m]
-        self.kpos[at] = x
+        kpos, starts = self.kpos, self.starts
+        lo = int(starts[g])
+        hi = int(starts[g + 1]) if g + 1 < k else m
+        at = lo + int(kpos[lo:hi].searchsorted(x))
+        kpos[at + 1 : m + 1] = kpos[at:m]
+        kpos[at] = x
         self.m = m + 1
-        self.starts[g + 1 : self.k] += 1
+        starts[g + 1 : k] += 1
         self.work[g] += delta
 
-    def insert(self, x: int, capacity: int, policy: str, exclude: int = -1) -> bool:
-        """Place x by ``policy`` ('best_fit' | 'max_shared' | 'min_cost'); open a new one if allowed."""
+    def insert(self, x: int, capacity: int, policy: str, exclude: int = -1, lcp: np.ndarray | None = None) -> bool:
+        """Place x by ``policy`` ('best_fit' | 'max_shared' | 'min_cost'); open a new one if
+        allowed. ``lcp``: ``lcp_to_all(x)``, when the caller has it already."""
         length = int(self.cost.length[x])
-        if self.k:
-            sh = self.shared(x)
-            after = self.work + length - sh
-            ok = after <= capacity
+        if self.work.size:
+            sh = self.shared(x, lcp)
+            after = self.work + (length - sh)
+            # best_fit: the largest work after insertion; max_shared (== min_cost, Delta C =
+            # |x| - shared): the largest shared amount, ties -> the fuller one. Infeasible
+            # destinations score -1 (every feasible score is >= 0); argmax takes the first
+            score = after if policy == "best_fit" else sh * (2 * capacity + 2) + after
+            score[after > capacity] = -1
             if exclude >= 0:
-                ok[exclude] = False
-            if ok.any():
-                if policy == "best_fit":
-                    g = int(np.argmax(np.where(ok, after, -1)))
-                else:
-                    # max_shared (== min_cost, Delta C = |x| - shared); ties -> the fuller one
-                    score = np.where(ok, sh * (2 * capacity + 2) + after, -1)
-                    g = int(np.argmax(score))
+                score[exclude] = -1
+            g = int(score.argmax())
+            if score[g] >= 0:
                 self.place(x, g, int(length - sh[g]))
                 return True
         if policy == "min_cost":
             return False
-        self.place(x, self.k, length)
+        self.place(x, self.work.size, length)
         return True
 
     def remove_group(self, g: int) -> None:
@@ -194,10 +205,19 @@ def align_to_dp(cost: PrefixCost, owner: np.ndarray, dp: int) -> np.ndarray | No
 
 
 def greedy_plan(cost: PrefixCost, order: np.ndarray, policy: str, capacity: int) -> Grouping:
-    grp = Grouping(cost)
-    for x in order:
-        grp.insert(int(x), capacity, policy)
-    return grp
+    return greedy_plans(cost, order, (policy,), capacity)[0]
+
+
+def greedy_plans(cost: PrefixCost, order: np.ndarray, policies: tuple[str, ...], capacity: int) -> list[Grouping]:
+    """One greedy plan per policy over the same processing order, in lockstep: x's LCP to every
+    position is computed once per x for all of them (the same plans as one at a time)."""
+    grps = [Grouping(cost) for _ in policies]
+    lcp = np.empty(cost.n + 1, dtype=np.int64)
+    for x in order.tolist():
+        grps[0].lcp_to_all(x, lcp)
+        for grp, policy in zip(grps, policies):
+            grp.insert(x, capacity, policy, lcp=lcp)
+    return grps
 
 
 def greedy_candidates(
@@ -206,8 +226,7 @@ def greedy_candidates(
     """(the preselected greedy owner, all eight aligned plans); the first is None if none align."""
     plans = []
     for order in processing_orders(cost).values():
-        for policy in ("best_fit", "max_shared"):
-            grp = greedy_plan(cost, order, policy, capacity)
+        for grp in greedy_plans(cost, order, ("best_fit", "max_shared"), capacity):
             eliminate_small(grp, capacity, small_fraction)
             owner = align_to_dp(cost, grp.owner, dp)
             if owner is not None:

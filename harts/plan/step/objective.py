@@ -81,6 +81,12 @@ class PrefixCost:
         out = np.where(i == j, self.length[np.minimum(i, self.n - 1)], out)
         return int(out) if out.ndim == 0 else out
 
+    def lcp_ascending(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """int64 [m]: LCP of sorted positions with i < j elementwise (``lcp``'s arithmetic
+        without its ordering and equality cases: the sets' adjacent members)."""
+        k = self.log2[j - i]
+        return np.minimum(self.table[k, i + 1], self.table[k, j + 1 - (1 << k)])
+
     @overload
     def interval_work(self, lo: int, hi: int) -> int: ...
     @overload
@@ -104,7 +110,7 @@ class PrefixCost:
         p = np.sort(np.asarray(positions, dtype=np.int64))
         if p.size == 0:
             return 0
-        return int(self.length[p].sum() - (self.lcp(p[:-1], p[1:]).sum() if p.size > 1 else 0))
+        return int(self.length[p].sum() - (self.lcp_ascending(p[:-1], p[1:]).sum() if p.size > 1 else 0))
 
     def insertion_cost(self, positions: np.ndarray, x: int) -> int:
         """Delta C of inserting sorted position x into the set ``positions`` (Eq. 10)."""
@@ -129,7 +135,7 @@ class PrefixCost:
         pos = placed[np.argsort(owner[placed], kind="stable")]
         g = owner[pos]
         same = g[1:] == g[:-1]
-        shared = self.lcp(pos[:-1][same], pos[1:][same])
+        shared = self.lcp_ascending(pos[:-1][same], pos[1:][same])
         w = np.bincount(g, weights=self.length[pos], minlength=k)
         w -= np.bincount(g[1:][same], weights=shared, minlength=k)
         return np.rint(w).astype(np.int64)

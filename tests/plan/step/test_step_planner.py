@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harts
+from harts.plan.step.balance import _lowest_distinct
 from harts.plan.step.exact import exact_partitions, partition_cost
-from harts.plan.step.greedy import Grouping, align_to_dp
+from harts.plan.step.greedy import Grouping, align_to_dp, greedy_plans, processing_orders
 from harts.plan.step.natural import k_range, natural_partition
 from harts.plan.step.objective import PrefixCost
 from harts.plan.step.refine import refine_boundaries
@@ -99,6 +100,40 @@ def test_interval_work_and_insertion_cost_match_trie(seed: int) -> None:
         grp = Grouping(cost, np.where(np.isin(np.arange(n), s), 0, -1))
         grp.work = np.array([before])
         assert int(grp.shared(x)[0]) == int(cost.length[x]) - (after - before)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_lockstep_greedy_equals_one_plan_at_a_time(seed: int) -> None:
+    """``greedy_plans`` shares x's LCP array between policies: the same plans as inserting one
+    policy at a time through ``Grouping.insert`` alone (which computes it itself)."""
+    rng = np.random.default_rng(seed)
+    batch = random_forest_batch(rng, trees=int(rng.integers(1, 5)), paths=30, shared_root=int(rng.integers(0, 3)))
+    cost = PrefixCost(harts.prefix_index(batch).lcp_index)
+    capacity = int(batch.lengths.max() * rng.uniform(1.0, 3.0))
+    policies = ("best_fit", "max_shared")
+    for order in processing_orders(cost).values():
+        together = greedy_plans(cost, order, policies, capacity)
+        for grp, policy in zip(together, policies):
+            alone = Grouping(cost)
+            for x in order:
+                alone.insert(int(x), capacity, policy)
+            assert np.array_equal(grp.owner, alone.owner) and np.array_equal(grp.work, alone.work)
+            assert np.array_equal(grp.work, cost.works(grp.owner))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_lcp_ascending_and_lowest_distinct(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    batch = random_forest_batch(rng, trees=3, paths=20, vocab=3)
+    cost = PrefixCost(harts.prefix_index(batch).lcp_index)
+    i = rng.integers(0, cost.n - 1, size=50)
+    j = i + 1 + (rng.integers(0, cost.n, size=50) % (cost.n - 1 - i))
+    assert np.array_equal(cost.lcp_ascending(i, j), cost.lcp(i, j))
+    v = rng.integers(-1, 6, size=int(rng.integers(0, 12)))
+    for count in (1, 2, 3):
+        assert _lowest_distinct(v, count) == np.unique(v)[:count].tolist()
 
 
 def brute_force(cost: PrefixCost, capacity: int, k: int) -> tuple[int, int] | None:
