@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from harts.ops.logprob import mapped_logprobs, naive_mapped_logprobs
+from harts.ops.logprob.mapped import _IndexPlan, _stable_argsort
 
 F64 = torch.float64
 
@@ -152,3 +154,29 @@ def test_half_gemms_on_cuda_within_plain_bf16_error():
     assert err_kept[0] == err[0], (err_kept, err)
     for name, ek, ep in zip(["logprobs", "d_hidden", "d_weight"], err_kept, err_plain):
         assert ek <= 2 * ep + 1e-6, f"{name}: kept probs {ek:.2e} vs plain bf16 {ep:.2e}"
+
+
+@pytest.mark.parametrize(
+    "P,V,n,forks",
+    [(1, 1, 1, 0), (50, 7, 400, 3), (70_000, 70_000, 90_000, 50), (3_000, 157_184, 20_000, 200)],
+)
+def test_index_plan_equals_unique_and_sorts(P: int, V: int, n: int, forks: int) -> None:
+    """The O(n + P) index plan gives np.unique's and a stable argsort's arrays exactly, also with
+    more than 2**16 unique rows or a vocabulary above 2**16 (two radix digits)."""
+    rng = np.random.default_rng(P + V + n)
+    rows = rng.integers(0, P, n)
+    targets = rng.integers(0, V, n)
+    # repeated (row, target) pairs and forks: positions that share a row, same or other target
+    dup = rng.integers(0, n, forks)
+    rows[dup[: forks // 2]], targets[dup[: forks // 2]] = rows[0], targets[0]
+    rows[dup[forks // 2 :]] = rows[0]
+    plan = _IndexPlan(torch.as_tensor(rows), torch.as_tensor(targets), V, 4096, torch.device("cpu"), P)
+    uniq, inv = np.unique(rows, return_inverse=True)
+    pairs, pair_inv = np.unique(inv * V + targets, return_inverse=True)
+    assert np.array_equal(plan.uniq.numpy(), uniq) and np.array_equal(plan.inv.numpy(), inv)
+    assert np.array_equal(plan.order.numpy(), np.argsort(inv, kind="stable"))
+    assert np.array_equal(plan.pair_inv.numpy(), pair_inv) and plan.num_pairs == pairs.size
+    assert np.array_equal(plan.pair_row.numpy(), pairs // V) and np.array_equal(plan.pair_target.numpy(), pairs % V)
+    for top in (2, 1 << 16, (1 << 16) + 1, 1 << 33):
+        keys = rng.integers(0, top, 1000)
+        assert np.array_equal(_stable_argsort(keys, top), np.argsort(keys, kind="stable"))
