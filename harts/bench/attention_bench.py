@@ -19,8 +19,13 @@ passes). On random q, k, v of the model's MLA shapes (H heads, qk dim ``nope + r
   bulk tensor copies), ``prescale`` (``PRESCALE_QK``: q scaled once, not every score) and
   ``nodq`` (``WRITE_DQ=False``: dq written in the dk/dv loop) and ``flash`` (``BACKEND="FLASH"``:
   torch's flash-attention backend on the CuTe DSL, where ``flash-attn-4`` is installed; use it
-  alone, ``--variant flash``, since the Triton tile options do not apply to it). A variant that
-  does not compile or run is reported as failed and the others go on.
+  alone, ``--variant flash``, since the Triton tile options do not apply to it);
+* ``kv=N``: the tree's BlockMask built with KV blocks of N columns (torch's
+  ``create_block_mask`` on the device, BLOCK_SIZE=(128, N)) instead of harts' 128 x 128 host
+  mask: flash-attn-4's Hopper backward for d_qk 192 / d_v 128 runs 64 x 96 tiles and takes
+  a block mask only at a KV block of 96 (``flash+kv=96``).
+
+A variant that does not compile or run is reported as failed and the others go on.
 
 With ``--varlen`` the baseline's mask is also run through torch's flash-attention varlen kernel
 (``torch.nn.attention.varlen``, v zero-padded to the qk dim) where this torch has it: what a
@@ -42,7 +47,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["parse_variant", "masks_of_step", "main"]
+__all__ = ["KV_BLOCK_KEY", "parse_variant", "masks_of_step", "main"]
+
+#: the key ``parse_variant`` sets for ``kv=N``: the BlockMask's KV block size
+KV_BLOCK_KEY = "kv_block"
 
 #: the flag tokens of a variant and the FlexAttention kernel options each sets
 _FLAGS: dict[str, dict[str, Any]] = {
@@ -57,14 +65,15 @@ _FLAGS: dict[str, dict[str, Any]] = {
 
 def _bad_part(spec: str, part: str) -> ValueError:
     return ValueError(
-        f"variant {spec!r}: {part!r} must be harts, torch, {', '.join(_FLAGS)}, bwd=M1,N1,M2,N2,stages,warps "
-        "or fwd=M,N,stages,warps"
+        f"variant {spec!r}: {part!r} must be harts, torch, {', '.join(_FLAGS)}, bwd=M1,N1,M2,N2,stages,warps, "
+        "fwd=M,N,stages,warps or kv=N"
     )
 
 
 def parse_variant(spec: str, harts_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``"bwd=64,64,64,64,3,4+safe"`` -> FlexAttention kernel options; ``harts`` adds
-    ``harts_options`` (the model's), ``torch`` adds nothing."""
+    ``harts_options`` (the model's), ``torch`` adds nothing; ``kv=N`` sets the key
+    ``KV_BLOCK_KEY`` (the block mask's KV block size, not a kernel option)."""
     opts: dict[str, Any] = {}
     for part in spec.split("+"):
         part = part.strip()
@@ -77,13 +86,18 @@ def parse_variant(spec: str, harts_options: dict[str, Any] | None = None) -> dic
             opts.update(_FLAGS[part])
             continue
         key, eq, vals = part.partition("=")
-        if not eq or key not in ("bwd", "fwd"):
+        if not eq or key not in ("bwd", "fwd", "kv"):
             raise _bad_part(spec, part)
         try:
             nums = [int(x) for x in vals.split(",")]
         except ValueError:
             raise ValueError(f"variant {spec!r}: {part!r} needs integers after '='") from None
         names: tuple[str, ...]
+        if key == "kv":
+            if len(nums) != 1 or nums[0] < 16 or nums[0] % 16:
+                raise ValueError(f"variant {spec!r}: {part!r} needs one multiple of 16 (kv=96)")
+            opts[KV_BLOCK_KEY] = nums[0]
+            continue
         if key == "bwd" and len(nums) == 6:
             names = ("bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_stages", "bwd_num_warps")
         elif key == "fwd" and len(nums) == 4:
@@ -132,6 +146,17 @@ def _visible_pairs(mask: dict[str, np.ndarray]) -> int:
     """Visible (query, key) pairs: a row at trajectory position p sees p + 1 rows (padding: 1)."""
     pre = mask["pre"]
     return int(np.where(pre >= 0, mask["position"] + 1, 1).sum())
+
+
+def _device_block_mask(mask: dict[str, np.ndarray], kv_block: int, device: torch.device) -> Any:
+    """The tree's BlockMask with (128, ``kv_block``) blocks, by torch's ``create_block_mask``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from harts.ops.attention.tree_mask import tree_mask_mod
+
+    pre, end = torch.as_tensor(mask["pre"], device=device), torch.as_tensor(mask["end"], device=device)
+    P = pre.numel()
+    return create_block_mask(tree_mask_mod(pre, end), None, None, P, P, device=device, BLOCK_SIZE=(128, kv_block))
 
 
 def _time(fn: Callable[[], object], repeat: int) -> float:
@@ -205,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[tuple[str, Callable[[], torch.Tensor]]] = []
         for name, opts in variants:
             # exactly the variant's options: ``torch`` and ``flash`` must not carry harts' tiles
-            runs.append((name, functools.partial(_flex_call, flex, q, k, v, block_mask, dqk**-0.5, opts or None)))
+            opts = dict(opts)
+            kv_block = opts.pop(KV_BLOCK_KEY, None)
+            mask = block_mask if kv_block is None else _device_block_mask(m, kv_block, dev)
+            runs.append((name, functools.partial(_flex_call, flex, q, k, v, mask, dqk**-0.5, opts or None)))
         if args.varlen and side == "baseline":
             varlen = _varlen_call(q, k, v, m, dqk, dv)
             if varlen is None:

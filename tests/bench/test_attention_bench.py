@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harts.bench.attention_bench import _visible_pairs, masks_of_step, parse_variant
+from harts.bench.attention_bench import KV_BLOCK_KEY, _visible_pairs, masks_of_step, parse_variant
 
 
 def test_parse_variant_layers_options_left_to_right() -> None:
@@ -25,13 +25,20 @@ def test_parse_variant_layers_options_left_to_right() -> None:
     }
     assert parse_variant("torch+tma+prescale+nodq") == {"USE_TMA": True, "PRESCALE_QK": True, "WRITE_DQ": False}
     assert parse_variant("flash") == {"BACKEND": "FLASH"}
+    assert parse_variant("flash+kv=96") == {"BACKEND": "FLASH", KV_BLOCK_KEY: 96}
     assert parse_variant("fwd=64,32,1,4") == {
         "fwd_BLOCK_M": 64,
         "fwd_BLOCK_N": 32,
         "fwd_num_stages": 1,
         "fwd_num_warps": 4,
     }
-    for bad, match in [("bwd=1,2", "must be harts, torch"), ("fwd=a,b,c,d", "needs integers"), ("fast", "must be")]:
+    for bad, match in [
+        ("bwd=1,2", "must be harts, torch"),
+        ("fwd=a,b,c,d", "needs integers"),
+        ("fast", "must be"),
+        ("kv=100", "multiple of 16"),
+        ("kv=96,2", "one multiple"),
+    ]:
         with pytest.raises(ValueError, match=match):
             parse_variant(bad)
 
