@@ -8,7 +8,8 @@
 #   here:    scripts/fa4_wheels.sh pack          # .whl/ gets the small wheels (beside fla-core),
 #                                                # .fa4a/part-a and .fa4b/part-b the runtime
 #   call 1:  carry [".whl", ".fa4a"]; the command runs  scripts/fa4_wheels.sh keep
-#            (part A moves to .fa4keep/, which later calls leave in place), then anything else
+#            (part A moves to $FA4_KEEP, default /tmp/fa4keep: outside the repo, whose copy
+#            a later call replaces, ignored folders too), then anything else
 #   call 2:  on the same machine, within its idle window: carry [".whl", ".fa4b"]; after the
 #            usual install of .whl/*.whl into /tmp/site, run  scripts/fa4_wheels.sh unpack /tmp/site
 #            then e.g. python -m harts.bench.attention_bench ... --variant flash+kv=96
@@ -24,10 +25,11 @@ SMALL=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-
     nvidia-cutlass-dsl-libs-core==4.8.1 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2
     torch-c-dlpack-ext==0.1.5)
 PART_A_BYTES=${PART_A_BYTES:-50000000}
+KEEP=${FA4_KEEP:-/tmp/fa4keep}
 
 case "${1:-}" in
 pack)
-    for d in .whl .fa4a .fa4b .fa4keep; do
+    for d in .whl .fa4a .fa4b; do
         grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
     done
     mkdir -p .whl .fa4a .fa4b
@@ -44,16 +46,16 @@ pack)
     du -sh .whl .fa4a .fa4b
     ;;
 keep)
-    mkdir -p .fa4keep
-    mv .fa4a/part-a .fa4keep/part-a
-    ls -l .fa4keep
+    mkdir -p "$KEEP"
+    mv .fa4a/part-a "$KEEP/part-a"
+    ls -l "$KEEP"
     ;;
 unpack)
     site=${2:?usage: scripts/fa4_wheels.sh unpack SITE_DIR}
-    [ -f .fa4keep/part-a ] || { echo "fa4_wheels: no .fa4keep/part-a here (call 1 ran on another machine)"; exit 3; }
-    got=$(cat .fa4keep/part-a .fa4b/part-b | sha256sum | cut -d' ' -f1)
+    [ -f "$KEEP/part-a" ] || { echo "fa4_wheels: no $KEEP/part-a here (call 1 ran on another machine)"; exit 3; }
+    got=$(cat "$KEEP/part-a" .fa4b/part-b | sha256sum | cut -d' ' -f1)
     [ "$got" = "$(cat .fa4b/sha256)" ] || { echo "fa4_wheels: parts do not match (sha256 $got)"; exit 4; }
-    cat .fa4keep/part-a .fa4b/part-b | xz -d | tar -C "$site" -xf -
+    cat "$KEEP/part-a" .fa4b/part-b | xz -d | tar -C "$site" -xf -
     echo "fa4_wheels: CuTe-DSL cu13 runtime unpacked into $site"
     ;;
 *)
