@@ -285,3 +285,74 @@ def test_flex_kernel_options_float32_wide_heads_and_hopper_half(monkeypatch: pyt
     for other in [(8, 0), (10, 0)]:
         capability[0] = other
         assert flex_kernel_options(cuda, torch.bfloat16, 192, 128) is None
+
+
+def test_flex_backend_choice_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton off CUDA and on request; ``flash`` on request where it cannot run names why; a bad
+    value names itself. The KV block follows flash-attn-4's Hopper backward tile."""
+    from harts.ops.attention.tree_mask import flash_kv_block, flex_backend
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("HARTS_FLEX_BACKEND", raising=False)
+    assert flex_backend(cpu, torch.bfloat16, 192, 128) == "triton"
+    monkeypatch.setenv("HARTS_FLEX_BACKEND", "triton")
+    assert flex_backend(cpu, torch.bfloat16, 192, 128) == "triton"
+    monkeypatch.setenv("HARTS_FLEX_BACKEND", "flash")
+    with pytest.raises(RuntimeError, match="not a CUDA device"):
+        flex_backend(cpu, torch.bfloat16, 192, 128)
+    monkeypatch.setenv("HARTS_FLEX_BACKEND", "cutlass")
+    with pytest.raises(ValueError, match="'cutlass'"):
+        flex_backend(cpu, torch.bfloat16, 192, 128)
+    assert [flash_kv_block(d, 128) for d in (64, 128, 192, 256)] == [128, 128, 96, 64]
+
+
+@pytest.mark.parametrize("kv_block", [96, 64, 128])
+def test_block_mask_with_narrow_kv_blocks_covers_the_tree_mask(kv_block: int) -> None:
+    """The (128, kv_block) BlockMask FLASH reads: its dense block map marks exactly the blocks
+    holding a visible pair (and the diagonal's), its full blocks only fully visible ones."""
+    from harts.ops.attention.tree_mask import _build_block_mask
+
+    P = 700
+    parent = random_forest(P, num_roots=3, branchy=0.1, seed=kv_block)
+    pre, end = preorder(parent)
+    bm = _build_block_mask(pre, end, kv_block)
+    assert bm.BLOCK_SIZE == (128, kv_block)
+    vis = (pre[None, :] <= pre[:, None]) & (pre[:, None] < end[None, :]) | torch.eye(P, dtype=torch.bool)
+    nq, nk = -(-P // 128), -(-P // kv_block)
+    padded = torch.zeros(nq * 128, nk * kv_block, dtype=torch.bool)
+    padded[:P, :P] = vis
+    blocks = padded.view(nq, 128, nk, kv_block)
+    any_, all_ = blocks.any(dim=(1, 3)), blocks.all(dim=(1, 3))
+    dense = bm.to_dense()[0, 0].bool()  # partial or full
+    assert torch.equal(dense, any_)
+    full = torch.zeros(nq, nk, dtype=torch.bool)
+    for i in range(nq):
+        n = int(bm.full_kv_num_blocks[0, 0, i])
+        full[i, bm.full_kv_indices[0, 0, i, :n].long()] = True
+    assert not (full & ~all_).any()
+
+
+@pytest.mark.gpu
+def test_flash_backend_matches_dense_tree_attention() -> None:
+    """On a GPU with flash-attn-4: FLASH's output and gradients on a branchy tree against the
+    dense reference in float32 (bf16 inputs), as close as the Triton kernel gets."""
+    from harts.ops.attention.tree_mask import flex_backend
+
+    dev = torch.device("cuda")
+    if flex_backend(dev, torch.bfloat16, 192, 128) != "flash":
+        pytest.skip("FlexAttention's flash backend does not run here (flash-attn-4 missing or its probe failed)")
+    P, H = 3000, 4
+    parent = random_forest(P, num_roots=3, branchy=0.05, seed=3)
+    pre, end = (t.to(dev) for t in preorder(parent))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k = (torch.randn(P, H, 192, device=dev, generator=gen) for _ in range(2))
+    v = torch.randn(P, H, 128, device=dev, generator=gen)
+    go = torch.randn(P, H, 128, device=dev, generator=gen)
+    outs = {}
+    for name, dtype, impl in [("ref", torch.float32, "dense"), ("flash", torch.bfloat16, "flex")]:
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        o = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=192**-0.5, impl=impl)
+        o.backward(go.to(dtype))
+        outs[name] = [o.detach().float(), *(t.grad.float() for t in x)]
+    for got, ref in zip(outs["flash"], outs["ref"]):
+        assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2

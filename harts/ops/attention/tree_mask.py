@@ -24,6 +24,22 @@ Row j is visible to row i iff j is an ancestor of i or i itself in the compact t
   device builder (``tree_block_mask``) stays the reference and the path when only device
   tensors are given.
 
+Backend of the "flex" path (``flex_backend``): on Hopper or newer, in half precision, without
+GQA, and where flash-attn-4 imports (``pip install harts[flash]``; ``scripts/fa4_wheels.sh``
+for a machine without a registry), FlexAttention runs its flash-attention backend on the CuTe
+DSL (``BACKEND="FLASH"``) instead of its Triton kernel. Its Hopper backward reads the BlockMask
+only at a KV block of its tile (96 at MLA's 192 / 128 heads, ``flash_kv_block``), so that mask
+is built on the device by ``create_block_mask`` with BLOCK_SIZE=(128, 96); the host builder
+keeps torch's square blocks. On harts' largest ``swe`` step-5 microbatch (65,486 rows, 1.76 G
+visible pairs, 16 x 192 / 128 heads, bf16, one H200) forward + backward took 223.4 ms with
+harts' Triton tiles and 131.2 ms with FLASH (forward 44.5 -> 29.4 ms; outputs and gradients
+within 3.4e-3 of the Triton kernel's, relative to their largest entry). Its backward
+accumulates dq with atomics, so it is not bitwise reproducible; with
+``torch.use_deterministic_algorithms(True)`` the Triton kernel runs. The first use in a process
+runs a small probe forward + backward; if FLASH fails there, a warning says why and Triton
+runs. ``HARTS_FLEX_BACKEND=triton`` (or ``flash``, which raises where FLASH cannot run) overrides
+the choice.
+
 Shapes: P physical rows, H query heads, G kv heads (G divides H), D qk dim, E v dim.
 """
 
@@ -38,7 +54,15 @@ from torch.utils.checkpoint import checkpoint
 from harts.ops.attention.core import attend, check_qkv
 from harts.ops.attention.host_block_mask import host_block_mask
 
-__all__ = ["tree_block_mask", "tree_mask_attention", "tree_mask_mod", "tree_visibility"]
+__all__ = [
+    "FLASH_OPTIONS",
+    "flash_kv_block",
+    "flex_backend",
+    "tree_block_mask",
+    "tree_mask_attention",
+    "tree_mask_mod",
+    "tree_visibility",
+]
 
 
 def tree_visibility(tree_pre_q: torch.Tensor, tree_pre_kv: torch.Tensor, tree_end_kv: torch.Tensor) -> torch.Tensor:
@@ -106,17 +130,22 @@ def tree_mask_attention(
     if impl == "dense":
         return _dense(q_PHD, k_PGD, v_PGE, tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device), scale, row_chunk)
     if impl == "flex":
-        block_mask = mask_cache.get("flex_block_mask") if mask_cache is not None else None
+        D, G, E = q_PHD.shape[2], k_PGD.shape[1], v_PGE.shape[2]
+        flash = flex_backend(q_PHD.device, q_PHD.dtype, D, E, gqa=G != q_PHD.shape[1]) == "flash"
+        key = "flex_block_mask_flash" if flash else "flex_block_mask"
+        block_mask = mask_cache.get(key) if mask_cache is not None else None
         if block_mask is None:
             pre, end = tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device)
             block_mask = None
-            if tree_pre_host is not None and tree_end_host is not None:
+            if flash:
+                block_mask = tree_block_mask(pre, end, kv_block=flash_kv_block(D, E))
+            elif tree_pre_host is not None and tree_end_host is not None:
                 block_mask = _host_block_mask_or_none(tree_pre_host, tree_end_host, pre, end)
             if block_mask is None:
                 block_mask = tree_block_mask(pre, end)
             if mask_cache is not None:
-                mask_cache["flex_block_mask"] = block_mask
-        return _flex(q_PHD, k_PGD, v_PGE, block_mask, scale)
+                mask_cache[key] = block_mask
+        return _flex(q_PHD, k_PGD, v_PGE, block_mask, scale, flash=flash)
     raise ValueError(f"impl must be 'auto', 'dense' or 'flex'; got {impl!r}")
 
 
@@ -182,37 +211,40 @@ def tree_mask_mod(pre: torch.Tensor, end: torch.Tensor):  # noqa: ANN201
     return mask_mod
 
 
-def _build_block_mask(pre: torch.Tensor, end: torch.Tensor):  # noqa: ANN202
+def _build_block_mask(pre: torch.Tensor, end: torch.Tensor, kv_block: int = 128):  # noqa: ANN202
     from torch.nn.attention.flex_attention import create_block_mask
 
     P = pre.shape[0]
-    return create_block_mask(tree_mask_mod(pre, end), None, None, P, P, device=pre.device)
+    return create_block_mask(tree_mask_mod(pre, end), None, None, P, P, device=pre.device, BLOCK_SIZE=(128, kv_block))
 
 
 @functools.cache
-def _compiled_block_mask():
+def _compiled_block_mask(kv_block: int = 128):
     # eager create_block_mask evaluates mask_mod on the whole [P, P] grid: int64 [P, P]
     # intermediates, ~2.5 GB at P = 16 k and P^2 beyond; compiled, the grid is reduced to
-    # blocks without being materialized. Dynamic shapes: one graph for every P.
-    return torch.compile(_build_block_mask, dynamic=True)
+    # blocks without being materialized. Dynamic shapes: one graph for every P (kv_block is
+    # bound here, so that it stays a constant of the graph)
+    return torch.compile(functools.partial(_build_block_mask, kv_block=kv_block), dynamic=True)
 
 
-def tree_block_mask(tree_pre: torch.Tensor, tree_end: torch.Tensor):  # noqa: ANN201
-    """FlexAttention ``BlockMask`` of the ancestor-or-self mask (module docstring) over P rows.
+def tree_block_mask(tree_pre: torch.Tensor, tree_end: torch.Tensor, kv_block: int = 128):  # noqa: ANN201
+    """FlexAttention ``BlockMask`` of the ancestor-or-self mask (module docstring) over P rows,
+    in blocks of 128 query rows x ``kv_block`` key rows.
 
     Built by the compiled builder; if compiling fails on this torch / device, the eager
     builder (same blocks, [P, P] intermediates) is used with a warning.
     """
     try:
-        return _compiled_block_mask()(tree_pre, tree_end)
+        return _compiled_block_mask(kv_block)(tree_pre, tree_end)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, say why
         import warnings
 
         warnings.warn(f"compiled FlexAttention block-mask builder failed ({exc!r}); building it eagerly", stacklevel=2)
-        return _build_block_mask(tree_pre, tree_end)
+        return _build_block_mask(tree_pre, tree_end, kv_block)
 
 
-def _flex(q, k, v, block_mask, scale: float) -> torch.Tensor:
+def _flex(q, k, v, block_mask, scale: float, flash: bool = False) -> torch.Tensor:
+    options = FLASH_OPTIONS if flash else flex_kernel_options(q.device, q.dtype, q.shape[2], v.shape[2])
     o = _compiled_flex()(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
@@ -220,9 +252,100 @@ def _flex(q, k, v, block_mask, scale: float) -> torch.Tensor:
         block_mask=block_mask,
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
-        kernel_options=flex_kernel_options(q.device, q.dtype, q.shape[2], v.shape[2]),
+        kernel_options=None if options is None else dict(options),
     )
     return o[0].transpose(0, 1)
+
+
+#: FlexAttention's kernel options for its flash-attention (CuTe DSL) backend
+FLASH_OPTIONS = {"BACKEND": "FLASH"}
+
+_BACKENDS = ("auto", "triton", "flash")
+
+
+def flash_kv_block(qk_dim: int, v_dim: int) -> int:
+    """The KV block of a BlockMask that flash-attn-4's Hopper backward reads: its backward tile's
+    key rows (128 up to head dim 128, 96 up to 192, 64 above; ``_tile_size_bwd_sm90``), each
+    query block of 128 rows holding whole tiles of 64 or 128."""
+    return 128 if qk_dim <= 128 else 96 if qk_dim <= 192 else 64
+
+
+def flex_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, *, gqa: bool = False) -> str:
+    """ "flash" or "triton": which FlexAttention backend the "flex" path runs (module docstring).
+
+    ``HARTS_FLEX_BACKEND`` (auto | triton | flash) overrides the automatic choice; "flash" raises
+    ``RuntimeError`` (naming the reason) where the flash backend cannot run."""
+    import os
+
+    want = os.environ.get("HARTS_FLEX_BACKEND", "auto").strip().lower() or "auto"
+    if want not in _BACKENDS:
+        raise ValueError(f"HARTS_FLEX_BACKEND must be one of {', '.join(_BACKENDS)}; got {want!r}")
+    if want == "triton":
+        return "triton"
+    why = _flash_unusable(device, dtype, qk_dim, v_dim, gqa)
+    if why is None:
+        return "flash"
+    if want == "flash":
+        raise RuntimeError(f"HARTS_FLEX_BACKEND=flash, but FlexAttention's flash backend cannot run here: {why}")
+    return "triton"
+
+
+def _flash_unusable(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, gqa: bool) -> str | None:
+    """Why FLASH cannot run these shapes here (None: it can; the probe ran once and passed)."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype} (it takes bfloat16 / float16)"
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return "a GPU older than Hopper (sm 9.0)"
+    if gqa:
+        return "grouped-query heads (not probed)"
+    if qk_dim > 256 or v_dim > 256 or qk_dim % 8 or v_dim % 8:
+        return f"head dims {qk_dim} / {v_dim}"
+    if torch.are_deterministic_algorithms_enabled():
+        return "deterministic algorithms are on (its backward accumulates with atomics)"
+    return _flash_probe(device, dtype, qk_dim, v_dim)
+
+
+@functools.cache
+def _flash_probe(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int) -> str | None:
+    """One small forward + backward through FLASH with a (128, ``flash_kv_block``) tree mask
+    (two rows of 384 tokens); the reason it fails, or None. Run once per shape and process."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("flash_attn.cute") is None:
+            return "flash-attn-4 is not installed (pip install harts[flash])"
+    except ImportError:
+        return "flash-attn-4 is not installed (pip install harts[flash])"
+    try:
+        with torch.enable_grad():
+            _probe_flash(device, dtype, qk_dim, v_dim)
+    except Exception as exc:  # noqa: BLE001 - any failure: say why, run Triton
+        import warnings
+
+        warnings.warn(
+            f"FlexAttention's flash backend failed its probe ({type(exc).__name__}: {str(exc)[:300]}); "
+            "running the Triton kernel",
+            stacklevel=4,
+        )
+        return f"the probe failed: {type(exc).__name__}"
+    return None
+
+
+def _probe_flash(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int) -> None:
+    """Forward + backward of two 384-token documents through FLASH (raises what it raises)."""
+    P, H = 768, 2
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k = (torch.randn(P, H, qk_dim, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    v = torch.randn(P, H, v_dim, device=device, dtype=dtype, generator=gen)
+    for t in (q, k, v):
+        t.requires_grad_()
+    pre = torch.arange(P, device=device)
+    end = torch.where(pre < P // 2, P // 2, P)
+    mask = tree_block_mask(pre, end, kv_block=flash_kv_block(qk_dim, v_dim))
+    _flex(q, k, v, mask, qk_dim**-0.5, flash=True).float().square().sum().backward()
+    torch.cuda.synchronize(device)
 
 
 def flex_kernel_options(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int) -> dict | None:
