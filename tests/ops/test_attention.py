@@ -288,8 +288,8 @@ def test_flex_kernel_options_float32_wide_heads_and_hopper_half(monkeypatch: pyt
 
 
 def test_flex_backend_choice_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton off CUDA and on request; ``flash`` on request where it cannot run names why; a bad
-    value names itself. The KV block follows flash-attn-4's Hopper backward tile."""
+    """Triton by default and on request; ``flash`` where it cannot run names why; a bad value
+    names itself. The KV block follows flash-attn-4's Hopper backward tile."""
     from harts.ops.attention.tree_mask import flash_kv_block, flex_backend
 
     cpu = torch.device("cpu")
@@ -333,14 +333,17 @@ def test_block_mask_with_narrow_kv_blocks_covers_the_tree_mask(kv_block: int) ->
 
 
 @pytest.mark.gpu
-def test_flash_backend_matches_dense_tree_attention() -> None:
+def test_flash_backend_matches_dense_tree_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU with flash-attn-4: FLASH's output and gradients on a branchy tree against the
     dense reference in float32 (bf16 inputs), as close as the Triton kernel gets."""
     from harts.ops.attention.tree_mask import flex_backend
 
     dev = torch.device("cuda")
-    if flex_backend(dev, torch.bfloat16, 192, 128) != "flash":
-        pytest.skip("FlexAttention's flash backend does not run here (flash-attn-4 missing or its probe failed)")
+    monkeypatch.setenv("HARTS_FLEX_BACKEND", "flash")
+    try:
+        flex_backend(dev, torch.bfloat16, 192, 128)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
     P, H = 3000, 4
     parent = random_forest(P, num_roots=3, branchy=0.05, seed=3)
     pre, end = (t.to(dev) for t in preorder(parent))
@@ -350,7 +353,7 @@ def test_flash_backend_matches_dense_tree_attention() -> None:
     go = torch.randn(P, H, 128, device=dev, generator=gen)
     outs = {}
     for name, dtype, impl in [("ref", torch.float32, "dense"), ("flash", torch.bfloat16, "flex")]:
-        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         o = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=192**-0.5, impl=impl)
         o.backward(go.to(dtype))
         outs[name] = [o.detach().float(), *(t.grad.float() for t in x)]

@@ -24,21 +24,23 @@ Row j is visible to row i iff j is an ancestor of i or i itself in the compact t
   device builder (``tree_block_mask``) stays the reference and the path when only device
   tensors are given.
 
-Backend of the "flex" path (``flex_backend``): on Hopper or newer, in half precision, without
-GQA, and where flash-attn-4 imports (``pip install harts[flash]``; ``scripts/fa4_wheels.sh``
-for a machine without a registry), FlexAttention runs its flash-attention backend on the CuTe
-DSL (``BACKEND="FLASH"``) instead of its Triton kernel. Its Hopper backward reads the BlockMask
-only at a KV block of its tile (96 at MLA's 192 / 128 heads, ``flash_kv_block``), so that mask
-is built on the device by ``create_block_mask`` with BLOCK_SIZE=(128, 96); the host builder
-keeps torch's square blocks. On harts' largest ``swe`` step-5 microbatch (65,486 rows, 1.76 G
-visible pairs, 16 x 192 / 128 heads, bf16, one H200) forward + backward took 223.4 ms with
-harts' Triton tiles and 131.2 ms with FLASH (forward 44.5 -> 29.4 ms; outputs and gradients
-within 3.4e-3 of the Triton kernel's, relative to their largest entry). Its backward
-accumulates dq with atomics, so it is not bitwise reproducible; with
-``torch.use_deterministic_algorithms(True)`` the Triton kernel runs. The first use in a process
-runs a small probe forward + backward; if FLASH fails there, a warning says why and Triton
-runs. ``HARTS_FLEX_BACKEND=triton`` (or ``flash``, which raises where FLASH cannot run) overrides
-the choice.
+Backend of the "flex" path (``flex_backend``): Triton by default. With
+``HARTS_FLEX_BACKEND=flash``, on Hopper or newer, in half precision, without GQA and where
+flash-attn-4 imports (``pip install harts[flash]``; ``scripts/fa4_wheels.sh`` for a machine
+without a registry), FlexAttention runs its flash-attention backend on the CuTe DSL
+(``BACKEND="FLASH"``); elsewhere that setting raises, naming why. Its Hopper backward reads the
+BlockMask only at a KV block of its tile (96 at MLA's 192 / 128 heads, ``flash_kv_block``), so
+that mask is built on the device by ``create_block_mask`` with BLOCK_SIZE=(128, 96) (the host
+builder makes square blocks only). On harts' largest ``swe`` step-5 microbatch (65,486 rows,
+1.76 G visible pairs, 16 x 192 / 128 heads, bf16, one H200) forward + backward took 223.4 ms
+with harts' Triton tiles and 131.2 ms with FLASH (forward 44.5 -> 29.4 ms; outputs and
+gradients within 3.4e-3 of the Triton kernel's, relative to their largest entry). It is not the
+default yet: the device-built mask costs each microbatch one mask kernel (~15 ms at 64 k rows),
+which in a ``medium`` step made the baseline's 61 microbatches' attention slower (3.24 -> 3.59
+s) while harts' 11 got faster (0.73 -> 0.57 s); a host builder for (128, 96) blocks would remove
+it. Its backward accumulates dq with atomics (not bitwise reproducible); with
+``torch.use_deterministic_algorithms(True)`` it is refused. The first use in a process runs a
+small probe forward + backward; if FLASH fails there, the setting raises with the probe's error.
 
 Shapes: P physical rows, H query heads, G kv heads (G divides H), D qk dim, E v dim.
 """
@@ -260,7 +262,7 @@ def _flex(q, k, v, block_mask, scale: float, flash: bool = False) -> torch.Tenso
 #: FlexAttention's kernel options for its flash-attention (CuTe DSL) backend
 FLASH_OPTIONS = {"BACKEND": "FLASH"}
 
-_BACKENDS = ("auto", "triton", "flash")
+_BACKENDS = ("triton", "flash")
 
 
 def flash_kv_block(qk_dim: int, v_dim: int) -> int:
@@ -321,15 +323,8 @@ def _flash_probe(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: i
     try:
         with torch.enable_grad():
             _probe_flash(device, dtype, qk_dim, v_dim)
-    except Exception as exc:  # noqa: BLE001 - any failure: say why, run Triton
-        import warnings
-
-        warnings.warn(
-            f"FlexAttention's flash backend failed its probe ({type(exc).__name__}: {str(exc)[:300]}); "
-            "running the Triton kernel",
-            stacklevel=4,
-        )
-        return f"the probe failed: {type(exc).__name__}"
+    except Exception as exc:  # noqa: BLE001 - any failure: the caller raises with its reason
+        return f"its probe failed ({type(exc).__name__}: {str(exc)[:300]})"
     return None
 
 
