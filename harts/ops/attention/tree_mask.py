@@ -273,23 +273,20 @@ def flash_kv_block(qk_dim: int, v_dim: int) -> int:
 
 
 def flex_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, *, gqa: bool = False) -> str:
-    """ "flash" or "triton": which FlexAttention backend the "flex" path runs (module docstring).
-
-    ``HARTS_FLEX_BACKEND`` (auto | triton | flash) overrides the automatic choice; "flash" raises
-    ``RuntimeError`` (naming the reason) where the flash backend cannot run."""
+    """ "flash" or "triton": which FlexAttention backend the "flex" path runs (module docstring):
+    ``HARTS_FLEX_BACKEND`` (triton, the default | flash). "flash" raises ``RuntimeError``
+    (naming the reason) where the flash backend cannot run these shapes."""
     import os
 
-    want = os.environ.get("HARTS_FLEX_BACKEND", "auto").strip().lower() or "auto"
+    want = os.environ.get("HARTS_FLEX_BACKEND", "triton").strip().lower() or "triton"
     if want not in _BACKENDS:
         raise ValueError(f"HARTS_FLEX_BACKEND must be one of {', '.join(_BACKENDS)}; got {want!r}")
     if want == "triton":
         return "triton"
     why = _flash_unusable(device, dtype, qk_dim, v_dim, gqa)
-    if why is None:
-        return "flash"
-    if want == "flash":
+    if why is not None:
         raise RuntimeError(f"HARTS_FLEX_BACKEND=flash, but FlexAttention's flash backend cannot run here: {why}")
-    return "triton"
+    return "flash"
 
 
 def _flash_unusable(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, gqa: bool) -> str | None:
