@@ -88,6 +88,17 @@ def _prepare_json_output(args: argparse.Namespace) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
+def _check_environment() -> None:
+    """Settings read from the environment deep inside a step, checked before any work."""
+    from harts.errors import UserError
+    from harts.ops.attention.tree_mask import flex_backend_setting
+
+    try:
+        flex_backend_setting()
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -96,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         _prepare_json_output(args)
+        _check_environment()
         return int(args._run(args) or 0)
     except BrokenPipeError:
         # output piped into `head` and closed early: not an error of ours

@@ -20,9 +20,8 @@ passes). On random q, k, v of the model's MLA shapes (H heads, qk dim ``nope + r
   ``nodq`` (``WRITE_DQ=False``: dq written in the dk/dv loop) and ``flash`` (``BACKEND="FLASH"``:
   torch's flash-attention backend on the CuTe DSL, where ``flash-attn-4`` is installed; use it
   alone, ``--variant flash``, since the Triton tile options do not apply to it);
-* ``kv=N``: the tree's BlockMask built with KV blocks of N columns (torch's
-  ``create_block_mask`` on the device, BLOCK_SIZE=(128, N)) instead of harts' 128 x 128 host
-  mask: flash-attn-4's Hopper backward for d_qk 192 / d_v 128 runs 64 x 96 tiles and takes
+* ``kv=N``: the tree's BlockMask built with KV blocks of N columns (``tree_block_mask(...,
+  kv_block=N)``, BLOCK_SIZE=(128, N)) instead of 128 x 128: flash-attn-4's Hopper backward for d_qk 192 / d_v 128 runs 64 x 96 tiles and takes
   a block mask only at a KV block of 96 (``flash+kv=96``).
 
 A variant that does not compile or run is reported as failed and the others go on.
@@ -148,17 +147,6 @@ def _visible_pairs(mask: dict[str, np.ndarray]) -> int:
     return int(np.where(pre >= 0, mask["position"] + 1, 1).sum())
 
 
-def _device_block_mask(mask: dict[str, np.ndarray], kv_block: int, device: torch.device) -> Any:
-    """The tree's BlockMask with (128, ``kv_block``) blocks, by torch's ``create_block_mask``."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from harts.ops.attention.tree_mask import tree_mask_mod
-
-    pre, end = torch.as_tensor(mask["pre"], device=device), torch.as_tensor(mask["end"], device=device)
-    P = pre.numel()
-    return create_block_mask(tree_mask_mod(pre, end), None, None, P, P, device=device, BLOCK_SIZE=(128, kv_block))
-
-
 def _time(fn: Callable[[], object], repeat: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -224,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         k = torch.randn(1, H, P, dqk, device=dev, dtype=dtype, generator=gen).requires_grad_()
         v = torch.randn(1, H, P, dv, device=dev, dtype=dtype, generator=gen).requires_grad_()
         go = torch.randn(1, H, P, dv, device=dev, dtype=dtype, generator=gen)
-        block_mask = tree_block_mask(torch.as_tensor(m["pre"], device=dev), torch.as_tensor(m["end"], device=dev))
+        pre, end = torch.as_tensor(m["pre"], device=dev), torch.as_tensor(m["end"], device=dev)
+        block_mask = tree_block_mask(pre, end)
         fwd_flops = 2.0 * H * (dqk + dv) * pairs
         ref = None
         runs: list[tuple[str, Callable[[], torch.Tensor]]] = []
@@ -232,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             # exactly the variant's options: ``torch`` and ``flash`` must not carry harts' tiles
             opts = dict(opts)
             kv_block = opts.pop(KV_BLOCK_KEY, None)
-            mask = block_mask if kv_block is None else _device_block_mask(m, kv_block, dev)
+            mask = block_mask if kv_block is None else tree_block_mask(pre, end, kv_block=kv_block)
             runs.append((name, functools.partial(_flex_call, flex, q, k, v, mask, dqk**-0.5, opts or None)))
         if args.varlen and side == "baseline":
             varlen = _varlen_call(q, k, v, m, dqk, dv)

@@ -60,6 +60,7 @@ __all__ = [
     "FLASH_OPTIONS",
     "flash_kv_block",
     "flex_backend",
+    "flex_backend_setting",
     "tree_block_mask",
     "tree_mask_attention",
     "tree_mask_mod",
@@ -276,17 +277,24 @@ def flex_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: i
     """ "flash" or "triton": which FlexAttention backend the "flex" path runs (module docstring):
     ``HARTS_FLEX_BACKEND`` (triton, the default | flash). "flash" raises ``RuntimeError``
     (naming the reason) where the flash backend cannot run these shapes."""
-    import os
-
-    want = os.environ.get("HARTS_FLEX_BACKEND", "triton").strip().lower() or "triton"
-    if want not in _BACKENDS:
-        raise ValueError(f"HARTS_FLEX_BACKEND must be one of {', '.join(_BACKENDS)}; got {want!r}")
+    want = flex_backend_setting()
     if want == "triton":
         return "triton"
     why = _flash_unusable(device, dtype, qk_dim, v_dim, gqa)
     if why is not None:
         raise RuntimeError(f"HARTS_FLEX_BACKEND=flash, but FlexAttention's flash backend cannot run here: {why}")
     return "flash"
+
+
+def flex_backend_setting() -> str:
+    """``HARTS_FLEX_BACKEND``, checked: "triton" (also when unset or empty) or "flash"; raises
+    ``ValueError`` naming any other value (``harts.cli`` checks it before a command runs)."""
+    import os
+
+    want = os.environ.get("HARTS_FLEX_BACKEND", "triton").strip().lower() or "triton"
+    if want not in _BACKENDS:
+        raise ValueError(f"HARTS_FLEX_BACKEND must be one of {', '.join(_BACKENDS)}; got {want!r}")
+    return want
 
 
 def _flash_unusable(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, gqa: bool) -> str | None:

@@ -204,10 +204,6 @@ def align_to_dp(cost: PrefixCost, owner: np.ndarray, dp: int) -> np.ndarray | No
     return owner
 
 
-def greedy_plan(cost: PrefixCost, order: np.ndarray, policy: str, capacity: int) -> Grouping:
-    return greedy_plans(cost, order, (policy,), capacity)[0]
-
-
 def greedy_plans(cost: PrefixCost, order: np.ndarray, policies: tuple[str, ...], capacity: int) -> list[Grouping]:
     """One greedy plan per policy over the same processing order, in lockstep: x's LCP to every
     position is computed once per x for all of them (the same plans as one at a time)."""

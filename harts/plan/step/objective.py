@@ -73,11 +73,9 @@ class PrefixCost:
         Equal positions give the length."""
         i = np.asarray(i, dtype=np.int64)
         j = np.asarray(j, dtype=np.int64)
-        lo = np.minimum(i, j) + 1
-        hi = np.maximum(i, j) + 1
-        span = np.maximum(hi - lo, 1)
-        k = self.log2[span]
-        out = np.minimum(self.table[k, np.minimum(lo, self.n)], self.table[k, np.maximum(hi - (1 << k), 0)])
+        a = np.minimum(i, j)
+        # equal positions read a span of one (any value; replaced by the length below)
+        out = self.lcp_ascending(a, np.maximum(np.maximum(i, j), a + 1))
         out = np.where(i == j, self.length[np.minimum(i, self.n - 1)], out)
         return int(out) if out.ndim == 0 else out
 

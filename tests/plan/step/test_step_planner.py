@@ -131,6 +131,9 @@ def test_lcp_ascending_and_lowest_distinct(seed: int) -> None:
     i = rng.integers(0, cost.n - 1, size=50)
     j = i + 1 + (rng.integers(0, cost.n, size=50) % (cost.n - 1 - i))
     assert np.array_equal(cost.lcp_ascending(i, j), cost.lcp(i, j))
+    ref = np.array([cost.adj[a + 1 : b + 1].min() for a, b in zip(i, j)])  # Eq. 6: a range minimum
+    assert np.array_equal(cost.lcp_ascending(i, j), ref)
+    assert [cost.lcp(int(x), int(x)) for x in i[:5]] == cost.length[i[:5]].tolist()
     v = rng.integers(-1, 6, size=int(rng.integers(0, 12)))
     for count in (1, 2, 3):
         assert _lowest_distinct(v, count) == np.unique(v)[:count].tolist()
