@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +20,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: str) -> None:
+def _entry(rank: int, world: int, store: str, fn: Callable[..., Any], args: tuple, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    # a file store, not a TCP port: a port picked free can be taken by another test process
+    # (pytest -n) before the ranks bind it, and a rank that cannot rendezvous aborts
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(*args)
         if rank == 0:
@@ -36,7 +39,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 def spawn(world: int, fn: Callable[..., Any], *args: Any, tmp: str) -> Any:
     """``fn(*args)`` on ``world`` gloo ranks; returns rank 0's result (``fn`` must be importable)."""
     out = os.path.join(tmp, f"result-{world}-{fn.__name__}.pt")
-    mp.start_processes(_entry, args=(world, free_port(), fn, args, out), nprocs=world, join=True, start_method="spawn")
+    store = os.path.join(tmp, f"store-{uuid.uuid4().hex}")  # new for every spawn
+    mp.start_processes(_entry, args=(world, store, fn, args, out), nprocs=world, join=True, start_method="spawn")
     return torch.load(out, weights_only=False)
 
 
