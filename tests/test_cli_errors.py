@@ -75,7 +75,7 @@ def test_every_command_takes_json_file_and_help_shows_defaults(capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_bad_flex_backend_setting_is_refused_before_any_work(capsys, monkeypatch):
     monkeypatch.setenv("HARTS_FLEX_BACKEND", "cuDNN")
-    assert_user_error(capsys, *TRAIN_FAST, match="HARTS_FLEX_BACKEND must be one of triton, flash; got 'cudnn'")
+    assert_user_error(capsys, *TRAIN_FAST, match="HARTS_FLEX_BACKEND must be one of auto, triton, flash; got 'cudnn'")
 
 
 def test_unavailable_device(capsys):

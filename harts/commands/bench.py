@@ -136,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
         linear_attention_backend=args.la_backend,
         logprob_positions=args.logprobs,
     )
+    flex = flex_backends(model, execution, torch.device(args.device))
+    if flex:
+        print(f"FlexAttention backend (both sides): {', '.join(f'{k} {v}' for k, v in flex.items())}", flush=True)
     results = []
     steps_bar = progress(len(sources), "bench", "step", disable=len(sources) < 2)
     with steps_bar:
@@ -317,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
                 "recompute": args.recompute,
                 "recompute_skip": list(recompute["recompute_skip"]),
                 "attention": args.attention,
+                "flex_backend": flex,
                 "la_backend": args.la_backend,
                 "logprobs": args.logprobs,
                 "dp": args.dp,
@@ -327,6 +331,29 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json_out}")
     return 0
+
+
+def flex_backends(model, execution, device) -> dict[str, str]:  # noqa: ANN001
+    """Which FlexAttention backend ("flash" / "triton") each full-attention layer kind of
+    ``model`` runs under ``execution`` on ``device`` ({"M": ..., "A": ...}); empty where the mask
+    path does not run (the CPU, ``--attention gather``). The same choice both sides make."""
+    from harts.ops.attention.tree_mask import flex_backend
+
+    cfg = model.config
+    dims = {"M": (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, False)}
+    dims["A"] = (cfg.head_dim, cfg.head_dim, cfg.num_key_value_heads != cfg.num_attention_heads)
+    letters = [k for k in dims if k in cfg.layer_pattern]
+    if not letters or device.type != "cuda":
+        return {}
+    from harts.errors import UserError
+
+    try:
+        if execution.resolved_attention(device.type, min(dims[k][0] for k in letters)) != "mask":
+            return {}
+        dtype = cfg.torch_dtype()
+        return {k: flex_backend(device, dtype, dims[k][0], dims[k][1], gqa=dims[k][2]) for k in letters}
+    except (ValueError, RuntimeError) as exc:  # --attention mask below its head dim; FLASH asked for, unusable
+        raise UserError(str(exc)) from exc
 
 
 def _recompute_words(fields: dict) -> str:

@@ -247,7 +247,7 @@ def test_flex_block_mask_is_built_once_per_cache_and_matches_eager(monkeypatch):
 
     builds = []
     real = tm.tree_block_mask
-    monkeypatch.setattr(tm, "tree_block_mask", lambda a, b: builds.append(1) or real(a, b))
+    monkeypatch.setattr(tm, "tree_block_mask", lambda a, b, **kw: builds.append(1) or real(a, b, **kw))
     cache: dict = {}
     x = [t.detach().float() for t in qkv(P, 2, 1, 16, 8)]
     with torch.no_grad():
@@ -288,12 +288,25 @@ def test_flex_kernel_options_float32_wide_heads_and_hopper_half(monkeypatch: pyt
 
 
 def test_flex_backend_choice_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton by default and on request; ``flash`` where it cannot run names why; a bad value
-    names itself. The KV block follows flash-attn-4's Hopper backward tile."""
+    """``auto`` by default: Triton where FLASH cannot run (a CPU, float32, GQA, deterministic
+    algorithms) and FLASH where it can; ``triton`` on request; ``flash`` where it cannot run names
+    why; a bad value names itself. The KV block follows flash-attn-4's Hopper backward tile."""
+    import harts.ops.attention.tree_mask as tm
     from harts.ops.attention.tree_mask import flash_kv_block, flex_backend
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("HARTS_FLEX_BACKEND", raising=False)
+    assert flex_backend(cpu, torch.bfloat16, 192, 128) == "triton"
+    # where FLASH can run, auto takes it; where its probe failed, auto warns and runs Triton
+    monkeypatch.setattr(tm, "_flash_unusable", lambda *a: None)
+    assert flex_backend(cpu, torch.bfloat16, 192, 128) == "flash"
+    monkeypatch.setattr(tm, "_flash_unusable", lambda *a: "its probe failed (RuntimeError: boom)")
+    with pytest.warns(UserWarning, match="boom"):
+        assert flex_backend(cpu, torch.bfloat16, 192, 128) == "triton"
+    monkeypatch.setattr(tm, "_flash_unusable", lambda *a: "flash-attn-4 is not installed")
+    assert flex_backend(cpu, torch.bfloat16, 192, 128) == "triton"
+    monkeypatch.undo()
+    monkeypatch.setenv("HARTS_FLEX_BACKEND", "auto")
     assert flex_backend(cpu, torch.bfloat16, 192, 128) == "triton"
     monkeypatch.setenv("HARTS_FLEX_BACKEND", "triton")
     assert flex_backend(cpu, torch.bfloat16, 192, 128) == "triton"

@@ -163,6 +163,51 @@ def test_random_compact_layouts(cbb, pad_to, block):
     assert_same_block_mask(host_mask(pre, end, block), reference_mask(pre, end, block))
 
 
+RECTANGLES = [(128, 96), (32, 24), (24, 40), (16, 6)]
+
+
+@pytest.mark.parametrize("block", RECTANGLES)
+def test_rectangular_blocks(block):
+    """(q rows, kv rows) blocks, flash-attn-4's (128, 96) among them, on document-causal rows,
+    padded shuffled forests, block-shuffled trunk trees and planner layouts: the same lists as
+    ``create_block_mask`` with that BLOCK_SIZE (rows are then shared by blocks of different
+    index on the two sides, so full and non-empty blocks lie off the block diagonal)."""
+    cases = [document_causal([333, 517, 40, 300])]
+    forest = (x.numpy() for x in preorder(random_forest(700, num_roots=3, branchy=0.1, seed=5)))
+    cases.append(with_padding(*forest, 0.05, seed=5))
+    cases.append(trunk_tree_block_shuffled(1, 48))
+    cases += [(lay.tree_pre, lay.tree_end) for lay in planner_layouts(pad_to=8)]
+    fulls = 0
+    for pre, end in cases:
+        want = reference_mask(pre, end, block)
+        assert want.BLOCK_SIZE == block
+        assert_same_block_mask(host_mask(pre, end, block), want)
+        fulls += int(want.full_kv_num_blocks.sum())
+        ep, ef = tree_block_classes(pre, end, block)
+        bp, bf = tree_block_classes(pre, end, block, exact=False)
+        assert np.array_equal(ef, bf) and not (ep & ~bp).any()
+    assert fulls > 0
+
+
+@given(compact_batches(), st.sampled_from([1, 3, 8]), st.sampled_from([(4, 2), (2, 6), (16, 12), (6, 4)]))
+@settings(max_examples=30, deadline=None)
+def test_random_compact_layouts_rectangular(cbb, pad_to, block):
+    from harts.plan.calls import plan_calls
+    from harts.plan.layout import build_layout
+
+    cb, b = cbb
+    layout = build_layout(cb, plan_calls(cb.segment_trees, b), pad_to=pad_to)
+    pre, end = layout.tree_pre, layout.tree_end
+    assert_same_block_mask(host_mask(pre, end, block), reference_mask(pre, end, block))
+
+
+def test_bad_block_sizes_raise():
+    pre, end = document_causal([5, 7])
+    for bad in (1, (128,), (128, 96, 2), (128, 1), (128.0, 96), "128"):
+        with pytest.raises(ValueError, match="block_size"):
+            tree_block_classes(pre, end, bad)
+
+
 def test_a_wrong_end_changes_the_full_blocks_and_is_caught():
     """Shorten one row's subtree inside a full block: that block must turn partial, and a mask
     built from the stale (unmutated) arrays no longer matches the reference."""

@@ -14,9 +14,10 @@ row P counted as holding masked pairs (``create_block_mask`` pads the grid with 
 * FULL iff both blocks are complete and padding-free and
   ``max_K pre <= min_Q pre`` and ``max_Q pre < min_K end``. Exact: the two conditions are the
   all-pairs conditions taken apart (every pair must satisfy both, and they involve i and j
-  separately). A diagonal block of >= 2 rows is never full (two distinct pre cannot each be
-  <= the other), and the rule says so too.
-* EMPTY iff no pair is visible: never on the diagonal (every row sees itself); off it, iff no
+  separately). A pair of blocks sharing >= 2 rows is never full (two distinct pre cannot each
+  be <= the other), and the rule says so too.
+* EMPTY iff no pair is visible: never when the two blocks share a row (every row sees itself);
+  otherwise iff no
   query pre lies in the union of the kv rows' intervals [pre[j], end[j]). Exact: the valid query
   pre of all blocks are cut into runs of consecutive values (one q block each, disjoint, sorted
   by start), each kv row's interval overlaps a contiguous range of runs (two binary searches),
@@ -30,7 +31,13 @@ row P counted as holding masked pairs (``create_block_mask`` pads the grid with 
 ``max_K end > min_Q pre``): conservative (never misses a visible pair), exact for
 document-causal rows, kept to measure what exactness saves on real layouts.
 
-Shapes: P rows, n = ceil(P / block_size) blocks per side; block matrices [n_q, n_kv].
+Blocks may be rectangular, ``block_size=(q rows, kv rows)``: flash-attn-4's Hopper backward
+(FlexAttention's ``BACKEND="FLASH"``) reads the mask at KV blocks of 96 rows for MLA's 192 / 128
+heads, so its mask is (128, 96). The rules above hold per pair of blocks whatever their sizes,
+and a (q, kv) block holding some row on both sides is never empty (the row sees itself).
+
+Shapes: P rows, n_q = ceil(P / q rows) and n_kv = ceil(P / kv rows) blocks; block matrices
+[n_q, n_kv].
 """
 
 from __future__ import annotations
@@ -48,38 +55,53 @@ _DEFAULT_BLOCK = 128  # torch's _DEFAULT_SPARSE_BLOCK_SIZE
 
 
 def tree_block_classes(
-    tree_pre: np.ndarray, tree_end: np.ndarray, block_size: int = _DEFAULT_BLOCK, *, exact: bool = True
+    tree_pre: np.ndarray,
+    tree_end: np.ndarray,
+    block_size: int | tuple[int, int] = _DEFAULT_BLOCK,
+    *,
+    exact: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Classify every (q block, kv block) of the tree mask (module docstring).
 
     Args:
         tree_pre: int [P] preorder id of each row, -1 for padding (valid ids distinct).
         tree_end: int [P] end (exclusive) of each row's subtree in preorder (> pre on valid rows).
-        block_size: rows per block on both sides (>= 2).
+        block_size: rows per block, one number for both sides or (q rows, kv rows), each >= 2
+            (FlexAttention's ``BLOCK_SIZE``; flash-attn-4's Hopper backward wants (128, 96)).
         exact: exact EMPTY test (default), or the conservative block-bounds test.
 
     Returns:
-        (partial_QK, full_QK): bool [n, n] each, disjoint; neither = empty.
+        (partial_QK, full_QK): bool [n_q, n_kv] each (n = ceil(P / rows per block)), disjoint;
+        neither = empty.
     """
     pre = np.asarray(tree_pre, dtype=np.int64)
     end = np.asarray(tree_end, dtype=np.int64)
     P = pre.shape[0]
     if pre.ndim != 1 or end.shape != (P,):
         raise ValueError(f"tree_pre and tree_end must both be [P]; got {pre.shape} and {end.shape}")
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    bq, bk = _block_pair(block_size)
     valid = pre >= 0
     if (end[valid] <= pre[valid]).any():
         raise ValueError("tree_end must exceed tree_pre on valid rows (a row's subtree holds the row)")
-    runs = _preorder_runs(pre, valid, block_size)
-    n = -(-P // block_size)
-    full = _full_blocks(pre, end, valid, block_size, n)
+    runs = _preorder_runs(pre, valid, bq)
+    nq, nk = -(-P // bq), -(-P // bk)
+    full = _full_blocks(pre, end, valid, bq, bk, nq, nk)
     if exact:
-        nonempty = _nonempty_exact(pre, end, valid, block_size, n, runs)
+        nonempty = _nonempty_exact(pre, end, valid, bk, nq, nk, runs)
     else:
-        nonempty = _nonempty_bounds(pre, end, valid, block_size, n)
-    nonempty[np.arange(n), np.arange(n)] = True  # every row sees itself
+        nonempty = _nonempty_bounds(pre, end, valid, bq, bk, nq, nk)
+    # every row sees itself: the blocks holding a (row, row) pair are never empty
+    rows = np.arange(P)
+    nonempty[rows // bq, rows // bk] = True
     return nonempty & ~full, full
+
+
+def _block_pair(block_size: int | tuple[int, int]) -> tuple[int, int]:
+    """(q rows, kv rows) per block from one number or a pair; each must be an integer >= 2."""
+    pair = (block_size, block_size) if isinstance(block_size, (int, np.integer)) else tuple(block_size)
+    if len(pair) != 2 or any(not isinstance(b, (int, np.integer)) or b < 2 for b in pair):
+        raise ValueError(f"block_size must be an integer >= 2 or a pair of them (q rows, kv rows); got {block_size!r}")
+    return int(pair[0]), int(pair[1])
 
 
 def _block_reduce(x: np.ndarray, block_size: int, n: int, fill: int, ufunc: np.ufunc) -> np.ndarray:
@@ -89,31 +111,39 @@ def _block_reduce(x: np.ndarray, block_size: int, n: int, fill: int, ufunc: np.u
     return ufunc.reduce(padded.reshape(n, block_size), axis=1)
 
 
-def _full_blocks(pre: np.ndarray, end: np.ndarray, valid: np.ndarray, block_size: int, n: int) -> np.ndarray:
+def _full_blocks(pre: np.ndarray, end: np.ndarray, valid: np.ndarray, bq: int, bk: int, nq: int, nk: int) -> np.ndarray:
     big = np.iinfo(np.int64).max
     # a row past P counts as padding: create_block_mask pads the grid with masked pairs
-    clean = _block_reduce(valid, block_size, n, False, np.logical_and)
-    min_pre = _block_reduce(pre, block_size, n, big, np.minimum)
-    max_pre = _block_reduce(pre, block_size, n, -1, np.maximum)
-    min_end = _block_reduce(end, block_size, n, -1, np.minimum)
+    clean_q = _block_reduce(valid, bq, nq, False, np.logical_and)
+    clean_k = _block_reduce(valid, bk, nk, False, np.logical_and)
+    min_pre_q = _block_reduce(pre, bq, nq, big, np.minimum)
+    max_pre_q = _block_reduce(pre, bq, nq, -1, np.maximum)
+    max_pre_k = _block_reduce(pre, bk, nk, -1, np.maximum)
+    min_end_k = _block_reduce(end, bk, nk, -1, np.minimum)
     return (
-        clean[:, None] & clean[None, :] & (max_pre[None, :] <= min_pre[:, None]) & (max_pre[:, None] < min_end[None, :])
+        clean_q[:, None]
+        & clean_k[None, :]
+        & (max_pre_k[None, :] <= min_pre_q[:, None])
+        & (max_pre_q[:, None] < min_end_k[None, :])
     )
 
 
-def _nonempty_bounds(pre: np.ndarray, end: np.ndarray, valid: np.ndarray, block_size: int, n: int) -> np.ndarray:
+def _nonempty_bounds(
+    pre: np.ndarray, end: np.ndarray, valid: np.ndarray, bq: int, bk: int, nq: int, nk: int
+) -> np.ndarray:
     big = np.iinfo(np.int64).max
-    vpre_lo = _block_reduce(np.where(valid, pre, big), block_size, n, big, np.minimum)
-    vpre_hi = _block_reduce(np.where(valid, pre, -1), block_size, n, -1, np.maximum)
-    vend_hi = _block_reduce(np.where(valid, end, -1), block_size, n, -1, np.maximum)
+    vpre_lo_k = _block_reduce(np.where(valid, pre, big), bk, nk, big, np.minimum)
+    vend_hi_k = _block_reduce(np.where(valid, end, -1), bk, nk, -1, np.maximum)
+    vpre_lo_q = _block_reduce(np.where(valid, pre, big), bq, nq, big, np.minimum)
+    vpre_hi_q = _block_reduce(np.where(valid, pre, -1), bq, nq, -1, np.maximum)
     # blocks of padding only have vpre_lo = big / vpre_hi = -1: both tests fail
-    return (vpre_lo[None, :] <= vpre_hi[:, None]) & (vend_hi[None, :] > vpre_lo[:, None])
+    return (vpre_lo_k[None, :] <= vpre_hi_q[:, None]) & (vend_hi_k[None, :] > vpre_lo_q[:, None])
 
 
 def _preorder_runs(pre: np.ndarray, valid: np.ndarray, block_size: int) -> tuple[np.ndarray, ...]:
-    """Maximal runs of consecutive valid rows of one block whose pre go up by one, in physical
-    order: (start pre, end pre, block) int64 [R] each, plus the order sorting them by start.
-    Raises ValueError unless the runs are disjoint, i.e. the valid pre are distinct."""
+    """Maximal runs of consecutive valid rows of one (q) block whose pre go up by one, in
+    physical order: (start pre, end pre, block) int64 [R] each, plus the order sorting them by
+    start. Raises ValueError unless the runs are disjoint, i.e. the valid pre are distinct."""
     rows = np.flatnonzero(valid)
     vpre, block = pre[rows], rows // block_size
     starts = np.ones(rows.size, dtype=bool)
@@ -128,15 +158,15 @@ def _preorder_runs(pre: np.ndarray, valid: np.ndarray, block_size: int) -> tuple
 
 
 def _nonempty_exact(
-    pre: np.ndarray, end: np.ndarray, valid: np.ndarray, block_size: int, n: int, runs: tuple[np.ndarray, ...]
+    pre: np.ndarray, end: np.ndarray, valid: np.ndarray, bk: int, nq: int, nk: int, runs: tuple[np.ndarray, ...]
 ) -> np.ndarray:
-    out = np.zeros((n, n), dtype=bool)
-    run_s, run_t, run_q, by_start = runs  # run_q: nondecreasing (physical order)
+    out = np.zeros((nq, nk), dtype=bool)
+    run_s, run_t, run_q, by_start = runs  # run_q: the q block of each run (physical order)
     R = run_s.size
     if R == 0:
         return out
     rows = np.flatnonzero(valid)
-    vpre, block = pre[rows], rows // block_size
+    vpre, block = pre[rows], rows // bk  # kv rows and their kv blocks (nondecreasing)
     s_sorted, t_sorted = run_s[by_start], run_t[by_start]
     # kv row j overlaps the runs [lo, hi) in start order: t > pre[j] and s < end[j]; never
     # none, as [pre[j], end[j]) holds pre[j]
@@ -144,13 +174,13 @@ def _nonempty_exact(
     hi = np.searchsorted(s_sorted, end[rows], side="left")
     # the q blocks of runs [lo, hi): OR of two entries of a sparse table of q-block bitsets
     # over the runs in start order (O(R log R) words to build, O(1) per kv row)
-    table = _or_sparse_table(run_q[by_start], n)
+    table = _or_sparse_table(run_q[by_start], nq)
     level = np.log2(hi - lo).astype(np.int64)  # exact for the lengths here (< 2^52)
     hit_words = table[level, lo] | table[level, hi - (1 << level)]
     # OR over the rows of each kv block (rows are in physical order: block nondecreasing)
     first = np.flatnonzero(np.r_[True, block[1:] != block[:-1]])
     acc = np.bitwise_or.reduceat(hit_words, first, axis=0)
-    bits = np.unpackbits(acc.astype("<u8").view(np.uint8), axis=1, bitorder="little")[:, :n]
+    bits = np.unpackbits(acc.astype("<u8").view(np.uint8), axis=1, bitorder="little")[:, :nq]
     out[:, block[first]] = bits.T.astype(bool)
     return out
 
@@ -182,7 +212,7 @@ def host_block_mask(
     tree_end: np.ndarray,
     mask_mod: Callable[..., torch.Tensor],
     device: torch.device,
-    block_size: int = _DEFAULT_BLOCK,
+    block_size: int | tuple[int, int] = _DEFAULT_BLOCK,
 ):  # noqa: ANN201 - torch's BlockMask, imported lazily
     """FlexAttention ``BlockMask`` of the tree mask over P = len(tree_pre) rows, built on the host.
 
@@ -191,11 +221,12 @@ def host_block_mask(
         mask_mod: the mask as FlexAttention evaluates it on partial blocks (device tensors).
         device: where the block lists go; uploaded non-blocking from fresh host tensors, so
             building the mask never waits for the device.
-        block_size: rows per block (q and kv).
+        block_size: rows per block, one number for both sides or (q rows, kv rows).
 
     Returns:
-        BlockMask with kv lists [1, 1, n] / [1, 1, n, n] and the q-side (backward) lists that
-        ``BlockMask.from_kv_blocks`` would derive, computed here instead of on the device.
+        BlockMask with kv lists [1, 1, n_q] / [1, 1, n_q, n_kv] and the q-side (backward) lists
+        [1, 1, n_kv] / [1, 1, n_kv, n_q] that ``BlockMask.from_kv_blocks`` would derive, computed
+        here instead of on the device.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -213,6 +244,6 @@ def host_block_mask(
         q_indices=up[5],
         full_q_num_blocks=up[6],
         full_q_indices=up[7],
-        BLOCK_SIZE=(block_size, block_size),
+        BLOCK_SIZE=_block_pair(block_size),
         mask_mod=mask_mod,
     )

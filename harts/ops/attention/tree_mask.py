@@ -24,23 +24,23 @@ Row j is visible to row i iff j is an ancestor of i or i itself in the compact t
   device builder (``tree_block_mask``) stays the reference and the path when only device
   tensors are given.
 
-Backend of the "flex" path (``flex_backend``): Triton by default. With
-``HARTS_FLEX_BACKEND=flash``, on Hopper or newer, in half precision, without GQA and where
-flash-attn-4 imports (``pip install harts[flash]``; ``scripts/fa4_wheels.sh`` for a machine
-without a registry), FlexAttention runs its flash-attention backend on the CuTe DSL
-(``BACKEND="FLASH"``); elsewhere that setting raises, naming why. Its Hopper backward reads the
-BlockMask only at a KV block of its tile (96 at MLA's 192 / 128 heads, ``flash_kv_block``), so
-that mask is built on the device by ``create_block_mask`` with BLOCK_SIZE=(128, 96) (the host
-builder makes square blocks only). On harts' largest ``swe`` step-5 microbatch (65,486 rows,
-1.76 G visible pairs, 16 x 192 / 128 heads, bf16, one H200) forward + backward took 223.4 ms
-with harts' Triton tiles and 131.2 ms with FLASH (forward 44.5 -> 29.4 ms; outputs and
-gradients within 3.4e-3 of the Triton kernel's, relative to their largest entry). It is not the
-default yet: the device-built mask costs each microbatch one mask kernel (~15 ms at 64 k rows),
-which in a ``medium`` step made the baseline's 61 microbatches' attention slower (3.24 -> 3.59
-s) while harts' 11 got faster (0.73 -> 0.57 s); a host builder for (128, 96) blocks would remove
-it. Its backward accumulates dq with atomics (not bitwise reproducible); with
-``torch.use_deterministic_algorithms(True)`` it is refused. The first use in a process runs a
-small probe forward + backward; if FLASH fails there, the setting raises with the probe's error.
+Backend of the "flex" path (``flex_backend``, ``HARTS_FLEX_BACKEND``): ``auto`` (the default)
+runs FlexAttention's flash-attention backend on the CuTe DSL (``BACKEND="FLASH"``) wherever it
+can: Hopper or newer, half precision, no GQA, deterministic algorithms off, and flash-attn-4
+importable (``pip install harts[flash]``; ``scripts/fa4_wheels.sh`` for a machine without a
+registry); elsewhere the Triton kernel. ``triton`` always runs Triton (bitwise reproducible),
+``flash`` raises where FLASH cannot run, naming why. Its Hopper backward reads the BlockMask
+only at a KV block of its tile (96 at MLA's 192 / 128 heads, ``flash_kv_block``), so its mask is
+(128, 96), built on the host like the square one (``host_block_mask`` takes rectangular
+blocks). On harts' largest ``swe`` step-5 microbatch (65,486 rows, 1.76 G visible pairs, 16 x
+192 / 128 heads, bf16, one H200) forward + backward took 223.4 ms with harts' Triton tiles and
+131.2 ms with FLASH (forward 44.5 -> 29.4 ms; outputs and gradients within 3.4e-3 of the Triton
+kernel's, relative to their largest entry). (It was opt-in while its mask was built on the
+device: one mask kernel per microbatch made the baseline's 61 ``medium`` microbatches' attention
+slower, 3.24 -> 3.59 s, while harts' 11 got faster, 0.73 -> 0.57 s.) Its backward accumulates dq
+with atomics (not bitwise reproducible); with ``torch.use_deterministic_algorithms(True)``
+``auto`` runs Triton and ``flash`` is refused. The first use in a process runs a small probe
+forward + backward; if it fails, ``auto`` warns once with the error and runs Triton.
 
 Shapes: P physical rows, H query heads, G kv heads (G divides H), D qk dim, E v dim.
 """
@@ -140,12 +140,11 @@ def tree_mask_attention(
         if block_mask is None:
             pre, end = tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device)
             block_mask = None
-            if flash:
-                block_mask = tree_block_mask(pre, end, kv_block=flash_kv_block(D, E))
-            elif tree_pre_host is not None and tree_end_host is not None:
-                block_mask = _host_block_mask_or_none(tree_pre_host, tree_end_host, pre, end)
+            kv_block = flash_kv_block(D, E) if flash else 128
+            if tree_pre_host is not None and tree_end_host is not None:
+                block_mask = _host_block_mask_or_none(tree_pre_host, tree_end_host, pre, end, (128, kv_block))
             if block_mask is None:
-                block_mask = tree_block_mask(pre, end)
+                block_mask = tree_block_mask(pre, end, kv_block=kv_block)
             if mask_cache is not None:
                 mask_cache[key] = block_mask
         return _flex(q_PHD, k_PGD, v_PGE, block_mask, scale, flash=flash)
@@ -187,12 +186,15 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def _host_block_mask_or_none(pre_host: np.ndarray, end_host: np.ndarray, pre: torch.Tensor, end: torch.Tensor):  # noqa: ANN202
-    """The host-built BlockMask, or None with a warning where this torch's ``BlockMask`` does not
-    take the host lists (its constructor's keywords exist since torch 2.6; the caller then uses
-    the device builder). Input errors (``ValueError`` from the classification) still raise."""
+def _host_block_mask_or_none(  # noqa: ANN202
+    pre_host: np.ndarray, end_host: np.ndarray, pre: torch.Tensor, end: torch.Tensor, block_size: tuple[int, int]
+):
+    """The host-built BlockMask in (q rows, kv rows) blocks, or None with a warning where this
+    torch's ``BlockMask`` does not take the host lists (its constructor's keywords exist since
+    torch 2.6; the caller then uses the device builder). Input errors (``ValueError`` from the
+    classification) still raise."""
     try:
-        return host_block_mask(pre_host, end_host, tree_mask_mod(pre, end), pre.device)
+        return host_block_mask(pre_host, end_host, tree_mask_mod(pre, end), pre.device, block_size)
     except (TypeError, ImportError) as exc:
         import warnings
 
@@ -263,7 +265,7 @@ def _flex(q, k, v, block_mask, scale: float, flash: bool = False) -> torch.Tenso
 #: FlexAttention's kernel options for its flash-attention (CuTe DSL) backend
 FLASH_OPTIONS = {"BACKEND": "FLASH"}
 
-_BACKENDS = ("triton", "flash")
+_BACKENDS = ("auto", "triton", "flash")
 
 
 def flash_kv_block(qk_dim: int, v_dim: int) -> int:
@@ -274,24 +276,38 @@ def flash_kv_block(qk_dim: int, v_dim: int) -> int:
 
 
 def flex_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, *, gqa: bool = False) -> str:
-    """ "flash" or "triton": which FlexAttention backend the "flex" path runs (module docstring):
-    ``HARTS_FLEX_BACKEND`` (triton, the default | flash). "flash" raises ``RuntimeError``
-    (naming the reason) where the flash backend cannot run these shapes."""
+    """ "flash" or "triton": which FlexAttention backend the "flex" path runs (module docstring),
+    by ``HARTS_FLEX_BACKEND``: ``auto`` (the default; FLASH where it can run these shapes),
+    ``triton`` or ``flash`` (raises ``RuntimeError`` naming the reason where FLASH cannot run)."""
     want = flex_backend_setting()
     if want == "triton":
         return "triton"
     why = _flash_unusable(device, dtype, qk_dim, v_dim, gqa)
-    if why is not None:
+    if why is None:
+        return "flash"
+    if want == "flash":
         raise RuntimeError(f"HARTS_FLEX_BACKEND=flash, but FlexAttention's flash backend cannot run here: {why}")
-    return "flash"
+    if why.startswith(_PROBE_FAILED):
+        _warn_once(f"FlexAttention's flash backend is installed but {why}; running the Triton kernel")
+    return "triton"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, stacklevel=4)
+
+
+_PROBE_FAILED = "its probe failed"
 
 
 def flex_backend_setting() -> str:
-    """``HARTS_FLEX_BACKEND``, checked: "triton" (also when unset or empty) or "flash"; raises
-    ``ValueError`` naming any other value (``harts.cli`` checks it before a command runs)."""
+    """``HARTS_FLEX_BACKEND``, checked: "auto" (also when unset or empty), "triton" or "flash";
+    raises ``ValueError`` naming any other value (``harts.cli`` checks it before a command runs)."""
     import os
 
-    want = os.environ.get("HARTS_FLEX_BACKEND", "triton").strip().lower() or "triton"
+    want = os.environ.get("HARTS_FLEX_BACKEND", "auto").strip().lower() or "auto"
     if want not in _BACKENDS:
         raise ValueError(f"HARTS_FLEX_BACKEND must be one of {', '.join(_BACKENDS)}; got {want!r}")
     return want
@@ -329,7 +345,7 @@ def _flash_probe(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: i
         with torch.enable_grad():
             _probe_flash(device, dtype, qk_dim, v_dim)
     except Exception as exc:  # noqa: BLE001 - any failure: the caller raises with its reason
-        return f"its probe failed ({type(exc).__name__}: {str(exc)[:300]})"
+        return f"{_PROBE_FAILED} ({type(exc).__name__}: {str(exc)[:300]})"
     return None
 
 
@@ -341,9 +357,10 @@ def _probe_flash(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: i
     v = torch.randn(P, H, v_dim, device=device, dtype=dtype, generator=gen)
     for t in (q, k, v):
         t.requires_grad_()
-    pre = torch.arange(P, device=device)
-    end = torch.where(pre < P // 2, P // 2, P)
-    mask = tree_block_mask(pre, end, kv_block=flash_kv_block(qk_dim, v_dim))
+    pre_host = np.arange(P)
+    end_host = np.where(pre_host < P // 2, P // 2, P)
+    pre, end = torch.from_numpy(pre_host).to(device), torch.from_numpy(end_host).to(device)
+    mask = host_block_mask(pre_host, end_host, tree_mask_mod(pre, end), device, (128, flash_kv_block(qk_dim, v_dim)))
     _flex(q, k, v, mask, qk_dim**-0.5, flash=True).float().square().sum().backward()
     torch.cuda.synchronize(device)
 
