@@ -102,7 +102,9 @@ def kept_routing(ctx: Any, owner: torch.nn.Module) -> KeptSlot | None:
     differentiates: the recomputation takes the forward's instead of choosing again, which
     skips the router's top-k passes and cannot route a token differently, whatever the
     kernels' rounding. Its weights (``scores.gather``) are still recomputed, for their gradient.
-    A layer recomputed twice (``retain_graph``) chooses again the second time.
+    The slot also carries the choice's ``Dispatch`` (the pairs' sort by expert and its inverse)
+    when the MoE made one, so the recomputation does not sort again. A layer recomputed twice
+    (``retain_graph``) chooses again the second time.
     """
     if not getattr(ctx, "checkpointing", False) or not torch.is_grad_enabled():
         return None

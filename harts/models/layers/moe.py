@@ -31,6 +31,7 @@ Shapes: x_TD, w_T, logits/scores_TE, topk_idx/topk_w_TK, counts_E.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +42,17 @@ from harts.models.config import HybridConfig
 from harts.models.layers.mlp import MLP, swiglu
 from harts.ops.compiled import cuda_compiled
 
-__all__ = ["TopKRouter", "Experts", "MoE", "grouped_mm_supported", "moe_statistics", "router_logits"]
+__all__ = [
+    "FAST_PATHS",
+    "Dispatch",
+    "Experts",
+    "MoE",
+    "TopKRouter",
+    "grouped_mm_supported",
+    "moe_statistics",
+    "router_grad_split",
+    "router_logits",
+]
 
 
 class TopKRouter(nn.Module):
@@ -61,15 +72,16 @@ class TopKRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(e), persistent=config.router_bias)
 
     def forward(
-        self, x_TD: torch.Tensor, topk_idx: torch.Tensor | None = None
+        self, x_TD: torch.Tensor, topk_idx: torch.Tensor | None = None, *, split_backward: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (logits_TE, scores_TE, topk_idx_TK, topk_w_TK); logits in >= float32.
 
         ``topk_idx``: the experts already chosen for these rows (by this router on the same
         rows and bias: checkpoint's recomputation reuses the forward's choice), else chosen here.
+        ``split_backward``: ``router_logits``'s backward on tensor cores (bfloat16 on CUDA).
         """
         work = torch.promote_types(x_TD.dtype, torch.float32)
-        logits = router_logits(x_TD, self.weight, work)
+        logits = router_logits(x_TD, self.weight, work, split_backward=split_backward)
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         if topk_idx is None:
             topk_idx = self.choose(scores)
@@ -93,28 +105,68 @@ class TopKRouter(nn.Module):
         return choice.topk(self.top_k, dim=-1, sorted=True).indices
 
 
-def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+def router_logits(
+    x_TD: torch.Tensor, weight_ED: torch.Tensor, work: torch.dtype, *, split_backward: bool = True
+) -> torch.Tensor:
     """[T, E] router logits ``x @ weight^T`` in ``work`` (float32 or float64).
 
     Half-precision rows and weight on CUDA: one tensor-core GEMM of the half operands with
     float32 accumulation and output (``_HalfRouterLogits``). Its products are those of the
     upcast GEMM (a bf16 x bf16 product is exact in float32), without the float32 copy of x or a
-    float32 GEMM on CUDA cores (torch keeps TF32 off); the backward is the upcast GEMM's, in
-    float32. Elsewhere: the upcast ``F.linear``, the reference.
+    float32 GEMM on CUDA cores (torch keeps TF32 off). Its backward is the upcast GEMM's: with
+    ``split_backward`` and bfloat16 (``router_grad_split``) on tensor cores, the float32 gradient
+    split into two bfloat16 terms; else float32 GEMMs. Elsewhere: the upcast ``F.linear``, the
+    reference.
     """
     half = (torch.float16, torch.bfloat16)
     if x_TD.is_cuda and x_TD.dtype in half and weight_ED.dtype == x_TD.dtype and work == torch.float32:
-        return _HalfRouterLogits.apply(x_TD, weight_ED)
+        return _HalfRouterLogits.apply(x_TD, weight_ED, split_backward and x_TD.dtype == torch.bfloat16)
     return F.linear(x_TD.to(work), weight_ED.to(work))
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of half operands, accumulated and returned in float32 (a tensor-core GEMM on
+    CUDA; the same exact products upcast elsewhere)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def router_grad_split(
+    g_TE: torch.Tensor, x_TD: torch.Tensor, w_ED: torch.Tensor, need_x: bool = True, need_w: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The router GEMM's input gradients ``(g @ w, g^T @ x)`` for a float32 ``g`` and bfloat16
+    ``x``, ``w``, on tensor cores, rounded to x's and w's dtype.
+
+    ``g`` is split as ``hi + lo``, both bfloat16 (``hi = bf16(g)``, ``lo = bf16(g - hi)``: g to
+    about 2^-17 relative, bfloat16 keeping float32's range), and each gradient is one GEMM of the
+    half operands with float32 accumulation over the two terms side by side: ``[hi | lo] @ [w;
+    w]`` and ``[hi | lo]^T @ x`` (its two [E, D] halves added in float32). Every product is exact
+    in float32, so the result is the float32 GEMMs' to within the split's error, far below the
+    final bfloat16 rounding (2^-9). On an H200 this replaces two float32 CUDA-core GEMMs of
+    [T, E] x [E, D] and a float32 copy of x per MoE layer (``python -m harts.bench.moe_bench``).
+    """
+    hi = g_TE.to(torch.bfloat16)
+    lo = (g_TE - hi.float()).to(torch.bfloat16)
+    g2 = torch.cat([hi, lo], dim=1)  # [T, 2E]
+    e = g_TE.shape[1]
+    d_x = _mm_f32(g2, torch.cat([w_ED, w_ED])).to(x_TD.dtype) if need_x else None
+    d_w = None
+    if need_w:
+        both = _mm_f32(g2.t(), x_TD)  # [2E, D]
+        d_w = (both[:e] + both[e:]).to(w_ED.dtype)
+    return d_x, d_w
 
 
 class _HalfRouterLogits(torch.autograd.Function):
     """logits = x @ w^T with half x, w and float32 logits; gradients as ``F.linear`` on the
-    float32 copies gives them (float32 GEMMs, rounded once to the half dtype)."""
+    float32 copies gives them (float32 GEMMs, or ``router_grad_split``; rounded once to the
+    half dtype)."""
 
     @staticmethod
-    def forward(ctx, x_TD, w_ED):  # type: ignore[override]  # noqa: ANN001, ANN205
+    def forward(ctx, x_TD, w_ED, split):  # type: ignore[override]  # noqa: ANN001, ANN205
         ctx.save_for_backward(x_TD, w_ED)
+        ctx.split = split
         if x_TD.is_cuda:
             return torch.mm(x_TD, w_ED.t(), out_dtype=torch.float32)
         return x_TD.float() @ w_ED.float().t()  # the same products (CPU torch has no out_dtype GEMM)
@@ -123,9 +175,13 @@ class _HalfRouterLogits(torch.autograd.Function):
     def backward(ctx, g_TE):  # type: ignore[override]  # noqa: ANN001, ANN205
         x_TD, w_ED = ctx.saved_tensors
         g_TE = g_TE.float()
-        d_x = (g_TE @ w_ED.float()).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
-        d_w = (g_TE.t() @ x_TD.float()).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
-        return d_x, d_w
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.split:
+            d_x, d_w = router_grad_split(g_TE, x_TD, w_ED, need_x, need_w)
+            return d_x, d_w, None
+        d_x = (g_TE @ w_ED.float()).to(x_TD.dtype) if need_x else None
+        d_w = (g_TE.t() @ x_TD.float()).to(w_ED.dtype) if need_w else None
+        return d_x, d_w, None
 
 
 class Experts(nn.Module):
@@ -168,38 +224,67 @@ class Experts(nn.Module):
             raise ValueError(f"MoE experts impl must be one of {self.IMPLS}; got {value!r}")
         self._impl = value
 
-    def forward(self, x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    def uses_grouped(self, x_TD: torch.Tensor) -> bool:
+        """Whether ``forward`` takes the grouped path for rows like ``x_TD``."""
+        return self._impl == "grouped" or (self._impl == "auto" and grouped_mm_supported(x_TD))
+
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_w: torch.Tensor,
+        dispatch: Dispatch | None = None,
+        *,
+        permute_gather: bool = True,
+    ) -> torch.Tensor:
         """y_TD = sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x_t).
 
         Args:
             x_TD: [T, D] rows.
             topk_idx: int [T, K] chosen experts per row.
             topk_w: [T, K] their combine weights.
+            dispatch: ``self.dispatch(topk_idx)`` when already made (checkpoint's recomputation
+                reuses the forward's); the grouped path makes it otherwise, the loop ignores it.
+            permute_gather: the combine weights follow the pairs' expert order through a
+                gather whose backward is a gather too (``_Permute``); False: ``w[order]``, whose
+                backward is autograd's sorting ``index_put`` (the reference).
         """
-        impl = self._impl
-        if impl == "auto":
-            impl = "grouped" if grouped_mm_supported(x_TD) else "loop"
-        if impl == "grouped":
-            return self._forward_grouped(x_TD, topk_idx, topk_w)
+        if self.uses_grouped(x_TD):
+            return self._forward_grouped(x_TD, topk_idx, topk_w, dispatch, permute_gather)
         return self._forward_loop(x_TD, topk_idx, topk_w)
 
-    def _forward_grouped(self, x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        t, k = topk_idx.shape
-        if t == 0 or k == 0:
-            return torch.zeros_like(x_TD)
+    def dispatch(self, topk_idx: torch.Tensor) -> Dispatch:
+        """The (row, slot) pairs of ``topk_idx`` [T, K] sorted by expert (``Dispatch``), on the
+        device, never read on the host."""
+        k = topk_idx.shape[1]
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)  # end row of each expert's group
-        src = order // k  # the row of each sorted pair
         # back[j]: where (row, slot) pair j sits in expert order (the inverse permutation)
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return Dispatch(order=order, offs=offs, src=order // k, back=back)
+
+    def _forward_grouped(
+        self,
+        x_TD: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_w: torch.Tensor,
+        dispatch: Dispatch | None,
+        permute_gather: bool,
+    ) -> torch.Tensor:
+        t, k = topk_idx.shape
+        if t == 0 or k == 0:
+            return torch.zeros_like(x_TD)
+        d = self.dispatch(topk_idx) if dispatch is None else dispatch
+        order, offs, src, back = d.order, d.offs, d.src, d.back
         xs = _RowsToPairs.apply(x_TD, src, back, k)  # [T*K, D]
         gate_up = torch._grouped_mm(xs, self.gate_up_proj.to(xs.dtype).transpose(1, 2), offs=offs)
         # the combine weight scales the I-wide activation before the (linear) down projection,
         # not its D-wide output: one fused pass instead of a separate [T*K, D] product
-        act = weighted_swiglu(gate_up, topk_w.reshape(-1)[order])
+        w_pairs = _Permute.apply(topk_w.reshape(-1), order, back) if permute_gather else topk_w.reshape(-1)[order]
+        act = weighted_swiglu(gate_up, w_pairs)
         h = torch._grouped_mm(act, self.down_proj.to(xs.dtype).transpose(1, 2), offs=offs)
         # back to (row, slot) order, then sum the K slots of each row
         return _PairsToRows.apply(h, src, back, k)
@@ -245,6 +330,38 @@ def sum_slots(index_TK: torch.Tensor, x_TKD: torch.Tensor) -> torch.Tensor:
     for k in range(1, index_TK.shape[1]):
         acc = acc + flat[index_TK[:, k]].to(work)
     return acc.to(flat.dtype)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where every (row, slot) pair of a top-k choice goes in expert order (all on the device;
+    P = T x K pairs, pair j = row j // K, slot j % K):
+
+    * order: int64 [P], the pairs sorted by expert (stable: ties keep row order);
+    * offs: int32 [E], the end of each expert's group in that order (``torch._grouped_mm``'s);
+    * src: int64 [P], the row of each sorted pair (``order // K``);
+    * back: int64 [P], the inverse permutation: where pair j sits in expert order.
+    """
+
+    order: torch.Tensor
+    offs: torch.Tensor
+    src: torch.Tensor
+    back: torch.Tensor
+
+
+class _Permute(torch.autograd.Function):
+    """v[order] for a permutation ``order`` with inverse ``back``: the backward is the gather
+    ``g[back]`` (autograd's for ``v[order]`` is an accumulating ``index_put``, which sorts)."""
+
+    @staticmethod
+    def forward(ctx, v, order, back):  # type: ignore[override]  # noqa: ANN001, ANN205
+        ctx.save_for_backward(back)
+        return v[order]
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]  # noqa: ANN001, ANN205
+        (back,) = ctx.saved_tensors
+        return g[back], None, None
 
 
 class _RowsToPairs(torch.autograd.Function):
@@ -315,10 +432,20 @@ def moe_statistics(
     return z_loss_sum / total, aux_loss, counts
 
 
+#: the MoE's fast paths, each with the code it replaces kept as its reference (``MoE.fast``):
+#: "router_split" (the router's backward on tensor cores, ``router_grad_split``),
+#: "dispatch_reuse" (checkpoint's recomputation reuses the forward's ``Dispatch``, no second
+#: sort), "permute_gather" (``Experts.forward``'s ``permute_gather``)
+FAST_PATHS = ("router_split", "dispatch_reuse", "permute_gather")
+
+
 class MoE(nn.Module):
     #: the whole step's (counts_E, W) for step-level statistics (module docstring); set and
     #: cleared by the training loop, None (per-call statistics) otherwise
     step_statistics: tuple[torch.Tensor, float] | None = None
+    #: the ``FAST_PATHS`` in use (all by default; ``harts.bench.moe_bench`` and the tests turn
+    #: them off to run the reference code)
+    fast: frozenset[str] = frozenset(FAST_PATHS)
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -340,13 +467,26 @@ class MoE(nn.Module):
         """Returns (y_TD, z_loss, aux_loss, counts_E).
 
         ``routing``: a slot (``harts.models.recompute.kept_routing``: ``take()`` / ``put()``)
-        that carries the forward's expert choice to checkpoint's recomputation of this layer.
+        that carries the forward's expert choice (and its ``Dispatch``, with "dispatch_reuse")
+        to checkpoint's recomputation of this layer.
         """
-        chosen = routing.take() if routing is not None else None
-        logits, scores, topk_idx, topk_w = self.gate(x_TD, chosen)
-        if routing is not None and chosen is None:
-            routing.put(topk_idx)
-        y = self.experts(x_TD, topk_idx, topk_w)
+        kept = routing.take() if routing is not None else None
+        chosen, dispatch = kept if kept is not None else (None, None)
+        logits, scores, topk_idx, topk_w = self.gate(x_TD, chosen, split_backward="router_split" in self.fast)
+        experts = self.experts
+        if isinstance(experts, Experts):
+            if (
+                dispatch is None
+                and "dispatch_reuse" in self.fast
+                and routing is not None
+                and experts.uses_grouped(x_TD)
+            ):
+                dispatch = experts.dispatch(topk_idx)
+            y = experts(x_TD, topk_idx, topk_w, dispatch, permute_gather="permute_gather" in self.fast)
+        else:  # expert parallelism: its own exchange and dispatch
+            y = experts(x_TD, topk_idx, topk_w)
+        if routing is not None and kept is None:
+            routing.put((topk_idx, dispatch))
         if self.shared_experts is not None:
             s = self.shared_experts(x_TD)
             if self.shared_expert_gate is not None:
