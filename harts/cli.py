@@ -92,9 +92,11 @@ def _check_environment() -> None:
     """Settings read from the environment deep inside a step, checked before any work."""
     from harts.errors import UserError
     from harts.ops.attention.tree_mask import flex_backend_setting
+    from harts.ops.compiled import dynamic_setting
 
     try:
         flex_backend_setting()
+        dynamic_setting()
     except ValueError as err:
         raise UserError(str(err)) from None
 

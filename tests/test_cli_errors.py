@@ -260,3 +260,8 @@ def test_console_script_exit_codes(tmp_path):
 def test_user_errors_are_value_errors():
     assert issubclass(harts.UserError, ValueError) and issubclass(harts.BatchValidationError, harts.UserError)
     assert issubclass(harts.CapacityError, harts.UserError) and issubclass(harts.TreeFileError, harts.UserError)
+
+
+def test_bad_compile_dynamic_setting_is_refused_before_any_work(capsys, monkeypatch):
+    monkeypatch.setenv("HARTS_COMPILE_DYNAMIC", "everything")
+    assert_user_error(capsys, *TRAIN_FAST, match="HARTS_COMPILE_DYNAMIC must be 'rows' or 'all'; got 'everything'")

@@ -223,3 +223,46 @@ def test_row_bounded_arguments_must_agree(monkeypatch: pytest.MonkeyPatch) -> No
     gate, up = torch.ones(3, 8).as_subclass(FakeCuda), torch.ones(4, 8).as_subclass(FakeCuda)
     with pytest.raises(RowMismatchError):
         swiglu(gate, up)
+
+
+def test_rows_mode_keeps_feature_widths_static() -> None:
+    """``HARTS_COMPILE_DYNAMIC=rows`` (the default): ``dynamic=None`` plus ``mark_row_dynamic``
+    gives one graph per feature width whose row count alone is symbolic, whatever the row counts
+    (below ``MIN_ROWS`` padded); the widths stay concrete even after a second width (no automatic
+    dynamic shapes), so Inductor indexes with constants. Values equal the eager function's."""
+    from harts.ops.compiled import MIN_ROWS, dynamic_setting, run_row_bounded
+
+    seen: list[list[tuple[bool, ...]]] = []
+
+    def recording_backend(gm, example_inputs):  # noqa: ANN001, ANN202
+        shapes = []
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if node.op == "placeholder" and isinstance(value, torch.Tensor):
+                shapes.append(tuple(not isinstance(d, int) for d in value.shape))
+        seen.append(shapes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(rms_norm_gated.eager, dynamic=None, backend=recording_backend)
+    for width in (32, 16):
+        w = torch.randn(width, dtype=F64)
+        for t in (MIN_ROWS + 5, 3, 2 * MIN_ROWS + 17, MIN_ROWS + 100):
+            x, gate = torch.randn(t, 2, width, dtype=F64), torch.randn(t, 2, width, dtype=F64)
+            out = run_row_bounded(compiled, (x, gate, w, 1e-6, "silu"), {}, (0, 1), mark=True)
+            torch.testing.assert_close(out, rms_norm_gated.eager(x, gate, w, 1e-6, "silu"))
+    assert len(seen) == 2  # one graph per width, none per row count
+    for shapes in seen:
+        # x and gate [T, 2, width]: T symbolic; the weight [width]: static (placeholder order is Dynamo's)
+        assert sorted(shapes) == [(False,), (True, False, False), (True, False, False)]
+    assert dynamic_setting() == "rows"
+
+
+def test_dynamic_setting_names_a_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harts.ops.compiled import dynamic_setting
+
+    monkeypatch.setenv("HARTS_COMPILE_DYNAMIC", "all")
+    assert dynamic_setting() == "all"
+    monkeypatch.setenv("HARTS_COMPILE_DYNAMIC", "some")
+    with pytest.raises(ValueError, match="'some'"):
+        dynamic_setting()
