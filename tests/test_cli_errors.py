@@ -51,6 +51,16 @@ def assert_user_error(capsys, *argv, match: str) -> str:
         (["compare", "--recompute", "--recompute-skip", "moe"], "--recompute-skip: recompute_skip: unknown core 'moe'"),
         (["bench", "--recompute-skip", "attention"], "needs recompute=True"),
         ([*TRAIN_FAST, "--recompute", "--recompute-skip", "attention,attention"], "names a core twice"),
+        (["bench", "--recompute-layers", "2"], "--recompute-layers 2 needs --recompute"),
+        (["bench", "--recompute", "--recompute-layers", "-1"], "argument --recompute-layers: must be a non-negative"),
+        (
+            [*TRAIN_FAST, "--recompute", "--recompute-layers", "3"],
+            "--recompute-layers 3: the model has 2 decoder layers",
+        ),
+        (
+            ["compare", "--workload", "tiny", "--pattern", "KM", "--recompute", "--recompute-layers", "9"],
+            "the model has 2 decoder layers",
+        ),
     ],
 )
 def test_bad_option_values_name_the_option(capsys, argv, match):

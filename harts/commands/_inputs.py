@@ -135,6 +135,14 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
         "(comma-separated: attention, linear_attention; more memory, less time)",
     )
     p.add_argument(
+        "--recompute-layers",
+        type=nonneg_int,
+        default=None,
+        metavar="N",
+        help="with --recompute: checkpoint only the first N decoder layers, the others keep their "
+        "activations (default: all layers; more memory, less time)",
+    )
+    p.add_argument(
         "--attention",
         default="auto",
         choices=["auto", "gather", "mask"],
@@ -149,8 +157,9 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def recompute_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """``recompute`` and ``recompute_skip`` of ``ExecutionConfig`` from ``--recompute`` and
-    ``--recompute-skip``; UserError names a bad core or a skip without ``--recompute``."""
+    """``recompute``, ``recompute_skip`` and ``recompute_layers`` of ``ExecutionConfig`` from
+    ``--recompute``, ``--recompute-skip`` and ``--recompute-layers``; UserError names a bad core,
+    or a skip or layer count without ``--recompute``."""
     from harts.models.execution.config import check_recompute_skip
 
     skip = tuple(getattr(args, "recompute_skip", ()))
@@ -158,7 +167,18 @@ def recompute_fields(args: argparse.Namespace) -> dict[str, Any]:
         check_recompute_skip(skip, args.recompute)
     except ValueError as err:
         raise UserError(f"--recompute-skip: {err}") from None
-    return {"recompute": args.recompute, "recompute_skip": skip}
+    layers = getattr(args, "recompute_layers", None)
+    if layers is not None and not args.recompute:
+        raise UserError(f"--recompute-layers {layers} needs --recompute (without it no layer is checkpointed)")
+    return {"recompute": args.recompute, "recompute_skip": skip, "recompute_layers": layers}
+
+
+def check_recompute_layers(fields: dict[str, Any], model: Any) -> None:
+    """UserError unless ``--recompute-layers`` (``fields`` from ``recompute_fields``) is at most
+    ``model``'s number of decoder layers, naming both."""
+    layers, have = fields.get("recompute_layers"), model.config.num_hidden_layers
+    if layers is not None and layers > have:
+        raise UserError(f"--recompute-layers {layers}: the model has {have} decoder layers (use 0 .. {have})")
 
 
 def add_logprobs_argument(p: argparse.ArgumentParser, *, default: str, why: str) -> None:

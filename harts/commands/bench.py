@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_dir,
         check_output_file,
         check_plannable,
+        check_recompute_layers,
         needed_vocab,
         step_sources,
         summarize,
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     check_capacity(summaries, args.capacity, args.dp, dp_name="replicas (--dp)")
     vocab, where = needed_vocab(summaries)
     model = build_model(args, vocab, where=where)
+    check_recompute_layers(recompute, model)
     peak = args.peak_tflops or peak_tflops(torch.device(args.device))
     print(
         f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
@@ -319,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
                 "capacity": args.capacity,
                 "recompute": args.recompute,
                 "recompute_skip": list(recompute["recompute_skip"]),
+                "recompute_layers": recompute["recompute_layers"],
                 "attention": args.attention,
                 "flex_backend": flex,
                 "la_backend": args.la_backend,
@@ -360,8 +363,11 @@ def _recompute_words(fields: dict) -> str:
     """The run header's recompute setting: off, on, or on with the kept cores named."""
     if not fields["recompute"]:
         return "off"
-    skip = fields["recompute_skip"]
-    return f"on ({', '.join(skip)} kept)" if skip else "on"
+    skip, layers = fields["recompute_skip"], fields.get("recompute_layers")
+    parts = ([f"{', '.join(skip)} kept"] if skip else []) + (
+        [f"first {layers} layers only"] if layers is not None else []
+    )
+    return f"on ({'; '.join(parts)})" if parts else "on"
 
 
 def _microbatch_words(side) -> str:  # noqa: ANN001 - a harts.bench.step_bench.BenchSide

@@ -59,7 +59,15 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from harts.bench.table import format_table
-    from harts.commands._inputs import build_model, check_device, check_output_file, needed_vocab, summarize, write_json
+    from harts.commands._inputs import (
+        build_model,
+        check_device,
+        check_output_file,
+        check_recompute_layers,
+        needed_vocab,
+        summarize,
+        write_json,
+    )
     from harts.commands._progress import progress
     from harts.models.execution.config import ExecutionConfig
     from harts.rl.verify import compare_runs, run_step
@@ -71,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     batch, source = load_workload(args.workload, step=args.step, seed=args.seed), args.workload
     vocab, where = needed_vocab([summarize(args.step, source, batch)])
     model = build_model(args, vocab, where=where, training=False)
+    recompute = recompute_fields(args)
+    check_recompute_layers(recompute, model)
     config = model.config
     # phases: compaction + call plan, then per mode a warmup, the timed step and (CPU) the
     # profiled memory pass
@@ -78,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     bar = progress(1 + 2 * per_mode, "compare", "phase")
     bar.set_postfix_str("prepare compact", refresh=False)
     execution = ExecutionConfig(
-        **recompute_fields(args),
+        **recompute,
         attention=args.attention,
         no_replay=args.no_replay,
         linear_attention_backend=args.la_backend,

@@ -48,6 +48,7 @@ from harts.commands._inputs import (
     add_model_arguments,
     add_output_arguments,
     add_workload_arguments,
+    check_recompute_layers,
     nonneg_float,
     positive_float,
     positive_int,
@@ -240,6 +241,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             vocab, where = needed_vocab(summaries)
             meta = distributed or args.meta_init
             model = build_model(args, vocab, where=where, meta=meta)
+            check_recompute_layers(recompute, model)
             parallel = init_parallel(parallel_cfg, args.device, moe_experts(model))
             execution = ExecutionConfig(
                 mode=args.mode,

@@ -246,13 +246,16 @@ class HybridLM(nn.Module):
         info["recompute"] = recompute
 
         info["recompute_skip"] = list(cfg.recompute_skip)
-        checkpointing = recompute and torch.is_grad_enabled()
-        ctx.checkpointing = checkpointing
-        ctx.recompute_skip = cfg.recompute_skip if checkpointing else ()
+        n_ckpt = cfg.checkpointed_layers(len(self.layers)) if torch.is_grad_enabled() else 0
+        info["checkpointed_layers"] = n_ckpt
 
         h = self.embed_tokens(tokens)
         z_losses, aux_losses, counts = [], [], []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            # what a layer's cores read (``harts.models.recompute``): whether it checkpoints
+            checkpointing = i < n_ckpt
+            ctx.checkpointing = checkpointing
+            ctx.recompute_skip = cfg.recompute_skip if checkpointing else ()
             if checkpointing:
                 outs = checkpoint(layer, h, ctx, use_reentrant=False)
             else:
@@ -262,6 +265,9 @@ class HybridLM(nn.Module):
                 z_losses.append(outs[1])
                 aux_losses.append(outs[2])
                 counts.append(outs[3])
+        # checkpoint's recomputations (in the backward) rerun the first n_ckpt layers only
+        ctx.checkpointing = n_ckpt > 0
+        ctx.recompute_skip = cfg.recompute_skip if n_ckpt else ()
         h = self.norm(h)
 
         pred, targets_np = batch.predicting_positions(), batch.next_token_targets()

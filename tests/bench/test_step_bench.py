@@ -263,3 +263,18 @@ def test_warmup_covers_the_first_the_smallest_and_both_divisibility_classes() ->
     assert warmup_microbatches([160, 99, 96], [150, 98, 90]) == [0, 2, 1]
     assert warmup_microbatches([100, 200], [100, 200]) == [0]  # no multiple of 16: one class
     assert warmup_microbatches([], []) == []
+
+
+def test_bench_recomputes_the_first_layers_only_on_request(tmp_path, capsys) -> None:
+    """``--recompute --recompute-layers 1``: both sides run with one checkpointed layer; the header
+    and the JSON say so."""
+    import json
+
+    from harts.cli import main
+
+    out = tmp_path / "b.json"
+    argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--no-warmup", "--steps", "1"]
+    assert main([*argv, "--recompute", "--recompute-layers", "1", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["recompute"] is True and rec["recompute_layers"] == 1
+    assert "recompute on (first 1 layers only)" in capsys.readouterr().out

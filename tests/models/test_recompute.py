@@ -192,3 +192,50 @@ def test_recomputation_reuses_the_forward_s_expert_choice(monkeypatch: pytest.Mo
     for name, g in plain.grads.items():
         assert torch.equal(g, recomputed.grads[name]), name
     assert torch.equal(plain.expert_counts, recomputed.expert_counts)
+
+
+@pytest.mark.parametrize("layers", [0, 1, 3, 4])
+@pytest.mark.parametrize("mode", ["trajectory", "compact"])
+def test_recomputing_the_first_layers_only(monkeypatch: pytest.MonkeyPatch, mode: str, layers: int) -> None:
+    """``recompute_layers=N``: the first N layers run under checkpoint (their cores run twice, or
+    once when skipped) and the rest keep their activations (cores once); log-probs and every
+    gradient equal full recomputation's bit for bit (float64); nothing is left in the store."""
+    model = make_model("KGMA", moe=True)  # layers: K, G (linear), M, A (full)
+    batch = mixed_batch(B, seed=7)
+    inputs = model.prepare_compact(batch)
+    full = run_step(model, inputs, mode=mode, recompute=True, kl_coef=0.1)
+    skip = ("attention",)
+    got = run_step(model, inputs, mode=mode, recompute=True, recompute_layers=layers, recompute_skip=skip, kl_coef=0.1)
+    assert torch.equal(full.logprobs, got.logprobs)
+    for name, g in full.grads.items():
+        assert torch.equal(g, got.grads[name]), name
+    seen: list = []
+    calls = _count_core_calls(monkeypatch, seen)
+    out = model(inputs, ExecutionConfig(mode=mode, recompute=True, recompute_layers=layers, recompute_skip=skip))
+    assert out.info["checkpointed_layers"] == layers
+    grpo_loss(out.logprobs, batch).loss.backward()
+    # linear layers 0, 1 rerun when checkpointed; full-attention layers 2, 3 are skipped cores
+    assert calls == {"linear_attention": 2 + min(layers, 2), "attention": 2}
+    (ctx,) = seen
+    assert ctx.kept_for_recompute == {}, "a layer that is not checkpointed leaves nothing to take"
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(recompute=False, recompute_layers=2), "needs recompute=True"),
+        (dict(recompute=True, recompute_layers=-1), ">= 0"),
+        (dict(recompute=True, recompute_layers=1.5), "integer"),
+        (dict(recompute=True, recompute_layers=True), "integer"),
+    ],
+)
+def test_bad_recompute_layers_is_named(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ExecutionConfig(**fields)
+
+
+def test_more_recompute_layers_than_the_model_has_is_named() -> None:
+    model = make_model("KGMA", moe=True)
+    inputs = model.prepare_compact(mixed_batch(B, seed=3))
+    with pytest.raises(ValueError, match="recompute_layers=5, but the model has 4 decoder layers"):
+        model(inputs, mode="compact", recompute=True, recompute_layers=5)

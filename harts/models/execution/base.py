@@ -33,7 +33,8 @@ class RowContext:
     row_weight: torch.Tensor
     #: linear-attention chunk size B
     chunk_size: int
-    #: whether ``HybridLM.forward`` runs each layer under activation checkpointing
+    #: whether the layer running now is under activation checkpointing (``HybridLM.forward``
+    #: sets it per layer, then to whether any layer is, for the backward's recomputations)
     checkpointing: bool = False
     #: cores whose forward survives recomputation (``harts.models.recompute``); set by
     #: ``HybridLM.forward`` while recomputation is on
@@ -43,8 +44,8 @@ class RowContext:
     def kept_for_recompute(self) -> dict:
         """What a layer's forward leaves for checkpoint's recomputation of it, taken by that
         recomputation (``harts.models.recompute``): ``{(id(module), region): (detached output,
-        requires_grad)}`` of skipped cores and ``{(id(module), "routing"): topk_idx}`` of MoE
-        layers."""
+        requires_grad)}`` of skipped cores and ``{(id(module), "routing"): (topk_idx, Dispatch or
+        None)}`` of MoE layers."""
         return self.__dict__.setdefault("_kept_for_recompute", {})
 
     def rope(self, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,12 @@ class ExecutionConfig:
     #: with ``recompute``: cores not rerun in the backward, their forward outputs and saved
     #: tensors kept instead (``harts.models.recompute``): "attention" and / or "linear_attention"
     recompute_skip: tuple[str, ...] = ()
+    #: with ``recompute``: how many decoder layers run under checkpoint, the first ones (None:
+    #: all). The others keep their activations: less recomputation for more memory, as
+    #: Megatron's ``--recompute-num-layers``. The first layers are the ones checkpointed because
+    #: their recomputation runs last in the backward, when the kept layers' activations are
+    #: already freed.
+    recompute_layers: int | None = None
     #: linear-attention core, one of ``LINEAR_ATTN_BACKENDS`` ("reference": torch, any device)
     linear_attention_backend: str = "reference"
     #: ablation: side branches start from the fork's exact state instead of replaying from the
@@ -79,6 +85,16 @@ class ExecutionConfig:
                 f"linear-attention backend must be one of {LINEAR_ATTN_BACKENDS}, got {self.linear_attention_backend!r}"
             )
         check_recompute_skip(self.recompute_skip, self.recompute)
+        if self.recompute_layers is not None:
+            if isinstance(self.recompute_layers, bool) or not isinstance(self.recompute_layers, int):
+                raise ValueError(f"recompute_layers must be an integer or None, got {self.recompute_layers!r}")
+            if self.recompute_layers < 0:
+                raise ValueError(f"recompute_layers must be >= 0, got {self.recompute_layers}")
+            if not self.recompute:
+                raise ValueError(
+                    f"recompute_layers={self.recompute_layers} needs recompute=True "
+                    "(without recomputation no layer is checkpointed)"
+                )
         if self.logprob_positions not in LOGPROB_POSITIONS:
             raise ValueError(f"logprob_positions must be 'all' or 'actions', got {self.logprob_positions!r}")
 
@@ -92,6 +108,17 @@ class ExecutionConfig:
     @property
     def use_fused_logprobs(self) -> bool:
         return self.mode == "compact" if self.fused_logprobs is None else self.fused_logprobs
+
+    def checkpointed_layers(self, num_layers: int) -> int:
+        """How many of a model's ``num_layers`` decoder layers (the first ones) run under
+        checkpoint: 0 without ``recompute``; ValueError if ``recompute_layers`` exceeds them."""
+        if not self.recompute:
+            return 0
+        if self.recompute_layers is None:
+            return num_layers
+        if self.recompute_layers > num_layers:
+            raise ValueError(f"recompute_layers={self.recompute_layers}, but the model has {num_layers} decoder layers")
+        return self.recompute_layers
 
     def resolved_attention(self, device_type: str, min_head_dim: int | None = None) -> str:
         """ "gather" or "mask": ``attention`` with "auto" decided for ``device_type`` and the

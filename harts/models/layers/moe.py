@@ -139,11 +139,11 @@ def router_grad_split(
     ``x``, ``w``, on tensor cores, rounded to x's and w's dtype.
 
     ``g`` is split as ``hi + lo``, both bfloat16 (``hi = bf16(g)``, ``lo = bf16(g - hi)``: g to
-    about 2^-17 relative, bfloat16 keeping float32's range), and each gradient is one GEMM of the
+    within 2^-16 relative, bfloat16 keeping float32's range), and each gradient is one GEMM of the
     half operands with float32 accumulation over the two terms side by side: ``[hi | lo] @ [w;
     w]`` and ``[hi | lo]^T @ x`` (its two [E, D] halves added in float32). Every product is exact
     in float32, so the result is the float32 GEMMs' to within the split's error, far below the
-    final bfloat16 rounding (2^-9). On an H200 this replaces two float32 CUDA-core GEMMs of
+    final bfloat16 rounding (2^-8 relative). On an H200 this replaces two float32 CUDA-core GEMMs of
     [T, E] x [E, D] and a float32 copy of x per MoE layer (``python -m harts.bench.moe_bench``).
     """
     hi = g_TE.to(torch.bfloat16)
