@@ -39,7 +39,9 @@ symbolic, feature widths included, and Inductor then indexes each element with 6
 and remainders by runtime widths. On an H200 (``python -m harts.bench.moe_bench --device cuda``,
 one ``ling3_tiny`` MoE layer at 65,536 rows, bf16) the MoE's compiled passes ran 2-5x slower than
 their bytes allow: the weighted SwiGLU's backward 3.58 ms where 2.7 GB of traffic take about 0.8
-ms, its forward 1.08 ms (1.6 GB), the slot sum 1.25 ms per call (1.8 GB). So a row-bounded call
+ms, its forward 1.08 ms (1.6 GB), the slot sum 1.25 ms per call (1.8 GB); with only the rows
+symbolic 1.35, 0.37 and 0.63 ms, and the layer's forward + backward under recomputation 36.4 ->
+30.6 ms (README, session 13). So a row-bounded call
 (``rows`` given) compiles with ``dynamic=None`` and marks its arguments itself: dim 0 of each
 row-first tensor dynamic (``maybe_mark_dynamic``), every other dim of every tensor argument
 static (``mark_static``). One graph serves every row count; each distinct feature width or
@@ -117,7 +119,9 @@ def dynamic_setting() -> str:
 
 def mark_row_dynamic(args: list[Any], rows: tuple[int, ...]) -> None:
     """Mark dim 0 of the tensors at positions ``rows`` dynamic and every other dim of every
-    tensor in ``args`` static, for ``torch.compile(dynamic=None)`` (module docstring)."""
+    tensor in ``args`` static, for ``torch.compile(dynamic=None)`` (module docstring). The marks
+    stay on the tensors: a tensor passed outside ``rows`` must be of fixed shape (the glue's are
+    weights), or a later call with it as a row-first argument would specialise its rows."""
     for i, x in enumerate(args):
         if not isinstance(x, torch.Tensor) or x.ndim == 0:
             continue
