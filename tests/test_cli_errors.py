@@ -48,7 +48,7 @@ def assert_user_error(capsys, *argv, match: str) -> str:
         (["stats", "--workload", "tiny", "--chunk-size", "0"], "argument --chunk-size: must be a positive integer"),
         (["plan", "--workload", "tiny", "--dp", "0"], "argument --dp: must be a positive integer"),
         (["compare", "--threads", "-2"], "argument --threads: must be a non-negative integer"),
-        (["compare", "--recompute", "--recompute-skip", "moe"], "--recompute-skip: recompute_skip: unknown core 'moe'"),
+        (["compare", "--recompute", "--recompute-skip", "mlp"], "--recompute-skip: recompute_skip: unknown core 'mlp'"),
         (["bench", "--recompute-skip", "attention"], "needs recompute=True"),
         ([*TRAIN_FAST, "--recompute", "--recompute-skip", "attention,attention"], "names a core twice"),
         (["bench", "--recompute-layers", "2"], "--recompute-layers 2 needs --recompute"),

@@ -6,20 +6,25 @@ The MoE blocks were the largest component of a full ``ling3_tiny`` step on an H2
 trajectory-wise on ``swe`` step 5, replica 0 of 8, at about 20 % MFU while its grouped GEMMs run
 near 670 TFLOP/s): most of the block's time is outside the expert GEMMs. This runs one
 ``harts.models.layers.moe.MoE`` layer of a model preset (default ``ling3_tiny``: 128 experts, top
-8 in 4 of 8 groups, expert width 512, one shared expert, hidden 1,536) on ``--rows`` random rows:
+8 in 4 of 8 groups, expert width 512, one shared expert, hidden 1,536) on ``--rows`` random rows,
+after the layer's post-attention RMS norm (as a decoder layer runs it; the norm is not counted
+as model FLOPs):
 
 * ``plain``: forward, then backward of a random linear functional of the output plus the
   router's z and aux losses;
 * ``recompute``: the same under ``torch.utils.checkpoint`` with the forward's expert choice
   carried to the recomputation (``kept_routing``), as ``ExecutionConfig(recompute=True)`` runs
-  every layer: forward, recomputed forward, backward.
+  every layer: forward, recomputed forward, backward;
+* ``kept``: under checkpoint with the block kept (``recompute_skip=("moe",)``): forward once,
+  the routed experts lean (their backward recomputes the gather, the gate/up GEMM and the
+  SwiGLU), no recomputed forward.
 
 For each, every variant (``variants()``: the MoE's fast paths, ``harts.models.layers.moe.FAST_PATHS``,
 all off in ``reference``, all on in ``fast``, each alone in ``only-NAME``) runs on the same weights and rows: milliseconds (median of
 ``--repeat`` after a warm-up), model TFLOP/s (useful FLOPs: 3 x the forward's matmuls, router
 included, as ``harts.bench.flops`` counts; recomputation not counted), and the largest
-difference of the output and of every gradient from the first variant's, relative to its
-largest entry. ``--profile`` adds, per variant, the device time by kernel family (grouped GEMM,
+difference of the output and of every gradient from the first variant's of the mode and from
+the first mode's first variant, relative to its largest entry. ``--profile`` adds, per variant, the device time by kernel family (grouped GEMM,
 other GEMMs, sort, gathers / scatters, top-k, compiled element-wise, other) and the top kernels.
 """
 
@@ -34,7 +39,10 @@ import torch
 
 from harts.bench.lm_head_bench import time_variant
 
-__all__ = ["KERNEL_FAMILIES", "kernel_family", "main", "moe_flops", "run_moe", "variants"]
+__all__ = ["KERNEL_FAMILIES", "MODES", "kernel_family", "main", "moe_flops", "run_moe", "variants"]
+
+#: how the block runs: alone; under checkpoint (recomputed); under checkpoint, kept (lean)
+MODES = ("plain", "recompute", "kept")
 
 
 def variants() -> dict[str, frozenset[str]]:
@@ -84,35 +92,63 @@ def moe_flops(moe: torch.nn.Module, rows: int) -> float:
 
 
 class _Ctx:
-    """What ``kept_routing`` reads of a row context: checkpointing on, a store for the forward's
-    choices."""
+    """What ``kept_routing`` and ``run_core`` read of a row context: whether it checkpoints, the
+    kept cores, a store for the forward's choices and outputs."""
 
-    def __init__(self, checkpointing: bool) -> None:
+    def __init__(self, checkpointing: bool, recompute_skip: tuple[str, ...] = ()) -> None:
         self.checkpointing = checkpointing
+        self.recompute_skip = recompute_skip
         self.kept_for_recompute: dict = {}
 
 
 def run_moe(
-    moe: torch.nn.Module, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor, recompute: bool
+    moe: torch.nn.Module,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gy: torch.Tensor,
+    recompute: bool,
+    kept: bool = False,
+    norm: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Forward + backward of ``moe`` on rows ``x`` (row weights ``w``) with output gradient
-    ``gy``; returns (y, d_x, *parameter gradients) detached. ``recompute``: under checkpoint with
-    the expert choice kept, as the model runs its layers."""
-    from torch.utils.checkpoint import checkpoint
+    """Forward + backward of ``moe`` on rows ``x`` (row weights ``w``), after ``norm`` if given
+    (the layer's post-attention norm), with output gradient ``gy``; returns (y, d_x, *parameter
+    gradients) detached. ``recompute``: under checkpoint with the expert choice kept, as the
+    model runs its layers; ``kept`` (with ``recompute`` and ``norm``): the block's forward kept
+    through the recomputation, its routed experts lean, as ``recompute_skip=("moe",)`` runs it
+    (``harts.models.recompute``; the norm's saved tensors are what makes checkpoint recompute,
+    and the recomputation takes the kept output, as in a decoder layer)."""
+    if kept and (norm is None or not recompute):
+        raise ValueError("kept needs recompute=True and a norm before the block (as in a decoder layer)")
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    from harts.models.recompute import kept_routing
+    from harts.models.recompute import kept_routing, run_core
 
     moe.zero_grad(set_to_none=True)
+    if norm is not None:
+        norm.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    ctx = _Ctx(recompute)
+    ctx = _Ctx(recompute, ("moe",) if kept else ())
+
+    def moe_block(x_: torch.Tensor, w_: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        routing = None if kept else kept_routing(ctx, moe)
+        return moe(x_, w_, routing=routing, lean=kept)
 
     def block(x_: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y, z, aux, _ = moe(x_, w, routing=kept_routing(ctx, moe))
+        if norm is not None:
+            x_ = norm(x_)
+        y, z, aux, _ = run_core(ctx, moe, "moe", moe_block, x_, w)
         return y, z, aux
 
-    y, z, aux = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+    if recompute:
+        with set_checkpoint_early_stop(not kept):
+            y, z, aux = checkpoint(block, x, use_reentrant=False)
+    else:
+        y, z, aux = block(x)
     (torch.sum(y.float() * gy) + z + aux).backward()
-    grads = [p.grad for _, p in sorted(moe.named_parameters()) if p.grad is not None]
+    if ctx.kept_for_recompute:
+        raise AssertionError(f"the recomputation left kept entries behind: {list(ctx.kept_for_recompute)}")
+    params = sorted(moe.named_parameters()) + (sorted(norm.named_parameters()) if norm is not None else [])
+    grads = [p.grad for _, p in params if p.grad is not None]
     assert x.grad is not None
     return (y.detach(), x.grad, *grads)
 
@@ -148,6 +184,7 @@ def _profile(fn: Callable[[], object], device: torch.device, top: int) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     from harts.models.config import HybridConfig
     from harts.models.layers.moe import MoE
+    from harts.models.layers.norms import RMSNorm
 
     known = variants()
     p = argparse.ArgumentParser(prog="python -m harts.bench.moe_bench", description=__doc__.split("\n\n")[0])
@@ -156,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=65_536, help="rows of the microbatch (default 65,536)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], default="bfloat16")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--modes", default="plain,recompute", help="comma-separated: plain, recompute")
+    p.add_argument("--modes", default="plain,recompute,kept", help="comma-separated: plain, recompute, kept")
     p.add_argument("--variants", default=",".join(known), help=f"comma-separated, of: {', '.join(known)}")
     p.add_argument("--profile", action="store_true", help="device time by kernel family and the top kernels")
     p.add_argument("--seed", type=int, default=0)
@@ -167,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     names = [v for v in args.variants.split(",") if v]
     for m in modes:
-        if m not in ("plain", "recompute"):
-            p.error(f"--modes: unknown mode {m!r} (plain, recompute)")
+        if m not in MODES:
+            p.error(f"--modes: unknown mode {m!r} ({', '.join(MODES)})")
     for v in names:
         if v not in known:
             p.error(f"--variants: unknown variant {v!r} (known: {', '.join(known)})")
@@ -189,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device("meta"):
         moe = MoE(cfg)
     moe = moe.to_empty(device=device).to(dtype)
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset).to(device, dtype)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     with torch.no_grad():
         for _, t in sorted(moe.named_parameters()):
@@ -211,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.moe_intermediate_size}, hidden {cfg.hidden_size}; {args.rows:,} rows, {args.dtype} on {device}; "
         f"{flops / 1e12:.3f} model TFLOP per forward + backward"
     )
-    print(f"{'mode':10} {'variant':22} {'ms':>9} {'TFLOP/s':>8} {'max rel diff (y, d_x, grads)':>30}")
+    print(
+        f"{'mode':10} {'variant':22} {'ms':>9} {'TFLOP/s':>8} {'max rel diff (y, d_x, grads)':>30} {'vs first mode':>14}"
+    )
+    very_first: tuple[torch.Tensor, ...] | None = None
     for mode in modes:
         rows: dict[str, Any] = {}
         first: tuple[torch.Tensor, ...] | None = None
@@ -219,21 +260,25 @@ def main(argv: list[str] | None = None) -> int:
             moe.fast = known[name]
 
             def fn(mode: str = mode) -> tuple[torch.Tensor, ...]:
-                return run_moe(moe, x, w, gy, recompute=mode == "recompute")
+                return run_moe(moe, x, w, gy, recompute=mode != "plain", kept=mode == "kept", norm=norm)
 
             out = fn()
             diff = 0.0 if first is None else max(_rel(a, b) for a, b in zip(out, first))
             first = out if first is None else first
+            # every mode computes the same function: against the first mode's first variant
+            across = 0.0 if very_first is None else max(_rel(a, b) for a, b in zip(out, very_first))
+            very_first = out if very_first is None else very_first
             sec = time_variant(fn, device, args.repeat)
             entry: dict[str, Any] = {
                 "ms": round(sec * 1e3, 3),
                 "tflop_per_s": round(flops / sec / 1e12, 1),
                 "max_rel_diff_vs_first": diff,
+                "max_rel_diff_vs_first_mode": across,
             }
             if args.profile and device.type == "cuda":
                 entry["profile"] = _profile(fn, device, top=12)
             rows[name] = entry
-            print(f"{mode:10} {name:22} {sec * 1e3:9.3f} {flops / sec / 1e12:8.1f} {diff:30.2e}")
+            print(f"{mode:10} {name:22} {sec * 1e3:9.3f} {flops / sec / 1e12:8.1f} {diff:30.2e} {across:14.2e}")
         report["modes"][mode] = rows
     if args.profile and device.type == "cuda":
         for mode, rows in report["modes"].items():

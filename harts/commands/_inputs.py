@@ -132,7 +132,7 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
         default=(),
         metavar="CORES",
         help="with --recompute: cores not rerun in the backward, their forward kept instead "
-        "(comma-separated: attention, linear_attention; more memory, less time)",
+        "(comma-separated: attention, linear_attention, moe; more memory, less time)",
     )
     p.add_argument(
         "--recompute-layers",

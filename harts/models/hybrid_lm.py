@@ -26,13 +26,14 @@ Shapes: h_TD hidden rows (T = S or P); logits never exceed [S - N, V] (trajector
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import harts.models.regions as regions
 from harts.models.config import LAYER_TYPES, HybridConfig
@@ -41,7 +42,7 @@ from harts.models.execution.config import ExecutionConfig
 from harts.models.init import draw_seed, init_weights
 from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
 from harts.models.layers.norms import RMSNorm
-from harts.models.recompute import kept_routing
+from harts.models.recompute import kept_routing, run_core
 from harts.plan.calls import CallPlan, plan_calls
 from harts.plan.layout import Layout, build_layout
 from harts.tree.batch import RolloutBatch
@@ -117,10 +118,20 @@ class DecoderLayer(nn.Module):
         x = self.post_attention_layernorm(h_TD)
         if not self.is_moe:
             return (h_TD + self.mlp(x),)
-        (x,) = regions.enter("moe", x)
-        y, z_loss, aux_loss, counts = self.mlp(x, ctx.row_weight, routing=kept_routing(ctx, self))
-        y, z_loss, aux_loss = regions.exit("moe", y, z_loss, aux_loss)
+        y, z_loss, aux_loss, counts = run_core(
+            ctx, self, "moe", functools.partial(self._moe, ctx=ctx), x, ctx.row_weight
+        )
         return h_TD + y, z_loss, aux_loss, counts
+
+    def _moe(
+        self, x_TD: torch.Tensor, w_T: torch.Tensor, ctx: RowContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The MoE block on rows ``x_TD`` (``MoE.forward``). Kept through checkpoint's
+        recomputation (``recompute_skip`` has "moe"), it never reruns: its routed experts run
+        lean and its expert choice needs no slot."""
+        kept = "moe" in getattr(ctx, "recompute_skip", ())
+        routing = None if kept else kept_routing(ctx, self)
+        return self.mlp(x_TD, w_T, routing=routing, lean=kept)
 
 
 class HybridLM(nn.Module):
@@ -257,7 +268,10 @@ class HybridLM(nn.Module):
             ctx.checkpointing = checkpointing
             ctx.recompute_skip = cfg.recompute_skip if checkpointing else ()
             if checkpointing:
-                outs = checkpoint(layer, h, ctx, use_reentrant=False)
+                # a kept MoE block (the layer's last saving op) must still be reached by the
+                # recomputation, which takes its stored output: no early stop then
+                with set_checkpoint_early_stop("moe" not in cfg.recompute_skip):
+                    outs = checkpoint(layer, h, ctx, use_reentrant=False)
             else:
                 outs = layer(h, ctx)
             h = outs[0]

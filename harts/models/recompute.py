@@ -13,6 +13,15 @@ cores that are not rerun (``harts.models.execution.config.SKIPPABLE_CORES``):
   saved tensors include float32 decays and per-chunk matrices. On an H200, keeping both kinds
   of core raised the full ``ling3_tiny`` model's peak on a ``swe`` replica step from 56.8 to
   95.5 GiB (trajectory-wise) and cut its time by 7.9 % (README, session 10).
+* ``"moe"``: the whole MoE block (router, routed and shared experts, statistics). Its routed
+  experts then run lean (``MoE.forward``'s ``lean``): they keep only their inputs and recompute
+  the row gather, the gate/up GEMM and the SwiGLU inside their own backward, so the block keeps
+  about its input and output rows, the shared expert's three [T, I_s] activations, the router's
+  float32 [T, E] tensors and the dispatch's int64 [T K] indices (about 0.8 GB per layer at
+  65,536 rows of ``ling3_tiny``, by their shapes) instead of the [T K, D + 3 I] the autograd
+  path keeps. The recomputation then skips the whole block (7.2 of a MoE layer's 30.6 ms in
+  ``harts.bench.moe_bench`` on an H200 was recomputation) at the cost of one gather, one grouped
+  GEMM and one SwiGLU pass in the backward. Not yet measured on a GPU.
 
 A skipped core runs in the forward with its saved tensors kept (an identity
 ``saved_tensors_hooks`` inside checkpoint's, so checkpoint never sees them) and its output
@@ -47,8 +56,8 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def run_core(
-    ctx: Any, owner: torch.nn.Module, region: str, fn: Callable[..., torch.Tensor], *args: torch.Tensor, **kwargs: Any
-) -> torch.Tensor:
+    ctx: Any, owner: torch.nn.Module, region: str, fn: Callable[..., Any], *args: torch.Tensor, **kwargs: Any
+) -> Any:
     """``fn(*args, **kwargs)`` timed as ``region`` (``harts.models.regions``), or its stored
     forward output when checkpoint recomputes a layer whose ``region`` core is skipped.
 
@@ -57,8 +66,8 @@ def run_core(
             (set by ``HybridLM.forward`` only while recomputation is on and grad is enabled; a
             context without the attribute skips nothing).
         owner: the module calling the core (one stored output per module and region).
-        region: "attention" or "linear_attention".
-        fn: the core; returns one tensor.
+        region: "attention", "linear_attention" or "moe".
+        fn: the core; returns one tensor or a tuple of tensors (returned the same way).
     """
     skip = region in getattr(ctx, "recompute_skip", ()) and torch.is_grad_enabled()
     if skip and regions.recomputing():
@@ -66,17 +75,43 @@ def run_core(
         if kept is not None:
             # the forward's requires_grad: every op after the core builds (and saves for) the
             # same nodes as in the forward, as checkpoint's saved-tensor bookkeeping expects
-            out, requires_grad = kept
-            return out.requires_grad_(requires_grad)
-    args = regions.enter(region, *args)
+            single, outs = kept
+            restored = tuple(out.requires_grad_(requires_grad) for out, requires_grad in outs)
+            return restored[0] if single else restored
+    args = _through(regions.enter, region, args)
     if not skip:
-        (out,) = regions.exit(region, fn(*args, **kwargs))
-        return out
+        return _exit(region, fn(*args, **kwargs))
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-        (out,) = regions.exit(region, fn(*args, **kwargs))
+        out = _exit(region, fn(*args, **kwargs))
     if not regions.recomputing():
-        ctx.kept_for_recompute[(id(owner), region)] = (out.detach(), out.requires_grad)
+        single = isinstance(out, torch.Tensor)
+        outs = (out,) if single else out
+        ctx.kept_for_recompute[(id(owner), region)] = (single, tuple((o.detach(), o.requires_grad) for o in outs))
     return out
+
+
+def _exit(region: str, out: Any) -> Any:
+    """``regions.exit`` of a core's output, one tensor or a tuple, returned in the same form."""
+    if isinstance(out, torch.Tensor):
+        (out,) = _through(regions.exit, region, (out,))
+        return out
+    return _through(regions.exit, region, tuple(out))
+
+
+def _through(mark: Callable[..., tuple[torch.Tensor, ...]], region: str, xs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``mark(region, ...)`` (``regions.enter`` / ``regions.exit``) applied to the entries of
+    ``xs`` that require grad, the others passed as they are: a timing mark on a tensor without
+    grad (row weights, expert counts) would give it one, and the ops reading it would then save
+    tensors in the forward that the recomputation (unmarked) does not."""
+    picked = [i for i, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not picked:
+        _ = mark(region)  # the region still starts / stops
+        return xs
+    marked = mark(region, *(xs[i] for i in picked))
+    out = list(xs)
+    for i, m in zip(picked, marked):
+        out[i] = m
+    return tuple(out)
 
 
 class KeptSlot:

@@ -10,12 +10,19 @@ import torch
 from harts import ExecutionConfig
 from harts.models.execution.compact import CompactContext
 from harts.models.execution.trajectory import TrajectoryContext
+from harts.models.layers.moe import MoE
 from harts.rl.grpo import grpo_loss
 from harts.rl.verify import run_step
 from tests.models._trees import mixed_batch
 from tests.models.test_compact_vs_trajectory import B, check_agreement, make_model
 
-SKIPS = [("attention",), ("linear_attention",), ("attention", "linear_attention")]
+SKIPS = [
+    ("attention",),
+    ("linear_attention",),
+    ("moe",),
+    ("attention", "linear_attention"),
+    ("attention", "linear_attention", "moe"),
+]
 
 
 def _ids(skip: tuple[str, ...]) -> str:
@@ -71,6 +78,15 @@ def test_a_skipped_core_runs_once_and_leaves_nothing_behind(
     inputs = model.prepare_compact(batch)
     seen: list = []
     calls = _count_core_calls(monkeypatch, seen)
+    moe_calls = [0]
+    real_moe = MoE.forward
+
+    def counted_moe(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        moe_calls[0] += 1
+        assert kwargs.get("lean") == ("moe" in skip)  # a kept block's routed experts run lean
+        return real_moe(self, *args, **kwargs)
+
+    monkeypatch.setattr(MoE, "forward", counted_moe)
     out = model(inputs, ExecutionConfig(mode=mode, recompute=True, recompute_skip=skip))
     forward = dict(calls)
     assert forward == {"attention": 2, "linear_attention": 2}  # KGMA: K, G linear; M, A full
@@ -78,6 +94,8 @@ def test_a_skipped_core_runs_once_and_leaves_nothing_behind(
     for core in calls:
         # checkpoint reruns every layer in the backward, except the skipped cores
         assert calls[core] == forward[core] * (1 if core in skip else 2), (core, calls)
+    n_moe = sum(layer.is_moe for layer in model.layers)
+    assert n_moe >= 2 and moe_calls[0] == n_moe * (1 if "moe" in skip else 2)
     (ctx,) = seen
     assert ctx.kept_for_recompute == {}, "every stored core output is taken by the recomputation"
 
@@ -112,7 +130,7 @@ def test_without_grad_nothing_is_stored() -> None:
 @pytest.mark.parametrize(
     "fields,message",
     [
-        (dict(recompute=True, recompute_skip=("moe",)), "unknown core 'moe'"),
+        (dict(recompute=True, recompute_skip=("mlp",)), "unknown core 'mlp'"),
         (dict(recompute=True, recompute_skip="attention"), "tuple of core names"),
         (dict(recompute=True, recompute_skip=("attention", "attention")), "names a core twice"),
         (dict(recompute=False, recompute_skip=("attention",)), "needs recompute=True"),
@@ -239,3 +257,19 @@ def test_more_recompute_layers_than_the_model_has_is_named() -> None:
     inputs = model.prepare_compact(mixed_batch(B, seed=3))
     with pytest.raises(ValueError, match="recompute_layers=5, but the model has 4 decoder layers"):
         model(inputs, mode="compact", recompute=True, recompute_layers=5)
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "compact"])
+def test_a_kept_moe_block_with_grouped_experts_gives_full_recomputation_s_gradients(mode: str) -> None:
+    """float32 on CPU takes the grouped experts, so a kept MoE block runs its lean routed experts
+    (``_LeanRoutedExperts``): log-probs and every gradient equal full recomputation's (the same
+    kernels: bit for bit on CPU), and compact equals trajectory-wise as closely as without it."""
+    model = make_model("KGMA", moe=True, dtype="float32")
+    assert all(layer.mlp.experts.uses_grouped(torch.zeros(1)) for layer in model.layers if layer.is_moe)
+    inputs = model.prepare_compact(mixed_batch(B, seed=8))
+    full = run_step(model, inputs, mode=mode, recompute=True, kl_coef=0.1)
+    got = run_step(model, inputs, mode=mode, recompute=True, recompute_skip=("moe",), kl_coef=0.1)
+    assert torch.equal(full.logprobs, got.logprobs)
+    assert set(full.grads) == set(got.grads) == {n for n, _ in model.named_parameters()}
+    for name, g in full.grads.items():
+        assert torch.equal(g, got.grads[name]), name

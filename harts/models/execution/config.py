@@ -29,7 +29,7 @@ LOGPROB_POSITIONS = ("all", "actions")
 ATTENTION_IMPLS = ("auto", "gather", "mask")
 #: cores that ``ExecutionConfig.recompute_skip`` may name (region names of ``harts.models.regions``;
 #: ``harts.models.recompute`` runs them)
-SKIPPABLE_CORES = ("attention", "linear_attention")
+SKIPPABLE_CORES = ("attention", "linear_attention", "moe")
 #: FlexAttention (torch 2.11) lowers on CUDA only for query/key/value head dims of at least 16
 FLEX_MIN_HEAD_DIM = 16
 
@@ -49,7 +49,8 @@ class ExecutionConfig:
     #: recompute every layer in the backward pass (activation checkpointing)
     recompute: bool = False
     #: with ``recompute``: cores not rerun in the backward, their forward outputs and saved
-    #: tensors kept instead (``harts.models.recompute``): "attention" and / or "linear_attention"
+    #: tensors kept instead (``harts.models.recompute``): "attention", "linear_attention" and /
+    #: or "moe" (the MoE block, its routed experts then keeping only their inputs)
     recompute_skip: tuple[str, ...] = ()
     #: with ``recompute``: how many decoder layers run under checkpoint, the first ones (None:
     #: all). The others keep their activations: less recomputation for more memory, as

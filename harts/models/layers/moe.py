@@ -236,6 +236,7 @@ class Experts(nn.Module):
         dispatch: Dispatch | None = None,
         *,
         permute_gather: bool = True,
+        lean: bool = False,
     ) -> torch.Tensor:
         """y_TD = sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x_t).
 
@@ -248,9 +249,14 @@ class Experts(nn.Module):
             permute_gather: the combine weights follow the pairs' expert order through a
                 gather whose backward is a gather too (``_Permute``); False: ``w[order]``, whose
                 backward is autograd's sorting ``index_put`` (the reference).
+            lean: the grouped path keeps only its inputs for the backward and recomputes the
+                row gather, the gate/up GEMM and the SwiGLU there (``_LeanRoutedExperts``): for
+                a MoE block whose forward survives checkpoint's recomputation
+                (``recompute_skip=("moe",)``). The same function and gradients; the loop path
+                ignores it.
         """
         if self.uses_grouped(x_TD):
-            return self._forward_grouped(x_TD, topk_idx, topk_w, dispatch, permute_gather)
+            return self._forward_grouped(x_TD, topk_idx, topk_w, dispatch, permute_gather, lean)
         return self._forward_loop(x_TD, topk_idx, topk_w)
 
     def dispatch(self, topk_idx: torch.Tensor) -> Dispatch:
@@ -273,12 +279,16 @@ class Experts(nn.Module):
         topk_w: torch.Tensor,
         dispatch: Dispatch | None,
         permute_gather: bool,
+        lean: bool = False,
     ) -> torch.Tensor:
         t, k = topk_idx.shape
         if t == 0 or k == 0:
             return torch.zeros_like(x_TD)
         d = self.dispatch(topk_idx) if dispatch is None else dispatch
         order, offs, src, back = d.order, d.offs, d.src, d.back
+        if lean:
+            w1, w2 = self.gate_up_proj.to(x_TD.dtype), self.down_proj.to(x_TD.dtype)
+            return _LeanRoutedExperts.apply(x_TD, topk_w, w1, w2, d, k)
         xs = _RowsToPairs.apply(x_TD, src, back, k)  # [T*K, D]
         gate_up = torch._grouped_mm(xs, self.gate_up_proj.to(xs.dtype).transpose(1, 2), offs=offs)
         # the combine weight scales the I-wide activation before the (linear) down projection,
@@ -362,6 +372,52 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]  # noqa: ANN001, ANN205
         (back,) = ctx.saved_tensors
         return g[back], None, None
+
+
+class _LeanRoutedExperts(torch.autograd.Function):
+    """The grouped routed experts, ``y = sum_k w_k * down_k(weighted SwiGLU(gate_up_k(x)))``,
+    keeping only x, the combine weights, the weights and the ``Dispatch`` for the backward
+    (``Experts.forward``'s ``lean``).
+
+    The autograd path keeps the gathered rows [P, D], the gate/up output [P, 2I] and the
+    activation [P, I] (P = T x K: 1.6, 1.1 and 0.5 GB at 65,536 rows of ``ling3_tiny``, per MoE
+    layer). This backward recomputes those three (one gather, one grouped GEMM, the SwiGLU
+    pass) and then runs exactly the autograd path's backward: the grouped GEMMs' input and
+    weight gradients (``_grouped_mm`` of the gradient with the weights, and of the transposed
+    input with the gradient, per expert group), the compiled SwiGLU backward, and the gathers
+    and slot sums of ``_RowsToPairs`` / ``_PairsToRows`` / ``_Permute``; so its gradients are
+    the autograd path's (bit for bit on CPU, ``tests/models/test_moe.py``).
+
+    Shapes: x [T, D], topk_w [T, K], w1 [E, 2I, D] (gate and up), w2 [E, D, I] (down).
+    """
+
+    @staticmethod
+    def forward(ctx, x_TD, topk_w, w1, w2, d, k):  # type: ignore[override]  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x_TD, topk_w, w1, w2, d.order, d.offs, d.src, d.back)
+        ctx.k = k
+        gate_up = torch._grouped_mm(x_TD[d.src], w1.transpose(1, 2), offs=d.offs)
+        act = weighted_swiglu(gate_up, topk_w.reshape(-1)[d.order])
+        h = torch._grouped_mm(act, w2.transpose(1, 2), offs=d.offs)
+        return sum_slots(d.back.view(-1, k), h.view(-1, k, h.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, g_TD):  # type: ignore[override]  # noqa: ANN001, ANN205
+        x_TD, topk_w, w1, w2, order, offs, src, back = ctx.saved_tensors
+        k = ctx.k
+        xs = x_TD[src]
+        gate_up = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
+        with torch.enable_grad():
+            gu = gate_up.detach().requires_grad_()
+            w_pairs = topk_w.reshape(-1)[order].detach().requires_grad_()
+            act = weighted_swiglu(gu, w_pairs)
+        g_h = g_TD[src]  # each pair gets its row's gradient
+        d_act = torch._grouped_mm(g_h, w2, offs=offs)
+        d_w2 = torch._grouped_mm(act.detach().t(), g_h, offs=offs).transpose(1, 2)
+        d_gu, d_w_pairs = torch.autograd.grad(act, (gu, w_pairs), d_act)
+        d_xs = torch._grouped_mm(d_gu, w1, offs=offs)
+        d_w1 = torch._grouped_mm(xs.t(), d_gu, offs=offs).transpose(1, 2)
+        d_x = sum_slots(back.view(-1, k), d_xs.view(-1, k, d_xs.shape[-1]))
+        return d_x, d_w_pairs[back].view_as(topk_w), d_w1, d_w2, None, None
 
 
 class _RowsToPairs(torch.autograd.Function):
@@ -462,13 +518,15 @@ class MoE(nn.Module):
         )
 
     def forward(
-        self, x_TD: torch.Tensor, w_T: torch.Tensor, routing: Any = None
+        self, x_TD: torch.Tensor, w_T: torch.Tensor, routing: Any = None, *, lean: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (y_TD, z_loss, aux_loss, counts_E).
 
         ``routing``: a slot (``harts.models.recompute.kept_routing``: ``take()`` / ``put()``)
         that carries the forward's expert choice (and its ``Dispatch``, with "dispatch_reuse")
-        to checkpoint's recomputation of this layer.
+        to checkpoint's recomputation of this layer. ``lean``: the routed experts keep only
+        their inputs for the backward (``Experts.forward``), for a block whose forward is kept
+        through checkpoint's recomputation (``recompute_skip=("moe",)``).
         """
         kept = routing.take() if routing is not None else None
         chosen, dispatch = kept if kept is not None else (None, None)
@@ -482,7 +540,7 @@ class MoE(nn.Module):
                 and experts.uses_grouped(x_TD)
             ):
                 dispatch = experts.dispatch(topk_idx)
-            y = experts(x_TD, topk_idx, topk_w, dispatch, permute_gather="permute_gather" in self.fast)
+            y = experts(x_TD, topk_idx, topk_w, dispatch, permute_gather="permute_gather" in self.fast, lean=lean)
         else:  # expert parallelism: its own exchange and dispatch
             y = experts(x_TD, topk_idx, topk_w)
         if routing is not None and kept is None:
