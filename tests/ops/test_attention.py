@@ -346,9 +346,11 @@ def test_block_mask_with_narrow_kv_blocks_covers_the_tree_mask(kv_block: int) ->
 
 
 @pytest.mark.gpu
-def test_flash_backend_matches_dense_tree_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mask_on", ["device", "host"])
+def test_flash_backend_matches_dense_tree_attention(monkeypatch: pytest.MonkeyPatch, mask_on: str) -> None:
     """On a GPU with flash-attn-4: FLASH's output and gradients on a branchy tree against the
-    dense reference in float32 (bf16 inputs), as close as the Triton kernel gets."""
+    dense reference in float32 (bf16 inputs), as close as the Triton kernel gets, with its
+    (128, 96) BlockMask built on the device and on the host (what both execution contexts do)."""
     from harts.ops.attention.tree_mask import flex_backend
 
     dev = torch.device("cuda")
@@ -364,10 +366,12 @@ def test_flash_backend_matches_dense_tree_attention(monkeypatch: pytest.MonkeyPa
     q, k = (torch.randn(P, H, 192, device=dev, generator=gen) for _ in range(2))
     v = torch.randn(P, H, 128, device=dev, generator=gen)
     go = torch.randn(P, H, 128, device=dev, generator=gen)
+    host = {"tree_pre_host": pre.cpu().numpy(), "tree_end_host": end.cpu().numpy()} if mask_on == "host" else {}
     outs = {}
     for name, dtype, impl in [("ref", torch.float32, "dense"), ("flash", torch.bfloat16, "flex")]:
         x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        o = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=192**-0.5, impl=impl)
+        kw = host if impl == "flex" else {}
+        o = tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=192**-0.5, impl=impl, **kw)
         o.backward(go.to(dtype))
         outs[name] = [o.detach().float(), *(t.grad.float() for t in x)]
     for got, ref in zip(outs["flash"], outs["ref"]):
