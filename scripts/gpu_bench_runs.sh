@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The issue-10 GPU figures on one H200 without registry access, one device call per part, each
+# inside one call's 10 minutes. Wheels travel as the README's Notes say:
+#
+#   here, once:  scripts/fa4_wheels.sh pack            # .whl (fla-core, FA4), .fa4a, .fa4b
+#   call 1:      carry [".whl", ".fa4a"]   bash scripts/gpu_bench_runs.sh tests     # keeps FA4 part A
+#   call 2..:    carry [".whl", ".fa4b"]   bash scripts/gpu_bench_runs.sh PART       # same machine, within its idle window
+#
+# PART (figures land in $OUT/PART.log and $OUT/PART*.json; the last lines of each go to stdout):
+#   tests     pytest -m gpu -n 8 (and keeps FA4's part A in /tmp for the next call)
+#   moe       one MoE layer: plain / recompute / kept, reference and fast paths, by kernel family
+#   medium    `medium` step 0, ling3_tiny pattern KKKM, with and without the MoE block kept
+#   swe5      `swe` step 5, replica 0 of 8, the full model, the MoE block kept
+#   swe0      `swe` step 0, replica 0 of 8, the full model, the MoE block kept
+#   layers N  `swe` step 5, replica 0 of 8, the MoE block kept and only the first N layers checkpointed
+set -uo pipefail
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|moe|medium|swe5|swe0|layers N}
+case "$part" in
+tests | moe | medium | swe5 | swe0) ;;
+layers) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "layers needs a layer count N" >&2; exit 2; } ;;
+*) echo "unknown part '$part' (tests, moe, medium, swe5, swe0, layers N)" >&2; exit 2 ;;
+esac
+OUT=${OUT:-gpu_bench_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 9
+if [ "$part" = tests ]; then
+    bash scripts/fa4_wheels.sh keep >/dev/null || exit 9
+elif [ -d .fa4b ]; then
+    bash scripts/fa4_wheels.sh unpack /tmp/site >/dev/null || echo "FA4 runtime not unpacked: attention runs on Triton"
+fi
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+
+B=(python3 -m harts.cli bench --device cuda --la-backend auto --dtype bfloat16 --recompute --capacity 65536
+    --attention mask --model ling3_tiny)
+KEEP=(--recompute-skip attention,linear_attention)
+KEEP_MOE=(--recompute-skip attention,linear_attention,moe)
+show() { grep -E "^step|^ +[0-9]+ |cold start|FlexAttention backend|passed|failed|^(plain|recompute|kept) " "$1" | grep -v "microbatches:"; }
+
+case "$part" in
+tests)
+    timeout 330 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider >"$OUT/tests.log" 2>&1
+    tail -3 "$OUT/tests.log"
+    ;;
+moe)
+    timeout 500 python3 -m harts.bench.moe_bench --device cuda --profile --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
+    show "$OUT/moe.log"
+    ;;
+medium)
+    for keep in KEEP KEEP_MOE; do
+        declare -n flags=$keep
+        timeout 280 "${B[@]}" "${flags[@]}" --pattern KKKM --workload medium --steps 1 \
+            --json "$OUT/medium_$keep.json" >"$OUT/medium_$keep.log" 2>&1
+        echo "== medium $keep"; show "$OUT/medium_$keep.log"
+    done
+    ;;
+swe5 | swe0)
+    step=${part#swe}
+    timeout 580 "${B[@]}" "${KEEP_MOE[@]}" --workload swe --first-step "$step" --steps 1 --dp 8 --replica 0 \
+        --json "$OUT/$part.json" >"$OUT/$part.log" 2>&1
+    show "$OUT/$part.log"
+    ;;
+layers)
+    n=$2
+    timeout 580 "${B[@]}" "${KEEP_MOE[@]}" --recompute-layers "$n" --workload swe --first-step 5 --steps 1 --dp 8 \
+        --replica 0 --json "$OUT/layers$n.json" >"$OUT/layers$n.log" 2>&1
+    show "$OUT/layers$n.log"
+    ;;
+esac

@@ -1,0 +1,18 @@
+"""``scripts/gpu_bench_runs.sh``: valid bash, and a bad part is refused before anything is
+installed or run (the parts themselves need a GPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_bench_runs.sh")
+
+
+def test_script_parses_and_refuses_a_bad_part(tmp_path) -> None:  # noqa: ANN001
+    assert subprocess.run(["bash", "-n", SCRIPT], capture_output=True).returncode == 0
+    for argv, message in [(["nope"], "unknown part 'nope'"), (["layers", "x"], "layers needs a layer count")]:
+        r = subprocess.run(["bash", SCRIPT, *argv], capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert not (tmp_path / "gpu_bench_out").exists()  # nothing ran
