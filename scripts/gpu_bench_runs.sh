@@ -25,9 +25,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 9
-if [ "$part" = tests ]; then
+if [ "$part" = tests ] && [ -f .fa4a/part-a ]; then
     bash scripts/fa4_wheels.sh keep >/dev/null || exit 9
-elif [ -d .fa4b ]; then
+elif [ -f .fa4b/part-b ]; then
     bash scripts/fa4_wheels.sh unpack /tmp/site >/dev/null || echo "FA4 runtime not unpacked: attention runs on Triton"
 fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
