@@ -281,3 +281,34 @@ def test_lean_routed_experts_equal_the_autograd_path(dtype: torch.dtype) -> None
         outs.append([y.detach(), xx.grad, ww.grad, experts.gate_up_proj.grad, experts.down_proj.grad])
     for name, a, b in zip(["y", "d_x", "d_w", "d_gate_up", "d_down"], *outs):
         assert a is not None and b is not None and torch.equal(a, b), name
+
+
+def test_lean_routed_experts_keep_no_pair_sized_activation() -> None:
+    """What the lean path keeps for its backward: no [T K, .] floating tensor (the gathered rows,
+    the gate/up output and the activation are what the autograd path keeps); only the rows, the
+    combine weights, the weights and the dispatch's integer indices."""
+    from harts.models.layers.moe import Experts
+
+    torch.manual_seed(0)
+    cfg = HybridConfig.tiny(dtype="float32", num_experts=8, num_experts_per_tok=4, initializer_range=0.3)
+    experts = Experts(cfg)
+    t, k = 64, 4
+    x = torch.randn(t, cfg.hidden_size, requires_grad=True)
+    idx = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
+    w = torch.rand(t, k, requires_grad=True)
+    params = {p.data_ptr() for p in experts.parameters()}
+    for lean in (False, True):
+        kept: list[torch.Tensor] = []
+
+        def pack(saved: torch.Tensor) -> torch.Tensor:
+            if saved.data_ptr() not in params:
+                kept.append(saved)
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+            experts(x, idx, w, lean=lean)
+        pair_floats = [s for s in kept if s.is_floating_point() and s.dim() >= 1 and s.shape[0] == t * k]
+        if lean:
+            assert pair_floats == [], [tuple(s.shape) for s in pair_floats]
+        else:
+            assert pair_floats, "the autograd path keeps pair-sized activations"
