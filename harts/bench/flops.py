@@ -36,7 +36,7 @@ from torch import nn
 
 from harts.models.hybrid_lm import HybridLM
 
-__all__ = ["FlopModel", "PEAK_TFLOPS", "peak_tflops"]
+__all__ = ["FlopModel", "PEAK_TFLOPS", "active_matmul_params", "peak_tflops"]
 
 #: dense bf16 tensor-core peak (TFLOP/s) by device-name substring (vendor data sheets)
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
@@ -68,19 +68,8 @@ class FlopModel:
 
     @classmethod
     def from_model(cls, model: HybridLM) -> FlopModel:
-        from harts.models.layers.moe import Experts, TopKRouter
-
         cfg = model.config
-        active = 0.0
-        for layer in model.layers:
-            for m in layer.modules():
-                if isinstance(m, nn.Linear):
-                    active += m.weight.numel()
-                elif isinstance(m, TopKRouter):
-                    active += m.weight.numel()
-                elif isinstance(m, Experts):
-                    per_expert = (m.gate_up_proj.numel() + m.down_proj.numel()) / m.num_experts
-                    active += per_expert * cfg.num_experts_per_tok
+        active = sum(active_matmul_params(layer, cfg.num_experts_per_tok) for layer in model.layers)
         v, d = model.lm_head_weight.shape
         per_pair = per_la = 0.0
         b = cfg.chunk_size
@@ -105,3 +94,17 @@ class FlopModel:
         """Forward + backward FLOPs (3 x forward) of ``rows`` rows, ``logit_rows`` LM-head rows
         and ``pairs`` visible attention pairs."""
         return 3.0 * self.forward_flops(rows, logit_rows, pairs)
+
+
+def active_matmul_params(module: nn.Module, top_k: int) -> float:
+    """Matmul parameters one row uses in ``module`` (module docstring): every ``nn.Linear``
+    weight, the routers, and each ``Experts``' weights times ``top_k`` / E."""
+    from harts.models.layers.moe import Experts, TopKRouter
+
+    active = 0.0
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, TopKRouter)):
+            active += m.weight.numel()
+        elif isinstance(m, Experts):
+            active += (m.gate_up_proj.numel() + m.down_proj.numel()) / m.num_experts * top_k
+    return active

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from harts.bench.lm_head_bench import time_variant
+from harts.models.layers.moe import MoE
 
 __all__ = ["KERNEL_FAMILIES", "MODES", "kernel_family", "main", "moe_flops", "run_moe", "variants"]
 
@@ -77,19 +78,12 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
-def moe_flops(moe: torch.nn.Module, rows: int) -> float:
-    """Useful training FLOPs of ``moe`` on ``rows`` rows: 3 x 2 x rows x (router + top-k routed
-    experts' and the shared experts' matmul parameters), as ``harts.bench.flops`` counts them."""
-    from harts.models.layers.moe import Experts, TopKRouter
+def moe_flops(moe: MoE, rows: int) -> float:
+    """Useful training FLOPs of ``moe`` on ``rows`` rows: 3 x 2 x rows x its active matmul
+    parameters, as ``harts.bench.flops`` counts them."""
+    from harts.bench.flops import active_matmul_params
 
-    top_k = next(m.top_k for m in moe.modules() if isinstance(m, TopKRouter))
-    active = 0.0
-    for m in moe.modules():
-        if isinstance(m, (torch.nn.Linear, TopKRouter)):
-            active += m.weight.numel()
-        elif isinstance(m, Experts):
-            active += (m.gate_up_proj.numel() + m.down_proj.numel()) * top_k / m.num_experts
-    return 3 * 2 * rows * active
+    return 3 * 2 * rows * active_matmul_params(moe, moe.gate.top_k)
 
 
 class _Ctx:
@@ -184,7 +178,6 @@ def _profile(fn: Callable[[], object], device: torch.device, top: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     from harts.models.config import HybridConfig
-    from harts.models.layers.moe import MoE
     from harts.models.layers.norms import RMSNorm
 
     known = variants()

@@ -343,18 +343,16 @@ def flex_backends(model, execution, device) -> dict[str, str]:  # noqa: ANN001
     from harts.ops.attention.tree_mask import flex_backend
 
     cfg = model.config
-    dims = {"M": (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, False)}
-    dims["A"] = (cfg.head_dim, cfg.head_dim, cfg.num_key_value_heads != cfg.num_attention_heads)
-    letters = [k for k in dims if k in cfg.layer_pattern]
-    if not letters or device.type != "cuda":
+    dims = cfg.attention_head_dims
+    if not dims or device.type != "cuda":
         return {}
     from harts.errors import UserError
 
     try:
-        if execution.resolved_attention(device.type, min(dims[k][0] for k in letters)) != "mask":
+        if execution.resolved_attention(device.type, cfg.min_attention_head_dim) != "mask":
             return {}
         dtype = cfg.torch_dtype()
-        return {k: flex_backend(device, dtype, dims[k][0], dims[k][1], gqa=dims[k][2]) for k in letters}
+        return {k: flex_backend(device, dtype, qk, v, gqa=gqa) for k, (qk, v, gqa) in dims.items()}
     except (ValueError, RuntimeError) as exc:  # --attention mask below its head dim; FLASH asked for, unusable
         raise UserError(str(exc)) from exc
 

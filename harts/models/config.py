@@ -134,14 +134,22 @@ class HybridConfig:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     @property
-    def min_attention_head_dim(self) -> int | None:
-        """The smallest query/key or value head dim of the full-attention layers (MLA: nope + rope
-        and v; GQA: head_dim); None without full attention. FlexAttention on CUDA needs >= 16."""
-        dims = []
+    def attention_head_dims(self) -> dict[str, tuple[int, int, bool]]:
+        """{letter: (query/key head dim, value head dim, grouped-query)} of the full-attention
+        layer kinds in the pattern (MLA "M": nope + rope and v, never grouped; GQA "A":
+        head_dim both, grouped when it has fewer kv heads than query heads)."""
+        dims = {}
         if "M" in self.layer_pattern:
-            dims += [self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim]
+            dims["M"] = (self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim, False)
         if "A" in self.layer_pattern:
-            dims.append(self.head_dim)
+            dims["A"] = (self.head_dim, self.head_dim, self.num_key_value_heads != self.num_attention_heads)
+        return dims
+
+    @property
+    def min_attention_head_dim(self) -> int | None:
+        """The smallest query/key or value head dim of the full-attention layers
+        (``attention_head_dims``); None without full attention. FlexAttention on CUDA needs >= 16."""
+        dims = [d for qk, v, _ in self.attention_head_dims.values() for d in (qk, v)]
         return min(dims) if dims else None
 
     def torch_dtype(self) -> torch.dtype:
