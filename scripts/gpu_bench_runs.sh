@@ -7,7 +7,8 @@
 #   call 2..:    carry [".whl", ".fa4b"]   bash scripts/gpu_bench_runs.sh PART       # same machine, within its idle window
 #
 # PART (figures land in $OUT/PART.log and $OUT/PART*.json; the last lines of each go to stdout):
-#   tests     pytest -m gpu -n 8 (and keeps FA4's part A in /tmp for the next call)
+#   tests     pytest -m gpu -n 8, then `harts compare --device cuda --dtype float32` (as is, and with
+#             the MoE block kept); keeps FA4's part A in /tmp for the next call
 #   moe       one MoE layer: plain / recompute / kept, reference and fast paths, by kernel family
 #   medium    `medium` step 0, ling3_tiny pattern KKKM, with and without the MoE block kept
 #   swe5      `swe` step 5, replica 0 of 8, the full model, the MoE block kept
@@ -42,6 +43,14 @@ case "$part" in
 tests)
     timeout 330 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider >"$OUT/tests.log" 2>&1
     tail -3 "$OUT/tests.log"
+    # compact against trajectory-wise on the GPU, float32: as the README's figures, and with the
+    # MoE block kept (no recomputation of it)
+    for mode in default moe_kept; do
+        extra=(); [ "$mode" = moe_kept ] && extra=(--recompute "${KEEP_MOE[@]}")
+        timeout 150 python3 -m harts.cli compare --device cuda --dtype float32 "${extra[@]}" \
+            --json "$OUT/compare_$mode.json" >"$OUT/compare_$mode.log" 2>&1
+        echo "== compare $mode"; grep -vE "^compare:" "$OUT/compare_$mode.log" | tail -14
+    done
     ;;
 moe)
     timeout 500 python3 -m harts.bench.moe_bench --device cuda --profile --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
