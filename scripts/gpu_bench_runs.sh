@@ -13,13 +13,14 @@
 #   medium    `medium` step 0, ling3_tiny pattern KKKM, with and without the MoE block kept
 #   swe5      `swe` step 5, replica 0 of 8, the full model, the MoE block kept
 #   swe0      `swe` step 0, replica 0 of 8, the full model, the MoE block kept
+#   medium_layers N  `medium` step 0 as `medium`, the MoE block kept, only the first N layers checkpointed
 #   layers N  `swe` step 5, replica 0 of 8, the MoE block kept and only the first N layers checkpointed
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|moe|medium|swe5|swe0|layers N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|moe|medium|swe5|swe0|layers N|medium_layers N}
 case "$part" in
 tests | moe | medium | swe5 | swe0) ;;
-layers) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "layers needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, moe, medium, swe5, swe0, layers N)" >&2; exit 2 ;;
+layers | medium_layers) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "layers needs a layer count N" >&2; exit 2; } ;;
+*) echo "unknown part '$part' (tests, moe, medium, swe5, swe0, layers N, medium_layers N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -69,6 +70,12 @@ swe5 | swe0)
     timeout 580 "${B[@]}" "${KEEP_MOE[@]}" --workload swe --first-step "$step" --steps 1 --dp 8 --replica 0 \
         --json "$OUT/$part.json" >"$OUT/$part.log" 2>&1
     show "$OUT/$part.log"
+    ;;
+medium_layers)
+    n=$2
+    timeout 280 "${B[@]}" "${KEEP_MOE[@]}" --recompute-layers "$n" --pattern KKKM --workload medium --steps 1 \
+        --json "$OUT/medium_layers$n.json" >"$OUT/medium_layers$n.log" 2>&1
+    show "$OUT/medium_layers$n.log"
     ;;
 layers)
     n=$2
