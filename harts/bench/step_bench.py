@@ -44,6 +44,7 @@ import torch
 
 import harts.models.regions as regions
 from harts.bench.flops import FlopModel
+from harts.models.config import LAYER_TYPES
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.baselines.trajectory_plan import plan_trajectory_step
@@ -58,6 +59,9 @@ __all__ = [
     "device_busy_seconds",
     "device_time_by_region",
     "kernels_by_region",
+    "layout_chunk_steps",
+    "recurrence_chunk_steps",
+    "recurrence_words",
     "region_table",
     "warmup_microbatches",
 ]
@@ -102,6 +106,9 @@ class BenchSide:
     microbatch_rows: list[int] = field(default_factory=list)
     #: per timed microbatch: its visible full-attention pairs (as ``attention_pairs``)
     microbatch_pairs: list[int] = field(default_factory=list)
+    #: per timed microbatch: the sequential chunk steps of its linear-attention state recurrence
+    #: (``recurrence_chunk_steps``)
+    microbatch_chain: list[int] = field(default_factory=list)
 
     def microbatch_fit(self) -> dict[str, float] | None:
         """Least-squares ``seconds = fixed + per_row * rows`` over the timed microbatches (None with
@@ -204,6 +211,60 @@ class StepBench:
             "of_compression": round(fbg / max(self.compression, 1e-12), 4),
         }
 
+    def recurrence_fit(self) -> dict | None:
+        """What the linear-attention recurrence's sequential chunk steps cost, from the timed
+        microbatches of both sides together (they run the same model on the same device).
+
+        Least squares ``seconds = fixed + per_row * rows + per_pair * pairs + per_step * chain``
+        over every microbatch (``rows`` as ``BenchSide.rows``, ``pairs`` its visible attention
+        pairs, ``chain`` = ``recurrence_chunk_steps``). The chain is latency, not work: each
+        step waits for the one before it, so a microbatch whose longest recurrence is long pays
+        for it whatever its rows. A tree microbatch runs one call per round, each as long as its
+        longest sequence, so harts can run more steps per row than the baseline. Long sequences
+        also bring attention pairs, hence the pairs term: without it the chain would be charged
+        for attention. Returns {"fixed_seconds", "seconds_per_1k_rows", "seconds_per_g_pairs",
+        "seconds_per_step", "rms_seconds", "rms_seconds_without_steps" (the same fit without
+        the chain), "steps_per_1k_rows": {side: ...}, "harts_chain_seconds" (per_step * harts'
+        steps), "harts_at_baseline_steps_seconds" (harts' measured time with its steps per row
+        set to the baseline's)}; None with fewer than 5 microbatches, without chain or pair
+        counts, or when the terms do not separate (a rank-deficient fit).
+        """
+        b, h = self.baseline, self.harts
+        for side in (b, h):
+            n = len(side.microbatch_seconds)
+            if not len(side.microbatch_chain) == len(side.microbatch_rows) == len(side.microbatch_pairs) == n:
+                return None
+        rows = np.asarray(b.microbatch_rows + h.microbatch_rows, dtype=float) / 1e3
+        pairs = np.asarray(b.microbatch_pairs + h.microbatch_pairs, dtype=float) / 1e9
+        chain = np.asarray(b.microbatch_chain + h.microbatch_chain, dtype=float)
+        y = np.asarray(b.microbatch_seconds + h.microbatch_seconds, dtype=float)
+        if y.size < 5 or not chain.any():
+            return None
+        x = np.stack([np.ones_like(rows), rows, pairs, chain], axis=1)
+        if np.linalg.matrix_rank(x) < 4:
+            return None
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        coef_wo = np.linalg.lstsq(x[:, :3], y, rcond=None)[0]
+        rms = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
+        rms_wo = float(np.sqrt(np.mean((x[:, :3] @ coef_wo - y) ** 2)))
+        per_row = {
+            name: sum(side.microbatch_chain) / max(sum(side.microbatch_rows) / 1e3, 1e-12)
+            for name, side in (("baseline", b), ("harts", h))
+        }
+        harts_steps = float(sum(h.microbatch_chain))
+        extra = harts_steps - per_row["baseline"] * sum(h.microbatch_rows) / 1e3
+        return {
+            "fixed_seconds": round(float(coef[0]), 5),
+            "seconds_per_1k_rows": round(float(coef[1]), 6),
+            "seconds_per_g_pairs": round(float(coef[2]), 5),
+            "seconds_per_step": round(float(coef[3]), 7),
+            "rms_seconds": round(rms, 5),
+            "rms_seconds_without_steps": round(rms_wo, 5),
+            "steps_per_1k_rows": {k: round(v, 3) for k, v in per_row.items()},
+            "harts_chain_seconds": round(float(coef[3]) * harts_steps, 4),
+            "harts_at_baseline_steps_seconds": round(h.train_seconds - float(coef[3]) * extra, 4),
+        }
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(
@@ -211,6 +272,7 @@ class StepBench:
             fbg_speedup=round(self.fbg_speedup, 4),
             core_speedup=round(self.core_speedup, 4),
             ideal=self.ideal(),
+            recurrence_fit=self.recurrence_fit(),
         )
         for name in ("baseline", "harts"):
             side = getattr(self, name)
@@ -223,6 +285,20 @@ class StepBench:
                 microbatch_fit=side.microbatch_fit(),
             )
         return d
+
+
+def recurrence_words(fit: dict) -> str:
+    """One line of ``StepBench.recurrence_fit``'s result for a report."""
+    per = fit["steps_per_1k_rows"]
+    return (
+        f"linear-attention recurrence: {per['baseline']:.1f} (baseline) / {per['harts']:.1f} (harts) sequential "
+        f"chunk steps per 1k rows; fit over both sides' microbatches: {fit['fixed_seconds']:.3f} s + "
+        f"{fit['seconds_per_1k_rows'] * 1e3:.2f} ms per 1k rows + {fit['seconds_per_g_pairs']:.3f} s per G attention "
+        f"pairs + {fit['seconds_per_step'] * 1e3:.3f} ms per chunk step (rms {fit['rms_seconds']:.3f} s; "
+        f"{fit['rms_seconds_without_steps']:.3f} s without the steps): harts' "
+        f"steps ~{fit['harts_chain_seconds']:.2f} s, at the baseline's steps per row harts would take "
+        f"~{fit['harts_at_baseline_steps_seconds']:.2f} s"
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -253,6 +329,36 @@ def microbatch_counts(
     pairs = int((np.asarray(layout.position)[own] + 1).sum())
     logit_rows = int(np.unique(np.asarray(layout.semantic_to_phys)[pred]).size)
     return int(inputs.cb.num_compact_tokens), logit_rows, pairs
+
+
+def recurrence_chunk_steps(
+    sub: RolloutBatch,
+    inputs,  # noqa: ANN001
+    mode: str,
+    chunk_size: int,
+) -> int:
+    """Sequential chunk steps of one microbatch's linear-attention state recurrence, per layer
+    (host data only): the chunks of its longest sequence in trajectory mode (one call, every
+    trajectory a sequence), and in compact mode the sum over its calls (rounds: each waits for
+    the one before) of the chunks of each call's longest sequence, replayed rows included.
+    ``inputs`` is a ``prepare_compact`` result in compact mode (unused in trajectory mode)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if mode == "trajectory":
+        lengths = np.asarray(sub.lengths, dtype=np.int64)
+        return int(-(-int(lengths.max()) // chunk_size)) if lengths.size else 0
+    return layout_chunk_steps(inputs.layout, chunk_size)
+
+
+def layout_chunk_steps(layout, chunk_size: int) -> int:  # noqa: ANN001 - a harts.plan.layout.Layout
+    """``recurrence_chunk_steps`` of a compact microbatch from its layout: the sum over its
+    calls of the chunks of each call's longest sequence (``cu_seqlens``, replay included)."""
+    steps = 0
+    for view in layout.rounds:
+        seq = np.diff(np.asarray(view.cu_seqlens, dtype=np.int64))
+        if seq.size:
+            steps += int(-(-int(seq.max()) // chunk_size))
+    return steps
 
 
 def warmup_microbatches(executed_rows: list[int], rows: list[int]) -> list[int]:
@@ -305,6 +411,10 @@ def _run_side(
     counts = [
         microbatch_counts(sub, inputs, mode, execution.logprob_positions) for sub, inputs in prepared
     ]  # (rows, logit rows, pairs)
+    # the recurrence's chain only where the model has a linear-attention layer
+    linear = any(LAYER_TYPES[c][0] == "linear" for c in model.config.layer_pattern)
+    chunk = model.config.chunk_size
+    chains = [recurrence_chunk_steps(sub, inputs, mode, chunk) for sub, inputs in prepared] if linear else []
     raw = sum(sub.num_tokens for sub, _ in prepared)
     logit_rows = sum(c[1] for c in counts)
     pairs = sum(c[2] for c in counts)
@@ -388,6 +498,7 @@ def _run_side(
         microbatch_seconds=[round(x, 5) for x in mb_seconds],
         microbatch_rows=mb_rows,
         microbatch_pairs=[int(c[2]) for c in counts],
+        microbatch_chain=chains,
     )
 
 

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.flops import peak_tflops
-    from harts.bench.step_bench import COMPONENTS, bench_step
+    from harts.bench.step_bench import COMPONENTS, bench_step, recurrence_words
     from harts.bench.table import format_table
     from harts.commands._inputs import (
         build_model,
@@ -290,6 +290,10 @@ def run(args: argparse.Namespace) -> int:
                 f"pair) harts would take {ideal['total_seconds']:.3f} s: F/B/Grad {ideal['fbg_speedup']:.2f}x = "
                 f"{ideal['of_compression']:.2f}x of compression; measured / that: {ratios}"
             )
+    for r in results:
+        fit = r.recurrence_fit()
+        if fit is not None:
+            print(f"step {r.step}: {recurrence_words(fit)}")
     for r in results:
         for name in ("baseline", "harts"):
             side = getattr(r, name)
