@@ -13,14 +13,15 @@
 #   medium    `medium` step 0, ling3_tiny pattern KKKM, with and without the MoE block kept
 #   swe5      `swe` step 5, replica 0 of 8, the full model, the MoE block kept
 #   swe0      `swe` step 0, replica 0 of 8, the full model, the MoE block kept
+#   profile   `medium` step 0 as `medium` with --profile: one microbatch per side, device busy and time by region
 #   medium_layers N  `medium` step 0 as `medium`, the MoE block kept, only the first N layers checkpointed
 #   layers N  `swe` step 5, replica 0 of 8, the MoE block kept and only the first N layers checkpointed
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|moe|medium|swe5|swe0|layers N|medium_layers N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|moe|medium|swe5|swe0|profile|layers N|medium_layers N}
 case "$part" in
-tests | moe | medium | swe5 | swe0) ;;
+tests | moe | medium | swe5 | swe0 | profile) ;;
 layers | medium_layers) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "layers needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, moe, medium, swe5, swe0, layers N, medium_layers N)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, moe, medium, swe5, swe0, profile, layers N, medium_layers N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -70,6 +71,13 @@ swe5 | swe0)
     timeout 580 "${B[@]}" "${KEEP_MOE[@]}" --workload swe --first-step "$step" --steps 1 --dp 8 --replica 0 \
         --json "$OUT/$part.json" >"$OUT/$part.log" 2>&1
     show "$OUT/$part.log"
+    ;;
+profile)
+    timeout 400 "${B[@]}" "${KEEP[@]}" --pattern KKKM --workload medium --steps 1 --profile "$OUT/profile" \
+        --json "$OUT/profile.json" >"$OUT/profile.log" 2>&1
+    show "$OUT/profile.log"
+    for side in baseline harts; do echo "== $side"; head -28 "$OUT/profile/step0/$side.txt"; done
+    rm -f "$OUT"/profile/step0/*.json  # the traces: too large to come back
     ;;
 medium_layers)
     n=$2
