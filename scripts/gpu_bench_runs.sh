@@ -9,6 +9,8 @@
 # PART (figures land in $OUT/PART.log and $OUT/PART*.json; the last lines of each go to stdout):
 #   tests     pytest -m gpu -n 8, then `harts compare --device cuda --dtype float32` (as is, and with
 #             the MoE block kept); keeps FA4's part A in /tmp for the next call
+#   flash_tests  the FlexAttention GPU tests with FLASH's runtime there (call 1's suite runs before
+#             it arrives, so FLASH's own tests skip there)
 #   moe       one MoE layer: plain / recompute / kept, reference and fast paths, by kernel family
 #   medium    `medium` step 0, ling3_tiny pattern KKKM, with and without the MoE block kept
 #   swe5      `swe` step 5, replica 0 of 8, the full model, the MoE block kept
@@ -17,11 +19,11 @@
 #   medium_layers N  `medium` step 0 as `medium`, the MoE block kept, only the first N layers checkpointed
 #   layers N  `swe` step 5, replica 0 of 8, the MoE block kept and only the first N layers checkpointed
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|moe|medium|swe5|swe0|profile|layers N|medium_layers N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|profile|layers N|medium_layers N}
 case "$part" in
-tests | moe | medium | swe5 | swe0 | profile) ;;
+tests | flash_tests | moe | medium | swe5 | swe0 | profile) ;;
 layers | medium_layers) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "layers needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, moe, medium, swe5, swe0, profile, layers N, medium_layers N)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, profile, layers N, medium_layers N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -53,6 +55,11 @@ tests)
             --json "$OUT/compare_$mode.json" >"$OUT/compare_$mode.log" 2>&1
         echo "== compare $mode"; grep -vE "^compare:" "$OUT/compare_$mode.log" | tail -14
     done
+    ;;
+flash_tests)
+    [ -f .fa4b/part-b ] || { echo "flash_tests needs FA4's part B carried (.fa4b)" >&2; exit 2; }
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/ops/test_attention.py >"$OUT/flash_tests.log" 2>&1
+    tail -5 "$OUT/flash_tests.log"
     ;;
 moe)
     timeout 500 python3 -m harts.bench.moe_bench --device cuda --profile --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
