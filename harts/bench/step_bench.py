@@ -750,7 +750,10 @@ def bench_step(
         ]
 
     def prepare_baseline() -> list[tuple[RolloutBatch, Any]]:
-        return [(sub, sub) for sub in (batch.select(g) for g in base_groups)]
+        # the LM head's host inputs made ahead, as prepare_compact makes harts' (not timed on
+        # either side's F/B/Grad clock)
+        base_side = replace(execution, mode="trajectory")
+        return [(sub, model.prepare_trajectory(sub, base_side)) for sub in (batch.select(g) for g in base_groups)]
 
     baseline = _run_side(model, batch, prepare_baseline, replace(execution, mode="trajectory"), plan_seconds=0.0, **kw)
     harts = _run_side(model, batch, prepare_harts, compact_side, plan_seconds=plan_seconds, **kw)

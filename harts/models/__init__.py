@@ -1,6 +1,6 @@
 """Hybrid-attention models: config, layers, and trajectory-wise / compact execution."""
 
 from harts.models.config import HybridConfig
-from harts.models.hybrid_lm import CompactInputs, HybridLM, ModelOutput
+from harts.models.hybrid_lm import CompactInputs, HybridLM, ModelOutput, TrajectoryInputs
 
-__all__ = ["CompactInputs", "HybridConfig", "HybridLM", "ModelOutput"]
+__all__ = ["CompactInputs", "HybridConfig", "HybridLM", "ModelOutput", "TrajectoryInputs"]

@@ -43,12 +43,22 @@ from harts.models.init import draw_seed, init_weights
 from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
 from harts.models.layers.norms import RMSNorm
 from harts.models.recompute import kept_routing, run_core
+from harts.ops.logprob.mapped import LogprobIndex, logprob_index
 from harts.plan.calls import CallPlan, plan_calls
 from harts.plan.layout import Layout, build_layout
 from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch, compact
 
-__all__ = ["HybridLM", "ModelOutput", "CompactInputs", "DecoderLayer", "ExecutionConfig"]
+__all__ = [
+    "HybridLM",
+    "ModelOutput",
+    "CompactInputs",
+    "TrajectoryInputs",
+    "HeadInputs",
+    "head_inputs",
+    "DecoderLayer",
+    "ExecutionConfig",
+]
 
 _MIXERS = {"K": KimiDeltaAttention, "G": GatedDeltaNet, "M": MultiheadLatentAttention, "A": GatedAttention}
 
@@ -73,8 +83,50 @@ class ModelOutput:
 
 
 @dataclass(frozen=True)
+class HeadInputs:
+    """The LM head's host inputs for one batch under one ``logprob_positions`` setting: which
+    hidden row and target each computed log-prob reads, and the fused head's index bookkeeping.
+
+    ``HybridLM.prepare_compact`` / ``prepare_trajectory`` make them ahead of the forward (numpy
+    only), so that no host work sits between the layers' kernels and the head's; a forward whose
+    setting differs makes its own. Shapes (n computed positions): ``rows`` [n] hidden rows
+    (trajectory: the position itself; compact: its physical row), ``targets`` [n] target tokens,
+    ``entries`` [n] the log-prob entries computed (None: all, in order), ``index`` the fused
+    head's ``LogprobIndex`` (None: the chunked-eager head, or not made).
+    """
+
+    logprob_positions: str
+    fused: bool
+    rows: np.ndarray
+    targets: np.ndarray
+    entries: np.ndarray | None
+    index: LogprobIndex | None
+
+    def serves(self, cfg: ExecutionConfig) -> bool:
+        """Whether a forward under ``cfg`` can use these (same positions, same head)."""
+        return self.logprob_positions == cfg.logprob_positions and self.fused == cfg.use_fused_logprobs
+
+
+def head_inputs(batch: RolloutBatch, layout: Layout | None, cfg: ExecutionConfig, vocab_size: int) -> HeadInputs:
+    """``HeadInputs`` of ``batch`` under ``cfg`` (its ``logprob_positions`` and whether the head is
+    fused); ``layout`` maps positions to compact physical rows (None: trajectory rows)."""
+    pred, targets = batch.predicting_positions(), batch.next_token_targets()
+    # "actions": the LM head runs only where the loss reads a log-prob (its largest cost)
+    entries = batch.action_logprob_entries() if cfg.logprob_positions == "actions" else None
+    if entries is not None:
+        pred, targets = pred[entries], targets[entries]
+    # a compact row shared by several selected positions is computed once (mapped_logprobs)
+    rows = pred if layout is None else np.asarray(layout.semantic_to_phys)[pred]
+    hidden_rows = batch.num_tokens if layout is None else layout.num_rows
+    fused = cfg.use_fused_logprobs
+    index = logprob_index(rows, targets, hidden_rows, vocab_size) if fused else None
+    return HeadInputs(cfg.logprob_positions, fused, rows, targets, entries, index)
+
+
+@dataclass(frozen=True)
 class CompactInputs:
-    """A batch prepared for compact execution: compaction, call plan and physical layout.
+    """A batch prepared for compact execution: compaction, call plan, physical layout and the LM
+    head's host inputs.
 
     Build once with ``HybridLM.prepare_compact`` and pass to ``model(inputs, mode="compact")``
     to keep planning out of a timed region; the model executes the fixed plan and never re-plans.
@@ -84,10 +136,21 @@ class CompactInputs:
     plan: CallPlan
     layout: Layout
     no_replay: bool = False
+    head: HeadInputs | None = None
 
     @property
     def batch(self) -> RolloutBatch:
         return self.cb.batch
+
+
+@dataclass(frozen=True)
+class TrajectoryInputs:
+    """A batch prepared for trajectory-wise execution: the LM head's host inputs made ahead, as
+    ``CompactInputs`` has them (``HybridLM.prepare_trajectory``), so that both modes leave the
+    same host work out of the forward."""
+
+    batch: RolloutBatch
+    head: HeadInputs | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -172,17 +235,29 @@ class HybridLM(nn.Module):
     def prepare_compact(
         self, batch: RolloutBatch | CompactBatch, config: ExecutionConfig | None = None, *, plan: CallPlan | None = None
     ) -> CompactInputs:
-        """Compaction, call plan and layout for ``batch`` (numpy only, no model state).
+        """Compaction, call plan, layout and the LM head's host inputs for ``batch`` (numpy only,
+        no model state).
 
         ``config.no_replay`` picks the layout (default: replay); ``plan``, when given, is
         ``batch``'s call plan already made (``plan_calls_many`` plans a step's microbatches at once).
+        The head's inputs follow ``config``'s ``logprob_positions`` and fused head (a forward run
+        with other settings makes its own).
         """
-        no_replay = ExecutionConfig.of(config).no_replay
+        cfg = ExecutionConfig.of(config, mode="compact")
+        self._check_batch(batch.batch if isinstance(batch, CompactBatch) else batch)
         cb = batch if isinstance(batch, CompactBatch) else compact(batch)
         if plan is None:
             plan = plan_calls(cb.segment_trees, self.config.chunk_size)
-        layout = build_layout(cb, plan, no_replay=no_replay)
-        return CompactInputs(cb=cb, plan=plan, layout=layout, no_replay=no_replay)
+        layout = build_layout(cb, plan, no_replay=cfg.no_replay)
+        head = head_inputs(cb.batch, layout, cfg, self.config.vocab_size)
+        return CompactInputs(cb=cb, plan=plan, layout=layout, no_replay=cfg.no_replay, head=head)
+
+    def prepare_trajectory(self, batch: RolloutBatch, config: ExecutionConfig | None = None) -> TrajectoryInputs:
+        """``batch`` with the LM head's host inputs made ahead for trajectory-wise execution under
+        ``config`` (numpy only): the trajectory-wise counterpart of ``prepare_compact``."""
+        cfg = ExecutionConfig.of(config, mode="trajectory")
+        self._check_batch(batch)
+        return TrajectoryInputs(batch=batch, head=head_inputs(batch, None, cfg, self.config.vocab_size))
 
     def _check_batch(self, batch: RolloutBatch) -> None:
         top = int(batch.tokens.max())
@@ -191,13 +266,18 @@ class HybridLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self, inputs: RolloutBatch | CompactBatch | CompactInputs, config: ExecutionConfig | None = None, **fields: Any
+        self,
+        inputs: RolloutBatch | CompactBatch | CompactInputs | TrajectoryInputs,
+        config: ExecutionConfig | None = None,
+        **fields: Any,
     ) -> ModelOutput:
         """Run ``inputs`` as ``config`` says (module docstring); ``fields`` override its fields.
 
         Args:
             inputs: a ``RolloutBatch`` or ``CompactBatch`` (compact mode prepares it here), or
-                ``CompactInputs`` from ``prepare_compact`` (planning kept out of a timed region).
+                ``CompactInputs`` from ``prepare_compact`` / ``TrajectoryInputs`` from
+                ``prepare_trajectory`` (planning kept out of a timed region). Either mode takes
+                the other's prepared inputs by their batch.
             config: ``ExecutionConfig`` (default ``ExecutionConfig()``: compact, attention auto).
             **fields: ``ExecutionConfig`` fields, e.g. ``mode="trajectory"``.
 
@@ -219,7 +299,8 @@ class HybridLM(nn.Module):
         if mode == "trajectory":
             from harts.models.execution.trajectory import TrajectoryContext
 
-            batch = inputs.batch if isinstance(inputs, (CompactBatch, CompactInputs)) else inputs
+            batch = inputs.batch if isinstance(inputs, (CompactBatch, CompactInputs, TrajectoryInputs)) else inputs
+            prepared_head = inputs.head if isinstance(inputs, TrajectoryInputs) else None
             self._check_batch(batch)
             ctx: RowContext = TrajectoryContext(
                 batch, self.config.chunk_size, device, la_backend=cfg.linear_attention_backend, attention=attention
@@ -229,7 +310,9 @@ class HybridLM(nn.Module):
         elif mode == "compact":
             from harts.models.execution.compact import CompactContext
 
-            if not isinstance(inputs, CompactInputs):
+            if isinstance(inputs, TrajectoryInputs):
+                inputs = self.prepare_compact(inputs.batch, cfg)
+            elif not isinstance(inputs, CompactInputs):
                 inputs = self.prepare_compact(inputs, cfg)
             elif inputs.no_replay != no_replay:
                 raise ValueError(
@@ -237,6 +320,7 @@ class HybridLM(nn.Module):
                     f"asks for no_replay={no_replay}; prepare them with the same ExecutionConfig"
                 )
             batch = inputs.batch
+            prepared_head = inputs.head
             self._check_batch(batch)
             ctx = CompactContext(
                 inputs.layout, attention=attention, device=device, la_backend=cfg.linear_attention_backend
@@ -284,25 +368,21 @@ class HybridLM(nn.Module):
         ctx.recompute_skip = cfg.recompute_skip if n_ckpt else ()
         h = self.norm(h)
 
-        pred, targets_np = batch.predicting_positions(), batch.next_token_targets()
-        # "actions": the LM head runs only where the loss reads a log-prob (its largest cost)
-        entries = batch.action_logprob_entries() if cfg.logprob_positions == "actions" else None
-        if entries is not None:
-            pred, targets_np = pred[entries], targets_np[entries]
-        info["logit_positions"] = int(pred.size)
-        # host tensors: mapped_logprobs plans its indices on the host (no device sync)
-        targets = torch.as_tensor(targets_np)
-        if mode == "trajectory":
-            rows = torch.as_tensor(pred)
-        else:
-            assert isinstance(inputs, CompactInputs)
-            # a compact row shared by several selected positions is computed once (mapped_logprobs)
-            rows = torch.as_tensor(np.asarray(inputs.layout.semantic_to_phys)[pred])
+        head = prepared_head
+        if head is None or not head.serves(cfg):
+            layout = inputs.layout if mode == "compact" and isinstance(inputs, CompactInputs) else None
+            head = head_inputs(batch, layout, cfg, self.config.vocab_size)
+        entries = head.entries
+        info["logit_positions"] = int(head.rows.size)
+        # host tensors: the head's index plan lives on the host (no device sync)
+        rows, targets = torch.as_tensor(head.rows), torch.as_tensor(head.targets)
         h, head_weight = regions.enter("lm_head", h, self.lm_head_weight)
         if cfg.use_fused_logprobs:
             from harts.ops.logprob import mapped_logprobs
 
-            logprobs = mapped_logprobs(h, head_weight, rows, targets, keep_probs=cfg.keep_lm_head_probs)
+            logprobs = mapped_logprobs(
+                h, head_weight, rows, targets, keep_probs=cfg.keep_lm_head_probs, index=head.index
+            )
         else:
             rows, targets = rows.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             logits = torch.nn.functional.linear(h[rows], head_weight)

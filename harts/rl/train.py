@@ -387,7 +387,9 @@ def accumulate_step_gradients(
     prepare_seconds = time.perf_counter() - tp
 
     def inputs_of(sub: RolloutBatch, cb: CompactBatch | None, call_plan: CallPlan | None) -> Any:
-        return sub if cb is None else model.prepare_compact(cb, cfg.execution, plan=call_plan)
+        if cb is None:
+            return model.prepare_trajectory(sub, cfg.execution)
+        return model.prepare_compact(cb, cfg.execution, plan=call_plan)
 
     step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
     if step_level:

@@ -87,7 +87,7 @@ def test_multi_gpu_harness_counts_action_logit_rows(tmp_path) -> None:
     from harts.bench.multi_gpu import _executed_flops, _raw_flops, main
     from harts.plan.step import plan_step
 
-    model = harts.HybridLM(harts.HybridConfig.tiny())
+    model = harts.HybridLM(harts.HybridConfig.tiny(vocab_size=256))
     batch = generate("tiny")
     fm = FlopModel.from_model(model)
     plan = plan_step(batch, dp=2, capacity=4096)

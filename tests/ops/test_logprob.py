@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from harts.ops.logprob import mapped_logprobs, naive_mapped_logprobs
-from harts.ops.logprob.mapped import _IndexPlan, _stable_argsort
+from harts.ops.logprob.mapped import _stable_argsort, logprob_index
 
 F64 = torch.float64
 
@@ -170,13 +170,13 @@ def test_index_plan_equals_unique_and_sorts(P: int, V: int, n: int, forks: int) 
     dup = rng.integers(0, n, forks)
     rows[dup[: forks // 2]], targets[dup[: forks // 2]] = rows[0], targets[0]
     rows[dup[forks // 2 :]] = rows[0]
-    plan = _IndexPlan(torch.as_tensor(rows), torch.as_tensor(targets), V, 4096, torch.device("cpu"), P)
+    plan = logprob_index(rows, targets, P, V, 4096)
     uniq, inv = np.unique(rows, return_inverse=True)
     pairs, pair_inv = np.unique(inv * V + targets, return_inverse=True)
-    assert np.array_equal(plan.uniq.numpy(), uniq) and np.array_equal(plan.inv.numpy(), inv)
-    assert np.array_equal(plan.order.numpy(), np.argsort(inv, kind="stable"))
-    assert np.array_equal(plan.pair_inv.numpy(), pair_inv) and plan.num_pairs == pairs.size
-    assert np.array_equal(plan.pair_row.numpy(), pairs // V) and np.array_equal(plan.pair_target.numpy(), pairs % V)
+    assert np.array_equal(plan.uniq, uniq) and np.array_equal(plan.inv, inv)
+    assert np.array_equal(plan.order, np.argsort(inv, kind="stable"))
+    assert np.array_equal(plan.pair_inv, pair_inv) and plan.num_pairs == pairs.size
+    assert np.array_equal(plan.pair_row, pairs // V) and np.array_equal(plan.pair_target, pairs % V)
     for top in (2, 1 << 16, (1 << 16) + 1, 1 << 33):
         keys = rng.integers(0, top, 1000)
         assert np.array_equal(_stable_argsort(keys, top), np.argsort(keys, kind="stable"))

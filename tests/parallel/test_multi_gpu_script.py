@@ -80,7 +80,7 @@ def test_scaling_counts_the_flops_each_mode_executes():
     from harts.plan.step import plan_step
     from harts.tree.workloads import generate
 
-    model = HybridLM(HybridConfig.tiny())
+    model = HybridLM(HybridConfig.tiny(vocab_size=256))
     batch = generate("tiny")
     plan = plan_step(batch, dp=2, capacity=4096)
     fm = FlopModel.from_model(model)

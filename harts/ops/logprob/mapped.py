@@ -48,6 +48,7 @@ Shapes: P hidden rows, D model dim, V vocabulary, n positions, U unique rows amo
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -55,10 +56,12 @@ import torch
 from harts.ops.compiled import cuda_compiled
 from harts.ops.upload import upload
 
-__all__ = ["KEEP_PROBS_MEMORY_FRACTION", "mapped_logprobs"]
+__all__ = ["KEEP_PROBS_MEMORY_FRACTION", "ROW_CHUNK", "LogprobIndex", "logprob_index", "mapped_logprobs"]
 
 #: ``keep_probs=None`` keeps the softmax when it takes at most this fraction of the device memory
 KEEP_PROBS_MEMORY_FRACTION = 0.25
+#: unique rows per logits chunk by default (``mapped_logprobs``' ``row_chunk``)
+ROW_CHUNK = 4096
 
 
 def mapped_logprobs(
@@ -67,9 +70,10 @@ def mapped_logprobs(
     rows_n: torch.Tensor,
     targets_n: torch.Tensor,
     *,
-    row_chunk: int = 4096,
+    row_chunk: int = ROW_CHUNK,
     fused: bool | None = None,
     keep_probs: bool | None = None,
+    index: LogprobIndex | None = None,
 ) -> torch.Tensor:
     """log_softmax(hidden[rows] @ weight^T)[targets] without materializing n x V logits.
 
@@ -90,6 +94,9 @@ def mapped_logprobs(
             instead of recomputing its logits (module docstring: one GEMM fewer per chunk, U x V
             entries of memory); None: on CUDA with half inputs when U x V entries fit in
             ``KEEP_PROBS_MEMORY_FRACTION`` of the device memory, else False.
+        index: ``logprob_index(rows_n, targets_n, P, V, row_chunk)`` made ahead (the host
+            bookkeeping); None: made here. Checked against P, V, row_chunk and n, not entry by
+            entry: it must come from these rows and targets.
 
     Returns:
         logprobs_n: [n] in the compute dtype (float32 for half inputs, else the input dtype).
@@ -106,13 +113,16 @@ def mapped_logprobs(
         raise ValueError(f"row_chunk must be positive; got {row_chunk}")
     # the index plan (unique rows, their positions, chunk bounds) is made where rows_n lives:
     # host tensors (what HybridLM passes) cost the device no synchronization at all
-    rows_h, targets_h = rows_n.detach().cpu(), targets_n.detach().cpu()
-    if rows_h.numel() and (int(rows_h.min()) < 0 or int(rows_h.max()) >= P):
-        raise ValueError(f"rows must lie in [0, {P}); got [{int(rows_h.min())}, {int(rows_h.max())}]")
-    if targets_h.numel() and (int(targets_h.min()) < 0 or int(targets_h.max()) >= V):
-        raise ValueError(f"targets must lie in [0, {V}); got [{int(targets_h.min())}, {int(targets_h.max())}]")
+    targets_h = targets_n.detach().cpu()
+    if index is None:
+        index = logprob_index(rows_n.detach().cpu().numpy(), targets_h.numpy(), P, V, row_chunk)
+    elif (index.P, index.V, index.row_chunk, index.num_positions) != (P, V, row_chunk, rows_n.numel()):
+        raise ValueError(
+            f"index was made for P={index.P}, V={index.V}, row_chunk={index.row_chunk}, n={index.num_positions}; "
+            f"these are P={P}, V={V}, row_chunk={row_chunk}, n={rows_n.numel()}"
+        )
     half = _half_gemms(hidden_PD)
-    plan = _IndexPlan(rows_h, targets_h, V, row_chunk, hidden_PD.device, P)
+    plan = _IndexPlan(index, hidden_PD.device)
     targets = targets_h.to(hidden_PD.device, non_blocking=True)
     if keep_probs is None:
         keep_probs = half and _probs_fit(plan.num_unique * V * hidden_PD.element_size(), hidden_PD.device)
@@ -131,12 +141,53 @@ def _probs_fit(nbytes: int, device: torch.device) -> bool:
     return nbytes <= KEEP_PROBS_MEMORY_FRACTION * total
 
 
-class _IndexPlan:
-    """Unique rows, positions grouped by row, (row, target) pairs, chunk bounds: built on the
-    host, uploaded once.
+@dataclass(frozen=True)
+class LogprobIndex:
+    """The host half of ``mapped_logprobs``' bookkeeping, for one (rows, targets) pair: unique
+    rows, positions grouped by row, (row, target) pairs and chunk bounds (numpy only).
 
-    A pair is one distinct (unique row, target) entry of the logits; several positions may add to
-    it (repeated targets on a fork). Pairs are sorted by row, so a chunk's pairs are contiguous.
+    ``logprob_index`` builds it; ``HybridLM.prepare_compact`` / ``prepare_trajectory`` build it
+    ahead of the forward, so that no host work sits between the layers' kernels and the LM
+    head's. Several positions may add to one pair (repeated targets on a fork). Pairs are sorted
+    by row, so a chunk's pairs are contiguous.
+
+    Shapes (n positions, U unique rows, Q pairs, C chunks): ``uniq`` [U], ``inv`` [n] (each
+    position's unique row), ``order`` [n] (positions stably by unique row), ``pair_inv`` [n],
+    ``pair_row`` / ``pair_target`` [Q]; ``bounds`` (unique rows) / ``pos_bounds`` (positions in
+    ``order``) / ``pair_bounds`` [C + 1]. ``P``, ``V``, ``row_chunk``: what it was built for.
+    """
+
+    P: int
+    V: int
+    row_chunk: int
+    uniq: np.ndarray
+    inv: np.ndarray
+    order: np.ndarray
+    pair_inv: np.ndarray
+    pair_row: np.ndarray
+    pair_target: np.ndarray
+    bounds: list[int]
+    pos_bounds: list[int]
+    pair_bounds: list[int]
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.inv.size)
+
+    @property
+    def num_unique(self) -> int:
+        return int(self.uniq.size)
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.pair_row.size)
+
+
+def logprob_index(
+    rows_n: np.ndarray, targets_n: np.ndarray, P: int, V: int, row_chunk: int = ROW_CHUNK
+) -> LogprobIndex:
+    """``LogprobIndex`` of positions reading hidden rows ``rows_n`` [n] (in [0, P)) at targets
+    ``targets_n`` [n] (in [0, V)), ``row_chunk`` unique rows per logits chunk.
 
     Built in O(n + P) with numpy, not torch (torch's CPU unique/sort took ~0.2 s per call on 33 k
     rows on a 32-core GPU host, thread contention): the unique rows from a bincount over the P
@@ -144,34 +195,60 @@ class _IndexPlan:
     as ``np.unique(rows, return_inverse=True)``, ``argsort(inv, stable)`` and ``np.unique(inv *
     V + targets, return_inverse=True)`` (``tests/ops/test_logprob.py``), in under a third of
     their time (0.29-0.31x on one `medium` compact microbatch's 242 k positions, 2-core host).
-    """
 
-    def __init__(
-        self, rows: torch.Tensor, targets: torch.Tensor, V: int, row_chunk: int, device: torch.device, P: int
-    ) -> None:
-        rows_np, targets_np = rows.numpy().astype(np.int64), targets.numpy().astype(np.int64)
-        counts = np.bincount(rows_np, minlength=P)
-        uniq = np.flatnonzero(counts)
-        inv = (np.cumsum(counts > 0) - 1)[rows_np]
-        order = _stable_argsort(inv, uniq.size)
-        bounds = np.minimum(np.arange(0, uniq.size + row_chunk, row_chunk), uniq.size)
-        self.pos_bounds: list[int] = np.searchsorted(inv[order], bounds).tolist()
-        self.bounds: list[int] = bounds.tolist()
-        self.num_unique = int(uniq.size)
-        # positions by (row, target): by target, then stably by row
-        by_target = _stable_argsort(targets_np, V)
-        by_pair = by_target[_stable_argsort(inv[by_target], uniq.size)]
-        key = inv[by_pair] * V + targets_np[by_pair]
-        first = np.ones(key.size, dtype=bool)
-        first[1:] = key[1:] != key[:-1]
-        pairs = key[first]
-        pair_inv = np.empty(key.size, dtype=np.int64)
-        pair_inv[by_pair] = np.cumsum(first) - 1
-        pair_row, pair_target = pairs // V, pairs % V
-        self.pair_bounds: list[int] = np.searchsorted(pair_row, bounds).tolist()
-        self.num_pairs = int(pairs.size)
+    Raises:
+        ValueError: rows and targets of different shapes, or out of range; ``row_chunk`` < 1.
+    """
+    rows_np, targets_np = np.asarray(rows_n).astype(np.int64), np.asarray(targets_n).astype(np.int64)
+    if rows_np.ndim != 1 or rows_np.shape != targets_np.shape:
+        raise ValueError(f"rows and targets must be [n] of equal length; got {rows_np.shape} and {targets_np.shape}")
+    if row_chunk < 1:
+        raise ValueError(f"row_chunk must be positive; got {row_chunk}")
+    if rows_np.size and (int(rows_np.min()) < 0 or int(rows_np.max()) >= P):
+        raise ValueError(f"rows must lie in [0, {P}); got [{int(rows_np.min())}, {int(rows_np.max())}]")
+    if targets_np.size and (int(targets_np.min()) < 0 or int(targets_np.max()) >= V):
+        raise ValueError(f"targets must lie in [0, {V}); got [{int(targets_np.min())}, {int(targets_np.max())}]")
+    counts = np.bincount(rows_np, minlength=P)
+    uniq = np.flatnonzero(counts)
+    inv = (np.cumsum(counts > 0) - 1)[rows_np]
+    order = _stable_argsort(inv, uniq.size)
+    bounds = np.minimum(np.arange(0, uniq.size + row_chunk, row_chunk), uniq.size)
+    # positions by (row, target): by target, then stably by row
+    by_target = _stable_argsort(targets_np, V)
+    by_pair = by_target[_stable_argsort(inv[by_target], uniq.size)]
+    key = inv[by_pair] * V + targets_np[by_pair]
+    first = np.ones(key.size, dtype=bool)
+    first[1:] = key[1:] != key[:-1]
+    pairs = key[first]
+    pair_inv = np.empty(key.size, dtype=np.int64)
+    pair_inv[by_pair] = np.cumsum(first) - 1
+    pair_row, pair_target = pairs // V, pairs % V
+    return LogprobIndex(
+        P=int(P),
+        V=int(V),
+        row_chunk=int(row_chunk),
+        uniq=uniq,
+        inv=inv,
+        order=order,
+        pair_inv=pair_inv,
+        pair_row=pair_row,
+        pair_target=pair_target,
+        bounds=bounds.tolist(),
+        pos_bounds=np.searchsorted(inv[order], bounds).tolist(),
+        pair_bounds=np.searchsorted(pair_row, bounds).tolist(),
+    )
+
+
+class _IndexPlan:
+    """A ``LogprobIndex`` on the device: its index arrays uploaded once (pinned, non-blocking),
+    its bounds kept as host lists."""
+
+    def __init__(self, index: LogprobIndex, device: torch.device) -> None:
+        self.bounds, self.pos_bounds, self.pair_bounds = index.bounds, index.pos_bounds, index.pair_bounds
+        self.num_unique, self.num_pairs = index.num_unique, index.num_pairs
         self.uniq, self.inv, self.order, self.pair_inv, self.pair_row, self.pair_target = (
-            upload(t, device, torch.int64) for t in (uniq, inv, order, pair_inv, pair_row, pair_target)
+            upload(t, device, torch.int64)
+            for t in (index.uniq, index.inv, index.order, index.pair_inv, index.pair_row, index.pair_target)
         )
 
 
