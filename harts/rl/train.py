@@ -215,9 +215,9 @@ def _set_step_statistics(model: HybridLM, stats: tuple[torch.Tensor, float] | No
 
 
 @torch.no_grad()
-def _step_expert_counts(model: HybridLM, inputs: list[Any], cfg: TrainConfig, state: ParallelState) -> torch.Tensor:
+def _step_expert_counts(model: HybridLM, inputs: Iterable[Any], cfg: TrainConfig, state: ParallelState) -> torch.Tensor:
     """The step's q-weighted expert counts [L_moe, E]: a no-grad forward of this rank's
-    microbatches, summed over ranks (routing depends only on the weights, which the step has
+    microbatches (prepared one at a time as ``inputs`` yields them), summed over ranks (routing depends only on the weights, which the step has
     not changed yet, so the training forwards route the same way)."""
     counts = None
     for x in inputs:
@@ -393,7 +393,7 @@ def accumulate_step_gradients(
 
     step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
     if step_level:
-        counts = _step_expert_counts(model, [inputs_of(*p) for p in prepared], cfg, state)
+        counts = _step_expert_counts(model, (inputs_of(*p) for p in prepared), cfg, state)
         _set_step_statistics(model, (counts, float(batch.num_tokens)))
     try:
         for done, (sub, cb, call_plan) in enumerate(prepared, start=1):
