@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from harts.models.execution.config import ExecutionConfig
-from harts.models.hybrid_lm import CompactInputs, HybridLM
+from harts.models.hybrid_lm import CompactInputs, HybridLM, TrajectoryInputs
 from harts.rl.grpo import grpo_loss
 from harts.tree.batch import RolloutBatch
 
@@ -94,7 +94,7 @@ def _peak_cpu_bytes(fn: Callable[[], None]) -> int:
 
 def run_step(
     model: HybridLM,
-    inputs: RolloutBatch | CompactInputs,
+    inputs: RolloutBatch | CompactInputs | TrajectoryInputs,
     config: ExecutionConfig | None = None,
     *,
     measure_memory: bool = False,
@@ -114,7 +114,7 @@ def run_step(
     and "memory" (the profiled CPU pass, when it runs).
     """
     run = ExecutionConfig.of(config, **fields)
-    batch = inputs.batch if isinstance(inputs, CompactInputs) else inputs
+    batch = inputs.batch if isinstance(inputs, (CompactInputs, TrajectoryInputs)) else inputs
     cfg = model.config
     kl = kl_coef if batch.ref_logprobs is not None else 0.0
     holder: dict[str, Any] = {}

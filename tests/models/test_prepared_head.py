@@ -106,3 +106,14 @@ def test_mapped_logprobs_refuses_an_index_made_for_other_rows() -> None:
         )
     with pytest.raises(ValueError, match=r"rows must lie in \[0, 20\)"):
         logprob_index(rows + 5, targets, P, V)
+
+
+def test_run_step_takes_trajectory_inputs() -> None:
+    from harts.rl.verify import compare_runs, run_step
+
+    model = make_model("KM", moe=True)
+    batch = mixed_batch(B)
+    diff = compare_runs(
+        run_step(model, model.prepare_trajectory(batch), mode="trajectory"), run_step(model, batch, mode="trajectory")
+    )
+    assert all(v == 0.0 for v in diff.values()), diff
