@@ -198,9 +198,9 @@ def test_recomputation_reuses_the_forward_s_expert_choice(monkeypatch: pytest.Mo
     chosen = []
     original = TopKRouter.choose
 
-    def counted(self, scores):  # noqa: ANN001, ANN202
+    def counted(self, scores, **kw):  # noqa: ANN001, ANN003, ANN202
         chosen.append(self)
-        return original(self, scores)
+        return original(self, scores, **kw)
 
     monkeypatch.setattr(TopKRouter, "choose", counted)
     moe_layers = sum(layer.is_moe for layer in model.layers)

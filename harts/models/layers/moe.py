@@ -30,7 +30,6 @@ Shapes: x_TD, w_T, logits/scores_TE, topk_idx/topk_w_TK, counts_E.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +40,7 @@ from torch import nn
 from harts.models.config import HybridConfig
 from harts.models.layers.mlp import MLP, swiglu
 from harts.ops.compiled import cuda_compiled
+from harts.ops.router_topk import grouped_topk, grouped_topk_reference
 
 __all__ = [
     "FAST_PATHS",
@@ -72,37 +72,38 @@ class TopKRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(e), persistent=config.router_bias)
 
     def forward(
-        self, x_TD: torch.Tensor, topk_idx: torch.Tensor | None = None, *, split_backward: bool = True
+        self,
+        x_TD: torch.Tensor,
+        topk_idx: torch.Tensor | None = None,
+        *,
+        split_backward: bool = True,
+        fused_topk: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (logits_TE, scores_TE, topk_idx_TK, topk_w_TK); logits in >= float32.
 
         ``topk_idx``: the experts already chosen for these rows (by this router on the same
         rows and bias: checkpoint's recomputation reuses the forward's choice), else chosen here.
         ``split_backward``: ``router_logits``'s backward on tensor cores (bfloat16 on CUDA).
+        ``fused_topk``: the choice in one kernel (``choose``'s ``fused``).
         """
         work = torch.promote_types(x_TD.dtype, torch.float32)
         logits = router_logits(x_TD, self.weight, work, split_backward=split_backward)
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         if topk_idx is None:
-            topk_idx = self.choose(scores)
+            topk_idx = self.choose(scores, fused=fused_topk)
         topk_w = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
             topk_w = topk_w / (topk_w.sum(-1, keepdim=True) + 1e-20)
         return logits, scores, topk_idx, topk_w * self.routed_scaling_factor
 
     @torch.no_grad()
-    def choose(self, scores_TE: torch.Tensor) -> torch.Tensor:
+    def choose(self, scores_TE: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         """int64 [T, K]: the top-k experts of each row on ``scores + e_score_correction_bias``
-        within its ``topk_group`` best groups (group score: the sum of its top 2)."""
-        choice = scores_TE + self.e_score_correction_bias.to(scores_TE.dtype)
-        if self.n_group > 1:
-            t = choice.shape[0]
-            grouped = choice.reshape(t, self.n_group, -1)
-            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-            keep = group_score.topk(self.topk_group, dim=-1).indices
-            group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-            choice = grouped.masked_fill(~group_mask[..., None], -math.inf).reshape(t, -1)
-        return choice.topk(self.top_k, dim=-1, sorted=True).indices
+        within its ``topk_group`` best groups (group score: the sum of its top 2), best first.
+        ``fused``: one kernel (``harts.ops.router_topk.grouped_topk``) where it applies, else
+        the torch reference (``grouped_topk_reference``)."""
+        pick = grouped_topk if fused else grouped_topk_reference
+        return pick(scores_TE, self.e_score_correction_bias, self.n_group, self.topk_group, self.top_k)
 
 
 def router_logits(
@@ -491,8 +492,9 @@ def moe_statistics(
 #: the MoE's fast paths, each with the code it replaces kept as its reference (``MoE.fast``):
 #: "router_split" (the router's backward on tensor cores, ``router_grad_split``),
 #: "dispatch_reuse" (checkpoint's recomputation reuses the forward's ``Dispatch``, no second
-#: sort), "permute_gather" (``Experts.forward``'s ``permute_gather``)
-FAST_PATHS = ("router_split", "dispatch_reuse", "permute_gather")
+#: sort), "permute_gather" (``Experts.forward``'s ``permute_gather``), "router_topk" (the
+#: group-limited expert choice in one kernel, ``harts.ops.router_topk``)
+FAST_PATHS = ("router_split", "dispatch_reuse", "permute_gather", "router_topk")
 
 
 class MoE(nn.Module):
@@ -530,7 +532,9 @@ class MoE(nn.Module):
         """
         kept = routing.take() if routing is not None else None
         chosen, dispatch = kept if kept is not None else (None, None)
-        logits, scores, topk_idx, topk_w = self.gate(x_TD, chosen, split_backward="router_split" in self.fast)
+        logits, scores, topk_idx, topk_w = self.gate(
+            x_TD, chosen, split_backward="router_split" in self.fast, fused_topk="router_topk" in self.fast
+        )
         experts = self.experts
         if isinstance(experts, Experts):
             if (
