@@ -8,10 +8,10 @@
     o       = chunk_kda(l2norm q, l2norm k, v, g, beta)
     out     = o_proj(rmsnorm(o) * weight * sigmoid(g_b_proj(g_a_proj x)))
 
-The three input projections run as one GEMM over their stacked weights, and the three short
-convs, being depthwise, as one conv over its output ``[q | k | v]``; the parameters keep their
-separate names (``q_proj.weight``, ``q_conv1d.weight`` ``[dim, 1, w]`` etc., as checkpoints have
-them).
+On CUDA the three input projections run as one GEMM over their stacked weights
+(``stacked_qkv``), and the three short convs, being depthwise, as one conv over ``[q | k | v]``;
+the parameters keep their separate names (``q_proj.weight``, ``q_conv1d.weight`` ``[dim, 1, w]``
+etc., as checkpoints have them).
 Heads: KDA uses ``H = linear_num_value_heads`` for q, k and v.
 
 Shapes: x_TD; q/k_THK; v_THV; g_THK; beta_TH.
@@ -62,6 +62,14 @@ class ShortConvolution(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
+    #: q / k / v input projections as one GEMM over their stacked weights (a [3HK, D] copy of the
+    #: weights instead of a [T, 3HK] one of the activations, one GEMM each way instead of three);
+    #: None: on CUDA, where the copies and launches cost; elsewhere the three GEMMs (the
+    #: reference: the same products, rounded per GEMM; the CPU figures were measured with it).
+    #: Stacked, the q / k / v ``nn.Linear`` modules are not called: hooks on them do not run
+    #: (set it False for adapters that wrap those modules)
+    stacked_qkv: bool | None = None
+
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         d = config.hidden_size
@@ -97,10 +105,12 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x_TD: torch.Tensor, ctx: RowContext) -> torch.Tensor:
         t = x_TD.shape[0]
         h, k, v = self.num_heads, self.head_k_dim, self.head_v_dim
-        # the three input projections as one GEMM over their stacked weights (a [3HK, D] copy of
-        # the weights, not a [T, 3HK] one of the activations, and one GEMM each way, not three)
-        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], dim=0)
-        mixed = torch.nn.functional.linear(x_TD, w_qkv)
+        stacked = x_TD.is_cuda if self.stacked_qkv is None else self.stacked_qkv
+        if stacked:
+            w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], dim=0)
+            mixed = torch.nn.functional.linear(x_TD, w_qkv)
+        else:
+            mixed = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight_DW, self.k_conv1d.weight_DW, self.v_conv1d.weight_DW], dim=0)
         mixed = ctx.short_conv(mixed, weight, None, "silu")
         q, kk, vv = torch.split(mixed, [h * k, h * k, h * v], dim=-1)
