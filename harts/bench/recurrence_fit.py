@@ -17,7 +17,13 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from harts.bench.step_bench import BenchSide, StepBench, layout_chunk_steps, recurrence_words
+from harts.bench.step_bench import (
+    BenchSide,
+    StepBench,
+    layout_chunk_steps,
+    recurrence_words,
+    trajectory_chunk_steps,
+)
 
 __all__ = ["chains_of_step", "fit_result", "main"]
 
@@ -46,7 +52,7 @@ def chains_of_step(
     for k in raw.for_replica(replica):
         lengths = batch.lengths[raw.microbatches[k]]
         base_rows.append(int(lengths.sum()))
-        base_chain.append(int(-(-int(lengths.max()) // chunk_size)))
+        base_chain.append(trajectory_chunk_steps(lengths, chunk_size))
     return {"baseline": (base_rows, base_chain), "harts": (harts_rows, harts_chain)}
 
 

@@ -63,6 +63,7 @@ __all__ = [
     "recurrence_chunk_steps",
     "recurrence_words",
     "region_table",
+    "trajectory_chunk_steps",
     "warmup_microbatches",
 ]
 
@@ -345,9 +346,15 @@ def recurrence_chunk_steps(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if mode == "trajectory":
-        lengths = np.asarray(sub.lengths, dtype=np.int64)
-        return int(-(-int(lengths.max()) // chunk_size)) if lengths.size else 0
+        return trajectory_chunk_steps(sub.lengths, chunk_size)
     return layout_chunk_steps(inputs.layout, chunk_size)
+
+
+def trajectory_chunk_steps(lengths: np.ndarray, chunk_size: int) -> int:
+    """``recurrence_chunk_steps`` of a trajectory-wise microbatch from its trajectory lengths [N]:
+    the chunks of the longest (one call, every trajectory a sequence)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return int(-(-int(lengths.max()) // chunk_size)) if lengths.size else 0
 
 
 def layout_chunk_steps(layout, chunk_size: int) -> int:  # noqa: ANN001 - a harts.plan.layout.Layout

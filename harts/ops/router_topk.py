@@ -25,6 +25,7 @@ Shapes: scores_TE float32 (the router's work dtype for half inputs), bias_E, out
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -74,8 +75,6 @@ def kernel_applies(scores_TE: torch.Tensor, n_group: int, topk_group: int, k: in
 
 
 def _interpreted() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
