@@ -26,16 +26,24 @@ Per step:
 
     compression   raw rows / non-replay compact rows of the harts microbatches
     F/B/Grad      baseline time / harts time (forward + backward + gradients)
-    Core          baseline time / (harts planning + harts time), planning = step planner
-                  (whole-step compaction included) + per-microbatch slices, call plans and layout
+    Core          baseline time / harts' Core time: the step planner (whole-step compaction
+                  included), then the microbatches as ``harts train`` runs them, each prepared
+                  (slice, call plan, layout, LM-head plan) on the host just before it runs, so the
+                  host prepares microbatch k + 1 while the device still runs k. This is a second
+                  timed harts run (``core_run``); without it, Core charges planning and every
+                  microbatch's preparation made ahead (``plan_seconds``) in full.
+
+The planning that Core pays beyond F/B/Grad (``BenchSide.critical_plan_seconds``) is the Core
+time less the F/B/Grad time of the run with everything prepared ahead.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -110,6 +118,21 @@ class BenchSide:
     #: per timed microbatch: the sequential chunk steps of its linear-attention state recurrence
     #: (``recurrence_chunk_steps``)
     microbatch_chain: list[int] = field(default_factory=list)
+    #: harts only: seconds of the step as ``harts train`` runs it (the step planner, then each
+    #: microbatch prepared just before it runs), wall clock to the last microbatch's end; None
+    #: when not run (Core then charges ``plan_seconds + train_seconds``)
+    core_seconds: float | None = None
+
+    @property
+    def core_time(self) -> float:
+        """The seconds Core charges: ``core_seconds`` when run, else planning ahead + F/B/Grad."""
+        return self.core_seconds if self.core_seconds is not None else self.plan_seconds + self.train_seconds
+
+    @property
+    def critical_plan_seconds(self) -> float:
+        """Planning on the step's critical path: Core time less F/B/Grad time (two runs: a few
+        ms of run-to-run noise either way)."""
+        return self.core_time - self.train_seconds
 
     def microbatch_fit(self) -> dict[str, float] | None:
         """Least-squares ``seconds = fixed + per_row * rows`` over the timed microbatches (None with
@@ -167,7 +190,7 @@ class StepBench:
 
     @property
     def core_speedup(self) -> float:
-        harts = self._rate(self.harts, self.harts.train_seconds + self.harts.plan_seconds)
+        harts = self._rate(self.harts, self.harts.core_time)
         return harts / max(self._rate(self.baseline, self.baseline.train_seconds), 1e-12)
 
     def mfu(self, side: BenchSide) -> float | None:
@@ -272,6 +295,7 @@ class StepBench:
             compression=round(self.compression, 4),
             fbg_speedup=round(self.fbg_speedup, 4),
             core_speedup=round(self.core_speedup, 4),
+            critical_plan_seconds=round(self.harts.critical_plan_seconds, 4),
             ideal=self.ideal(),
             recurrence_fit=self.recurrence_fit(),
         )
@@ -410,8 +434,7 @@ def _run_side(
 ) -> BenchSide:
     mode = execution.mode
     device = model.embed_tokens.weight.device
-    normalizer = grpo_normalizer(batch)
-    z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
+    one = _microbatch_runner(model, batch, execution)
     t0 = time.perf_counter()
     prepared = prepare()  # (microbatch, model inputs) in slot order
     prep_seconds = time.perf_counter() - t0 if mode == "compact" else 0.0
@@ -425,14 +448,6 @@ def _run_side(
     raw = sum(sub.num_tokens for sub, _ in prepared)
     logit_rows = sum(c[1] for c in counts)
     pairs = sum(c[2] for c in counts)
-
-    def one(sub: RolloutBatch, inputs) -> dict:  # noqa: ANN001
-        out = model(inputs, execution)
-        loss = grpo_loss(out.logprobs, sub, normalizer=normalizer).loss
-        if out.moe_losses is not None:
-            loss = loss + (sub.num_tokens / batch.num_tokens) * out.moe_objective(z_coef, aux_coef)
-        loss.backward()
-        return out.info
 
     warm = 0.0
     if warmup and prepared:
@@ -507,6 +522,48 @@ def _run_side(
         microbatch_pairs=[int(c[2]) for c in counts],
         microbatch_chain=chains,
     )
+
+
+def _microbatch_runner(model: HybridLM, batch: RolloutBatch, execution: ExecutionConfig) -> Callable[..., dict]:
+    """``one(sub, inputs)``: a microbatch's forward, GRPO loss (normalized by the step's
+    denominator), MoE router objective and backward; returns the forward's info."""
+    normalizer = grpo_normalizer(batch)
+    z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
+
+    def one(sub: RolloutBatch, inputs) -> dict:  # noqa: ANN001
+        out = model(inputs, execution)
+        loss = grpo_loss(out.logprobs, sub, normalizer=normalizer).loss
+        if out.moe_losses is not None:
+            loss = loss + (sub.num_tokens / batch.num_tokens) * out.moe_objective(z_coef, aux_coef)
+        loss.backward()
+        return out.info
+
+    return one
+
+
+def _core_run_seconds(
+    model: HybridLM,
+    batch: RolloutBatch,
+    items: Sequence[Callable[[], tuple[RolloutBatch, Any]]],
+    execution: ExecutionConfig,
+) -> float:
+    """Wall seconds of the microbatches as ``harts train`` runs them: each of ``items`` (slot
+    order) prepares its microbatch on the host, (microbatch, model inputs), right before it
+    runs (no device sync between them), so its preparation overlaps the device's work on the
+    one before. Gradients are discarded."""
+    device = model.embed_tokens.weight.device
+    one = _microbatch_runner(model, batch, execution)
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    # under the region timers as the F/B/Grad run (their events cost the same in both runs)
+    with regions.RegionTimer(device):
+        t0 = time.perf_counter()
+        for prepare in items:
+            one(*prepare())
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    return seconds
 
 
 def _mark(device: torch.device) -> object:
@@ -722,6 +779,7 @@ def bench_step(
     progress: Callable[[int, str], Any] | None = None,
     profile_dir: str | None = None,
     clock_origin: float | None = None,
+    core_run: bool = True,
 ) -> StepBench:
     """Time one step (or replica ``replica``'s share of it at ``dp`` replicas) both ways on
     ``model`` (its weights are not changed) under ``execution`` (its mode is set per side, and
@@ -729,7 +787,9 @@ def bench_step(
     both, and the logit rows counted are the ones computed). ``optimizer`` also times one AdamW step;
     ``profile_dir`` writes a Chrome trace of one microbatch per side. ``clock_origin`` (a
     ``time.perf_counter()`` value) makes each side report the seconds from it to its first timed
-    microbatch (``BenchSide.seconds_to_timed``)."""
+    microbatch (``BenchSide.seconds_to_timed``). ``core_run`` times harts a second time as
+    ``harts train`` runs the step, for Core (module docstring); without it Core charges all
+    planning and preparation made ahead."""
     if not 0 <= replica < dp:
         raise ValueError(f"--replica must lie in [0, {dp}) for --dp {dp}; got {replica}")
     batch = replace(batch, old_logprobs=None, ref_logprobs=None)
@@ -764,6 +824,19 @@ def bench_step(
 
     baseline = _run_side(model, batch, prepare_baseline, replace(execution, mode="trajectory"), plan_seconds=0.0, **kw)
     harts = _run_side(model, batch, prepare_harts, compact_side, plan_seconds=plan_seconds, **kw)
+    if core_run:
+
+        def as_trained(k: int) -> tuple[RolloutBatch, Any]:
+            # ``harts train``'s preparation of microbatch k: its slice and call plan, then layout
+            # and LM-head plan
+            cb, call_plan = plan.prepare_microbatch(k, model.config.chunk_size)
+            return cb.batch, model.prepare_compact(cb, compact_side, plan=call_plan)
+
+        # the step planner's time measured above plus this run, whose clock holds every
+        # microbatch's preparation
+        items = [functools.partial(as_trained, k) for k in plan.for_replica(replica)]
+        run = _core_run_seconds(model, batch, items, compact_side)
+        harts = replace(harts, core_seconds=round(plan_seconds + run, 4))
     return StepBench(
         step=step,
         paths=batch.num_trajectories,

@@ -7,9 +7,10 @@ Per step (one RolloutBatch):
    (the "trajectory" baseline instead packs raw tokens at T:
    ``harts.plan.baselines.trajectory_plan``, as a trajectory-wise trainer must);
 2. each rank executes its replicas' microbatches in slot order (rank r of W: replicas r, r + W,
-   ...): the plan hands out each one's
-   slice of the step's compaction with its call plan (``StepPlan.prepare_replica``; nothing is
-   compacted twice), ``model.prepare_compact`` adds the layout, forward under
+   ...), each prepared on the host just before it runs (so the host prepares k + 1 while the
+   device runs k): the plan hands out its slice of the step's compaction with its call plan
+   (``StepPlan.prepare_microbatch``; nothing is compacted twice), ``model.prepare_compact``
+   adds the layout and the LM head's index plan, forward under
    ``cfg.execution`` (mode "compact" or the "trajectory" baseline),
    GRPO loss normalized by the *whole step's* denominator, MoE router objective weighted by
    the microbatch's share of the step's semantic tokens (or, with ``moe_statistics="step"``,
@@ -376,28 +377,37 @@ def accumulate_step_gradients(
     sums = torch.zeros(5, dtype=torch.float32 if state.device.type == "mps" else torch.float64, device=state.device)
     counts_sum = None
     rows = calls = replay = 0
-    tp = time.perf_counter()
-    if isinstance(plan, StepPlan):
-        # slices of the step's compaction, call plans made together: nothing is compacted twice
-        prepared: list[tuple[RolloutBatch, CompactBatch | None, CallPlan | None]] = [
-            (c.batch, c, p) for r in replicas for c, p in plan.prepare_replica(r, model.config.chunk_size)
-        ]
-    else:
-        prepared = [(batch.select(plan.microbatches[k]), None, None) for k in mine]
-    prepare_seconds = time.perf_counter() - tp
+    step_plan = plan if isinstance(plan, StepPlan) else None
+
+    def item_of(k: int) -> tuple[RolloutBatch, CompactBatch | None, CallPlan | None]:
+        # microbatch k: its slice of the step's compaction (nothing is compacted twice) and its
+        # call plan, or its trajectories
+        if step_plan is not None:
+            cb, call_plan = step_plan.prepare_microbatch(k, model.config.chunk_size)
+            return cb.batch, cb, call_plan
+        return batch.select(plan.microbatches[k]), None, None
 
     def inputs_of(sub: RolloutBatch, cb: CompactBatch | None, call_plan: CallPlan | None) -> Any:
         if cb is None:
             return model.prepare_trajectory(sub, cfg.execution)
         return model.prepare_compact(cb, cfg.execution, plan=call_plan)
 
+    prepare_seconds = 0.0
     step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
+    items: list[tuple[RolloutBatch, CompactBatch | None, CallPlan | None] | None] = [None] * len(mine)
     if step_level:
-        counts = _step_expert_counts(model, (inputs_of(*p) for p in prepared), cfg, state)
+        # two passes over the microbatches: the slices are made once, for both
+        tp = time.perf_counter()
+        items = [item_of(k) for k in mine]
+        prepare_seconds += time.perf_counter() - tp
+        counts = _step_expert_counts(model, (inputs_of(*it) for it in items if it is not None), cfg, state)
         _set_step_statistics(model, (counts, float(batch.num_tokens)))
     try:
-        for done, (sub, cb, call_plan) in enumerate(prepared, start=1):
+        for done, (k, made) in enumerate(zip(mine, items), start=1):
+            # each microbatch is prepared just before it runs: no device sync between them, so
+            # the host prepares microbatch k + 1 while the device still runs k
             tp = time.perf_counter()
+            sub, cb, call_plan = made if made is not None else item_of(k)
             inputs = inputs_of(sub, cb, call_plan)
             prepare_seconds += time.perf_counter() - tp
             out = model(inputs, cfg.execution)
@@ -426,7 +436,7 @@ def accumulate_step_gradients(
                 ]
             )
             # FSDP reduces the gradients once, in the step's last backward (or after each one)
-            set_gradient_sync(model, cfg.reduce_every_microbatch or done == len(prepared))
+            set_gradient_sync(model, cfg.reduce_every_microbatch or done == len(mine))
             total.backward()
             rows += int(out.info["rows"])
             calls += int(out.info["calls"])

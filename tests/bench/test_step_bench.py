@@ -278,3 +278,42 @@ def test_bench_recomputes_the_first_layers_only_on_request(tmp_path, capsys) -> 
     rec = json.loads(out.read_text())
     assert rec["recompute"] is True and rec["recompute_layers"] == 1
     assert "recompute on (first 1 layers only)" in capsys.readouterr().out
+
+
+def test_core_run_prepares_each_microbatch_just_before_it_runs(monkeypatch) -> None:
+    """Core times harts as ``harts train`` runs a step: prepare k, run k, prepare k + 1, ..."""
+    torch.manual_seed(0)
+    model = harts.HybridLM(harts.HybridConfig.tiny(vocab_size=256, layer_pattern="KM"))
+    batch = generate("tiny", step=1)
+    events: list[str] = []
+    prepare, forward = model.prepare_compact, model.forward
+
+    def logged_prepare(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        events.append("prepare")
+        return prepare(*a, **k)
+
+    def logged_forward(inputs, config=None, **k):  # noqa: ANN001, ANN003, ANN202
+        events.append(f"run {type(inputs).__name__}")
+        return forward(inputs, config, **k)
+
+    monkeypatch.setattr(model, "prepare_compact", logged_prepare)
+    monkeypatch.setattr(model, "forward", logged_forward)
+    r = bench_step(model, batch, capacity=400, warmup=False)
+    n = r.harts.microbatches
+    assert n >= 2
+    # the timed harts run prepares everything ahead; the Core run interleaves
+    harts_events = events[r.baseline.microbatches :]
+    assert harts_events[: 2 * n] == ["prepare"] * n + ["run CompactInputs"] * n
+    assert harts_events[2 * n :] == ["prepare", "run CompactInputs"] * n
+    assert r.harts.core_seconds is not None and r.harts.core_seconds > 0
+    assert r.core_speedup == pytest.approx(
+        r.harts.raw_tokens / r.harts.core_seconds / r.baseline.raw_tokens * r.baseline.train_seconds, rel=1e-9
+    )
+    assert r.to_dict()["critical_plan_seconds"] == pytest.approx(r.harts.core_seconds - r.harts.train_seconds, abs=1e-4)
+    assert all(p.grad is None for p in model.parameters())
+
+    events.clear()
+    ahead = bench_step(model, batch, capacity=400, warmup=False, core_run=False)
+    assert ahead.harts.core_seconds is None
+    assert events.count("prepare") == n
+    assert ahead.harts.core_time == ahead.harts.plan_seconds + ahead.harts.train_seconds

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from harts.plan.calls import CallPlan, plan_calls_many
+from harts.plan.calls import CallPlan, plan_calls, plan_calls_many
 from harts.plan.step.objective import PrefixCost, imbalance
 from harts.plan.step.schedule import build_schedule
 from harts.tree.compact import CompactBatch, PrefixIndex
@@ -83,6 +83,13 @@ class StepPlan:
         if self.prefix is None:
             raise ValueError("this StepPlan carries no prefix index (it was not made by plan_step)")
         return self.prefix.select(self.microbatches[k])
+
+    def prepare_microbatch(self, k: int, chunk_size: int) -> tuple[CompactBatch, CallPlan]:
+        """Microbatch k compacted (``compact_microbatch``) with its call plan: one item of
+        ``prepare_replica``, made on its own so that a trainer can prepare each microbatch just
+        before it runs (the host then prepares k + 1 while the device runs k)."""
+        cb = self.compact_microbatch(k)
+        return cb, plan_calls(cb.segment_trees, chunk_size)
 
     def prepare_replica(self, d: int, chunk_size: int) -> list[tuple[CompactBatch, CallPlan]]:
         """Replica d's microbatches in slot order, each compacted (``compact_microbatch``) with

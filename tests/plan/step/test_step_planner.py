@@ -392,5 +392,10 @@ def test_step_plan_hands_out_compact_slices_and_call_plans() -> None:
             want = plan_calls(cb.segment_trees, 16)
             assert call_plan.num_calls == want.num_calls
             np.testing.assert_array_equal(call_plan.seq_segments, want.seq_segments)
+            # one microbatch on its own (as a trainer prepares it just before it runs): the same
+            one_cb, one_plan = plan.prepare_microbatch(k, 16)
+            assert_same_compaction(one_cb, cb)
+            assert one_plan.num_calls == call_plan.num_calls
+            np.testing.assert_array_equal(one_plan.seq_segments, call_plan.seq_segments)
             seen.append(k)
     assert sorted(seen) == list(range(plan.num_microbatches))
