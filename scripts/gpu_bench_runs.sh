@@ -18,12 +18,19 @@
 #   profile   `medium` step 0 as `medium` with --profile: one microbatch per side, device busy and time by region
 #   medium_layers N  `medium` step 0 as `medium`, the MoE block kept, only the first N layers checkpointed
 #   layers N  `swe` step 5, replica 0 of 8, the MoE block kept and only the first N layers checkpointed
+#   tune      autotune fla-core's KDA and short-conv kernels at 65,536 rows (`harts.bench.tune_fla
+#             --rows 65536`) into /tmp/harts_fla_tuned (kept on this machine) and $OUT/fla_configs,
+#             list what differs from the shipped configs, then `medium` step 0 (as `medium`, MoE
+#             recomputed) with the tuned configs
+#
+# USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
+# there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|profile|layers N|medium_layers N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|profile|tune|layers N|medium_layers N}
 case "$part" in
-tests | flash_tests | moe | medium | swe5 | swe0 | profile) ;;
+tests | flash_tests | moe | medium | swe5 | swe0 | profile | tune) ;;
 layers | medium_layers) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "layers needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, profile, layers N, medium_layers N)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, profile, tune, layers N, medium_layers N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -36,6 +43,13 @@ elif [ -f .fa4b/part-b ]; then
     bash scripts/fa4_wheels.sh unpack /tmp/site >/dev/null || echo "FA4 runtime not unpacked: attention runs on Triton"
 fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+TUNED=/tmp/harts_fla_tuned
+if [ "${USE_TUNED_FLA:-0}" = 1 ]; then
+    tuned_dir=$(ls -d "$TUNED"/*/ 2>/dev/null | head -1)
+    [ -n "$tuned_dir" ] || { echo "USE_TUNED_FLA=1 but no tune call left configs in $TUNED on this machine" >&2; exit 2; }
+    export FLA_CONFIG_DIR=${tuned_dir%/} FLA_CACHE_MODE=full
+    echo "fla configs: tuned on this machine ($FLA_CONFIG_DIR), not the shipped ones"
+fi
 
 B=(python3 -m harts.cli bench --device cuda --la-backend auto --dtype bfloat16 --recompute --capacity 65536
     --attention mask --model ling3_tiny)
@@ -85,6 +99,18 @@ profile)
     show "$OUT/profile.log"
     for side in baseline harts; do echo "== $side"; head -28 "$OUT/profile/step0/$side.txt"; done
     rm -f "$OUT"/profile/step0/*.json  # the traces: too large to come back
+    ;;
+tune)
+    rm -rf "$TUNED"
+    timeout 400 python3 -m harts.bench.tune_fla --out "$TUNED" --rows 65536 --kernels kda,conv >"$OUT/tune.log" 2>&1
+    tail -4 "$OUT/tune.log"
+    tuned_dir=$(ls -d "$TUNED"/*/ 2>/dev/null | head -1)
+    [ -n "$tuned_dir" ] || { echo "tune_fla wrote no configs"; exit 1; }
+    cp -r "$tuned_dir" "$OUT/fla_configs"
+    python3 -m harts.ops.linear_attn.fla_configs diff "harts/ops/linear_attn/fla_configs/$(basename "$tuned_dir")" "$tuned_dir"
+    FLA_CONFIG_DIR=${tuned_dir%/} FLA_CACHE_MODE=full timeout 170 "${B[@]}" "${KEEP[@]}" --pattern KKKM --workload medium \
+        --steps 1 --json "$OUT/medium_tuned.json" >"$OUT/medium_tuned.log" 2>&1
+    echo "== medium, tuned fla configs"; show "$OUT/medium_tuned.log"
     ;;
 medium_layers)
     n=$2

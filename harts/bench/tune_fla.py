@@ -4,7 +4,9 @@
 
 Runs fla's ``chunk_kda`` (bfloat16; ``--dtypes bfloat16,float32`` for both) and ``chunk_gated_delta_rule`` forward and
 backward (GDN backward only where fla allows it) on packed varlen sequences with initial and
-final states, heads H = 16 of K = V = 128, chunk 64, and the short conv's varlen kernels over
+final states (lengths 1, 63, 64, 65, 1000, 4096, then 8192 each up to ``--rows`` rows in all,
+default 65,536: a microbatch at the capacity harts' benchmarks run; fla's autotune keys leave
+the row count out, so the configs chosen at one size serve every size), heads H = 16 of K = V = 128, chunk 64, and the short conv's varlen kernels over
 3 x H x K channels of width ``--conv-width`` with and without initial states
 (``harts.ops.conv.runs``) -- the calls harts makes -- with
 ``HARTS_FLA_AUTOTUNE=1`` so fla autotunes, then writes every autotuned kernel's chosen configs
@@ -25,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16,float32 (default bfloat16)")
     p.add_argument(
+        "--rows",
+        type=int,
+        default=65536,
+        help="packed rows the kernels are tuned on (at least 5,289, the short sequences' total; default 65,536)",
+    )
+    p.add_argument(
         "--conv-width",
         type=int,
         default=4,
@@ -37,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         "others in OUT are left as they are",
     )
     args = p.parse_args(argv)
+    try:
+        lengths = tuning_lengths(args.rows)
+    except ValueError as e:
+        p.error(f"--rows: {e}")
     kernels = set(args.kernels.split(","))
     if not kernels or not kernels <= {"kda", "gdn", "conv"}:
         p.error(f"--kernels: expected a subset of kda,gdn,conv; got {args.kernels!r}")
@@ -56,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.join(args.out, gpu_dir_name(torch.cuda.get_device_name(0)))
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     H, D, dev = args.heads, args.dim, "cuda"
-    lengths = [1, 63, 64, 65, 1000, 4096]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
     T, N = sum(lengths), len(lengths)
     names: list[str] = []
@@ -92,6 +103,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"short conv {dtype}: {time.perf_counter() - t0:.1f} s; {len(names)} kernel configs in {out}", flush=True)
     print(f"kernels: {', '.join(names)}")
     return 0
+
+
+def tuning_lengths(rows: int) -> list[int]:
+    """Sequence lengths summing to ``rows``: 1, 63, 64, 65 (chunk edges), 1000, 4096, then 8192
+    each (the last one shorter); ValueError below the short ones' 5,289 rows."""
+    lengths = [1, 63, 64, 65, 1000, 4096]
+    left = rows - sum(lengths)
+    if left < 0:
+        raise ValueError(f"at least {sum(lengths):,} rows are needed; got {rows:,}")
+    while left > 0:
+        lengths.append(min(8192, left))
+        left -= lengths[-1]
+    return lengths
 
 
 def _tune_short_conv(channels: int, width: int, dtype, lengths: list[int]) -> None:  # noqa: ANN001

@@ -54,3 +54,37 @@ def test_configure_leaves_user_settings_and_cpu_alone(monkeypatch: pytest.Monkey
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Some Other GPU")
     assert configure_fla_cache() is None and "FLA_CONFIG_DIR" not in os.environ
     assert fla_configs.CONFIG_ROOT.is_dir()
+
+
+def test_tuning_lengths_fill_the_rows_after_the_chunk_edges() -> None:
+    from harts.bench.tune_fla import tuning_lengths
+
+    assert tuning_lengths(5289) == [1, 63, 64, 65, 1000, 4096]
+    lengths = tuning_lengths(65536)
+    assert sum(lengths) == 65536 and lengths[:6] == [1, 63, 64, 65, 1000, 4096]
+    assert max(lengths) == 8192 and lengths[-1] == 65536 - 5289 - 8192 * 7
+    with pytest.raises(ValueError, match="at least 5,289 rows"):
+        tuning_lengths(5288)
+
+
+def test_config_changes_lists_each_differing_key(tmp_path) -> None:
+    import json
+    import shutil
+
+    from harts.ops.linear_attn.fla_configs import config_changes
+
+    old = fla_configs.CONFIG_ROOT / "NVIDIA_H200"
+    new = tmp_path / "new"
+    shutil.copytree(old, new)
+    assert config_changes(old, new) == []
+    f = new / "causal_conv1d_bwd_kernel.json"
+    data = json.loads(f.read_text())
+    entry = next(iter(data["autotune_entries"].values()))
+    entry["config"]["kwargs"]["BD"] = 128
+    entry["config"]["num_warps"] = 8
+    f.write_text(json.dumps(data))
+    (new / "chunk_gla_fwd_kernel_o.json").unlink()
+    lines = config_changes(old, new)
+    assert len([x for x in lines if x.startswith("causal_conv1d_bwd_kernel [")]) == 1
+    assert any("BD=128 warps=8" in x and "-> BD=128" in x for x in lines)
+    assert any(x.startswith("chunk_gla_fwd_kernel_o [default]") and x.endswith("-> none") for x in lines)

@@ -16,6 +16,10 @@ Regenerate on a new GPU or fla/Triton version::
 
     python -m harts.bench.tune_fla --out harts/ops/linear_attn/fla_configs
 
+and list what a new set changes against another (one line per kernel and key)::
+
+    python -m harts.ops.linear_attn.fla_configs diff OLD_DIR NEW_DIR
+
 which runs fla's KDA kernels forward and backward on ling3_tiny's shapes (autotuning them)
 and writes one ``<kernel>.json`` per autotuned kernel via ``dump_fla_autotune``.
 """
@@ -28,7 +32,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-__all__ = ["CONFIG_ROOT", "configure_fla_cache", "dump_fla_autotune", "gpu_dir_name"]
+__all__ = ["CONFIG_ROOT", "config_changes", "configure_fla_cache", "dump_fla_autotune", "gpu_dir_name"]
 
 CONFIG_ROOT = Path(__file__).with_name("fla_configs")
 
@@ -110,3 +114,55 @@ def dump_fla_autotune(out_dir: str | os.PathLike) -> list[str]:
             )
         written.append(name)
     return sorted(written)
+
+
+def _configs(d: Path) -> dict[str, dict[str, dict]]:
+    """{kernel: {key text: config}} of the JSON files in ``d`` ("default" for the default)."""
+    out: dict[str, dict[str, dict]] = {}
+    for f in sorted(Path(d).glob("*.json")):
+        data = json.loads(f.read_text())
+        per = {json.dumps(e["autotune_key"]): e["config"] for e in data.get("autotune_entries", {}).values()}
+        per["default"] = data.get("default_config", {})
+        out[f.stem] = per
+    return out
+
+
+def config_changes(old_dir: str | os.PathLike, new_dir: str | os.PathLike) -> list[str]:
+    """One line per kernel and autotune key whose config differs between two config
+    directories (a kernel or key only one side has is listed too); [] when they agree."""
+
+    def words(c: dict | None) -> str:
+        if c is None:
+            return "none"
+        kw = " ".join(f"{k}={v}" for k, v in sorted(c.get("kwargs", {}).items()))
+        return f"{kw} warps={c.get('num_warps')} stages={c.get('num_stages')}".strip()
+
+    old, new = _configs(Path(old_dir)), _configs(Path(new_dir))
+    lines = []
+    for kernel in sorted(set(old) | set(new)):
+        a, b = old.get(kernel, {}), new.get(kernel, {})
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                lines.append(f"{kernel} [{key}]: {words(a.get(key))} -> {words(b.get(key))}")
+    return lines
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m harts.ops.linear_attn.fla_configs")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("diff", help="list the configs that differ between two config directories")
+    d.add_argument("old")
+    d.add_argument("new")
+    args = p.parse_args(argv)
+    for name in (args.old, args.new):
+        if not Path(name).is_dir():
+            p.error(f"not a directory: {name}")
+    lines = config_changes(args.old, args.new)
+    print("\n".join(lines) if lines else "no config differs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
