@@ -6,6 +6,9 @@
 #   call 1:      carry [".whl", ".fa4a"]   bash scripts/gpu_bench_runs.sh tests     # keeps FA4 part A
 #   call 2..:    carry [".whl", ".fa4b"]   bash scripts/gpu_bench_runs.sh PART       # same machine, within its idle window
 #
+# A call that finds a fresh machine (the last one went back) has no part A: carry [".whl",
+# ".fa4a"] and run `bash scripts/fa4_wheels.sh keep` first, or its parts run on Triton attention.
+#
 # PART (figures land in $OUT/PART.log and $OUT/PART*.json; the last lines of each go to stdout):
 #   tests     pytest -m gpu -n 8, then `harts compare --device cuda --dtype float32` (as is, and with
 #             the MoE block kept); keeps FA4's part A in /tmp for the next call
@@ -40,7 +43,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 if [ "$part" = tests ] && [ -f .fa4a/part-a ]; then
     bash scripts/fa4_wheels.sh keep >/dev/null || exit 9
 elif [ -f .fa4b/part-b ]; then
-    bash scripts/fa4_wheels.sh unpack /tmp/site >/dev/null || echo "FA4 runtime not unpacked: attention runs on Triton"
+    if ! why=$(bash scripts/fa4_wheels.sh unpack /tmp/site 2>&1); then
+        echo "FA4 runtime not unpacked, attention runs on Triton: ${why##*$'\n'}"
+        echo "(a fresh machine: first a call that carries [\".whl\", \".fa4a\"] and runs scripts/fa4_wheels.sh keep)"
+    fi
 fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 TUNED=/tmp/harts_fla_tuned

@@ -171,6 +171,9 @@ class StepBench:
     predicted_baseline: list[int] = field(default_factory=list)
     optimizer_seconds: float | None = None
     peak_tflops: float | None = None
+    #: the step planner's seconds (``plan_step``, whole-step compaction included): the part of
+    #: harts' planning that runs before any microbatch can start
+    step_plan_seconds: float | None = None
 
     # With dp > 1 the two sides' replica shares hold different trajectories, so speedups compare
     # raw tokens per second; with dp = 1 both run the whole step and this is the time ratio.
@@ -849,4 +852,5 @@ def bench_step(
         predicted_baseline=predicted_base,
         optimizer_seconds=round(_optimizer_seconds(model), 4) if optimizer else None,
         peak_tflops=peak_tflops,
+        step_plan_seconds=round(plan_seconds, 4),
     )

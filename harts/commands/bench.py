@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"step {step}: harts as `harts train` runs it (step planner, then each microbatch prepared "
                     f"just before it runs): {r.harts.core_seconds:.3f} s, planning on the critical path "
-                    f"{r.harts.critical_plan_seconds:.3f} s: Core {r.core_speedup:.2f}x",
+                    f"{r.harts.critical_plan_seconds:.3f} s (of which the step planner {r.step_plan_seconds:.3f} s): "
+                    f"Core {r.core_speedup:.2f}x",
                     flush=True,
                 )
             if len(results) == 1:

@@ -306,6 +306,7 @@ def test_core_run_prepares_each_microbatch_just_before_it_runs(monkeypatch) -> N
     assert harts_events[: 2 * n] == ["prepare"] * n + ["run CompactInputs"] * n
     assert harts_events[2 * n :] == ["prepare", "run CompactInputs"] * n
     assert r.harts.core_seconds is not None and r.harts.core_seconds > 0
+    assert r.step_plan_seconds is not None and 0 < r.step_plan_seconds < r.harts.core_seconds
     assert r.core_speedup == pytest.approx(
         r.harts.raw_tokens / r.harts.core_seconds / r.baseline.raw_tokens * r.baseline.train_seconds, rel=1e-9
     )
