@@ -63,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the untimed warm-up of each side (its first and its smallest microbatch)",
     )
+    p.add_argument(
+        "--no-core-run",
+        action="store_true",
+        help="skip harts' second timed run (the step as `harts train` runs it, each microbatch prepared just "
+        "before it runs); Core then charges the step planner and every microbatch's preparation in full",
+    )
     add_output_arguments(p, what="every figure")
 
 
@@ -160,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
                 progress=lambda total, desc: progress(total, desc, "mb", leave=False, position=1),
                 profile_dir=os.path.join(args.profile, f"step{step}") if args.profile else None,
                 clock_origin=started,
+                core_run=not args.no_core_run,
             )
             results.append(r)
             print(

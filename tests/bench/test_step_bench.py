@@ -318,3 +318,23 @@ def test_core_run_prepares_each_microbatch_just_before_it_runs(monkeypatch) -> N
     assert ahead.harts.core_seconds is None
     assert events.count("prepare") == n
     assert ahead.harts.core_time == ahead.harts.plan_seconds + ahead.harts.train_seconds
+
+
+def test_bench_cli_reports_the_core_run_and_can_skip_it(tmp_path, capsys) -> None:
+    import json
+
+    from harts.cli import main
+
+    out = tmp_path / "b.json"
+    argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--steps", "1", "--no-warmup"]
+    assert main([*argv, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "harts as `harts train` runs it" in text and "the step planner" in text and "crit. plan s" in text
+    step = json.loads(out.read_text())["steps"][0]
+    assert step["harts"]["core_seconds"] > 0 and step["step_plan_seconds"] > 0
+    assert main([*argv, "--no-core-run", "--json", str(out), "--overwrite"]) == 0
+    assert "harts as `harts train` runs it" not in capsys.readouterr().out
+    step = json.loads(out.read_text())["steps"][0]
+    assert step["harts"]["core_seconds"] is None
+    h = step["harts"]
+    assert step["critical_plan_seconds"] == pytest.approx(h["plan_seconds"], abs=1e-3)
