@@ -2,12 +2,13 @@
 
     python -m harts.bench.tune_fla --out harts/ops/linear_attn/fla_configs [--kernels conv]
 
-Runs fla's ``chunk_kda`` (bfloat16; ``--dtypes bfloat16,float32`` for both) and ``chunk_gated_delta_rule`` forward and
-backward (GDN backward only where fla allows it) on packed varlen sequences with initial and
-final states (lengths 1, 63, 64, 65, 1000, 4096, then 8192 each up to ``--rows`` rows in all,
-default 65,536: a microbatch at the capacity harts' benchmarks run; fla's autotune keys leave
-the row count out, so the configs chosen at one size serve every size), heads H = 16 of K = V = 128, chunk 64, and the short conv's varlen kernels over
-3 x H x K channels of width ``--conv-width`` with and without initial states
+Runs fla's ``chunk_kda`` (bfloat16; ``--dtypes bfloat16,float32`` for both) and
+``chunk_gated_delta_rule`` forward and backward (GDN backward only where fla allows it) on
+packed varlen sequences with initial and final states (lengths 1, 63, 64, 65, 1000, 4096, then
+8192 each up to ``--rows`` rows in all, default 65,536: a microbatch at the capacity harts'
+benchmarks run; fla's autotune keys leave the row count out, so the configs chosen at one size
+serve every size), heads H = 16 of K = V = 128, chunk 64, and the short conv's varlen kernels
+over 3 x H x K channels of width ``--conv-width`` with and without initial states
 (``harts.ops.conv.runs``) -- the calls harts makes -- with
 ``HARTS_FLA_AUTOTUNE=1`` so fla autotunes, then writes every autotuned kernel's chosen configs
 into ``OUT/<GPU name>/`` (see ``harts.ops.linear_attn.fla_configs``). Needs CUDA and fla-core.

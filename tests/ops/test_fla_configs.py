@@ -88,3 +88,22 @@ def test_config_changes_lists_each_differing_key(tmp_path) -> None:
     assert len([x for x in lines if x.startswith("causal_conv1d_bwd_kernel [")]) == 1
     assert any("BD=128 warps=8" in x and "-> BD=128" in x for x in lines)
     assert any(x.startswith("chunk_gla_fwd_kernel_o [default]") and x.endswith("-> none") for x in lines)
+
+
+def test_config_diff_cli_names_a_broken_file(tmp_path, capsys) -> None:
+    from harts.ops.linear_attn.fla_configs import _main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (b / "k.json").write_text("{not json")
+    with pytest.raises(SystemExit) as exit_:
+        _main(["diff", str(a), str(b)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "k.json: not an fla config file" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        _main(["diff", str(a), str(tmp_path / "missing")])
+    assert "not a directory" in capsys.readouterr().err
+    assert _main(["diff", str(a), str(a)]) == 0
+    assert capsys.readouterr().out.strip() == "no config differs"

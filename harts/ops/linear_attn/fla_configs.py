@@ -16,12 +16,11 @@ Regenerate on a new GPU or fla/Triton version::
 
     python -m harts.bench.tune_fla --out harts/ops/linear_attn/fla_configs
 
-and list what a new set changes against another (one line per kernel and key)::
+which runs fla's KDA kernels forward and backward on ling3_tiny's shapes (autotuning them)
+and writes one ``<kernel>.json`` per autotuned kernel via ``dump_fla_autotune``. What a new
+set changes against another (one line per kernel and key)::
 
     python -m harts.ops.linear_attn.fla_configs diff OLD_DIR NEW_DIR
-
-which runs fla's KDA kernels forward and backward on ling3_tiny's shapes (autotuning them)
-and writes one ``<kernel>.json`` per autotuned kernel via ``dump_fla_autotune``.
 """
 
 from __future__ import annotations
@@ -120,9 +119,12 @@ def _configs(d: Path) -> dict[str, dict[str, dict]]:
     """{kernel: {key text: config}} of the JSON files in ``d`` ("default" for the default)."""
     out: dict[str, dict[str, dict]] = {}
     for f in sorted(Path(d).glob("*.json")):
-        data = json.loads(f.read_text())
-        per = {json.dumps(e["autotune_key"]): e["config"] for e in data.get("autotune_entries", {}).values()}
-        per["default"] = data.get("default_config", {})
+        try:
+            data = json.loads(f.read_text())
+            per = {json.dumps(e["autotune_key"]): e["config"] for e in data.get("autotune_entries", {}).values()}
+            per["default"] = data.get("default_config", {})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{f}: not an fla config file ({type(e).__name__}: {e})") from None
         out[f.stem] = per
     return out
 
@@ -159,7 +161,10 @@ def _main(argv: list[str] | None = None) -> int:
     for name in (args.old, args.new):
         if not Path(name).is_dir():
             p.error(f"not a directory: {name}")
-    lines = config_changes(args.old, args.new)
+    try:
+        lines = config_changes(args.old, args.new)
+    except ValueError as e:
+        p.error(str(e))
     print("\n".join(lines) if lines else "no config differs")
     return 0
 
