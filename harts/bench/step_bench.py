@@ -122,6 +122,8 @@ class BenchSide:
     #: microbatch prepared just before it runs), wall clock to the last microbatch's end; None
     #: when not run (Core then charges ``plan_seconds + train_seconds``)
     core_seconds: float | None = None
+    #: graphs torch.compile built during that run (0 when the earlier runs met every variant)
+    compiles_in_core_run: int = 0
 
     @property
     def core_time(self) -> float:
@@ -549,16 +551,17 @@ def _core_run_seconds(
     batch: RolloutBatch,
     items: Sequence[Callable[[], tuple[RolloutBatch, Any]]],
     execution: ExecutionConfig,
-) -> float:
-    """Wall seconds of the microbatches as ``harts train`` runs them: each of ``items`` (slot
-    order) prepares its microbatch on the host, (microbatch, model inputs), right before it
-    runs (no device sync between them), so its preparation overlaps the device's work on the
-    one before. Gradients are discarded."""
+) -> tuple[float, int]:
+    """Wall seconds of the microbatches as ``harts train`` runs them, and the graphs
+    torch.compile built meanwhile: each of ``items`` (slot order) prepares its microbatch on the
+    host, (microbatch, model inputs), right before it runs (no device sync between them), so its
+    preparation overlaps the device's work on the one before. Gradients are discarded."""
     device = model.embed_tokens.weight.device
     one = _microbatch_runner(model, batch, execution)
     model.zero_grad(set_to_none=True)
     _sync(device)
     # under the region timers as the F/B/Grad run (their events cost the same in both runs)
+    graphs_before = _compiled_graphs()
     with regions.RegionTimer(device):
         t0 = time.perf_counter()
         for prepare in items:
@@ -566,7 +569,7 @@ def _core_run_seconds(
         _sync(device)
         seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return seconds
+    return seconds, _compiled_graphs() - graphs_before
 
 
 def _mark(device: torch.device) -> object:
@@ -838,8 +841,8 @@ def bench_step(
         # the step planner's time measured above plus this run, whose clock holds every
         # microbatch's preparation
         items = [functools.partial(as_trained, k) for k in plan.for_replica(replica)]
-        run = _core_run_seconds(model, batch, items, compact_side)
-        harts = replace(harts, core_seconds=round(plan_seconds + run, 4))
+        run, compiles = _core_run_seconds(model, batch, items, compact_side)
+        harts = replace(harts, core_seconds=round(plan_seconds + run, 4), compiles_in_core_run=compiles)
     return StepBench(
         step=step,
         paths=batch.num_trajectories,

@@ -197,6 +197,12 @@ def run(args: argparse.Namespace) -> int:
                         f"{name}'s timed step (a shape or variant the warm-up did not meet); its time includes them",
                         flush=True,
                     )
+            if r.harts.compiles_in_core_run:
+                print(
+                    f"step {step}: note: torch.compile built {r.harts.compiles_in_core_run} graph(s) inside harts' "
+                    "Core run; Core includes them",
+                    flush=True,
+                )
             steps_bar.update()
 
     def mem(x: float | None) -> str:

@@ -307,6 +307,7 @@ def test_core_run_prepares_each_microbatch_just_before_it_runs(monkeypatch) -> N
     assert harts_events[2 * n :] == ["prepare", "run CompactInputs"] * n
     assert r.harts.core_seconds is not None and r.harts.core_seconds > 0
     assert r.step_plan_seconds is not None and 0 < r.step_plan_seconds < r.harts.core_seconds
+    assert r.harts.compiles_in_core_run == 0  # nothing is compiled on CPU
     assert r.core_speedup == pytest.approx(
         r.harts.raw_tokens / r.harts.core_seconds / r.baseline.raw_tokens * r.baseline.train_seconds, rel=1e-9
     )
@@ -338,3 +339,19 @@ def test_bench_cli_reports_the_core_run_and_can_skip_it(tmp_path, capsys) -> Non
     assert step["harts"]["core_seconds"] is None
     h = step["harts"]
     assert step["critical_plan_seconds"] == pytest.approx(h["plan_seconds"], abs=1e-3)
+
+
+def test_compilations_inside_the_core_run_are_counted_and_reported(monkeypatch, capsys) -> None:
+    import itertools
+
+    import harts.bench.step_bench as step_bench
+    from harts.cli import main
+
+    ticks = itertools.count()
+    # every read of Dynamo's counter sees one more graph: each counted run built one
+    monkeypatch.setattr(step_bench, "_compiled_graphs", lambda: next(ticks))
+    argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--steps", "1", "--no-warmup"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "torch.compile built 1 graph(s) inside harts' Core run; Core includes them" in out
+    assert "inside baseline's timed step" in out and "inside harts's timed step" in out
