@@ -19,6 +19,8 @@
 #   swe5      `swe` step 5, replica 0 of 8, the full model, the MoE block kept
 #   swe0      `swe` step 0, replica 0 of 8, the full model, the MoE block kept
 #   profile   `medium` step 0 as `medium` with --profile: one microbatch per side, device busy and time by region
+#   profile_swe  `swe` step 5, replica 0 of 8, the full model, the MoE block kept: --profile-only (the
+#             first microbatch of each side, after one untimed run of it; the step is not timed)
 #   medium_layers N  `medium` step 0 as `medium`, the MoE block kept, only the first N layers checkpointed
 #   layers N  `swe` step 5, replica 0 of 8, the MoE block kept and only the first N layers checkpointed
 #   tune      autotune fla-core's KDA and short-conv kernels at 65,536 rows (`harts.bench.tune_fla
@@ -29,11 +31,11 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|profile|tune|layers N|medium_layers N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|profile|profile_swe|tune|layers N|medium_layers N}
 case "$part" in
-tests | flash_tests | moe | medium | swe5 | swe0 | profile | tune) ;;
+tests | flash_tests | moe | medium | swe5 | swe0 | profile | profile_swe | tune) ;;
 layers | medium_layers) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "layers needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, profile, tune, layers N, medium_layers N)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, profile, profile_swe, tune, layers N, medium_layers N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -105,6 +107,12 @@ profile)
     show "$OUT/profile.log"
     for side in baseline harts; do echo "== $side"; head -28 "$OUT/profile/step0/$side.txt"; done
     rm -f "$OUT"/profile/step0/*.json  # the traces: too large to come back
+    ;;
+profile_swe)
+    timeout 400 "${B[@]}" "${KEEP_MOE[@]}" --workload swe --first-step 5 --steps 1 --dp 8 --replica 0 \
+        --profile "$OUT/profile_swe" --profile-only >"$OUT/profile_swe.log" 2>&1
+    grep -vE "^ +[0-9.]+ +[0-9]+  " "$OUT/profile_swe.log" | tail -40
+    rm -f "$OUT"/profile_swe/step5/*.json  # the traces: too large to come back
     ;;
 tune)
     rm -rf "$TUNED"

@@ -68,6 +68,7 @@ __all__ = [
     "device_time_by_region",
     "kernels_by_region",
     "layout_chunk_steps",
+    "profile_step",
     "recurrence_chunk_steps",
     "recurrence_words",
     "region_table",
@@ -768,6 +769,48 @@ def _optimizer_seconds(model: HybridLM) -> float:
     del opt
     model.zero_grad(set_to_none=True)
     return seconds
+
+
+def profile_step(
+    model: HybridLM,
+    batch: RolloutBatch,
+    profile_dir: str,
+    *,
+    capacity: int,
+    execution: ExecutionConfig | None = None,
+    dp: int = 1,
+    replica: int = 0,
+) -> list[str]:
+    """Profile one microbatch per side of replica ``replica``'s share of the step (at ``dp``
+    replicas, capacity ``capacity``) without timing the step: the first microbatch of each side
+    (the one ``bench_step``'s ``profile_dir`` profiles) runs once untimed (compile, autotune,
+    allocator), then once under the torch profiler (``_profile``: a Chrome trace, and beside it a
+    .txt with device busy time, device time by region and the top kernels). Only those two
+    microbatches are prepared. Returns the two .txt paths (baseline, harts)."""
+    if not 0 <= replica < dp:
+        raise ValueError(f"--replica must lie in [0, {dp}) for --dp {dp}; got {replica}")
+    batch = replace(batch, old_logprobs=None, ref_logprobs=None)
+    device = model.embed_tokens.weight.device
+    execution = replace(ExecutionConfig.of(execution), fused_logprobs=True)
+    base_side, compact_side = replace(execution, mode="trajectory"), replace(execution, mode="compact")
+    raw_plan = plan_trajectory_step(batch.lengths, dp=dp, capacity=capacity)
+    sub = batch.select(raw_plan.microbatches[raw_plan.for_replica(replica)[0]])
+    plan = plan_step(batch, dp=dp, capacity=capacity)
+    cb, call_plan = plan.prepare_microbatch(plan.for_replica(replica)[0], model.config.chunk_size)
+    items = (
+        ("baseline", base_side, (sub, model.prepare_trajectory(sub, base_side))),
+        ("harts", compact_side, (cb.batch, model.prepare_compact(cb, compact_side, plan=call_plan))),
+    )
+    paths = []
+    for name, side, item in items:
+        one = _microbatch_runner(model, batch, side)
+        one(*item)  # untimed: compile, autotune, allocator
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        _profile(one, item, device, os.path.join(profile_dir, f"{name}.json"))
+        model.zero_grad(set_to_none=True)
+        paths.append(os.path.join(profile_dir, f"{name}.txt"))
+    return paths
 
 
 def bench_step(

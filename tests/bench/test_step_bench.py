@@ -59,6 +59,21 @@ def test_bench_profile_writes_trace_and_operator_table(tmp_path) -> None:
         assert table.startswith("microbatch wall ") and "device busy 0.0 ms" in table  # CPU: no kernels
 
 
+def test_bench_profile_only_profiles_without_timing(tmp_path, capsys) -> None:
+    from harts.cli import main
+
+    prof = tmp_path / "prof"
+    args = ["bench", "--workload", "tiny", "--model", "tiny", "--steps", "1", "--dp", "2", "--replica", "1"]
+    assert main([*args, "--profile", str(prof), "--profile-only"]) == 0
+    out = capsys.readouterr().out
+    for side in ("baseline", "harts"):
+        assert (prof / "step0" / f"{side}.txt").read_text().startswith("microbatch wall ")
+        assert f"step 0, {side} (" in out
+    assert "F/B/Grad" not in out  # nothing timed
+    assert main([*args, "--profile-only"]) == 2  # needs --profile: a clear error, no traceback
+    assert "--profile-only needs --profile" in capsys.readouterr().err
+
+
 def test_device_busy_seconds_is_the_union_of_device_spans() -> None:
     """Overlapping and nested kernels count once, gaps not at all, host events never."""
     from harts.bench.step_bench import device_busy_seconds
