@@ -283,6 +283,37 @@ def test_lean_routed_experts_equal_the_autograd_path(dtype: torch.dtype) -> None
         assert a is not None and b is not None and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_grouped_linear_weight_gradient_comes_in_the_weight_layout(dtype: torch.dtype) -> None:
+    """``_GroupedLinear`` (the grouped experts' GEMMs): y = x @ w[e]^T per expert group, with
+    gradients equal to autograd's through ``_grouped_mm(x, w.transpose(1, 2))``, the weight
+    gradient made contiguous in w's own [E, N, K] layout (autograd's is a transposed view, which
+    AccumulateGrad copies); an empty group and a frozen weight included."""
+    from harts.models.layers.moe import _GroupedLinear
+
+    torch.manual_seed(0)
+    e, n, kd = 4, 8, 16  # _grouped_mm takes strides of multiples of 16 bytes
+    sizes = [7, 0, 3, 11]  # expert 1 gets no row
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    x = torch.randn(sum(sizes), kd, dtype=dtype)
+    w = torch.randn(e, n, kd, dtype=dtype)
+    g = torch.randn(sum(sizes), n, dtype=dtype)
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y1 = _GroupedLinear.apply(x1, w1, offs)
+    y1.backward(g)
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y2 = torch._grouped_mm(x2, w2.transpose(1, 2), offs=offs)
+    d_x2, d_wt = torch.autograd.grad(y2, (x2, w2), g)
+    assert torch.equal(y1, y2) and torch.equal(x1.grad, d_x2)
+    torch.testing.assert_close(w1.grad, d_wt, rtol=0, atol=0)
+    assert w1.grad.is_contiguous()
+    ref = torch.stack([g[a:b].float().T @ x[a:b].float() for a, b in zip([0, *offs[:-1].tolist()], offs.tolist())])
+    torch.testing.assert_close(w1.grad.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    x3 = x.clone().requires_grad_()
+    _GroupedLinear.apply(x3, w, offs).backward(g)  # frozen weight: only the row gradient
+    assert torch.equal(x3.grad, d_x2)
+
+
 def test_lean_routed_experts_keep_no_pair_sized_activation() -> None:
     """What the lean path keeps for its backward: no [T K, .] floating tensor (the gathered rows,
     the gate/up output and the activation are what the autograd path keeps); only the rows, the
