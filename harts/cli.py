@@ -101,12 +101,31 @@ def _check_environment() -> None:
         raise UserError(str(err)) from None
 
 
+#: the CUDA caching allocator's setting every command runs with unless the environment sets
+#: ``PYTORCH_CUDA_ALLOC_CONF`` itself (``default_allocator_settings``)
+ALLOCATOR_DEFAULT = "expandable_segments:True"
+
+
+def default_allocator_settings() -> None:
+    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set the variable.
+
+    Microbatches of a tree step differ in rows from one to the next, so the cached blocks of one
+    rarely fit the next; near the memory limit the allocator then frees its cache to the driver
+    and retries, and each ``cudaFree`` waits for the device, stalling the host's launches (and
+    the preparation of the next microbatch behind them). Expandable segments grow and shrink
+    mapped memory instead of caching fixed blocks (torch's advice for changing shapes). Read by
+    torch at its first CUDA allocation, so it is set before any command runs; ``harts bench``
+    reports the allocator's synchronizing events it still sees."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_DEFAULT)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
+    default_allocator_settings()
     try:
         _prepare_json_output(args)
         _check_environment()

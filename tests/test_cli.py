@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,3 +35,16 @@ def test_stats_on_file_and_errors(tmp_path, capsys):
     assert main(["stats", str(tmp_path / "missing.jsonl")]) == 2
     assert "no such batch file" in capsys.readouterr().err
     assert main(["stats", "--workload", "nope"]) == 2
+
+
+def test_commands_default_the_cuda_allocator_to_expandable_segments(monkeypatch, capsys):
+    """Every command runs with expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF."""
+    from harts.cli import ALLOCATOR_DEFAULT
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert main(["stats", "--workload", "tiny"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOCATOR_DEFAULT == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert main(["stats", "--workload", "tiny"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"  # the user's stays
+    capsys.readouterr()

@@ -125,6 +125,11 @@ class BenchSide:
     core_seconds: float | None = None
     #: graphs torch.compile built during that run (0 when the earlier runs met every variant)
     compiles_in_core_run: int = 0
+    #: CUDA caching-allocator events that synchronize the device, in the timed step and in the
+    #: Core run: retries after a failed allocation (each frees cached blocks, a device sync) and
+    #: blocks handed back to the driver (``cudaFree`` synchronizes); 0 on CPU
+    allocator_syncs: int = 0
+    allocator_syncs_in_core_run: int = 0
 
     @property
     def core_time(self) -> float:
@@ -472,7 +477,7 @@ def _run_side(
     bar = (
         progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches") if progress else None
     )
-    graphs_before = _compiled_graphs()
+    graphs_before, syncs_before = _compiled_graphs(), _allocator_syncs(device)
     marks, mb_rows = [], []
     with regions.RegionTimer(device) as timer:
         t0 = time.perf_counter()
@@ -521,6 +526,7 @@ def _run_side(
         flops=flop_model.training_flops(rows, logit_rows, pairs),
         warmup_seconds=round(warm, 3),
         compiles_in_timed_step=_compiled_graphs() - graphs_before,
+        allocator_syncs=_allocator_syncs(device) - syncs_before,
         seconds_to_timed=to_timed,
         breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()},
         microbatch_seconds=[round(x, 5) for x in mb_seconds],
@@ -552,17 +558,18 @@ def _core_run_seconds(
     batch: RolloutBatch,
     items: Sequence[Callable[[], tuple[RolloutBatch, Any]]],
     execution: ExecutionConfig,
-) -> tuple[float, int]:
+) -> tuple[float, int, int]:
     """Wall seconds of the microbatches as ``harts train`` runs them, and the graphs
-    torch.compile built meanwhile: each of ``items`` (slot order) prepares its microbatch on the
-    host, (microbatch, model inputs), right before it runs (no device sync between them), so its
-    preparation overlaps the device's work on the one before. Gradients are discarded."""
+    torch.compile built and the allocator's synchronizing events (``_allocator_syncs``)
+    meanwhile: each of ``items`` (slot order) prepares its microbatch on the host, (microbatch,
+    model inputs), right before it runs (no device sync between them), so its preparation
+    overlaps the device's work on the one before. Gradients are discarded."""
     device = model.embed_tokens.weight.device
     one = _microbatch_runner(model, batch, execution)
     model.zero_grad(set_to_none=True)
     _sync(device)
     # under the region timers as the F/B/Grad run (their events cost the same in both runs)
-    graphs_before = _compiled_graphs()
+    graphs_before, syncs_before = _compiled_graphs(), _allocator_syncs(device)
     with regions.RegionTimer(device):
         t0 = time.perf_counter()
         for prepare in items:
@@ -570,7 +577,17 @@ def _core_run_seconds(
         _sync(device)
         seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return seconds, _compiled_graphs() - graphs_before
+    return seconds, _compiled_graphs() - graphs_before, _allocator_syncs(device) - syncs_before
+
+
+def _allocator_syncs(device: torch.device) -> int:
+    """The CUDA caching allocator's device-synchronizing events so far on ``device``: allocation
+    retries (a failed cudaMalloc frees the cache and synchronizes) and blocks released to the
+    driver (each ``cudaFree`` synchronizes); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("num_alloc_retries", 0)) + int(stats.get("num_device_free", 0))
 
 
 def _mark(device: torch.device) -> object:
@@ -884,8 +901,13 @@ def bench_step(
         # the step planner's time measured above plus this run, whose clock holds every
         # microbatch's preparation
         items = [functools.partial(as_trained, k) for k in plan.for_replica(replica)]
-        run, compiles = _core_run_seconds(model, batch, items, compact_side)
-        harts = replace(harts, core_seconds=round(plan_seconds + run, 4), compiles_in_core_run=compiles)
+        run, compiles, syncs = _core_run_seconds(model, batch, items, compact_side)
+        harts = replace(
+            harts,
+            core_seconds=round(plan_seconds + run, 4),
+            compiles_in_core_run=compiles,
+            allocator_syncs_in_core_run=syncs,
+        )
     return StepBench(
         step=step,
         paths=batch.num_trajectories,

@@ -223,6 +223,18 @@ def run(args: argparse.Namespace) -> int:
                         f"{name}'s timed step (a shape or variant the warm-up did not meet); its time includes them",
                         flush=True,
                     )
+            for name, syncs in (
+                ("baseline's timed step", r.baseline.allocator_syncs),
+                ("harts' timed step", r.harts.allocator_syncs),
+                ("harts' Core run", r.harts.allocator_syncs_in_core_run),
+            ):
+                if syncs:
+                    print(
+                        f"step {step}: note: the CUDA caching allocator synchronized the device {syncs} time(s) in "
+                        f"{name} (allocation retries and blocks freed to the driver; memory near the limit or "
+                        "fragmented)",
+                        flush=True,
+                    )
             if r.harts.compiles_in_core_run:
                 print(
                     f"step {step}: note: torch.compile built {r.harts.compiles_in_core_run} graph(s) inside harts' "

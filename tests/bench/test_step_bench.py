@@ -114,6 +114,17 @@ def test_bench_reports_compilations_inside_the_timed_step(tmp_path, capsys, monk
     assert "built 1 graph(s) inside baseline's timed step" in text and "inside harts's timed step" in text
     steps = json.loads(out.read_text())["steps"][0]
     assert steps["baseline"]["compiles_in_timed_step"] == steps["harts"]["compiles_in_timed_step"] == 1
+    assert steps["baseline"]["allocator_syncs"] == steps["harts"]["allocator_syncs"] == 0  # CPU: no allocator
+    assert "caching allocator" not in text
+    # the allocator's synchronizing events are counted per run the same way, and named in a note
+    syncs = itertools.count()
+    monkeypatch.setattr(SB, "_allocator_syncs", lambda device: next(syncs))
+    assert main([*argv, "--json", str(out), "--overwrite"]) == 0
+    text = capsys.readouterr().out
+    for run in ("baseline's timed step", "harts' timed step", "harts' Core run"):
+        assert f"synchronized the device 1 time(s) in {run}" in text
+    steps = json.loads(out.read_text())["steps"][0]
+    assert steps["harts"]["allocator_syncs"] == steps["harts"]["allocator_syncs_in_core_run"] == 1
 
 
 def test_bench_first_step_times_a_later_step_alone(tmp_path, capsys) -> None:
