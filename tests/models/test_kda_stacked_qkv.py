@@ -39,21 +39,3 @@ def test_cpu_default_is_the_three_gemms() -> None:
     run_step(model, mixed_batch(B), mode="compact")
     handle.remove()
     assert calls  # the q projection ran as its own module on CPU
-
-
-def test_kda_qkv_is_silu_split_and_l2_norms() -> None:
-    """``kda_qkv`` (the conv's output -> q, k, v in one fused pass on CUDA) is SiLU, the split
-    and ``l2norm`` of q and k, as the layer computed them before (float64, bit for bit)."""
-    import torch.nn.functional as F
-
-    from harts.models.layers.kda import kda_qkv
-    from harts.models.layers.norms import l2norm
-
-    torch.manual_seed(0)
-    t, h, k, v = 37, 3, 4, 6
-    x = torch.randn(t, h * (2 * k + v), dtype=torch.float64)
-    q, kk, vv = kda_qkv(x, h, k, v)
-    s = F.silu(x)
-    assert torch.equal(q, l2norm(s[:, : h * k].reshape(t, h, k)))
-    assert torch.equal(kk, l2norm(s[:, h * k : 2 * h * k].reshape(t, h, k)))
-    assert torch.equal(vv, s[:, 2 * h * k :].reshape(t, h, v))

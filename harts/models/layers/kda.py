@@ -27,11 +27,11 @@ from torch import nn
 
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
-from harts.models.layers.norms import RMSNormGated
+from harts.models.layers.norms import RMSNormGated, l2norm
 from harts.models.recompute import run_core
 from harts.ops.compiled import cuda_compiled
 
-__all__ = ["KimiDeltaAttention", "ShortConvolution", "kda_qkv"]
+__all__ = ["KimiDeltaAttention", "ShortConvolution"]
 
 
 @cuda_compiled
@@ -46,32 +46,6 @@ def kda_log_decay(
     if lower_bound is not None:  # bounded log-decay in (lower_bound, 0)
         return lower_bound * torch.sigmoid(a * f)
     return -a * F.softplus(f)
-
-
-@cuda_compiled
-def kda_qkv(
-    conv_TC: torch.Tensor, heads: int, k_dim: int, v_dim: int, eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The short conv's output [T, H (2K + V)] (before its SiLU) -> l2norm(silu q) [T, H, K],
-    l2norm(silu k) [T, H, K], silu v [T, H, V]. SiLU in at least float32, rounded once to the
-    input dtype (as a fused conv + SiLU kernel rounds its output), then ``l2norm``'s arithmetic.
-
-    On CUDA one compiled kernel each way: the backward writes the conv's gradient [T, H (2K +
-    V)] at once, where the split's backward was a separate concatenation of the three gradients,
-    and the conv kernel runs without its activation (fla-core's backward then neither
-    recomputes the conv's pre-activation output nor reads it per tap).
-
-    Against SiLU inside the conv kernel, the pre-activation output is rounded to the input
-    dtype once more before SiLU (bf16: a relative 2^-9); both sides of a comparison run this
-    same function."""
-    t = conv_TC.shape[0]
-    work = torch.promote_types(conv_TC.dtype, torch.float32)
-    x = F.silu(conv_TC.to(work)).to(conv_TC.dtype)
-    q, k, v = torch.split(x, [heads * k_dim, heads * k_dim, heads * v_dim], dim=-1)
-    q, k = q.reshape(t, heads, k_dim), k.reshape(t, heads, k_dim)
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
-    return q, k, v.reshape(t, heads, v_dim)
 
 
 class ShortConvolution(nn.Module):
@@ -138,8 +112,11 @@ class KimiDeltaAttention(nn.Module):
         else:
             mixed = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight_DW, self.k_conv1d.weight_DW, self.v_conv1d.weight_DW], dim=0)
-        # the conv alone, then SiLU, split and l2 norms in one fused pass each way (``kda_qkv``)
-        q, kk, vv = kda_qkv(ctx.short_conv(mixed, weight, None, None), h, k, v)
+        mixed = ctx.short_conv(mixed, weight, None, "silu")
+        q, kk, vv = torch.split(mixed, [h * k, h * k, h * v], dim=-1)
+        q = l2norm(q.reshape(t, h, k))
+        kk = l2norm(kk.reshape(t, h, k))
+        vv = vv.reshape(t, h, v)
         f = self.f_b_proj(self.f_a_proj(x_TD)) if self.low_rank_gates else self.f_proj(x_TD)
         g = kda_log_decay(
             f.reshape(t, h, k), self.dt_bias.reshape(h, k), self.A_log, self.lower_bound if self.safe_gate else None
