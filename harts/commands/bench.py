@@ -113,8 +113,16 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
     check_output_file(args.json_out, "--json", args.overwrite)
     check_output_dir(args.profile, "--profile", args.overwrite)
-    if args.profile_only and not args.profile:
-        raise UserError("--profile-only needs --profile DIR (where the traces go)")
+    if args.profile_only:
+        if not args.profile:
+            raise UserError("--profile-only needs --profile DIR (where the traces go)")
+        for flag, given in (
+            ("--json", args.json_out),
+            ("--optimizer", args.optimizer),
+            ("--no-core-run", args.no_core_run),
+        ):
+            if given:
+                raise UserError(f"--profile-only times nothing, so {flag} has nothing to act on; drop one of them")
     recompute = recompute_fields(args)
     # every step is read and checked before the first one runs
     sources = step_sources(args.workload, None if args.steps is None else args.first_step + args.steps, args.seed)

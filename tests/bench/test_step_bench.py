@@ -72,6 +72,10 @@ def test_bench_profile_only_profiles_without_timing(tmp_path, capsys) -> None:
     assert "F/B/Grad" not in out  # nothing timed
     assert main([*args, "--profile-only"]) == 2  # needs --profile: a clear error, no traceback
     assert "--profile-only needs --profile" in capsys.readouterr().err
+    for extra in (["--json", str(tmp_path / "b.json")], ["--optimizer"]):
+        assert main([*args, "--profile", str(tmp_path / "p2"), "--profile-only", *extra]) == 2
+        assert f"{extra[0]} has nothing to act on" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_device_busy_seconds_is_the_union_of_device_spans() -> None:
