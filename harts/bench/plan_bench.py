@@ -27,9 +27,13 @@ def plan_batches(
     baseline: str | None,
     baseline_params: dict[str, Any] | None = None,
     progress: Any = None,
+    workers: Any = None,
 ) -> list[dict[str, Any]]:
-    """One record per batch, in the JSON layout documented by ``harts plan``."""
+    """One record per batch, in the JSON layout documented by ``harts plan``. ``workers``
+    (``PlannerWorkers``): harts plans with them, then once more in this process alone
+    (``plan_seconds_serial``, and ``same_plan_serial``: whether the plans agree)."""
     from harts.plan.step.planner import plan_step
+    from harts.plan.step.step_plan import same_step_plan
     from harts.tree.compact import compact, prefix_index
 
     steps = []
@@ -39,7 +43,14 @@ def plan_batches(
         index = prefix_index(batch)
         index_seconds = time.perf_counter() - t0
         rec: dict[str, Any] = {"step": step, "paths": batch.num_trajectories, "raw_tokens": batch.num_tokens}
-        rec["harts"] = plan_step(index, dp=dp, capacity=capacity).summary() | {"index_seconds": index_seconds}
+        plan = plan_step(index, dp=dp, capacity=capacity, workers=workers)
+        rec["harts"] = plan.summary() | {"index_seconds": index_seconds}
+        if plan.info.get("workers"):
+            serial = plan_step(index, dp=dp, capacity=capacity)
+            rec["harts"] |= {
+                "plan_seconds_serial": serial.plan_seconds,
+                "same_plan_serial": same_step_plan(plan, serial),
+            }
         if baseline:
             from harts.plan.baselines.ortools_partition import ortools_step
 
@@ -60,6 +71,11 @@ def _scope(steps: list[dict[str, Any]], key: str) -> dict[str, Any]:
         "plan_seconds": float(sum(s[key]["plan_seconds"] for s in steps)),
         "max_plan_seconds": float(max(s[key]["plan_seconds"] for s in steps)),
         **({"index_seconds": float(sum(s[key]["index_seconds"] for s in steps))} if key == "harts" else {}),
+        **(
+            {"plan_seconds_serial": float(sum(s[key]["plan_seconds_serial"] for s in steps))}
+            if all("plan_seconds_serial" in s[key] for s in steps)
+            else {}
+        ),
         "slots": int(sum(s[key]["slots"] for s in steps)),
         "within_slot_p50": float(np.percentile(within, 50)),
         "within_slot_p95": float(np.percentile(within, 95)),

@@ -56,7 +56,8 @@ from harts.models.config import LAYER_TYPES
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.baselines.trajectory_plan import plan_trajectory_step
-from harts.plan.step import plan_step
+from harts.plan.step import PlannerWorkers, plan_step
+from harts.plan.step.step_plan import same_step_plan
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 
@@ -182,6 +183,12 @@ class StepBench:
     #: the step planner's seconds (``plan_step``, whole-step compaction included): the part of
     #: harts' planning that runs before any microbatch can start
     step_plan_seconds: float | None = None
+    #: the step planner's worker processes (``PlannerWorkers``; 0: planned in this process) and,
+    #: with workers, the same planning again in this process alone (seconds) and whether it made
+    #: the same plan (it must: the workers only run the same tasks elsewhere)
+    planner_workers: int = 0
+    step_plan_seconds_serial: float | None = None
+    planner_workers_same_plan: bool | None = None
 
     # With dp > 1 the two sides' replica shares hold different trajectories, so speedups compare
     # raw tokens per second; with dp = 1 both run the whole step and this is the time ratio.
@@ -797,6 +804,7 @@ def profile_step(
     execution: ExecutionConfig | None = None,
     dp: int = 1,
     replica: int = 0,
+    planner_workers: PlannerWorkers | None = None,
 ) -> list[str]:
     """Profile one microbatch per side of replica ``replica``'s share of the step (at ``dp``
     replicas, capacity ``capacity``) without timing the step: the first microbatch of each side
@@ -812,7 +820,7 @@ def profile_step(
     base_side, compact_side = replace(execution, mode="trajectory"), replace(execution, mode="compact")
     raw_plan = plan_trajectory_step(batch.lengths, dp=dp, capacity=capacity)
     sub = batch.select(raw_plan.microbatches[raw_plan.for_replica(replica)[0]])
-    plan = plan_step(batch, dp=dp, capacity=capacity)
+    plan = plan_step(batch, dp=dp, capacity=capacity, workers=planner_workers)
     cb, call_plan = plan.prepare_microbatch(plan.for_replica(replica)[0], model.config.chunk_size)
     items = (
         ("baseline", base_side, (sub, model.prepare_trajectory(sub, base_side))),
@@ -846,6 +854,7 @@ def bench_step(
     profile_dir: str | None = None,
     clock_origin: float | None = None,
     core_run: bool = True,
+    planner_workers: PlannerWorkers | None = None,
 ) -> StepBench:
     """Time one step (or replica ``replica``'s share of it at ``dp`` replicas) both ways on
     ``model`` (its weights are not changed) under ``execution`` (its mode is set per side, and
@@ -855,13 +864,22 @@ def bench_step(
     ``time.perf_counter()`` value) makes each side report the seconds from it to its first timed
     microbatch (``BenchSide.seconds_to_timed``). ``core_run`` times harts a second time as
     ``harts train`` runs the step, for Core (module docstring); without it Core charges all
-    planning and preparation made ahead."""
+    planning and preparation made ahead. ``planner_workers``: the step planner's worker processes
+    (``plan_step(workers=...)``); with them the planner also runs once more in this process alone,
+    for ``step_plan_seconds_serial`` and a check that the plan is the same."""
     if not 0 <= replica < dp:
         raise ValueError(f"--replica must lie in [0, {dp}) for --dp {dp}; got {replica}")
     batch = replace(batch, old_logprobs=None, ref_logprobs=None)
     t0 = time.perf_counter()
-    plan = plan_step(batch, dp=dp, capacity=capacity)
+    plan = plan_step(batch, dp=dp, capacity=capacity, workers=planner_workers)
     plan_seconds = time.perf_counter() - t0
+    workers = int(plan.info.get("workers", 0))
+    serial_seconds, same_plan = None, None
+    if workers:
+        t0 = time.perf_counter()
+        serial = plan_step(batch, dp=dp, capacity=capacity)
+        serial_seconds = round(time.perf_counter() - t0, 4)
+        same_plan = same_step_plan(plan, serial)
     predicted_harts = [int(x) for x in plan.work_matrix().sum(1)]
     # the baseline's own microbatches: raw tokens packed at the capacity (the harness's and
     # ``harts train --mode trajectory``'s plan)
@@ -921,4 +939,7 @@ def bench_step(
         optimizer_seconds=round(_optimizer_seconds(model), 4) if optimizer else None,
         peak_tflops=peak_tflops,
         step_plan_seconds=round(plan_seconds, 4),
+        planner_workers=workers,
+        step_plan_seconds_serial=serial_seconds,
+        planner_workers_same_plan=same_plan,
     )

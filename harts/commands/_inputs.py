@@ -55,6 +55,31 @@ def nonneg_int(text: str) -> int:
     return v
 
 
+def workers_int(text: str) -> int | str:
+    """argparse type: ``auto`` or an integer >= 0 (``--planner-workers``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return nonneg_int(text)
+
+
+def add_planner_workers_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--planner-workers",
+        type=workers_int,
+        default="auto",
+        metavar="N|auto",
+        help="processes that build the step planner's independent candidates in parallel (the same plan, "
+        "sooner); 0 plans in this process; auto (default): 4 where at least 6 cores are usable, else 0",
+    )
+
+
+def planner_workers(value: int | str) -> int:
+    """``--planner-workers``' process count (``auto`` resolved for this machine)."""
+    from harts.plan.step.workers import auto_workers
+
+    return auto_workers() if value == "auto" else int(value)
+
+
 def seed_int(text: str) -> int:
     """argparse type: a seed, 0 <= seed < 2**32 (numpy's and torch's common range)."""
     v = nonneg_int(text)

@@ -18,6 +18,7 @@ from harts.commands._inputs import (
     add_logprobs_argument,
     add_model_arguments,
     add_output_arguments,
+    add_planner_workers_argument,
     add_workload_arguments,
     nonneg_int,
     positive_float,
@@ -75,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip harts' second timed run (the step as `harts train` runs it, each microbatch prepared just "
         "before it runs); Core then charges the step planner and every microbatch's preparation in full",
     )
+    add_planner_workers_argument(p)
     add_output_arguments(p, what="every figure")
 
 
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         check_plannable,
         check_recompute_layers,
         needed_vocab,
+        planner_workers,
         step_sources,
         summarize,
         write_json,
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.commands._progress import progress
     from harts.errors import UserError
     from harts.models.execution.config import ExecutionConfig
+    from harts.plan.step.workers import shared_workers
 
     if args.replica >= args.dp:
         raise UserError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
@@ -143,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
             del batch  # steps are made again when they run: a paper-scale step is ~0.5 GB of ids
             bar.update()
     check_capacity(summaries, args.capacity, args.dp, dp_name="replicas (--dp)")
+    # started now, so that spawning them overlaps building the model
+    workers = shared_workers(planner_workers(args.planner_workers))
     vocab, where = needed_vocab(summaries)
     model = build_model(args, vocab, where=where)
     check_recompute_layers(recompute, model)
@@ -175,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 execution=execution,
                 dp=args.dp,
                 replica=args.replica,
+                planner_workers=workers,
             )
             for path in paths:
                 with open(path) as f:
@@ -201,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
                 profile_dir=os.path.join(args.profile, f"step{step}") if args.profile else None,
                 clock_origin=started,
                 core_run=not args.no_core_run,
+                planner_workers=workers,
             )
             results.append(r)
             print(
@@ -215,6 +223,13 @@ def run(args: argparse.Namespace) -> int:
                     f"just before it runs): {r.harts.core_seconds:.3f} s, planning on the critical path "
                     f"{r.harts.critical_plan_seconds:.3f} s (of which the step planner {r.step_plan_seconds:.3f} s): "
                     f"Core {r.core_speedup:.2f}x",
+                    flush=True,
+                )
+            if r.planner_workers:
+                same = "the same plan" if r.planner_workers_same_plan else "A DIFFERENT PLAN (a bug: please report it)"
+                print(
+                    f"step {step}: step planner with {r.planner_workers} worker processes {r.step_plan_seconds:.3f} s, "
+                    f"in this process alone {r.step_plan_seconds_serial:.3f} s: {same}",
                     flush=True,
                 )
             if len(results) == 1:

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
-from harts.commands._inputs import add_output_arguments, positive_float, positive_int, seed_int
+from harts.commands._inputs import (
+    add_output_arguments,
+    add_planner_workers_argument,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -23,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", choices=["ortools"], default=None, help="also run this baseline planner")
     p.add_argument("--time-limit", type=positive_float, default=10.0, help="OR-Tools CP-SAT seconds per replica")
     p.add_argument("--seed", type=seed_int, default=0, help="workload seed (and CP-SAT seed)")
+    add_planner_workers_argument(p)
     add_output_arguments(p, what="every number")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG of compact work and imbalance here")
 
@@ -35,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         check_capacity,
         check_output_file,
         check_plannable,
+        planner_workers,
         write_json,
     )
     from harts.commands._inputs import (
@@ -68,16 +77,30 @@ def run(args: argparse.Namespace) -> int:
     sources = [(i + 1, (lambda b=kept[i]: b) if i in kept else make) for i, (_, make) in enumerate(labelled)]
     base = args.baseline
     params = {"time_limit": args.time_limit, "seed": args.seed} if base else None
-    with progress(len(sources), f"plan D={args.dp}", "step") as bar:
-        steps = plan_batches(
-            sources, dp=args.dp, capacity=args.capacity, baseline=base, baseline_params=params, progress=bar
-        )
+    from harts.plan.step.workers import PlannerWorkers
+
+    processes = planner_workers(args.planner_workers)
+    with PlannerWorkers(processes) if processes else contextlib.nullcontext() as workers:
+        if workers is not None:
+            workers.wait_ready()  # their start-up is not planning time
+        with progress(len(sources), f"plan D={args.dp}", "step") as bar:
+            steps = plan_batches(
+                sources,
+                dp=args.dp,
+                capacity=args.capacity,
+                baseline=base,
+                baseline_params=params,
+                progress=bar,
+                workers=workers,
+            )
     summary = summarize(steps, base)
+    serial = all("plan_seconds_serial" in s["harts"] for s in steps)
 
     headers = ["step", "paths", "raw tokens", "harts compact"]
     if base:
         headers += [f"{base} compact", "compact OR/H", "time OR/H"]
-    headers += ["harts s", "index s"] + ([f"{base} s"] if base else [])
+    headers += [f"harts s ({processes} workers)", "harts s (serial)"] if serial else ["harts s"]
+    headers += ["index s"] + ([f"{base} s"] if base else [])
     rows = []
     for s in steps:
         h = s["harts"]
@@ -89,9 +112,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{b['compact_tokens'] / h['compact_tokens']:.6f}x",
                 f"{b['plan_seconds'] / h['plan_seconds']:.3f}x",
             ]
-        row += [f"{h['plan_seconds']:.3f}", f"{h['index_seconds']:.3f}"] + (
-            [f"{s[base]['plan_seconds']:.3f}"] if base else []
-        )
+        row += [f"{h['plan_seconds']:.3f}"] + ([f"{h['plan_seconds_serial']:.3f}"] if serial else [])
+        row += [f"{h['index_seconds']:.3f}"] + ([f"{s[base]['plan_seconds']:.3f}"] if base else [])
         rows.append(row)
     print(format_table(headers, rows))
     print()
@@ -122,6 +144,13 @@ def run(args: argparse.Namespace) -> int:
             f"{summary[base]['compact_tokens']:,} ({base}); planning {summary['harts']['plan_seconds']:.2f} s vs "
             f"{summary[base]['plan_seconds']:.2f} s"
         )
+    if serial:
+        differ = [s["step"] for s in steps if not s["harts"]["same_plan_serial"]]
+        print(
+            f"\nharts planning with {processes} worker processes {summary['harts']['plan_seconds']:.2f} s, in this "
+            f"process alone {summary['harts']['plan_seconds_serial']:.2f} s: "
+            + (f"DIFFERENT PLANS at steps {differ} (a bug: please report it)" if differ else "the same plans")
+        )
     if args.json_out:
         write_json(
             args.json_out,
@@ -130,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
                 "capacity": args.capacity,
                 "workload": args.workload,
                 "seed": args.seed,
+                "planner_workers": processes,
                 "steps": steps,
                 "summary": summary,
             },

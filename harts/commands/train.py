@@ -47,6 +47,7 @@ from harts.commands._inputs import (
     add_logprobs_argument,
     add_model_arguments,
     add_output_arguments,
+    add_planner_workers_argument,
     add_workload_arguments,
     check_recompute_layers,
     nonneg_float,
@@ -147,6 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its latest checkpoint (and keep checkpointing there)",
     )
+    add_planner_workers_argument(p)
     add_output_arguments(p, what="the step logs")
 
 
@@ -175,6 +177,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         check_output_file,
         check_plannable,
         needed_vocab,
+        planner_workers,
         step_sources,
         summarize,
     )
@@ -184,6 +187,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     from harts.parallel.build import materialize, moe_experts
     from harts.parallel.mesh import ParallelConfig, init_parallel, setup_process_group
     from harts.parallel.parallelize import parallelize
+    from harts.plan.step.workers import shared_workers
     from harts.rl.train import StepPrefetcher, TrainConfig, train_step
 
     recompute = recompute_fields(args)  # a bad --recompute-skip fails before any work
@@ -238,6 +242,9 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 check_capacity(summaries, args.capacity, replicas)
             except CapacityError as err:
                 raise CapacityError(f"{err}. {CAPACITY_ADVICE}") from None
+            # the step planner's processes start now, so that spawning them overlaps building the model
+            workers = planner_workers(args.planner_workers) if args.mode == "compact" else 0
+            shared_workers(workers)
             vocab, where = needed_vocab(summaries)
             meta = distributed or args.meta_init
             model = build_model(args, vocab, where=where, meta=meta)
@@ -261,6 +268,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 replicas=replicas,
                 moe_statistics=args.moe_stats,
                 reduce_every_microbatch=args.reduce_every_microbatch,
+                planner_workers=workers,
             )
             num_parameters = model.num_parameters()
             model = parallelize(model, parallel)

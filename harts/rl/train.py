@@ -51,6 +51,7 @@ from harts.parallel.parallelize import clip_grad_norm, finish_gradients, set_gra
 from harts.plan.baselines.trajectory_plan import TrajectoryPlan, plan_trajectory_step
 from harts.plan.calls import CallPlan
 from harts.plan.step import StepPlan, plan_step
+from harts.plan.step.workers import shared_workers
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch
@@ -108,9 +109,20 @@ class TrainConfig:
     #: the default, holds every layer's full gradient until the step's last backward)
     reduce_every_microbatch: bool = False
 
+    #: processes that build the step planner's independent candidates in parallel
+    #: (``harts.plan.step.workers``, one pool per process kept until exit; the same plan, sooner);
+    #: 0 plans in the calling process
+    planner_workers: int = 0
+
     def __post_init__(self) -> None:
         if self.moe_statistics not in ("microbatch", "step"):
             raise ValueError(f"moe_statistics must be 'microbatch' or 'step', got {self.moe_statistics!r}")
+        if (
+            isinstance(self.planner_workers, bool)
+            or not isinstance(self.planner_workers, int)
+            or self.planner_workers < 0
+        ):
+            raise ValueError(f"planner_workers must be an integer >= 0, got {self.planner_workers!r}")
 
 
 @dataclass
@@ -256,7 +268,7 @@ def plan_training_step(batch: RolloutBatch, cfg: TrainConfig, world: int = 1) ->
     t0 = time.perf_counter()
     # harts plans compact tokens; the trajectory-wise baseline packs raw tokens at the capacity
     plan: StepPlan | TrajectoryPlan = (
-        plan_step(batch, dp=cfg.replicas or world, capacity=cfg.capacity)
+        plan_step(batch, dp=cfg.replicas or world, capacity=cfg.capacity, workers=shared_workers(cfg.planner_workers))
         if cfg.execution.mode == "compact"
         else plan_trajectory_step(batch.lengths, dp=cfg.replicas or world, capacity=cfg.capacity)
     )

@@ -358,6 +358,7 @@ def test_bench_cli_reports_the_core_run_and_can_skip_it(tmp_path, capsys) -> Non
 
     out = tmp_path / "b.json"
     argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--steps", "1", "--no-warmup"]
+    argv += ["--planner-workers", "0"]  # the last --planner-workers given counts
     assert main([*argv, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "harts as `harts train` runs it" in text and "the step planner" in text and "crit. plan s" in text
@@ -369,6 +370,13 @@ def test_bench_cli_reports_the_core_run_and_can_skip_it(tmp_path, capsys) -> Non
     assert step["harts"]["core_seconds"] is None
     h = step["harts"]
     assert step["critical_plan_seconds"] == pytest.approx(h["plan_seconds"], abs=1e-3)
+    # planner workers: the step planner's time with them and alone, and the same plan
+    assert step["planner_workers"] == 0 and step["step_plan_seconds_serial"] is None
+    assert main([*argv, "--planner-workers", "2", "--json", str(out), "--overwrite"]) == 0
+    assert "step planner with 2 worker processes" in capsys.readouterr().out
+    step = json.loads(out.read_text())["steps"][0]
+    assert step["planner_workers"] == 2 and step["planner_workers_same_plan"] is True
+    assert step["step_plan_seconds_serial"] > 0
 
 
 def test_compilations_inside_the_core_run_are_counted_and_reported(monkeypatch, capsys) -> None:

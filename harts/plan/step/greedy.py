@@ -29,7 +29,7 @@ import numpy as np
 
 from harts.plan.step.objective import PrefixCost
 
-__all__ = ["Grouping", "greedy_candidates", "processing_orders", "align_to_dp"]
+__all__ = ["Grouping", "greedy_candidates", "greedy_order_plans", "preselect", "processing_orders", "align_to_dp"]
 
 
 class Grouping:
@@ -216,19 +216,35 @@ def greedy_plans(cost: PrefixCost, order: np.ndarray, policies: tuple[str, ...],
     return grps
 
 
+def greedy_order_plans(
+    cost: PrefixCost, order: np.ndarray, capacity: int, dp: int, small_fraction: float = 0.5
+) -> list[np.ndarray]:
+    """The aligned plans of one processing order (best-fit, then max-shared; a plan that cannot
+    be aligned to ``dp`` is left out): one task of ``greedy_candidates``."""
+    plans = []
+    for grp in greedy_plans(cost, order, ("best_fit", "max_shared"), capacity):
+        eliminate_small(grp, capacity, small_fraction)
+        owner = align_to_dp(cost, grp.owner, dp)
+        if owner is not None:
+            plans.append(owner)
+    return plans
+
+
+def preselect(cost: PrefixCost, plans: list[np.ndarray]) -> np.ndarray | None:
+    """The greedy candidate: the plan with the smallest (K, total work), the first among equals."""
+    if not plans:
+        return None
+    keys = [(int(o.max()) + 1, int(cost.works(o).sum())) for o in plans]
+    return plans[min(range(len(plans)), key=keys.__getitem__)]
+
+
 def greedy_candidates(
     cost: PrefixCost, capacity: int, dp: int, small_fraction: float = 0.5
 ) -> tuple[np.ndarray | None, list[np.ndarray]]:
     """(the preselected greedy owner, all eight aligned plans); the first is None if none align."""
-    plans = []
-    for order in processing_orders(cost).values():
-        for grp in greedy_plans(cost, order, ("best_fit", "max_shared"), capacity):
-            eliminate_small(grp, capacity, small_fraction)
-            owner = align_to_dp(cost, grp.owner, dp)
-            if owner is not None:
-                plans.append(owner)
-    if not plans:
-        return None, []
-    keys = [(int(o.max()) + 1, int(cost.works(o).sum())) for o in plans]
-    best = min(range(len(plans)), key=keys.__getitem__)
-    return plans[best], plans
+    plans = [
+        owner
+        for order in processing_orders(cost).values()
+        for owner in greedy_order_plans(cost, order, capacity, dp, small_fraction)
+    ]
+    return preselect(cost, plans), plans

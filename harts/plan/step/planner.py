@@ -19,6 +19,10 @@ Pipeline (N trajectories, DP degree D, capacity T in compact tokens):
    swaps (``swap.py``), kept when J does not rise and slots get more even. ``extensions=False``
    gives the paper's pipeline exactly.
 
+With ``workers`` (``workers.py``) steps 3 and 6 run in worker processes: the four greedy orders
+while the base candidates are built, then each deep candidate's repair followed by its polish,
+beside the polish of the best candidate so far; the plan is the same.
+
 Shapes (N = trajectories, K = microbatches): ``owner`` int64 [N] over sorted positions.
 """
 
@@ -33,17 +37,18 @@ import numpy as np
 from harts.plan.step.balance import balance
 from harts.plan.step.evolve import evolve, sample_ks
 from harts.plan.step.exact import exact_partitions
-from harts.plan.step.greedy import greedy_candidates
+from harts.plan.step.greedy import greedy_order_plans, preselect, processing_orders
 from harts.plan.step.natural import cuts_to_owner, k_range, natural_partition
 from harts.plan.step.objective import PrefixCost
 from harts.plan.step.refine import refine_boundaries, select_anchors
 from harts.plan.step.repair import deep_repair, sparse_repair
 from harts.plan.step.step_plan import StepPlan, check_inputs, plan_from_owner, to_step_plan
 from harts.plan.step.swap import repack_tail, slot_swaps
+from harts.plan.step.workers import PlannerWorkers, Task, completed, run_inline
 from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch, PrefixIndex, prefix_index
 
-__all__ = ["StepPlan", "PlannerParams", "plan_step", "check_inputs", "plan_from_owner"]
+__all__ = ["StepPlan", "PlannerParams", "PlannerWorkers", "plan_step", "check_inputs", "plan_from_owner"]
 
 
 #: harts' additions beyond the paper (``PlannerParams.extensions``), fixed: keep the smallest
@@ -87,33 +92,29 @@ def _valid(owner: np.ndarray, work: np.ndarray, dp: int, capacity: int) -> bool:
     return k % dp == 0 and bool(np.all(work <= capacity)) and np.bincount(owner, minlength=k).min() > 0
 
 
-def _deep_candidates(
-    cost: PrefixCost, candidates: list[tuple[str, np.ndarray]], capacity: int
-) -> list[tuple[str, np.ndarray]]:
-    """Converged repair of the greedy candidates and of the lowest-work other candidates."""
+def _deep_inputs(cost: PrefixCost, candidates: list[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
+    """The candidates that get converged repair: the last greedy one and the lowest-work others."""
     greedy = [c for c in candidates if c[0].startswith("greedy")]
     rest = [c for c in candidates if not c[0].startswith("greedy")]
     rest.sort(key=lambda c: int(cost.works(c[1]).sum()))
-    out = []
-    for name, owner in [*greedy[-1:], *rest[:DEEP_CANDIDATES]]:
-        fixed = deep_repair(cost, owner, capacity, window=DEEP_WINDOW, rounds=DEEP_ROUNDS)
-        out.append((f"{name} +deep", fixed))
-    return out
+    return [*greedy[-1:], *rest[:DEEP_CANDIDATES]]
 
 
-def _polish(cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int) -> tuple[dict[str, Any], str]:
+def _polish(
+    cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int, balance_rounds: int, swap_rounds: int
+) -> tuple[dict[str, Any], str]:
     """Balancing (``balance.py``), then tail repack and slot swaps (``swap.py``); each result
     is kept only when valid with J not above the previous one."""
     suffix = ""
-    if BALANCE_ROUNDS > 0:
-        owner = balance(cost, sched["owner"], dp, capacity, BALANCE_ROUNDS)
+    if balance_rounds > 0:
+        owner = balance(cost, sched["owner"], dp, capacity, balance_rounds)
         nxt = plan_from_owner(cost, owner, dp)
         # balance() returns its input unless J drops, or ties with more equal works
         if _valid(owner, nxt["work"], dp, capacity) and nxt["objective"] <= sched["objective"]:
             sched, suffix = nxt, suffix + " +balance"
-    if SWAP_ROUNDS > 0:
+    if swap_rounds > 0:
         owner = repack_tail(cost, sched["owner"], dp, capacity)
-        owner = slot_swaps(cost, owner, dp, capacity, rounds=SWAP_ROUNDS)
+        owner = slot_swaps(cost, owner, dp, capacity, rounds=swap_rounds)
         nxt = plan_from_owner(cost, owner, dp)
         # never raises total work nor J; it may only even out slots
         changed = not np.array_equal(owner, sched["owner"])
@@ -122,21 +123,75 @@ def _polish(cost: PrefixCost, sched: dict[str, Any], dp: int, capacity: int) -> 
     return sched, suffix
 
 
-def harts_plan(index: PrefixIndex, dp: int, capacity: int, params: PlannerParams) -> StepPlan:
+def _polish_owner(
+    cost: PrefixCost, owner: np.ndarray, dp: int, capacity: int, balance_rounds: int, swap_rounds: int
+) -> tuple[dict[str, Any], str]:
+    """``_polish`` of a grouping's schedule (a worker task)."""
+    return _polish(cost, plan_from_owner(cost, owner, dp), dp, capacity, balance_rounds, swap_rounds)
+
+
+def _deep_then_polish(
+    cost: PrefixCost,
+    owner: np.ndarray,
+    dp: int,
+    capacity: int,
+    rounds: tuple[int, int, int, int],
+    polish_below: tuple[int, int, int] | None,
+) -> tuple[np.ndarray, tuple[dict[str, Any], str] | None]:
+    """Converged repair of one candidate and, when it is valid with J below ``polish_below`` (the
+    best J so far: only then can it win, as later candidates lose ties), its polish (a worker
+    task: the polish is ready if this candidate wins). None: no polish.
+    ``rounds``: (deep window, deep rounds, balance rounds, swap rounds)."""
+    window, deep_rounds, balance_rounds, swap_rounds = rounds
+    fixed = deep_repair(cost, owner, capacity, window=window, rounds=deep_rounds)
+    if polish_below is None:
+        return fixed, None
+    sched = plan_from_owner(cost, fixed, dp)
+    if not _valid(fixed, sched["work"], dp, capacity) or not sched["objective"] < polish_below:
+        return fixed, None
+    return fixed, _polish(cost, sched, dp, capacity, balance_rounds, swap_rounds)
+
+
+def _scored(
+    cost: PrefixCost, candidates: list[tuple[str, np.ndarray]], dp: int, capacity: int, first: int = 0
+) -> list[tuple[tuple[int, int, int], int, str, dict[str, Any]]]:
+    """(J, index, name, schedule) of every valid candidate from index ``first`` on."""
+    out = []
+    for i, (name, owner) in enumerate(candidates[first:], start=first):
+        sched = plan_from_owner(cost, owner, dp)
+        if _valid(owner, sched["work"], dp, capacity):
+            out.append((sched["objective"], i, name, sched))
+    return out
+
+
+def _key(owner: np.ndarray) -> bytes:
+    return np.asarray(owner, dtype=np.int64).tobytes()
+
+
+def harts_plan(
+    index: PrefixIndex, dp: int, capacity: int, params: PlannerParams, workers: PlannerWorkers | None = None
+) -> StepPlan:
     t0 = time.perf_counter()
+    parallel = workers is not None and workers.active
+    submit = workers.submit if workers is not None else run_inline
     cost = PrefixCost(index.lcp_index)
     n = cost.n
+    # the four greedy orders first: with workers they run while the base candidates are built
+    greedy_tasks = [
+        submit(greedy_order_plans, cost, order, capacity, dp, params.small_fraction)
+        for order in processing_orders(cost).values()
+    ]
     p0 = natural_partition(cost, capacity)
     ks = k_range(cost.total_work(), p0.size - 1, n, dp, capacity)
     candidates: list[tuple[str, np.ndarray]] = []
-
-    greedy, _ = greedy_candidates(cost, capacity, dp, params.small_fraction)
-    greedy_k = int(greedy.max()) + 1 if greedy is not None else -1
-
     if n <= params.n0:
         for k, cuts in exact_partitions(cost, capacity, ks).items():
             candidates.append((f"exact K={k}", cuts_to_owner(cuts)))
-    else:
+
+    greedy = preselect(cost, [owner for task in greedy_tasks for owner in task.result()])
+    greedy_k = int(greedy.max()) + 1 if greedy is not None else -1
+
+    if n > params.n0:
         targets = sample_ks(ks, params.q_max)
         if greedy is not None and greedy_k not in targets and greedy_k <= n:
             targets = sorted([*targets, greedy_k])
@@ -151,14 +206,41 @@ def harts_plan(index: PrefixIndex, dp: int, capacity: int, params: PlannerParams
         candidates.append((f"greedy K={greedy_k}", greedy))
         repaired = sparse_repair(cost, greedy, capacity, window=params.window, iterations=params.repair_iterations)
         candidates.append((f"greedy+repair K={greedy_k}", repaired))
-    if params.extensions and DEEP_ROUNDS > 0:
-        candidates.extend(_deep_candidates(cost, candidates, capacity))
 
-    scored = []
-    for i, (name, owner) in enumerate(candidates):
-        sched = plan_from_owner(cost, owner, dp)
-        if _valid(owner, sched["work"], dp, capacity):
-            scored.append((sched["objective"], i, name, sched))
+    polishing = params.extensions and (BALANCE_ROUNDS > 0 or SWAP_ROUNDS > 0)
+    polish_rounds = (BALANCE_ROUNDS, SWAP_ROUNDS)
+    # polishes made ahead by the workers, by grouping: the winner's is then usually ready
+    polished: dict[bytes, Task[tuple[dict[str, Any], str]]] = {}
+    scored = _scored(cost, candidates, dp, capacity)
+    polish_below = None
+    if parallel and polishing and scored:
+        # the best candidate so far wins unless a deep candidate beats it: polish it now, and
+        # each deep candidate that beats it in its own task
+        polish_below, _, _, sched = min(scored, key=lambda t: (t[0], t[1]))
+        polished[_key(sched["owner"])] = submit(_polish_owner, cost, sched["owner"], dp, capacity, *polish_rounds)
+    if params.extensions and DEEP_ROUNDS > 0:
+        first = len(candidates)
+        deep = [
+            (
+                name,
+                submit(
+                    _deep_then_polish,
+                    cost,
+                    owner,
+                    dp,
+                    capacity,
+                    (DEEP_WINDOW, DEEP_ROUNDS, *polish_rounds),
+                    polish_below,
+                ),
+            )
+            for name, owner in _deep_inputs(cost, candidates)
+        ]
+        for name, task in deep:
+            fixed, ahead = task.result()
+            candidates.append((f"{name} +deep", fixed))
+            if ahead is not None:
+                polished.setdefault(_key(fixed), completed(ahead))
+        scored += _scored(cost, candidates, dp, capacity, first)
     if not scored:
         raise ValueError(
             f"no feasible plan found for dp={dp}, capacity={capacity} over {n} trajectories "
@@ -167,7 +249,7 @@ def harts_plan(index: PrefixIndex, dp: int, capacity: int, params: PlannerParams
     # lowest J first, earlier candidates first among equal J
     scored.sort(key=lambda t: (t[0], t[1]))
     _, _, best_name, best = scored[0]
-    if params.extensions and (BALANCE_ROUNDS > 0 or SWAP_ROUNDS > 0):
+    if polishing:
         # the winner and the next-best distinct groupings are polished; lowest J wins
         seen: list[np.ndarray] = []
         for _, _, name, sched0 in scored:
@@ -176,16 +258,32 @@ def harts_plan(index: PrefixIndex, dp: int, capacity: int, params: PlannerParams
             if any(np.array_equal(sched0["owner"], o) for o in seen):
                 continue
             seen.append(sched0["owner"])
-            sched, suffix = _polish(cost, sched0, dp, capacity)
-            first = sched0 is scored[0][3]
-            if sched["objective"] < best["objective"] or (first and sched["objective"] <= best["objective"]):
+            polish = polished.get(_key(sched0["owner"]))
+            if polish is None:
+                polish = run_inline(_polish, cost, sched0, dp, capacity, *polish_rounds)
+            sched, suffix = polish.result()
+            first_choice = sched0 is scored[0][3]
+            if sched["objective"] < best["objective"] or (first_choice and sched["objective"] <= best["objective"]):
                 best, best_name = sched, name + suffix
     seconds = time.perf_counter() - t0
-    info = {"winner": best_name, "candidates": len(candidates), "k0": int(p0.size - 1), "k_range": ks}
+    info = {
+        "winner": best_name,
+        "candidates": len(candidates),
+        "k0": int(p0.size - 1),
+        "k_range": ks,
+        "workers": workers.processes if parallel and workers is not None else 0,
+    }
     return to_step_plan(index, best, dp, capacity, "harts", seconds, info)
 
 
-def plan_step(batch: RolloutBatch | CompactBatch | PrefixIndex, *, dp: int, capacity: int, **params: Any) -> StepPlan:
+def plan_step(
+    batch: RolloutBatch | CompactBatch | PrefixIndex,
+    *,
+    dp: int,
+    capacity: int,
+    workers: PlannerWorkers | None = None,
+    **params: Any,
+) -> StepPlan:
     """Plan one training step: microbatches, their DP replicas and slots.
 
     Args:
@@ -198,6 +296,8 @@ def plan_step(batch: RolloutBatch | CompactBatch | PrefixIndex, *, dp: int, capa
         **params: ``PlannerParams`` fields (the paper's n0, q_max, window, sweeps, anchors,
             repair_iterations, small_fraction; ``extensions`` for harts' additions). The §5.2 OR-Tools baseline is
             ``harts.plan.baselines.ortools_partition.ortools_step`` (same arguments).
+        workers: ``PlannerWorkers`` to build independent candidates in parallel (the same plan,
+            sooner on a machine with idle cores; ``workers.py``); None plans in this process.
 
     Returns:
         A ``StepPlan``; ``plan_seconds`` excludes building the prefix index.
@@ -208,4 +308,4 @@ def plan_step(batch: RolloutBatch | CompactBatch | PrefixIndex, *, dp: int, capa
         index = batch if isinstance(batch, PrefixIndex) else prefix_index(batch)
     check_inputs(index, dp, capacity)
     dp, capacity = int(dp), int(capacity)
-    return harts_plan(index, dp, capacity, PlannerParams(**params))
+    return harts_plan(index, dp, capacity, PlannerParams(**params), workers)

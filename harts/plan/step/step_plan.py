@@ -20,7 +20,7 @@ from harts.plan.step.objective import PrefixCost, imbalance
 from harts.plan.step.schedule import build_schedule
 from harts.tree.compact import CompactBatch, PrefixIndex
 
-__all__ = ["StepPlan", "check_inputs", "plan_from_owner", "to_step_plan"]
+__all__ = ["StepPlan", "check_inputs", "plan_from_owner", "same_step_plan", "to_step_plan"]
 
 
 @dataclass(kw_only=True)
@@ -140,6 +140,20 @@ def check_inputs(index: PrefixIndex, dp: int, capacity: int) -> None:
             f"capacity={capacity} is too small: {g} compact tokens need at least {need} microbatches "
             f"(a multiple of dp={dp}), but {n} trajectories fill at most {dp * (n // dp)} nonempty ones"
         )
+
+
+def same_step_plan(a: StepPlan, b: StepPlan) -> bool:
+    """Whether two plans hand out the same microbatches, replicas, slots, works and J (their
+    timing and search details aside)."""
+    return (
+        a.microbatches == b.microbatches
+        and a.replica == b.replica
+        and a.slot == b.slot
+        and a.work == b.work
+        and a.objective == b.objective
+        and a.dp == b.dp
+        and a.capacity == b.capacity
+    )
 
 
 def plan_from_owner(cost: PrefixCost, owner: np.ndarray, dp: int) -> dict[str, Any]:

@@ -1,0 +1,155 @@
+"""The step planner with worker processes makes the plan it makes alone, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import harts
+from harts.plan.step import PlannerWorkers, plan_step
+from harts.plan.step import planner as planner_module
+from harts.plan.step.step_plan import same_step_plan
+from harts.plan.step.workers import completed, run_inline, shared_workers
+from harts.rl.train import TrainConfig
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with PlannerWorkers(2) as w:
+        w.wait_ready()
+        yield w
+
+
+def _cases():
+    # (workload, step, dp, capacity, n0): the exact contiguous DP (N <= N0) and the evolved
+    # candidates (N > N0, here by a small N0), light and tight capacities, several D
+    yield "small", 0, 2, 4096, 512
+    yield "small", 1, 4, 2048, 512
+    yield "small", 2, 2, 4096, 8
+    yield "medium", 0, 8, 65536, 512
+    yield "medium", 2, 4, 32768, 512
+    yield "medium", 3, 8, 32768, 64
+
+
+@pytest.mark.parametrize("workload,step,dp,capacity,n0", list(_cases()))
+def test_workers_make_the_serial_plan(workers, workload: str, step: int, dp: int, capacity: int, n0: int) -> None:
+    batch = harts.workloads.generate(workload, step=step, seed=3)
+    index = harts.prefix_index(batch)
+    alone = plan_step(index, dp=dp, capacity=capacity, n0=n0)
+    both = plan_step(index, dp=dp, capacity=capacity, n0=n0, workers=workers)
+    assert same_step_plan(alone, both)
+    assert alone.info["winner"] == both.info["winner"]
+    assert alone.info["workers"] == 0 and both.info["workers"] == 2
+    paper = dict(dp=dp, capacity=capacity, n0=n0, extensions=False)
+    assert same_step_plan(plan_step(index, **paper), plan_step(index, **paper, workers=workers))
+
+
+@pytest.mark.parametrize("workload,step,dp,capacity,n0", list(_cases())[2:])
+def test_the_winners_polish_comes_from_a_worker(workers, monkeypatch, workload, step, dp, capacity, n0) -> None:
+    # the polish of whichever candidate wins was started in a worker before the winner was known
+    batch = harts.workloads.generate(workload, step=step, seed=3)
+    index = harts.prefix_index(batch)
+    inline = []
+    real = planner_module._polish
+    monkeypatch.setattr(planner_module, "_polish", lambda *a: inline.append(1) or real(*a))
+    plan_step(index, dp=dp, capacity=capacity, n0=n0, workers=workers)
+    assert inline == []
+    plan_step(index, dp=dp, capacity=capacity, n0=n0)
+    assert inline == [1]
+
+
+def test_workers_with_more_polished_candidates(workers, monkeypatch) -> None:
+    # candidates beyond the winner are polished on demand, in this process: still the same plan
+    batch = harts.workloads.generate("medium", step=1, seed=0)
+    index = harts.prefix_index(batch)
+    monkeypatch.setattr(planner_module, "BALANCE_CANDIDATES", 3)
+    assert same_step_plan(
+        plan_step(index, dp=4, capacity=32768), plan_step(index, dp=4, capacity=32768, workers=workers)
+    )
+
+
+def _die() -> None:
+    os._exit(3)
+
+
+def test_a_dead_worker_falls_back_to_this_process() -> None:
+    batch = harts.workloads.generate("small", step=0, seed=1)
+    index = harts.prefix_index(batch)
+    alone = plan_step(index, dp=2, capacity=4096)
+    with PlannerWorkers(1) as w:
+        w.wait_ready()
+        w.submit(_die)  # breaks the pool
+        with pytest.warns(RuntimeWarning, match="step-planner worker process failed"):
+            plan = plan_step(index, dp=2, capacity=4096, workers=w)
+            # a broken pool is only noticed when a task's result is read: read until it is
+            for _ in range(20):
+                if not w.active:
+                    break
+                plan = plan_step(index, dp=2, capacity=4096, workers=w)
+        assert not w.active
+        assert same_step_plan(alone, plan)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = plan_step(index, dp=2, capacity=4096, workers=w)  # inline, no new warning
+        assert same_step_plan(alone, again) and again.info["workers"] == 0
+
+
+def test_closed_workers_plan_inline() -> None:
+    w = PlannerWorkers(1)
+    w.close()
+    assert not w.active
+    batch = harts.workloads.generate("tiny", step=0)
+    plan = plan_step(batch, dp=1, capacity=4096, workers=w)
+    assert plan.info["workers"] == 0
+
+
+def test_inline_tasks_run_only_when_asked() -> None:
+    calls = []
+    task = run_inline(calls.append, 1)
+    assert calls == []
+    assert task.result() is None and task.result() is None
+    assert calls == [1]
+    assert completed(np.arange(3)).result().tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_worker_counts_are_clear_errors(bad) -> None:
+    with pytest.raises(ValueError, match="positive integer"):
+        PlannerWorkers(bad)
+
+
+def test_shared_workers_and_train_config() -> None:
+    assert shared_workers(0) is None
+    with pytest.raises(ValueError, match="integer >= 0"):
+        shared_workers(-2)
+    with pytest.raises(ValueError, match="planner_workers must be an integer >= 0"):
+        TrainConfig(planner_workers=-1)
+    assert TrainConfig().planner_workers == 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harts.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_plan_command_reports_both_timings(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    r = _cli("plan", "--workload", "small", "--steps", "2", "--dp", "2", "--planner-workers", "2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "harts s (2 workers)" in r.stdout and "harts s (serial)" in r.stdout
+    assert "the same plans" in r.stdout
+    import json
+
+    rec = json.loads(out.read_text())
+    assert rec["planner_workers"] == 2
+    assert all(s["harts"]["same_plan_serial"] for s in rec["steps"])
+
+
+def test_plan_command_rejects_a_bad_worker_count() -> None:
+    r = _cli("plan", "--workload", "tiny", "--planner-workers", "many")
+    assert r.returncode == 2
+    assert "--planner-workers" in r.stderr and "Traceback" not in r.stderr
