@@ -104,9 +104,72 @@ def pieces(cost: PrefixCost, owner: np.ndarray, levels: int = 2) -> tuple[np.nda
     same = g[1:] == g[:-1]
     lcp[1:n] = np.where(same, cost.lcp(by[:-1], by[1:]), -1)
     lcp[0] = lcp[n] = -1
+    first_, last_ = _fork_pieces(lcp, g, starts, levels)
+    single = np.flatnonzero(np.diff(starts)[g] > 1)  # index into ``by`` of every singleton piece
+    first = np.concatenate([first_, single])
+    last = np.concatenate([last_, single])
+    left = np.maximum(lcp[first], 0)
+    right = np.maximum(lcp[last + 1], 0)
+    lo, hi = by[first], by[last]
+    src = g[first]
+    # members of a piece are consecutive in ``by``: C(S) from prefix sums of length and lcp
+    len_prefix = np.concatenate([[0], np.cumsum(cost.length[by])])
+    lcp_prefix = np.concatenate([[0], np.cumsum(np.maximum(lcp[:n], 0))])
+    cw = len_prefix[last + 1] - len_prefix[first] - (lcp_prefix[last + 1] - lcp_prefix[first + 1])
+    return lo, hi, src, cw, np.maximum(left, right), first, last
+
+
+def _fork_pieces(lcp: np.ndarray, g: np.ndarray, starts: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last) indices into the members' (owner, position) order of the pieces below each
+    microbatch's ``levels`` lowest forks, ordered by microbatch, then fork level, then position
+    (``_fork_pieces_loop``'s order, without its loop over microbatches).
+
+    ``lcp`` int64 [n + 1]: LCP of consecutive members of one microbatch, -1 across microbatches
+    and at both ends; ``g`` int64 [n]: each member's microbatch; ``starts`` int64 [k + 1].
+    """
+    n = g.size
+    size = np.diff(starts)
+    groups = np.flatnonzero(size >= 2)
+    empty = np.zeros(0, dtype=np.int64)
+    if groups.size == 0:
+        return empty, empty
+    big = np.iinfo(np.int64).max
+    inner = np.where(lcp[:n] >= 0, lcp[:n], big)  # a microbatch's first member has no inner LCP
+    seg = starts[groups]
+    # fork values level by level: the smallest inner LCP above the previous level's
+    fork = np.full(starts.size - 1, -1, dtype=np.int64)
+    runs_first, runs_last, keys = [], [], []
+    ends = starts[1:]
+    for level in range(levels):
+        v = np.minimum.reduceat(inner, seg)  # per eligible group: its smallest remaining value
+        has = v < big
+        if not has.any():
+            break
+        fork[:] = -1
+        fork[groups[has]] = v[has]
+        # boundaries: each group's first member, and members whose LCP with the previous is <= v
+        # (a group's first member has lcp -1: always a boundary)
+        at = np.flatnonzero((fork[g] >= 0) & (lcp[:n] <= fork[g]))
+        nxt = np.append(at[1:], n)
+        stop = np.minimum(nxt, ends[g[at]])  # a run ends at the next boundary or its group's end
+        length = stop - at
+        keep = (length > 1) & (length < size[g[at]])
+        runs_first.append(at[keep])
+        runs_last.append(stop[keep] - 1)
+        keys.append(np.stack([g[at[keep]], np.full(int(keep.sum()), level), at[keep]]))
+        inner = np.where(inner > fork[g], inner, big)
+    if not runs_first:
+        return empty, empty
+    first, last, key = np.concatenate(runs_first), np.concatenate(runs_last), np.concatenate(keys, axis=1)
+    order = np.lexsort((key[2], key[1], key[0]))
+    return first[order].astype(np.int64), last[order].astype(np.int64)
+
+
+def _fork_pieces_loop(lcp: np.ndarray, g: np.ndarray, starts: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_fork_pieces`` one microbatch at a time: the reference its tests compare against."""
     out_first: list[int] = []
     out_last: list[int] = []
-    for a in range(k):
+    for a in range(starts.size - 1):
         s, e = int(starts[a]), int(starts[a + 1])
         if e - s < 2:
             continue
@@ -119,18 +182,7 @@ def pieces(cost: PrefixCost, owner: np.ndarray, levels: int = 2) -> tuple[np.nda
                     continue
                 out_first.append(s + i0)
                 out_last.append(s + i1 - 1)
-    single = np.flatnonzero(np.diff(starts)[g] > 1)  # index into ``by`` of every singleton piece
-    first = np.concatenate([np.asarray(out_first, dtype=np.int64), single])
-    last = np.concatenate([np.asarray(out_last, dtype=np.int64), single])
-    left = np.maximum(lcp[first], 0)
-    right = np.maximum(lcp[last + 1], 0)
-    lo, hi = by[first], by[last]
-    src = g[first]
-    # members of a piece are consecutive in ``by``: C(S) from prefix sums of length and lcp
-    len_prefix = np.concatenate([[0], np.cumsum(cost.length[by])])
-    lcp_prefix = np.concatenate([[0], np.cumsum(np.maximum(lcp[:n], 0))])
-    cw = len_prefix[last + 1] - len_prefix[first] - (lcp_prefix[last + 1] - lcp_prefix[first + 1])
-    return lo, hi, src, cw, np.maximum(left, right), first, last
+    return np.asarray(out_first, dtype=np.int64), np.asarray(out_last, dtype=np.int64)
 
 
 def _lowest_distinct(values: np.ndarray, count: int) -> list[int]:
@@ -194,10 +246,13 @@ def _move_round(
     succ = keys[np.clip(i0, 0, m - 1)]
     has_p = (i0 > 0) & (pred // stride == b)
     has_s = (i0 < m) & (succ // stride == b)
-    sb = np.maximum(
-        np.where(has_p, cost.lcp(np.where(has_p, pred % stride, lo[p]), lo[p]), 0),
-        np.where(has_s, cost.lcp(hi[p], np.where(has_s, succ % stride, hi[p])), 0),
-    )
+    # s_B: the longer LCP with B's sorted neighbours of S (pred < lo, succ > hi: strictly, as B
+    # has no member inside S's range), 0 without one
+    sb = np.zeros(p.size, dtype=np.int64)
+    at = np.flatnonzero(has_p)
+    sb[at] = cost.lcp_ascending(pred[at] % stride, lo[p[at]])
+    at = np.flatnonzero(has_s)
+    sb[at] = np.maximum(sb[at], cost.lcp_ascending(hi[p[at]], succ[at] % stride))
     wa = work[src[p]] - (cw[p] - sa[p])
     wb = work[b] + cw[p] - sb
     ok = (sb >= sa[p]) & (wb <= capacity)

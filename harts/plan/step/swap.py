@@ -53,17 +53,18 @@ def _state(cost: PrefixCost, owner: np.ndarray, dp: int) -> tuple[np.ndarray, np
     return work, slot, (j, _spread(work, slot))
 
 
-def _share(cost: PrefixCost, owner: np.ndarray, lo: np.ndarray, hi: np.ndarray, g: int) -> np.ndarray:
-    """int64 [P]: longest prefix each piece (sorted range lo..hi) shares with microbatch g's
-    members outside that range (its sorted neighbours in g, as in Eq. 10)."""
-    pos = np.flatnonzero(owner == g)
+def _share(cost: PrefixCost, pos: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """int64 [P]: longest prefix each piece (sorted range lo..hi) shares with the members
+    ``pos`` (one microbatch's sorted positions) outside that range (its sorted neighbours
+    there, as in Eq. 10)."""
     i0 = np.searchsorted(pos, lo)
     i1 = np.searchsorted(pos, hi, side="right")
-    pred = pos[np.clip(i0 - 1, 0, pos.size - 1)]
-    succ = pos[np.clip(i1, 0, pos.size - 1)]
-    left = np.where(i0 > 0, cost.lcp(np.minimum(pred, lo), lo), 0)
-    right = np.where(i1 < pos.size, cost.lcp(hi, np.maximum(succ, hi)), 0)
-    return np.maximum(left, right)
+    out = np.zeros(lo.size, dtype=np.int64)
+    at = np.flatnonzero(i0 > 0)  # a predecessor: pos[i0 - 1] < lo
+    out[at] = cost.lcp_ascending(pos[i0[at] - 1], lo[at])
+    at = np.flatnonzero(i1 < pos.size)  # a successor: pos[i1] > hi
+    out[at] = np.maximum(out[at], cost.lcp_ascending(hi[at], pos[i1[at]]))
+    return out
 
 
 def _slot_candidates(
@@ -78,6 +79,7 @@ def _slot_candidates(
     best few pieces of every pair in one slot; works estimated with Eq. 10 sharing."""
     lo, hi, src, cw, sa = pieces_[:5]
     out: list[tuple[float, float, int, int, int]] = []
+    pos = {g: np.flatnonzero(owner == g) for g in members.tolist()}
     for a in members.tolist():
         ps = np.flatnonzero(src == a)
         if ps.size == 0:
@@ -89,8 +91,8 @@ def _slot_candidates(
             r = np.maximum(pr, 0)
             has = pr >= 0
             out_r = np.where(has, cw[r] - sa[r], 0)
-            in_r = np.where(has, cw[r] - _share(cost, owner, lo[r], hi[r], a), 0)
-            in_s = cw[ps] - _share(cost, owner, lo[ps], hi[ps], b)
+            in_r = np.where(has, cw[r] - _share(cost, pos[a], lo[r], hi[r]), 0)
+            in_s = cw[ps] - _share(cost, pos[b], lo[ps], hi[ps])
             wa = work[a] - (cw[ps] - sa[ps])[:, None] + in_r[None, :]
             wb = work[b] - out_r[None, :] + in_s[:, None]
             new_gap = np.abs(wa - wb)
@@ -167,6 +169,21 @@ def _units(cost: PrefixCost, owner: np.ndarray, groups: np.ndarray) -> list[np.n
     return units
 
 
+def _set_works(cost: PrefixCost, sets: list[np.ndarray]) -> np.ndarray:
+    """int64 [len(sets)]: ``cost.set_work`` of each set of distinct sorted positions (Eq. 5),
+    all in one pass."""
+    sizes = np.array([m.size for m in sets], dtype=np.int64)
+    pos = np.concatenate(sets).astype(np.int64)
+    label = np.repeat(np.arange(len(sets)), sizes)
+    order = np.lexsort((pos, label))
+    pos, label = pos[order], label[order]
+    same = np.flatnonzero(label[1:] == label[:-1])
+    out = np.zeros(len(sets), dtype=np.int64)
+    np.add.at(out, label, cost.length[pos])
+    np.subtract.at(out, label[same + 1], cost.lcp_ascending(pos[same], pos[same + 1]))
+    return out
+
+
 def _repack(cost: PrefixCost, owner: np.ndarray, tail: np.ndarray) -> np.ndarray:
     """Re-spread the units of the ``tail`` microbatches, largest first, each to the bin with
     the lowest resulting work among those where it shares at least as much as at home
@@ -194,17 +211,17 @@ def _repack(cost: PrefixCost, owner: np.ndarray, tail: np.ndarray) -> np.ndarray
             bins[home[u]] = units[u]
         else:
             rest.append(u)
-    load = {g: cost.set_work(m) for g, m in bins.items()}
+    names = list(bins)
+    load = np.array([cost.set_work(m) for m in bins.values()], dtype=np.int64)
     for u in rest:
-        best_g, best_w = home[u], None
-        for g, m in bins.items():
-            w = cost.set_work(np.concatenate([m, units[u]]))
-            if w - load[g] > home_inc[u] and g != home[u]:
-                continue
-            if best_w is None or w < best_w:
-                best_g, best_w = g, w
-        bins[best_g] = np.concatenate([bins[best_g], units[u]])
-        load[best_g] = cost.set_work(bins[best_g])
+        # the work of every bin with u added, at once; the lowest among the bins where u shares at
+        # least as much as at home (and home itself), the first in tail order among equals
+        with_u = _set_works(cost, [np.concatenate([bins[g], units[u]]) for g in names])
+        ok = (with_u - load <= home_inc[u]) | (np.asarray(names) == home[u])
+        best = int(np.flatnonzero(ok)[np.argmin(with_u[ok])])
+        g = names[best]
+        bins[g] = np.concatenate([bins[g], units[u]])
+        load[best] = with_u[best]
     for g, m in bins.items():
         owner[m] = g
     return owner
