@@ -19,6 +19,8 @@
 #   swe5      `swe` step 5, replica 0 of 8, the full model, the MoE block kept
 #   swe0      `swe` step 0, replica 0 of 8, the full model, the MoE block kept
 #   profile   `medium` step 0 as `medium` with --profile: one microbatch per side, device busy and time by region
+#   plan      `harts plan --workload swe --dp 8` on this host's CPU: every step planned with 4 worker
+#             processes and alone, side by side (the step planner's share of Core)
 #   profile_swe  `swe` step 5, replica 0 of 8, the full model, the MoE block kept: --profile-only (the
 #             first microbatch of each side, after one untimed run of it; the step is not timed)
 #   medium_layers N  `medium` step 0 as `medium`, the MoE block kept, only the first N layers checkpointed
@@ -31,11 +33,11 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|profile|profile_swe|tune|layers N|medium_layers N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|tune|layers N|medium_layers N}
 case "$part" in
-tests | flash_tests | moe | medium | swe5 | swe0 | profile | profile_swe | tune) ;;
+tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | tune) ;;
 layers | medium_layers) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "layers needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, profile, profile_swe, tune, layers N, medium_layers N)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, tune, layers N, medium_layers N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -100,6 +102,11 @@ swe5 | swe0)
     timeout 580 "${B[@]}" "${KEEP_MOE[@]}" --workload swe --first-step "$step" --steps 1 --dp 8 --replica 0 \
         --json "$OUT/$part.json" >"$OUT/$part.log" 2>&1
     show "$OUT/$part.log"
+    ;;
+plan)
+    timeout 300 python3 -m harts.cli plan --workload swe --dp 8 --planner-workers 4 --json "$OUT/plan_swe.json" \
+        >"$OUT/plan_swe.log" 2>&1
+    grep -vE "^plan|checking" "$OUT/plan_swe.log" | tail -20
     ;;
 profile)
     timeout 400 "${B[@]}" "${KEEP[@]}" --pattern KKKM --workload medium --steps 1 --profile "$OUT/profile" \

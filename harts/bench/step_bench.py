@@ -623,7 +623,7 @@ def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN00
     (``.txt``), a summary line (the microbatch's wall time, how much of it the device was busy,
     kernels launched), the device time of each region and phase (kernels attributed to the
     region that launched them, ``device_time_by_region``) with the top kernels launched outside
-    every region ("other"), then the 40 operators with the most self time on the device and the
+    every region ("other"), where the device waited for the host (``device_idle_gaps``), then the 40 operators with the most self time on the device and the
     40 with the most host time (CPU runs: host only)."""
     import json
 
@@ -650,6 +650,7 @@ def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN00
             f"({busy / wall:.0%}); {kernels} kernels and copies\n"
         )
         f.write(region_table(by_region, outside, wall, busy, per_region))
+        f.write(idle_table(device_idle_gaps(events)))
         for key in keys:
             f.write(f"\nsorted by {key}:\n")
             f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
@@ -725,38 +726,137 @@ def _kernels_by_label(work: list[tuple[str, str, float]]) -> dict[str, list[tupl
     }
 
 
-def _attributed_work(trace_events: list[dict]) -> list[tuple[str, str, float]]:
-    """[(label, kernel name, seconds)] of every kernel, copy and memset in the trace
-    (``device_time_by_region`` says how a label is chosen)."""
+class _Ranges:
+    """Host ranges of a trace, per thread: ``innermost(tid, ts)`` is the name of the latest-starting
+    range on thread ``tid`` that contains ``ts`` (None when none does)."""
+
+    def __init__(self) -> None:
+        self._spans: dict[Any, list[tuple[float, float, str]]] = {}
+        self._starts: dict[Any, np.ndarray] = {}
+
+    def add(self, tid: Any, ts: float, dur: float, name: str) -> None:
+        self._spans.setdefault(tid, []).append((ts, ts + dur, name))
+
+    def freeze(self) -> _Ranges:
+        for tid, v in self._spans.items():
+            v.sort()
+            self._starts[tid] = np.array([a for a, _, _ in v])
+        return self
+
+    def innermost(self, tid: Any, ts: float) -> str | None:
+        if tid not in self._spans:
+            return None
+        spans = self._spans[tid]
+        j = int(np.searchsorted(self._starts[tid], ts, side="right")) - 1
+        while j >= 0 and spans[j][1] < ts:
+            j -= 1
+        return spans[j][2] if j >= 0 else None
+
+
+def _trace_index(trace_events: list[dict]) -> tuple[_Ranges, _Ranges, dict[Any, tuple[Any, float]]]:
+    """(harts region ranges, host operator ranges, {correlation: (launching thread, launch ts)})."""
     prefix = regions.ANNOTATION_PREFIX
-    spans: dict[Any, list[tuple[float, float, str]]] = {}
+    region_ranges, op_ranges = _Ranges(), _Ranges()
     launches: dict[Any, tuple[Any, float]] = {}
-    work: list[tuple[Any, str, float]] = []
     for e in trace_events:
         cat, args = e.get("cat"), e.get("args") or {}
         if cat == "user_annotation" and str(e.get("name", "")).startswith(prefix):
-            ts = float(e["ts"])
-            spans.setdefault(e.get("tid"), []).append((ts, ts + float(e.get("dur", 0.0)), e["name"][len(prefix) :]))
+            region_ranges.add(e.get("tid"), float(e["ts"]), float(e.get("dur", 0.0)), e["name"][len(prefix) :])
+        elif cat == "cpu_op":
+            op_ranges.add(e.get("tid"), float(e["ts"]), float(e.get("dur", 0.0)), str(e.get("name", "?")))
         elif cat in _LAUNCH_CATS and "correlation" in args:
             launches[args["correlation"]] = (e.get("tid"), float(e["ts"]))
-        elif cat in _DEVICE_CATS:
-            work.append((args.get("correlation"), str(e.get("name", "?")), float(e.get("dur", 0.0)) * 1e-6))
-    for v in spans.values():
-        v.sort()
-    starts = {tid: np.array([a for a, _, _ in v]) for tid, v in spans.items()}
+    return region_ranges.freeze(), op_ranges.freeze(), launches
+
+
+def _attributed_work(trace_events: list[dict]) -> list[tuple[str, str, float]]:
+    """[(label, kernel name, seconds)] of every kernel, copy and memset in the trace
+    (``device_time_by_region`` says how a label is chosen)."""
+    region_ranges, _, launches = _trace_index(trace_events)
     out = []
-    for corr, name, sec in work:
-        label = OUTSIDE_REGIONS
-        tid, ts = launches.get(corr, (None, 0.0))
-        if tid in spans:
-            # innermost = the latest-starting range that contains the launch
-            j = int(np.searchsorted(starts[tid], ts, side="right")) - 1
-            while j >= 0 and spans[tid][j][1] < ts:
-                j -= 1
-            if j >= 0:
-                label = spans[tid][j][2]
-        out.append((label, name, sec))
+    for e in trace_events:
+        if e.get("cat") not in _DEVICE_CATS:
+            continue
+        tid, ts = launches.get((e.get("args") or {}).get("correlation"), (None, 0.0))
+        label = region_ranges.innermost(tid, ts) or OUTSIDE_REGIONS
+        out.append((label, str(e.get("name", "?")), float(e.get("dur", 0.0)) * 1e-6))
     return out
+
+
+#: host runtime calls that wait for the device
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def device_idle_gaps(trace_events: list[dict], min_gap: float = 1e-4) -> dict[str, Any]:
+    """Where the device waited for the host, from a torch profiler Chrome trace recorded under
+    ``RegionTimer(annotate=True)``.
+
+    A gap is a stretch of at least ``min_gap`` seconds with no kernel, copy or memset running
+    between the first and the last device work. Each gap is charged to the work that ended it:
+    the harts region open when that work was launched, and the host operator (innermost
+    ``cpu_op``) that launched it. Host calls that wait for the device (``_SYNC_CALLS``; a
+    synchronous ``cudaMemcpy`` too) are counted by the host operator that made them.
+
+    Returns:
+        {"gaps": count, "gap_seconds": total, "by_region": {label: seconds}, "largest":
+        [(seconds, label, host operator, kernel)] (10, largest first), "syncs": count,
+        "sync_seconds": host seconds in them, "sync_by_op": {operator: [count, seconds]}}.
+    """
+    region_ranges, op_ranges, launches = _trace_index(trace_events)
+    work = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e)
+        for e in trace_events
+        if e.get("cat") in _DEVICE_CATS and "ts" in e
+    )
+    gaps: list[tuple[float, str, str, str]] = []
+    end = math.inf
+    for lo, hi, e in work:
+        if lo - end >= min_gap * 1e6:
+            tid, ts = launches.get((e.get("args") or {}).get("correlation"), (None, 0.0))
+            label = region_ranges.innermost(tid, ts) or OUTSIDE_REGIONS
+            op = op_ranges.innermost(tid, ts) or "?"
+            gaps.append(((lo - end) * 1e-6, label, op, str(e.get("name", "?"))))
+        end = hi if end == math.inf else max(end, hi)
+    by_region: dict[str, float] = {}
+    for sec, label, _, _ in gaps:
+        by_region[label] = by_region.get(label, 0.0) + sec
+    sync_by_op: dict[str, list] = {}
+    for e in trace_events:
+        name = str(e.get("name", ""))
+        if e.get("cat") in _LAUNCH_CATS and name in _SYNC_CALLS:
+            op = op_ranges.innermost(e.get("tid"), float(e["ts"])) or "?"
+            acc = sync_by_op.setdefault(op, [0, 0.0])
+            acc[0] += 1
+            acc[1] += float(e.get("dur", 0.0)) * 1e-6
+    return {
+        "gaps": len(gaps),
+        "gap_seconds": sum(g[0] for g in gaps),
+        "by_region": dict(sorted(by_region.items(), key=lambda kv: -kv[1])),
+        "largest": sorted(gaps, key=lambda g: -g[0])[:10],
+        "syncs": sum(v[0] for v in sync_by_op.values()),
+        "sync_seconds": sum(v[1] for v in sync_by_op.values()),
+        "sync_by_op": dict(sorted(sync_by_op.items(), key=lambda kv: -kv[1][1])),
+    }
+
+
+def idle_table(idle: dict[str, Any], min_gap: float = 1e-4) -> str:
+    """``device_idle_gaps``' result as text (empty without device work)."""
+    if not idle["gaps"] and not idle["syncs"]:
+        return ""
+    lines = [
+        "",
+        f"device idle gaps of at least {min_gap * 1e3:g} ms: {idle['gaps']}, {idle['gap_seconds'] * 1e3:.2f} ms in all; "
+        "by the region of the work launched after the gap:",
+    ]
+    lines += [f"  {label:<36} {sec * 1e3:10.2f} ms" for label, sec in idle["by_region"].items()]
+    if idle["largest"]:
+        lines.append("largest gaps (ms, region, host operator that launched the next work, that work):")
+        lines += [f"  {sec * 1e3:9.2f}  {label}  {op[:50]}  {name[:60]}" for sec, label, op, name in idle["largest"]]
+    lines.append(
+        f"host calls that waited for the device: {idle['syncs']}, {idle['sync_seconds'] * 1e3:.2f} ms; by host operator:"
+    )
+    lines += [f"  {n:6d} {sec * 1e3:9.2f} ms  {op[:80]}" for op, (n, sec) in list(idle["sync_by_op"].items())[:12]]
+    return "\n".join(lines) + "\n"
 
 
 def device_busy_seconds(trace_events: list[dict]) -> tuple[float, int]:

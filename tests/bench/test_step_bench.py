@@ -176,6 +176,47 @@ def test_bench_reports_the_cold_start(tmp_path, capsys) -> None:
     assert second["baseline"]["seconds_to_timed"] > harts["seconds_to_timed"]
 
 
+def test_device_idle_gaps_charge_the_work_that_ends_each_gap() -> None:
+    """Synthetic trace: three kernels with two gaps (one below the threshold), a synchronizing
+    copy inside aten::item and a stream sync inside aten::nonzero."""
+    from harts.bench.step_bench import OUTSIDE_REGIONS, device_idle_gaps, idle_table
+
+    def ev(cat: str, name: str, tid: int, ts: float, dur: float, corr: int | None = None) -> dict:
+        e = {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    events = [
+        ev("user_annotation", "harts/moe/forward", 1, 0, 5000),
+        ev("cpu_op", "aten::mm", 1, 10, 20),
+        ev("cuda_runtime", "cudaLaunchKernel", 1, 12, 2, corr=1),
+        ev("cpu_op", "aten::item", 1, 100, 900),
+        ev("cuda_runtime", "cudaMemcpy", 1, 110, 800),
+        ev("cpu_op", "aten::add", 1, 1500, 20),
+        ev("cuda_runtime", "cudaLaunchKernel", 1, 1505, 2, corr=2),
+        ev("cpu_op", "aten::nonzero", 1, 6000, 300),
+        ev("cuda_runtime", "cudaStreamSynchronize", 1, 6100, 150),
+        ev("cuda_runtime", "cudaLaunchKernel", 1, 6200, 2, corr=3),
+        ev("kernel", "gemm", 7, 20, 980, corr=1),  # ends at 1000
+        ev("kernel", "add", 7, 1520, 400, corr=2),  # gap 520 us, launched in moe/forward by aten::add
+        ev("kernel", "copy", 7, 1970, 30, corr=3),  # gap 50 us: below 0.1 ms, not counted
+    ]
+    idle = device_idle_gaps(events)
+    assert idle["gaps"] == 1 and idle["gap_seconds"] == pytest.approx(520e-6)
+    assert idle["by_region"] == {"moe/forward": pytest.approx(520e-6)}
+    assert idle["largest"] == [(pytest.approx(520e-6), "moe/forward", "aten::add", "add")]
+    assert idle["syncs"] == 2 and idle["sync_seconds"] == pytest.approx(950e-6)
+    assert list(idle["sync_by_op"]) == ["aten::item", "aten::nonzero"]
+    text = idle_table(idle)
+    assert "1, 0.52 ms in all" in text and "aten::item" in text and "host calls that waited for the device: 2" in text
+    # a gap before a launch outside every region, and a trace without device work
+    events.append(ev("cuda_runtime", "cudaLaunchKernel", 1, 9000, 2, corr=4))
+    events.append(ev("kernel", "late", 7, 9010, 10, corr=4))
+    assert device_idle_gaps(events)["by_region"][OUTSIDE_REGIONS] == pytest.approx((9010 - 2000) * 1e-6)
+    assert idle_table(device_idle_gaps([])) == ""
+
+
 def test_device_time_by_region_attributes_each_kernel_to_its_launching_range() -> None:
     """Synthetic trace: two threads (forward and autograd), nested ranges, a kernel launched
     outside every range, one whose launch is unknown; idle time counts nowhere."""
