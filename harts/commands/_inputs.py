@@ -69,7 +69,8 @@ def add_planner_workers_argument(p: argparse.ArgumentParser) -> None:
         default="auto",
         metavar="N|auto",
         help="processes that build the step planner's independent candidates in parallel (the same plan, "
-        "sooner); 0 plans in this process; auto (default): 4 where at least 6 cores are usable, else 0",
+        "sooner; steps of fewer than 1,000 trajectories are planned in this process anyway); 0 plans in this "
+        "process; auto (default): 4 where at least 6 cores are usable, else 0",
     )
 
 

@@ -392,7 +392,7 @@ def test_core_run_prepares_each_microbatch_just_before_it_runs(monkeypatch) -> N
     assert ahead.harts.core_time == ahead.harts.plan_seconds + ahead.harts.train_seconds
 
 
-def test_bench_cli_reports_the_core_run_and_can_skip_it(tmp_path, capsys) -> None:
+def test_bench_cli_reports_the_core_run_and_can_skip_it(tmp_path, capsys, monkeypatch) -> None:
     import json
 
     from harts.cli import main
@@ -413,6 +413,9 @@ def test_bench_cli_reports_the_core_run_and_can_skip_it(tmp_path, capsys) -> Non
     assert step["critical_plan_seconds"] == pytest.approx(h["plan_seconds"], abs=1e-3)
     # planner workers: the step planner's time with them and alone, and the same plan
     assert step["planner_workers"] == 0 and step["step_plan_seconds_serial"] is None
+    import harts.plan.step.workers as planner_workers
+
+    monkeypatch.setattr(planner_workers, "MIN_PATHS", 0)  # this step is small: plan it with them anyway
     assert main([*argv, "--planner-workers", "2", "--json", str(out), "--overwrite"]) == 0
     assert "step planner with 2 worker processes" in capsys.readouterr().out
     step = json.loads(out.read_text())["steps"][0]

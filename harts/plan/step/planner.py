@@ -172,10 +172,10 @@ def harts_plan(
     index: PrefixIndex, dp: int, capacity: int, params: PlannerParams, workers: PlannerWorkers | None = None
 ) -> StepPlan:
     t0 = time.perf_counter()
-    parallel = workers is not None and workers.active
-    submit = workers.submit if workers is not None else run_inline
     cost = PrefixCost(index.lcp_index)
     n = cost.n
+    parallel = workers is not None and workers.used_for(n)
+    submit = workers.submit if parallel and workers is not None else run_inline
     # the four greedy orders first: with workers they run while the base candidates are built
     greedy_tasks = [
         submit(greedy_order_plans, cost, order, capacity, dp, params.small_fraction)
@@ -297,7 +297,8 @@ def plan_step(
             repair_iterations, small_fraction; ``extensions`` for harts' additions). The §5.2 OR-Tools baseline is
             ``harts.plan.baselines.ortools_partition.ortools_step`` (same arguments).
         workers: ``PlannerWorkers`` to build independent candidates in parallel (the same plan,
-            sooner on a machine with idle cores; ``workers.py``); None plans in this process.
+            sooner on a machine with idle cores; ``workers.py``), for steps of at least
+            ``workers.min_paths`` trajectories; None plans in this process.
 
     Returns:
         A ``StepPlan``; ``plan_seconds`` excludes building the prefix index.

@@ -20,7 +20,7 @@ from harts.rl.train import TrainConfig
 
 @pytest.fixture(scope="module")
 def workers():
-    with PlannerWorkers(2) as w:
+    with PlannerWorkers(2, min_paths=0) as w:
         w.wait_ready()
         yield w
 
@@ -81,7 +81,7 @@ def test_a_dead_worker_falls_back_to_this_process() -> None:
     batch = harts.workloads.generate("small", step=0, seed=1)
     index = harts.prefix_index(batch)
     alone = plan_step(index, dp=2, capacity=4096)
-    with PlannerWorkers(1) as w:
+    with PlannerWorkers(1, min_paths=0) as w:
         w.wait_ready()
         w.submit(_die)  # breaks the pool
         with pytest.warns(RuntimeWarning, match="step-planner worker process failed"):
@@ -97,6 +97,22 @@ def test_a_dead_worker_falls_back_to_this_process() -> None:
             warnings.simplefilter("error")
             again = plan_step(index, dp=2, capacity=4096, workers=w)  # inline, no new warning
         assert same_step_plan(alone, again) and again.info["workers"] == 0
+
+
+def test_small_steps_plan_in_this_process(workers) -> None:
+    batch = harts.workloads.generate("small", step=0, seed=1)
+    index = harts.prefix_index(batch)
+    few = PlannerWorkers(1, min_paths=batch.num_trajectories + 1)
+    try:
+        assert few.used_for(batch.num_trajectories + 1) and not few.used_for(batch.num_trajectories)
+        plan = plan_step(index, dp=2, capacity=4096, workers=few)
+        assert plan.info["workers"] == 0
+        assert same_step_plan(plan, plan_step(index, dp=2, capacity=4096, workers=workers))
+    finally:
+        few.close()
+    assert not few.used_for(10**9)
+    with pytest.raises(ValueError, match="min_paths"):
+        PlannerWorkers(1, min_paths=-1)
 
 
 def test_closed_workers_plan_inline() -> None:
@@ -136,20 +152,40 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "harts.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_plan_command_reports_both_timings(tmp_path) -> None:
-    out = tmp_path / "plan.json"
-    r = _cli("plan", "--workload", "small", "--steps", "2", "--dp", "2", "--planner-workers", "2", "--json", str(out))
-    assert r.returncode == 0, r.stderr
-    assert "harts s (2 workers)" in r.stdout and "harts s (serial)" in r.stdout
-    assert "the same plans" in r.stdout
+def test_plan_command_reports_both_timings(tmp_path, capsys, monkeypatch) -> None:
     import json
 
+    import harts.plan.step.workers as planner_workers
+    from harts.cli import main
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--workload", "small", "--steps", "2", "--dp", "2", "--planner-workers", "2", "--json", str(out)]
+    monkeypatch.setattr(planner_workers, "MIN_PATHS", 0)  # small steps: plan them with the workers anyway
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "harts s (2 workers)" in text and "harts s (serial)" in text and "the same plans" in text
     rec = json.loads(out.read_text())
     assert rec["planner_workers"] == 2
     assert all(s["harts"]["same_plan_serial"] for s in rec["steps"])
+    # below MIN_PATHS the steps are planned alone: one timing column
+    monkeypatch.setattr(planner_workers, "MIN_PATHS", 10**9)
+    assert main([*argv, "--overwrite"]) == 0
+    text = capsys.readouterr().out
+    assert "harts s (serial)" not in text and "harts s" in text
 
 
 def test_plan_command_rejects_a_bad_worker_count() -> None:
     r = _cli("plan", "--workload", "tiny", "--planner-workers", "many")
     assert r.returncode == 2
     assert "--planner-workers" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_option_help_names_the_threshold() -> None:
+    import argparse
+
+    from harts.commands._inputs import add_planner_workers_argument
+    from harts.plan.step.workers import MIN_PATHS
+
+    p = argparse.ArgumentParser()
+    add_planner_workers_argument(p)
+    assert f"fewer than {MIN_PATHS:,} trajectories" in p.format_help().replace("\n", " ").replace("  ", " ")
