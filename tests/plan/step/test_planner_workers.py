@@ -189,3 +189,19 @@ def test_the_option_help_names_the_threshold() -> None:
     p = argparse.ArgumentParser()
     add_planner_workers_argument(p)
     assert f"fewer than {MIN_PATHS:,} trajectories" in p.format_help().replace("\n", " ").replace("  ", " ")
+
+
+def test_training_plans_with_workers(monkeypatch) -> None:
+    from dataclasses import replace
+
+    import harts.plan.step.workers as planner_workers
+    from harts.rl.train import plan_training_step
+
+    monkeypatch.setattr(planner_workers, "MIN_PATHS", 0)
+    batch = harts.workloads.generate("small", step=0, seed=4)
+    alone_cfg = TrainConfig(capacity=4096)
+    alone = plan_training_step(batch, alone_cfg, world=2)
+    both = plan_training_step(batch, replace(alone_cfg, planner_workers=2), world=2)
+    assert both.plan.info["workers"] == 2 and alone.plan.info["workers"] == 0
+    assert same_step_plan(alone.plan, both.plan)
+    assert shared_workers(2) is shared_workers(2)  # one pool per process and count
