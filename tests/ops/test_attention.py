@@ -319,6 +319,25 @@ def test_flex_backend_choice_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> 
     assert [flash_kv_block(d, 128) for d in (64, 128, 192, 256)] == [128, 128, 96, 64]
 
 
+def test_layers_of_other_head_dims_get_flashs_kv_block_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A microbatch's mask cache shared by MLA (qk 192: FLASH's KV block 96) and GQA layers (head
+    dim 128: KV block 128): each gets a BlockMask of its own KV block, each built once."""
+    from harts.ops.attention import tree_mask as tm
+
+    P = 200
+    pre, end = preorder(random_forest(P, num_roots=2, branchy=0.1, seed=3))
+    seen = []
+    monkeypatch.setattr(tm, "flex_backend", lambda *a, **k: "flash")
+    monkeypatch.setattr(tm, "_flex", lambda q, k, v, block_mask, scale, flash=False: seen.append(block_mask) or q)
+    cache: dict = {}
+    for d in (192, 128, 192, 128):
+        x = [t.detach().float() for t in qkv(P, 2, 1, d, 128)]
+        tm.tree_mask_attention(*x, tree_pre=pre, tree_end=end, scale=0.1, impl="flex", mask_cache=cache)
+    assert [m.BLOCK_SIZE for m in seen] == [(128, 96), (128, 128), (128, 96), (128, 128)]
+    assert seen[0] is seen[2] and seen[1] is seen[3]
+    assert sorted(cache) == ["flex_block_mask_flash_128", "flex_block_mask_flash_96"]
+
+
 @pytest.mark.parametrize("kv_block", [96, 64, 128])
 def test_block_mask_with_narrow_kv_blocks_covers_the_tree_mask(kv_block: int) -> None:
     """The (128, kv_block) BlockMask FLASH reads: its dense block map marks exactly the blocks

@@ -135,12 +135,14 @@ def tree_mask_attention(
     if impl == "flex":
         D, G, E = q_PHD.shape[2], k_PGD.shape[1], v_PGE.shape[2]
         flash = flex_backend(q_PHD.device, q_PHD.dtype, D, E, gqa=G != q_PHD.shape[1]) == "flash"
-        key = "flex_block_mask_flash" if flash else "flex_block_mask"
+        kv_block = flash_kv_block(D, E) if flash else 128
+        # one mask per backend and KV block: attention layers of other head dims (MLA beside
+        # GQA) need FLASH's KV block of their own
+        key = f"flex_block_mask_flash_{kv_block}" if flash else "flex_block_mask"
         block_mask = mask_cache.get(key) if mask_cache is not None else None
         if block_mask is None:
             pre, end = tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device)
             block_mask = None
-            kv_block = flash_kv_block(D, E) if flash else 128
             if tree_pre_host is not None and tree_end_host is not None:
                 block_mask = _host_block_mask_or_none(tree_pre_host, tree_end_host, pre, end, (128, kv_block))
             if block_mask is None:
