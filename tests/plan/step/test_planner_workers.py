@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -205,3 +206,63 @@ def test_training_plans_with_workers(monkeypatch) -> None:
     assert both.plan.info["workers"] == 2 and alone.plan.info["workers"] == 0
     assert same_step_plan(alone.plan, both.plan)
     assert shared_workers(2) is shared_workers(2)  # one pool per process and count
+
+
+_POOL: list[PlannerWorkers] = []
+
+
+def _pool() -> PlannerWorkers:
+    if not _POOL or not _POOL[0].active:
+        _POOL[:] = [PlannerWorkers(2, min_paths=0)]
+    return _POOL[0]
+
+
+@pytest.fixture(scope="module", autouse=False)
+def _close_pool():
+    yield
+    for w in _POOL:
+        w.close()
+
+
+def test_workers_on_random_forests(_close_pool) -> None:
+    """Adversarial trees (forks at and around chunk boundaries, prefix and duplicate
+    trajectories, several roots), tight and loose capacities, D up to 4, both search paths
+    (exact DP and evolution, by N0): the plan with workers is the serial plan."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.strategies import batch_from_forest, random_forest_lists
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        seed=st.integers(0, 2**32 - 1),
+        dp=st.integers(1, 4),
+        slack=st.floats(1.0, 3.0),
+        n0=st.sampled_from([2, 512]),
+        extensions=st.booleans(),
+    )
+    def check(seed: int, dp: int, slack: float, n0: int, extensions: bool) -> None:
+        rng = np.random.default_rng(seed)
+        lengths, parents = random_forest_lists(rng, 4, max_segments=24, max_fanout=4, max_trees=3)
+        batch = batch_from_forest(rng, lengths, parents)
+        if batch.num_trajectories < dp:
+            return
+        index = harts.prefix_index(batch)
+        longest = int(batch.lengths.max())
+        total = int(index.lcp_index.total_work())
+        capacity = max(longest, int(slack * total / max(dp, 1) / 2))
+        kw = dict(dp=dp, capacity=capacity, n0=n0, extensions=extensions)
+        try:
+            alone = plan_step(index, **kw)
+        except ValueError as err:  # no feasible plan: the workers must say the same
+            with pytest.raises(ValueError, match=re.escape(str(err))):
+                plan_step(index, **kw, workers=_pool())
+            return
+        both = plan_step(index, **kw, workers=_pool())
+        assert same_step_plan(alone, both) and alone.info["winner"] == both.info["winner"]
+        assert both.info["workers"] == 2
+        compared.append(batch.num_trajectories)
+
+    compared: list[int] = []
+    check()
+    assert len(compared) >= 10, compared  # most examples made a plan to compare
