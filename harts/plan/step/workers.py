@@ -26,6 +26,7 @@ import atexit
 import importlib
 import multiprocessing
 import os
+import signal
 import time
 import warnings
 from collections.abc import Callable
@@ -45,9 +46,15 @@ MIN_PATHS = 1000
 
 
 def _import_planner() -> None:
-    """Worker initializer: import the planner's modules once, before the first task (by name:
-    the planner imports this module)."""
+    """Worker initializer: ignore Ctrl-C (it reaches the whole process group; the parent decides
+    what stops, and closes the pool), then import the planner's modules once, before the first
+    task (by name: the planner imports this module)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     importlib.import_module("harts.plan.step.planner")
+
+
+def _sigint_handler() -> object:
+    return signal.getsignal(signal.SIGINT)
 
 
 def _ready() -> float:

@@ -116,6 +116,16 @@ def test_small_steps_plan_in_this_process(workers) -> None:
         PlannerWorkers(1, min_paths=-1)
 
 
+def test_workers_ignore_ctrl_c(workers) -> None:
+    # Ctrl-C reaches the whole process group: the workers leave it to the parent (no traceback
+    # from each of them, no broken pool mid-plan)
+    import signal
+
+    from harts.plan.step.workers import _sigint_handler
+
+    assert workers.submit(_sigint_handler).result() == signal.SIG_IGN
+
+
 def test_closed_workers_plan_inline() -> None:
     w = PlannerWorkers(1)
     w.close()
