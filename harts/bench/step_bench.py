@@ -623,7 +623,9 @@ def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN00
     (``.txt``), a summary line (the microbatch's wall time, how much of it the device was busy,
     kernels launched), the device time of each region and phase (kernels attributed to the
     region that launched them, ``device_time_by_region``) with the top kernels launched outside
-    every region ("other"), where the device waited for the host (``device_idle_gaps``), then the 40 operators with the most self time on the device and the
+    every region ("other"), where the device waited for the host (``device_idle_gaps``), the
+    device time outside every region by the host operator (with its input shapes: the profiler
+    records shapes, a little more host time per operator) that launched it, then the 40 operators with the most self time on the device and the
     40 with the most host time (CPU runs: host only)."""
     import json
 
@@ -631,7 +633,7 @@ def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN00
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         with regions.RegionTimer(device, annotate=True):
             t0 = time.perf_counter()
             one(*item)
@@ -651,6 +653,10 @@ def _profile(one, item, device: torch.device, path: str) -> None:  # noqa: ANN00
         )
         f.write(region_table(by_region, outside, wall, busy, per_region))
         f.write(idle_table(device_idle_gaps(events)))
+        ops = operators_by_region(events).get(OUTSIDE_REGIONS, [])
+        if ops and device.type == "cuda":
+            f.write("\ndevice time outside every region by the host operator that launched it (ms, launches):\n")
+            f.writelines(f"  {t * 1e3:9.2f} {n:6d}  {op[:150]}\n" for op, t, n in ops[:30])
         for key in keys:
             f.write(f"\nsorted by {key}:\n")
             f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
@@ -763,10 +769,41 @@ def _trace_index(trace_events: list[dict]) -> tuple[_Ranges, _Ranges, dict[Any, 
         if cat == "user_annotation" and str(e.get("name", "")).startswith(prefix):
             region_ranges.add(e.get("tid"), float(e["ts"]), float(e.get("dur", 0.0)), e["name"][len(prefix) :])
         elif cat == "cpu_op":
-            op_ranges.add(e.get("tid"), float(e["ts"]), float(e.get("dur", 0.0)), str(e.get("name", "?")))
+            dims = args.get("Input Dims")  # with the profiler's record_shapes
+            name = str(e.get("name", "?")) + (f" {_short_dims(dims)}" if dims else "")
+            op_ranges.add(e.get("tid"), float(e["ts"]), float(e.get("dur", 0.0)), name)
         elif cat in _LAUNCH_CATS and "correlation" in args:
             launches[args["correlation"]] = (e.get("tid"), float(e["ts"]))
     return region_ranges.freeze(), op_ranges.freeze(), launches
+
+
+def _short_dims(dims: Any) -> str:
+    """A host operator's input shapes, compactly: ``[65486,1536] [3072,1536]`` (scalars and
+    absent inputs left out)."""
+    if not isinstance(dims, list):
+        return ""
+    return " ".join("[" + ",".join(str(d) for d in x) + "]" for x in dims if isinstance(x, list) and x)
+
+
+def operators_by_region(trace_events: list[dict]) -> dict[str, list[tuple[str, float, int]]]:
+    """``{label: [(host operator with its input shapes, device seconds, launches)], largest
+    first}``: the device work of each region (``device_time_by_region``'s labels) by the
+    innermost host operator that launched it, so a kernel family is traced to the call (and
+    the shapes) behind it. Shapes appear when the trace was recorded with ``record_shapes``."""
+    region_ranges, op_ranges, launches = _trace_index(trace_events)
+    tally: dict[str, dict[str, list]] = {}
+    for e in trace_events:
+        if e.get("cat") not in _DEVICE_CATS:
+            continue
+        tid, ts = launches.get((e.get("args") or {}).get("correlation"), (None, 0.0))
+        label = region_ranges.innermost(tid, ts) or OUTSIDE_REGIONS
+        op = op_ranges.innermost(tid, ts) or "?"
+        acc = tally.setdefault(label, {}).setdefault(op, [0.0, 0])
+        acc[0] += float(e.get("dur", 0.0)) * 1e-6
+        acc[1] += 1
+    return {
+        label: sorted(((op, t, n) for op, (t, n) in ops.items()), key=lambda x: -x[1]) for label, ops in tally.items()
+    }
 
 
 def _attributed_work(trace_events: list[dict]) -> list[tuple[str, str, float]]:

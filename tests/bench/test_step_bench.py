@@ -217,6 +217,31 @@ def test_device_idle_gaps_charge_the_work_that_ends_each_gap() -> None:
     assert idle_table(device_idle_gaps([])) == ""
 
 
+def test_operators_by_region_names_the_call_and_shapes_behind_kernels() -> None:
+    from harts.bench.step_bench import OUTSIDE_REGIONS, operators_by_region
+
+    def ev(cat: str, name: str, tid: int, ts: float, dur: float, **args) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        ev("user_annotation", "harts/moe/forward", 1, 0, 100),
+        ev("cpu_op", "aten::mm", 1, 10, 10, **{"Input Dims": [[64, 8], [8, 16], []]}),
+        ev("cuda_runtime", "cudaLaunchKernel", 1, 12, 1, correlation=1),
+        ev("cpu_op", "aten::mm", 1, 200, 10, **{"Input Dims": [[64, 8], [8, 32]]}),
+        ev("cuda_runtime", "cudaLaunchKernel", 1, 202, 1, correlation=2),
+        ev("cpu_op", "aten::mm", 1, 300, 10, **{"Input Dims": [[64, 8], [8, 32]]}),
+        ev("cuda_runtime", "cudaLaunchKernel", 1, 302, 1, correlation=3),
+        ev("cuda_runtime", "cudaLaunchKernel", 1, 400, 1, correlation=4),  # outside any operator
+        ev("kernel", "gemm", 7, 1000, 50, correlation=1),
+        ev("kernel", "gemm", 7, 1100, 30, correlation=2),
+        ev("kernel", "gemm", 7, 1200, 30, correlation=3),
+        ev("kernel", "fill", 7, 1300, 5, correlation=4),
+    ]
+    ops = operators_by_region(events)
+    assert ops["moe/forward"] == [("aten::mm [64,8] [8,16]", pytest.approx(50e-6), 1)]
+    assert ops[OUTSIDE_REGIONS] == [("aten::mm [64,8] [8,32]", pytest.approx(60e-6), 2), ("?", pytest.approx(5e-6), 1)]
+
+
 def test_device_time_by_region_attributes_each_kernel_to_its_launching_range() -> None:
     """Synthetic trace: two threads (forward and autograd), nested ranges, a kernel launched
     outside every range, one whose launch is unknown; idle time counts nowhere."""
