@@ -25,6 +25,8 @@
 #             first microbatch of each side, after one untimed run of it; the step is not timed)
 #   medium_layers N  `medium` step 0 as `medium`, the MoE block kept, only the first N layers checkpointed
 #   layers N  `swe` step 5, replica 0 of 8, the MoE block kept and only the first N layers checkpointed
+#   moe_keep N  `swe` step 5, replica 0 of 8, the MoE block kept, its first N MoE layers keeping their
+#             gate/up output (--moe-keep-gate-up N: about 1.07 GB more per layer)
 #   tune      autotune fla-core's KDA and short-conv kernels at 65,536 rows (`harts.bench.tune_fla
 #             --rows 65536`) into /tmp/harts_fla_tuned (kept on this machine) and $OUT/fla_configs,
 #             list what differs from the shipped configs, then `medium` step 0 (as `medium`, MoE
@@ -33,11 +35,11 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|tune|layers N|medium_layers N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|tune|layers N|medium_layers N|moe_keep N}
 case "$part" in
 tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | tune) ;;
-layers | medium_layers) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "layers needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, tune, layers N, medium_layers N)" >&2; exit 2 ;;
+layers | medium_layers | moe_keep) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, tune, layers N, medium_layers N, moe_keep N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -138,6 +140,12 @@ medium_layers)
     timeout 280 "${B[@]}" "${KEEP_MOE[@]}" --recompute-layers "$n" --pattern KKKM --workload medium --steps 1 \
         --json "$OUT/medium_layers$n.json" >"$OUT/medium_layers$n.log" 2>&1
     show "$OUT/medium_layers$n.log"
+    ;;
+moe_keep)
+    n=$2
+    timeout 580 "${B[@]}" "${KEEP_MOE[@]}" --moe-keep-gate-up "$n" --workload swe --first-step 5 --steps 1 --dp 8 \
+        --replica 0 --json "$OUT/moe_keep$n.json" >"$OUT/moe_keep$n.log" 2>&1
+    show "$OUT/moe_keep$n.log"
     ;;
 layers)
     n=$2

@@ -61,6 +61,15 @@ def assert_user_error(capsys, *argv, match: str) -> str:
             ["compare", "--workload", "tiny", "--pattern", "KM", "--recompute", "--recompute-layers", "9"],
             "the model has 2 decoder layers",
         ),
+        (
+            ["bench", "--recompute", "--moe-keep-gate-up", "2"],
+            "--moe-keep-gate-up 2 needs --recompute --recompute-skip",
+        ),
+        (["bench", "--moe-keep-gate-up", "-1"], "argument --moe-keep-gate-up: must be a non-negative"),
+        (
+            [*TRAIN_FAST, "--recompute", "--recompute-skip", "moe", "--moe-keep-gate-up", "3"],
+            "--moe-keep-gate-up 3: the model has 1 MoE layer (use 0 .. 1)",
+        ),
     ],
 )
 def test_bad_option_values_name_the_option(capsys, argv, match):

@@ -12,7 +12,11 @@ SCRIPT = os.path.join(ROOT, "scripts", "gpu_bench_runs.sh")
 
 def test_script_parses_and_refuses_a_bad_part(tmp_path) -> None:  # noqa: ANN001
     assert subprocess.run(["bash", "-n", SCRIPT], capture_output=True).returncode == 0
-    for argv, message in [(["nope"], "unknown part 'nope'"), (["layers", "x"], "layers needs a layer count")]:
+    for argv, message in [
+        (["nope"], "unknown part 'nope'"),
+        (["layers", "x"], "layers needs a layer count"),
+        (["moe_keep"], "moe_keep needs a layer count"),
+    ]:
         r = subprocess.run(["bash", SCRIPT, *argv], capture_output=True, text=True, cwd=tmp_path)
         assert r.returncode == 2 and message in r.stderr, r.stderr
         assert not (tmp_path / "gpu_bench_out").exists()  # nothing ran

@@ -169,6 +169,16 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
         "activations (default: all layers; more memory, less time)",
     )
     p.add_argument(
+        "--moe-keep-gate-up",
+        type=nonneg_int,
+        default=0,
+        metavar="N",
+        help="with --recompute-skip ...,moe: the first N MoE layers keep their routed experts' gate/up "
+        "output for the backward instead of recomputing it (one grouped GEMM fewer per layer; rows x "
+        "top-k x 2 x moe_intermediate half-precision entries more per layer: about 1.07 GB at 65,536 "
+        "rows of ling3_tiny); default 0",
+    )
+    p.add_argument(
         "--attention",
         default="auto",
         choices=["auto", "gather", "mask"],
@@ -184,8 +194,9 @@ def _names(text: str) -> tuple[str, ...]:
 
 def recompute_fields(args: argparse.Namespace) -> dict[str, Any]:
     """``recompute``, ``recompute_skip`` and ``recompute_layers`` of ``ExecutionConfig`` from
-    ``--recompute``, ``--recompute-skip`` and ``--recompute-layers``; UserError names a bad core,
-    or a skip or layer count without ``--recompute``."""
+    ``--recompute``, ``--recompute-skip``, ``--recompute-layers`` and ``--moe-keep-gate-up``;
+    UserError names a bad core, a skip or layer count without ``--recompute``, or kept gate/up
+    outputs without a kept MoE block."""
     from harts.models.execution.config import check_recompute_skip
 
     skip = tuple(getattr(args, "recompute_skip", ()))
@@ -196,15 +207,27 @@ def recompute_fields(args: argparse.Namespace) -> dict[str, Any]:
     layers = getattr(args, "recompute_layers", None)
     if layers is not None and not args.recompute:
         raise UserError(f"--recompute-layers {layers} needs --recompute (without it no layer is checkpointed)")
-    return {"recompute": args.recompute, "recompute_skip": skip, "recompute_layers": layers}
+    keep = getattr(args, "moe_keep_gate_up", 0)
+    if keep and "moe" not in skip:
+        raise UserError(
+            f"--moe-keep-gate-up {keep} needs --recompute --recompute-skip with moe in it (only a kept MoE "
+            "block's lean routed experts recompute their gate/up output)"
+        )
+    return {"recompute": args.recompute, "recompute_skip": skip, "recompute_layers": layers, "moe_keep_gate_up": keep}
 
 
 def check_recompute_layers(fields: dict[str, Any], model: Any) -> None:
     """UserError unless ``--recompute-layers`` (``fields`` from ``recompute_fields``) is at most
-    ``model``'s number of decoder layers, naming both."""
+    ``model``'s number of decoder layers, and ``--moe-keep-gate-up`` at most its MoE layers,
+    naming both."""
     layers, have = fields.get("recompute_layers"), model.config.num_hidden_layers
     if layers is not None and layers > have:
         raise UserError(f"--recompute-layers {layers}: the model has {have} decoder layers (use 0 .. {have})")
+    keep = fields.get("moe_keep_gate_up", 0)
+    moe_layers = sum(1 for layer in model.layers if layer.is_moe)
+    if keep > moe_layers:
+        noun = "MoE layer" if moe_layers == 1 else "MoE layers"
+        raise UserError(f"--moe-keep-gate-up {keep}: the model has {moe_layers} {noun} (use 0 .. {moe_layers})")
 
 
 def add_logprobs_argument(p: argparse.ArgumentParser, *, default: str, why: str) -> None:

@@ -408,6 +408,7 @@ def run(args: argparse.Namespace) -> int:
                 "recompute": args.recompute,
                 "recompute_skip": list(recompute["recompute_skip"]),
                 "recompute_layers": recompute["recompute_layers"],
+                "moe_keep_gate_up": recompute["moe_keep_gate_up"],
                 "attention": args.attention,
                 "flex_backend": flex,
                 "la_backend": args.la_backend,
@@ -448,8 +449,11 @@ def _recompute_words(fields: dict) -> str:
     if not fields["recompute"]:
         return "off"
     skip, layers = fields["recompute_skip"], fields.get("recompute_layers")
-    parts = ([f"{', '.join(skip)} kept"] if skip else []) + (
-        [f"first {layers} layers only"] if layers is not None else []
+    keep = fields.get("moe_keep_gate_up", 0)
+    parts = (
+        ([f"{', '.join(skip)} kept"] if skip else [])
+        + ([f"first {layers} layers only"] if layers is not None else [])
+        + ([f"gate/up output kept in the first {keep} MoE layers"] if keep else [])
     )
     return f"on ({'; '.join(parts)})" if parts else "on"
 

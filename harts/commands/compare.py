@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "recompute": args.recompute,
             "recompute_skip": list(args.recompute_skip),
+            "moe_keep_gate_up": args.moe_keep_gate_up,
             "attention": args.attention,
             "no_replay": args.no_replay,
             "la_backend": args.la_backend,

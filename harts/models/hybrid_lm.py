@@ -194,7 +194,8 @@ class DecoderLayer(nn.Module):
         lean and its expert choice needs no slot."""
         kept = "moe" in getattr(ctx, "recompute_skip", ())
         routing = None if kept else kept_routing(ctx, self)
-        return self.mlp(x_TD, w_T, routing=routing, lean=kept)
+        keep_gate_up = kept and ctx.moe_keep_gate_up
+        return self.mlp(x_TD, w_T, routing=routing, lean=kept, keep_gate_up=keep_gate_up)
 
 
 class HybridLM(nn.Module):
@@ -342,15 +343,23 @@ class HybridLM(nn.Module):
 
         info["recompute_skip"] = list(cfg.recompute_skip)
         n_ckpt = cfg.checkpointed_layers(len(self.layers)) if torch.is_grad_enabled() else 0
+        n_moe = sum(1 for layer in self.layers if layer.is_moe)
+        if cfg.moe_keep_gate_up > n_moe:
+            raise ValueError(f"moe_keep_gate_up={cfg.moe_keep_gate_up}, but the model has {n_moe} MoE layers")
         info["checkpointed_layers"] = n_ckpt
 
         h = self.embed_tokens(tokens)
         z_losses, aux_losses, counts = [], [], []
+        moe_seen = 0
         for i, layer in enumerate(self.layers):
             # what a layer's cores read (``harts.models.recompute``): whether it checkpoints
             checkpointing = i < n_ckpt
             ctx.checkpointing = checkpointing
             ctx.recompute_skip = cfg.recompute_skip if checkpointing else ()
+            # the first ``moe_keep_gate_up`` MoE layers keep their gate/up output (lean experts)
+            is_moe = bool(layer.is_moe)
+            ctx.moe_keep_gate_up = is_moe and moe_seen < cfg.moe_keep_gate_up
+            moe_seen += is_moe
             if checkpointing:
                 # a kept MoE block (the layer's last saving op) must still be reached by the
                 # recomputation, which takes its stored output: no early stop then

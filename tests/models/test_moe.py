@@ -273,14 +273,16 @@ def test_lean_routed_experts_equal_the_autograd_path(dtype: torch.dtype) -> None
     w = torch.rand(t, k, dtype=dtype)
     gy = torch.randn(t, cfg.hidden_size, dtype=dtype)
     outs = []
-    for lean in (False, True):
+    # the autograd path, lean, and lean keeping its gate/up output (ExecutionConfig.moe_keep_gate_up)
+    for lean, keep in ((False, False), (True, False), (True, True)):
         experts.zero_grad(set_to_none=True)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = experts(xx, idx, ww, lean=lean)
+        y = experts(xx, idx, ww, lean=lean, keep_gate_up=keep)
         (y.float() * gy.float()).sum().backward()
         outs.append([y.detach(), xx.grad, ww.grad, experts.gate_up_proj.grad, experts.down_proj.grad])
-    for name, a, b in zip(["y", "d_x", "d_w", "d_gate_up", "d_down"], *outs):
+    for name, a, b, c in zip(["y", "d_x", "d_w", "d_gate_up", "d_down"], *outs):
         assert a is not None and b is not None and torch.equal(a, b), name
+        assert c is not None and torch.equal(a, c), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -328,7 +330,7 @@ def test_lean_routed_experts_keep_no_pair_sized_activation() -> None:
     idx = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
     w = torch.rand(t, k, requires_grad=True)
     params = {p.data_ptr() for p in experts.parameters()}
-    for lean in (False, True):
+    for lean, keep in ((False, False), (True, False), (True, True)):
         kept: list[torch.Tensor] = []
 
         def pack(saved: torch.Tensor) -> torch.Tensor:
@@ -337,9 +339,11 @@ def test_lean_routed_experts_keep_no_pair_sized_activation() -> None:
             return saved
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
-            experts(x, idx, w, lean=lean)
+            experts(x, idx, w, lean=lean, keep_gate_up=keep)
         pair_floats = [s for s in kept if s.is_floating_point() and s.dim() >= 1 and s.shape[0] == t * k]
-        if lean:
+        if lean and keep:  # the gate/up output [T K, 2I] only
+            assert [tuple(s.shape) for s in pair_floats] == [(t * k, 2 * cfg.moe_intermediate_size)]
+        elif lean:
             assert pair_floats == [], [tuple(s.shape) for s in pair_floats]
         else:
             assert pair_floats, "the autograd path keeps pair-sized activations"

@@ -273,3 +273,43 @@ def test_a_kept_moe_block_with_grouped_experts_gives_full_recomputation_s_gradie
     assert set(full.grads) == set(got.grads) == {n for n, _ in model.named_parameters()}
     for name, g in full.grads.items():
         assert torch.equal(g, got.grads[name]), name
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "compact"])
+@pytest.mark.parametrize("keep", [1, 3])
+def test_moe_layers_keeping_their_gate_up_output(monkeypatch: pytest.MonkeyPatch, mode: str, keep: int) -> None:
+    """``moe_keep_gate_up=N``: the first N MoE layers' lean experts keep their gate/up output
+    (the others recompute it), with log-probs and every gradient bit for bit those without."""
+    from harts.models.layers import moe as moe_module
+
+    model = make_model("KGMA", moe=True, dtype="float32")
+    n_moe = sum(layer.is_moe for layer in model.layers)
+    assert n_moe >= 2
+    inputs = model.prepare_compact(mixed_batch(B, seed=9))
+    base = run_step(model, inputs, mode=mode, recompute=True, recompute_skip=("moe",), kl_coef=0.1)
+    flags: list[bool] = []
+    real = moe_module._LeanRoutedExperts.apply
+    monkeypatch.setattr(
+        moe_module._LeanRoutedExperts, "apply", lambda *a: flags.append(bool(a[-1])) or real(*a), raising=True
+    )
+    got = run_step(
+        model, inputs, mode=mode, recompute=True, recompute_skip=("moe",), moe_keep_gate_up=keep, kl_coef=0.1
+    )
+    assert flags == [i < keep for i in range(n_moe)]
+    assert torch.equal(base.logprobs, got.logprobs)
+    for name, g in base.grads.items():
+        assert torch.equal(g, got.grads[name]), name
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(recompute=True, moe_keep_gate_up=2), "needs recompute=True with 'moe' in recompute_skip"),
+        (dict(moe_keep_gate_up=1), "needs recompute=True"),
+        (dict(recompute=True, recompute_skip=("moe",), moe_keep_gate_up=-1), ">= 0"),
+        (dict(recompute=True, recompute_skip=("moe",), moe_keep_gate_up=True), "integer"),
+    ],
+)
+def test_bad_moe_keep_gate_up_is_named(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ExecutionConfig(**fields)

@@ -39,6 +39,9 @@ class RowContext:
     #: cores whose forward survives recomputation (``harts.models.recompute``); set by
     #: ``HybridLM.forward`` while recomputation is on
     recompute_skip: tuple[str, ...] = ()
+    #: whether the MoE layer running now keeps its lean experts' gate/up output
+    #: (``ExecutionConfig.moe_keep_gate_up``); set by ``HybridLM.forward`` per layer
+    moe_keep_gate_up: bool = False
 
     @property
     def kept_for_recompute(self) -> dict:

@@ -238,6 +238,7 @@ class Experts(nn.Module):
         *,
         permute_gather: bool = True,
         lean: bool = False,
+        keep_gate_up: bool = False,
     ) -> torch.Tensor:
         """y_TD = sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x_t).
 
@@ -255,9 +256,11 @@ class Experts(nn.Module):
                 a MoE block whose forward survives checkpoint's recomputation
                 (``recompute_skip=("moe",)``). The same function and gradients; the loop path
                 ignores it.
+            keep_gate_up: with ``lean``, keep the gate/up GEMM's output [T x K, 2I] for the
+                backward instead of recomputing it (``ExecutionConfig.moe_keep_gate_up``).
         """
         if self.uses_grouped(x_TD):
-            return self._forward_grouped(x_TD, topk_idx, topk_w, dispatch, permute_gather, lean)
+            return self._forward_grouped(x_TD, topk_idx, topk_w, dispatch, permute_gather, lean, keep_gate_up)
         return self._forward_loop(x_TD, topk_idx, topk_w)
 
     def dispatch(self, topk_idx: torch.Tensor) -> Dispatch:
@@ -281,6 +284,7 @@ class Experts(nn.Module):
         dispatch: Dispatch | None,
         permute_gather: bool,
         lean: bool = False,
+        keep_gate_up: bool = False,
     ) -> torch.Tensor:
         t, k = topk_idx.shape
         if t == 0 or k == 0:
@@ -289,7 +293,7 @@ class Experts(nn.Module):
         order, offs, src, back = d.order, d.offs, d.src, d.back
         if lean:
             w1, w2 = self.gate_up_proj.to(x_TD.dtype), self.down_proj.to(x_TD.dtype)
-            return _LeanRoutedExperts.apply(x_TD, topk_w, w1, w2, d, k)
+            return _LeanRoutedExperts.apply(x_TD, topk_w, w1, w2, d, k, keep_gate_up)
         xs = _RowsToPairs.apply(x_TD, src, back, k)  # [T*K, D]
         gate_up = _GroupedLinear.apply(xs, self.gate_up_proj.to(xs.dtype), offs)
         # the combine weight scales the I-wide activation before the (linear) down projection,
@@ -389,24 +393,28 @@ class _LeanRoutedExperts(torch.autograd.Function):
     and slot sums of ``_RowsToPairs`` / ``_PairsToRows`` / ``_Permute``; so its gradients are
     the autograd path's (bit for bit on CPU, ``tests/models/test_moe.py``).
 
+    With ``keep_gate_up`` the gate/up output [P, 2I] is kept as well and the backward skips
+    its GEMM (the same values: the GEMM is deterministic), for memory that holds it.
+
     Shapes: x [T, D], topk_w [T, K], w1 [E, 2I, D] (gate and up), w2 [E, D, I] (down).
     """
 
     @staticmethod
-    def forward(ctx, x_TD, topk_w, w1, w2, d, k):  # type: ignore[override]  # noqa: ANN001, ANN205
-        ctx.save_for_backward(x_TD, topk_w, w1, w2, d.order, d.offs, d.src, d.back)
-        ctx.k = k
+    def forward(ctx, x_TD, topk_w, w1, w2, d, k, keep_gate_up=False):  # type: ignore[override]  # noqa: ANN001, ANN205
         gate_up = torch._grouped_mm(x_TD[d.src], w1.transpose(1, 2), offs=d.offs)
+        kept = (gate_up,) if keep_gate_up else ()
+        ctx.save_for_backward(x_TD, topk_w, w1, w2, d.order, d.offs, d.src, d.back, *kept)
+        ctx.k = k
         act = weighted_swiglu(gate_up, topk_w.reshape(-1)[d.order])
         h = torch._grouped_mm(act, w2.transpose(1, 2), offs=d.offs)
         return sum_slots(d.back.view(-1, k), h.view(-1, k, h.shape[-1]))
 
     @staticmethod
     def backward(ctx, g_TD):  # type: ignore[override]  # noqa: ANN001, ANN205
-        x_TD, topk_w, w1, w2, order, offs, src, back = ctx.saved_tensors
+        x_TD, topk_w, w1, w2, order, offs, src, back, *kept = ctx.saved_tensors
         k = ctx.k
         xs = x_TD[src]
-        gate_up = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
+        gate_up = kept[0] if kept else torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
         with torch.enable_grad():
             gu = gate_up.detach().requires_grad_()
             w_pairs = topk_w.reshape(-1)[order].detach().requires_grad_()
@@ -416,7 +424,7 @@ class _LeanRoutedExperts(torch.autograd.Function):
         d_gu, d_w_pairs = torch.autograd.grad(act, (gu, w_pairs), d_act)
         d_xs, d_w1 = _grouped_linear_grads(xs, w1, d_gu, offs)
         d_x = sum_slots(back.view(-1, k), d_xs.view(-1, k, d_xs.shape[-1]))
-        return d_x, d_w_pairs[back].view_as(topk_w), d_w1, d_w2, None, None
+        return d_x, d_w_pairs[back].view_as(topk_w), d_w1, d_w2, None, None, None
 
 
 def _grouped_linear_grads(
@@ -547,7 +555,13 @@ class MoE(nn.Module):
         )
 
     def forward(
-        self, x_TD: torch.Tensor, w_T: torch.Tensor, routing: Any = None, *, lean: bool = False
+        self,
+        x_TD: torch.Tensor,
+        w_T: torch.Tensor,
+        routing: Any = None,
+        *,
+        lean: bool = False,
+        keep_gate_up: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (y_TD, z_loss, aux_loss, counts_E).
 
@@ -555,7 +569,8 @@ class MoE(nn.Module):
         that carries the forward's expert choice (and its ``Dispatch``, with "dispatch_reuse")
         to checkpoint's recomputation of this layer. ``lean``: the routed experts keep only
         their inputs for the backward (``Experts.forward``), for a block whose forward is kept
-        through checkpoint's recomputation (``recompute_skip=("moe",)``).
+        through checkpoint's recomputation (``recompute_skip=("moe",)``); ``keep_gate_up``:
+        they keep their gate/up output too (``ExecutionConfig.moe_keep_gate_up``).
         """
         kept = routing.take() if routing is not None else None
         chosen, dispatch = kept if kept is not None else (None, None)
@@ -571,7 +586,15 @@ class MoE(nn.Module):
                 and experts.uses_grouped(x_TD)
             ):
                 dispatch = experts.dispatch(topk_idx)
-            y = experts(x_TD, topk_idx, topk_w, dispatch, permute_gather="permute_gather" in self.fast, lean=lean)
+            y = experts(
+                x_TD,
+                topk_idx,
+                topk_w,
+                dispatch,
+                permute_gather="permute_gather" in self.fast,
+                lean=lean,
+                keep_gate_up=keep_gate_up,
+            )
         else:  # expert parallelism: its own exchange and dispatch
             y = experts(x_TD, topk_idx, topk_w)
         if routing is not None and kept is None:
