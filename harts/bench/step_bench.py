@@ -790,33 +790,22 @@ def operators_by_region(trace_events: list[dict]) -> dict[str, list[tuple[str, f
     first}``: the device work of each region (``device_time_by_region``'s labels) by the
     innermost host operator that launched it, so a kernel family is traced to the call (and
     the shapes) behind it. Shapes appear when the trace was recorded with ``record_shapes``."""
-    region_ranges, op_ranges, launches = _trace_index(trace_events)
-    tally: dict[str, dict[str, list]] = {}
-    for e in trace_events:
-        if e.get("cat") not in _DEVICE_CATS:
-            continue
-        tid, ts = launches.get((e.get("args") or {}).get("correlation"), (None, 0.0))
-        label = region_ranges.innermost(tid, ts) or OUTSIDE_REGIONS
-        op = op_ranges.innermost(tid, ts) or "?"
-        acc = tally.setdefault(label, {}).setdefault(op, [0.0, 0])
-        acc[0] += float(e.get("dur", 0.0)) * 1e-6
-        acc[1] += 1
-    return {
-        label: sorted(((op, t, n) for op, (t, n) in ops.items()), key=lambda x: -x[1]) for label, ops in tally.items()
-    }
+    return _kernels_by_label(_attributed_work(trace_events, by_operator=True))
 
 
-def _attributed_work(trace_events: list[dict]) -> list[tuple[str, str, float]]:
+def _attributed_work(trace_events: list[dict], by_operator: bool = False) -> list[tuple[str, str, float]]:
     """[(label, kernel name, seconds)] of every kernel, copy and memset in the trace
-    (``device_time_by_region`` says how a label is chosen)."""
-    region_ranges, _, launches = _trace_index(trace_events)
+    (``device_time_by_region`` says how a label is chosen); ``by_operator``: the innermost host
+    operator that launched it ("?" outside every operator) in place of the kernel's name."""
+    region_ranges, op_ranges, launches = _trace_index(trace_events)
     out = []
     for e in trace_events:
         if e.get("cat") not in _DEVICE_CATS:
             continue
         tid, ts = launches.get((e.get("args") or {}).get("correlation"), (None, 0.0))
         label = region_ranges.innermost(tid, ts) or OUTSIDE_REGIONS
-        out.append((label, str(e.get("name", "?")), float(e.get("dur", 0.0)) * 1e-6))
+        name = (op_ranges.innermost(tid, ts) or "?") if by_operator else str(e.get("name", "?"))
+        out.append((label, name, float(e.get("dur", 0.0)) * 1e-6))
     return out
 
 
