@@ -20,13 +20,17 @@ from torch import nn
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.kda import ShortConvolution
-from harts.models.layers.norms import RMSNormGated, l2norm
+from harts.models.layers.norms import RMSNormGated
 from harts.models.recompute import run_core
+from harts.ops.qkv_norm import split_l2norm_qkv, split_l2norm_qkv_reference
 
 __all__ = ["GatedDeltaNet"]
 
 
 class GatedDeltaNet(nn.Module):
+    #: as ``KimiDeltaAttention.fused_qkv_norm``
+    fused_qkv_norm: bool | None = None
+
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         d = config.hidden_size
@@ -54,13 +58,11 @@ class GatedDeltaNet(nn.Module):
         b, a = torch.split(ba, [r, r], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), kk.reshape(t, -1), vv.reshape(t, -1)], dim=-1)
         mixed = ctx.short_conv(mixed, self.conv1d.weight_DW, None, "silu")
-        q, kk, vv = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2norm(q.reshape(t, hk, k))
-        kk = l2norm(kk.reshape(t, hk, k))
+        split = split_l2norm_qkv_reference if self.fused_qkv_norm is False else split_l2norm_qkv
+        q, kk, vv = split(mixed, hk, k, hv, v)
         if r > 1:
             q = q.repeat_interleave(r, dim=1)
             kk = kk.repeat_interleave(r, dim=1)
-        vv = vv.reshape(t, hv, v)
         beta = torch.sigmoid(b.reshape(t, hv))
         g = -self.A_log.exp() * F.softplus(a.reshape(t, hv) + self.dt_bias)
         o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta)

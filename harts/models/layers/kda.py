@@ -27,9 +27,10 @@ from torch import nn
 
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
-from harts.models.layers.norms import RMSNormGated, l2norm
+from harts.models.layers.norms import RMSNormGated
 from harts.models.recompute import run_core
 from harts.ops.compiled import cuda_compiled
+from harts.ops.qkv_norm import split_l2norm_qkv, split_l2norm_qkv_reference
 
 __all__ = ["KimiDeltaAttention", "ShortConvolution"]
 
@@ -69,6 +70,10 @@ class KimiDeltaAttention(nn.Module):
     #: Stacked, the q / k / v ``nn.Linear`` modules are not called: hooks on them do not run
     #: (set it False for adapters that wrap those modules)
     stacked_qkv: bool | None = None
+    #: the split of the conv's ``[q | k | v]`` and the q / k l2 norms as one kernel each way
+    #: (``harts.ops.qkv_norm``; no concatenation of the three gradients); None: where the kernel
+    #: applies (CUDA); False: the torch split and l2 norms (the reference)
+    fused_qkv_norm: bool | None = None
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -113,10 +118,8 @@ class KimiDeltaAttention(nn.Module):
             mixed = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight_DW, self.k_conv1d.weight_DW, self.v_conv1d.weight_DW], dim=0)
         mixed = ctx.short_conv(mixed, weight, None, "silu")
-        q, kk, vv = torch.split(mixed, [h * k, h * k, h * v], dim=-1)
-        q = l2norm(q.reshape(t, h, k))
-        kk = l2norm(kk.reshape(t, h, k))
-        vv = vv.reshape(t, h, v)
+        split = split_l2norm_qkv_reference if self.fused_qkv_norm is False else split_l2norm_qkv
+        q, kk, vv = split(mixed, h, k, h, v)
         f = self.f_b_proj(self.f_a_proj(x_TD)) if self.low_rank_gates else self.f_proj(x_TD)
         g = kda_log_decay(
             f.reshape(t, h, k), self.dt_bias.reshape(h, k), self.A_log, self.lower_bound if self.safe_gate else None

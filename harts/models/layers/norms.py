@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts.ops.compiled import cuda_compiled
+from harts.ops.qkv_norm import l2norm  # the l2 norm lives beside its fused split kernel
 
 __all__ = ["RMSNorm", "RMSNormGated", "l2norm", "rms_norm", "rms_norm_gated"]
 
@@ -77,9 +78,3 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return rms_norm_gated(x, gate, self.weight, self.eps, self.activation)
-
-
-@cuda_compiled
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim (fla's ``use_qk_l2norm_in_kernel``)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

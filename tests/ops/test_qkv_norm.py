@@ -1,0 +1,119 @@
+"""``split_l2norm_qkv``: the one-kernel split + q / k l2 norms equals the torch reference forward and
+backward (every gradient, also when only some outputs are used), on KDA-like (as many v heads as
+q / k heads) and GDN-like shapes (more v heads, another head dim), with row counts off the block;
+it falls back where the kernel does not apply, and a failing kernel warns once. On CUDA as a
+compiled Triton kernel; on a CPU machine with Triton through Triton's interpreter, in a fresh
+process (Triton reads ``TRITON_INTERPRET`` when first imported)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harts.ops.qkv_norm import kernel_applies, split_l2norm_qkv, split_l2norm_qkv_reference
+
+CASES = [  # (T, HK, K, HV, V)
+    (37, 2, 16, 2, 16),  # KDA-like, rows not a multiple of the block
+    (70, 2, 32, 4, 16),  # GDN-like: more v heads, another head dim
+    (1, 1, 16, 1, 32),
+    (0, 2, 16, 2, 16),
+]
+
+
+def _grads(fn, mixed: torch.Tensor, w: tuple[torch.Tensor, ...], used: tuple[bool, bool, bool]):  # noqa: ANN202
+    x = mixed.detach().clone().requires_grad_(True)
+    outs = fn(x)
+    loss = sum((o.float() * wi).sum() for o, wi, u in zip(outs, w, used, strict=True) if u)
+    loss.backward()
+    return outs, x.grad
+
+
+def check_kernel() -> None:
+    from harts.ops.qkv_norm import _forward
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+        for t, hk, dk, hv, dv in CASES:
+            c = 2 * hk * dk + hv * dv
+            mixed = (torch.randn(t, c, generator=g) * 3).to(dev, dtype)
+            if t:
+                mixed[0, :dk] = 0  # a zero q head: eps keeps it finite
+            assert kernel_applies(mixed, hk, dk, hv, dv), (t, hk, dk, hv, dv)
+            want = split_l2norm_qkv_reference(mixed, hk, dk, hv, dv)
+            got = _forward(mixed, hk, dk, hv, dv, 1e-6)
+            for a, b in zip(got, want, strict=True):
+                assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+            assert torch.equal(got[2], want[2])
+            w = tuple(torch.randn(o.shape, generator=g).to(dev) for o in want)
+            for used in ((True, True, True), (True, False, True), (False, True, False)):
+                o_ref, g_ref = _grads(lambda x, a=(hk, dk, hv, dv): split_l2norm_qkv_reference(x, *a), mixed, w, used)
+                o_ker, g_ker = _grads(lambda x, a=(hk, dk, hv, dv): split_l2norm_qkv(x, *a), mixed, w, used)
+                assert g_ker is not None and g_ref is not None
+                torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
+                if not used[2]:  # the unused v part gets a zero gradient
+                    assert torch.count_nonzero(g_ker[:, 2 * hk * dk :]) == 0
+    # float64 and head dims that are not powers of two: the reference
+    m64 = torch.randn(5, 2 * 2 * 16 + 2 * 16, dtype=torch.float64, device=dev)
+    assert not kernel_applies(m64, 2, 16, 2, 16)
+    assert not kernel_applies(torch.randn(5, 2 * 2 * 24 + 2 * 24, device=dev), 2, 24, 2, 24)
+
+
+def test_kernel_equals_the_reference() -> None:
+    pytest.importorskip("triton")
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        check_kernel()
+        return
+    run = subprocess.run(
+        [sys.executable, "-c", "from tests.ops.test_qkv_norm import check_kernel; check_kernel()"],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_reference_on_cpu_and_float64_gradients() -> None:
+    """Off CUDA (without the interpreter) the reference runs: v a view, q / k unit rows."""
+    mixed = torch.randn(9, 2 * 3 * 8 + 2 * 4, dtype=torch.float64, requires_grad=True)
+    q, k, v = split_l2norm_qkv(mixed, 3, 8, 2, 4)
+    assert q.shape == (9, 3, 8) and k.shape == (9, 3, 8) and v.shape == (9, 2, 4)
+    torch.testing.assert_close(q.norm(dim=-1), torch.ones(9, 3, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    assert torch.equal(v.reshape(9, 8), mixed[:, 48:])
+    assert torch.autograd.gradcheck(lambda x: split_l2norm_qkv(x, 3, 8, 2, 4), (mixed,))
+
+
+def test_bad_width_names_the_shapes() -> None:
+    with pytest.raises(ValueError, match=r"mixed must be \[T, 2\*3\*8 \+ 2\*4\] = \[T, 56\], got \[9, 55\]"):
+        split_l2norm_qkv(torch.randn(9, 55), 3, 8, 2, 4)
+
+
+def test_a_failing_kernel_warns_once_and_the_reference_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import harts.ops.qkv_norm as qn
+
+    def broken(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("no such op")
+
+    monkeypatch.setattr(qn, "kernel_applies", lambda *a: True)
+    monkeypatch.setattr(qn, "_forward", broken)
+    monkeypatch.setattr(qn, "_checked", {})
+    mixed = torch.randn(6, 2 * 2 * 8 + 2 * 8)
+    want = split_l2norm_qkv_reference(mixed, 2, 8, 2, 8)
+    with pytest.warns(UserWarning, match=r"split-l2norm kernel is off for .*it failed \(RuntimeError: no such op\)"):
+        got = qn.split_l2norm_qkv(mixed, 2, 8, 2, 8)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    got = qn.split_l2norm_qkv(mixed, 2, 8, 2, 8)  # no second warning, no launch
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    monkeypatch.setattr(qn, "_forward", lambda m, *a: tuple(o * 2 for o in want))  # other values
+    monkeypatch.setattr(qn, "_checked", {})
+    with pytest.warns(UserWarning, match="differed from the torch reference"):
+        qn.split_l2norm_qkv(mixed, 2, 8, 2, 8)
