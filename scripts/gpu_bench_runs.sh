@@ -25,8 +25,11 @@
 #             first microbatch of each side, after one untimed run of it; the step is not timed)
 #   medium_layers N  `medium` step 0 as `medium`, the MoE block kept, only the first N layers checkpointed
 #   layers N  `swe` step 5, replica 0 of 8, the MoE block kept and only the first N layers checkpointed
-#   moe_keep N  `swe` step 5, replica 0 of 8, the MoE block kept, its first N MoE layers keeping their
-#             gate/up output (--moe-keep-gate-up N: about 1.07 GB more per layer)
+#   moe_keep N [S]  `swe` step S (default 5), replica 0 of 8, the MoE block kept, its first N MoE layers
+#             keeping their gate/up output (--moe-keep-gate-up N: about 1.07 GB more per layer)
+#   medium_keep N  `medium` step 0 as `medium` with the MoE block kept and --moe-keep-gate-up N
+#   qkv_norm  the split-l2norm kernel's GPU test, then one KDA layer's split + l2 norms at 65,536 rows,
+#             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench)
 #   tune      autotune fla-core's KDA and short-conv kernels at 65,536 rows (`harts.bench.tune_fla
 #             --rows 65536`) into /tmp/harts_fla_tuned (kept on this machine) and $OUT/fla_configs,
 #             list what differs from the shipped configs, then `medium` step 0 (as `medium`, MoE
@@ -35,11 +38,11 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|tune|layers N|medium_layers N|moe_keep N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|tune|qkv_norm|layers N|medium_layers N|moe_keep N [S]|medium_keep N}
 case "$part" in
-tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | tune) ;;
-layers | medium_layers | moe_keep) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, tune, layers N, medium_layers N, moe_keep N)" >&2; exit 2 ;;
+tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | tune | qkv_norm) ;;
+layers | medium_layers | moe_keep | medium_keep) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, tune, qkv_norm, layers N, medium_layers N, moe_keep N [S], medium_keep N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -142,10 +145,21 @@ medium_layers)
     show "$OUT/medium_layers$n.log"
     ;;
 moe_keep)
+    n=$2 step=${3:-5}
+    timeout 580 "${B[@]}" "${KEEP_MOE[@]}" --moe-keep-gate-up "$n" --workload swe --first-step "$step" --steps 1 --dp 8 \
+        --replica 0 --json "$OUT/moe_keep${n}_swe$step.json" >"$OUT/moe_keep${n}_swe$step.log" 2>&1
+    show "$OUT/moe_keep${n}_swe$step.log"
+    ;;
+medium_keep)
     n=$2
-    timeout 580 "${B[@]}" "${KEEP_MOE[@]}" --moe-keep-gate-up "$n" --workload swe --first-step 5 --steps 1 --dp 8 \
-        --replica 0 --json "$OUT/moe_keep$n.json" >"$OUT/moe_keep$n.log" 2>&1
-    show "$OUT/moe_keep$n.log"
+    timeout 280 "${B[@]}" "${KEEP_MOE[@]}" --moe-keep-gate-up "$n" --pattern KKKM --workload medium --steps 1 \
+        --json "$OUT/medium_keep$n.json" >"$OUT/medium_keep$n.log" 2>&1
+    show "$OUT/medium_keep$n.log"
+    ;;
+qkv_norm)
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_qkv_norm.py >"$OUT/qkv_norm_test.log" 2>&1
+    tail -2 "$OUT/qkv_norm_test.log"
+    timeout 200 python3 -m harts.bench.qkv_norm_bench --device cuda --json "$OUT/qkv_norm.json" 2>&1 | tee "$OUT/qkv_norm.log"
     ;;
 layers)
     n=$2

@@ -117,3 +117,30 @@ def test_a_failing_kernel_warns_once_and_the_reference_runs(monkeypatch: pytest.
     monkeypatch.setattr(qn, "_checked", {})
     with pytest.warns(UserWarning, match="differed from the torch reference"):
         qn.split_l2norm_qkv(mixed, 2, 8, 2, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_on_cuda_at_ling3_tiny_heads() -> None:
+    """KDA's heads in ling3_tiny (16 heads of 128), rows off the block: forward and every gradient."""
+    g = torch.Generator().manual_seed(1)
+    t, h, d = 4097, 16, 128
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+        mixed = torch.randn(t, 3 * h * d, generator=g).to("cuda", dtype)
+        w = tuple(torch.randn(t, h, d, generator=g).cuda() for _ in range(3))
+        o_ref, g_ref = _grads(lambda x: split_l2norm_qkv_reference(x, h, d, h, d), mixed, w, (True, True, True))
+        o_ker, g_ker = _grads(lambda x: split_l2norm_qkv(x, h, d, h, d), mixed, w, (True, True, True))
+        for a, b in zip(o_ker, o_ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
+
+
+def test_bench_says_where_the_kernel_does_not_apply(capsys: pytest.CaptureFixture[str]) -> None:
+    from harts.bench.qkv_norm_bench import main
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the kernel applies here")
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--rows", "8"])
+    assert e.value.code == 2
+    assert "the kernel does not apply here (cpu, bfloat16, head dim 128)" in capsys.readouterr().err

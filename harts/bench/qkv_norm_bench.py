@@ -1,0 +1,89 @@
+"""One linear-attention layer's split of ``[q | k | v]`` and q / k l2 norms: kernel against reference.
+
+    python -m harts.bench.qkv_norm_bench --device cuda --json out.json
+
+Times ``split_l2norm_qkv`` (``harts.ops.qkv_norm``: one kernel each way) and
+``split_l2norm_qkv_reference`` (``split``, the two compiled l2 norms, and, as the linear attention
+wants them, a contiguous v) on the same ``[T, 2HK + HV]`` input: the forward alone and forward +
+backward (the backward of the reference ends in the concatenation of the three gradients).
+Defaults: one ``ling3_tiny`` KDA layer (16 heads of 128) at 65,536 rows, bfloat16. Printed:
+milliseconds (median of ``--repeat`` after a warm-up) and the bytes each side moves at least;
+the two sides' outputs and gradients are checked close first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from harts.bench.lm_head_bench import time_variant
+from harts.ops.qkv_norm import kernel_applies, split_l2norm_qkv, split_l2norm_qkv_reference
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harts.bench.qkv_norm_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rows", type=int, default=65_536)
+    p.add_argument("--heads", type=int, default=16, help="q / k heads (and v heads)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--json", dest="json_out", default=None)
+    args = p.parse_args(argv)
+    for name in ("rows", "heads", "head_dim", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    t, h, d = args.rows, args.heads, args.head_dim
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    mixed = torch.randn(t, 3 * h * d, generator=gen).to(device, dtype)
+    if not kernel_applies(mixed, h, d, h, d):
+        p.error(f"the kernel does not apply here ({device}, {args.dtype}, head dim {d}): nothing to compare")
+    grads = tuple(torch.randn(t, h, d, generator=gen).to(device, dtype) for _ in range(3))
+
+    def reference(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = split_l2norm_qkv_reference(x, h, d, h, d)
+        return q, k, v.contiguous()  # what the linear attention's kernels are handed
+
+    sides = {"reference": reference, "kernel": lambda x: split_l2norm_qkv(x, h, d, h, d)}
+
+    def fwd_bwd(fn):  # noqa: ANN001, ANN202
+        def run() -> torch.Tensor:
+            x = mixed.detach().requires_grad_(True)
+            torch.autograd.backward(fn(x), grads)
+            assert x.grad is not None
+            return x.grad
+
+        return run
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    want, got = fwd_bwd(reference)(), fwd_bwd(sides["kernel"])()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for a, b in zip(sides["kernel"](mixed), reference(mixed), strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+    elem = mixed.element_size()
+    least = {"forward": 2 * mixed.numel() * elem, "forward_backward": (2 + 4) * mixed.numel() * elem}
+    report: dict = {"rows": t, "heads": h, "head_dim": d, "dtype": args.dtype, "device": str(device), "ms": {}}
+    print(f"[{t}, 3 x {h} x {d}] {args.dtype} on {device}; ms (median of {args.repeat})")
+    print(f"{'pass':18} {'reference':>10} {'kernel':>10} {'least GB':>9}")
+    for name, make in (("forward", lambda fn: lambda: fn(mixed)), ("forward_backward", fwd_bwd)):
+        row = {side: round(time_variant(make(fn), device, args.repeat) * 1e3, 4) for side, fn in sides.items()}
+        report["ms"][name] = row
+        print(f"{name:18} {row['reference']:>10.3f} {row['kernel']:>10.3f} {least[name] / 1e9:>9.2f}")
+    report["least_bytes"] = least
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
