@@ -199,22 +199,22 @@ if triton is not None:
         live = rows < T
         head = tl.program_id(1)
         width = 2 * HK * DK + HV * DV
+        # (the branches name their values apart: Triton types a name across both branches)
         if head < 2 * HK:  # a q or k head: normalize
-            cols = tl.arange(0, DK)
-            x = tl.load(X + rows[:, None] * width + head * DK + cols[None, :], mask=live[:, None], other=0.0)
-            x = x.to(tl.float32)
-            r = tl.rsqrt(tl.sum(x * x, axis=1) + EPS)
-            y = x * r[:, None]
+            ck = tl.arange(0, DK)
+            x = tl.load(X + rows[:, None] * width + head * DK + ck[None, :], mask=live[:, None], other=0.0)
+            xf = x.to(tl.float32)
+            r = tl.rsqrt(tl.sum(xf * xf, axis=1) + EPS)
+            y = (xf * r[:, None]).to(Q.dtype.element_ty)
             if head < HK:
-                out = Q + rows[:, None] * (HK * DK) + head * DK + cols[None, :]
+                tl.store(Q + rows[:, None] * (HK * DK) + head * DK + ck[None, :], y, mask=live[:, None])
             else:
-                out = K + rows[:, None] * (HK * DK) + (head - HK) * DK + cols[None, :]
-            tl.store(out, y.to(Q.dtype.element_ty), mask=live[:, None])
+                tl.store(K + rows[:, None] * (HK * DK) + (head - HK) * DK + ck[None, :], y, mask=live[:, None])
         else:  # a v head: copy
-            cols = tl.arange(0, DV)
+            cv = tl.arange(0, DV)
             vh = head - 2 * HK
-            x = tl.load(X + rows[:, None] * width + 2 * HK * DK + vh * DV + cols[None, :], mask=live[:, None])
-            tl.store(V + rows[:, None] * (HV * DV) + vh * DV + cols[None, :], x, mask=live[:, None])
+            xv = tl.load(X + rows[:, None] * width + 2 * HK * DK + vh * DV + cv[None, :], mask=live[:, None])
+            tl.store(V + rows[:, None] * (HV * DV) + vh * DV + cv[None, :], xv, mask=live[:, None])
 
     @triton.jit
     def _split_l2norm_bwd_kernel(
@@ -236,20 +236,22 @@ if triton is not None:
         head = tl.program_id(1)
         width = 2 * HK * DK + HV * DV
         if head < 2 * HK:  # d x = r dy - x r^3 (dy . x), r = (sum x^2 + eps)^-1/2
-            cols = tl.arange(0, DK)
-            at = rows[:, None] * width + head * DK + cols[None, :]
+            ck = tl.arange(0, DK)
+            at = rows[:, None] * width + head * DK + ck[None, :]
             x = tl.load(X + at, mask=live[:, None], other=0.0).to(tl.float32)
             if head < HK:
-                src = DQ + rows[:, None] * (HK * DK) + head * DK + cols[None, :]
+                dy = tl.load(DQ + rows[:, None] * (HK * DK) + head * DK + ck[None, :], mask=live[:, None], other=0.0)
             else:
-                src = DKK + rows[:, None] * (HK * DK) + (head - HK) * DK + cols[None, :]
-            dy = tl.load(src, mask=live[:, None], other=0.0).to(tl.float32)
+                dy = tl.load(
+                    DKK + rows[:, None] * (HK * DK) + (head - HK) * DK + ck[None, :], mask=live[:, None], other=0.0
+                )
+            dyf = dy.to(tl.float32)
             r = tl.rsqrt(tl.sum(x * x, axis=1) + EPS)
-            dot = tl.sum(dy * x, axis=1)
-            dx = dy * r[:, None] - x * (r * r * r * dot)[:, None]
+            dot = tl.sum(dyf * x, axis=1)
+            dx = dyf * r[:, None] - x * (r * r * r * dot)[:, None]
             tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=live[:, None])
         else:
-            cols = tl.arange(0, DV)
+            cv = tl.arange(0, DV)
             vh = head - 2 * HK
-            dv = tl.load(DVV + rows[:, None] * (HV * DV) + vh * DV + cols[None, :], mask=live[:, None])
-            tl.store(DX + rows[:, None] * width + 2 * HK * DK + vh * DV + cols[None, :], dv, mask=live[:, None])
+            dv = tl.load(DVV + rows[:, None] * (HV * DV) + vh * DV + cv[None, :], mask=live[:, None])
+            tl.store(DX + rows[:, None] * width + 2 * HK * DK + vh * DV + cv[None, :], dv, mask=live[:, None])

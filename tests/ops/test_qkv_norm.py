@@ -34,8 +34,11 @@ def _grads(fn, mixed: torch.Tensor, w: tuple[torch.Tensor, ...], used: tuple[boo
 
 
 def check_kernel() -> None:
+    import warnings
+
     from harts.ops.qkv_norm import _forward
 
+    warnings.simplefilter("error")  # a kernel that falls back to the reference warns: fail on it
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
@@ -122,7 +125,11 @@ def test_a_failing_kernel_warns_once_and_the_reference_runs(monkeypatch: pytest.
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_cuda_at_ling3_tiny_heads() -> None:
-    """KDA's heads in ling3_tiny (16 heads of 128), rows off the block: forward and every gradient."""
+    """KDA's heads in ling3_tiny (16 heads of 128), rows off the block: forward and every gradient,
+    from the kernel (a fallback to the reference warns, and fails here)."""
+    import warnings
+
+    warnings.simplefilter("error")
     g = torch.Generator().manual_seed(1)
     t, h, d = 4097, 16, 128
     for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
