@@ -62,6 +62,17 @@ def check_kernel() -> None:
                 torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
                 if not used[2]:  # the unused v part gets a zero gradient
                     assert torch.count_nonzero(g_ker[:, 2 * hk * dk :]) == 0
+    # the first call of a shape inside activation checkpointing: its check saves nothing, so the
+    # recomputation saves what the forward saved
+    from torch.utils.checkpoint import checkpoint
+
+    import harts.ops.qkv_norm as qn
+
+    qn._checked.clear()
+    mixed = torch.randn(33, 2 * 2 * 16 + 2 * 16, generator=g).to(dev).requires_grad_(True)
+    out = checkpoint(lambda x: sum(o.sum() for o in split_l2norm_qkv(x, 2, 16, 2, 16)), mixed, use_reentrant=False)
+    out.backward()
+    assert mixed.grad is not None and qn._checked
     # float64 and head dims that are not powers of two: the reference
     m64 = torch.randn(5, 2 * 2 * 16 + 2 * 16, dtype=torch.float64, device=dev)
     assert not kernel_applies(m64, 2, 16, 2, 16)
