@@ -35,6 +35,9 @@
 #             list what differs from the shipped configs, then `medium` step 0 (as `medium`, MoE
 #             recomputed) with the tuned configs
 #
+# COLD=1 first deletes this machine's Triton, Inductor and fla-core caches (~/.triton,
+# /tmp/torchinductor_*, ~/.cache/torch/inductor, ~/.cache/fla*), so that the part's cold start is a
+# fresh machine's (FA4's cute-DSL compilation keeps no cache there that we know of).
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
@@ -46,6 +49,10 @@ layers | medium_layers | moe_keep | medium_keep) [[ "${2:-}" =~ ^[0-9]+$ ]] || {
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
+if [ "${COLD:-0}" = 1 ]; then
+    rm -rf ~/.triton /tmp/torchinductor_* ~/.cache/torch/inductor ~/.cache/fla* 2>/dev/null
+    echo "COLD=1: Triton, Inductor and fla-core caches deleted at $(date +%T)"
+fi
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 9
