@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts.bench.flops import peak_tflops
-    from harts.bench.step_bench import COMPONENTS, bench_step, recurrence_words
+    from harts.bench.step_bench import COMPONENTS, StepBench, bench_step, recurrence_words
     from harts.bench.table import format_table
     from harts.commands._inputs import (
         build_model,
@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     from harts.models.execution.config import ExecutionConfig
     from harts.plan.step.workers import shared_workers
 
+    # the cold start's phases, seconds from ``started`` (the first step's are added below)
+    cold = {"imports": time.perf_counter() - started}
     if args.replica >= args.dp:
         raise UserError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
     check_output_file(args.json_out, "--json", args.overwrite)
@@ -147,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             del batch  # steps are made again when they run: a paper-scale step is ~0.5 GB of ids
             bar.update()
     check_capacity(summaries, args.capacity, args.dp, dp_name="replicas (--dp)")
+    cold["inputs_checked"] = time.perf_counter() - started
     # started now, so that spawning them overlaps building the model
     workers = shared_workers(planner_workers(args.planner_workers))
     vocab, where = needed_vocab(summaries)
@@ -167,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         logprob_positions=args.logprobs,
     )
     flex = flex_backends(model, execution, torch.device(args.device))
+    cold["model_built"] = time.perf_counter() - started
     if flex:
         print(f"FlexAttention backend (both sides): {', '.join(f'{k} {v}' for k, v in flex.items())}", flush=True)
     if args.profile_only:
@@ -188,11 +192,13 @@ def run(args: argparse.Namespace) -> int:
                     head = f.read().split("\nsorted by")[0]
                 print(f"step {step}, {os.path.basename(path)[:-4]} ({path}):\n{head}", flush=True)
         return 0
-    results = []
+    results: list[StepBench] = []
     steps_bar = progress(len(sources), "bench", "step", disable=len(sources) < 2)
     with steps_bar:
         for step, (_, make) in enumerate(sources, start=args.first_step):
             batch = make()
+            if not results:
+                cold["step_made"] = time.perf_counter() - started
             r = bench_step(
                 model,
                 batch,
@@ -233,10 +239,11 @@ def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
             if len(results) == 1:
+                cold_start = cold_start_phases(cold, r.baseline.seconds_to_timed, r.baseline.warmup_seconds)
                 print(
                     f"cold start: the first timed microbatch began {r.baseline.seconds_to_timed:.1f} s (baseline) and "
-                    f"{r.harts.seconds_to_timed:.1f} s (harts) after the command started (model build, planning "
-                    "and the untimed warm-ups included)",
+                    f"{r.harts.seconds_to_timed:.1f} s (harts) after the command started; the baseline's "
+                    f"{r.baseline.seconds_to_timed:.1f} s: {_phase_words(cold_start)}",
                     flush=True,
                 )
             for name, side in (("baseline", r.baseline), ("harts", r.harts)):
@@ -416,11 +423,44 @@ def run(args: argparse.Namespace) -> int:
                 "dp": args.dp,
                 "replica": args.replica,
                 "peak_tflops": peak,
+                "cold_start": cold_start if results else None,
                 "steps": [r.to_dict() for r in results],
             },
         )
         print(f"wrote {args.json_out}")
     return 0
+
+
+#: the cold start's phases in order, with the words the report uses
+COLD_START_PHASES = {
+    "imports": "imports",
+    "inputs": "reading and checking the steps",
+    "model": "building the model",
+    "step": "making the first step",
+    "planning": "planning and the baseline's preparation",
+    "warmup": "the baseline's untimed warm-up",
+}
+
+
+def cold_start_phases(marks: dict[str, float], to_timed: float | None, warmup: float) -> dict[str, float] | None:
+    """Seconds of each cold-start phase (``COLD_START_PHASES``) from the command's marks (seconds
+    since it started: ``imports``, ``inputs_checked``, ``model_built``, ``step_made``) and the
+    baseline's seconds to its first timed microbatch and warm-up; None without ``to_timed``.
+    "planning" is what lies between the step being made and the baseline's warm-up: the step
+    planner (twice with worker processes: once alone, for the check), the baseline's raw-token
+    plan and its preparation of its microbatches."""
+    if to_timed is None:
+        return None
+    ends = [marks["imports"], marks["inputs_checked"], marks["model_built"], marks["step_made"], to_timed - warmup]
+    phases = dict(zip(COLD_START_PHASES, [ends[0], *(b - a for a, b in zip(ends, ends[1:]))], strict=False))
+    phases["warmup"] = warmup
+    return {k: round(max(v, 0.0), 2) for k, v in phases.items()}
+
+
+def _phase_words(phases: dict[str, float] | None) -> str:
+    if phases is None:
+        return "n/a"
+    return ", ".join(f"{COLD_START_PHASES[k]} {v:.1f} s" for k, v in phases.items())
 
 
 def flex_backends(model, execution, device) -> dict[str, str]:  # noqa: ANN001

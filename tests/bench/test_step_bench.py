@@ -168,10 +168,18 @@ def test_bench_reports_the_cold_start(tmp_path, capsys) -> None:
     out = tmp_path / "b.json"
     argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--steps", "2", "--json", str(out)]
     assert main(argv) == 0
-    assert capsys.readouterr().out.count("cold start: the first timed microbatch began") == 1
-    first, second = json.loads(out.read_text())["steps"]
+    text = capsys.readouterr().out
+    assert text.count("cold start: the first timed microbatch began") == 1
+    assert "imports" in text and "the baseline's untimed warm-up" in text
+    report = json.loads(out.read_text())
+    first, second = report["steps"]
     base, harts = first["baseline"], first["harts"]
     assert 0 < base["seconds_to_timed"] < harts["seconds_to_timed"]
+    # the cold start's phases add up to the baseline's seconds to its first timed microbatch
+    phases = report["cold_start"]
+    assert list(phases) == ["imports", "inputs", "model", "step", "planning", "warmup"]
+    assert all(v >= 0 for v in phases.values()) and phases["warmup"] == pytest.approx(base["warmup_seconds"], abs=0.01)
+    assert sum(phases.values()) == pytest.approx(base["seconds_to_timed"], abs=0.05)
     assert harts["seconds_to_timed"] - base["seconds_to_timed"] >= base["train_seconds"]
     assert second["baseline"]["seconds_to_timed"] > harts["seconds_to_timed"]
 
