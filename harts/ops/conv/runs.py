@@ -8,10 +8,13 @@ with initial states
 
     state[r] = [x[anc_{W-1}(s_r)], ..., x[anc_1(s_r)]]     (s_r the run's first row; -1 reads 0)
 
-and a trajectory-wise batch is the special case of one run per trajectory and no state. A row
-read by several runs' states (a fork's last W-1 rows) gets their gradients through the state
-gather's backward (a deterministic index_put); everything else is fla-core's ``causal_conv1d``
-(Triton; float32 accumulation, rounded once, the activation fused) forward and backward.
+and a trajectory-wise batch is the special case of one run per trajectory and no state. The
+states' gradient is added into the conv's gradient of x in place (a deterministic ``index_put_``:
+a row read by several runs' states, a fork's last W-1 rows, gets each reader's), not through a
+zero-filled [P, D] gradient of the gather and a second [P, D] sum (``_StatesFromX``); everything
+else is fla-core's ``causal_conv1d`` (Triton; float32 accumulation, rounded once, the activation
+fused) forward and backward: its public function without states, its forward and backward
+functions (``causal_conv1d_fwd`` / ``_bwd``, what its autograd function calls) with them.
 
 Both sides of a benchmark run this one kernel: trajectory-wise (runs = trajectories, no state)
 and compact (runs of the layout, states from ancestors). Per tap the kernel adds ``x`` or the
@@ -159,34 +162,116 @@ def runs_causal_conv1d(
         raise ValueError(f"activation must be None, 'silu' or 'swish'; got {activation!r}")
     if P == 0:
         return x_PD.new_zeros(0, D)
-    cu, cu_host, chunk_indices, state_rows, state_zero = runs.on(x_PD.device)
-    states = None
-    if state_rows is not None:
-        states = x_PD[state_rows]  # [R, W-1, D], oldest first (no padded copy of x)
-        if state_zero is not None:
-            states = states.masked_fill(state_zero, 0)
-    if impl == "reference":
-        return _reference(x_PD, weight_DW, cu_host.tolist(), states, bias_D, activation)
-    if impl != "fla":
+    if impl not in ("fla", "reference"):
         raise ValueError(f"impl must be 'fla' or 'reference'; got {impl!r}")
+    dev = runs.on(x_PD.device)
+    if dev.state_rows is not None:
+        # the states are rows of x itself: their gradient goes into the conv's dx in place
+        return _StatesFromX.apply(x_PD, weight_DW, bias_D, dev, activation, impl)  # type: ignore[no-any-return]
+    if impl == "reference":
+        return _reference(x_PD, weight_DW, dev.cu_seqlens_host.tolist(), None, bias_D, activation)
     from fla.modules.causal_conv1d import causal_conv1d
 
-    h0 = None
-    if states is not None:
-        # fla's state [R, D, W]: entry W-1 is the row just before the run, entry 0 is never read
-        h0 = F.pad(states.transpose(1, 2), (1, 0)).contiguous()
     y, _ = causal_conv1d(
         x_PD[None],
         weight_DW,
         bias_D,
-        initial_state=h0,
         activation=activation,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu_host,
+        cu_seqlens=dev.cu_seqlens,
+        cu_seqlens_cpu=dev.cu_seqlens_host,
         # built on the host: left to fla, it would be uploaded synchronously (a device sync)
-        chunk_indices=chunk_indices,
+        chunk_indices=dev.chunk_indices,
     )
     return y[0]
+
+
+def _gather_states(x_PD: torch.Tensor, dev: DeviceRuns) -> torch.Tensor:
+    """[R, W-1, D] states, oldest first, read from x's rows (entries before a root read zero)."""
+    assert dev.state_rows is not None
+    states = x_PD[dev.state_rows]
+    return states.masked_fill(dev.state_zero, 0) if dev.state_zero is not None else states
+
+
+def _fla_state(states_RWD: torch.Tensor) -> torch.Tensor:
+    """fla's initial state [R, D, W]: entry W-1 is the row just before the run; entry 0 is never read."""
+    return F.pad(states_RWD.transpose(1, 2), (1, 0)).contiguous()
+
+
+class _StatesFromX(torch.autograd.Function):
+    """The conv over runs whose initial states are rows of its own input x.
+
+    Left to autograd, the states' gather ``x[state_rows]`` gets a gradient of its own: a
+    zero-filled [P, D] tensor with the states' few rows scattered in, then added to the conv's
+    [P, D] gradient of x (two full passes over [P, D] per layer, for a few dozen rows). Here the
+    conv's backward (fla-core's, or the reference recomputed) returns the gradient of x and of the
+    states, and the states' rows are added into the first in place (``index_put_``, accumulating:
+    deterministic, a row read by several runs' states gets each reader's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x_PD, weight_DW, bias_D, dev, activation, impl):  # type: ignore[no-untyped-def, override]
+        states = _gather_states(x_PD, dev)
+        if impl == "reference":
+            y = _reference(x_PD, weight_DW, dev.cu_seqlens_host.tolist(), states, bias_D, activation)
+            saved = states
+        else:
+            from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+
+            x_PD = x_PD.contiguous()
+            saved = _fla_state(states)
+            y, _ = causal_conv1d_fwd(
+                x=x_PD[None],
+                weight=weight_DW.contiguous(),
+                bias=bias_D,
+                residual=None,
+                initial_state=saved,
+                output_final_state=False,
+                activation=activation,
+                cu_seqlens=dev.cu_seqlens,
+                cu_seqlens_cpu=dev.cu_seqlens_host,
+                chunk_indices=dev.chunk_indices,
+                chunk_size=FLA_CONV_CHUNK,
+            )
+            y = y[0]
+        ctx.save_for_backward(x_PD, weight_DW, bias_D, saved)
+        ctx.dev, ctx.activation, ctx.impl = dev, activation, impl
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_PD):  # type: ignore[no-untyped-def, override]
+        x_PD, weight_DW, bias_D, saved = ctx.saved_tensors
+        dev = ctx.dev
+        if ctx.impl == "reference":
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(True) for t in (x_PD, weight_DW, saved)]
+                b = None if bias_D is None else bias_D.detach().requires_grad_(True)
+                y = _reference(leaves[0], leaves[1], dev.cu_seqlens_host.tolist(), leaves[2], b, ctx.activation)
+                grads = torch.autograd.grad(y, [*leaves, *([] if b is None else [b])], dy_PD)
+            dx, dw, dstates = grads[:3]
+            db = grads[3] if b is not None else None
+        else:
+            from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+            dx, dw, db, _, dh0 = causal_conv1d_bwd(
+                x=x_PD[None],
+                dy=dy_PD.contiguous()[None],
+                dht=None,
+                weight=weight_DW.contiguous(),
+                bias=bias_D,
+                residual=None,
+                initial_state=saved,
+                activation=ctx.activation,
+                cu_seqlens=dev.cu_seqlens,
+                cu_seqlens_cpu=dev.cu_seqlens_host,
+                chunk_indices=dev.chunk_indices,
+                chunk_size=FLA_CONV_CHUNK,
+            )
+            dx = dx.reshape(x_PD.shape)
+            dstates = dh0[:, :, 1:].transpose(1, 2)  # [R, W-1, D], oldest first
+        if dev.state_zero is not None:  # entries before a root read no row
+            dstates = dstates.masked_fill(dev.state_zero, 0)
+        d = x_PD.shape[1]
+        dx.index_put_((dev.state_rows.reshape(-1),), dstates.reshape(-1, d).to(dx.dtype), accumulate=True)
+        return dx, dw, db, None, None, None
 
 
 def _reference(x_PD, weight_DW, bounds: list[int], states, bias_D, activation) -> torch.Tensor:  # noqa: ANN001
