@@ -34,9 +34,39 @@ def _cases(T: int, device: str, dtype: torch.dtype, seed: int = 0):  # noqa: ANN
         ("kda_log_decay", kda_log_decay, (r(T, 4, 32), r(4, 32), r(4, scale=0.5), None)),
         ("kda_log_decay_safe", kda_log_decay, (r(T, 4, 32), r(4, 32), r(4, scale=0.5), -5.0)),
         ("apply_rope", apply_rope, (r(T, 4, 96), cos, sin)),
+        ("apply_rope_last", _rope_last, (r(T, 4, 96), cos, sin)),
         ("weighted_swiglu", weighted_swiglu, (r(T, 2 * 48), r(T))),
         ("sum_slots", sum_slots, (slots, r(T, 3, 40))),
     ]
+
+
+def _rope_last(x, cos, sin):  # noqa: ANN001, ANN202 - MLA's query: the rotary dims last
+    return apply_rope(x, cos, sin, rotary_last=True)
+
+
+_rope_last.eager = lambda x, cos, sin: apply_rope.eager(x, cos, sin, rotary_last=True)  # type: ignore[attr-defined]
+
+
+def test_rope_on_the_last_dims_equals_split_rotate_concatenate() -> None:
+    """``rotary_last`` (MLA's ``[nope | rope]`` query) equals rotating the last R dims' slice and
+    concatenating it behind the rest, values and gradients exactly (float64, both pair layouts)."""
+    g = torch.Generator().manual_seed(3)
+    cos, sin = rope_cos_sin(torch.arange(9), 8, 10_000.0, F64)
+    for interleaved in (False, True):
+        x = torch.randn(9, 3, 20, dtype=F64, generator=g, requires_grad=True)
+        got = apply_rope(x, cos, sin, interleaved=interleaved, rotary_last=True)
+        nope, rot = torch.split(x, [12, 8], dim=-1)
+        want = torch.cat([nope, apply_rope(rot, cos, sin, interleaved=interleaved)], dim=-1)
+        assert torch.equal(got, want)
+        up = torch.randn(got.shape, dtype=F64, generator=g)
+        (a,) = torch.autograd.grad((got * up).sum(), x)
+        (b,) = torch.autograd.grad((want * up).sum(), x)
+        assert torch.equal(a, b)
+        # only rotary dims: the same as the plain rotation
+        assert torch.equal(
+            apply_rope(rot, cos, sin, interleaved=interleaved, rotary_last=True),
+            apply_rope(rot, cos, sin, interleaved=interleaved),
+        )
 
 
 def _value_and_grads(fn, args):  # noqa: ANN001, ANN202

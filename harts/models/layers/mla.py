@@ -60,17 +60,16 @@ class MultiheadLatentAttention(nn.Module):
             q = self.q_proj(x_TD)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
-        q = q.reshape(t, h, self.qk_head_dim)
-        q_nope, q_rot = torch.split(q, [self.nope, self.rope_dim], dim=-1)
+        query = q.reshape(t, h, self.qk_head_dim)  # [nope | rope] per head
         c, k_rot = torch.split(self.kv_a_proj_with_mqa(x_TD), [self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c)).reshape(t, h, self.nope + self.v_dim)
         k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
         k_rot = k_rot[:, None, :]
         if self.use_rope:
             cos, sin = ctx.rope(self.rope_dim, self.rope_theta, x_TD.dtype)
-            q_rot = apply_rope(q_rot, cos, sin, interleaved=self.rope_interleave)
+            # the query's rope dims rotated in place of a split and a concatenation
+            query = apply_rope(query, cos, sin, interleaved=self.rope_interleave, rotary_last=True)
             k_rot = apply_rope(k_rot, cos, sin, interleaved=self.rope_interleave)
-        query = torch.cat([q_nope, q_rot], dim=-1)
         key = torch.cat([k_nope, k_rot.expand(t, h, self.rope_dim)], dim=-1)
         o = run_core(ctx, self, "attention", ctx.attention, query, key, v.contiguous(), scale=self.scaling)
         o = o.reshape(t, h * self.v_dim)

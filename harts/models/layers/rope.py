@@ -33,18 +33,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @cuda_compiled(rows=(0, 1, 2))
 def apply_rope(
-    x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, *, interleaved: bool = False
+    x_THD: torch.Tensor,
+    cos_TR: torch.Tensor,
+    sin_TR: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    rotary_last: bool = False,
 ) -> torch.Tensor:
     """Rotate the first ``R = cos.shape[-1]`` dims of every head; the rest pass through.
 
     ``interleaved``: the rotary dims are stored as (x0, y0, x1, y1, ...) pairs (DeepSeek-V3
     checkpoints with ``rope_interleave``); they are de-interleaved before the rotation.
+    ``rotary_last``: rotate the last R dims instead, the rest passing through in front (MLA's
+    ``[nope | rope]`` query heads: one pass over the whole head, forward and backward, where a
+    split, a rotation of the slice and a concatenation took three, and the split's backward a
+    fourth).
     """
     r = cos_TR.shape[-1]
-    rot, rest = x_THD[..., :r], x_THD[..., r:]
+    if rotary_last:
+        d = x_THD.shape[-1]
+        rest, rot = x_THD[..., : d - r], x_THD[..., d - r :]
+    else:
+        rot, rest = x_THD[..., :r], x_THD[..., r:]
     if interleaved:
         t, h = rot.shape[:2]
         rot = rot.reshape(t, h, r // 2, 2).transpose(-1, -2).reshape(t, h, r)
     cos, sin = cos_TR[:, None, :], sin_TR[:, None, :]
     rot = rot * cos + _rotate_half(rot) * sin
-    return torch.cat([rot, rest], dim=-1) if rest.shape[-1] else rot
+    if not rest.shape[-1]:
+        return rot
+    return torch.cat([rest, rot] if rotary_last else [rot, rest], dim=-1)
