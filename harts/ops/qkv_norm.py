@@ -155,7 +155,6 @@ class _SplitL2Norm(torch.autograd.Function):
         (mixed,) = ctx.saved_tensors
         hk, dk, hv, dv, eps = ctx.dims
         t = mixed.shape[0]
-        zeros = (None, None, None)
         dq = torch.zeros(t, hk, dk, dtype=mixed.dtype, device=mixed.device) if dq is None else dq.contiguous()
         dk_ = torch.zeros(t, hk, dk, dtype=mixed.dtype, device=mixed.device) if dk_ is None else dk_.contiguous()
         dv_ = torch.zeros(t, hv, dv, dtype=mixed.dtype, device=mixed.device) if dv_ is None else dv_.contiguous()
@@ -165,7 +164,7 @@ class _SplitL2Norm(torch.autograd.Function):
             _split_l2norm_bwd_kernel[grid](
                 mixed, dq, dk_, dv_, dmixed, t, HK=hk, DK=dk, HV=hv, DV=dv, EPS=eps, BLOCK_T=BLOCK_T
             )
-        return (dmixed, *zeros, None, None)
+        return dmixed, None, None, None, None, None
 
 
 def _forward(

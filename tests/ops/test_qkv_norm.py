@@ -8,14 +8,12 @@ process (Triton reads ``TRITON_INTERPRET`` when first imported)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from harts.ops.qkv_norm import kernel_applies, split_l2norm_qkv, split_l2norm_qkv_reference
+from tests.ops._triton import check_here_or_interpreted
 
 CASES = [  # (T, HK, K, HV, V)
     (37, 2, 16, 2, 16),  # KDA-like, rows not a multiple of the block
@@ -80,19 +78,7 @@ def check_kernel() -> None:
 
 
 def test_kernel_equals_the_reference() -> None:
-    pytest.importorskip("triton")
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        check_kernel()
-        return
-    run = subprocess.run(
-        [sys.executable, "-c", "from tests.ops.test_qkv_norm import check_kernel; check_kernel()"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    check_here_or_interpreted(check_kernel, "from tests.ops.test_qkv_norm import check_kernel; check_kernel()")
 
 
 def test_reference_on_cpu_and_float64_gradients() -> None:

@@ -7,14 +7,12 @@ when first imported)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from harts.ops.router_topk import grouped_topk, grouped_topk_reference, kernel_applies
+from tests.ops._triton import check_here_or_interpreted
 
 CASES = [  # (T, E, n_group, topk_group, k)
     (37, 128, 8, 4, 8),  # Ling / DeepSeek-V3 shape, rows not a multiple of the block
@@ -55,19 +53,7 @@ def check_kernel() -> None:
 
 
 def test_kernel_equals_the_reference() -> None:
-    pytest.importorskip("triton")
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        check_kernel()
-        return
-    run = subprocess.run(
-        [sys.executable, "-c", "from tests.ops.test_router_topk import check_kernel; check_kernel()"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    check_here_or_interpreted(check_kernel, "from tests.ops.test_router_topk import check_kernel; check_kernel()")
 
 
 def test_falls_back_where_the_kernel_does_not_apply() -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harts.ops.linear_attn.tree_kernel import plan_state_io
+from tests.ops._triton import check_here_or_interpreted
 
 # ---------------------------------------------------------------- request planning (numpy)
 
@@ -88,25 +89,10 @@ def _reference(kg, w, u, gk, qg, S0, lengths, B, scale):  # noqa: ANN001, ANN202
 def test_scans_export_and_inject_like_the_recurrence(lengths):
     """On CUDA in this process; on CPU in a fresh interpreter with TRITON_INTERPRET=1 (Triton reads
     it when first imported, and other tests of this process may have imported it already)."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        check_scans(lengths)
-        return
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = f"from tests.ops.test_tree_scan import check_scans; check_scans({lengths!r})"
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    check_here_or_interpreted(
+        lambda: check_scans(lengths),
+        f"from tests.ops.test_tree_scan import check_scans; check_scans({lengths!r})",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def check_scans(lengths: list[int]) -> None:

@@ -29,7 +29,7 @@ __all__ = ["GatedDeltaNet"]
 
 class GatedDeltaNet(nn.Module):
     #: as ``KimiDeltaAttention.fused_qkv_norm``
-    fused_qkv_norm: bool | None = None
+    fused_qkv_norm: bool = True
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -58,7 +58,7 @@ class GatedDeltaNet(nn.Module):
         b, a = torch.split(ba, [r, r], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), kk.reshape(t, -1), vv.reshape(t, -1)], dim=-1)
         mixed = ctx.short_conv(mixed, self.conv1d.weight_DW, None, "silu")
-        split = split_l2norm_qkv_reference if self.fused_qkv_norm is False else split_l2norm_qkv
+        split = split_l2norm_qkv if self.fused_qkv_norm else split_l2norm_qkv_reference
         q, kk, vv = split(mixed, hk, k, hv, v)
         if r > 1:
             q = q.repeat_interleave(r, dim=1)

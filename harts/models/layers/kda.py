@@ -71,9 +71,9 @@ class KimiDeltaAttention(nn.Module):
     #: (set it False for adapters that wrap those modules)
     stacked_qkv: bool | None = None
     #: the split of the conv's ``[q | k | v]`` and the q / k l2 norms as one kernel each way
-    #: (``harts.ops.qkv_norm``; no concatenation of the three gradients); None: where the kernel
-    #: applies (CUDA); False: the torch split and l2 norms (the reference)
-    fused_qkv_norm: bool | None = None
+    #: (``harts.ops.qkv_norm``; no concatenation of the three gradients) where the kernel applies
+    #: (CUDA); False: the torch split and l2 norms (the reference) everywhere
+    fused_qkv_norm: bool = True
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -118,7 +118,7 @@ class KimiDeltaAttention(nn.Module):
             mixed = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight_DW, self.k_conv1d.weight_DW, self.v_conv1d.weight_DW], dim=0)
         mixed = ctx.short_conv(mixed, weight, None, "silu")
-        split = split_l2norm_qkv_reference if self.fused_qkv_norm is False else split_l2norm_qkv
+        split = split_l2norm_qkv if self.fused_qkv_norm else split_l2norm_qkv_reference
         q, kk, vv = split(mixed, h, k, h, v)
         f = self.f_b_proj(self.f_a_proj(x_TD)) if self.low_rank_gates else self.f_proj(x_TD)
         g = kda_log_decay(
