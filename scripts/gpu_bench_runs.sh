@@ -30,6 +30,8 @@
 #   medium_keep N  `medium` step 0 as `medium` with the MoE block kept and --moe-keep-gate-up N
 #   qkv_norm  the split-l2norm kernel's GPU test, then one KDA layer's split + l2 norms at 65,536 rows,
 #             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench)
+#   sweep     launch configurations of the state scans and fla-core's short conv on the first `swe` step-5
+#             microbatch of each side (harts.bench.kernel_sweep): ms per configuration, harts beside baseline
 #   tune      autotune fla-core's KDA and short-conv kernels at 65,536 rows (`harts.bench.tune_fla
 #             --rows 65536`) into /tmp/harts_fla_tuned (kept on this machine) and $OUT/fla_configs,
 #             list what differs from the shipped configs, then `medium` step 0 (as `medium`, MoE
@@ -41,11 +43,11 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|tune|qkv_norm|layers N|medium_layers N|moe_keep N [S]|medium_keep N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N}
 case "$part" in
-tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | tune | qkv_norm) ;;
+tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | tune | qkv_norm | sweep) ;;
 layers | medium_layers | moe_keep | medium_keep) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, tune, qkv_norm, layers N, medium_layers N, moe_keep N [S], medium_keep N)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -167,6 +169,9 @@ qkv_norm)
     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_qkv_norm.py >"$OUT/qkv_norm_test.log" 2>&1
     tail -2 "$OUT/qkv_norm_test.log"
     timeout 200 python3 -m harts.bench.qkv_norm_bench --device cuda --json "$OUT/qkv_norm.json" 2>&1 | tee "$OUT/qkv_norm.log"
+    ;;
+sweep)
+    timeout 540 python3 -m harts.bench.kernel_sweep --json "$OUT/kernel_sweep.json" 2>&1 | tee "$OUT/kernel_sweep.log"
     ;;
 layers)
     n=$2

@@ -34,15 +34,35 @@ recurrence in float64 (``tests/ops/test_tree_scan.py``, Triton's interpreter on 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["tree_scan_fwd", "tree_scan_bwd"]
+__all__ = ["ScanConfig", "tree_scan_fwd", "tree_scan_bwd"]
 
 #: value block and launch configuration: fixed (no autotuning, so no cold-start search)
 BLOCK_V = 32
 NUM_WARPS = 4
+
+
+class ScanConfig(NamedTuple):
+    """A launch configuration of the scans (``harts.bench.kernel_sweep`` times several): the
+    value block (a power of two >= 16), warps per program, and software-pipelining stages (None:
+    ``_num_stages``'s rule)."""
+
+    block_v: int = BLOCK_V
+    num_warps: int = NUM_WARPS
+    num_stages: int | None = None
+
+
+def _launch(config: ScanConfig | None, t: torch.Tensor, K: int) -> tuple[int, int, int]:
+    """(BV, num_warps, num_stages) of ``config`` (None: the fixed defaults)."""
+    c = config or ScanConfig()
+    if c.block_v < 16 or c.block_v & (c.block_v - 1) or c.num_warps < 1 or (c.num_stages or 1) < 1:
+        raise ValueError(f"scan config needs a power-of-two block_v >= 16 and positive warps / stages; got {c}")
+    return c.block_v, c.num_warps, c.num_stages or _num_stages(t, K)
 
 
 def _num_stages(t: torch.Tensor, K: int) -> int:
@@ -212,6 +232,7 @@ def tree_scan_fwd(
     export_index: torch.Tensor | None,
     num_exported: int,
     output_final_state: bool = True,
+    config: ScanConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward state scan (module docstring).
 
@@ -221,6 +242,7 @@ def tree_scan_fwd(
         num_chunks: NT, chunks of all sequences; chunk_size: B.
         initial_state: [N, H, K, V] float32 or None (zeros).
         export_index: int32 [NT] export slot per chunk (-1: none) or None; num_exported: E.
+        config: launch configuration (None: ``ScanConfig()``).
 
     Returns:
         h [1, NT, H, K, V] (dtype of kg), v_new [1, T, H, V] (dtype of u), final state
@@ -234,7 +256,8 @@ def tree_scan_fwd(
     v_new = torch.empty_like(u)
     final = kg.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     exported = kg.new_empty(max(num_exported, 0), H, K, V, dtype=torch.float32)
-    grid = (triton.cdiv(V, BLOCK_V), N * H)
+    bv, warps, stages = _launch(config, kg, K)
+    grid = (triton.cdiv(V, bv), N * H)
     _tree_scan_fwd_kernel[grid](
         kg,
         u,
@@ -252,12 +275,12 @@ def tree_scan_fwd(
         K=K,
         V=V,
         BT=chunk_size,
-        BV=BLOCK_V,
+        BV=bv,
         USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=output_final_state,
         EXPORT=export_index is not None and num_exported > 0,
-        num_warps=NUM_WARPS,
-        num_stages=_num_stages(kg, K),
+        num_warps=warps,
+        num_stages=stages,
     )
     return h, v_new, final, exported
 
@@ -279,6 +302,7 @@ def tree_scan_bwd(
     inject: torch.Tensor | None,
     inject_index: torch.Tensor | None,
     want_initial_state_grad: bool = True,
+    config: ScanConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Backward state scan with injected state gradients (module docstring).
 
@@ -288,6 +312,7 @@ def tree_scan_bwd(
         dht: [N, H, K, V] final-state gradients or None; inject: [E, H, K, V] float32 and
             inject_index: int32 [NT] (slot whose gradient joins at the end of each chunk; -1
             none), or None.
+        config: launch configuration (None: ``ScanConfig()``).
 
     Returns:
         dh [1, NT, H, K, V] (dtype of qg), dh0 [N, H, K, V] float32 (None unless
@@ -301,7 +326,8 @@ def tree_scan_bwd(
     dh0 = qg.new_empty(N, H, K, V, dtype=torch.float32) if want_initial_state_grad else None
     dv2 = torch.empty_like(dv)
     use_inject = inject is not None and inject_index is not None and inject.shape[0] > 0
-    grid = (triton.cdiv(V, BLOCK_V), N * H)
+    bv, warps, stages = _launch(config, kg, K)
+    grid = (triton.cdiv(V, bv), N * H)
     _tree_scan_bwd_kernel[grid](
         qg,
         kg,
@@ -322,11 +348,11 @@ def tree_scan_bwd(
         K=K,
         V=V,
         BT=chunk_size,
-        BV=BLOCK_V,
+        BV=bv,
         USE_FINAL_STATE_GRADIENT=dht is not None,
         STORE_INITIAL_STATE_GRADIENT=want_initial_state_grad,
         INJECT=use_inject,
-        num_warps=NUM_WARPS,
-        num_stages=_num_stages(kg, K),
+        num_warps=warps,
+        num_stages=stages,
     )
     return dh, dh0, dv2
