@@ -42,35 +42,43 @@ import triton.language as tl
 
 __all__ = ["ScanConfig", "tree_scan_fwd", "tree_scan_bwd"]
 
-#: value block and launch configuration: fixed (no autotuning, so no cold-start search)
-BLOCK_V = 32
+#: value block and warps (fixed: no autotuning, so no cold-start search). Measured on one H200
+#: (``harts.bench.kernel_sweep``, ``swe`` step 5's first microbatch, 16 heads of 128, bfloat16):
+#: a call lasts as long as its longest sequence, and the GPU holds only sequences x heads x
+#: V / BV programs, so the small block is the fastest: BV 16 (4 warps) against 32 took harts'
+#: rounds 1.93 -> 1.68 ms forward (with 3 stages) and 2.79 -> 2.61 ms backward (2 stages; 3
+#: stages made the baseline's backward 1.68 -> 2.51 ms), the baseline's 1.19 -> 0.95 and 1.68.
+BLOCK_V = 16
 NUM_WARPS = 4
 
 
 class ScanConfig(NamedTuple):
     """A launch configuration of the scans (``harts.bench.kernel_sweep`` times several): the
     value block (a power of two >= 16), warps per program, and software-pipelining stages (None:
-    ``_num_stages``'s rule)."""
+    ``_num_stages``'s rule for the kernel)."""
 
     block_v: int = BLOCK_V
     num_warps: int = NUM_WARPS
     num_stages: int | None = None
 
 
-def _launch(config: ScanConfig | None, t: torch.Tensor, K: int) -> tuple[int, int, int]:
+def _launch(config: ScanConfig | None, t: torch.Tensor, K: int, backward: bool) -> tuple[int, int, int]:
     """(BV, num_warps, num_stages) of ``config`` (None: the fixed defaults)."""
     c = config or ScanConfig()
     if c.block_v < 16 or c.block_v & (c.block_v - 1) or c.num_warps < 1 or (c.num_stages or 1) < 1:
         raise ValueError(f"scan config needs a power-of-two block_v >= 16 and positive warps / stages; got {c}")
-    return c.block_v, c.num_warps, c.num_stages or _num_stages(t, K)
+    return c.block_v, c.num_warps, c.num_stages or _num_stages(t, K, backward)
 
 
-def _num_stages(t: torch.Tensor, K: int) -> int:
-    """Software-pipelining depth: 2, or 1 where a [chunk, K] tile row is 512 bytes or more.
+def _num_stages(t: torch.Tensor, K: int, backward: bool) -> int:
+    """Software-pipelining depth: 1 where a [chunk, K] tile row is 512 bytes or more, else 2
+    (backward) or 3 (forward; module constants above for the measurements).
 
     The backward scan holds three [BT, K] tiles per stage; at float32 with K = 128 (or bf16 with
     K = 256) two stages need 245,760 bytes of shared memory, over the H200's 232,448."""
-    return 1 if t.element_size() * K >= 512 else 2
+    if t.element_size() * K >= 512:
+        return 1
+    return 2 if backward else 3
 
 
 @triton.jit
@@ -256,7 +264,7 @@ def tree_scan_fwd(
     v_new = torch.empty_like(u)
     final = kg.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     exported = kg.new_empty(max(num_exported, 0), H, K, V, dtype=torch.float32)
-    bv, warps, stages = _launch(config, kg, K)
+    bv, warps, stages = _launch(config, kg, K, backward=False)
     grid = (triton.cdiv(V, bv), N * H)
     _tree_scan_fwd_kernel[grid](
         kg,
@@ -326,7 +334,7 @@ def tree_scan_bwd(
     dh0 = qg.new_empty(N, H, K, V, dtype=torch.float32) if want_initial_state_grad else None
     dv2 = torch.empty_like(dv)
     use_inject = inject is not None and inject_index is not None and inject.shape[0] > 0
-    bv, warps, stages = _launch(config, kg, K)
+    bv, warps, stages = _launch(config, kg, K, backward=True)
     grid = (triton.cdiv(V, bv), N * H)
     _tree_scan_bwd_kernel[grid](
         qg,
