@@ -9,7 +9,9 @@ that take longer per row in harts than trajectory-wise, on the same row count:
   a call lasts as long as its longest sequence. harts runs one call per round, and its first
   round is often one long shared prefix; the GPU then holds only H x V / BV programs.
 * **the short conv** (fla-core's ``causal_conv1d`` kernels): harts' runs carry initial states,
-  a second compiled variant with its own pinned config (``fla_configs``).
+  a second compiled variant with its own pinned config (``fla_configs``). Timed here as fla
+  runs it with the states; harts now runs the no-state variant plus a fix-up of the runs' first
+  rows instead (``harts.ops.conv.runs``), which the ``harts_no_states`` column approximates.
 
 This sweep times both, on the first microbatch each side runs of the given step and replica
 (harts: its layout's rounds and conv runs; baseline: its packed trajectories), at every launch
@@ -228,13 +230,16 @@ def _jit(kernel):  # noqa: ANN001, ANN202
 
 
 def _conv_case(cu: np.ndarray, state_rows: np.ndarray | None, device: torch.device, gen: torch.Generator) -> dict:
-    from harts.ops.conv.runs import ConvRuns, _fla_state, _gather_states
+    import torch.nn.functional as F
+
+    from harts.ops.conv.runs import ConvRuns, _gather_states
 
     runs = ConvRuns(cu_seqlens=np.asarray(cu, dtype=np.int64), state_rows=state_rows)
     dev = runs.on(device)
     t = int(cu[-1])
     x = torch.randn(1, t, CONV_D, generator=gen).to(device, torch.bfloat16)
-    states = None if state_rows is None else _fla_state(_gather_states(x[0], dev))
+    # fla's initial state [R, D, W]: entry W-1 the row just before the run, entry 0 never read
+    states = None if state_rows is None else F.pad(_gather_states(x[0], dev).transpose(1, 2), (1, 0)).contiguous()
     return {
         "dev": dev,
         "x": x,

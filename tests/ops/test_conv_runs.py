@@ -71,6 +71,48 @@ def test_runs_equal_the_gather_conv(case: str, W: int, act: str | None) -> None:
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("act", [None, "silu"], ids=["linear", "silu"])
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_head_fixup_equals_the_gather_conv(case: str, W: int, act: str | None) -> None:
+    """The CUDA path's algorithm (a no-state conv over the runs, each stated run's head redone
+    over its ancestors' mini-sequence; backward with the heads' gradients zeroed in the main
+    pass and restored) with a torch no-state conv: values and every gradient (float64), and the
+    upstream gradient handed back unchanged."""
+    from harts.ops.conv.runs import _HeadFixup, _TorchNoState
+
+    anc = CASES[case](W - 1)
+    P, D = anc.shape[0], 5
+    runs = conv_runs_from_ancestors(anc.numpy())
+    dev = runs.on(torch.device("cpu"))
+    assert dev.heads is not None and dev.heads.rows.numel() > 0
+    g = torch.Generator().manual_seed(10 + W)
+    x = torch.randn(P, D, dtype=F64, generator=g, requires_grad=True)
+    w = torch.randn(D, W, dtype=F64, generator=g, requires_grad=True)
+    b = torch.randn(D, dtype=F64, generator=g, requires_grad=True)
+    ref = tree_causal_conv1d(x, w, anc, b, activation=act)
+    got = _HeadFixup.apply(x, w, b, dev, act, _TorchNoState)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    up = torch.randn(P, D, dtype=F64, generator=g)
+    kept = up.clone()
+    for a, r in zip(torch.autograd.grad(got, (x, w, b), up), _grads(ref, (x, w, b), up)):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+    assert torch.equal(up, kept)
+
+
+def test_head_fixup_rows_of_runs() -> None:
+    """Heads are each stated run's first W-1 rows (fewer in a shorter run); a mini-sequence holds
+    the ancestors that exist, oldest first, then the head; a root's run has none."""
+    from harts.ops.conv.runs import head_fixup_rows
+
+    cu = np.array([0, 4, 5, 9])
+    state_rows = np.array([[-1, -1, -1], [-1, 1, 2], [0, 1, 4]])
+    heads, positions, mini, bounds = head_fixup_rows(cu, state_rows)
+    assert heads.tolist() == [4, 5, 6, 7]
+    assert mini.tolist() == [1, 2, 4, 0, 1, 4, 5, 6, 7] and bounds.tolist() == [0, 3, 9]
+    assert positions.tolist() == [2, 6, 7, 8] and mini[positions].tolist() == heads.tolist()
+
+
 def test_offsets_runs_equal_the_varlen_conv_with_empty_trajectories() -> None:
     offsets = np.array([0, 5, 5, 12, 13, 13, 30])
     runs = conv_runs_from_offsets(offsets)
@@ -170,8 +212,9 @@ def test_runs_carry_fla_s_chunk_index_of_their_lengths() -> None:
     from harts.ops.conv.runs import FLA_CONV_CHUNK
 
     runs = conv_runs_from_offsets(np.array([0, 5, 5, 200, 264]))
-    cu, cu_host, chunks, states, _ = runs.on(torch.device("cpu"))
-    assert cu_host.tolist() == cu.tolist() == [0, 5, 200, 264] and states is None
+    dev = runs.on(torch.device("cpu"))
+    cu, cu_host, chunks = dev.cu_seqlens, dev.cu_seqlens_host, dev.chunk_indices
+    assert cu_host.tolist() == cu.tolist() == [0, 5, 200, 264] and dev.state_rows is None and dev.heads is None
     lengths = np.diff(cu_host.numpy())
     expected = [(r, c) for r, m in enumerate(lengths) for c in range(-(-int(m) // FLA_CONV_CHUNK))]
     assert [tuple(x) for x in chunks.tolist()] == expected

@@ -8,18 +8,26 @@ with initial states
 
     state[r] = [x[anc_{W-1}(s_r)], ..., x[anc_1(s_r)]]     (s_r the run's first row; -1 reads 0)
 
-and a trajectory-wise batch is the special case of one run per trajectory and no state. The
-states' gradient is added into the conv's gradient of x in place (a deterministic ``index_put_``:
-a row read by several runs' states, a fork's last W-1 rows, gets each reader's), not through a
-zero-filled [P, D] gradient of the gather and a second [P, D] sum (``_StatesFromX``); everything
-else is fla-core's ``causal_conv1d`` (Triton; float32 accumulation, rounded once, the activation
-fused) forward and backward: its public function without states, its forward and backward
-functions (``causal_conv1d_fwd`` / ``_bwd``, what its autograd function calls) with them.
+and a trajectory-wise batch is the special case of one run per trajectory and no state.
 
-Both sides of a benchmark run this one kernel: trajectory-wise (runs = trajectories, no state)
-and compact (runs of the layout, states from ancestors). Per tap the kernel adds ``x`` or the
-state's entry in the same order, so a compact row's output equals its trajectory-wise twin's
-bit for bit when their inputs do.
+On CUDA (``impl="fla"``) only fla-core's kernel *without* states runs, because its variant with
+states is slower on every row, not only on the few that read a state: on one H200 and the
+first ``swe`` step-5 microbatch (10 runs, 1,030 chunks, ``harts.bench.kernel_sweep``) it took
+1.09 / 5.54 ms forward / backward per layer against 0.89 / 4.10 on the same runs without
+states (the baseline's trajectories: 0.86 / 4.08). Instead (``_HeadFixup``):
+
+* forward: the no-state kernel over the runs, then each stated run's first W-1 rows (its
+  *head*) recomputed by the same kernel over a *mini-sequence* of the run's ancestors followed by
+  its head (a few rows per run), and written over the main output. Per tap the kernel adds the
+  same rows in the same order, so every row's output equals its trajectory-wise twin's bit for
+  bit when their inputs do;
+* backward: the no-state kernel's backward over the runs with the heads' output gradients
+  zeroed (in place, restored after), plus the mini-sequences' backward with only the heads'
+  gradients, added into dx at the rows they read (a deterministic ``index_put_``: a row read by
+  several runs' states, a fork's last W-1 rows, gets each reader's), dw and db.
+
+``impl="reference"`` runs one ``F.conv1d`` per run with its state prepended (any device, float64
+tests), and ``_HeadFixup`` runs with a torch no-state conv in the CPU tests as well.
 
 Shapes: P rows, D channels, W kernel width, R runs.
 """
@@ -71,11 +79,23 @@ class ConvRuns:
         if key not in self._device:
             cu_host = torch.as_tensor(self.cu_seqlens, dtype=torch.int64)
             _, chunks = fla_chunk_indices(np.diff(self.cu_seqlens), FLA_CONV_CHUNK)
-            rows = zero = None
+            rows = zero = heads = None
             if self.state_rows is not None:
                 rows = upload(np.maximum(self.state_rows, 0), device)
                 zero = upload((self.state_rows < 0)[..., None], device) if (self.state_rows < 0).any() else None
-            self._device[key] = DeviceRuns(upload(self.cu_seqlens, device), cu_host, upload(chunks, device), rows, zero)
+                head, pos, mini, bounds = head_fixup_rows(self.cu_seqlens, self.state_rows)
+                _, mini_chunks = fla_chunk_indices(np.diff(bounds), FLA_CONV_CHUNK)
+                heads = HeadFixup(
+                    upload(head, device),
+                    upload(pos, device),
+                    upload(mini, device),
+                    upload(bounds, device),
+                    torch.as_tensor(bounds),
+                    upload(mini_chunks, device),
+                )
+            self._device[key] = DeviceRuns(
+                upload(self.cu_seqlens, device), cu_host, upload(chunks, device), rows, zero, heads
+            )
         return self._device[key]  # type: ignore[no-any-return]
 
 
@@ -91,6 +111,46 @@ class DeviceRuns(NamedTuple):
     state_rows: torch.Tensor | None
     #: bool [R, W-1, 1] state entries that read zero (a row before the root), or None if none do
     state_zero: torch.Tensor | None
+    #: the stated runs' heads and mini-sequences (``HeadFixup``), or None without states
+    heads: HeadFixup | None = None
+
+
+class HeadFixup(NamedTuple):
+    """Each stated run's head (first min(W-1, length) rows) and its mini-sequence: the run's
+    ancestors that exist (oldest first) followed by its head. F head rows, M mini rows, S
+    mini-sequences (one per run with at least one ancestor)."""
+
+    #: int64 [F] physical rows of the heads (device)
+    rows: torch.Tensor
+    #: int64 [F] positions of the head rows within the mini rows (device)
+    positions: torch.Tensor
+    #: int64 [M] physical rows of the mini-sequences, packed (device)
+    mini_rows: torch.Tensor
+    #: int64 [S + 1] mini-sequence boundaries (device and host) and fla's chunk index (device)
+    cu_seqlens: torch.Tensor
+    cu_seqlens_host: torch.Tensor
+    chunk_indices: torch.Tensor
+
+
+def head_fixup_rows(
+    cu_seqlens: np.ndarray, state_rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Host arrays of ``HeadFixup``: (head rows [F], their positions in the mini rows [F], mini
+    rows [M], mini-sequence boundaries [S + 1]) of runs ``cu_seqlens`` [R + 1] with states
+    ``state_rows`` [R, W-1] (oldest first, -1: before the root; the ones that exist are the
+    newest). A run with no ancestor (a root's) needs no fix-up and has no mini-sequence."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    st = np.asarray(state_rows, dtype=np.int64)
+    heads, positions, mini, bounds = [], [], [], [0]
+    for r in np.flatnonzero((st >= 0).any(1)):
+        anc = st[r][st[r] >= 0]
+        head = np.arange(cu[r], min(cu[r + 1], cu[r] + st.shape[1]), dtype=np.int64)
+        positions.append(bounds[-1] + anc.size + np.arange(head.size, dtype=np.int64))
+        heads.append(head)
+        mini += [anc, head]
+        bounds.append(bounds[-1] + anc.size + head.size)
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    return cat(heads), cat(positions), cat(mini), np.asarray(bounds, dtype=np.int64)
 
 
 def conv_runs_from_offsets(offsets: np.ndarray) -> ConvRuns:
@@ -166,8 +226,11 @@ def runs_causal_conv1d(
         raise ValueError(f"impl must be 'fla' or 'reference'; got {impl!r}")
     dev = runs.on(x_PD.device)
     if dev.state_rows is not None:
+        if impl == "fla":  # the no-state kernel and the heads' mini-sequences (module docstring)
+            return _HeadFixup.apply(x_PD, weight_DW, bias_D, dev, activation, _FlaNoState)  # type: ignore[no-any-return]
         # the states are rows of x itself: their gradient goes into the conv's dx in place
-        return _StatesFromX.apply(x_PD, weight_DW, bias_D, dev, activation, impl)  # type: ignore[no-any-return]
+        y = _StatesFromX.apply(x_PD, weight_DW, bias_D, dev)
+        return y if activation is None else F.silu(y)
     if impl == "reference":
         return _reference(x_PD, weight_DW, dev.cu_seqlens_host.tolist(), None, bias_D, activation)
     from fla.modules.causal_conv1d import causal_conv1d
@@ -192,85 +255,144 @@ def _gather_states(x_PD: torch.Tensor, dev: DeviceRuns) -> torch.Tensor:
     return states.masked_fill(dev.state_zero, 0) if dev.state_zero is not None else states
 
 
-def _fla_state(states_RWD: torch.Tensor) -> torch.Tensor:
-    """fla's initial state [R, D, W]: entry W-1 is the row just before the run; entry 0 is never read."""
-    return F.pad(states_RWD.transpose(1, 2), (1, 0)).contiguous()
-
-
 class _StatesFromX(torch.autograd.Function):
-    """The conv over runs whose initial states are rows of its own input x.
+    """The reference conv over runs whose initial states are rows of its own input x.
 
     Left to autograd, the states' gather ``x[state_rows]`` gets a gradient of its own: a
     zero-filled [P, D] tensor with the states' few rows scattered in, then added to the conv's
-    [P, D] gradient of x (two full passes over [P, D] per layer, for a few dozen rows). Here the
-    conv's backward (fla-core's, or the reference recomputed) returns the gradient of x and of the
-    states, and the states' rows are added into the first in place (``index_put_``, accumulating:
-    deterministic, a row read by several runs' states gets each reader's gradient)."""
+    [P, D] gradient of x. Here the backward (the reference recomputed) returns the gradient of x
+    and of the states, and the states' rows are added into the first in place (``index_put_``,
+    accumulating: deterministic, a row read by several runs' states gets each reader's)."""
 
     @staticmethod
-    def forward(ctx, x_PD, weight_DW, bias_D, dev, activation, impl):  # type: ignore[no-untyped-def, override]
+    def forward(ctx, x_PD, weight_DW, bias_D, dev):  # type: ignore[no-untyped-def, override]
         states = _gather_states(x_PD, dev)
-        if impl == "reference":
-            y = _reference(x_PD, weight_DW, dev.cu_seqlens_host.tolist(), states, bias_D, activation)
-            saved = states
-        else:
-            from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
-
-            x_PD = x_PD.contiguous()
-            saved = _fla_state(states)
-            y, _ = causal_conv1d_fwd(
-                x=x_PD[None],
-                weight=weight_DW.contiguous(),
-                bias=bias_D,
-                residual=None,
-                initial_state=saved,
-                output_final_state=False,
-                activation=activation,
-                cu_seqlens=dev.cu_seqlens,
-                cu_seqlens_cpu=dev.cu_seqlens_host,
-                chunk_indices=dev.chunk_indices,
-                chunk_size=FLA_CONV_CHUNK,
-            )
-            y = y[0]
-        ctx.save_for_backward(x_PD, weight_DW, bias_D, saved)
-        ctx.dev, ctx.activation, ctx.impl = dev, activation, impl
+        y = _reference(x_PD, weight_DW, dev.cu_seqlens_host.tolist(), states, bias_D, None)
+        ctx.save_for_backward(x_PD, weight_DW, bias_D, states)
+        ctx.dev = dev
         return y
 
     @staticmethod
     def backward(ctx, dy_PD):  # type: ignore[no-untyped-def, override]
-        x_PD, weight_DW, bias_D, saved = ctx.saved_tensors
+        x_PD, weight_DW, bias_D, states = ctx.saved_tensors
         dev = ctx.dev
-        if ctx.impl == "reference":
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_(True) for t in (x_PD, weight_DW, saved)]
-                b = None if bias_D is None else bias_D.detach().requires_grad_(True)
-                y = _reference(leaves[0], leaves[1], dev.cu_seqlens_host.tolist(), leaves[2], b, ctx.activation)
-                grads = torch.autograd.grad(y, [*leaves, *([] if b is None else [b])], dy_PD)
-            dx, dw, dstates = grads[:3]
-            db = grads[3] if b is not None else None
-        else:
-            from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
-
-            dx, dw, db, _, dh0 = causal_conv1d_bwd(
-                x=x_PD[None],
-                dy=dy_PD.contiguous()[None],
-                dht=None,
-                weight=weight_DW.contiguous(),
-                bias=bias_D,
-                residual=None,
-                initial_state=saved,
-                activation=ctx.activation,
-                cu_seqlens=dev.cu_seqlens,
-                cu_seqlens_cpu=dev.cu_seqlens_host,
-                chunk_indices=dev.chunk_indices,
-                chunk_size=FLA_CONV_CHUNK,
-            )
-            dx = dx.reshape(x_PD.shape)
-            dstates = dh0[:, :, 1:].transpose(1, 2)  # [R, W-1, D], oldest first
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (x_PD, weight_DW, states)]
+            b = None if bias_D is None else bias_D.detach().requires_grad_(True)
+            y = _reference(leaves[0], leaves[1], dev.cu_seqlens_host.tolist(), leaves[2], b, None)
+            grads = torch.autograd.grad(y, [*leaves, *([] if b is None else [b])], dy_PD)
+        dx, dw, dstates = grads[:3]
+        db = grads[3] if b is not None else None
         if dev.state_zero is not None:  # entries before a root read no row
             dstates = dstates.masked_fill(dev.state_zero, 0)
         d = x_PD.shape[1]
         dx.index_put_((dev.state_rows.reshape(-1),), dstates.reshape(-1, d).to(dx.dtype), accumulate=True)
+        return dx, dw, db, None
+
+
+class _FlaNoState:
+    """fla-core's conv kernel without states over packed runs (CUDA): forward and backward
+    (``causal_conv1d_fwd`` / ``_bwd``, what its autograd function calls). [P, D] rows."""
+
+    @staticmethod
+    def fwd(x_PD, weight_DW, bias_D, cu, cu_host, chunks, activation) -> torch.Tensor:  # noqa: ANN001
+        from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+
+        y, _ = causal_conv1d_fwd(
+            x=x_PD[None],
+            weight=weight_DW,
+            bias=bias_D,
+            residual=None,
+            initial_state=None,
+            output_final_state=False,
+            activation=activation,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_host,
+            chunk_indices=chunks,
+            chunk_size=FLA_CONV_CHUNK,
+        )
+        return y[0]  # type: ignore[no-any-return]
+
+    @staticmethod
+    def bwd(x_PD, dy_PD, weight_DW, bias_D, cu, cu_host, chunks, activation):  # noqa: ANN001, ANN205
+        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+        dx, dw, db, _, _ = causal_conv1d_bwd(
+            x=x_PD[None],
+            dy=dy_PD[None],
+            dht=None,
+            weight=weight_DW,
+            bias=bias_D,
+            residual=None,
+            initial_state=None,
+            activation=activation,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_host,
+            chunk_indices=chunks,
+            chunk_size=FLA_CONV_CHUNK,
+        )
+        return dx.reshape(x_PD.shape), dw, db
+
+
+class _TorchNoState:
+    """``_FlaNoState``'s contract in torch (one ``F.conv1d`` per run, autograd for the backward):
+    what the CPU tests run ``_HeadFixup`` with."""
+
+    @staticmethod
+    def fwd(x_PD, weight_DW, bias_D, cu, cu_host, chunks, activation) -> torch.Tensor:  # noqa: ANN001, ARG004
+        return _reference(x_PD, weight_DW, cu_host.tolist(), None, bias_D, activation)
+
+    @staticmethod
+    def bwd(x_PD, dy_PD, weight_DW, bias_D, cu, cu_host, chunks, activation):  # noqa: ANN001, ANN205, ARG004
+        with torch.enable_grad():
+            x, w = (t.detach().requires_grad_(True) for t in (x_PD, weight_DW))
+            b = None if bias_D is None else bias_D.detach().requires_grad_(True)
+            y = _reference(x, w, cu_host.tolist(), None, b, activation)
+            grads = torch.autograd.grad(y, [x, w, *([] if b is None else [b])], dy_PD)
+        return grads[0], grads[1], grads[2] if b is not None else None
+
+
+class _HeadFixup(torch.autograd.Function):
+    """The conv over runs with states as the no-state kernel plus the heads' mini-sequences
+    (module docstring). ``kernels``: ``_FlaNoState`` (CUDA) or ``_TorchNoState``."""
+
+    @staticmethod
+    def forward(ctx, x_PD, weight_DW, bias_D, dev, activation, kernels):  # type: ignore[no-untyped-def, override]
+        hf = dev.heads
+        x_PD, weight_DW = x_PD.contiguous(), weight_DW.contiguous()
+        y = kernels.fwd(x_PD, weight_DW, bias_D, dev.cu_seqlens, dev.cu_seqlens_host, dev.chunk_indices, activation)
+        x_mini = x_PD.index_select(0, hf.mini_rows)
+        if hf.rows.numel():
+            y_mini = kernels.fwd(
+                x_mini, weight_DW, bias_D, hf.cu_seqlens, hf.cu_seqlens_host, hf.chunk_indices, activation
+            )
+            y.index_copy_(0, hf.rows, y_mini.index_select(0, hf.positions))
+        ctx.save_for_backward(x_PD, weight_DW, bias_D, x_mini)
+        ctx.dev, ctx.activation, ctx.kernels = dev, activation, kernels
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_PD):  # type: ignore[no-untyped-def, override]
+        x_PD, weight_DW, bias_D, x_mini = ctx.saved_tensors
+        dev, act, kernels = ctx.dev, ctx.activation, ctx.kernels
+        hf = dev.heads
+        dy = dy_PD.contiguous()
+        # the heads' outputs came from the mini-sequences: their gradients leave the main
+        # backward (zeroed in place, restored below: no [P, D] copy of dy) for the mini one
+        dy_heads = dy.index_select(0, hf.rows)
+        dy.index_fill_(0, hf.rows, 0)
+        dx, dw, db = kernels.bwd(
+            x_PD, dy, weight_DW, bias_D, dev.cu_seqlens, dev.cu_seqlens_host, dev.chunk_indices, act
+        )
+        dy.index_copy_(0, hf.rows, dy_heads)
+        if hf.rows.numel():
+            dy_mini = dy_heads.new_zeros(x_mini.shape).index_copy_(0, hf.positions, dy_heads)
+            dxm, dwm, dbm = kernels.bwd(
+                x_mini, dy_mini, weight_DW, bias_D, hf.cu_seqlens, hf.cu_seqlens_host, hf.chunk_indices, act
+            )
+            dx.index_put_((hf.mini_rows,), dxm.to(dx.dtype), accumulate=True)
+            dw = dw + dwm
+            db = None if db is None else db + dbm
         return dx, dw, db, None, None, None
 
 
