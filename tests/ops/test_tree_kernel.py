@@ -147,3 +147,107 @@ def test_replay_rows_give_trajectory_outputs_bit_for_bit() -> None:
         chunk_size=64,
     )
     assert torch.equal(branch[fork - anchor :], traj[fork:L])
+
+
+# ------------------------------------------------------------------ linked rounds
+
+#: three rounds as a layout hands them over (state ids): round 0 exports at chunk boundaries,
+#: finals (a 64-row and a 129-row sequence, an empty one) and a 0-position request; round 1
+#: starts 9 sequences from them (a fan-out of 4 on one state) and exports again; round 2 starts
+#: from round 1's states, from a round-0 state and from zero
+LINKED = [
+    (
+        [1, 63, 64, 65, 129, 0, 700],
+        [-1] * 7,
+        [(6, 64), (6, 320), (6, 640), (4, 64), (4, 129), (3, 64), (0, 0), (2, 64), (5, 0)],
+        [0, 1, 2, 3, 4, 5, 6, 7, 8],
+    ),
+    (
+        [130, 64, 1, 200, 65, 128, 0, 77, 300],
+        [0, 0, 0, 0, 1, 4, 7, 8, 2],
+        [(0, 128), (3, 192), (8, 300), (5, 64)],
+        [10, 11, 12, 13],
+    ),
+    ([90, 64, 150, 33], [10, 11, 12, -1], [], []),
+]
+
+
+def _linked_inputs(dtype: torch.dtype):  # noqa: ANN202
+    torch.manual_seed(3)
+    T, H, K, dev = sum(sum(r[0]) for r in LINKED), 4, 64, "cuda"
+    x = [
+        torch.randn(T, H, K, device=dev, dtype=torch.float64),
+        F.normalize(torch.randn(T, H, K, device=dev, dtype=torch.float64), dim=-1),
+        torch.randn(T, H, K, device=dev, dtype=torch.float64),
+        -F.softplus(torch.randn(T, H, K, device=dev, dtype=torch.float64)) * 0.2,
+        torch.rand(T, H, device=dev, dtype=torch.float64).clamp(0.05, 0.95),
+    ]
+    return [t.to(dtype).clone().requires_grad_() for t in x]
+
+
+def _per_round(x, op=chunk_linear_attn):  # noqa: ANN001, ANN202
+    """The rounds one ``op`` call each, states handed over as the per-round compact executor does."""
+    states: dict[int, torch.Tensor] = {}
+    outs, at = [], 0
+    for lengths, init, req, ids in LINKED:
+        t = sum(lengths)
+        part = [a[at : at + t] for a in x]
+        at += t
+        zero = x[0].new_zeros(x[0].shape[1], x[0].shape[2], x[2].shape[2])
+        h0 = torch.stack([states[s] if s >= 0 else zero for s in init])
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        o, _, got = op(
+            *part,
+            cu_seqlens=cu,
+            initial_state=h0,
+            chunk_size=64,
+            state_requests=torch.tensor(req, dtype=torch.int64).reshape(-1, 2),
+        )
+        states.update({s: got[j] for j, s in enumerate(ids)})
+        outs.append(o)
+    return torch.cat(outs)
+
+
+def _linked_plan():  # noqa: ANN202
+    import numpy as np
+
+    from harts.ops.linear_attn.tree_kernel import plan_linked_rounds
+
+    rounds = [
+        (np.concatenate([[0], np.cumsum(lengths)]), np.asarray(init), np.asarray(req).reshape(-1, 2), np.asarray(ids))
+        for lengths, init, req, ids in LINKED
+    ]
+    plan = plan_linked_rounds(rounds, 64)
+    assert plan is not None
+    return plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_linked_rounds_equal_the_rounds_one_call_each(dtype: torch.dtype) -> None:
+    """All rounds in one op (``linked_tree_linear_attn``) against the float64 reference run
+    round by round with the states handed over: outputs and every input's gradient; bf16 within
+    1.5x the per-round tree kernel's own bf16 error plus the float32 error."""
+    from harts.ops.linear_attn.tree_kernel import linked_tree_linear_attn, tree_chunk_linear_attn
+
+    plan = _linked_plan()
+    ref_x = _linked_inputs(torch.float64)
+    ref = _per_round(ref_x)
+    w = torch.randn_like(ref)
+    g_ref = torch.autograd.grad((ref * w).sum(), ref_x)
+
+    def errors(run, dt: torch.dtype) -> list[float]:  # noqa: ANN001
+        x = _linked_inputs(dt)
+        o = run(x)
+        grads = torch.autograd.grad((o.double() * w).sum(), x)
+        return [_rel(a, b) for a, b in zip([o, *grads], [ref, *g_ref])]
+
+    linked = errors(lambda x: linked_tree_linear_attn(*x, plan=plan), dtype)
+    names = ["o", "dq", "dk", "dv", "dg", "dbeta"]
+    if dtype == torch.float32:
+        for name, e in zip(names, linked):
+            assert e < 5e-3, f"{name}: {e:.2e}"
+        return
+    f32 = errors(lambda x: linked_tree_linear_attn(*x, plan=plan), torch.float32)
+    per_round = errors(lambda x: _per_round(x, tree_chunk_linear_attn), dtype)
+    for name, a, b, c in zip(names, linked, per_round, f32):
+        assert a <= 1.5 * b + c, f"{name}: linked {a:.2e}, per round {b:.2e}"

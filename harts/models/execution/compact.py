@@ -6,7 +6,8 @@ context maps the three row-coupling operations onto it:
 * short conv: ``tree_causal_conv1d`` over each row's true ancestors (``layout.ancestors``),
   one post-conv result per physical row; replay never re-runs it.
 * linear attention: one packed ``chunk_linear_attn`` call per round over
-  ``x[round.la_rows]`` (all rounds' rows in one gather, ``harts.ops.row_gather``); a sequence
+  ``x[round.la_rows]`` (all rounds' rows in one gather, ``harts.ops.row_gather``), or with the
+  tree kernel every round in one op (``linked_tree_linear_attn``, same states); a sequence
   starts from zero (``init_state == -1``) or from a boundary state exported by an earlier
   round; the round exports ``round.requests`` into ``states[round.request_ids]``; outputs of
   non-replay positions go to ``round.out_rows``. Replay positions only update state. Autograd
@@ -71,6 +72,11 @@ class CompactContext(RowContext):
         from harts.ops.linear_attn import linear_attn_op
 
         self.la_op = linear_attn_op(la_backend, device, int(layout.chunk_size))
+        from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+        # the tree kernel links the rounds into one op per layer (unless asked per round)
+        self._link_rounds = la_backend != "tree_rounds" and self.la_op is tree_chunk_linear_attn
+        self._linked = None  # LinkedPlan, made on the first linear attention (host work)
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
         self.layout = layout
@@ -82,6 +88,9 @@ class CompactContext(RowContext):
         self.position = _t(layout.position, device)
         self.row_weight = upload(layout.multiplicity, device, torch.float64)
         self.rounds = [self._round(r) for r in layout.rounds]
+        # positions within all rounds' input rows that produce output (None: every one does)
+        is_out = np.concatenate([np.asarray(r.is_output, dtype=bool) for r in layout.rounds] or [np.ones(0, bool)])
+        self._out_pos_all = None if is_out.all() else _t(np.flatnonzero(is_out), device)
         # the planner lays rounds out in physical order (each round's output rows one range,
         # the ranges consecutive): the output is then the rounds' outputs concatenated
         self._out_rows = np.concatenate([r.out_rows for r in self.rounds] or [np.zeros(0, np.int64)])
@@ -135,8 +144,32 @@ class CompactContext(RowContext):
             self._ancestors[k] = _t(self.layout.ancestors(k), self.device)
         return tree_causal_conv1d(x_TD, weight_DW, self._ancestors[k], bias_D, activation=activation)
 
+    def _linked_plan(self):  # noqa: ANN202 - a LinkedPlan, or None where the rounds stay apart
+        if self._linked is None:
+            from harts.ops.linear_attn.tree_kernel import plan_linked_rounds
+
+            rounds = [
+                (np.asarray(r.cu_seqlens), np.asarray(r.init_state), np.asarray(r.requests), np.asarray(r.request_ids))
+                for r in self.layout.rounds
+            ]
+            self._linked = plan_linked_rounds(rounds, self.chunk_size) or False
+        return self._linked or None
+
     def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
         h, kd, vd = q_THK.shape[1], q_THK.shape[2], v_THV.shape[2]
+        linked = self._linked_plan() if self._link_rounds else None
+        if linked is not None:
+            from harts.ops.linear_attn.tree_kernel import linked_tree_linear_attn
+
+            # every round's rows in one gather per input, every round in one op
+            o = linked_tree_linear_attn(
+                *(gather_rows(t, self._la_gather) for t in (q_THK, k_THK, v_THV, g, beta_TH)),
+                plan=linked,
+                chunk_size=self.chunk_size,
+                scale=scale,
+            )
+            o = o if self._out_pos_all is None else o.index_select(0, self._out_pos_all)
+            return o if self.outputs_in_order else self._scatter_outputs(o, h, vd)
         states: list[torch.Tensor | None] = [None] * self.num_boundary_states
         out_vals = []
         # every round's input rows in one gather per input (harts.ops.row_gather: one
@@ -167,10 +200,14 @@ class CompactContext(RowContext):
             out_vals.append(o if r.out_pos is None else o[r.out_pos])
         if self.outputs_in_order:
             return torch.cat(out_vals) if out_vals else v_THV.new_zeros(0, h, vd)
-        out = v_THV.new_zeros(self.num_rows, h, vd)
+        return self._scatter_outputs(torch.cat(out_vals), h, vd)
+
+    def _scatter_outputs(self, o: torch.Tensor, h: int, vd: int) -> torch.Tensor:
+        """The rounds' outputs ``o`` [sum of outputs, H, V], in round order, at their physical rows."""
+        out = o.new_zeros(self.num_rows, h, vd)
         if self._out_rows_dev is None:
             self._out_rows_dev = _t(self._out_rows, self.device)
-        return out.index_copy(0, self._out_rows_dev, torch.cat(out_vals))
+        return out.index_copy(0, self._out_rows_dev, o)
 
     def _attn_index(self, name: str) -> torch.Tensor:
         if name not in self._attn:

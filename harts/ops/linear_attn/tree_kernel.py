@@ -347,3 +347,347 @@ def tree_chunk_linear_attn(
     initial = h0 if h0 is not None else final.new_zeros(N, H, K, V)
     requested = torch.cat([exported, final, initial])[meta.source] if spec.requests else final.new_zeros(0, H, K, V)
     return o[0].to(v.dtype), final, requested
+
+
+# ------------------------------------------------------------------ linked rounds: one call
+
+
+@dataclass(frozen=True)
+class LinkedPlan:
+    """A microbatch's linear-attention rounds as one call: every round's sequences packed round
+    after round, each starting from zero or from a state an earlier round's sequence produced.
+
+    States live in one float32 *pool* ``[E exported | N final | 1 zero]``: a state requested
+    at a chunk boundary inside its sequence is exported by the forward scan into its slot
+    (deduplicated by chunk), one at a sequence's end is that sequence's final state, one after 0
+    positions is the state the sequence itself started from. Shapes: N sequences, NT chunks, E
+    exported states.
+    """
+
+    lengths: np.ndarray  # int64 [N]
+    round_starts: np.ndarray  # int64 [num_rounds + 1]: first sequence of each round
+    io: StateIO  # chunk offsets / indices, export_index [NT] (pool slot), inject_index [NT]
+    init_pool: np.ndarray  # int64 [N]: pool index each sequence starts from (E + N: zero)
+    round_has_init: tuple[bool, ...]
+    round_has_final: tuple[bool, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def pool_size(self) -> int:
+        return self.io.num_exported + self.num_seqs + 1
+
+
+def plan_linked_rounds(
+    rounds: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], chunk_size: int
+) -> LinkedPlan | None:
+    """Link rounds given as (cu_seqlens [N_r + 1], init_state [N_r] state id or -1, requests
+    [R_r, 2] (sequence in the round, position count), request_ids [R_r] state ids), in order.
+
+    Returns None when a request is not chunk-aligned (nor 0, nor its sequence's length): the
+    ``no_replay`` layouts, which the per-round path serves. Raises ValueError for a sequence
+    that starts from a state no earlier round produces.
+    """
+    B = chunk_size
+    lengths = [np.diff(np.asarray(cu, dtype=np.int64)) for cu, _, _, _ in rounds]
+    starts = np.concatenate([[0], np.cumsum([x.size for x in lengths])]).astype(np.int64)
+    flat = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    offsets, chunk_indices = fla_chunk_indices(flat, B)
+    nt, n = int(offsets[-1]), int(flat.size)
+    export_index = np.full(nt, -1, dtype=np.int32)
+    inject_index = np.full(nt, -1, dtype=np.int32)
+    kind: dict[int, tuple[str, int]] = {}  # state id -> ("export", slot) / ("final", seq) / ("init", seq)
+    made_in: dict[int, int] = {}  # state id -> the round that produces it
+    slots: dict[int, int] = {}
+    for r, (_, _, requests, ids) in enumerate(rounds):
+        for (seq, count), sid in zip(np.asarray(requests, dtype=np.int64).reshape(-1, 2), np.asarray(ids)):
+            g = int(starts[r] + seq)
+            made_in[int(sid)] = r
+            if count == flat[g]:
+                kind[int(sid)] = ("final", g)
+            elif count == 0:
+                kind[int(sid)] = ("init", g)
+            elif count % B == 0:
+                chunk = int(offsets[g]) + int(count) // B
+                if chunk not in slots:
+                    slots[chunk] = len(slots)
+                    export_index[chunk] = slots[chunk]
+                    inject_index[chunk - 1] = slots[chunk]
+                kind[int(sid)] = ("export", slots[chunk])
+            else:
+                return None
+    e = len(slots)
+    zero = e + n
+    init_pool = np.full(n, zero, dtype=np.int64)
+    pool_of: dict[int, int] = {}
+    for r, (_, init, _, _) in enumerate(rounds):
+        for s, sid in enumerate(np.asarray(init, dtype=np.int64).tolist()):
+            if sid < 0:
+                continue
+            if made_in.get(sid, r) >= r:
+                raise ValueError(f"sequence {s} of round {r} starts from state {sid}, which no earlier round produces")
+            if sid not in pool_of:  # an "init" state is its sequence's own start, resolved with its round
+                what, at = kind[sid]
+                pool_of[sid] = at if what == "export" else e + at if what == "final" else int(init_pool[at])
+            init_pool[int(starts[r] + s)] = pool_of[sid]
+    io = StateIO(
+        chunk_offsets=offsets,
+        chunk_indices=chunk_indices,
+        export_index=export_index,
+        inject_index=inject_index,
+        num_exported=e,
+        source=np.zeros(0, dtype=np.int64),
+    )
+    finals = {at for what, at in kind.values() if what == "final"}
+    return LinkedPlan(
+        lengths=flat,
+        round_starts=starts,
+        io=io,
+        init_pool=init_pool,
+        round_has_init=tuple(bool((init_pool[a:b] != zero).any()) for a, b in zip(starts[:-1], starts[1:])),
+        round_has_final=tuple(any(a <= f < b for f in finals) for a, b in zip(starts[:-1], starts[1:])),
+    )
+
+
+@dataclass(frozen=True)
+class _LinkedDevice:
+    plan: LinkedPlan
+    cu_seqlens: torch.Tensor
+    chunk_offsets: torch.Tensor
+    chunk_indices: torch.Tensor
+    export_index: torch.Tensor
+    inject_index: torch.Tensor
+    init_pool: torch.Tensor
+
+
+_LINKED_CACHE: OrderedDict = OrderedDict()
+
+
+def _linked_device(plan: LinkedPlan, device: torch.device) -> _LinkedDevice:
+    key = (id(plan), str(device))
+    hit = _LINKED_CACHE.get(key)
+    if hit is not None and hit.plan is plan:
+        _LINKED_CACHE.move_to_end(key)
+        return hit  # type: ignore[no-any-return]
+    cu = np.concatenate([[0], np.cumsum(plan.lengths)]).astype(np.int64)
+    meta = _LinkedDevice(
+        plan=plan,
+        cu_seqlens=upload(cu, device),
+        chunk_offsets=upload(plan.io.chunk_offsets, device),
+        chunk_indices=upload(plan.io.chunk_indices, device),
+        export_index=upload(plan.io.export_index, device),
+        inject_index=upload(plan.io.inject_index, device),
+        init_pool=upload(plan.init_pool, device),
+    )
+    _LINKED_CACHE[key] = meta
+    if len(_LINKED_CACHE) > _META_CACHE_SIZE:
+        _LINKED_CACHE.popitem(last=False)
+    return meta
+
+
+class _LinkedKDA(torch.autograd.Function):
+    """KDA chunk op over all rounds of a LinkedPlan, [1, T, H, *]: fla-core's chunk-parallel
+    kernels once over every row, the state scans once per round forward (each round's initial
+    states gathered from the pool) and backward (in reverse; each round's initial-state
+    gradients summed into the pool's gradient, which later-round consumers inject), and the
+    backward's recomputed forward scan once over all sequences (their initial states are known)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, meta: _LinkedDevice, scale: float, chunk_size: int):  # type: ignore[override]
+        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+
+        from harts.ops.linear_attn.tree_scan import tree_scan_fwd
+
+        B, cu, ci, co = chunk_size, meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets
+        plan = meta.plan
+        H, K, V = q.shape[2], q.shape[3], v.shape[3]
+        nt, e = plan.io.num_chunks, plan.io.num_exported
+        gc = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
+        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
+            q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+        )
+        pool = q.new_zeros(plan.pool_size, H, K, V, dtype=torch.float32)
+        h = kg.new_empty(1, nt, H, K, V)
+        v_new = torch.empty_like(u)
+        for r, (a, b) in enumerate(zip(plan.round_starts[:-1].tolist(), plan.round_starts[1:].tolist())):
+            h0 = pool.index_select(0, meta.init_pool[a:b]) if plan.round_has_init[r] else None
+            final = pool[e + a : e + b] if plan.round_has_final[r] else None
+            tree_scan_fwd(
+                kg,
+                w,
+                u,
+                gc,
+                cu_seqlens=cu[a : b + 1],
+                chunk_offsets=co[a : b + 1],
+                num_chunks=nt,
+                chunk_size=B,
+                initial_state=h0,
+                export_index=meta.export_index if e else None,
+                num_exported=e,
+                output_final_state=final is not None,
+                out=(h, v_new, final, pool[:e] if e else None),
+            )
+        o = chunk_gla_fwd_o_gk(
+            q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+        )
+        ctx.save_for_backward(q, k, v, gc, beta, Aqk, Akk, pool)
+        ctx.meta, ctx.scale, ctx.chunk_size, ctx.g_dtype = meta, scale, chunk_size, g.dtype
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):  # type: ignore[override]
+        from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+        from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+        from fla.ops.kda.wy_fast import recompute_w_u_fwd
+        from fla.ops.utils import chunk_local_cumsum
+
+        from harts.ops.linear_attn.tree_scan import tree_scan_bwd, tree_scan_fwd
+
+        q, k, v, gc, beta, Aqk, Akk, pool = ctx.saved_tensors
+        meta, scale, B = ctx.meta, ctx.scale, ctx.chunk_size
+        plan = meta.plan
+        cu, ci, co, nt, e = (
+            meta.cu_seqlens,
+            meta.chunk_indices,
+            meta.chunk_offsets,
+            plan.io.num_chunks,
+            plan.io.num_exported,
+        )
+        do = do.contiguous()
+        w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gc, q=q, cu_seqlens=cu, chunk_indices=ci)
+        # every sequence's initial state is in the pool now: one scan over all of them
+        h, v_new, _, _ = tree_scan_fwd(
+            kg,
+            w,
+            u,
+            gc,
+            cu_seqlens=cu,
+            chunk_offsets=co,
+            num_chunks=nt,
+            chunk_size=B,
+            initial_state=pool.index_select(0, meta.init_pool) if any(plan.round_has_init) else None,
+            export_index=None,
+            num_exported=0,
+            output_final_state=False,
+        )
+        dAqk, dv = chunk_kda_bwd_dAv(
+            q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+        )
+        dpool = torch.zeros_like(pool)
+        dh = qg.new_empty(1, nt, *pool.shape[1:])
+        dv2 = torch.empty_like(dv)
+        bounds = list(zip(plan.round_starts[:-1].tolist(), plan.round_starts[1:].tolist()))
+        for r in reversed(range(len(bounds))):
+            a, b = bounds[r]
+            _, dh0, _ = tree_scan_bwd(
+                qg,
+                kg,
+                w,
+                gc,
+                do,
+                dv,
+                scale=scale,
+                cu_seqlens=cu[a : b + 1],
+                chunk_offsets=co[a : b + 1],
+                num_chunks=nt,
+                chunk_size=B,
+                dht=dpool[e + a : e + b] if plan.round_has_final[r] else None,
+                inject=dpool[:e] if e else None,
+                inject_index=meta.inject_index if e else None,
+                want_initial_state_grad=plan.round_has_init[r],
+                out=(dh, dv2),
+            )
+            if dh0 is not None:  # summed over the consumers of each state (deterministic)
+                dpool.index_put_((meta.init_pool[a:b],), dh0, accumulate=True)
+        dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
+            q=q,
+            k=k,
+            v=v,
+            v_new=v_new,
+            g=gc,
+            beta=beta,
+            A=Akk,
+            h=h,
+            do=do,
+            dh=dh,
+            dv=dv2,
+            scale=scale,
+            cu_seqlens=cu,
+            chunk_size=B,
+            chunk_indices=ci,
+            chunk_offsets=co,
+        )
+        dq, dk, db, dg = chunk_kda_bwd_intra(
+            q=q,
+            k=k,
+            g=gc,
+            beta=beta,
+            dAqk=dAqk,
+            dAkk=dAkk,
+            dq=dq,
+            dk=dk,
+            db=db,
+            dg=dg,
+            cu_seqlens=cu,
+            chunk_indices=ci,
+            chunk_size=B,
+        )
+        dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), db.to(beta.dtype), None, None, None
+
+
+def linked_tree_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    plan: LinkedPlan,
+    chunk_size: int = 64,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Every round of ``plan`` in one op (``_LinkedKDA``): the rounds' outputs, packed as the plan
+    packs their sequences.
+
+    Args:
+        q, k: [T, H, K] (CUDA); v: [T, H, V]; g: [T, H, K] (KDA) or [T, H] (GDN) log-decay;
+        beta: [T, H]; T = ``plan.num_rows``. chunk_size: 64 (fla's KDA kernels).
+
+    Returns:
+        o [T, H, V] (dtype of v). Equal to running the rounds one ``tree_chunk_linear_attn`` call
+        each with the states handed over, up to the order of float additions.
+    """
+    cu_host = torch.as_tensor(np.concatenate([[0], np.cumsum(plan.lengths)]), dtype=torch.int64)
+    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_host, None, None, scale)
+    if not q.is_cuda:
+        raise ValueError("linked_tree_linear_attn needs CUDA tensors; run the rounds through chunk_linear_attn on CPU")
+    if chunk_size != 64:
+        raise ValueError(f"the tree kernel runs fla's KDA intra-chunk kernels at chunk_size 64; got {chunk_size}")
+    from harts.ops.linear_attn.fla import _import_fla
+
+    _import_fla()
+    if spec.T == 0:
+        return v.new_zeros(0, spec.H, spec.V)
+    meta = _linked_device(plan, q.device)
+    gk = g[..., None].expand(spec.T, spec.H, spec.K) if spec.scalar_decay else g
+    o = _LinkedKDA.apply(
+        q.unsqueeze(0).contiguous(),
+        k.unsqueeze(0).contiguous(),
+        v.unsqueeze(0).contiguous(),
+        gk.unsqueeze(0).contiguous(),
+        beta.unsqueeze(0).contiguous(),
+        meta,
+        spec.scale,
+        chunk_size,
+    )
+    return o[0].to(v.dtype)  # type: ignore[no-any-return]

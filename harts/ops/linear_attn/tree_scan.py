@@ -241,6 +241,7 @@ def tree_scan_fwd(
     num_exported: int,
     output_final_state: bool = True,
     config: ScanConfig | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward state scan (module docstring).
 
@@ -251,6 +252,11 @@ def tree_scan_fwd(
         initial_state: [N, H, K, V] float32 or None (zeros).
         export_index: int32 [NT] export slot per chunk (-1: none) or None; num_exported: E.
         config: launch configuration (None: ``ScanConfig()``).
+        out: (h, v_new, final, exported) to write into instead of new tensors (final: None
+            unless ``output_final_state``; exported: None without exports). The scan writes
+            only its own sequences' rows, chunks and states: a call over a slice of a larger
+            packing (``cu_seqlens`` and ``chunk_offsets`` sliced; global chunk indices and export
+            slots) fills its part of the whole's buffers (``linked_tree_linear_attn``).
 
     Returns:
         h [1, NT, H, K, V] (dtype of kg), v_new [1, T, H, V] (dtype of u), final state
@@ -260,10 +266,14 @@ def tree_scan_fwd(
     V = u.shape[-1]
     _check(K)
     N = cu_seqlens.numel() - 1
-    h = kg.new_empty(1, num_chunks, H, K, V)
-    v_new = torch.empty_like(u)
-    final = kg.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    exported = kg.new_empty(max(num_exported, 0), H, K, V, dtype=torch.float32)
+    if out is not None:
+        h, v_new, final, exported_out = out
+        exported = exported_out if exported_out is not None else kg.new_empty(0, H, K, V, dtype=torch.float32)
+    else:
+        h = kg.new_empty(1, num_chunks, H, K, V)
+        v_new = torch.empty_like(u)
+        final = kg.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+        exported = kg.new_empty(max(num_exported, 0), H, K, V, dtype=torch.float32)
     bv, warps, stages = _launch(config, kg, K, backward=False)
     grid = (triton.cdiv(V, bv), N * H)
     _tree_scan_fwd_kernel[grid](
@@ -285,7 +295,7 @@ def tree_scan_fwd(
         BT=chunk_size,
         BV=bv,
         USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state,
+        STORE_FINAL_STATE=final is not None,
         EXPORT=export_index is not None and num_exported > 0,
         num_warps=warps,
         num_stages=stages,
@@ -311,6 +321,7 @@ def tree_scan_bwd(
     inject_index: torch.Tensor | None,
     want_initial_state_grad: bool = True,
     config: ScanConfig | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Backward state scan with injected state gradients (module docstring).
 
@@ -321,6 +332,8 @@ def tree_scan_bwd(
             inject_index: int32 [NT] (slot whose gradient joins at the end of each chunk; -1
             none), or None.
         config: launch configuration (None: ``ScanConfig()``).
+        out: (dh, dv2) to write into instead of new tensors (a slice's call, as in
+            ``tree_scan_fwd``).
 
     Returns:
         dh [1, NT, H, K, V] (dtype of qg), dh0 [N, H, K, V] float32 (None unless
@@ -330,9 +343,8 @@ def tree_scan_bwd(
     V = do.shape[-1]
     _check(K)
     N = cu_seqlens.numel() - 1
-    dh = qg.new_empty(1, num_chunks, H, K, V)
+    dh, dv2 = out if out is not None else (qg.new_empty(1, num_chunks, H, K, V), torch.empty_like(dv))
     dh0 = qg.new_empty(N, H, K, V, dtype=torch.float32) if want_initial_state_grad else None
-    dv2 = torch.empty_like(dv)
     use_inject = inject is not None and inject_index is not None and inject.shape[0] > 0
     bv, warps, stages = _launch(config, kg, K, backward=True)
     grid = (triton.cdiv(V, bv), N * H)
