@@ -288,7 +288,7 @@ def _parser() -> argparse.ArgumentParser:
             help="with --recompute: cores whose forward is kept (attention, linear_attention)",
         )
         s.add_argument("--attention", default="auto", choices=["auto", "gather", "mask"])
-        s.add_argument("--la-backend", default="reference", choices=["reference", "fla", "tree", "tree_rounds", "auto"])
+        s.add_argument("--la-backend", default="reference", choices=["reference", "fla", "tree", "tree_linked", "auto"])
         s.add_argument("--threads", type=int, default=0)
         s.add_argument(
             "--logprobs",

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--la-backend",
         default="reference",
-        choices=["reference", "fla", "tree", "tree_rounds", "auto"],
+        choices=["reference", "fla", "tree", "tree_linked", "auto"],
         help="linear-attention core for both modes: torch reference, fla-core (CUDA), or auto",
     )
     p.add_argument(

@@ -7,7 +7,7 @@ context maps the three row-coupling operations onto it:
   one post-conv result per physical row; replay never re-runs it.
 * linear attention: one packed ``chunk_linear_attn`` call per round over
   ``x[round.la_rows]`` (all rounds' rows in one gather, ``harts.ops.row_gather``), or with the
-  tree kernel every round in one op (``linked_tree_linear_attn``, same states); a sequence
+  "tree_linked" backend every round in one op (``linked_tree_linear_attn``, same states); a sequence
   starts from zero (``init_state == -1``) or from a boundary state exported by an earlier
   round; the round exports ``round.requests`` into ``states[round.request_ids]``; outputs of
   non-replay positions go to ``round.out_rows``. Replay positions only update state. Autograd
@@ -74,8 +74,8 @@ class CompactContext(RowContext):
         self.la_op = linear_attn_op(la_backend, device, int(layout.chunk_size))
         from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
 
-        # the tree kernel links the rounds into one op per layer (unless asked per round)
-        self._link_rounds = la_backend != "tree_rounds" and self.la_op is tree_chunk_linear_attn
+        # "tree_linked": the tree kernel with the rounds linked into one op per layer
+        self._link_rounds = la_backend == "tree_linked" and self.la_op is tree_chunk_linear_attn
         self._linked = None  # LinkedPlan, made on the first linear attention (host work)
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
@@ -90,7 +90,8 @@ class CompactContext(RowContext):
         self.rounds = [self._round(r) for r in layout.rounds]
         # positions within all rounds' input rows that produce output (None: every one does)
         is_out = np.concatenate([np.asarray(r.is_output, dtype=bool) for r in layout.rounds] or [np.ones(0, bool)])
-        self._out_pos_all = None if is_out.all() else _t(np.flatnonzero(is_out), device)
+        # (a row gather: its backward is a gather, not a zero fill and an index_add)
+        self._out_pos_all = None if is_out.all() else row_gather_plan(np.flatnonzero(is_out), is_out.size, device)
         # the planner lays rounds out in physical order (each round's output rows one range,
         # the ranges consecutive): the output is then the rounds' outputs concatenated
         self._out_rows = np.concatenate([r.out_rows for r in self.rounds] or [np.zeros(0, np.int64)])
@@ -168,7 +169,7 @@ class CompactContext(RowContext):
                 chunk_size=self.chunk_size,
                 scale=scale,
             )
-            o = o if self._out_pos_all is None else o.index_select(0, self._out_pos_all)
+            o = o if self._out_pos_all is None else gather_rows(o, self._out_pos_all)
             return o if self.outputs_in_order else self._scatter_outputs(o, h, vd)
         states: list[torch.Tensor | None] = [None] * self.num_boundary_states
         out_vals = []

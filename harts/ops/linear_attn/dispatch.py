@@ -8,12 +8,15 @@ states, requested boundary states, all differentiable), so executors pick by nam
                  states by splitting sequences at requested chunk boundaries
     "tree"       ``tree_chunk_linear_attn`` (CUDA + fla-core + Triton): one packed call per
                  round, requested states exported and their gradients injected by harts' own
-                 state scans (``tree_scan``); GDN trains through it too, on Hopper as well. The
-                 compact executor links a microbatch's rounds into one op per layer
-                 (``linked_tree_linear_attn``: fla's chunk-parallel kernels once, the scans per
-                 round) wherever its layout's state requests are chunk-aligned
-    "tree_rounds" the same kernel one call per round, states handed over between calls (what
-                 "tree" did before the rounds were linked; kept to compare against)
+                 state scans (``tree_scan``); GDN trains through it too, on Hopper as well
+    "tree_linked" the same kernels with a compact microbatch's rounds linked into one op per
+                 layer (``linked_tree_linear_attn``: fla's chunk-parallel kernels once, the scans
+                 per round, the backward's recomputed scan once) wherever the layout's state
+                 requests are chunk-aligned; trajectory-wise it is "tree". Opt-in: on one H200
+                 its linear-attention device time per ``swe`` microbatch equalled "tree"'s
+                 (scans 8 ms and concatenations 9.5 ms less, an index_add 21 ms more, since
+                 replaced by a row gather, not yet measured), and its first ``harts bench`` run
+                 timed the linear-attention component 1.1 s longer over the step, not explained
     "auto"       "tree" on CUDA when fla-core imports and the chunk size is fla's 64, else
                  "reference" (a model with another chunk size, e.g. the tiny preset's 8, runs
                  the reference op; asking for "tree" or "fla" there is an error). On one H200 (bf16,
@@ -35,11 +38,11 @@ from harts.ops.linear_attn.fla import fla_available, fla_chunk_linear_attn
 
 __all__ = ["LINEAR_ATTN_BACKENDS", "linear_attn_op"]
 
-LINEAR_ATTN_BACKENDS = ("reference", "fla", "tree", "tree_rounds", "auto")
+LINEAR_ATTN_BACKENDS = ("reference", "fla", "tree", "tree_linked", "auto")
 
 
 #: chunk sizes fla-core's chunked kernels run (KDA: 32 or 64; harts' tree kernel and GDN: 64)
-FLA_CHUNK_SIZES = {"fla": (32, 64), "tree": (64,), "tree_rounds": (64,)}
+FLA_CHUNK_SIZES = {"fla": (32, 64), "tree": (64,), "tree_linked": (64,)}
 
 
 def linear_attn_op(backend: str, device: torch.device, chunk_size: int | None = None) -> Callable:
@@ -61,7 +64,7 @@ def linear_attn_op(backend: str, device: torch.device, chunk_size: int | None = 
             f"linear-attention backend {backend!r} runs fla-core's kernels at chunk size "
             f"{' or '.join(map(str, FLA_CHUNK_SIZES[backend]))}; this model's chunk size is {chunk_size}"
         )
-    if backend in ("tree", "tree_rounds"):
+    if backend in ("tree", "tree_linked"):
         from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
 
         return tree_chunk_linear_attn
