@@ -105,3 +105,21 @@ def test_load_model_and_device_contexts_build_the_seeded_values():
     with torch.device("meta"):
         meta = HybridLM(HybridConfig.tiny(vocab_size=128), seed=5)
     assert all(t.is_meta for t in meta.state_dict().values())
+
+
+def test_threaded_in_place_init_equals_init_value_chunked_and_cast(monkeypatch):
+    """``init_weights`` draws every stream and chunk on the thread pool into reused float32
+    scratch and casts while copying in place: bit-equal to ``init_value``, in float64 and in
+    bfloat16, with chunked tensors (a small DRAW_CHUNK) and with one thread or several."""
+    import harts.models.init as I
+
+    monkeypatch.setattr(I, "DRAW_CHUNK", 700)
+    for dtype in ("float64", "bfloat16"):
+        for threads in (1, 3):
+            monkeypatch.setattr(I, "_draw_threads", lambda n=threads: n)
+            model = HybridLM(HybridConfig.tiny(dtype=dtype, vocab_size=128, layer_pattern="KGMA"), seed=9)
+            tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+            specs = I.init_specs(model)
+            assert any(t.numel() > 700 for t in tensors.values())
+            for name, spec in specs.items():
+                assert torch.equal(tensors[name], I.init_value(spec, 9)), (dtype, threads, name)
