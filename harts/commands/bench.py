@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     workers = shared_workers(planner_workers(args.planner_workers))
     vocab, where = needed_vocab(summaries)
     model = build_model(args, vocab, where=where)
+    cold["model_initialised"] = time.perf_counter() - started
     check_recompute_layers(recompute, model)
     peak = args.peak_tflops or peak_tflops(torch.device(args.device))
     print(
@@ -436,6 +437,7 @@ COLD_START_PHASES = {
     "imports": "imports",
     "inputs": "reading and checking the steps",
     "model": "building the model",
+    "attention_probe": "choosing the FlexAttention backend",
     "step": "making the first step",
     "planning": "planning and the baseline's preparation",
     "warmup": "the baseline's untimed warm-up",
@@ -444,14 +446,22 @@ COLD_START_PHASES = {
 
 def cold_start_phases(marks: dict[str, float], to_timed: float | None, warmup: float) -> dict[str, float] | None:
     """Seconds of each cold-start phase (``COLD_START_PHASES``) from the command's marks (seconds
-    since it started: ``imports``, ``inputs_checked``, ``model_built``, ``step_made``) and the
+    since it started: ``imports``, ``inputs_checked``, ``model_initialised``, ``model_built``
+    (after the FlexAttention backend probe), ``step_made``) and the
     baseline's seconds to its first timed microbatch and warm-up; None without ``to_timed``.
     "planning" is what lies between the step being made and the baseline's warm-up: the step
     planner (twice with worker processes: once alone, for the check), the baseline's raw-token
     plan and its preparation of its microbatches."""
     if to_timed is None:
         return None
-    ends = [marks["imports"], marks["inputs_checked"], marks["model_built"], marks["step_made"], to_timed - warmup]
+    ends = [
+        marks["imports"],
+        marks["inputs_checked"],
+        marks.get("model_initialised", marks["model_built"]),
+        marks["model_built"],
+        marks["step_made"],
+        to_timed - warmup,
+    ]
     phases = dict(zip(COLD_START_PHASES, [ends[0], *(b - a for a, b in zip(ends, ends[1:]))], strict=False))
     phases["warmup"] = warmup
     return {k: round(max(v, 0.0), 2) for k, v in phases.items()}
