@@ -30,7 +30,7 @@ def test_every_sequence_starts_from_the_state_its_layout_names(seed: int) -> Non
     assert plan is not None and len(rounds) > 1
     starts = plan.round_starts
     assert plan.lengths.tolist() == [int(x) for cu, *_ in rounds for x in np.diff(cu)]
-    e, n = plan.io.num_exported, plan.num_seqs
+    e, n = plan.export_slots, plan.num_seqs
     made = {}
     for r, (_, _, req, ids) in enumerate(rounds):
         for (s, count), sid in zip(np.asarray(req).reshape(-1, 2), ids):
@@ -53,7 +53,7 @@ def test_every_sequence_starts_from_the_state_its_layout_names(seed: int) -> Non
                 assert pool < e and slot_chunk[pool] == plan.io.chunk_offsets[seq] + count // B
                 assert plan.io.inject_index[slot_chunk[pool] - 1] == pool
     assert linked > 0
-    assert plan.round_has_init[0] is False and any(plan.round_has_init[1:])
+    assert (plan.init_pool[: starts[1]] == e + n).all() and plan.pool_size == e + n + 1
 
 
 def test_unaligned_requests_leave_the_rounds_apart_and_unknown_states_are_named() -> None:

@@ -357,7 +357,7 @@ class LinkedPlan:
     """A microbatch's linear-attention rounds as one call: every round's sequences packed round
     after round, each starting from zero or from a state an earlier round's sequence produced.
 
-    States live in one float32 *pool* ``[E exported | N final | 1 zero]``: a state requested
+    States live in one float32 *pool* ``[max(E, 1) exported | N final | 1 zero]``: a state requested
     at a chunk boundary inside its sequence is exported by the forward scan into its slot
     (deduplicated by chunk), one at a sequence's end is that sequence's final state, one after 0
     positions is the state the sequence itself started from. Shapes: N sequences, NT chunks, E
@@ -367,9 +367,7 @@ class LinkedPlan:
     lengths: np.ndarray  # int64 [N]
     round_starts: np.ndarray  # int64 [num_rounds + 1]: first sequence of each round
     io: StateIO  # chunk offsets / indices, export_index [NT] (pool slot), inject_index [NT]
-    init_pool: np.ndarray  # int64 [N]: pool index each sequence starts from (E + N: zero)
-    round_has_init: tuple[bool, ...]
-    round_has_final: tuple[bool, ...]
+    init_pool: np.ndarray  # int64 [N]: pool index each sequence starts from (the last: zero)
 
     @property
     def num_seqs(self) -> int:
@@ -380,8 +378,14 @@ class LinkedPlan:
         return int(self.lengths.sum())
 
     @property
+    def export_slots(self) -> int:
+        """Export slots of the pool: at least one (unused where no state is exported), so that
+        every scan call compiles the same kernel variant (``_LinkedKDA``)."""
+        return max(self.io.num_exported, 1)
+
+    @property
     def pool_size(self) -> int:
-        return self.io.num_exported + self.num_seqs + 1
+        return self.export_slots + self.num_seqs + 1
 
 
 def plan_linked_rounds(
@@ -422,7 +426,7 @@ def plan_linked_rounds(
                 kind[int(sid)] = ("export", slots[chunk])
             else:
                 return None
-    e = len(slots)
+    e = max(len(slots), 1)  # LinkedPlan.export_slots
     zero = e + n
     init_pool = np.full(n, zero, dtype=np.int64)
     pool_of: dict[int, int] = {}
@@ -441,18 +445,10 @@ def plan_linked_rounds(
         chunk_indices=chunk_indices,
         export_index=export_index,
         inject_index=inject_index,
-        num_exported=e,
+        num_exported=len(slots),
         source=np.zeros(0, dtype=np.int64),
     )
-    finals = {at for what, at in kind.values() if what == "final"}
-    return LinkedPlan(
-        lengths=flat,
-        round_starts=starts,
-        io=io,
-        init_pool=init_pool,
-        round_has_init=tuple(bool((init_pool[a:b] != zero).any()) for a, b in zip(starts[:-1], starts[1:])),
-        round_has_final=tuple(any(a <= f < b for f in finals) for a, b in zip(starts[:-1], starts[1:])),
-    )
+    return LinkedPlan(lengths=flat, round_starts=starts, io=io, init_pool=init_pool)
 
 
 @dataclass(frozen=True)
@@ -496,7 +492,13 @@ class _LinkedKDA(torch.autograd.Function):
     kernels once over every row, the state scans once per round forward (each round's initial
     states gathered from the pool) and backward (in reverse; each round's initial-state
     gradients summed into the pool's gradient, which later-round consumers inject), and the
-    backward's recomputed forward scan once over all sequences (their initial states are known)."""
+    backward's recomputed forward scan once over all sequences (their initial states are known).
+
+    Every scan call passes the same flags whatever its round holds (initial states, zero rows
+    for roots; every sequence's final state; exports and injections, through a spare slot where
+    the plan exports nothing): one compiled variant per scan, so a later microbatch whose rounds
+    differ compiles nothing in the timed step. (The first ``harts bench`` run, flags set per
+    round, spent about 0.5 s and 0.3 s of two of 17 microbatches in new variants.)"""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, meta: _LinkedDevice, scale: float, chunk_size: int):  # type: ignore[override]
@@ -510,7 +512,7 @@ class _LinkedKDA(torch.autograd.Function):
         B, cu, ci, co = chunk_size, meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets
         plan = meta.plan
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
-        nt, e = plan.io.num_chunks, plan.io.num_exported
+        nt, e = plan.io.num_chunks, plan.export_slots
         gc = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
         w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
             q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
@@ -518,9 +520,7 @@ class _LinkedKDA(torch.autograd.Function):
         pool = q.new_zeros(plan.pool_size, H, K, V, dtype=torch.float32)
         h = kg.new_empty(1, nt, H, K, V)
         v_new = torch.empty_like(u)
-        for r, (a, b) in enumerate(zip(plan.round_starts[:-1].tolist(), plan.round_starts[1:].tolist())):
-            h0 = pool.index_select(0, meta.init_pool[a:b]) if plan.round_has_init[r] else None
-            final = pool[e + a : e + b] if plan.round_has_final[r] else None
+        for a, b in zip(plan.round_starts[:-1].tolist(), plan.round_starts[1:].tolist()):
             tree_scan_fwd(
                 kg,
                 w,
@@ -530,11 +530,11 @@ class _LinkedKDA(torch.autograd.Function):
                 chunk_offsets=co[a : b + 1],
                 num_chunks=nt,
                 chunk_size=B,
-                initial_state=h0,
-                export_index=meta.export_index if e else None,
+                initial_state=pool.index_select(0, meta.init_pool[a:b]),  # zero rows for roots
+                export_index=meta.export_index,
                 num_exported=e,
-                output_final_state=final is not None,
-                out=(h, v_new, final, pool[:e] if e else None),
+                output_final_state=True,
+                out=(h, v_new, pool[e + a : e + b], pool[:e]),
             )
         o = chunk_gla_fwd_o_gk(
             q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
@@ -560,7 +560,7 @@ class _LinkedKDA(torch.autograd.Function):
             meta.chunk_indices,
             meta.chunk_offsets,
             plan.io.num_chunks,
-            plan.io.num_exported,
+            plan.export_slots,
         )
         do = do.contiguous()
         w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gc, q=q, cu_seqlens=cu, chunk_indices=ci)
@@ -574,7 +574,7 @@ class _LinkedKDA(torch.autograd.Function):
             chunk_offsets=co,
             num_chunks=nt,
             chunk_size=B,
-            initial_state=pool.index_select(0, meta.init_pool) if any(plan.round_has_init) else None,
+            initial_state=pool.index_select(0, meta.init_pool),
             export_index=None,
             num_exported=0,
             output_final_state=False,
@@ -586,8 +586,7 @@ class _LinkedKDA(torch.autograd.Function):
         dh = qg.new_empty(1, nt, *pool.shape[1:])
         dv2 = torch.empty_like(dv)
         bounds = list(zip(plan.round_starts[:-1].tolist(), plan.round_starts[1:].tolist()))
-        for r in reversed(range(len(bounds))):
-            a, b = bounds[r]
+        for a, b in reversed(bounds):
             _, dh0, _ = tree_scan_bwd(
                 qg,
                 kg,
@@ -600,14 +599,14 @@ class _LinkedKDA(torch.autograd.Function):
                 chunk_offsets=co[a : b + 1],
                 num_chunks=nt,
                 chunk_size=B,
-                dht=dpool[e + a : e + b] if plan.round_has_final[r] else None,
-                inject=dpool[:e] if e else None,
-                inject_index=meta.inject_index if e else None,
-                want_initial_state_grad=plan.round_has_init[r],
+                dht=dpool[e + a : e + b],  # zeros where no later round reads a final state
+                inject=dpool[:e],
+                inject_index=meta.inject_index,
+                want_initial_state_grad=True,
                 out=(dh, dv2),
             )
-            if dh0 is not None:  # summed over the consumers of each state (deterministic)
-                dpool.index_put_((meta.init_pool[a:b],), dh0, accumulate=True)
+            # summed over each state's consumers (deterministic); the roots' land in the zero slot
+            dpool.index_put_((meta.init_pool[a:b],), dh0, accumulate=True)
         dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
             q=q,
             k=k,
