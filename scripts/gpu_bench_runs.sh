@@ -30,6 +30,8 @@
 #   medium_keep N  `medium` step 0 as `medium` with the MoE block kept and --moe-keep-gate-up N
 #   qkv_norm  the split-l2norm kernel's GPU test, then one KDA layer's split + l2 norms at 65,536 rows,
 #             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench)
+#   profile_la  `profile_swe` without the MoE block's gate/up kept, twice: --la-backend tree (one call per
+#             round) and tree_linked (the rounds linked into one op per layer): one microbatch per side each
 #   sweep     launch configurations of the state scans and fla-core's short conv on the first `swe` step-5
 #             microbatch of each side (harts.bench.kernel_sweep): ms per configuration, harts beside baseline
 #   tune      autotune fla-core's KDA and short-conv kernels at 65,536 rows (`harts.bench.tune_fla
@@ -40,14 +42,16 @@
 # COLD=1 first deletes this machine's Triton, Inductor and fla-core caches (~/.triton,
 # /tmp/torchinductor_*, ~/.cache/torch/inductor, ~/.cache/fla*), so that the part's cold start is a
 # fresh machine's (FA4's cute-DSL compilation keeps no cache there that we know of).
+# LA_BACKEND=NAME runs the bench parts with --la-backend NAME (default auto: the tree kernel one call
+# per round); LA_BACKEND=tree_linked links a microbatch's rounds into one op per layer.
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N}
 case "$part" in
-tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | tune | qkv_norm | sweep) ;;
+tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | profile_la | tune | qkv_norm | sweep) ;;
 layers | medium_layers | moe_keep | medium_keep) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -75,7 +79,7 @@ if [ "${USE_TUNED_FLA:-0}" = 1 ]; then
     echo "fla configs: tuned on this machine ($FLA_CONFIG_DIR), not the shipped ones"
 fi
 
-B=(python3 -m harts.cli bench --device cuda --la-backend auto --dtype bfloat16 --recompute --capacity 65536
+B=(python3 -m harts.cli bench --device cuda --la-backend "${LA_BACKEND:-auto}" --dtype bfloat16 --recompute --capacity 65536
     --attention mask --model ling3_tiny)
 KEEP=(--recompute-skip attention,linear_attention)
 KEEP_MOE=(--recompute-skip attention,linear_attention,moe)
@@ -134,6 +138,16 @@ profile_swe)
         --profile "$OUT/profile_swe" --profile-only >"$OUT/profile_swe.log" 2>&1
     grep -vE "^ +[0-9.]+ +[0-9]+  " "$OUT/profile_swe.log" | tail -40
     rm -f "$OUT"/profile_swe/step5/*.json  # the traces: too large to come back
+    ;;
+profile_la)
+    for be in tree tree_linked; do
+        BE=("${B[@]}"); BE[7]=$be  # --la-backend's value
+        timeout 280 "${BE[@]}" "${KEEP_MOE[@]}" --workload swe --first-step 5 --steps 1 --dp 8 --replica 0 \
+            --profile "$OUT/profile_la_$be" --profile-only >"$OUT/profile_la_$be.log" 2>&1
+        echo "== --la-backend $be"
+        grep -E "microbatch wall|^  [a-z_/]+ +[0-9.]+ ms" "$OUT/profile_la_$be.log" | head -24
+        rm -f "$OUT"/profile_la_"$be"/step5/*.json
+    done
     ;;
 tune)
     rm -rf "$TUNED"
