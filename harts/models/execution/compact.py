@@ -88,10 +88,13 @@ class CompactContext(RowContext):
         self.position = _t(layout.position, device)
         self.row_weight = upload(layout.multiplicity, device, torch.float64)
         self.rounds = [self._round(r) for r in layout.rounds]
-        # positions within all rounds' input rows that produce output (None: every one does)
-        is_out = np.concatenate([np.asarray(r.is_output, dtype=bool) for r in layout.rounds] or [np.ones(0, bool)])
-        # (a row gather: its backward is a gather, not a zero fill and an index_add)
-        self._out_pos_all = None if is_out.all() else row_gather_plan(np.flatnonzero(is_out), is_out.size, device)
+        # linked rounds: the positions within all rounds' input rows that produce output, as a
+        # row gather (its backward a gather, not a zero fill and an index_add); None: every one does
+        self._out_pos_all = None
+        if self._link_rounds:
+            is_out = np.concatenate([np.asarray(r.is_output, dtype=bool) for r in layout.rounds] or [np.ones(0, bool)])
+            if not is_out.all():
+                self._out_pos_all = row_gather_plan(np.flatnonzero(is_out), is_out.size, device)
         # the planner lays rounds out in physical order (each round's output rows one range,
         # the ranges consecutive): the output is then the rounds' outputs concatenated
         self._out_rows = np.concatenate([r.out_rows for r in self.rounds] or [np.zeros(0, np.int64)])
