@@ -177,8 +177,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
 
     Every draw (a tensor of at most ``DRAW_CHUNK`` entries, or one chunk of a larger one) is one
     job on a pool of host threads (``_draw_threads``): drawn in float32 into the thread's own
-    reused scratch buffer, then copied into its slice of the tensor, the cast to the model's
-    dtype included (on the device for a GPU model). The full ``ling3_tiny``'s 7.8 B parameters
+    reused scratch buffer, then copied into its slice of the tensor, the copy casting to the
+    model's dtype (for a GPU model, a synchronous host-to-device copy, after which the scratch is
+    reused). The full ``ling3_tiny``'s 7.8 B parameters
     no longer pass through a fresh float32 tensor and a fresh cast copy per tensor on one thread,
     with every page of both touched for the first time (module docstring)."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
