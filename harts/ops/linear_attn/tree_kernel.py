@@ -464,6 +464,19 @@ class _LinkedDevice:
 
 _LINKED_CACHE: OrderedDict = OrderedDict()
 
+#: run the first round's backward scan on a high-priority stream beside the later rounds'
+#: chunk-parallel backward (``_LinkedKDA.backward``); False runs everything on one stream
+OVERLAP_FIRST_ROUND = True
+_SCAN_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _scan_stream(device: torch.device) -> torch.cuda.Stream:
+    """A high-priority stream of ``device`` for the first round's scan (one per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SCAN_STREAMS:  # a lower number is a higher priority; the default stream's is 0
+        _SCAN_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _SCAN_STREAMS[index]
+
 
 def _linked_device(plan: LinkedPlan, device: torch.device) -> _LinkedDevice:
     key = (id(plan), str(device))
@@ -498,7 +511,13 @@ class _LinkedKDA(torch.autograd.Function):
     for roots; every sequence's final state; exports and injections, through a spare slot where
     the plan exports nothing): one compiled variant per scan, so a later microbatch whose rounds
     differ compiles nothing in the timed step. (The first ``harts bench`` run, flags set per
-    round, spent about 0.5 s and 0.3 s of two of 17 microbatches in new variants.)"""
+    round, spent about 0.5 s and 0.3 s of two of 17 microbatches in new variants.)
+
+    The first round is often one long shared prefix, whose scan leaves most of the GPU idle
+    (sequences x heads x V / 16 programs). In the backward it runs on a high-priority stream
+    beside the later rounds' chunk-parallel kernels (``OVERLAP_FIRST_ROUND``), which need only
+    their own rounds' state gradients; each input gradient is then put together from the two
+    halves in the copy that casts it to its input's dtype."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, meta: _LinkedDevice, scale: float, chunk_size: int):  # type: ignore[override]
@@ -586,7 +605,8 @@ class _LinkedKDA(torch.autograd.Function):
         dh = qg.new_empty(1, nt, *pool.shape[1:])
         dv2 = torch.empty_like(dv)
         bounds = list(zip(plan.round_starts[:-1].tolist(), plan.round_starts[1:].tolist()))
-        for a, b in reversed(bounds):
+
+        def scan(a: int, b: int) -> None:  # round [a, b)'s backward scan into dh / dv2 / dpool
             _, dh0, _ = tree_scan_bwd(
                 qg,
                 kg,
@@ -607,41 +627,72 @@ class _LinkedKDA(torch.autograd.Function):
             )
             # summed over each state's consumers (deterministic); the roots' land in the zero slot
             dpool.index_put_((meta.init_pool[a:b],), dh0, accumulate=True)
-        dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
-            q=q,
-            k=k,
-            v=v,
-            v_new=v_new,
-            g=gc,
-            beta=beta,
-            A=Akk,
-            h=h,
-            do=do,
-            dh=dh,
-            dv=dv2,
-            scale=scale,
-            cu_seqlens=cu,
-            chunk_size=B,
-            chunk_indices=ci,
-            chunk_offsets=co,
-        )
-        dq, dk, db, dg = chunk_kda_bwd_intra(
-            q=q,
-            k=k,
-            g=gc,
-            beta=beta,
-            dAqk=dAqk,
-            dAkk=dAkk,
-            dq=dq,
-            dk=dk,
-            db=db,
-            dg=dg,
-            cu_seqlens=cu,
-            chunk_indices=ci,
-            chunk_size=B,
-        )
-        dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=ci)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), db.to(beta.dtype), None, None, None
+
+        def tail(chunks: torch.Tensor) -> list[torch.Tensor]:
+            """dq, dk, dv, dg, db (float32 but dv) from the scans' dh / dv2, on ``chunks``' rows."""
+            dq, dk, dv_, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
+                q=q,
+                k=k,
+                v=v,
+                v_new=v_new,
+                g=gc,
+                beta=beta,
+                A=Akk,
+                h=h,
+                do=do,
+                dh=dh,
+                dv=dv2,
+                scale=scale,
+                cu_seqlens=cu,
+                chunk_size=B,
+                chunk_indices=chunks,
+                chunk_offsets=co,
+            )
+            dq, dk, db, dg = chunk_kda_bwd_intra(
+                q=q,
+                k=k,
+                g=gc,
+                beta=beta,
+                dAqk=dAqk,
+                dAkk=dAkk,
+                dq=dq,
+                dk=dk,
+                db=db,
+                dg=dg,
+                cu_seqlens=cu,
+                chunk_indices=chunks,
+                chunk_size=B,
+            )
+            dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=chunks)
+            return [dq, dk, dv_, dg, db]
+
+        dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype)
+        for a, b in reversed(bounds[1:]):
+            scan(a, b)
+        nt0 = int(plan.io.chunk_offsets[bounds[0][1]])  # the first round's chunks
+        if not (OVERLAP_FIRST_ROUND and q.is_cuda and 0 < nt0 < nt):
+            scan(*bounds[0])
+            return (*(t.to(d) for t, d in zip(tail(ci), dtypes)), None, None, None)
+        # the first round's scan (often one long shared prefix: the GPU mostly idle) on a
+        # high-priority stream, beside the later rounds' chunk-parallel tail, which needs only
+        # their own dh / dv2 (written above); then the first round's tail
+        main, side = torch.cuda.current_stream(q.device), _scan_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            scan(*bounds[0])
+        rest = tail(ci[nt0:])
+        main.wait_stream(side)
+        first = tail(ci[:nt0])
+        t0 = int(plan.lengths[: bounds[0][1]].sum())  # rows of the first round: [0, t0)
+        out = []
+        for d in dtypes:  # each gradient's two halves into one tensor of its input's dtype
+            a_, b_ = first.pop(0), rest.pop(0)
+            m = torch.empty(a_.shape, dtype=d, device=a_.device)
+            m[:, :t0].copy_(a_[:, :t0])
+            m[:, t0:].copy_(b_[:, t0:])
+            out.append(m)
+            del a_, b_
+        return (*out, None, None, None)
 
 
 def linked_tree_linear_attn(
