@@ -26,7 +26,14 @@ and for float64, the reference runs. The first call of each shape in a process a
 reference and compares; where the kernel fails or differs it warns once and the reference runs
 from then on.
 
-Shapes: mixed_TC with C = 2 * HK * K + HV * V; q, k [T, HK, K]; v [T, HV, V].
+With ``rows`` (a ``harts.ops.row_gather`` plan: compact execution's linear-attention input rows,
+every round's, replayed rows again), q, k and v come out gathered, ``[N, ...]`` for the plan's N
+slots: the kernel reads each slot's source row, so the three gathers the linear attention did
+after the split are gone. Its backward runs over the T source rows, each reading the gradient of
+its first slot (zero for a row no slot reads); the few later slots of a row (replay) are added
+in float32 by torch (``index_put_``, accumulating: deterministic).
+
+Shapes: mixed_TC with C = 2 * HK * K + HV * V; q, k [T, HK, K]; v [T, HV, V] (T -> N with rows).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import warnings
 import torch
 
 from harts.ops.compiled import cuda_compiled
+from harts.ops.row_gather import RowGatherPlan, gather_rows
 
 __all__ = ["kernel_applies", "l2norm", "split_l2norm_qkv", "split_l2norm_qkv_reference"]
 
@@ -58,13 +66,17 @@ BLOCK_T = 32
 
 
 def split_l2norm_qkv_reference(
-    mixed_TC: torch.Tensor, hk: int, dk: int, hv: int, dv: int, eps: float = 1e-6
+    mixed_TC: torch.Tensor, hk: int, dk: int, hv: int, dv: int, eps: float = 1e-6, rows: RowGatherPlan | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch formulation: (q [T, HK, K], k [T, HK, K], v [T, HV, V]); v is a view of
-    ``mixed_TC``."""
+    ``mixed_TC``. With ``rows``: each then gathered (``gather_rows``), [N, ...]."""
     t = mixed_TC.shape[0]
     q, k, v = torch.split(mixed_TC, [hk * dk, hk * dk, hv * dv], dim=-1)
-    return l2norm(q.reshape(t, hk, dk), eps), l2norm(k.reshape(t, hk, dk), eps), v.reshape(t, hv, dv)
+    out = l2norm(q.reshape(t, hk, dk), eps), l2norm(k.reshape(t, hk, dk), eps), v.reshape(t, hv, dv)
+    if rows is None:
+        return out
+    q, k, v = (gather_rows(x, rows) for x in out)
+    return q, k, v
 
 
 def _pow2(n: int) -> bool:
@@ -95,26 +107,29 @@ _checked: dict[tuple, bool] = {}
 
 
 def split_l2norm_qkv(
-    mixed_TC: torch.Tensor, hk: int, dk: int, hv: int, dv: int, eps: float = 1e-6
+    mixed_TC: torch.Tensor, hk: int, dk: int, hv: int, dv: int, eps: float = 1e-6, rows: RowGatherPlan | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [T, HK, K], k [T, HK, K], v [T, HV, V]), q and k l2-normed over K, from
     ``mixed_TC [T, 2 HK K + HV V]``; differentiable. The kernel where ``kernel_applies`` (all
-    three outputs contiguous), else ``split_l2norm_qkv_reference``."""
+    three outputs contiguous), else ``split_l2norm_qkv_reference``. ``rows``: gathered to the
+    plan's N slots (module docstring), [N, ...] each."""
     if mixed_TC.dim() != 2 or mixed_TC.shape[1] != 2 * hk * dk + hv * dv:
         raise ValueError(
             f"split_l2norm_qkv: mixed must be [T, 2*{hk}*{dk} + {hv}*{dv}] = [T, {2 * hk * dk + hv * dv}], "
             f"got {list(mixed_TC.shape)}"
         )
+    if rows is not None and rows.num_rows != mixed_TC.shape[0]:
+        raise ValueError(f"split_l2norm_qkv: rows gather from {rows.num_rows} rows; mixed has {mixed_TC.shape[0]}")
     if not kernel_applies(mixed_TC, hk, dk, hv, dv):
-        return split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps)
-    key = (mixed_TC.device.type, mixed_TC.dtype, hk, dk, hv, dv)
+        return split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps, rows)
+    key = (mixed_TC.device.type, mixed_TC.dtype, hk, dk, hv, dv, rows is not None)
     if key not in _checked:
         # without autograd: under activation checkpointing the first call's forward and its
         # recomputation must save the same tensors
         with torch.no_grad():
-            want = split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps)
+            want = split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps, rows)
             try:
-                got = _forward(mixed_TC, hk, dk, hv, dv, eps)
+                got = _forward(mixed_TC, hk, dk, hv, dv, eps, None if rows is None else rows.index)
                 why = None if _close(got, want) else "its output differed from the torch reference"
             except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the reference
                 why = f"it failed ({type(e).__name__}: {e})"
@@ -125,8 +140,8 @@ def split_l2norm_qkv(
                 stacklevel=2,
             )
     if not _checked[key]:
-        return split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps)
-    q, k, v = _SplitL2Norm.apply(mixed_TC, hk, dk, hv, dv, eps)
+        return split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps, rows)
+    q, k, v = _SplitL2Norm.apply(mixed_TC, hk, dk, hv, dv, eps, rows)
     return q, k, v
 
 
@@ -144,40 +159,69 @@ def _close(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> boo
 
 class _SplitL2Norm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, mixed_TC, hk, dk, hv, dv, eps):  # type: ignore[no-untyped-def, override]
+    def forward(ctx, mixed_TC, hk, dk, hv, dv, eps, rows):  # type: ignore[no-untyped-def, override]
         mixed = mixed_TC.contiguous()
         ctx.save_for_backward(mixed)
-        ctx.dims = (hk, dk, hv, dv, eps)
-        return _forward(mixed, hk, dk, hv, dv, eps)
+        ctx.dims, ctx.rows = (hk, dk, hv, dv, eps), rows
+        return _forward(mixed, hk, dk, hv, dv, eps, None if rows is None else rows.index)
 
     @staticmethod
     def backward(ctx, dq, dk_, dv_):  # type: ignore[no-untyped-def, override]
         (mixed,) = ctx.saved_tensors
         hk, dk, hv, dv, eps = ctx.dims
+        rows: RowGatherPlan | None = ctx.rows
         t = mixed.shape[0]
-        dq = torch.zeros(t, hk, dk, dtype=mixed.dtype, device=mixed.device) if dq is None else dq.contiguous()
-        dk_ = torch.zeros(t, hk, dk, dtype=mixed.dtype, device=mixed.device) if dk_ is None else dk_.contiguous()
-        dv_ = torch.zeros(t, hv, dv, dtype=mixed.dtype, device=mixed.device) if dv_ is None else dv_.contiguous()
+        n = t if rows is None else rows.index.numel()
+        dq = torch.zeros(n, hk, dk, dtype=mixed.dtype, device=mixed.device) if dq is None else dq.contiguous()
+        dk_ = torch.zeros(n, hk, dk, dtype=mixed.dtype, device=mixed.device) if dk_ is None else dk_.contiguous()
+        dv_ = torch.zeros(n, hv, dv, dtype=mixed.dtype, device=mixed.device) if dv_ is None else dv_.contiguous()
         dmixed = torch.empty_like(mixed)
         if t:
             grid = (triton.cdiv(t, BLOCK_T), 2 * hk + hv)
+            first = rows.primary_or_unread if rows is not None else dmixed
             _split_l2norm_bwd_kernel[grid](
-                mixed, dq, dk_, dv_, dmixed, t, HK=hk, DK=dk, HV=hv, DV=dv, EPS=eps, BLOCK_T=BLOCK_T
-            )
-        return dmixed, None, None, None, None, None
+                mixed, dq, dk_, dv_, dmixed, first, t,
+                HK=hk, DK=dk, HV=hv, DV=dv, EPS=eps, BLOCK_T=BLOCK_T, GATHER=rows is not None,
+            )  # fmt: skip
+        if rows is not None and rows.extra_rows is not None and rows.extra_slots is not None:
+            # a row's later slots (replay): their gradients added in float32, in torch
+            x = mixed[rows.extra_rows].float()
+            d = _l2norm_split_grad(x, dq[rows.extra_slots], dk_[rows.extra_slots], dv_[rows.extra_slots], hk, dk, eps)
+            dmixed.index_put_((rows.extra_rows,), d.to(dmixed.dtype), accumulate=True)
+        return dmixed, None, None, None, None, None, None
+
+
+def _l2norm_split_grad(
+    x_EC: torch.Tensor, dq: torch.Tensor, dk_: torch.Tensor, dv_: torch.Tensor, hk: int, dk: int, eps: float
+) -> torch.Tensor:
+    """The split's gradient of rows ``x_EC`` (float32 [E, C]) from their q / k / v gradients
+    [E, H, *], in float32: ``d x = r dy - x r^3 (dy . x)`` per q / k head, ``d v`` for v."""
+    e = x_EC.shape[0]
+    parts = []
+    for i, dy in enumerate((dq, dk_)):
+        x = x_EC[:, i * hk * dk : (i + 1) * hk * dk].reshape(e, hk, dk)
+        dyf = dy.float()
+        r = torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+        parts.append((dyf * r - x * (r**3 * (dyf * x).sum(-1, keepdim=True))).reshape(e, -1))
+    parts.append(dv_.float().reshape(e, -1))
+    return torch.cat(parts, dim=-1)
 
 
 def _forward(
-    mixed: torch.Tensor, hk: int, dk: int, hv: int, dv: int, eps: float
+    mixed: torch.Tensor, hk: int, dk: int, hv: int, dv: int, eps: float, index: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel: q, k, v of every row, or of the rows ``index`` [N] reads."""
     mixed = mixed.contiguous()
-    t = mixed.shape[0]
-    q = torch.empty(t, hk, dk, dtype=mixed.dtype, device=mixed.device)
+    n = mixed.shape[0] if index is None else index.numel()
+    q = torch.empty(n, hk, dk, dtype=mixed.dtype, device=mixed.device)
     k = torch.empty_like(q)
-    v = torch.empty(t, hv, dv, dtype=mixed.dtype, device=mixed.device)
-    if t:
-        grid = (triton.cdiv(t, BLOCK_T), 2 * hk + hv)
-        _split_l2norm_fwd_kernel[grid](mixed, q, k, v, t, HK=hk, DK=dk, HV=hv, DV=dv, EPS=eps, BLOCK_T=BLOCK_T)
+    v = torch.empty(n, hv, dv, dtype=mixed.dtype, device=mixed.device)
+    if n:
+        grid = (triton.cdiv(n, BLOCK_T), 2 * hk + hv)
+        _split_l2norm_fwd_kernel[grid](
+            mixed, q, k, v, mixed if index is None else index, n,
+            HK=hk, DK=dk, HV=hv, DV=dv, EPS=eps, BLOCK_T=BLOCK_T, GATHER=index is not None,
+        )  # fmt: skip
     return q, k, v
 
 
@@ -189,6 +233,7 @@ if triton is not None:
         Q,
         K,
         V,
+        IDX,
         T,
         HK: tl.constexpr,
         DK: tl.constexpr,
@@ -196,15 +241,20 @@ if triton is not None:
         DV: tl.constexpr,
         EPS: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
         rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         live = rows < T
         head = tl.program_id(1)
         width = 2 * HK * DK + HV * DV
+        if GATHER:  # output row i reads source row IDX[i]
+            src = tl.load(IDX + rows, mask=live, other=0).to(tl.int64)
+        else:
+            src = rows
         # (the branches name their values apart: Triton types a name across both branches)
         if head < 2 * HK:  # a q or k head: normalize
             ck = tl.arange(0, DK)
-            x = tl.load(X + rows[:, None] * width + head * DK + ck[None, :], mask=live[:, None], other=0.0)
+            x = tl.load(X + src[:, None] * width + head * DK + ck[None, :], mask=live[:, None], other=0.0)
             xf = x.to(tl.float32)
             r = tl.rsqrt(tl.sum(xf * xf, axis=1) + EPS)
             y = (xf * r[:, None]).to(Q.dtype.element_ty)
@@ -215,7 +265,7 @@ if triton is not None:
         else:  # a v head: copy
             cv = tl.arange(0, DV)
             vh = head - 2 * HK
-            xv = tl.load(X + rows[:, None] * width + 2 * HK * DK + vh * DV + cv[None, :], mask=live[:, None])
+            xv = tl.load(X + src[:, None] * width + 2 * HK * DK + vh * DV + cv[None, :], mask=live[:, None])
             tl.store(V + rows[:, None] * (HV * DV) + vh * DV + cv[None, :], xv, mask=live[:, None])
 
     @triton.jit
@@ -225,6 +275,7 @@ if triton is not None:
         DKK,
         DVV,
         DX,
+        FIRST,
         T,
         HK: tl.constexpr,
         DK: tl.constexpr,
@@ -232,20 +283,28 @@ if triton is not None:
         DV: tl.constexpr,
         EPS: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
         rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         live = rows < T
         head = tl.program_id(1)
         width = 2 * HK * DK + HV * DV
+        if GATHER:  # source row p takes the gradient of its first slot FIRST[p] (-1: none, zero)
+            slot = tl.load(FIRST + rows, mask=live, other=-1).to(tl.int64)
+            has = live & (slot >= 0)
+            dyr = tl.maximum(slot, 0)
+        else:
+            has = live
+            dyr = rows
         if head < 2 * HK:  # d x = r dy - x r^3 (dy . x), r = (sum x^2 + eps)^-1/2
             ck = tl.arange(0, DK)
             at = rows[:, None] * width + head * DK + ck[None, :]
             x = tl.load(X + at, mask=live[:, None], other=0.0).to(tl.float32)
             if head < HK:
-                dy = tl.load(DQ + rows[:, None] * (HK * DK) + head * DK + ck[None, :], mask=live[:, None], other=0.0)
+                dy = tl.load(DQ + dyr[:, None] * (HK * DK) + head * DK + ck[None, :], mask=has[:, None], other=0.0)
             else:
                 dy = tl.load(
-                    DKK + rows[:, None] * (HK * DK) + (head - HK) * DK + ck[None, :], mask=live[:, None], other=0.0
+                    DKK + dyr[:, None] * (HK * DK) + (head - HK) * DK + ck[None, :], mask=has[:, None], other=0.0
                 )
             dyf = dy.to(tl.float32)
             r = tl.rsqrt(tl.sum(x * x, axis=1) + EPS)
@@ -255,5 +314,5 @@ if triton is not None:
         else:
             cv = tl.arange(0, DV)
             vh = head - 2 * HK
-            dv = tl.load(DVV + rows[:, None] * (HV * DV) + vh * DV + cv[None, :], mask=live[:, None])
+            dv = tl.load(DVV + dyr[:, None] * (HV * DV) + vh * DV + cv[None, :], mask=has[:, None], other=0.0)
             tl.store(DX + rows[:, None] * width + 2 * HK * DK + vh * DV + cv[None, :], dv, mask=live[:, None])

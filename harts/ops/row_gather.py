@@ -38,6 +38,8 @@ class RowGatherPlan:
     primary: torch.Tensor
     #: int64 [P - rows read]: rows no slot reads (their gradient is zero), or None
     unread: torch.Tensor | None
+    #: int64 [P]: ``primary`` with -1 for a row no slot reads (for kernels that gather by row)
+    primary_or_unread: torch.Tensor
     #: int64 [E] rows and slots of every occurrence after a row's first, or None
     extra_rows: torch.Tensor | None
     extra_slots: torch.Tensor | None
@@ -64,10 +66,13 @@ def row_gather_plan(index: np.ndarray, num_rows: int, device: torch.device) -> R
     is_extra[first] = False
     extra_slots = np.flatnonzero(is_extra)
     unread = np.setdiff1d(np.arange(num_rows, dtype=np.int64), rows, assume_unique=True)
+    primary_or_unread = primary.copy()
+    primary_or_unread[unread] = -1
     return RowGatherPlan(
         index=upload(index, device),
         primary=upload(primary, device),
         unread=upload(unread, device) if unread.size else None,
+        primary_or_unread=upload(primary_or_unread, device),
         extra_rows=upload(index[extra_slots], device) if extra_slots.size else None,
         extra_slots=upload(extra_slots, device) if extra_slots.size else None,
         num_rows=num_rows,

@@ -81,6 +81,59 @@ def test_kernel_equals_the_reference() -> None:
     check_here_or_interpreted(check_kernel, "from tests.ops.test_qkv_norm import check_kernel; check_kernel()")
 
 
+def check_gathered_kernel() -> None:
+    """With a row gather (compact execution's linear-attention rows): outputs equal the reference
+    split followed by ``gather_rows``, and the gradient of every source row sums its slots'
+    (rows read twice, rows read by no slot, slots out of row order), also with outputs unused."""
+    import warnings
+
+    import numpy as np
+
+    from harts.ops.row_gather import row_gather_plan
+
+    warnings.filterwarnings("error", message=".*split-l2norm kernel is off")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(1)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+        for t, hk, dk, hv, dv in CASES[:3]:
+            rng = np.random.default_rng(t)
+            # every row but the last once, a few rows again (replay), out of order
+            index = np.concatenate([np.arange(max(t - 1, 1)), rng.integers(0, max(t - 1, 1), size=min(t, 7))])
+            rng.shuffle(index)
+            rows = row_gather_plan(index, t, dev)
+            mixed = (torch.randn(t, 2 * hk * dk + hv * dv, generator=g) * 3).to(dev, dtype)
+            want = split_l2norm_qkv_reference(mixed, hk, dk, hv, dv, rows=rows)
+            got = split_l2norm_qkv(mixed, hk, dk, hv, dv, rows=rows)
+            for a, b in zip(got, want, strict=True):
+                assert a.shape == b.shape == (index.size, *b.shape[1:]) and a.is_contiguous()
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+            w = tuple(torch.randn(o.shape, generator=g).to(dev) for o in want)
+            for used in ((True, True, True), (False, True, True), (True, False, False)):
+                a = (hk, dk, hv, dv)
+                _, g_ref = _grads(lambda x, a=a: split_l2norm_qkv_reference(x, *a, rows=rows), mixed, w, used)
+                _, g_ker = _grads(lambda x, a=a: split_l2norm_qkv(x, *a, rows=rows), mixed, w, used)
+                assert g_ker is not None and g_ref is not None
+                torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
+                if t > 1:
+                    assert torch.count_nonzero(g_ker[t - 1]) == 0  # read by no slot
+
+
+def test_gathered_kernel_equals_the_reference_then_gather() -> None:
+    check_here_or_interpreted(
+        check_gathered_kernel, "from tests.ops.test_qkv_norm import check_gathered_kernel; check_gathered_kernel()"
+    )
+
+
+def test_rows_of_another_size_are_named() -> None:
+    import numpy as np
+
+    from harts.ops.row_gather import row_gather_plan
+
+    rows = row_gather_plan(np.arange(4), 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="rows gather from 4 rows; mixed has 9"):
+        split_l2norm_qkv(torch.randn(9, 56), 3, 8, 2, 4, rows=rows)
+
+
 def test_reference_on_cpu_and_float64_gradients() -> None:
     """Off CUDA (without the interpreter) the reference runs: v a view, q / k unit rows."""
     mixed = torch.randn(9, 2 * 3 * 8 + 2 * 4, dtype=torch.float64, requires_grad=True)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from harts.ops.row_gather import RowGatherPlan
+
 __all__ = ["RowContext"]
 
 
@@ -66,6 +68,12 @@ class RowContext:
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def la_input_rows(self) -> RowGatherPlan | None:
+        """The rows the linear attention reads, as a row gather over this context's rows (compact
+        execution: every round's, replayed rows again), or None: the rows as they are. A layer
+        may hand ``linear_attention`` q / k / v already gathered (``qkv_gathered=True``)."""
+        return None
+
     def linear_attention(
         self,
         q_THK: torch.Tensor,
@@ -75,7 +83,10 @@ class RowContext:
         beta_TH: torch.Tensor,
         *,
         scale: float | None = None,
+        qkv_gathered: bool = False,
     ) -> torch.Tensor:
+        """[T, H, V] output rows. ``qkv_gathered``: q / k / v are already ``la_input_rows``'s
+        rows (g and beta are not)."""
         raise NotImplementedError
 
     def attention(self, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGE: torch.Tensor, *, scale: float) -> torch.Tensor:

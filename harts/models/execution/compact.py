@@ -30,7 +30,7 @@ import torch
 
 from harts.models.execution.base import RowContext
 from harts.ops.conv import ConvRuns, conv_uses_fla
-from harts.ops.row_gather import gather_rows, row_gather_plan
+from harts.ops.row_gather import RowGatherPlan, gather_rows, row_gather_plan
 from harts.ops.upload import upload
 
 __all__ = ["CompactContext", "RoundTensors"]
@@ -159,15 +159,26 @@ class CompactContext(RowContext):
             self._linked = plan_linked_rounds(rounds, self.chunk_size) or False
         return self._linked or None
 
-    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
+    def la_input_rows(self) -> RowGatherPlan:  # every round's input rows (replayed ones again)
+        return self._la_gather
+
+    def _la_inputs(self, q_THK, k_THK, v_THV, g, beta_TH, qkv_gathered: bool) -> list[torch.Tensor]:  # noqa: ANN001
+        """Every round's input rows of the five inputs (q / k / v as given when already gathered)."""
+        qkv = (
+            [q_THK, k_THK, v_THV] if qkv_gathered else [gather_rows(t, self._la_gather) for t in (q_THK, k_THK, v_THV)]
+        )
+        return [*qkv, gather_rows(g, self._la_gather), gather_rows(beta_TH, self._la_gather)]
+
+    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None, qkv_gathered=False):  # type: ignore[override]
         h, kd, vd = q_THK.shape[1], q_THK.shape[2], v_THV.shape[2]
+        inputs = self._la_inputs(q_THK, k_THK, v_THV, g, beta_TH, qkv_gathered)
         linked = self._linked_plan() if self._link_rounds else None
         if linked is not None:
             from harts.ops.linear_attn.tree_kernel import linked_tree_linear_attn
 
             # every round's rows in one gather per input, every round in one op
             o = linked_tree_linear_attn(
-                *(gather_rows(t, self._la_gather) for t in (q_THK, k_THK, v_THV, g, beta_TH)),
+                *inputs,
                 plan=linked,
                 chunk_size=self.chunk_size,
                 scale=scale,
@@ -179,9 +190,7 @@ class CompactContext(RowContext):
         # every round's input rows in one gather per input (harts.ops.row_gather: one
         # deterministic backward instead of a [P, ...] zero fill, scatter and add per round)
         sizes = [r.num_la_rows for r in self.rounds]
-        q_r, k_r, v_r, g_r, b_r = (
-            torch.split(gather_rows(t, self._la_gather), sizes) for t in (q_THK, k_THK, v_THV, g, beta_TH)
-        )
+        q_r, k_r, v_r, g_r, b_r = (torch.split(t, sizes) for t in inputs)
         for i, r in enumerate(self.rounds):
             init = None
             if (r.init_state >= 0).any():

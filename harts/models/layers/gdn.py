@@ -59,12 +59,15 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(t, -1), kk.reshape(t, -1), vv.reshape(t, -1)], dim=-1)
         mixed = ctx.short_conv(mixed, self.conv1d.weight_DW, None, "silu")
         split = split_l2norm_qkv if self.fused_qkv_norm else split_l2norm_qkv_reference
-        q, kk, vv = split(mixed, hk, k, hv, v)
+        # the linear attention's input rows gathered by the split itself (compact execution)
+        rows = ctx.la_input_rows()
+        q, kk, vv = split(mixed, hk, k, hv, v, rows=rows)
         if r > 1:
             q = q.repeat_interleave(r, dim=1)
             kk = kk.repeat_interleave(r, dim=1)
         beta = torch.sigmoid(b.reshape(t, hv))
         g = -self.A_log.exp() * F.softplus(a.reshape(t, hv) + self.dt_bias)
-        o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta)
+        kw = {} if rows is None else {"qkv_gathered": True}
+        o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta, **kw)
         o = self.norm(o, z.reshape(t, hv, v))
         return self.out_proj(o.reshape(t, hv * v))

@@ -119,13 +119,16 @@ class KimiDeltaAttention(nn.Module):
         weight = torch.cat([self.q_conv1d.weight_DW, self.k_conv1d.weight_DW, self.v_conv1d.weight_DW], dim=0)
         mixed = ctx.short_conv(mixed, weight, None, "silu")
         split = split_l2norm_qkv if self.fused_qkv_norm else split_l2norm_qkv_reference
-        q, kk, vv = split(mixed, h, k, h, v)
+        # the linear attention's input rows gathered by the split itself (compact execution)
+        rows = ctx.la_input_rows()
+        q, kk, vv = split(mixed, h, k, h, v, rows=rows)
         f = self.f_b_proj(self.f_a_proj(x_TD)) if self.low_rank_gates else self.f_proj(x_TD)
         g = kda_log_decay(
             f.reshape(t, h, k), self.dt_bias.reshape(h, k), self.A_log, self.lower_bound if self.safe_gate else None
         )
         beta = torch.sigmoid(self.b_proj(x_TD))
-        o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta)
+        kw = {} if rows is None else {"qkv_gathered": True}
+        o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta, **kw)
         gate = self.g_b_proj(self.g_a_proj(x_TD)) if self.low_rank_gates else self.g_proj(x_TD)
         gate = gate.reshape(t, h, v)
         o = self.o_norm(o, gate)
