@@ -192,6 +192,34 @@ def test_kernel_on_cuda_at_ling3_tiny_heads() -> None:
         torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gathered_kernel_on_cuda() -> None:
+    """The row-gathering variant compiled on CUDA: the small cases of the interpreted test, and
+    ling3_tiny's heads over a compact-like gather (every row once in order, 300 replayed again
+    further on, the last 5 rows unread), forward and every gradient."""
+    import numpy as np
+
+    from harts.ops.row_gather import row_gather_plan
+
+    check_gathered_kernel()
+    g = torch.Generator().manual_seed(2)
+    t, h, d = 4097, 16, 128
+    rng = np.random.default_rng(0)
+    index = np.concatenate([np.arange(2000), rng.integers(0, t - 5, size=300), np.arange(2000, t - 5)])
+    rows = row_gather_plan(index, t, torch.device("cuda"))
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+        mixed = torch.randn(t, 3 * h * d, generator=g).to("cuda", dtype)
+        w = tuple(torch.randn(index.size, h, d, generator=g).cuda() for _ in range(3))
+        used = (True, True, True)
+        o_ref, g_ref = _grads(lambda x: split_l2norm_qkv_reference(x, h, d, h, d, rows=rows), mixed, w, used)
+        o_ker, g_ker = _grads(lambda x: split_l2norm_qkv(x, h, d, h, d, rows=rows), mixed, w, used)
+        for a, b in zip(o_ker, o_ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
+        assert g_ker is not None and torch.count_nonzero(g_ker[t - 5 :]) == 0
+
+
 def test_bench_says_where_the_kernel_does_not_apply(capsys: pytest.CaptureFixture[str]) -> None:
     from harts.bench.qkv_norm_bench import main
 
