@@ -104,6 +104,9 @@ class BenchSide:
     #: graphs torch.compile (Dynamo) built during the timed step: 0 when the warm-up compiled
     #: every variant the step needs (a compilation inside the timed step inflates its time)
     compiles_in_timed_step: int = 0
+    #: Triton kernel specializations first used during the timed step (compiled, or loaded from
+    #: Triton's disk cache: a kernel variant the warm-up did not meet), by kernel name
+    triton_variants_in_timed_step: list[str] = field(default_factory=list)
     #: seconds from ``clock_origin`` (``bench_step``; ``harts bench``: the command's start) to
     #: this side's first timed microbatch: the cold start, untimed warm-up included; None
     #: without an origin
@@ -126,6 +129,8 @@ class BenchSide:
     core_seconds: float | None = None
     #: graphs torch.compile built during that run (0 when the earlier runs met every variant)
     compiles_in_core_run: int = 0
+    #: Triton kernel specializations first used during that run (as ``triton_variants_in_timed_step``)
+    triton_variants_in_core_run: list[str] = field(default_factory=list)
     #: CUDA caching-allocator events that synchronize the device, in the timed step and in the
     #: Core run: retries after a failed allocation (each frees cached blocks, a device sync) and
     #: blocks handed back to the driver (``cudaFree`` synchronizes); 0 on CPU
@@ -484,7 +489,7 @@ def _run_side(
     bar = (
         progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches") if progress else None
     )
-    graphs_before, syncs_before = _compiled_graphs(), _allocator_syncs(device)
+    graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
     marks, mb_rows = [], []
     with regions.RegionTimer(device) as timer:
         t0 = time.perf_counter()
@@ -533,6 +538,7 @@ def _run_side(
         flops=flop_model.training_flops(rows, logit_rows, pairs),
         warmup_seconds=round(warm, 3),
         compiles_in_timed_step=_compiled_graphs() - graphs_before,
+        triton_variants_in_timed_step=TRITON_VARIANTS[variants_before:],
         allocator_syncs=_allocator_syncs(device) - syncs_before,
         seconds_to_timed=to_timed,
         breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()},
@@ -565,10 +571,10 @@ def _core_run_seconds(
     batch: RolloutBatch,
     items: Sequence[Callable[[], tuple[RolloutBatch, Any]]],
     execution: ExecutionConfig,
-) -> tuple[float, int, int]:
+) -> tuple[float, int, int, list[str]]:
     """Wall seconds of the microbatches as ``harts train`` runs them, and the graphs
-    torch.compile built and the allocator's synchronizing events (``_allocator_syncs``)
-    meanwhile: each of ``items`` (slot order) prepares its microbatch on the host, (microbatch,
+    torch.compile built, the allocator's synchronizing events (``_allocator_syncs``) and the
+    Triton kernel variants first used (``_triton_variants``) meanwhile: each of ``items`` (slot order) prepares its microbatch on the host, (microbatch,
     model inputs), right before it runs (no device sync between them), so its preparation
     overlaps the device's work on the one before. Gradients are discarded."""
     device = model.embed_tokens.weight.device
@@ -576,7 +582,7 @@ def _core_run_seconds(
     model.zero_grad(set_to_none=True)
     _sync(device)
     # under the region timers as the F/B/Grad run (their events cost the same in both runs)
-    graphs_before, syncs_before = _compiled_graphs(), _allocator_syncs(device)
+    graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
     with regions.RegionTimer(device):
         t0 = time.perf_counter()
         for prepare in items:
@@ -584,7 +590,12 @@ def _core_run_seconds(
         _sync(device)
         seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return seconds, _compiled_graphs() - graphs_before, _allocator_syncs(device) - syncs_before
+    return (
+        seconds,
+        _compiled_graphs() - graphs_before,
+        _allocator_syncs(device) - syncs_before,
+        TRITON_VARIANTS[variants_before:],
+    )
 
 
 def _allocator_syncs(device: torch.device) -> int:
@@ -609,6 +620,33 @@ def _mark(device: torch.device) -> object:
 def _between(a: Any, b: Any) -> float:
     """Seconds between two ``_mark``s (after the device has synchronized)."""
     return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
+
+
+#: names of the Triton kernels specialized in this process since ``_triton_variants`` first ran,
+#: one entry per specialization (``jit_post_compile_hook``)
+TRITON_VARIANTS: list[str] = []
+_TRITON_HOOKED = [False]
+
+
+def _triton_variants() -> int:
+    """How many Triton kernel specializations this process has first used (compiled, or loaded
+    from Triton's disk cache) since the first call, which installs the counting hook (Triton's
+    ``knobs.runtime.jit_post_compile_hook``, chained to any hook already there; it runs once per
+    new specialization, never per launch). 0 without Triton's knobs (Triton < 3.4)."""
+    if not _TRITON_HOOKED[0]:
+        try:
+            from triton import knobs
+        except ImportError:
+            return 0
+        previous = knobs.runtime.jit_post_compile_hook
+
+        def count(*args: Any, **kwargs: Any) -> Any:
+            TRITON_VARIANTS.append(str(getattr(kwargs.get("fn"), "name", "?")))
+            return previous(*args, **kwargs) if previous is not None else None
+
+        knobs.runtime.jit_post_compile_hook = count
+        _TRITON_HOOKED[0] = True
+    return len(TRITON_VARIANTS)
 
 
 def _compiled_graphs() -> int:
@@ -1045,11 +1083,12 @@ def bench_step(
         # the step planner's time measured above plus this run, whose clock holds every
         # microbatch's preparation
         items = [functools.partial(as_trained, k) for k in plan.for_replica(replica)]
-        run, compiles, syncs = _core_run_seconds(model, batch, items, compact_side)
+        run, compiles, syncs, variants = _core_run_seconds(model, batch, items, compact_side)
         harts = replace(
             harts,
             core_seconds=round(plan_seconds + run, 4),
             compiles_in_core_run=compiles,
+            triton_variants_in_core_run=variants,
             allocator_syncs_in_core_run=syncs,
         )
     return StepBench(

@@ -254,6 +254,13 @@ def run(args: argparse.Namespace) -> int:
                         f"{name}'s timed step (a shape or variant the warm-up did not meet); its time includes them",
                         flush=True,
                     )
+                if side.triton_variants_in_timed_step:
+                    print(
+                        f"step {step}: note: {len(side.triton_variants_in_timed_step)} Triton kernel variant(s) were "
+                        f"first used inside {name}'s timed step (compiled or loaded; the warm-up did not meet them): "
+                        f"{_variant_words(side.triton_variants_in_timed_step)}; its time includes them",
+                        flush=True,
+                    )
             for name, syncs in (
                 ("baseline's timed step", r.baseline.allocator_syncs),
                 ("harts' timed step", r.harts.allocator_syncs),
@@ -270,6 +277,13 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"step {step}: note: torch.compile built {r.harts.compiles_in_core_run} graph(s) inside harts' "
                     "Core run; Core includes them",
+                    flush=True,
+                )
+            if r.harts.triton_variants_in_core_run:
+                print(
+                    f"step {step}: note: {len(r.harts.triton_variants_in_core_run)} Triton kernel variant(s) were "
+                    f"first used inside harts' Core run: {_variant_words(r.harts.triton_variants_in_core_run)}; "
+                    "Core includes them",
                     flush=True,
                 )
             steps_bar.update()
@@ -465,6 +479,15 @@ def cold_start_phases(marks: dict[str, float], to_timed: float | None, warmup: f
     phases = dict(zip(COLD_START_PHASES, [ends[0], *(b - a for a, b in zip(ends, ends[1:]))], strict=False))
     phases["warmup"] = warmup
     return {k: round(max(v, 0.0), 2) for k, v in phases.items()}
+
+
+def _variant_words(names: list[str]) -> str:
+    """Kernel names with their counts, most frequent first (at most five named)."""
+    from collections import Counter
+
+    common = Counter(names).most_common()
+    words = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in common[:5])
+    return words + (f" and {len(common) - 5} more kernels" if len(common) > 5 else "")
 
 
 def _phase_words(phases: dict[str, float] | None) -> str:

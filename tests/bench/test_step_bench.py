@@ -470,3 +470,27 @@ def test_compilations_inside_the_core_run_are_counted_and_reported(monkeypatch, 
     out = capsys.readouterr().out
     assert "torch.compile built 1 graph(s) inside harts' Core run; Core includes them" in out
     assert "inside baseline's timed step" in out and "inside harts's timed step" in out
+
+
+def test_triton_variants_are_counted_through_the_jit_hook(monkeypatch) -> None:
+    """The counting hook (Triton's ``jit_post_compile_hook``) records each new kernel
+    specialization's name and still calls a hook that was there before it."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    import harts.bench.step_bench as sb
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw["fn"].name))
+    monkeypatch.setattr(sb, "TRITON_VARIANTS", [])
+    monkeypatch.setattr(sb, "_TRITON_HOOKED", [False])
+    before = sb._triton_variants()
+    for name in ("_tree_scan_fwd_kernel", "_tree_scan_bwd_kernel", "_tree_scan_fwd_kernel"):
+        knobs.runtime.jit_post_compile_hook(key=None, fn=SimpleNamespace(name=name))
+    assert sb._triton_variants() - before == 3 == len(seen)
+    assert sb.TRITON_VARIANTS[before:] == ["_tree_scan_fwd_kernel", "_tree_scan_bwd_kernel", "_tree_scan_fwd_kernel"]
+    from harts.commands.bench import _variant_words
+
+    assert _variant_words(sb.TRITON_VARIANTS) == "_tree_scan_fwd_kernel x2, _tree_scan_bwd_kernel"
