@@ -16,8 +16,8 @@ states, requested boundary states, all differentiable), so executors pick by nam
                  as it now stands: on one H200 its linear-attention device time per ``swe``
                  microbatch equalled "tree"'s (scans 8 ms and concatenations 9.5 ms less, an
                  index_add 21 ms more, since replaced by a row gather), and in its first
-                 ``harts bench`` run two of 17 timed microbatches compiled new scan variants
-                 (+0.5 s, +0.3 s; every call now passes the same flags)
+                 ``harts bench`` run two of 17 timed microbatches took +0.5 s and +0.3 s, most
+                 likely compiling new scan variants (every call now passes the same flags)
     "auto"       "tree" on CUDA when fla-core imports and the chunk size is fla's 64, else
                  "reference" (a model with another chunk size, e.g. the tiny preset's 8, runs
                  the reference op; asking for "tree" or "fla" there is an error). On one H200 (bf16,
