@@ -147,23 +147,111 @@ def _device_meta(
     return meta
 
 
+def _fwd_intra(q, k, v, g, beta, scale: float, cu, ci, B: int):  # noqa: ANN001, ANN202
+    """fla's chunk-local forward over the chunks ``ci``: the cumulated log2 decay gc and (w, u,
+    kg, Aqk, Akk) (module docstring)."""
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    gc = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
+    w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+    )
+    return gc, w, u, kg, Aqk, Akk
+
+
+def _fwd_output(q, v_new, gc, Aqk, h, scale: float, cu, ci, B: int):  # noqa: ANN001, ANN202
+    """fla's output kernel from the scan's per-chunk states h and v_new."""
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+
+    return chunk_gla_fwd_o_gk(
+        q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+    )
+
+
+def _bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale: float, cu, ci, co, nt: int, B: int):  # noqa: ANN001, ANN202
+    """The backward up to the state-gradient scan: w, u, qg, kg recomputed, the states h and
+    v_new rescanned from ``h0`` (one call over every sequence), and fla's dAqk and dv of v_new."""
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+
+    from harts.ops.linear_attn.tree_scan import tree_scan_fwd
+
+    w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gc, q=q, cu_seqlens=cu, chunk_indices=ci)
+    h, v_new, _, _ = tree_scan_fwd(
+        kg,
+        w,
+        u,
+        gc,
+        cu_seqlens=cu,
+        chunk_offsets=co,
+        num_chunks=nt,
+        chunk_size=B,
+        initial_state=h0,
+        export_index=None,
+        num_exported=0,
+        output_final_state=False,
+    )
+    dAqk, dv = chunk_kda_bwd_dAv(
+        q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+    )
+    return w, qg, kg, h, v_new, dAqk, dv
+
+
+def _bwd_tail(q, k, v, v_new, gc, beta, Akk, h, do, dh, dv2, dAqk, scale: float, cu, chunks, co, B: int):  # noqa: ANN001, ANN202
+    """The backward after the state-gradient scan, on the chunks ``chunks`` (fla's chunk index
+    rows): [dq, dk, dv, dg, db] (float32 but dv), valid on those chunks' rows."""
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
+        q=q,
+        k=k,
+        v=v,
+        v_new=v_new,
+        g=gc,
+        beta=beta,
+        A=Akk,
+        h=h,
+        do=do,
+        dh=dh,
+        dv=dv2,
+        scale=scale,
+        cu_seqlens=cu,
+        chunk_size=B,
+        chunk_indices=chunks,
+        chunk_offsets=co,
+    )
+    dq, dk, db, dg = chunk_kda_bwd_intra(
+        q=q,
+        k=k,
+        g=gc,
+        beta=beta,
+        dAqk=dAqk,
+        dAkk=dAkk,
+        dq=dq,
+        dk=dk,
+        db=db,
+        dg=dg,
+        cu_seqlens=cu,
+        chunk_indices=chunks,
+        chunk_size=B,
+    )
+    dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=chunks)
+    return [dq, dk, dv, dg, db]
+
+
 class _TreeKDA(torch.autograd.Function):
     """KDA chunk op over [1, T, H, *] with export / injection (module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, meta: _DeviceMeta, scale: float, chunk_size: int):  # type: ignore[override]
-        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-
         from harts.ops.linear_attn.tree_scan import tree_scan_fwd
 
         B, cu, ci = chunk_size, meta.cu_seqlens, meta.chunk_indices
-        gc = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
-        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
-            q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
-        )
+        gc, w, u, kg, Aqk, Akk = _fwd_intra(q, k, v, g, beta, scale, cu, ci, B)
         h, v_new, final, exported = tree_scan_fwd(
             kg,
             w,
@@ -177,44 +265,20 @@ class _TreeKDA(torch.autograd.Function):
             export_index=meta.export_index,
             num_exported=meta.io.num_exported,
         )
-        o = chunk_gla_fwd_o_gk(
-            q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
-        )
+        o = _fwd_output(q, v_new, gc, Aqk, h, scale, cu, ci, B)
         ctx.save_for_backward(q, k, v, gc, beta, Aqk, Akk, h0)
         ctx.meta, ctx.scale, ctx.chunk_size, ctx.has_h0, ctx.g_dtype = meta, scale, chunk_size, h0 is not None, g.dtype
         return o.to(q.dtype), final, exported
 
     @staticmethod
     def backward(ctx, do, dfinal, dexported):  # type: ignore[override]
-        from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
-        from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
-        from fla.ops.kda.wy_fast import recompute_w_u_fwd
-        from fla.ops.utils import chunk_local_cumsum
-
-        from harts.ops.linear_attn.tree_scan import tree_scan_bwd, tree_scan_fwd
+        from harts.ops.linear_attn.tree_scan import tree_scan_bwd
 
         q, k, v, gc, beta, Aqk, Akk, h0 = ctx.saved_tensors
         meta, scale, B = ctx.meta, ctx.scale, ctx.chunk_size
         cu, ci, co, nt = meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets, meta.io.num_chunks
         do = do.contiguous()
-        w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gc, q=q, cu_seqlens=cu, chunk_indices=ci)
-        h, v_new, _, _ = tree_scan_fwd(
-            kg,
-            w,
-            u,
-            gc,
-            cu_seqlens=cu,
-            chunk_offsets=co,
-            num_chunks=nt,
-            chunk_size=B,
-            initial_state=h0,
-            export_index=None,
-            num_exported=0,
-            output_final_state=False,
-        )
-        dAqk, dv = chunk_kda_bwd_dAv(
-            q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
-        )
+        w, qg, kg, h, v_new, dAqk, dv = _bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale, cu, ci, co, nt, B)
         dh, dh0, dv = tree_scan_bwd(
             qg,
             kg,
@@ -232,40 +296,7 @@ class _TreeKDA(torch.autograd.Function):
             inject_index=meta.inject_index,
             want_initial_state_grad=ctx.has_h0,
         )
-        dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
-            q=q,
-            k=k,
-            v=v,
-            v_new=v_new,
-            g=gc,
-            beta=beta,
-            A=Akk,
-            h=h,
-            do=do,
-            dh=dh,
-            dv=dv,
-            scale=scale,
-            cu_seqlens=cu,
-            chunk_size=B,
-            chunk_indices=ci,
-            chunk_offsets=co,
-        )
-        dq, dk, db, dg = chunk_kda_bwd_intra(
-            q=q,
-            k=k,
-            g=gc,
-            beta=beta,
-            dAqk=dAqk,
-            dAkk=dAkk,
-            dq=dq,
-            dk=dk,
-            db=db,
-            dg=dg,
-            cu_seqlens=cu,
-            chunk_indices=ci,
-            chunk_size=B,
-        )
-        dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+        dq, dk, dv, dg, db = _bwd_tail(q, k, v, v_new, gc, beta, Akk, h, do, dh, dv, dAqk, scale, cu, ci, co, B)
         return (
             dq.to(q.dtype),
             dk.to(k.dtype),
@@ -521,21 +552,13 @@ class _LinkedKDA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, meta: _LinkedDevice, scale: float, chunk_size: int):  # type: ignore[override]
-        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-
         from harts.ops.linear_attn.tree_scan import tree_scan_fwd
 
         B, cu, ci, co = chunk_size, meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets
         plan = meta.plan
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
         nt, e = plan.io.num_chunks, plan.export_slots
-        gc = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
-        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
-            q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
-        )
+        gc, w, u, kg, Aqk, Akk = _fwd_intra(q, k, v, g, beta, scale, cu, ci, B)
         pool = q.new_zeros(plan.pool_size, H, K, V, dtype=torch.float32)
         h = kg.new_empty(1, nt, H, K, V)
         v_new = torch.empty_like(u)
@@ -555,21 +578,14 @@ class _LinkedKDA(torch.autograd.Function):
                 output_final_state=True,
                 out=(h, v_new, pool[e + a : e + b], pool[:e]),
             )
-        o = chunk_gla_fwd_o_gk(
-            q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
-        )
+        o = _fwd_output(q, v_new, gc, Aqk, h, scale, cu, ci, B)
         ctx.save_for_backward(q, k, v, gc, beta, Aqk, Akk, pool)
         ctx.meta, ctx.scale, ctx.chunk_size, ctx.g_dtype = meta, scale, chunk_size, g.dtype
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):  # type: ignore[override]
-        from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
-        from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
-        from fla.ops.kda.wy_fast import recompute_w_u_fwd
-        from fla.ops.utils import chunk_local_cumsum
-
-        from harts.ops.linear_attn.tree_scan import tree_scan_bwd, tree_scan_fwd
+        from harts.ops.linear_attn.tree_scan import tree_scan_bwd
 
         q, k, v, gc, beta, Aqk, Akk, pool = ctx.saved_tensors
         meta, scale, B = ctx.meta, ctx.scale, ctx.chunk_size
@@ -582,25 +598,9 @@ class _LinkedKDA(torch.autograd.Function):
             plan.export_slots,
         )
         do = do.contiguous()
-        w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gc, q=q, cu_seqlens=cu, chunk_indices=ci)
-        # every sequence's initial state is in the pool now: one scan over all of them
-        h, v_new, _, _ = tree_scan_fwd(
-            kg,
-            w,
-            u,
-            gc,
-            cu_seqlens=cu,
-            chunk_offsets=co,
-            num_chunks=nt,
-            chunk_size=B,
-            initial_state=pool.index_select(0, meta.init_pool),
-            export_index=None,
-            num_exported=0,
-            output_final_state=False,
-        )
-        dAqk, dv = chunk_kda_bwd_dAv(
-            q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
-        )
+        # every sequence's initial state is in the pool now: one rescan over all of them
+        h0 = pool.index_select(0, meta.init_pool)
+        w, qg, kg, h, v_new, dAqk, dv = _bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale, cu, ci, co, nt, B)
         dpool = torch.zeros_like(pool)
         dh = qg.new_empty(1, nt, *pool.shape[1:])
         dv2 = torch.empty_like(dv)
@@ -629,42 +629,7 @@ class _LinkedKDA(torch.autograd.Function):
             dpool.index_put_((meta.init_pool[a:b],), dh0, accumulate=True)
 
         def tail(chunks: torch.Tensor) -> list[torch.Tensor]:
-            """dq, dk, dv, dg, db (float32 but dv) from the scans' dh / dv2, on ``chunks``' rows."""
-            dq, dk, dv_, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
-                q=q,
-                k=k,
-                v=v,
-                v_new=v_new,
-                g=gc,
-                beta=beta,
-                A=Akk,
-                h=h,
-                do=do,
-                dh=dh,
-                dv=dv2,
-                scale=scale,
-                cu_seqlens=cu,
-                chunk_size=B,
-                chunk_indices=chunks,
-                chunk_offsets=co,
-            )
-            dq, dk, db, dg = chunk_kda_bwd_intra(
-                q=q,
-                k=k,
-                g=gc,
-                beta=beta,
-                dAqk=dAqk,
-                dAkk=dAkk,
-                dq=dq,
-                dk=dk,
-                db=db,
-                dg=dg,
-                cu_seqlens=cu,
-                chunk_indices=chunks,
-                chunk_size=B,
-            )
-            dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=chunks)
-            return [dq, dk, dv_, dg, db]
+            return _bwd_tail(q, k, v, v_new, gc, beta, Akk, h, do, dh, dv2, dAqk, scale, cu, chunks, co, B)
 
         dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype)
         for a, b in reversed(bounds[1:]):
