@@ -28,8 +28,8 @@ Per step:
     F/B/Grad      baseline time / harts time (forward + backward + gradients)
     Core          baseline time / harts' Core time: the step planner (whole-step compaction
                   included), then the microbatches as ``harts train`` runs them, each prepared
-                  (slice, call plan, layout, LM-head plan) on the host just before it runs, so the
-                  host prepares microbatch k + 1 while the device still runs k. This is a second
+                  (slice, call plan, layout, LM-head plan) on a host thread while the one before
+                  it is launched (``harts.plan.prefetch``). This is a second
                   timed harts run (``core_run``); without it, Core charges planning and every
                   microbatch's preparation made ahead (``plan_seconds``) in full.
 
@@ -56,6 +56,7 @@ from harts.models.config import LAYER_TYPES
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.plan.baselines.trajectory_plan import plan_trajectory_step
+from harts.plan.prefetch import Prefetched
 from harts.plan.step import PlannerWorkers, plan_step
 from harts.plan.step.step_plan import same_step_plan
 from harts.rl.grpo import grpo_loss, grpo_normalizer
@@ -574,9 +575,10 @@ def _core_run_seconds(
 ) -> tuple[float, int, int, list[str]]:
     """Wall seconds of the microbatches as ``harts train`` runs them, and the graphs
     torch.compile built, the allocator's synchronizing events (``_allocator_syncs``) and the
-    Triton kernel variants first used (``_triton_variants``) meanwhile: each of ``items`` (slot order) prepares its microbatch on the host, (microbatch,
-    model inputs), right before it runs (no device sync between them), so its preparation
-    overlaps the device's work on the one before. Gradients are discarded."""
+    Triton kernel variants first used (``_triton_variants``) meanwhile: each of ``items`` (slot
+    order) prepares its microbatch on the host, (microbatch, model inputs), on a background thread
+    while the one before it is launched (``harts.plan.prefetch.Prefetched``, as ``harts train``
+    does; no device sync between them). Gradients are discarded."""
     device = model.embed_tokens.weight.device
     one = _microbatch_runner(model, batch, execution)
     model.zero_grad(set_to_none=True)
@@ -585,8 +587,8 @@ def _core_run_seconds(
     graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
     with regions.RegionTimer(device):
         t0 = time.perf_counter()
-        for prepare in items:
-            one(*prepare())
+        for item in Prefetched(items):
+            one(*item)
         _sync(device)
         seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)

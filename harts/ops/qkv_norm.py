@@ -227,7 +227,10 @@ def _forward(
 
 if triton is not None:
 
-    @triton.jit
+    # the row count T is not specialized (Triton would compile one variant for counts divisible
+    # by 16 and one for the rest: a step's microbatches have both, and the second variant was
+    # compiled inside a timed step)
+    @triton.jit(do_not_specialize=["T"])
     def _split_l2norm_fwd_kernel(
         X,
         Q,
@@ -268,7 +271,7 @@ if triton is not None:
             xv = tl.load(X + src[:, None] * width + 2 * HK * DK + vh * DV + cv[None, :], mask=live[:, None])
             tl.store(V + rows[:, None] * (HV * DV) + vh * DV + cv[None, :], xv, mask=live[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _split_l2norm_bwd_kernel(
         X,
         DQ,

@@ -31,6 +31,7 @@ microbatches, hence the same step objective, as D ranks.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -50,6 +51,7 @@ from harts.parallel.mesh import ParallelConfig, ParallelState
 from harts.parallel.parallelize import clip_grad_norm, finish_gradients, set_gradient_sync
 from harts.plan.baselines.trajectory_plan import TrajectoryPlan, plan_trajectory_step
 from harts.plan.calls import CallPlan
+from harts.plan.prefetch import Prefetched
 from harts.plan.step import StepPlan, plan_step
 from harts.plan.step.workers import shared_workers
 from harts.rl.grpo import grpo_loss, grpo_normalizer
@@ -114,6 +116,11 @@ class TrainConfig:
     #: 0 plans in the calling process
     planner_workers: int = 0
 
+    #: prepare each microbatch's host inputs on a background thread while the one before it is
+    #: launched (``harts.plan.prefetch``; the same inputs); False prepares each in the training
+    #: thread right before it runs
+    prepare_ahead: bool = True
+
     def __post_init__(self) -> None:
         if self.moe_statistics not in ("microbatch", "step"):
             raise ValueError(f"moe_statistics must be 'microbatch' or 'step', got {self.moe_statistics!r}")
@@ -142,6 +149,8 @@ class StepLog:
     moe_objective: float
     grad_norm: float
     plan_seconds: float
+    #: seconds the training thread spent on the microbatches' host preparation: waiting for
+    #: the background thread (``TrainConfig.prepare_ahead``), or preparing them itself
     prepare_seconds: float
     train_seconds: float
     #: semantic tokens per second of training time, per rank
@@ -414,14 +423,16 @@ def accumulate_step_gradients(
         prepare_seconds += time.perf_counter() - tp
         counts = _step_expert_counts(model, (inputs_of(*it) for it in items if it is not None), cfg, state)
         _set_step_statistics(model, (counts, float(batch.num_tokens)))
+
+    def prepare(k: int, made: tuple[RolloutBatch, CompactBatch | None, CallPlan | None] | None) -> tuple[Any, Any]:
+        sub, cb, call_plan = made if made is not None else item_of(k)
+        return sub, inputs_of(sub, cb, call_plan)
+
+    # each microbatch is prepared on a background thread while the one before it is launched (no
+    # device sync between them): the training thread waits only for what that does not hide
+    ahead = Prefetched([functools.partial(prepare, k, made) for k, made in zip(mine, items)], ahead=cfg.prepare_ahead)
     try:
-        for done, (k, made) in enumerate(zip(mine, items), start=1):
-            # each microbatch is prepared just before it runs: no device sync between them, so
-            # the host prepares microbatch k + 1 while the device still runs k
-            tp = time.perf_counter()
-            sub, cb, call_plan = made if made is not None else item_of(k)
-            inputs = inputs_of(sub, cb, call_plan)
-            prepare_seconds += time.perf_counter() - tp
+        for done, (sub, inputs) in enumerate(ahead, start=1):
             out = model(inputs, cfg.execution)
             pg = grpo_loss(
                 out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer
@@ -457,6 +468,7 @@ def accumulate_step_gradients(
             if progress is not None:
                 progress(done, len(mine))
     finally:
+        prepare_seconds += ahead.waited
         if step_level:
             _set_step_statistics(model, None)
 

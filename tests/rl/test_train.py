@@ -75,3 +75,19 @@ def test_train_runs_and_updates_weights():
 def test_bad_mode():
     with pytest.raises(ValueError, match="mode must be"):
         TrainConfig(execution=ExecutionConfig(mode="expanded"))
+
+
+def test_preparing_ahead_gives_the_same_step():
+    # the microbatches' host inputs made on a background thread are the ones made in the
+    # training thread: the same loss and gradients, bit for bit
+    batch = _batch()
+    got = {}
+    for ahead in (True, False):
+        model = _model()
+        cfg = TrainConfig(capacity=300, execution=ExecutionConfig(mode="compact"), prepare_ahead=ahead)
+        acc = accumulate_step_gradients(model, batch, cfg)
+        assert acc.microbatches > 2 and acc.prepare_seconds >= 0.0
+        got[ahead] = (acc.loss, _grads(model))
+    assert got[True][0] == got[False][0]
+    for name, g in got[False][1].items():
+        assert torch.equal(got[True][1][name], g), name
