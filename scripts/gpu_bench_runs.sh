@@ -28,6 +28,9 @@
 #   moe_keep N [S]  `swe` step S (default 5), replica 0 of 8, the MoE block kept, its first N MoE layers
 #             keeping their gate/up output (--moe-keep-gate-up N: about 1.07 GB more per layer)
 #   medium_keep N  `medium` step 0 as `medium` with the MoE block kept and --moe-keep-gate-up N
+#   medium_full N  `medium` step 0 on the full ling3_tiny (24 layers, no --pattern), the MoE block kept
+#             and its first N MoE layers keeping their gate/up output
+#   gpu_tests PATH...  `pytest -m gpu` on the given test files only (with part A of FA4 kept, as `tests`)
 #   qkv_norm  the split-l2norm kernel's GPU test, then one KDA layer's split + l2 norms at 65,536 rows,
 #             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench)
 #   profile_la  `profile_swe` without the MoE block's gate/up kept, twice: --la-backend tree (one call per
@@ -47,11 +50,14 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N|medium_full N|gpu_tests PATH...}
 case "$part" in
 tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | profile_la | tune | qkv_norm | sweep) ;;
-layers | medium_layers | moe_keep | medium_keep) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N)" >&2; exit 2 ;;
+layers | medium_layers | moe_keep | medium_keep | medium_full) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
+gpu_tests)
+    [ $# -ge 2 ] || { echo "gpu_tests needs test paths" >&2; exit 2; }
+    for f in "${@:2}"; do [ -e "${f%%::*}" ] || { echo "gpu_tests: no test file '${f%%::*}'" >&2; exit 2; }; done ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, gpu_tests PATH...)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -62,7 +68,7 @@ fi
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 9
-if [ "$part" = tests ] && [ -f .fa4a/part-a ]; then
+if { [ "$part" = tests ] || [ "$part" = gpu_tests ]; } && [ -f .fa4a/part-a ]; then
     bash scripts/fa4_wheels.sh keep >/dev/null || exit 9
 elif [ -f .fa4b/part-b ]; then
     if ! why=$(bash scripts/fa4_wheels.sh unpack /tmp/site 2>&1); then
@@ -166,6 +172,17 @@ medium_layers)
     timeout 280 "${B[@]}" "${KEEP_MOE[@]}" --recompute-layers "$n" --pattern KKKM --workload medium --steps 1 \
         --json "$OUT/medium_layers$n.json" >"$OUT/medium_layers$n.log" 2>&1
     show "$OUT/medium_layers$n.log"
+    ;;
+gpu_tests)
+    timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider "${@:2}" >"$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  " "$OUT/gpu_tests.log" | head -30
+    tail -3 "$OUT/gpu_tests.log"
+    ;;
+medium_full)
+    n=$2
+    timeout 560 "${B[@]}" "${KEEP_MOE[@]}" --moe-keep-gate-up "$n" --workload medium --steps 1 \
+        --json "$OUT/medium_full_keep$n.json" >"$OUT/medium_full_keep$n.log" 2>&1
+    show "$OUT/medium_full_keep$n.log"
     ;;
 moe_keep)
     n=$2 step=${3:-5}

@@ -226,7 +226,6 @@ def _forward(
 
 
 if triton is not None:
-
     # the row count T is not specialized (Triton would compile one variant for counts divisible
     # by 16 and one for the rest: a step's microbatches have both, and the second variant was
     # compiled inside a timed step)

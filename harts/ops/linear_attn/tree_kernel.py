@@ -201,7 +201,10 @@ def _bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale: float, cu, ci, co, nt:
 
 def _bwd_tail(q, k, v, v_new, gc, beta, Akk, h, do, dh, dv2, dAqk, scale: float, cu, chunks, co, B: int):  # noqa: ANN001, ANN202
     """The backward after the state-gradient scan, on the chunks ``chunks`` (fla's chunk index
-    rows): [dq, dk, dv, dg, db] (float32 but dv), valid on those chunks' rows."""
+    rows): [dq, dk, dv, dg, db] (float32 but dv), valid on those chunks' rows. ``h`` / ``dh``
+    [1, len(chunks), H, K, V] are those chunks' states and state gradients, in ``chunks``' order:
+    fla's wy/dqkg kernel addresses them by the chunk's position in ``chunks`` (its program id),
+    not by ``chunk_offsets``."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
     from fla.ops.utils import chunk_local_cumsum
@@ -628,8 +631,9 @@ class _LinkedKDA(torch.autograd.Function):
             # summed over each state's consumers (deterministic); the roots' land in the zero slot
             dpool.index_put_((meta.init_pool[a:b],), dh0, accumulate=True)
 
-        def tail(chunks: torch.Tensor) -> list[torch.Tensor]:
-            return _bwd_tail(q, k, v, v_new, gc, beta, Akk, h, do, dh, dv2, dAqk, scale, cu, chunks, co, B)
+        def tail(lo: int, hi: int) -> list[torch.Tensor]:  # chunks [lo, hi) of the packed sequences
+            hs, dhs = h[:, lo:hi], dh[:, lo:hi]
+            return _bwd_tail(q, k, v, v_new, gc, beta, Akk, hs, do, dhs, dv2, dAqk, scale, cu, ci[lo:hi], co, B)
 
         dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype)
         for a, b in reversed(bounds[1:]):
@@ -637,7 +641,7 @@ class _LinkedKDA(torch.autograd.Function):
         nt0 = int(plan.io.chunk_offsets[bounds[0][1]])  # the first round's chunks
         if not (OVERLAP_FIRST_ROUND and q.is_cuda and 0 < nt0 < nt):
             scan(*bounds[0])
-            return (*(t.to(d) for t, d in zip(tail(ci), dtypes)), None, None, None)
+            return (*(t.to(d) for t, d in zip(tail(0, nt), dtypes)), None, None, None)
         # the first round's scan (often one long shared prefix: the GPU mostly idle) on a
         # high-priority stream, beside the later rounds' chunk-parallel tail, which needs only
         # their own dh / dv2 (written above); then the first round's tail
@@ -645,9 +649,9 @@ class _LinkedKDA(torch.autograd.Function):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             scan(*bounds[0])
-        rest = tail(ci[nt0:])
+        rest = tail(nt0, nt)
         main.wait_stream(side)
-        first = tail(ci[:nt0])
+        first = tail(0, nt0)
         t0 = int(plan.lengths[: bounds[0][1]].sum())  # rows of the first round: [0, t0)
         out = []
         for d in dtypes:  # each gradient's two halves into one tensor of its input's dtype
