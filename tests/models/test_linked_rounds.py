@@ -4,6 +4,8 @@ op itself: ``tests/ops/test_tree_kernel.py``, the host plan: ``tests/ops/test_li
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -24,21 +26,29 @@ def test_linked_rounds_match_the_per_round_tree_kernel_in_the_model() -> None:
     )
     model = HybridLM(cfg).to("cuda", torch.float32)
     batch = generate("small", step=0)
-    runs = {}
-    for backend in ("tree", "tree_linked"):
-        execution = ExecutionConfig(mode="compact", attention="mask", linear_attention_backend=backend)
-        inputs = model.prepare_compact(batch, execution)
+
+    def run(m: HybridLM, backend: str, attention: str = "mask") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        execution = ExecutionConfig(mode="compact", attention=attention, linear_attention_backend=backend)
+        inputs = m.prepare_compact(batch, execution)
         assert len(inputs.layout.rounds) > 1
-        model.zero_grad(set_to_none=True)
-        out = model(inputs, execution)
+        m.zero_grad(set_to_none=True)
+        out = m(inputs, execution)
         grpo_loss(out.logprobs, batch).loss.backward()
-        runs[backend] = (
-            out.logprobs.detach(),
-            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-        )
-    (lp, g), (lp_linked, g_linked) = runs["tree"], runs["tree_linked"]
+        grads = {n: p.grad.detach().double().cpu() for n, p in m.named_parameters() if p.grad is not None}
+        return out.logprobs.detach().double().cpu(), grads
+
+    lp, g = run(model, "tree")
+    lp_linked, g_linked = run(model, "tree_linked")
+    # the truth: the same weights in float64 (torch's chunked recurrence, dense attention per
+    # branch; on the GPU: the CPU needs more than 24 GB for it)
+    lp64, g64 = run(copy.deepcopy(model).to(torch.float64), "reference", "gather")
     torch.testing.assert_close(lp_linked, lp, rtol=1e-4, atol=1e-4)
-    assert set(g_linked) == set(g)
+    torch.testing.assert_close(lp_linked, lp64, rtol=1e-4, atol=1e-4)
+    assert set(g_linked) == set(g) == set(g64)
     for n in g:
-        scale = float(g[n].abs().max()) or 1.0
-        assert float((g_linked[n] - g[n]).abs().max()) <= 1e-3 * scale, n
+        # float32 sums in another order: the linked op may differ from the per-round one, but must
+        # stay as close to float64 as it (gradients with much cancellation, such as A_log's, differ
+        # between the two by more than 1e-3 of their largest entry)
+        scale = float(g64[n].abs().max()) or 1.0
+        e_tree, e_linked = (float((x[n] - g64[n]).abs().max()) for x in (g, g_linked))
+        assert e_linked <= 2 * e_tree + 1e-5 * scale, f"{n}: linked {e_linked:.2e}, per round {e_tree:.2e}"
