@@ -47,6 +47,8 @@
 # fresh machine's (FA4's cute-DSL compilation keeps no cache there that we know of).
 # LA_BACKEND=NAME runs the bench parts with --la-backend NAME (default auto: the tree kernel one call
 # per round); LA_BACKEND=tree_linked links a microbatch's rounds into one op per layer.
+# REPEATS=N times each side's step (and harts' Core run) N times in the bench parts and reports the
+# median run with every run's seconds (`medium`'s 4-second harts step varies by a few percent).
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
@@ -86,7 +88,7 @@ if [ "${USE_TUNED_FLA:-0}" = 1 ]; then
 fi
 
 B=(python3 -m harts.cli bench --device cuda --la-backend "${LA_BACKEND:-auto}" --dtype bfloat16 --recompute --capacity 65536
-    --attention mask --model ling3_tiny)
+    --attention mask --model ling3_tiny --repeats "${REPEATS:-1}")
 KEEP=(--recompute-skip attention,linear_attention)
 KEEP_MOE=(--recompute-skip attention,linear_attention,moe)
 show() { grep -E "^step|^ +[0-9]+ |cold start|FlexAttention backend|passed|failed|^(plain|recompute|kept) " "$1" | grep -v "microbatches:"; }

@@ -125,8 +125,9 @@ class BenchSide:
     #: (``recurrence_chunk_steps``)
     microbatch_chain: list[int] = field(default_factory=list)
     #: harts only: seconds of the step as ``harts train`` runs it (the step planner, then each
-    #: microbatch prepared just before it runs), wall clock to the last microbatch's end; None
-    #: when not run (Core then charges ``plan_seconds + train_seconds``)
+    #: microbatch prepared on a host thread while the one before it is launched), wall clock to the
+    #: last microbatch's end; None when not run (Core then charges ``plan_seconds +
+    #: train_seconds``)
     core_seconds: float | None = None
     #: graphs torch.compile built during that run (0 when the earlier runs met every variant)
     compiles_in_core_run: int = 0
@@ -137,6 +138,13 @@ class BenchSide:
     #: blocks handed back to the driver (``cudaFree`` synchronizes); 0 on CPU
     allocator_syncs: int = 0
     allocator_syncs_in_core_run: int = 0
+    #: with ``repeats`` > 1 (``bench_step``): the seconds of every timed run of the step, in
+    #: order; ``train_seconds`` and everything per microbatch and per component are the median
+    #: run's (the lower median for an even count). One entry otherwise
+    train_seconds_runs: list[float] = field(default_factory=list)
+    #: harts only, likewise: every Core run's seconds (the step planner's time included), in
+    #: order; ``core_seconds`` is their median
+    core_seconds_runs: list[float] = field(default_factory=list)
 
     @property
     def core_time(self) -> float:
@@ -455,6 +463,7 @@ def _run_side(
     progress: Callable[[int, str], Any] | None = None,
     profile_dir: str | None = None,
     clock_origin: float | None = None,
+    repeats: int = 1,
 ) -> BenchSide:
     mode = execution.mode
     device = model.embed_tokens.weight.device
@@ -486,35 +495,23 @@ def _run_side(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
-    rows = calls = replay = 0
-    bar = (
-        progress(len(prepared), f"{'baseline' if mode == 'trajectory' else 'harts'} microbatches") if progress else None
-    )
+    name = "baseline" if mode == "trajectory" else "harts"
     graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
-    marks, mb_rows = [], []
-    with regions.RegionTimer(device) as timer:
-        t0 = time.perf_counter()
-        to_timed = None if clock_origin is None else round(t0 - clock_origin, 3)
-        for sub, inputs in prepared:
-            marks.append(_mark(device))
-            info = one(sub, inputs)
-            mb_rows.append(int(info.get("compact_rows", info["rows"])))
-            rows += mb_rows[-1]
-            calls += int(info["calls"])
-            replay += int(info["replay_rows"])
-            if bar is not None:
-                bar.update(1)
-        marks.append(_mark(device))
-        _sync(device)
-        seconds = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    mb_seconds = [_between(a, b) for a, b in zip(marks, marks[1:])]
-    breakdown = timer.totals()
-    in_regions = sum(sum(v.values()) for v in breakdown.values())
-    breakdown["other"] = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "total": max(seconds - in_regions, 0.0)}
-    for v in breakdown.values():
-        v.setdefault("total", sum(v.values()))
+    to_timed = None if clock_origin is None else round(time.perf_counter() - clock_origin, 3)
+    passes = []
+    for r in range(repeats):
+        bar = (
+            progress(len(prepared), f"{name} microbatches" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""))
+            if progress
+            else None
+        )
+        passes.append(_timed_pass(model, one, prepared, bar))
+        if bar is not None:
+            bar.close()
+    runs = [p.seconds for p in passes]
+    chosen = passes[sorted(range(len(passes)), key=lambda i: runs[i])[(len(passes) - 1) // 2]]
+    seconds, breakdown, mb_seconds, mb_rows = chosen.seconds, chosen.breakdown, chosen.mb_seconds, chosen.mb_rows
+    rows, calls, replay = chosen.rows, chosen.calls, chosen.replay
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     model.zero_grad(set_to_none=True)
     if profile_dir and prepared:
@@ -542,12 +539,58 @@ def _run_side(
         triton_variants_in_timed_step=TRITON_VARIANTS[variants_before:],
         allocator_syncs=_allocator_syncs(device) - syncs_before,
         seconds_to_timed=to_timed,
+        train_seconds_runs=[round(x, 4) for x in runs],
         breakdown={k: {p: round(s, 4) for p, s in v.items()} for k, v in breakdown.items()},
         microbatch_seconds=[round(x, 5) for x in mb_seconds],
         microbatch_rows=mb_rows,
         microbatch_pairs=[int(c[2]) for c in counts],
         microbatch_chain=chains,
     )
+
+
+@dataclass
+class _Pass:
+    """One timed run of a side's microbatches (``_timed_pass``)."""
+
+    seconds: float
+    breakdown: dict
+    mb_seconds: list[float]
+    mb_rows: list[int]
+    rows: int
+    calls: int
+    replay: int
+
+
+def _timed_pass(model: HybridLM, one: Callable[..., dict], prepared: list[tuple[RolloutBatch, Any]], bar: Any) -> _Pass:
+    """Run ``prepared`` once under the region timers, the device synchronized at both ends: wall
+    seconds, seconds per component and phase ("other": the rest), per-microbatch seconds (device
+    events on CUDA) and rows, and the forward's counts. Gradients are discarded."""
+    device = model.embed_tokens.weight.device
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    rows = calls = replay = 0
+    marks, mb_rows = [], []
+    with regions.RegionTimer(device) as timer:
+        t0 = time.perf_counter()
+        for sub, inputs in prepared:
+            marks.append(_mark(device))
+            info = one(sub, inputs)
+            mb_rows.append(int(info.get("compact_rows", info["rows"])))
+            rows += mb_rows[-1]
+            calls += int(info["calls"])
+            replay += int(info["replay_rows"])
+            if bar is not None:
+                bar.update(1)
+        marks.append(_mark(device))
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    breakdown = timer.totals()
+    in_regions = sum(sum(v.values()) for v in breakdown.values())
+    breakdown["other"] = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "total": max(seconds - in_regions, 0.0)}
+    for v in breakdown.values():
+        v.setdefault("total", sum(v.values()))
+    model.zero_grad(set_to_none=True)
+    return _Pass(seconds, breakdown, [_between(a, b) for a, b in zip(marks, marks[1:])], mb_rows, rows, calls, replay)
 
 
 def _microbatch_runner(model: HybridLM, batch: RolloutBatch, execution: ExecutionConfig) -> Callable[..., dict]:
@@ -572,10 +615,8 @@ def _core_run_seconds(
     batch: RolloutBatch,
     items: Sequence[Callable[[], tuple[RolloutBatch, Any]]],
     execution: ExecutionConfig,
-) -> tuple[float, int, int, list[str]]:
-    """Wall seconds of the microbatches as ``harts train`` runs them, and the graphs
-    torch.compile built, the allocator's synchronizing events (``_allocator_syncs``) and the
-    Triton kernel variants first used (``_triton_variants``) meanwhile: each of ``items`` (slot
+) -> float:
+    """Wall seconds of the microbatches as ``harts train`` runs them: each of ``items`` (slot
     order) prepares its microbatch on the host, (microbatch, model inputs), on a background thread
     while the one before it is launched (``harts.plan.prefetch.Prefetched``, as ``harts train``
     does; no device sync between them). Gradients are discarded."""
@@ -584,7 +625,6 @@ def _core_run_seconds(
     model.zero_grad(set_to_none=True)
     _sync(device)
     # under the region timers as the F/B/Grad run (their events cost the same in both runs)
-    graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
     with regions.RegionTimer(device):
         t0 = time.perf_counter()
         for item in Prefetched(items):
@@ -592,12 +632,7 @@ def _core_run_seconds(
         _sync(device)
         seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return (
-        seconds,
-        _compiled_graphs() - graphs_before,
-        _allocator_syncs(device) - syncs_before,
-        TRITON_VARIANTS[variants_before:],
-    )
+    return seconds
 
 
 def _allocator_syncs(device: torch.device) -> int:
@@ -1021,6 +1056,7 @@ def bench_step(
     clock_origin: float | None = None,
     core_run: bool = True,
     planner_workers: PlannerWorkers | None = None,
+    repeats: int = 1,
 ) -> StepBench:
     """Time one step (or replica ``replica``'s share of it at ``dp`` replicas) both ways on
     ``model`` (its weights are not changed) under ``execution`` (its mode is set per side, and
@@ -1032,10 +1068,16 @@ def bench_step(
     ``harts train`` runs the step, for Core (module docstring); without it Core charges all
     planning and preparation made ahead. ``planner_workers``: the step planner's worker processes
     (``plan_step(workers=...)``); with them the planner also runs once more in this process alone,
-    for ``step_plan_seconds_serial`` and a check that the plan is the same."""
+    for ``step_plan_seconds_serial`` and a check that the plan is the same. ``repeats``: timed
+    runs of each side's step (and of the Core run), one after another; the median run is reported
+    and every run's seconds kept (``BenchSide.train_seconds_runs``, ``core_seconds_runs``): a
+    step of a few seconds varies by a few percent from run to run."""
     if not 0 <= replica < dp:
         raise ValueError(f"--replica must lie in [0, {dp}) for --dp {dp}; got {replica}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1; got {repeats}")
     batch = replace(batch, old_logprobs=None, ref_logprobs=None)
+    device = model.embed_tokens.weight.device
     t0 = time.perf_counter()
     plan = plan_step(batch, dp=dp, capacity=capacity, workers=planner_workers)
     plan_seconds = time.perf_counter() - t0
@@ -1055,7 +1097,12 @@ def bench_step(
     flop_model = FlopModel.from_model(model)
     execution = replace(ExecutionConfig.of(execution), fused_logprobs=True)
     kw: dict[str, Any] = dict(
-        warmup=warmup, flop_model=flop_model, progress=progress, profile_dir=profile_dir, clock_origin=clock_origin
+        warmup=warmup,
+        flop_model=flop_model,
+        progress=progress,
+        profile_dir=profile_dir,
+        clock_origin=clock_origin,
+        repeats=repeats,
     )
     compact_side = replace(execution, mode="compact")
 
@@ -1085,13 +1132,15 @@ def bench_step(
         # the step planner's time measured above plus this run, whose clock holds every
         # microbatch's preparation
         items = [functools.partial(as_trained, k) for k in plan.for_replica(replica)]
-        run, compiles, syncs, variants = _core_run_seconds(model, batch, items, compact_side)
+        graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
+        runs = [plan_seconds + _core_run_seconds(model, batch, items, compact_side) for _ in range(repeats)]
         harts = replace(
             harts,
-            core_seconds=round(plan_seconds + run, 4),
-            compiles_in_core_run=compiles,
-            triton_variants_in_core_run=variants,
-            allocator_syncs_in_core_run=syncs,
+            core_seconds=round(sorted(runs)[(len(runs) - 1) // 2], 4),
+            core_seconds_runs=[round(x, 4) for x in runs],
+            compiles_in_core_run=_compiled_graphs() - graphs_before,
+            triton_variants_in_core_run=TRITON_VARIANTS[variants_before:],
+            allocator_syncs_in_core_run=_allocator_syncs(device) - syncs_before,
         )
     return StepBench(
         step=step,

@@ -76,6 +76,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip harts' second timed run (the step as `harts train` runs it, each microbatch prepared just "
         "before it runs); Core then charges the step planner and every microbatch's preparation in full",
     )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="time each side's step (and harts' Core run) N times in a row and report the median run, "
+        "with every run's seconds (a step of a few seconds varies by a few percent from run to run)",
+    )
     add_planner_workers_argument(p)
     add_output_arguments(p, what="every figure")
 
@@ -216,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
                 clock_origin=started,
                 core_run=not args.no_core_run,
                 planner_workers=workers,
+                repeats=args.repeats,
             )
             results.append(r)
             print(
@@ -227,9 +236,18 @@ def run(args: argparse.Namespace) -> int:
             if r.harts.core_seconds is not None:
                 print(
                     f"step {step}: harts as `harts train` runs it (step planner, then each microbatch prepared "
-                    f"just before it runs): {r.harts.core_seconds:.3f} s, planning on the critical path "
+                    f"on a host thread while the one before it is launched): {r.harts.core_seconds:.3f} s, planning on the critical path "
                     f"{r.harts.critical_plan_seconds:.3f} s (of which the step planner {r.step_plan_seconds:.3f} s): "
                     f"Core {r.core_speedup:.2f}x",
+                    flush=True,
+                )
+            if args.repeats > 1:
+                runs = [("baseline", r.baseline.train_seconds_runs), ("harts", r.harts.train_seconds_runs)]
+                if r.harts.core_seconds_runs:
+                    runs.append(("harts' Core", r.harts.core_seconds_runs))
+                words = "; ".join(f"{name} {' / '.join(f'{x:.3f}' for x in xs)}" for name, xs in runs)
+                print(
+                    f"step {step}: {args.repeats} timed runs each, in order (the median reported): {words} s",
                     flush=True,
                 )
             if r.planner_workers:

@@ -384,8 +384,9 @@ def test_bench_recomputes_the_first_layers_only_on_request(tmp_path, capsys) -> 
     assert "recompute on (first 1 layers only)" in capsys.readouterr().out
 
 
-def test_core_run_prepares_each_microbatch_just_before_it_runs(monkeypatch) -> None:
-    """Core times harts as ``harts train`` runs a step: prepare k, run k, prepare k + 1, ..."""
+def test_core_run_prepares_each_microbatch_one_ahead(monkeypatch) -> None:
+    """Core times harts as ``harts train`` runs a step: microbatch k + 1 is prepared (on a host
+    thread) while k runs, never further ahead, and each is prepared before it runs."""
     torch.manual_seed(0)
     model = harts.HybridLM(harts.HybridConfig.tiny(vocab_size=256, layer_pattern="KM"))
     batch = generate("tiny", step=1)
@@ -408,7 +409,11 @@ def test_core_run_prepares_each_microbatch_just_before_it_runs(monkeypatch) -> N
     # the timed harts run prepares everything ahead; the Core run interleaves
     harts_events = events[r.baseline.microbatches :]
     assert harts_events[: 2 * n] == ["prepare"] * n + ["run CompactInputs"] * n
-    assert harts_events[2 * n :] == ["prepare", "run CompactInputs"] * n
+    core = harts_events[2 * n :]
+    assert core.count("prepare") == core.count("run CompactInputs") == n
+    for i, at in enumerate(j for j, e in enumerate(core) if e.startswith("run")):
+        # before run i: microbatches 0 .. i prepared, and at most i + 1 (the one ahead)
+        assert i + 1 <= core[:at].count("prepare") <= i + 2
     assert r.harts.core_seconds is not None and r.harts.core_seconds > 0
     assert r.step_plan_seconds is not None and 0 < r.step_plan_seconds < r.harts.core_seconds
     assert r.harts.compiles_in_core_run == 0  # nothing is compiled on CPU
@@ -494,3 +499,35 @@ def test_triton_variants_are_counted_through_the_jit_hook(monkeypatch) -> None:
     from harts.commands.bench import _variant_words
 
     assert _variant_words(sb.TRITON_VARIANTS) == "_tree_scan_fwd_kernel x2, _tree_scan_bwd_kernel"
+
+
+def test_repeats_report_the_median_run_and_keep_every_run(tmp_path, capsys) -> None:
+    """``--repeats 3``: each side's step and the Core run timed three times; the median run is the
+    one reported (its microbatches and components with it), every run's seconds in the JSON and a
+    printed line; a count below 1 is refused."""
+    import json
+
+    from harts.cli import main
+
+    torch.manual_seed(0)
+    model = harts.HybridLM(harts.HybridConfig.tiny(vocab_size=256, layer_pattern="KM"))
+    r = bench_step(model, generate("tiny", step=1), capacity=400, warmup=False, repeats=3)
+    for side in (r.baseline, r.harts):
+        assert len(side.train_seconds_runs) == 3
+        assert side.train_seconds == sorted(side.train_seconds_runs)[1]
+        assert 0 < sum(side.microbatch_seconds) <= side.train_seconds + 1e-3
+    assert len(r.harts.core_seconds_runs) == 3 and r.harts.core_seconds == sorted(r.harts.core_seconds_runs)[1]
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="repeats must be at least 1; got 0"):
+        bench_step(model, generate("tiny", step=1), capacity=400, warmup=False, repeats=0)
+
+    out = tmp_path / "b.json"
+    argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--steps", "1", "--no-warmup"]
+    assert main([*argv, "--repeats", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 timed runs each, in order (the median reported): baseline " in text and "harts' Core " in text
+    step = json.loads(out.read_text())["steps"][0]
+    assert len(step["baseline"]["train_seconds_runs"]) == len(step["harts"]["core_seconds_runs"]) == 2
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error, no traceback
+        main([*argv, "--repeats", "0"])
+    assert exited.value.code == 2 and "argument --repeats: must be a positive integer" in capsys.readouterr().err
