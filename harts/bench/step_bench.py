@@ -145,6 +145,9 @@ class BenchSide:
     #: harts only, likewise: every Core run's seconds (the step planner's time included), in
     #: order; ``core_seconds`` is their median
     core_seconds_runs: list[float] = field(default_factory=list)
+    #: harts only: the median Core run's seconds per microbatch (as ``microbatch_seconds``; the
+    #: first includes the wait for its preparation), beside the F/B/Grad run's
+    core_microbatch_seconds: list[float] = field(default_factory=list)
 
     @property
     def core_time(self) -> float:
@@ -615,24 +618,28 @@ def _core_run_seconds(
     batch: RolloutBatch,
     items: Sequence[Callable[[], tuple[RolloutBatch, Any]]],
     execution: ExecutionConfig,
-) -> float:
-    """Wall seconds of the microbatches as ``harts train`` runs them: each of ``items`` (slot
-    order) prepares its microbatch on the host, (microbatch, model inputs), on a background thread
-    while the one before it is launched (``harts.plan.prefetch.Prefetched``, as ``harts train``
-    does; no device sync between them). Gradients are discarded."""
+) -> tuple[float, list[float]]:
+    """Wall seconds of the microbatches as ``harts train`` runs them, and each microbatch's
+    seconds (device events on CUDA, from the start of the run for the first): each of ``items``
+    (slot order) prepares its microbatch on the host, (microbatch, model inputs), on a background
+    thread while the one before it is launched (``harts.plan.prefetch.Prefetched``, as ``harts
+    train`` does; no device sync between them). Gradients are discarded."""
     device = model.embed_tokens.weight.device
     one = _microbatch_runner(model, batch, execution)
     model.zero_grad(set_to_none=True)
     _sync(device)
+    marks = []
     # under the region timers as the F/B/Grad run (their events cost the same in both runs)
     with regions.RegionTimer(device):
         t0 = time.perf_counter()
+        marks.append(_mark(device))
         for item in Prefetched(items):
             one(*item)
+            marks.append(_mark(device))
         _sync(device)
         seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return seconds
+    return seconds, [_between(a, b) for a, b in zip(marks, marks[1:])]
 
 
 def _allocator_syncs(device: torch.device) -> int:
@@ -1133,11 +1140,14 @@ def bench_step(
         # microbatch's preparation
         items = [functools.partial(as_trained, k) for k in plan.for_replica(replica)]
         graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
-        runs = [plan_seconds + _core_run_seconds(model, batch, items, compact_side) for _ in range(repeats)]
+        core = [_core_run_seconds(model, batch, items, compact_side) for _ in range(repeats)]
+        runs = [plan_seconds + seconds for seconds, _ in core]
+        median = sorted(range(repeats), key=lambda i: runs[i])[(repeats - 1) // 2]
         harts = replace(
             harts,
-            core_seconds=round(sorted(runs)[(len(runs) - 1) // 2], 4),
+            core_seconds=round(runs[median], 4),
             core_seconds_runs=[round(x, 4) for x in runs],
+            core_microbatch_seconds=[round(x, 5) for x in core[median][1]],
             compiles_in_core_run=_compiled_graphs() - graphs_before,
             triton_variants_in_core_run=TRITON_VARIANTS[variants_before:],
             allocator_syncs_in_core_run=_allocator_syncs(device) - syncs_before,

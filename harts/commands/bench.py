@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
 from harts.commands._inputs import (
     add_execution_arguments,
     add_logprobs_argument,
@@ -239,6 +241,16 @@ def run(args: argparse.Namespace) -> int:
                     f"on a host thread while the one before it is launched): {r.harts.core_seconds:.3f} s, planning on the critical path "
                     f"{r.harts.critical_plan_seconds:.3f} s (of which the step planner {r.step_plan_seconds:.3f} s): "
                     f"Core {r.core_speedup:.2f}x",
+                    flush=True,
+                )
+            core_mb, fbg_mb = r.harts.core_microbatch_seconds, r.harts.microbatch_seconds
+            if core_mb and len(core_mb) == len(fbg_mb):
+                diff = [1e3 * (c - f) for c, f in zip(core_mb, fbg_mb)]
+                worst = max(range(len(diff)), key=lambda i: abs(diff[i]))
+                print(
+                    f"step {step}: harts' Core run against its F/B/Grad run, ms per microbatch: "
+                    f"min {min(diff):+.1f} / median {float(np.median(diff)):+.1f} / max {max(diff):+.1f}, "
+                    f"largest at #{worst} ({diff[worst]:+.1f}; #0 includes waiting for its preparation)",
                     flush=True,
                 )
             if args.repeats > 1:
