@@ -148,6 +148,9 @@ class BenchSide:
     #: harts only: the median Core run's seconds per microbatch (as ``microbatch_seconds``; the
     #: first includes the wait for its preparation), beside the F/B/Grad run's
     core_microbatch_seconds: list[float] = field(default_factory=list)
+    #: harts only: the seconds the median Core run's host waited for microbatches' preparation
+    #: (the first one's included: nothing runs before it)
+    core_prepare_wait_seconds: float | None = None
 
     @property
     def core_time(self) -> float:
@@ -618,9 +621,10 @@ def _core_run_seconds(
     batch: RolloutBatch,
     items: Sequence[Callable[[], tuple[RolloutBatch, Any]]],
     execution: ExecutionConfig,
-) -> tuple[float, list[float]]:
-    """Wall seconds of the microbatches as ``harts train`` runs them, and each microbatch's
-    seconds (device events on CUDA, from the start of the run for the first): each of ``items``
+) -> tuple[float, list[float], float]:
+    """Wall seconds of the microbatches as ``harts train`` runs them, each microbatch's seconds
+    (device events on CUDA, from the start of the run for the first), and the seconds the host
+    waited for the preparations (``Prefetched.waited``): each of ``items``
     (slot order) prepares its microbatch on the host, (microbatch, model inputs), on a background
     thread while the one before it is launched (``harts.plan.prefetch.Prefetched``, as ``harts
     train`` does; no device sync between them). Gradients are discarded."""
@@ -633,13 +637,14 @@ def _core_run_seconds(
     with regions.RegionTimer(device):
         t0 = time.perf_counter()
         marks.append(_mark(device))
-        for item in Prefetched(items):
+        ahead = Prefetched(items)
+        for item in ahead:
             one(*item)
             marks.append(_mark(device))
         _sync(device)
         seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return seconds, [_between(a, b) for a, b in zip(marks, marks[1:])]
+    return seconds, [_between(a, b) for a, b in zip(marks, marks[1:])], ahead.waited
 
 
 def _allocator_syncs(device: torch.device) -> int:
@@ -1141,13 +1146,14 @@ def bench_step(
         items = [functools.partial(as_trained, k) for k in plan.for_replica(replica)]
         graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
         core = [_core_run_seconds(model, batch, items, compact_side) for _ in range(repeats)]
-        runs = [plan_seconds + seconds for seconds, _ in core]
+        runs = [plan_seconds + seconds for seconds, _, _ in core]
         median = sorted(range(repeats), key=lambda i: runs[i])[(repeats - 1) // 2]
         harts = replace(
             harts,
             core_seconds=round(runs[median], 4),
             core_seconds_runs=[round(x, 4) for x in runs],
             core_microbatch_seconds=[round(x, 5) for x in core[median][1]],
+            core_prepare_wait_seconds=round(core[median][2], 4),
             compiles_in_core_run=_compiled_graphs() - graphs_before,
             triton_variants_in_core_run=TRITON_VARIANTS[variants_before:],
             allocator_syncs_in_core_run=_allocator_syncs(device) - syncs_before,

@@ -250,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"step {step}: harts' Core run against its F/B/Grad run, ms per microbatch: "
                     f"min {min(diff):+.1f} / median {float(np.median(diff)):+.1f} / max {max(diff):+.1f}, "
-                    f"largest at #{worst} ({diff[worst]:+.1f}; #0 includes waiting for its preparation)",
+                    f"largest at #{worst} ({diff[worst]:+.1f}; #0 includes waiting for its preparation); the host "
+                    f"waited {r.harts.core_prepare_wait_seconds or 0.0:.3f} s for preparations in all",
                     flush=True,
                 )
             if args.repeats > 1:

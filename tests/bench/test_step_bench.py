@@ -442,6 +442,7 @@ def test_bench_cli_reports_the_core_run_and_can_skip_it(tmp_path, capsys, monkey
     text = capsys.readouterr().out
     assert "harts as `harts train` runs it" in text and "the step planner" in text and "crit. plan s" in text
     assert "harts' Core run against its F/B/Grad run, ms per microbatch: min " in text
+    assert "waited" in text and "for preparations in all" in text
     step = json.loads(out.read_text())["steps"][0]
     assert step["harts"]["core_seconds"] > 0 and step["step_plan_seconds"] > 0
     assert main([*argv, "--no-core-run", "--json", str(out), "--overwrite"]) == 0
@@ -520,6 +521,9 @@ def test_repeats_report_the_median_run_and_keep_every_run(tmp_path, capsys) -> N
     assert len(r.harts.core_seconds_runs) == 3 and r.harts.core_seconds == sorted(r.harts.core_seconds_runs)[1]
     assert len(r.harts.core_microbatch_seconds) == r.harts.microbatches
     assert 0 < sum(r.harts.core_microbatch_seconds) <= r.harts.core_seconds
+    assert (
+        r.harts.core_prepare_wait_seconds is not None and 0 < r.harts.core_prepare_wait_seconds < r.harts.core_seconds
+    )
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ValueError, match="repeats must be at least 1; got 0"):
         bench_step(model, generate("tiny", step=1), capacity=400, warmup=False, repeats=0)
