@@ -128,6 +128,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="reduce-scatter FSDP gradients after each microbatch (less memory, more communication) "
         "instead of once per step",
     )
+    p.add_argument(
+        "--no-prepare-ahead",
+        action="store_true",
+        help="prepare each microbatch's host inputs in the training thread right before it runs, not on a "
+        "background thread while the one before it is launched (the same inputs; for debugging)",
+    )
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients, optimizer")
     p.add_argument(
         "--meta-init",
@@ -269,6 +275,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 moe_statistics=args.moe_stats,
                 reduce_every_microbatch=args.reduce_every_microbatch,
                 planner_workers=workers,
+                prepare_ahead=not args.no_prepare_ahead,
             )
             num_parameters = model.num_parameters()
             model = parallelize(model, parallel)

@@ -56,3 +56,18 @@ def test_reward_statistics_where_the_batch_has_rewards(tmp_path, capsys) -> None
     # a batch without rewards: no statistics, a dash in the table
     code, out, _ = _train(capsys, _batch_file(tmp_path, [1.0, -1.0, 0.5]), "--json", str(out_json), "--overwrite")
     assert code == 0 and json.loads(out_json.read_text())["steps"][0]["reward_mean"] is None
+
+
+def test_no_prepare_ahead_trains_the_same_steps(tmp_path, capsys) -> None:  # noqa: ANN001
+    # the microbatches prepared in the training thread (--no-prepare-ahead) or on a background
+    # thread (default): the same inputs, so the same losses and gradient norms
+    path = _batch_file(tmp_path, [1.0, -1.0, 0.5])
+    logs = []
+    for extra in ((), ("--no-prepare-ahead",)):
+        out_json = tmp_path / f"log{len(logs)}.json"
+        code, _, _ = _train(capsys, path, "--capacity", "16", "--json", str(out_json), *extra)
+        assert code == 0
+        logs.append(json.loads(out_json.read_text())["steps"])
+    for a, b in zip(*logs, strict=True):
+        assert a["microbatches"] > 1
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
