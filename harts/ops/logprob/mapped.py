@@ -218,20 +218,20 @@ def logprob_index(
     # free: every position of a pair gets the same pair index)
     inv_o, targets_o = inv[order], targets_np[order]
     mixed = (inv_o[1:] == inv_o[:-1]) & (targets_o[1:] != targets_o[:-1])
-    by_pair = order
+    by_pair, inv_p, targets_p = order, inv_o, targets_o
     if mixed.any():
         fork_row = np.zeros(uniq.size, dtype=bool)
         fork_row[inv_o[1:][mixed]] = True
         at = np.flatnonzero(fork_row[inv_o])  # contiguous runs of ``order``, one per fork row
         by_pair = order.copy()
         by_pair[at] = order[at][np.lexsort((targets_o[at], inv_o[at]))]
-    key = inv[by_pair] * V + targets_np[by_pair]
-    first = np.ones(key.size, dtype=bool)
-    first[1:] = key[1:] != key[:-1]
-    pairs = key[first]
-    pair_inv = np.empty(key.size, dtype=np.int64)
+        targets_p = targets_np[by_pair]  # rows are unchanged: the runs keep their row
+    # a new (row, target) pair where the row or the target changes along ``by_pair``
+    first = np.ones(by_pair.size, dtype=bool)
+    first[1:] = (inv_p[1:] != inv_p[:-1]) | (targets_p[1:] != targets_p[:-1])
+    pair_inv = np.empty(by_pair.size, dtype=np.int64)
     pair_inv[by_pair] = np.cumsum(first) - 1
-    pair_row, pair_target = pairs // V, pairs % V
+    pair_row, pair_target = inv_p[first], targets_p[first]
     return LogprobIndex(
         P=int(P),
         V=int(V),
@@ -243,7 +243,7 @@ def logprob_index(
         pair_row=pair_row,
         pair_target=pair_target,
         bounds=bounds.tolist(),
-        pos_bounds=np.searchsorted(inv[order], bounds).tolist(),
+        pos_bounds=np.searchsorted(inv_o, bounds).tolist(),
         pair_bounds=np.searchsorted(pair_row, bounds).tolist(),
     )
 
