@@ -15,8 +15,8 @@ threads; numpy releases it in its array loops).
 
 The items come out in order, each exactly what calling its function in the training thread
 gives. An exception raised by a preparation is raised where its item is taken, with its
-traceback. The host holds at most two microbatches' inputs at once (the one running and the
-next).
+traceback. Besides what the caller still references (a ``for`` loop's variables keep item k
+until item k + 1 is taken), the host holds one item: the one being prepared.
 """
 
 from __future__ import annotations
