@@ -30,7 +30,7 @@
 #   medium_keep N  `medium` step 0 as `medium` with the MoE block kept and --moe-keep-gate-up N
 #   medium_full N  `medium` step 0 on the full ling3_tiny (24 layers, no --pattern), the MoE block kept
 #             and its first N MoE layers keeping their gate/up output
-#   gpu_tests PATH...  `pytest -m gpu` on the given test files only (with part A of FA4 kept, as `tests`)
+#   gpu_tests ARGS...  `pytest -m gpu ARGS` (test files, -k EXPR, ...) with part A of FA4 kept, as `tests`
 #   qkv_norm  the split-l2norm kernel's GPU test, then one KDA layer's split + l2 norms at 65,536 rows,
 #             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench)
 #   profile_la  `profile_swe` without the MoE block's gate/up kept, twice: --la-backend tree (one call per
@@ -58,7 +58,11 @@ tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe 
 layers | medium_layers | moe_keep | medium_keep | medium_full) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
 gpu_tests)
     [ $# -ge 2 ] || { echo "gpu_tests needs test paths" >&2; exit 2; }
-    for f in "${@:2}"; do [ -e "${f%%::*}" ] || { echo "gpu_tests: no test file '${f%%::*}'" >&2; exit 2; }; done ;;
+    for f in "${@:2}"; do  # the arguments that name test files (others, such as -k EXPR, go to pytest as they are)
+        case "$f" in -*) continue ;; esac
+        [[ "$f" == */* || "$f" == *.py* ]] || continue
+        [ -e "${f%%::*}" ] || { echo "gpu_tests: no test file '${f%%::*}'" >&2; exit 2; }
+    done ;;
 *) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, gpu_tests PATH...)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
