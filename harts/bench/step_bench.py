@@ -102,8 +102,9 @@ class BenchSide:
     flops: float = 0.0
     #: untimed first microbatch (compile, autotune, allocator), seconds
     warmup_seconds: float = 0.0
-    #: graphs torch.compile (Dynamo) built during the timed step: 0 when the warm-up compiled
-    #: every variant the step needs (a compilation inside the timed step inflates its time)
+    #: graphs torch.compile (Dynamo) built during the timed step (all its runs, with
+    #: ``repeats``; likewise the Core run's and the allocator's counts below): 0 when the warm-up
+    #: compiled every variant the step needs (a compilation inside the timed step inflates its time)
     compiles_in_timed_step: int = 0
     #: Triton kernel specializations first used during the timed step (compiled, or loaded from
     #: Triton's disk cache: a kernel variant the warm-up did not meet), by kernel name
