@@ -75,8 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-core-run",
         action="store_true",
-        help="skip harts' second timed run (the step as `harts train` runs it, each microbatch prepared just "
-        "before it runs); Core then charges the step planner and every microbatch's preparation in full",
+        help="skip harts' second timed run (the step as `harts train` runs it, each microbatch prepared on a host "
+        "thread while the one before it is launched); Core then charges the step planner and every microbatch's "
+        "preparation in full",
     )
     p.add_argument(
         "--repeats",

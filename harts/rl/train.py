@@ -7,8 +7,8 @@ Per step (one RolloutBatch):
    (the "trajectory" baseline instead packs raw tokens at T:
    ``harts.plan.baselines.trajectory_plan``, as a trajectory-wise trainer must);
 2. each rank executes its replicas' microbatches in slot order (rank r of W: replicas r, r + W,
-   ...), each prepared on the host just before it runs (so the host prepares k + 1 while the
-   device runs k): the plan hands out its slice of the step's compaction with its call plan
+   ...), microbatch k + 1 prepared on a host thread while k is launched
+   (``harts.plan.prefetch.Prefetched``; ``cfg.prepare_ahead``): the plan hands out its slice of the step's compaction with its call plan
    (``StepPlan.prepare_microbatch``; nothing is compacted twice), ``model.prepare_compact``
    adds the layout and the LM head's index plan, forward under
    ``cfg.execution`` (mode "compact" or the "trajectory" baseline),
