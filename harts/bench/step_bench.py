@@ -516,7 +516,7 @@ def _run_side(
         if bar is not None:
             bar.close()
     runs = [p.seconds for p in passes]
-    chosen = passes[sorted(range(len(passes)), key=lambda i: runs[i])[(len(passes) - 1) // 2]]
+    chosen = passes[_median_index(runs)]
     seconds, breakdown, mb_seconds, mb_rows = chosen.seconds, chosen.breakdown, chosen.mb_seconds, chosen.mb_rows
     rows, calls, replay = chosen.rows, chosen.calls, chosen.replay
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -526,7 +526,7 @@ def _run_side(
             one,
             prepared[0],
             device,
-            os.path.join(profile_dir, f"{'baseline' if mode == 'trajectory' else 'harts'}.json"),
+            os.path.join(profile_dir, f"{name}.json"),
         )
         model.zero_grad(set_to_none=True)
     return BenchSide(
@@ -553,6 +553,11 @@ def _run_side(
         microbatch_pairs=[int(c[2]) for c in counts],
         microbatch_chain=chains,
     )
+
+
+def _median_index(xs: Sequence[float]) -> int:
+    """The index of the median of ``xs`` (the lower median for an even count)."""
+    return sorted(range(len(xs)), key=xs.__getitem__)[(len(xs) - 1) // 2]
 
 
 @dataclass
@@ -1148,7 +1153,7 @@ def bench_step(
         graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
         core = [_core_run_seconds(model, batch, items, compact_side) for _ in range(repeats)]
         runs = [plan_seconds + seconds for seconds, _, _ in core]
-        median = sorted(range(repeats), key=lambda i: runs[i])[(repeats - 1) // 2]
+        median = _median_index(runs)
         harts = replace(
             harts,
             core_seconds=round(runs[median], 4),
