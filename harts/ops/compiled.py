@@ -49,7 +49,15 @@ layout gets its own specialised graph (a handful per function). ``HARTS_COMPILE_
 restores ``dynamic=True`` (every size symbolic) for comparison.
 
 If compiling fails on this torch / device, the function runs eagerly from then on, with a
-warning that says why (training goes on, at the eager speed).
+warning that says why (training goes on, at the eager speed). That catches failures in the
+forward only: a backward graph that fails to compile fails in ``loss.backward()``.
+
+**Float64 always runs eagerly, on CUDA too** (``COMPILED_DTYPES``). It is the precision
+reference (``harts compare --dtype float64``, float64 twins in the GPU tests), not a speed path,
+and Inductor in torch 2.11 miscompiles float64 split reductions: an H200 run of
+``tests/models/test_linked_rounds.py`` with a float64 model on CUDA failed in the backward of the
+glue's norms (``triton_per_fused_add_div_expand_mul_pow_sum_0``: "Loop-carried variable accum0 has
+initial type fp32 but is re-assigned to fp64"), where the fallback above cannot catch it.
 """
 
 from __future__ import annotations
@@ -63,9 +71,11 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = [
+    "COMPILED_DTYPES",
     "MIN_ROWS",
     "RowMismatchError",
     "compile_enabled",
+    "compiles_dtypes",
     "cuda_compiled",
     "dynamic_setting",
     "mark_row_dynamic",
@@ -73,6 +83,17 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+#: floating-point dtypes that ``cuda_compiled`` compiles for (float64 runs eagerly: module
+#: docstring)
+COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def compiles_dtypes(args: tuple[Any, ...]) -> bool:
+    """Whether every floating-point tensor in ``args`` has a ``COMPILED_DTYPES`` dtype (integer
+    tensors, such as ``sum_slots``' index, do not count)."""
+    return all(x.dtype in COMPILED_DTYPES for x in args if isinstance(x, torch.Tensor) and x.is_floating_point())
 
 
 #: rows every compiled row-first call sees at least (smaller calls are zero-padded up to it)
@@ -154,7 +175,8 @@ def run_row_bounded(
 def cuda_compiled(
     fn: F | None = None, *, opt_in: bool = True, dynamic: bool | None = True, rows: tuple[int, ...] | None = (0,)
 ) -> Any:
-    """``fn`` compiled when its first argument is a CUDA tensor; eager otherwise.
+    """``fn`` compiled when its first argument is a CUDA tensor and every floating-point tensor
+    argument has a ``COMPILED_DTYPES`` dtype; eager otherwise (CPU, float64).
 
     ``opt_in``: compiled only when ``compile_enabled()`` (the layer glue); False: always on CUDA.
     ``dynamic``: ``torch.compile``'s (True: symbolic sizes from the start; None: the first shape
@@ -174,6 +196,8 @@ def cuda_compiled(
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else None
         if not (isinstance(first, torch.Tensor) and first.is_cuda and (compile_enabled() or not opt_in)):
+            return fn(*args, **kwargs)
+        if not compiles_dtypes(args):
             return fn(*args, **kwargs)
         if not compiled:
             mark = rows is not None and dynamic_setting() == "rows"

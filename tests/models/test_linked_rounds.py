@@ -43,12 +43,19 @@ def test_linked_rounds_match_the_per_round_tree_kernel_in_the_model() -> None:
     model64.load_state_dict(model.state_dict())
     lp64, g64 = run(model64.to("cuda", torch.float64), "reference", "gather")
     torch.testing.assert_close(lp_linked, lp, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(lp_linked, lp64, rtol=1e-4, atol=1e-4)
+
+    def as_close_to_float64(name: str, per_round: torch.Tensor, linked: torch.Tensor, truth: torch.Tensor) -> None:
+        # fla-core's float32 kernels use TF32 dots on Hopper, and the MoE router's top-k turns
+        # their ~1e-3 noise into a different expert at some rows: on an H200 the linked op's
+        # log-probs were up to 0.51 from float64 here while within 1e-4 of the per-round
+        # kernel's. Float32 sums in another order: the linked op may differ from the per-round
+        # one, but must stay as close to float64 as it (gradients with much cancellation, such
+        # as A_log's, differ between the two by more than 1e-3 of their largest entry)
+        scale = float(truth.abs().max()) or 1.0
+        e_tree, e_linked = (float((x - truth).abs().max()) for x in (per_round, linked))
+        assert e_linked <= 2 * e_tree + 1e-5 * scale, f"{name}: linked {e_linked:.2e}, per round {e_tree:.2e}"
+
+    as_close_to_float64("log-probs", lp, lp_linked, lp64)
     assert set(g_linked) == set(g) == set(g64)
     for n in g:
-        # float32 sums in another order: the linked op may differ from the per-round one, but must
-        # stay as close to float64 as it (gradients with much cancellation, such as A_log's, differ
-        # between the two by more than 1e-3 of their largest entry)
-        scale = float(g64[n].abs().max()) or 1.0
-        e_tree, e_linked = (float((x[n] - g64[n]).abs().max()) for x in (g, g_linked))
-        assert e_linked <= 2 * e_tree + 1e-5 * scale, f"{n}: linked {e_linked:.2e}, per round {e_tree:.2e}"
+        as_close_to_float64(n, g[n], g_linked[n], g64[n])

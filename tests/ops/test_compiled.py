@@ -141,12 +141,58 @@ def test_failed_compile_falls_back_to_eager_with_a_warning(monkeypatch: pytest.M
 
     monkeypatch.setattr(compiled_mod.torch, "compile", broken_compile)
     lse = cuda_compiled(opt_in=False, dynamic=None)(lambda x: torch.logsumexp(x.as_subclass(torch.Tensor), -1))
-    x = torch.randn(3, 5, dtype=F64).as_subclass(FakeCuda)
+    x = torch.randn(3, 5).as_subclass(FakeCuda)  # float32 (float64 never compiles)
     with pytest.warns(UserWarning, match="no triton here"):
         got = lse(x)
     torch.testing.assert_close(got.as_subclass(torch.Tensor), torch.logsumexp(x.as_subclass(torch.Tensor), -1))
     lse(x)  # the eager function from now on: no second compile, no second warning
     assert compiles == [{"dynamic": None}]
+
+
+def test_float64_runs_eagerly_and_integer_arguments_do_not_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float64 on CUDA is the precision reference and Inductor miscompiles its split reductions:
+    never compiled. An integer argument (``sum_slots``' index) does not stop a float32 call from
+    compiling (the compiler is replaced and the CUDA check faked, so this runs on CPU)."""
+    import harts.ops.compiled as compiled_mod
+
+    compiles = []
+
+    def recording_compile(fn, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        compiles.append(fn)
+        return fn
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = True  # type: ignore[assignment]
+
+    monkeypatch.setattr(compiled_mod.torch, "compile", recording_compile)
+    monkeypatch.setenv("HARTS_COMPILE", "1")
+
+    @cuda_compiled(rows=None)
+    def scaled_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return x.as_subclass(torch.Tensor)[index.as_subclass(torch.Tensor)] * 2
+
+    index = torch.tensor([2, 0])
+    x64 = torch.randn(3, 4, dtype=F64)
+    got = scaled_rows(x64.as_subclass(FakeCuda), index)
+    assert compiles == [] and torch.equal(got.as_subclass(torch.Tensor), x64[index] * 2)
+    assert not compiled_mod.compiles_dtypes((x64, index))
+    x32 = x64.float()
+    scaled_rows(x32.as_subclass(FakeCuda), index)
+    assert len(compiles) == 1 and compiled_mod.compiles_dtypes((x32, index))
+    assert compiled_mod.compiles_dtypes((index,)) and compiled_mod.compiles_dtypes((x32.bfloat16(), 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float64_glue_backward_runs_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every compiled glue function, forward and backward, in float64 on CUDA: runs (eagerly)
+    and equals the eager function bit for bit (torch 2.11's Inductor failed to compile a float64
+    norm's backward: ``harts.ops.compiled``)."""
+    monkeypatch.setenv("HARTS_COMPILE", "1")
+    for name, fn, args in _cases(20_000, "cuda", F64, seed=5):
+        got, ref = _value_and_grads(fn, args), _value_and_grads(fn.eager, args)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu
