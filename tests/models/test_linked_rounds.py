@@ -45,8 +45,8 @@ def test_linked_rounds_match_the_per_round_tree_kernel_in_the_model() -> None:
     torch.testing.assert_close(lp_linked, lp, rtol=1e-4, atol=1e-4)
 
     def as_close_to_float64(name: str, per_round: torch.Tensor, linked: torch.Tensor, truth: torch.Tensor) -> None:
-        # fla-core's float32 kernels use TF32 dots on Hopper, and the MoE router's top-k turns
-        # their ~1e-3 noise into a different expert at some rows: on an H200 the linked op's
+        # fla-core's float32 kernels use TF32 dots on Hopper, and the MoE router's top-k can turn
+        # their noise into a different expert at a row (the likely cause): on an H200 the linked op's
         # log-probs were up to 0.51 from float64 here while within 1e-4 of the per-round
         # kernel's. Float32 sums in another order: the linked op may differ from the per-round
         # one, but must stay as close to float64 as it (gradients with much cancellation, such
