@@ -32,7 +32,8 @@
 #             and its first N MoE layers keeping their gate/up output
 #   gpu_tests ARGS...  `pytest -m gpu ARGS` (test files, -k EXPR, ...) with part A of FA4 kept, as `tests`
 #   qkv_norm  the split-l2norm kernel's GPU test, then one KDA layer's split + l2 norms at 65,536 rows,
-#             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench)
+#             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench),
+#             and fla-core's short conv + the split with the SiLU in the conv against in the split
 #   profile_la  `profile_swe` without the MoE block's gate/up kept, twice: --la-backend tree (one call per
 #             round) and tree_linked (the rounds linked into one op per layer): one microbatch per side each
 #   sweep     launch configurations of the state scans and fla-core's short conv on the first `swe` step-5
@@ -47,6 +48,8 @@
 # fresh machine's (FA4's cute-DSL compilation keeps no cache there that we know of).
 # LA_BACKEND=NAME runs the bench parts with --la-backend NAME (default auto: the tree kernel one call
 # per round); LA_BACKEND=tree_linked links a microbatch's rounds into one op per layer.
+# HARTS_KDA_SILU_IN_SPLIT=0 runs any part with the short conv's SiLU back in fla-core's conv (the
+# arrangement before session 21), for A/B timing against the default.
 # REPEATS=N times each side's step (and harts' Core run) N times in the bench parts and reports the
 # median run with every run's seconds (`medium`'s 4-second harts step varies by a few percent).
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if

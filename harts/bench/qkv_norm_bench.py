@@ -9,6 +9,11 @@ backward (the backward of the reference ends in the concatenation of the three g
 Defaults: one ``ling3_tiny`` KDA layer (16 heads of 128) at 65,536 rows, bfloat16. Printed:
 milliseconds (median of ``--repeat`` after a warm-up) and the bytes each side moves at least;
 the two sides' outputs and gradients are checked close first.
+
+With fla-core there (CUDA), it then times where the short conv's SiLU runs, the conv included
+(``runs_causal_conv1d`` over ``--sequences`` equal trajectories, the conv's input ``[T, 2HK +
+HV]``): "silu in conv" (fla-core's conv with its activation, then the split) against "silu in
+split" (the conv without it, then the split kernel's SiLU: ``KimiDeltaAttention.silu_in_split``).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import argparse
 import json
 import warnings
 
+import numpy as np
 import torch
 
 from harts.bench.lm_head_bench import time_variant
+from harts.ops.conv import conv_runs_from_offsets, conv_uses_fla, runs_causal_conv1d
 from harts.ops.qkv_norm import kernel_applies, split_l2norm_qkv, split_l2norm_qkv_reference
 
 __all__ = ["main"]
@@ -33,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--repeat", type=int, default=20)
+    p.add_argument(
+        "--sequences", type=int, default=16, help="trajectories the conv comparison splits the rows into (equal)"
+    )
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
-    for name in ("rows", "heads", "head_dim", "repeat"):
+    for name in ("rows", "heads", "head_dim", "repeat", "sequences"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
     device = torch.device(args.device)
@@ -82,10 +92,57 @@ def main(argv: list[str] | None = None) -> int:
         report["ms"][name] = row
         print(f"{name:18} {row['reference']:>10.3f} {row['kernel']:>10.3f} {least[name] / 1e9:>9.2f}")
     report["least_bytes"] = least
+    if conv_uses_fla("fla", device):
+        report["conv_ms"] = _time_conv_silu(mixed, grads, h, d, min(args.sequences, t), args.repeat, tol)
+    else:
+        print("(the conv comparison needs fla-core's conv: CUDA with fla-core installed)")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _time_conv_silu(
+    pre_TC: torch.Tensor, grads: tuple[torch.Tensor, ...], h: int, d: int, sequences: int, repeat: int, tol: float
+) -> dict[str, dict[str, float]]:
+    """ms of conv + split with the SiLU in fla-core's conv against in the split kernel (module
+    docstring); their outputs and the input's gradient checked close first."""
+    t, c = pre_TC.shape
+    device = pre_TC.device
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(c, 4, generator=gen) * 0.5).to(device, pre_TC.dtype)
+    runs = conv_runs_from_offsets(np.linspace(0, t, sequences + 1).astype(np.int64))
+
+    def silu_in_conv(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return split_l2norm_qkv(runs_causal_conv1d(x, weight, runs, None, "silu"), h, d, h, d)
+
+    def silu_in_split(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return split_l2norm_qkv(runs_causal_conv1d(x, weight, runs, None, None), h, d, h, d, activation="silu")
+
+    sides = {"silu in conv": silu_in_conv, "silu in split": silu_in_split}
+
+    def fwd_bwd(fn):  # noqa: ANN001, ANN202
+        def run() -> torch.Tensor:
+            x = pre_TC.detach().requires_grad_(True)
+            torch.autograd.backward(fn(x), grads)
+            assert x.grad is not None
+            return x.grad
+
+        return run
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*split-l2norm kernel is off")
+        torch.testing.assert_close(fwd_bwd(silu_in_split)(), fwd_bwd(silu_in_conv)(), rtol=tol, atol=tol)
+        for a, b in zip(silu_in_split(pre_TC), silu_in_conv(pre_TC), strict=True):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    out: dict[str, dict[str, float]] = {}
+    print(f"conv (width 4, {sequences} trajectories) + split; ms (median of {repeat})")
+    print(f"{'pass':18} {'silu in conv':>13} {'silu in split':>14}")
+    for name, make in (("forward", lambda fn: lambda: fn(pre_TC)), ("forward_backward", fwd_bwd)):
+        row = {side: round(time_variant(make(fn), device, repeat) * 1e3, 4) for side, fn in sides.items()}
+        out[name] = row
+        print(f"{name:18} {row['silu in conv']:>13.3f} {row['silu in split']:>14.3f}")
+    return out
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ process (Triton reads ``TRITON_INTERPRET`` when first imported)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
 import torch
 
-from harts.ops.qkv_norm import kernel_applies, split_l2norm_qkv, split_l2norm_qkv_reference
+from harts.ops.qkv_norm import ACTIVATIONS, kernel_applies, split_l2norm_qkv, split_l2norm_qkv_reference
 from tests.ops._triton import check_here_or_interpreted
 
 CASES = [  # (T, HK, K, HV, V)
@@ -39,23 +40,27 @@ def check_kernel() -> None:
     warnings.filterwarnings("error", message=".*split-l2norm kernel is off")  # a fallback: fail
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+    for (dtype, tol), act in itertools.product(((torch.float32, 2e-6), (torch.bfloat16, 1e-2)), ACTIVATIONS):
         for t, hk, dk, hv, dv in CASES:
             c = 2 * hk * dk + hv * dv
             mixed = (torch.randn(t, c, generator=g) * 3).to(dev, dtype)
             if t:
                 mixed[0, :dk] = 0  # a zero q head: eps keeps it finite
             assert kernel_applies(mixed, hk, dk, hv, dv), (t, hk, dk, hv, dv)
-            want = split_l2norm_qkv_reference(mixed, hk, dk, hv, dv)
-            got = _forward(mixed, hk, dk, hv, dv, 1e-6)
+            want = split_l2norm_qkv_reference(mixed, hk, dk, hv, dv, activation=act)
+            got = _forward(mixed, hk, dk, hv, dv, 1e-6, activation=act)
             for a, b in zip(got, want, strict=True):
                 assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-            assert torch.equal(got[2], want[2])
+            if act is None:
+                assert torch.equal(got[2], want[2])
             w = tuple(torch.randn(o.shape, generator=g).to(dev) for o in want)
             for used in ((True, True, True), (True, False, True), (False, True, False)):
-                o_ref, g_ref = _grads(lambda x, a=(hk, dk, hv, dv): split_l2norm_qkv_reference(x, *a), mixed, w, used)
-                o_ker, g_ker = _grads(lambda x, a=(hk, dk, hv, dv): split_l2norm_qkv(x, *a), mixed, w, used)
+                a = (hk, dk, hv, dv)
+                o_ref, g_ref = _grads(
+                    lambda x, a=a, act=act: split_l2norm_qkv_reference(x, *a, activation=act), mixed, w, used
+                )
+                o_ker, g_ker = _grads(lambda x, a=a, act=act: split_l2norm_qkv(x, *a, activation=act), mixed, w, used)
                 assert g_ker is not None and g_ref is not None
                 torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
                 if not used[2]:  # the unused v part gets a zero gradient
@@ -94,7 +99,7 @@ def check_gathered_kernel() -> None:
     warnings.filterwarnings("error", message=".*split-l2norm kernel is off")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(1)
-    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+    for (dtype, tol), act in itertools.product(((torch.float32, 2e-6), (torch.bfloat16, 1e-2)), ACTIVATIONS):
         for t, hk, dk, hv, dv in CASES[:3]:
             rng = np.random.default_rng(t)
             # every row but the last once, a few rows again (replay), out of order
@@ -102,16 +107,20 @@ def check_gathered_kernel() -> None:
             rng.shuffle(index)
             rows = row_gather_plan(index, t, dev)
             mixed = (torch.randn(t, 2 * hk * dk + hv * dv, generator=g) * 3).to(dev, dtype)
-            want = split_l2norm_qkv_reference(mixed, hk, dk, hv, dv, rows=rows)
-            got = split_l2norm_qkv(mixed, hk, dk, hv, dv, rows=rows)
+            want = split_l2norm_qkv_reference(mixed, hk, dk, hv, dv, rows=rows, activation=act)
+            got = split_l2norm_qkv(mixed, hk, dk, hv, dv, rows=rows, activation=act)
             for a, b in zip(got, want, strict=True):
                 assert a.shape == b.shape == (index.size, *b.shape[1:]) and a.is_contiguous()
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol)
             w = tuple(torch.randn(o.shape, generator=g).to(dev) for o in want)
             for used in ((True, True, True), (False, True, True), (True, False, False)):
                 a = (hk, dk, hv, dv)
-                _, g_ref = _grads(lambda x, a=a: split_l2norm_qkv_reference(x, *a, rows=rows), mixed, w, used)
-                _, g_ker = _grads(lambda x, a=a: split_l2norm_qkv(x, *a, rows=rows), mixed, w, used)
+                _, g_ref = _grads(
+                    lambda x, a=a, act=act: split_l2norm_qkv_reference(x, *a, rows=rows, activation=act), mixed, w, used
+                )
+                _, g_ker = _grads(
+                    lambda x, a=a, act=act: split_l2norm_qkv(x, *a, rows=rows, activation=act), mixed, w, used
+                )
                 assert g_ker is not None and g_ref is not None
                 torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
                 if t > 1:
@@ -144,6 +153,47 @@ def test_reference_on_cpu_and_float64_gradients() -> None:
     assert torch.autograd.gradcheck(lambda x: split_l2norm_qkv(x, 3, 8, 2, 4), (mixed,))
 
 
+def test_silu_then_split_in_float64() -> None:
+    """With ``activation="silu"``: the split of the SiLU, bit for bit (float64, the reference), and
+    its gradient (gradcheck), gathered too."""
+    import numpy as np
+
+    from harts.ops.row_gather import row_gather_plan
+
+    mixed = torch.randn(9, 2 * 3 * 8 + 2 * 4, dtype=torch.float64, requires_grad=True)
+    got = split_l2norm_qkv(mixed, 3, 8, 2, 4, activation="silu")
+    want = split_l2norm_qkv(torch.nn.functional.silu(mixed), 3, 8, 2, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.autograd.gradcheck(lambda x: split_l2norm_qkv(x, 3, 8, 2, 4, activation="silu"), (mixed,))
+    rows = row_gather_plan(np.array([3, 0, 3, 8]), 9, torch.device("cpu"))
+    assert torch.autograd.gradcheck(lambda x: split_l2norm_qkv(x, 3, 8, 2, 4, rows=rows, activation="silu"), (mixed,))
+
+
+def test_extra_slot_gradient_with_silu_equals_autograd() -> None:
+    """The replayed slots' gradient, taken in torch (``_l2norm_split_grad``), through the SiLU:
+    equal to autograd of the reference (float64) up to its float32."""
+    from harts.ops.qkv_norm import _l2norm_split_grad
+
+    g = torch.Generator().manual_seed(3)
+    hk, dk, hv, dv = 2, 8, 3, 4
+    x = torch.randn(5, 2 * hk * dk + hv * dv, dtype=torch.float64, generator=g, requires_grad=True)
+    dy = (
+        torch.randn(5, hk, dk, dtype=torch.float64, generator=g),
+        torch.randn(5, hk, dk, dtype=torch.float64, generator=g),
+        torch.randn(5, hv, dv, dtype=torch.float64, generator=g),
+    )
+    for act in ACTIVATIONS:
+        outs = split_l2norm_qkv_reference(x, hk, dk, hv, dv, activation=act)
+        (want,) = torch.autograd.grad(sum((o * d).sum() for o, d in zip(outs, dy, strict=True)), x)
+        got = _l2norm_split_grad(x.detach(), *dy, hk, dk, 1e-6, act)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # it takes dy in float32
+
+
+def test_bad_activation_is_named() -> None:
+    with pytest.raises(ValueError, match="activation must be None or 'silu', got 'gelu'"):
+        split_l2norm_qkv(torch.randn(9, 56), 3, 8, 2, 4, activation="gelu")
+
+
 def test_bad_width_names_the_shapes() -> None:
     with pytest.raises(ValueError, match=r"mixed must be \[T, 2\*3\*8 \+ 2\*4\] = \[T, 56\], got \[9, 55\]"):
         split_l2norm_qkv(torch.randn(9, 55), 3, 8, 2, 4)
@@ -174,7 +224,8 @@ def test_a_failing_kernel_warns_once_and_the_reference_runs(monkeypatch: pytest.
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_kernel_on_cuda_at_ling3_tiny_heads() -> None:
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=str)
+def test_kernel_on_cuda_at_ling3_tiny_heads(act: str | None) -> None:
     """KDA's heads in ling3_tiny (16 heads of 128), rows off the block: forward and every gradient,
     from the kernel (a fallback to the reference warns, and fails here)."""
     import warnings
@@ -185,8 +236,9 @@ def test_kernel_on_cuda_at_ling3_tiny_heads() -> None:
     for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
         mixed = torch.randn(t, 3 * h * d, generator=g).to("cuda", dtype)
         w = tuple(torch.randn(t, h, d, generator=g).cuda() for _ in range(3))
-        o_ref, g_ref = _grads(lambda x: split_l2norm_qkv_reference(x, h, d, h, d), mixed, w, (True, True, True))
-        o_ker, g_ker = _grads(lambda x: split_l2norm_qkv(x, h, d, h, d), mixed, w, (True, True, True))
+        used = (True, True, True)
+        o_ref, g_ref = _grads(lambda x: split_l2norm_qkv_reference(x, h, d, h, d, activation=act), mixed, w, used)
+        o_ker, g_ker = _grads(lambda x: split_l2norm_qkv(x, h, d, h, d, activation=act), mixed, w, used)
         for a, b in zip(o_ker, o_ref, strict=True):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
         torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
@@ -194,7 +246,8 @@ def test_kernel_on_cuda_at_ling3_tiny_heads() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gathered_kernel_on_cuda() -> None:
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=str)
+def test_gathered_kernel_on_cuda(act: str | None) -> None:
     """The row-gathering variant compiled on CUDA: the small cases of the interpreted test, and
     ling3_tiny's heads over a compact-like gather (every row once in order, 300 replayed again
     further on, the last 5 rows unread), forward and every gradient."""
@@ -202,7 +255,8 @@ def test_gathered_kernel_on_cuda() -> None:
 
     from harts.ops.row_gather import row_gather_plan
 
-    check_gathered_kernel()
+    if act is None:
+        check_gathered_kernel()  # (both activations)
     g = torch.Generator().manual_seed(2)
     t, h, d = 4097, 16, 128
     rng = np.random.default_rng(0)
@@ -212,8 +266,10 @@ def test_gathered_kernel_on_cuda() -> None:
         mixed = torch.randn(t, 3 * h * d, generator=g).to("cuda", dtype)
         w = tuple(torch.randn(index.size, h, d, generator=g).cuda() for _ in range(3))
         used = (True, True, True)
-        o_ref, g_ref = _grads(lambda x: split_l2norm_qkv_reference(x, h, d, h, d, rows=rows), mixed, w, used)
-        o_ker, g_ker = _grads(lambda x: split_l2norm_qkv(x, h, d, h, d, rows=rows), mixed, w, used)
+        o_ref, g_ref = _grads(
+            lambda x: split_l2norm_qkv_reference(x, h, d, h, d, rows=rows, activation=act), mixed, w, used
+        )
+        o_ker, g_ker = _grads(lambda x: split_l2norm_qkv(x, h, d, h, d, rows=rows, activation=act), mixed, w, used)
         for a, b in zip(o_ker, o_ref, strict=True):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
         torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
@@ -229,3 +285,22 @@ def test_bench_says_where_the_kernel_does_not_apply(capsys: pytest.CaptureFixtur
         main(["--device", "cpu", "--rows", "8"])
     assert e.value.code == 2
     assert "the kernel does not apply here (cpu, bfloat16, head dim 128)" in capsys.readouterr().err
+
+
+def test_bench_conv_comparison_wiring(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The bench's conv + split comparison (fla-core's conv on CUDA) with the conv's torch
+    reference in its place: both arrangements agree and each pass gets a time."""
+    import functools
+
+    import harts.bench.qkv_norm_bench as bench
+    from harts.ops.conv import runs_causal_conv1d
+
+    monkeypatch.setattr(bench, "runs_causal_conv1d", functools.partial(runs_causal_conv1d, impl="reference"))
+    h, d, t = 2, 16, 40
+    g = torch.Generator().manual_seed(4)
+    pre = torch.randn(t, 3 * h * d, generator=g)
+    grads = tuple(torch.randn(t, h, d, generator=g) for _ in range(3))
+    out = bench._time_conv_silu(pre, grads, h, d, sequences=3, repeat=1, tol=1e-5)
+    assert set(out) == {"forward", "forward_backward"}
+    assert all(set(row) == {"silu in conv", "silu in split"} and min(row.values()) >= 0 for row in out.values())
+    assert "silu in split" in capsys.readouterr().out

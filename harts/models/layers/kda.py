@@ -1,6 +1,7 @@
 """Kimi Delta Attention (KDA) layer, Kimi Linear / Ling 3.0 semantics.
 
-    q, k, v = conv_silu(q_proj x), conv_silu(k_proj x), conv_silu(v_proj x)   (short convs)
+    q, k, v = conv_silu(q_proj x), conv_silu(k_proj x), conv_silu(v_proj x)   (short convs; the
+              SiLU applied by the q / k / v split kernel: ``silu_in_split``)
     g       = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj x) + dt_bias)    per-channel log-decay
               (kda_safe_gate: lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with
               kda_low_rank_gates=False one full-rank f_proj / g_proj replaces each a/b pair)
@@ -20,6 +21,7 @@ Shapes: x_TD; q/k_THK; v_THV; g_THK; beta_TH.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,11 @@ class KimiDeltaAttention(nn.Module):
     #: (``harts.ops.qkv_norm``; no concatenation of the three gradients) where the kernel applies
     #: (CUDA); False: the torch split and l2 norms (the reference) everywhere
     fused_qkv_norm: bool = True
+    #: the short conv's SiLU applied by the split kernel instead of by fla-core's conv, whose
+    #: backward is then much cheaper (``harts.ops.qkv_norm``, "The SiLU"); the same operations in
+    #: float64. None: on unless the environment sets ``HARTS_KDA_SILU_IN_SPLIT`` to 0/false/no/off
+    #: (for A/B timing: both sides of ``harts bench`` read it)
+    silu_in_split: bool | None = None
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -107,6 +114,11 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNormGated(v, eps=config.rms_norm_eps, activation="sigmoid")
         self.o_proj = nn.Linear(h * v, d, bias=False)
 
+    def _silu_in_split(self) -> bool:
+        if self.silu_in_split is not None:
+            return self.silu_in_split
+        return os.environ.get("HARTS_KDA_SILU_IN_SPLIT", "1").strip().lower() not in ("0", "false", "no", "off")
+
     def forward(self, x_TD: torch.Tensor, ctx: RowContext) -> torch.Tensor:
         t = x_TD.shape[0]
         h, k, v = self.num_heads, self.head_k_dim, self.head_v_dim
@@ -117,11 +129,12 @@ class KimiDeltaAttention(nn.Module):
         else:
             mixed = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight_DW, self.k_conv1d.weight_DW, self.v_conv1d.weight_DW], dim=0)
-        mixed = ctx.short_conv(mixed, weight, None, "silu")
+        act = "silu" if self._silu_in_split() else None
+        mixed = ctx.short_conv(mixed, weight, None, None if act else "silu")
         split = split_l2norm_qkv if self.fused_qkv_norm else split_l2norm_qkv_reference
         # the linear attention's input rows gathered by the split itself (compact execution)
         rows = ctx.la_input_rows()
-        q, kk, vv = split(mixed, h, k, h, v, rows=rows)
+        q, kk, vv = split(mixed, h, k, h, v, rows=rows, activation=act)
         f = self.f_b_proj(self.f_a_proj(x_TD)) if self.low_rank_gates else self.f_proj(x_TD)
         g = kda_log_decay(
             f.reshape(t, h, k), self.dt_bias.reshape(h, k), self.A_log, self.lower_bound if self.safe_gate else None

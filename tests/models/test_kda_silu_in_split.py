@@ -1,0 +1,43 @@
+"""KDA's short-conv SiLU applied by the q / k / v split (``KimiDeltaAttention.silu_in_split``, on
+by default): the conv without its activation followed by the split's SiLU gives the conv-with-SiLU
+model's log-probs and every gradient bit for bit in float64, in both execution modes (the same
+operations in the same order); ``HARTS_KDA_SILU_IN_SPLIT`` switches the default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harts.models.layers.kda import KimiDeltaAttention
+from harts.rl.verify import run_step
+from tests.models._trees import mixed_batch
+from tests.models.test_compact_vs_trajectory import B, make_model
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "compact"])
+def test_silu_in_split_equals_silu_in_conv(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    model = make_model("KM", moe=False)
+    batch = mixed_batch(B)
+    runs = {}
+    for in_split in (False, True):
+        monkeypatch.setattr(KimiDeltaAttention, "silu_in_split", in_split)
+        runs[in_split] = run_step(model, batch, mode=mode, kl_coef=0.1)
+    a, b = runs[False], runs[True]
+    assert torch.equal(b.logprobs.nan_to_num(), a.logprobs.nan_to_num())
+    assert set(a.grads) == set(b.grads)
+    for name, g in a.grads.items():
+        assert torch.equal(b.grads[name], g), name
+
+
+def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert KimiDeltaAttention.silu_in_split is None
+    layer = next(m for m in make_model("K", moe=False).modules() if isinstance(m, KimiDeltaAttention))
+    monkeypatch.delenv("HARTS_KDA_SILU_IN_SPLIT", raising=False)
+    assert layer._silu_in_split()
+    for off in ("0", "false", " Off "):
+        monkeypatch.setenv("HARTS_KDA_SILU_IN_SPLIT", off)
+        assert not layer._silu_in_split()
+    monkeypatch.setenv("HARTS_KDA_SILU_IN_SPLIT", "1")
+    assert layer._silu_in_split()
+    monkeypatch.setattr(KimiDeltaAttention, "silu_in_split", False)  # the attribute wins
+    assert not layer._silu_in_split()
