@@ -30,6 +30,8 @@
 #   medium_keep N  `medium` step 0 as `medium` with the MoE block kept and --moe-keep-gate-up N
 #   medium_full N  `medium` step 0 on the full ling3_tiny (24 layers, no --pattern), the MoE block kept
 #             and its first N MoE layers keeping their gate/up output
+#   silu_ab N  `medium_full N` twice in one call: HARTS_KDA_SILU_IN_SPLIT=0 (the short conv's SiLU in
+#             fla-core's conv, as before session 21), then =1 (in the split kernel, the default)
 #   gpu_tests ARGS...  `pytest -m gpu ARGS` (test files, -k EXPR, ...) with part A of FA4 kept, as `tests`
 #   qkv_norm  the split-l2norm kernel's GPU test, then one KDA layer's split + l2 norms at 65,536 rows,
 #             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench),
@@ -55,10 +57,10 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N|medium_full N|gpu_tests PATH...}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N|medium_full N|silu_ab N|gpu_tests PATH...}
 case "$part" in
 tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | profile_la | tune | qkv_norm | sweep) ;;
-layers | medium_layers | moe_keep | medium_keep | medium_full) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
+layers | medium_layers | moe_keep | medium_keep | medium_full | silu_ab) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
 gpu_tests)
     [ $# -ge 2 ] || { echo "gpu_tests needs test paths" >&2; exit 2; }
     for f in "${@:2}"; do  # the arguments that name test files (others, such as -k EXPR, go to pytest as they are)
@@ -66,7 +68,7 @@ gpu_tests)
         [[ "$f" == */* || "$f" == *.py* ]] || continue
         [ -e "${f%%::*}" ] || { echo "gpu_tests: no test file '${f%%::*}'" >&2; exit 2; }
     done ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, gpu_tests PATH...)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, silu_ab N, gpu_tests PATH...)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -192,6 +194,15 @@ medium_full)
     timeout 560 "${B[@]}" "${KEEP_MOE[@]}" --moe-keep-gate-up "$n" --workload medium --steps 1 \
         --json "$OUT/medium_full_keep$n.json" >"$OUT/medium_full_keep$n.log" 2>&1
     show "$OUT/medium_full_keep$n.log"
+    ;;
+silu_ab)
+    n=$2
+    for v in 0 1; do
+        HARTS_KDA_SILU_IN_SPLIT=$v timeout 290 "${B[@]}" "${KEEP_MOE[@]}" --moe-keep-gate-up "$n" --workload medium \
+            --steps 1 --json "$OUT/silu_ab${v}_keep$n.json" >"$OUT/silu_ab${v}_keep$n.log" 2>&1
+        echo "HARTS_KDA_SILU_IN_SPLIT=$v:"
+        show "$OUT/silu_ab${v}_keep$n.log"
+    done
     ;;
 moe_keep)
     n=$2 step=${3:-5}

@@ -17,6 +17,7 @@ def test_script_parses_and_refuses_a_bad_part(tmp_path) -> None:  # noqa: ANN001
         (["layers", "x"], "layers needs a layer count"),
         (["moe_keep"], "moe_keep needs a layer count"),
         (["medium_full", "x"], "medium_full needs a layer count"),
+        (["silu_ab"], "silu_ab needs a layer count"),
         (["gpu_tests"], "gpu_tests needs test paths"),
         (["gpu_tests", "tests/nope.py"], "gpu_tests: no test file 'tests/nope.py'"),
     ]:
