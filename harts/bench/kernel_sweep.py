@@ -260,15 +260,18 @@ def _conv_runners(c: dict, bd: int | None, warps: int | None) -> tuple[Callable[
         causal_conv1d_fwd_kernel,
     )
 
+    from harts.models.layers.kda import silu_in_split
+
+    act = None if silu_in_split() else "silu"  # the model's variant of the conv
     x, dy, w, b, s, dev = c["x"], c["dy"], c["weight"], c["bias"], c["states"], c["dev"]
     kw = dict(cu_seqlens=dev.cu_seqlens, cu_seqlens_cpu=dev.cu_seqlens_host, chunk_indices=dev.chunk_indices)
     if bd is None:
 
         def fwd() -> Any:
-            return causal_conv1d_fwd(x=x, weight=w, bias=b, residual=None, initial_state=s, activation="silu", **kw)[0]
+            return causal_conv1d_fwd(x=x, weight=w, bias=b, residual=None, initial_state=s, activation=act, **kw)[0]
 
         def bwd() -> Any:
-            out = causal_conv1d_bwd(x=x, dy=dy, dht=None, weight=w, bias=b, initial_state=s, activation="silu", **kw)
+            out = causal_conv1d_bwd(x=x, dy=dy, dht=None, weight=w, bias=b, initial_state=s, activation=act, **kw)
             return out[0], out[1], out[2]
 
         return fwd, bwd
@@ -294,12 +297,12 @@ def _conv_runners(c: dict, bd: int | None, warps: int | None) -> tuple[Callable[
         bk[grid](
             x, y, w, s, None, dy, dx, dw, db, dev.cu_seqlens, dev.chunk_indices, 1, t,
             *x.stride(), *dx.stride(), *dy.stride(),
-            ACTIVATION="silu", HAS_WEIGHT=True, HAS_BIAS=True, USE_INITIAL_STATE=s is not None,
+            ACTIVATION=act, HAS_WEIGHT=True, HAS_BIAS=True, USE_INITIAL_STATE=s is not None,
             USE_FINAL_STATE=False, IS_VARLEN=True, **common,
         )  # fmt: skip
         return dx, dw.sum(0).to(w), db.sum(0).to(b)
 
-    return (lambda: raw_fwd("silu")), raw_bwd
+    return (lambda: raw_fwd(act)), raw_bwd
 
 
 def sweep_conv(shapes: dict, device: torch.device, repeat: int, grid: list[tuple[int, int]]) -> list[dict]:

@@ -124,6 +124,7 @@ def _tune_short_conv(channels: int, width: int, dtype, lengths: list[int]) -> No
     import numpy as np
     import torch
 
+    from harts.models.layers.kda import silu_in_split
     from harts.ops.conv import ConvRuns, runs_causal_conv1d
 
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -135,7 +136,7 @@ def _tune_short_conv(channels: int, width: int, dtype, lengths: list[int]) -> No
     states = np.stack([starts - width + 1 + j for j in range(width - 1)], 1)
     states = np.where(states < 0, -1, states)
     for runs in (ConvRuns(cu_seqlens=cu, state_rows=None), ConvRuns(cu_seqlens=cu, state_rows=states)):
-        y = runs_causal_conv1d(x, w, runs, None, "silu")
+        y = runs_causal_conv1d(x, w, runs, None, None if silu_in_split() else "silu")  # the model's variant
         y.float().square().sum().backward()
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harts.models.layers.kda import KimiDeltaAttention
+from harts.models.layers.kda import KimiDeltaAttention, silu_in_split
 from harts.rl.verify import run_step
 from tests.models._trees import mixed_batch
 from tests.models.test_compact_vs_trajectory import B, make_model
@@ -31,13 +31,12 @@ def test_silu_in_split_equals_silu_in_conv(monkeypatch: pytest.MonkeyPatch, mode
 
 def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert KimiDeltaAttention.silu_in_split is None
-    layer = next(m for m in make_model("K", moe=False).modules() if isinstance(m, KimiDeltaAttention))
     monkeypatch.delenv("HARTS_KDA_SILU_IN_SPLIT", raising=False)
-    assert layer._silu_in_split()
+    assert silu_in_split()
     for off in ("0", "false", " Off "):
         monkeypatch.setenv("HARTS_KDA_SILU_IN_SPLIT", off)
-        assert not layer._silu_in_split()
+        assert not silu_in_split()
     monkeypatch.setenv("HARTS_KDA_SILU_IN_SPLIT", "1")
-    assert layer._silu_in_split()
+    assert silu_in_split()
     monkeypatch.setattr(KimiDeltaAttention, "silu_in_split", False)  # the attribute wins
-    assert not layer._silu_in_split()
+    assert not silu_in_split()

@@ -34,7 +34,7 @@ from harts.models.recompute import run_core
 from harts.ops.compiled import cuda_compiled
 from harts.ops.qkv_norm import split_l2norm_qkv, split_l2norm_qkv_reference
 
-__all__ = ["KimiDeltaAttention", "ShortConvolution"]
+__all__ = ["KimiDeltaAttention", "ShortConvolution", "silu_in_split"]
 
 
 @cuda_compiled
@@ -114,11 +114,6 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNormGated(v, eps=config.rms_norm_eps, activation="sigmoid")
         self.o_proj = nn.Linear(h * v, d, bias=False)
 
-    def _silu_in_split(self) -> bool:
-        if self.silu_in_split is not None:
-            return self.silu_in_split
-        return os.environ.get("HARTS_KDA_SILU_IN_SPLIT", "1").strip().lower() not in ("0", "false", "no", "off")
-
     def forward(self, x_TD: torch.Tensor, ctx: RowContext) -> torch.Tensor:
         t = x_TD.shape[0]
         h, k, v = self.num_heads, self.head_k_dim, self.head_v_dim
@@ -129,7 +124,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             mixed = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight_DW, self.k_conv1d.weight_DW, self.v_conv1d.weight_DW], dim=0)
-        act = "silu" if self._silu_in_split() else None
+        act = "silu" if silu_in_split() else None
         mixed = ctx.short_conv(mixed, weight, None, None if act else "silu")
         split = split_l2norm_qkv if self.fused_qkv_norm else split_l2norm_qkv_reference
         # the linear attention's input rows gathered by the split itself (compact execution)
@@ -146,3 +141,12 @@ class KimiDeltaAttention(nn.Module):
         gate = gate.reshape(t, h, v)
         o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(t, h * v))
+
+
+def silu_in_split() -> bool:
+    """Whether KDA's short-conv SiLU runs in the q / k / v split (``KimiDeltaAttention.silu_in_split``
+    when set, else ``HARTS_KDA_SILU_IN_SPLIT``, on unless 0/false/no/off); then the conv runs
+    without activation. Benchmarks of the conv alone ask it too, to time the model's variant."""
+    if KimiDeltaAttention.silu_in_split is not None:
+        return KimiDeltaAttention.silu_in_split
+    return os.environ.get("HARTS_KDA_SILU_IN_SPLIT", "1").strip().lower() not in ("0", "false", "no", "off")
