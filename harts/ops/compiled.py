@@ -54,7 +54,7 @@ forward only: a backward graph that fails to compile fails in ``loss.backward()`
 
 **Float64 always runs eagerly, on CUDA too** (``COMPILED_DTYPES``). It is the precision
 reference (``harts compare --dtype float64``, float64 twins in the GPU tests), not a speed path,
-and Inductor in torch 2.11 miscompiles float64 split reductions: an H200 run of
+and Inductor in torch 2.11 failed to compile a float64 split reduction: an H200 run of
 ``tests/models/test_linked_rounds.py`` with a float64 model on CUDA failed in the backward of the
 glue's norms (``triton_per_fused_add_div_expand_mul_pow_sum_0``: "Loop-carried variable accum0 has
 initial type fp32 but is re-assigned to fp64"), where the fallback above cannot catch it.
