@@ -1,6 +1,7 @@
-"""KDA's stacked q / k / v projection (``KimiDeltaAttention.stacked_qkv``, on by default on CUDA):
-one GEMM over the stacked weights gives the three GEMMs' outputs and every gradient, to float64
-rounding, in both execution modes; the CPU default stays the three GEMMs."""
+"""KDA's stacked projections (``KimiDeltaAttention.stacked_qkv`` for q / k / v and
+``stacked_gates`` for the low-rank gates' first factors and beta's, both on by default on CUDA):
+one GEMM over the stacked weights gives the separate GEMMs' outputs and every gradient, to float64
+rounding, in both execution modes; the CPU default stays the separate GEMMs."""
 
 from __future__ import annotations
 
@@ -13,25 +14,28 @@ from tests.models._trees import mixed_batch
 from tests.models.test_compact_vs_trajectory import B, make_model
 
 
+@pytest.mark.parametrize("flag", ["stacked_qkv", "stacked_gates"])
 @pytest.mark.parametrize("mode", ["trajectory", "compact"])
-def test_stacked_projection_equals_three_gemms(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+def test_stacked_projection_equals_separate_gemms(monkeypatch: pytest.MonkeyPatch, mode: str, flag: str) -> None:
     model = make_model("KM", moe=False)
+    assert next(m for m in model.modules() if isinstance(m, KimiDeltaAttention)).low_rank_gates
     batch = mixed_batch(B)
     runs = {}
     for stacked in (False, True):
-        monkeypatch.setattr(KimiDeltaAttention, "stacked_qkv", stacked)
+        monkeypatch.setattr(KimiDeltaAttention, flag, stacked)
         runs[stacked] = run_step(model, batch, mode=mode, kl_coef=0.1)
     a, b = runs[False], runs[True]
     torch.testing.assert_close(b.logprobs, a.logprobs, rtol=1e-12, atol=1e-12)
     assert set(a.grads) == set(b.grads)
     for name, g in a.grads.items():
         torch.testing.assert_close(b.grads[name], g, rtol=1e-10, atol=1e-12, msg=name)
-    # the q / k / v weights get their own gradients, not a stacked copy's
-    assert any(n.endswith("q_proj.weight") for n in a.grads) and any(n.endswith("v_proj.weight") for n in b.grads)
+    # the weights get their own gradients, not a stacked copy's
+    for name in ("q_proj.weight", "v_proj.weight", "f_a_proj.weight", "g_a_proj.weight", "b_proj.weight"):
+        assert any(n.endswith(name) for n in b.grads), name
 
 
 def test_cpu_default_is_the_three_gemms() -> None:
-    assert KimiDeltaAttention.stacked_qkv is None  # None: CUDA only
+    assert KimiDeltaAttention.stacked_qkv is None and KimiDeltaAttention.stacked_gates is None  # None: CUDA only
     model = make_model("K", moe=False)
     layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
     calls = []
@@ -39,3 +43,22 @@ def test_cpu_default_is_the_three_gemms() -> None:
     run_step(model, mixed_batch(B), mode="compact")
     handle.remove()
     assert calls  # the q projection ran as its own module on CPU
+
+
+def test_full_rank_gates_ignore_the_gate_stacking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full-rank gates (Ling 3.0 / BailingHybrid) have nothing small to stack: the flag changes
+    nothing there."""
+    import dataclasses
+
+    model = make_model("K", moe=False)
+    cfg = dataclasses.replace(model.config, kda_low_rank_gates=False)
+    torch.manual_seed(0)
+    from harts.models import HybridLM
+
+    full = HybridLM(cfg).double()
+    batch = mixed_batch(B)
+    runs = {}
+    for stacked in (False, True):
+        monkeypatch.setattr(KimiDeltaAttention, "stacked_gates", stacked)
+        runs[stacked] = run_step(full, batch, mode="compact")
+    assert torch.equal(runs[True].logprobs.nan_to_num(), runs[False].logprobs.nan_to_num())

@@ -72,6 +72,14 @@ class KimiDeltaAttention(nn.Module):
     #: Stacked, the q / k / v ``nn.Linear`` modules are not called: hooks on them do not run
     #: (set it False for adapters that wrap those modules)
     stacked_qkv: bool | None = None
+    #: with low-rank gates: the forget and output gates' first factors (``f_a_proj``,
+    #: ``g_a_proj``, V columns each) and ``b_proj`` (H columns) as one GEMM over their stacked
+    #: weights. Each of them alone reads all of x for a handful of columns, and its backward
+    #: writes a [T, D] gradient that autograd then adds into x's; stacked, x is read once each
+    #: way and two [T, D] gradients and their additions are gone, for a [T, 2V + H] split
+    #: gradient (``split``'s backward: small). None: on CUDA; elsewhere the three GEMMs (the
+    #: reference). Stacked, those ``nn.Linear`` modules are not called (hooks do not run)
+    stacked_gates: bool | None = None
     #: the split of the conv's ``[q | k | v]`` and the q / k l2 norms as one kernel each way
     #: (``harts.ops.qkv_norm``; no concatenation of the three gradients) where the kernel applies
     #: (CUDA); False: the torch split and l2 norms (the reference) everywhere
@@ -130,14 +138,25 @@ class KimiDeltaAttention(nn.Module):
         # the linear attention's input rows gathered by the split itself (compact execution)
         rows = ctx.la_input_rows()
         q, kk, vv = split(mixed, h, k, h, v, rows=rows, activation=act)
-        f = self.f_b_proj(self.f_a_proj(x_TD)) if self.low_rank_gates else self.f_proj(x_TD)
+        stack_gates = self.low_rank_gates and (x_TD.is_cuda if self.stacked_gates is None else self.stacked_gates)
+        if stack_gates:
+            w_gates = torch.cat([self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight], dim=0)
+            f_a, g_a, b = torch.split(torch.nn.functional.linear(x_TD, w_gates), [v, v, h], dim=-1)
+        elif self.low_rank_gates:
+            f_a, g_a, b = self.f_a_proj(x_TD), None, self.b_proj(x_TD)
+        else:
+            f_a, g_a, b = None, None, self.b_proj(x_TD)
+        f = self.f_b_proj(f_a) if self.low_rank_gates else self.f_proj(x_TD)
         g = kda_log_decay(
             f.reshape(t, h, k), self.dt_bias.reshape(h, k), self.A_log, self.lower_bound if self.safe_gate else None
         )
-        beta = torch.sigmoid(self.b_proj(x_TD))
+        beta = torch.sigmoid(b)
         kw = {} if rows is None else {"qkv_gathered": True}
         o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta, **kw)
-        gate = self.g_b_proj(self.g_a_proj(x_TD)) if self.low_rank_gates else self.g_proj(x_TD)
+        if self.low_rank_gates:
+            gate = self.g_b_proj(self.g_a_proj(x_TD) if g_a is None else g_a)
+        else:
+            gate = self.g_proj(x_TD)
         gate = gate.reshape(t, h, v)
         o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(t, h * v))
