@@ -169,7 +169,9 @@ def run_row_bounded(
     if mark:
         mark_row_dynamic(call_args, rows)
     out = compiled(*call_args, **kwargs)
-    return out[:t] if n > t else out
+    if n == t:
+        return out
+    return tuple(o[:t] for o in out) if isinstance(out, tuple) else out[:t]
 
 
 def cuda_compiled(
@@ -182,7 +184,7 @@ def cuda_compiled(
     ``dynamic``: ``torch.compile``'s (True: symbolic sizes from the start; None: the first shape
     static, symbolic after a second one) where ``rows`` is None. ``rows``: positions of the
     positional arguments whose dim 0 is the row count T (the same for all of them; ``fn``
-    returns one row-first tensor): calls below ``MIN_ROWS`` rows are padded, so one compiled
+    returns one row-first tensor or a tuple of them): calls below ``MIN_ROWS`` rows are padded, so one compiled
     kernel serves every T, and only T is symbolic (module docstring; ``dynamic`` applies only
     under ``HARTS_COMPILE_DYNAMIC=all``); None passes the arguments as they are. Usable bare (``@cuda_compiled``) or with
     keywords. The compiled function is built on first CUDA use, so importing a module that uses

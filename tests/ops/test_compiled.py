@@ -9,7 +9,7 @@ from harts.models.layers.kda import kda_log_decay
 from harts.models.layers.mlp import swiglu
 from harts.models.layers.moe import _PairsToRows, _RowsToPairs, sum_slots, weighted_swiglu
 from harts.models.layers.norms import l2norm, rms_norm, rms_norm_gated
-from harts.models.layers.rope import apply_rope, rope_cos_sin
+from harts.models.layers.rope import apply_rope, mla_key_value, rope_cos_sin
 from harts.ops.compiled import compile_enabled, cuda_compiled
 
 F64 = torch.float64
@@ -37,7 +37,18 @@ def _cases(T: int, device: str, dtype: torch.dtype, seed: int = 0):  # noqa: ANN
         ("apply_rope_last", _rope_last, (r(T, 4, 96), cos, sin)),
         ("weighted_swiglu", weighted_swiglu, (r(T, 2 * 48), r(T))),
         ("sum_slots", sum_slots, (slots, r(T, 3, 40))),
+        ("mla_key_value", _mla_kv, (r(T, 4, 48 + 32), r(T, 1, 64), cos, sin)),
+        ("mla_key_value_no_rope", _mla_kv, (r(T, 4, 48 + 32), r(T, 1, 16), None, None)),
     ]
+
+
+def _mla_kv(kv, k_rot, cos, sin):  # noqa: ANN001, ANN202 - MLA's keys and values as one tensor
+    return torch.cat([o.flatten() for o in mla_key_value(kv, k_rot, cos, sin, nope=48)])
+
+
+_mla_kv.eager = lambda kv, k_rot, cos, sin: torch.cat(  # type: ignore[attr-defined]
+    [o.flatten() for o in mla_key_value.eager(kv, k_rot, cos, sin, nope=48)]
+)
 
 
 def _rope_last(x, cos, sin):  # noqa: ANN001, ANN202 - MLA's query: the rotary dims last
@@ -45,6 +56,35 @@ def _rope_last(x, cos, sin):  # noqa: ANN001, ANN202 - MLA's query: the rotary d
 
 
 _rope_last.eager = lambda x, cos, sin: apply_rope.eager(x, cos, sin, rotary_last=True)  # type: ignore[attr-defined]
+
+
+def test_mla_keys_and_values() -> None:
+    """Keys: each head's k_nope, then the rows' shared rotary key rotated; values contiguous."""
+    t, h, n, v, r = 6, 3, 8, 5, 4
+    g = torch.Generator().manual_seed(2)
+    kv, k_rot = torch.randn(t, h, n + v, generator=g, dtype=F64), torch.randn(t, 1, r, generator=g, dtype=F64)
+    cos, sin = rope_cos_sin(torch.arange(t), r, 10_000.0, F64)
+    key, value = mla_key_value(kv, k_rot, cos, sin, nope=n)
+    assert key.shape == (t, h, n + r) and torch.equal(key[..., :n], kv[..., :n])
+    assert value.is_contiguous() and torch.equal(value, kv[..., n:])
+    rotated = apply_rope(k_rot, cos, sin)[:, 0]
+    assert all(torch.equal(key[:, i, n:], rotated) for i in range(h))
+    assert torch.equal(mla_key_value(kv, k_rot, None, None, nope=n)[0][:, 1, n:], k_rot[:, 0])
+
+
+def test_row_bounded_tuple_results_are_cut_back() -> None:
+    """A row-bounded function returning several row-first tensors: each padded and cut back."""
+    from harts.ops.compiled import MIN_ROWS, run_row_bounded
+
+    seen = []
+
+    def two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(x.shape[0])
+        return x * 2, x[:, :1] + 1
+
+    x = torch.randn(5, 3)
+    a, b = run_row_bounded(two, (x,), {}, rows=(0,))
+    assert seen == [MIN_ROWS] and torch.equal(a, x * 2) and torch.equal(b, x[:, :1] + 1)
 
 
 def test_rope_on_the_last_dims_equals_split_rotate_concatenate() -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNorm
-from harts.models.layers.rope import apply_rope
+from harts.models.layers.rope import apply_rope, mla_key_value
 from harts.models.recompute import run_core
 
 __all__ = ["MultiheadLatentAttention"]
@@ -63,15 +63,18 @@ class MultiheadLatentAttention(nn.Module):
         query = q.reshape(t, h, self.qk_head_dim)  # [nope | rope] per head
         c, k_rot = torch.split(self.kv_a_proj_with_mqa(x_TD), [self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c)).reshape(t, h, self.nope + self.v_dim)
-        k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
-        k_rot = k_rot[:, None, :]
+        cos = sin = None
         if self.use_rope:
             cos, sin = ctx.rope(self.rope_dim, self.rope_theta, x_TD.dtype)
             # the query's rope dims rotated in place of a split and a concatenation
             query = apply_rope(query, cos, sin, interleaved=self.rope_interleave, rotary_last=True)
-            k_rot = apply_rope(k_rot, cos, sin, interleaved=self.rope_interleave)
-        key = torch.cat([k_nope, k_rot.expand(t, h, self.rope_dim)], dim=-1)
-        o = run_core(ctx, self, "attention", ctx.attention, query, key, v.contiguous(), scale=self.scaling)
+        # keys (the shared rotary key rotated, behind every head's k_nope) and contiguous values
+        # in one pass each way
+        # (k_rot made contiguous, 2 x R bytes a row: as a strided slice it would need its own
+        # compiled variant beside the padded, contiguous one of microbatches below MIN_ROWS)
+        k_rot = k_rot.contiguous()[:, None, :]
+        key, value = mla_key_value(kv, k_rot, cos, sin, nope=self.nope, interleaved=self.rope_interleave)
+        o = run_core(ctx, self, "attention", ctx.attention, query, key, value, scale=self.scaling)
         o = o.reshape(t, h * self.v_dim)
         if self.g_proj is not None and self.head_gate:  # one gate per head (Ling 3.0)
             o = (o.reshape(t, h, self.v_dim) * torch.sigmoid(self.g_proj(x_TD))[..., None]).reshape(t, -1)
