@@ -41,7 +41,7 @@ from harts.models.execution.base import RowContext
 from harts.models.execution.config import ExecutionConfig
 from harts.models.init import draw_seed, init_weights
 from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
-from harts.models.layers.norms import RMSNorm
+from harts.models.layers.norms import RMSNorm, add_rms_norm
 from harts.models.recompute import kept_routing, run_core
 from harts.ops.logprob.mapped import LogprobIndex, logprob_index
 from harts.plan.calls import CallPlan, plan_calls
@@ -177,8 +177,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h_TD: torch.Tensor, ctx: RowContext) -> tuple[torch.Tensor, ...]:
         """Returns ``(h,)`` for a dense FFN, ``(h, z_loss, aux_loss, counts_E)`` for MoE."""
-        h_TD = h_TD + self.mixer(self.input_layernorm(h_TD), ctx)
-        x = self.post_attention_layernorm(h_TD)
+        norm = self.post_attention_layernorm  # the residual add and this norm in one pass
+        h_TD, x = add_rms_norm(
+            h_TD, self.mixer(self.input_layernorm(h_TD), ctx), norm.weight, norm.eps, norm.unit_offset
+        )
         if not self.is_moe:
             return (h_TD + self.mlp(x),)
         y, z_loss, aux_loss, counts = run_core(

@@ -8,7 +8,7 @@ import torch
 from harts.models.layers.kda import kda_log_decay
 from harts.models.layers.mlp import swiglu
 from harts.models.layers.moe import _PairsToRows, _RowsToPairs, sum_slots, weighted_swiglu
-from harts.models.layers.norms import l2norm, rms_norm, rms_norm_gated
+from harts.models.layers.norms import add_rms_norm, l2norm, rms_norm, rms_norm_gated
 from harts.models.layers.rope import apply_rope, mla_key_value, rope_cos_sin
 from harts.ops.compiled import compile_enabled, cuda_compiled
 
@@ -37,18 +37,18 @@ def _cases(T: int, device: str, dtype: torch.dtype, seed: int = 0):  # noqa: ANN
         ("apply_rope_last", _rope_last, (r(T, 4, 96), cos, sin)),
         ("weighted_swiglu", weighted_swiglu, (r(T, 2 * 48), r(T))),
         ("sum_slots", sum_slots, (slots, r(T, 3, 40))),
-        ("mla_key_value", _mla_kv, (r(T, 4, 48 + 32), r(T, 1, 64), cos, sin)),
-        ("mla_key_value_no_rope", _mla_kv, (r(T, 4, 48 + 32), r(T, 1, 16), None, None)),
+        ("mla_key_value", _flat(mla_key_value, nope=48), (r(T, 4, 48 + 32), r(T, 1, 64), cos, sin)),
+        ("mla_key_value_no_rope", _flat(mla_key_value, nope=48), (r(T, 4, 48 + 32), r(T, 1, 16), None, None)),
+        ("add_rms_norm", _flat(add_rms_norm), (r(T, 96), r(T, 96), r(96), 1e-6, False)),
     ]
 
 
-def _mla_kv(kv, k_rot, cos, sin):  # noqa: ANN001, ANN202 - MLA's keys and values as one tensor
-    return torch.cat([o.flatten() for o in mla_key_value(kv, k_rot, cos, sin, nope=48)])
+def _flat(fn, **kw):  # noqa: ANN001, ANN003, ANN202 - a function of several outputs as one tensor
+    def run(*args):  # noqa: ANN002, ANN202
+        return torch.cat([o.flatten() for o in fn(*args, **kw)])
 
-
-_mla_kv.eager = lambda kv, k_rot, cos, sin: torch.cat(  # type: ignore[attr-defined]
-    [o.flatten() for o in mla_key_value.eager(kv, k_rot, cos, sin, nope=48)]
-)
+    run.eager = lambda *args: torch.cat([o.flatten() for o in fn.eager(*args, **kw)])  # type: ignore[attr-defined]
+    return run
 
 
 def _rope_last(x, cos, sin):  # noqa: ANN001, ANN202 - MLA's query: the rotary dims last

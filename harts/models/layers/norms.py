@@ -2,7 +2,7 @@
 
 Shapes: ``x_TD`` rows x features; the gated norm works on ``[..., V]`` head slices.
 
-The arithmetic lives in three functions that are compiled on CUDA (``harts.ops.compiled``;
+The arithmetic lives in functions that are compiled on CUDA (``harts.ops.compiled``;
 ``HARTS_COMPILE=0`` keeps them eager); eager, each is several float32 passes over the rows.
 """
 
@@ -15,7 +15,7 @@ from torch import nn
 from harts.ops.compiled import cuda_compiled
 from harts.ops.qkv_norm import l2norm  # the l2 norm lives beside its fused split kernel
 
-__all__ = ["RMSNorm", "RMSNormGated", "l2norm", "rms_norm", "rms_norm_gated"]
+__all__ = ["RMSNorm", "RMSNormGated", "add_rms_norm", "l2norm", "rms_norm", "rms_norm_gated"]
 
 
 @cuda_compiled
@@ -27,6 +27,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     w = weight.to(work)
     return (h * (1.0 + w if unit_offset else w)).to(x.dtype)
+
+
+@cuda_compiled(rows=(0, 1))
+def add_rms_norm(
+    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + y, rms_norm(h + y))``: a pre-norm block's residual add and the norm after it, one
+    pass each way on CUDA (eager, the add then ``rms_norm``: the same operations). Backward, the
+    residual's gradient and the norm's are summed in the same kernel, where autograd had added
+    them in a pass of its own. h, y: [T, D], weight: [D]."""
+    s = h + y
+    return s, rms_norm.eager(s, weight, eps, unit_offset)  # type: ignore[attr-defined]
 
 
 @cuda_compiled(rows=(0, 1))
