@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -65,14 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sides = {"reference": reference, "kernel": lambda x: split_l2norm_qkv(x, h, d, h, d)}
 
-    def fwd_bwd(fn):  # noqa: ANN001, ANN202
-        def run() -> torch.Tensor:
-            x = mixed.detach().requires_grad_(True)
-            torch.autograd.backward(fn(x), grads)
-            assert x.grad is not None
-            return x.grad
-
-        return run
+    def fwd_bwd(fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> Callable[[], torch.Tensor]:
+        return _forward_backward(fn, mixed, grads)
 
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     with warnings.catch_warnings():  # a kernel that fell back to the reference would time the reference twice
@@ -102,6 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _forward_backward(
+    fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], x0: torch.Tensor, grads: tuple[torch.Tensor, ...]
+) -> Callable[[], torch.Tensor]:
+    """A timed pass: ``fn`` on a fresh leaf copy of ``x0``, backward from ``grads``; returns x's
+    gradient."""
+
+    def run() -> torch.Tensor:
+        x = x0.detach().requires_grad_(True)
+        torch.autograd.backward(fn(x), grads)
+        assert x.grad is not None
+        return x.grad
+
+    return run
+
+
 def _time_conv_silu(
     pre_TC: torch.Tensor, grads: tuple[torch.Tensor, ...], h: int, d: int, sequences: int, repeat: int, tol: float
 ) -> dict[str, dict[str, float]]:
@@ -121,14 +131,8 @@ def _time_conv_silu(
 
     sides = {"silu in conv": silu_in_conv, "silu in split": silu_in_split}
 
-    def fwd_bwd(fn):  # noqa: ANN001, ANN202
-        def run() -> torch.Tensor:
-            x = pre_TC.detach().requires_grad_(True)
-            torch.autograd.backward(fn(x), grads)
-            assert x.grad is not None
-            return x.grad
-
-        return run
+    def fwd_bwd(fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> Callable[[], torch.Tensor]:
+        return _forward_backward(fn, pre_TC, grads)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*split-l2norm kernel is off")
