@@ -48,8 +48,9 @@
 # COLD=1 first deletes this machine's Triton, Inductor and fla-core caches (~/.triton,
 # /tmp/torchinductor_*, ~/.cache/torch/inductor, ~/.cache/fla*), so that the part's cold start is a
 # fresh machine's (FA4's cute-DSL compilation keeps no cache there that we know of).
-# LA_BACKEND=NAME runs the bench parts with --la-backend NAME (default auto: the tree kernel one call
-# per round); LA_BACKEND=tree_linked links a microbatch's rounds into one op per layer.
+# LA_BACKEND=NAME runs the bench parts with --la-backend NAME (default auto, since session 22
+# tree_linked: a microbatch's rounds linked into one op per layer); LA_BACKEND=tree runs the tree
+# kernel one call per round (the default before session 22).
 # HARTS_KDA_SILU_IN_SPLIT=0 runs any part with the short conv's SiLU back in fla-core's conv (the
 # arrangement before session 21), for A/B timing against the default.
 # REPEATS=N times each side's step (and harts' Core run) N times in the bench parts and reports the

@@ -47,7 +47,7 @@
 #                 "--workload medium --steps 1" is 3.6 M raw tokens, which did not finish in
 #                 340 s on an H200 with this model)
 #   BENCH_ATTN    attention implementations to bench (default "gather mask")
-#   BENCH_LA      linear-attention backend of the bench (default auto: the one-pass tree kernel on CUDA; "fla" for the split path)
+#   BENCH_LA      linear-attention backend of the bench (default auto: the tree kernel, rounds linked, on CUDA; "fla" for the split path)
 #   TEST_FILES    GPU test files (default: the fla, tree-kernel, MoE, attention, conv, glue, no-sync and LM-head tests)
 #   PYTEST_XDIST  extra pytest flags, e.g. "-n 4" (tests autotune different shapes: parallel helps)
 #   COMPARE_LA, COMPARE_ATTN   compare grid (default "fla reference" x "mask gather")

@@ -145,7 +145,7 @@ def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float3
         choices=["reference", "fla", "tree", "tree_linked", "auto"],
         help="linear-attention core: torch reference, fla-core split path (CUDA), the one-pass tree kernel (CUDA; "
         "one call per round), tree_linked (the tree kernel with a compact microbatch's rounds linked into one op "
-        "per layer), or auto (tree on CUDA with fla-core, reference elsewhere)",
+        "per layer), or auto (tree_linked on CUDA with fla-core, reference elsewhere)",
     )
     p.add_argument("--threads", type=nonneg_int, default=1, help="torch intra-op threads on CPU; 0 lets torch choose")
 

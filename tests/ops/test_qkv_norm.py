@@ -32,6 +32,20 @@ def _grads(fn, mixed: torch.Tensor, w: tuple[torch.Tensor, ...], used: tuple[boo
     return outs, x.grad
 
 
+def _assert_grad_close(g_ker: torch.Tensor, g_ref: torch.Tensor, tol: float, truth: torch.Tensor | None = None) -> None:
+    """The kernel's input gradient against the reference's: within ``tol`` in float32. In
+    bfloat16, where the two round partial sums at other points (a replayed row's slots are
+    added in float32 by the kernel, in bfloat16 by autograd's accumulation) and so differ by an
+    ulp of a large entry at a few elements, both are held to the float32 ``truth`` instead: the
+    kernel's largest error at most twice the reference's (an ulp of the largest entry either way)."""
+    if truth is None or g_ker.dtype != torch.bfloat16:
+        torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
+        return
+    e_ker, e_ref = (float((g.float() - truth).abs().max()) for g in (g_ker, g_ref))
+    bound = 2 * e_ref + 2.0**-8 * float(truth.abs().max())
+    assert e_ker <= bound, f"bfloat16 gradient: kernel {e_ker:.3g} from float32, reference {e_ref:.3g}"
+
+
 def check_kernel() -> None:
     import warnings
 
@@ -239,9 +253,10 @@ def test_kernel_on_cuda_at_ling3_tiny_heads(act: str | None) -> None:
         used = (True, True, True)
         o_ref, g_ref = _grads(lambda x: split_l2norm_qkv_reference(x, h, d, h, d, activation=act), mixed, w, used)
         o_ker, g_ker = _grads(lambda x: split_l2norm_qkv(x, h, d, h, d, activation=act), mixed, w, used)
+        _, truth = _grads(lambda x: split_l2norm_qkv_reference(x, h, d, h, d, activation=act), mixed.float(), w, used)
         for a, b in zip(o_ker, o_ref, strict=True):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-        torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
+        _assert_grad_close(g_ker, g_ref, tol, truth)
 
 
 @pytest.mark.gpu
@@ -270,9 +285,12 @@ def test_gathered_kernel_on_cuda(act: str | None) -> None:
             lambda x: split_l2norm_qkv_reference(x, h, d, h, d, rows=rows, activation=act), mixed, w, used
         )
         o_ker, g_ker = _grads(lambda x: split_l2norm_qkv(x, h, d, h, d, rows=rows, activation=act), mixed, w, used)
+        _, truth = _grads(
+            lambda x: split_l2norm_qkv_reference(x, h, d, h, d, rows=rows, activation=act), mixed.float(), w, used
+        )
         for a, b in zip(o_ker, o_ref, strict=True):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-        torch.testing.assert_close(g_ker, g_ref, rtol=tol, atol=tol)
+        _assert_grad_close(g_ker, g_ref, tol, truth)
         assert g_ker is not None and torch.count_nonzero(g_ker[t - 5 :]) == 0
 
 

@@ -69,13 +69,12 @@ class CompactContext(RowContext):
         device: torch.device,  # noqa: ANN001
         la_backend: str = "reference",
     ) -> None:
-        from harts.ops.linear_attn import linear_attn_op
+        from harts.ops.linear_attn import linear_attn_op, resolve_linear_attn_backend
 
+        la_backend = resolve_linear_attn_backend(la_backend, device, int(layout.chunk_size))
         self.la_op = linear_attn_op(la_backend, device, int(layout.chunk_size))
-        from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
-
-        # "tree_linked": the tree kernel with the rounds linked into one op per layer
-        self._link_rounds = la_backend == "tree_linked" and self.la_op is tree_chunk_linear_attn
+        # "tree_linked" ("auto" on CUDA): the tree kernel with the rounds linked into one op per layer
+        self._link_rounds = la_backend == "tree_linked"
         self._linked = None  # LinkedPlan, made on the first linear attention (host work)
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")

@@ -7,7 +7,7 @@ the token-by-token oracle, and `fla_chunk_linear_attn` the CUDA fast path over f
 from __future__ import annotations
 
 from harts.ops.linear_attn.chunk import chunk_linear_attn
-from harts.ops.linear_attn.dispatch import LINEAR_ATTN_BACKENDS, linear_attn_op
+from harts.ops.linear_attn.dispatch import LINEAR_ATTN_BACKENDS, linear_attn_op, resolve_linear_attn_backend
 from harts.ops.linear_attn.fla import fla_chunk_linear_attn
 from harts.ops.linear_attn.naive import naive_recurrent_linear_attn
 
@@ -17,4 +17,5 @@ __all__ = [
     "fla_chunk_linear_attn",
     "linear_attn_op",
     "naive_recurrent_linear_attn",
+    "resolve_linear_attn_backend",
 ]

@@ -12,13 +12,11 @@ states, requested boundary states, all differentiable), so executors pick by nam
     "tree_linked" the same kernels with a compact microbatch's rounds linked into one op per
                  layer (``linked_tree_linear_attn``: fla's chunk-parallel kernels once, the scans
                  per round, the backward's recomputed scan once) wherever the layout's state
-                 requests are chunk-aligned; trajectory-wise it is "tree". Opt-in until measured
-                 as it now stands: on one H200 its linear-attention device time per ``swe``
-                 microbatch equalled "tree"'s (scans 8 ms and concatenations 9.5 ms less, an
-                 index_add 21 ms more, since replaced by a row gather), and in its first
-                 ``harts bench`` run two of 17 timed microbatches took +0.5 s and +0.3 s, most
-                 likely compiling new scan variants (every call now passes the same flags)
-    "auto"       "tree" on CUDA when fla-core imports and the chunk size is fla's 64, else
+                 requests are chunk-aligned; trajectory-wise it is "tree". What "auto" picks since
+                 session 22: on one H200 it took harts' linear attention from 3.80 to 3.53 s on the
+                 full ling3_tiny's ``medium`` step 0 and from 6.17 to 5.81 s on ``swe`` step 5
+                 (README, sessions 21 and 22), and its model-level GPU test passed
+    "auto"       "tree_linked" on CUDA when fla-core imports and the chunk size is fla's 64, else
                  "reference" (a model with another chunk size, e.g. the tiny preset's 8, runs
                  the reference op; asking for "tree" or "fla" there is an error). On one H200 (bf16,
                  16 heads of 128, the medium workload's first 4 microbatches) the tree kernel's
@@ -37,7 +35,7 @@ import torch
 from harts.ops.linear_attn.chunk import chunk_linear_attn
 from harts.ops.linear_attn.fla import fla_available, fla_chunk_linear_attn
 
-__all__ = ["LINEAR_ATTN_BACKENDS", "linear_attn_op"]
+__all__ = ["LINEAR_ATTN_BACKENDS", "linear_attn_op", "resolve_linear_attn_backend"]
 
 LINEAR_ATTN_BACKENDS = ("reference", "fla", "tree", "tree_linked", "auto")
 
@@ -46,16 +44,22 @@ LINEAR_ATTN_BACKENDS = ("reference", "fla", "tree", "tree_linked", "auto")
 FLA_CHUNK_SIZES = {"fla": (32, 64), "tree": (64,), "tree_linked": (64,)}
 
 
-def linear_attn_op(backend: str, device: torch.device, chunk_size: int | None = None) -> Callable:
-    """The operator for ``backend`` on ``device`` (see the module docstring). ``chunk_size``: the
-    model's linear-attention chunk B, when known (None: not checked)."""
+def resolve_linear_attn_backend(backend: str, device: torch.device, chunk_size: int | None = None) -> str:
+    """The backend that ``backend`` names on ``device``: "auto" resolved (see the module
+    docstring), any other name checked and returned as it is. ``chunk_size``: the model's
+    linear-attention chunk B, when known (None: not checked).
+
+    Raises:
+        ValueError: an unknown name, or a fla-core backend without CUDA and fla-core or at a
+            chunk size fla-core's kernels do not run.
+    """
     if backend not in LINEAR_ATTN_BACKENDS:
         raise ValueError(f"linear-attention backend must be one of {LINEAR_ATTN_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        fits = chunk_size is None or chunk_size in FLA_CHUNK_SIZES["tree"]
-        backend = "tree" if device.type == "cuda" and fla_available() and fits else "reference"
+        fits = chunk_size is None or chunk_size in FLA_CHUNK_SIZES["tree_linked"]
+        return "tree_linked" if device.type == "cuda" and fla_available() and fits else "reference"
     if backend == "reference":
-        return chunk_linear_attn
+        return backend
     if device.type != "cuda" or not fla_available():
         raise ValueError(
             f"linear-attention backend {backend!r} needs a CUDA device and fla-core (pip install harts[gpu])"
@@ -65,6 +69,16 @@ def linear_attn_op(backend: str, device: torch.device, chunk_size: int | None = 
             f"linear-attention backend {backend!r} runs fla-core's kernels at chunk size "
             f"{' or '.join(map(str, FLA_CHUNK_SIZES[backend]))}; this model's chunk size is {chunk_size}"
         )
+    return backend
+
+
+def linear_attn_op(backend: str, device: torch.device, chunk_size: int | None = None) -> Callable:
+    """The operator for ``backend`` on ``device`` (``resolve_linear_attn_backend``'s choice; the
+    module docstring). "tree" and "tree_linked" share the operator: linking the rounds is the
+    compact executor's part."""
+    backend = resolve_linear_attn_backend(backend, device, chunk_size)
+    if backend == "reference":
+        return chunk_linear_attn
     if backend in ("tree", "tree_linked"):
         from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
 
