@@ -218,3 +218,31 @@ def test_runs_carry_fla_s_chunk_index_of_their_lengths() -> None:
     lengths = np.diff(cu_host.numpy())
     expected = [(r, c) for r, m in enumerate(lengths) for c in range(-(-int(m) // FLA_CONV_CHUNK))]
     assert [tuple(x) for x in chunks.tolist()] == expected
+
+
+def test_fla_path_hands_the_gradient_back_as_a_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs without states call fla-core's autograd conv on ``x[None]``: its [1, P, D] output
+    comes back as a view whose backward is a view too (an indexing ``y[0]`` zero-filled and
+    copied a [1, P, D] gradient every layer). fla-core is replaced by the reference here."""
+    import sys
+    import types
+
+    def fake_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices):  # noqa: ANN001, ANN202, ARG001
+        y = causal_conv1d_varlen(x[0], weight, cu_seqlens_cpu, bias=bias, activation=activation)
+        return y[None], None
+
+    mod = types.ModuleType("fla.modules.causal_conv1d")
+    mod.causal_conv1d = fake_causal_conv1d  # type: ignore[attr-defined]
+    for name in ("fla", "fla.modules"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name, types.ModuleType(name)))
+    monkeypatch.setitem(sys.modules, "fla.modules.causal_conv1d", mod)
+    offsets = np.array([0, 5, 12, 30])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 4, dtype=F64, generator=g, requires_grad=True)
+    w = torch.randn(4, 4, dtype=F64, generator=g, requires_grad=True)
+    y = runs_causal_conv1d(x, w, conv_runs_from_offsets(offsets), None, "silu", impl="fla")
+    assert y.shape == (30, 4) and "Select" not in y.grad_fn.name()
+    ref = causal_conv1d_varlen(x, w, torch.as_tensor(offsets), activation="silu")
+    up = torch.randn(30, 4, dtype=F64, generator=g)
+    for a, b in zip(_grads(y, (x, w), up), _grads(ref, (x, w), up), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
