@@ -105,7 +105,10 @@ show() { grep -E "^step|^ +[0-9]+ |cold start|FlexAttention backend|passed|faile
 
 case "$part" in
 tests)
-    timeout 330 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider >"$OUT/tests.log" 2>&1
+    # SIGINT at the limit: pytest still reports what finished and the slowest tests (-v, --durations)
+    timeout -s INT -k 20 330 python3 -m pytest -m gpu -n 8 -v --durations=15 -p no:cacheprovider >"$OUT/tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  " "$OUT/tests.log" | head -30
+    grep -A16 "slowest .*durations" "$OUT/tests.log"
     tail -3 "$OUT/tests.log"
     # compact against trajectory-wise on the GPU, float32: as the README's figures, and with the
     # MoE block kept (no recomputation of it)
@@ -186,8 +189,9 @@ medium_layers)
     show "$OUT/medium_layers$n.log"
     ;;
 gpu_tests)
-    timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider "${@:2}" >"$OUT/gpu_tests.log" 2>&1
+    timeout -s INT -k 20 330 python3 -m pytest -m gpu -v --durations=15 -p no:cacheprovider "${@:2}" >"$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/gpu_tests.log" | head -30
+    grep -A16 "slowest .*durations" "$OUT/gpu_tests.log"
     tail -3 "$OUT/gpu_tests.log"
     ;;
 medium_full)
