@@ -32,6 +32,8 @@
 #             and its first N MoE layers keeping their gate/up output
 #   silu_ab N  `medium_full N` twice in one call: HARTS_KDA_SILU_IN_SPLIT=0 (the short conv's SiLU in
 #             fla-core's conv, as before session 21), then =1 (in the split kernel, the default)
+#   env_ab NAME N  `medium_full N` twice in one call, with the environment switch NAME=0, then =1
+#             (HARTS_KDA_FLA_GATE: KDA's log-decay by the compiled glue, then by fla-core's fused gate)
 #   gpu_tests ARGS...  `pytest -m gpu ARGS` (test files, -k EXPR, ...) with part A of FA4 kept, as `tests`
 #   qkv_norm  the split-l2norm kernel's GPU test, then one KDA layer's split + l2 norms at 65,536 rows,
 #             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench),
@@ -58,10 +60,13 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N|medium_full N|silu_ab N|gpu_tests PATH...}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N|medium_full N|silu_ab N|env_ab NAME N|gpu_tests PATH...}
 case "$part" in
 tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | profile_la | tune | qkv_norm | sweep) ;;
 layers | medium_layers | moe_keep | medium_keep | medium_full | silu_ab) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
+env_ab)
+    [[ "${2:-}" =~ ^HARTS_[A-Z0-9_]+$ ]] || { echo "env_ab needs a HARTS_* switch name, e.g. HARTS_KDA_FLA_GATE" >&2; exit 2; }
+    [[ "${3:-}" =~ ^[0-9]+$ ]] || { echo "env_ab needs a layer count N after the name" >&2; exit 2; } ;;
 gpu_tests)
     [ $# -ge 2 ] || { echo "gpu_tests needs test paths" >&2; exit 2; }
     for f in "${@:2}"; do  # the arguments that name test files (others, such as -k EXPR, go to pytest as they are)
@@ -69,7 +74,7 @@ gpu_tests)
         [[ "$f" == */* || "$f" == *.py* ]] || continue
         [ -e "${f%%::*}" ] || { echo "gpu_tests: no test file '${f%%::*}'" >&2; exit 2; }
     done ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, silu_ab N, gpu_tests PATH...)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, silu_ab N, env_ab NAME N, gpu_tests PATH...)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -207,6 +212,15 @@ silu_ab)
             --steps 1 --json "$OUT/silu_ab${v}_keep$n.json" >"$OUT/silu_ab${v}_keep$n.log" 2>&1
         echo "HARTS_KDA_SILU_IN_SPLIT=$v:"
         show "$OUT/silu_ab${v}_keep$n.log"
+    done
+    ;;
+env_ab)
+    name=$2 n=$3
+    for v in 0 1; do
+        env "$name=$v" timeout 290 "${B[@]}" "${KEEP_MOE[@]}" --moe-keep-gate-up "$n" --workload medium \
+            --steps 1 --json "$OUT/${name}_${v}_keep$n.json" >"$OUT/${name}_${v}_keep$n.log" 2>&1
+        echo "$name=$v:"
+        show "$OUT/${name}_${v}_keep$n.log"
     done
     ;;
 moe_keep)

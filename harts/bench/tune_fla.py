@@ -2,7 +2,7 @@
 
     python -m harts.bench.tune_fla --out harts/ops/linear_attn/fla_configs [--kernels conv]
 
-Runs fla's ``chunk_kda`` (bfloat16; ``--dtypes bfloat16,float32`` for both) and
+Runs fla's ``chunk_kda`` and its fused KDA gate (bfloat16; ``--dtypes bfloat16,float32`` for both) and
 ``chunk_gated_delta_rule`` forward and backward (GDN backward only where fla allows it) on
 packed varlen sequences with initial and final states (lengths 1, 63, 64, 65, 1000, 4096, then
 8192 each up to ``--rows`` rows in all, default 65,536: a microbatch at the capacity harts'
@@ -86,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
             o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
             if not (gdn and _gdn_backward_broken()):
                 (o.float().square().sum() + ht.square().sum()).backward()
+            if not gdn:  # KDA's log-decay (``KimiDeltaAttention.fla_gate``): fla's fused gate each way
+                from fla.ops.kda.gate import fused_kda_gate
+
+                f = torch.randn(T, H, D, device=dev, dtype=dtype, requires_grad=True)
+                a_log = torch.zeros(H, device=dev, dtype=dtype, requires_grad=True)
+                dt_bias = torch.zeros(H * D, device=dev, dtype=dtype, requires_grad=True)
+                fused_kda_gate(f, a_log, dt_bias, None, output_dtype=dtype).float().square().sum().backward()
             torch.cuda.synchronize()
             names = dump_fla_autotune(out)  # after every stage: a time limit keeps what was tuned
             print(

@@ -4,7 +4,8 @@
               SiLU applied by the q / k / v split kernel: ``silu_in_split``)
     g       = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj x) + dt_bias)    per-channel log-decay
               (kda_safe_gate: lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)); with
-              kda_low_rank_gates=False one full-rank f_proj / g_proj replaces each a/b pair)
+              kda_low_rank_gates=False one full-rank f_proj / g_proj replaces each a/b pair; on
+              CUDA fla-core's fused gate computes it: ``fla_gate``)
     beta    = sigmoid(b_proj x)
     o       = chunk_kda(l2norm q, l2norm k, v, g, beta)
     out     = o_proj(rmsnorm(o) * weight * sigmoid(g_b_proj(g_a_proj x)))
@@ -34,7 +35,7 @@ from harts.models.recompute import run_core
 from harts.ops.compiled import cuda_compiled
 from harts.ops.qkv_norm import split_l2norm_qkv, split_l2norm_qkv_reference
 
-__all__ = ["KimiDeltaAttention", "ShortConvolution", "silu_in_split"]
+__all__ = ["KimiDeltaAttention", "ShortConvolution", "fla_gate_applies", "silu_in_split"]
 
 
 @cuda_compiled
@@ -89,6 +90,14 @@ class KimiDeltaAttention(nn.Module):
     #: float64. None: on unless the environment sets ``HARTS_KDA_SILU_IN_SPLIT`` to 0/false/no/off
     #: (for A/B timing: both sides of ``harts bench`` read it)
     silu_in_split: bool | None = None
+    #: the log-decay g by fla-core's fused gate (``fla.ops.kda.gate.fused_kda_gate``: one Triton
+    #: pass forward, and backward one pass that writes df beside per-block partial sums of
+    #: dA_log and ddt_bias) instead of the compiled ``kda_log_decay``, whose backward Inductor
+    #: made a reduction and a pointwise pass (1.0 ms per layer at 65 k rows on an H200, where
+    #: the bytes take about 0.3). The same arithmetic in float32, rounded once to f's dtype.
+    #: Only on CUDA with fla-core and half or float32 f (float64 and CPU: ``kda_log_decay``).
+    #: None: on unless the environment sets ``HARTS_KDA_FLA_GATE`` to 0/false/no/off
+    fla_gate: bool | None = None
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -147,9 +156,13 @@ class KimiDeltaAttention(nn.Module):
         else:
             f_a, g_a, b = None, None, self.b_proj(x_TD)
         f = self.f_b_proj(f_a) if self.low_rank_gates else self.f_proj(x_TD)
-        g = kda_log_decay(
-            f.reshape(t, h, k), self.dt_bias.reshape(h, k), self.A_log, self.lower_bound if self.safe_gate else None
-        )
+        lower_bound = self.lower_bound if self.safe_gate else None
+        if fla_gate_applies(f):
+            from fla.ops.kda.gate import fused_kda_gate
+
+            g = fused_kda_gate(f.reshape(t, h, k), self.A_log, self.dt_bias, lower_bound, output_dtype=f.dtype)
+        else:
+            g = kda_log_decay(f.reshape(t, h, k), self.dt_bias.reshape(h, k), self.A_log, lower_bound)
         beta = torch.sigmoid(b)
         kw = {} if rows is None else {"qkv_gathered": True}
         o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta, **kw)
@@ -160,6 +173,20 @@ class KimiDeltaAttention(nn.Module):
         gate = gate.reshape(t, h, v)
         o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(t, h * v))
+
+
+def fla_gate_applies(f: torch.Tensor) -> bool:
+    """Whether KDA's log-decay runs in fla-core's fused gate for the gate projection ``f``
+    ([T, H * K]): ``KimiDeltaAttention.fla_gate`` (else ``HARTS_KDA_FLA_GATE``, on unless
+    0/false/no/off), f on CUDA in bfloat16, float16 or float32, and fla-core importable."""
+    on = KimiDeltaAttention.fla_gate
+    if on is None:
+        on = os.environ.get("HARTS_KDA_FLA_GATE", "1").strip().lower() not in ("0", "false", "no", "off")
+    if not (on and f.is_cuda and f.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return False
+    from harts.ops.linear_attn.fla import fla_available
+
+    return fla_available()
 
 
 def silu_in_split() -> bool:

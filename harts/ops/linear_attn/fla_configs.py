@@ -10,7 +10,10 @@ fla at them before fla is imported, unless the user set ``FLA_CONFIG_DIR`` or
 
 Mode "full": an exact key match, else a key of the same structure (numeric values such as
 head dims may differ), else the kernel's default config (the config chosen most often).
-Kernels without a file autotune as before.
+Kernels without a file autotune as before. Two files were written by hand, not by fla's
+autotuner: KDA's fused gate (``kda_gate_fwd_kernel`` / ``kda_gate_bwd_kernel``, a bandwidth-bound
+elementwise pass each way; their JSON says so in ``chosen_by``), pinned so that a fresh
+machine does not compile two dozen variants of it; ``tune_fla`` below replaces them.
 
 Regenerate on a new GPU or fla/Triton version::
 
