@@ -78,6 +78,7 @@ __all__ = [
     "compiles_dtypes",
     "cuda_compiled",
     "dynamic_setting",
+    "env_switch",
     "mark_row_dynamic",
     "run_row_bounded",
 ]
@@ -100,9 +101,15 @@ def compiles_dtypes(args: tuple[Any, ...]) -> bool:
 MIN_ROWS = 16_384
 
 
+def env_switch(name: str) -> bool:
+    """An on-by-default switch from the environment: False when ``name`` is set to
+    0/false/no/off (any case), True otherwise (unset included)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def compile_enabled() -> bool:
     """Whether CUDA glue is compiled: on unless ``HARTS_COMPILE`` is 0/false/no/off."""
-    return os.environ.get("HARTS_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch("HARTS_COMPILE")
 
 
 class RowMismatchError(ValueError):

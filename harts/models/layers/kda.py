@@ -22,7 +22,6 @@ Shapes: x_TD; q/k_THK; v_THV; g_THK; beta_TH.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,7 @@ from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNormGated
 from harts.models.recompute import run_core
-from harts.ops.compiled import cuda_compiled
+from harts.ops.compiled import cuda_compiled, env_switch
 from harts.ops.qkv_norm import split_l2norm_qkv, split_l2norm_qkv_reference
 
 __all__ = ["KimiDeltaAttention", "ShortConvolution", "fla_gate_applies", "silu_in_split"]
@@ -179,9 +178,7 @@ def fla_gate_applies(f: torch.Tensor) -> bool:
     """Whether KDA's log-decay runs in fla-core's fused gate for the gate projection ``f``
     ([T, H * K]): ``KimiDeltaAttention.fla_gate`` (else ``HARTS_KDA_FLA_GATE``, on unless
     0/false/no/off), f on CUDA in bfloat16, float16 or float32, and fla-core importable."""
-    on = KimiDeltaAttention.fla_gate
-    if on is None:
-        on = os.environ.get("HARTS_KDA_FLA_GATE", "1").strip().lower() not in ("0", "false", "no", "off")
+    on = env_switch("HARTS_KDA_FLA_GATE") if KimiDeltaAttention.fla_gate is None else KimiDeltaAttention.fla_gate
     if not (on and f.is_cuda and f.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return False
     from harts.ops.linear_attn.fla import fla_available
@@ -195,4 +192,4 @@ def silu_in_split() -> bool:
     without activation. Benchmarks of the conv alone ask it too, to time the model's variant."""
     if KimiDeltaAttention.silu_in_split is not None:
         return KimiDeltaAttention.silu_in_split
-    return os.environ.get("HARTS_KDA_SILU_IN_SPLIT", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch("HARTS_KDA_SILU_IN_SPLIT")
