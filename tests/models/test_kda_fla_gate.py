@@ -94,7 +94,9 @@ def test_fla_fused_gate_equals_kda_log_decay_on_cuda(lower_bound: float | None) 
     up64 = torch.randn(t, h, k, generator=g, dtype=torch.float64).cuda()
 
     def run(fn, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-        f, dt, a = (x.to(dtype).requires_grad_(True) for x in (f64, dt64, a64))
+        # fresh leaves each run: .to(float64) would hand back f64 itself, and a later run's
+        # .to(dtype) would then be a non-leaf whose .grad stays None
+        f, dt, a = (x.detach().clone().to(dtype).requires_grad_(True) for x in (f64, dt64, a64))
         out = fn(f, dt, a)
         (out.double() * up64).sum().backward()
         return out.double(), f.grad.double(), dt.grad.double(), a.grad.double()
