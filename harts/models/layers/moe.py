@@ -40,6 +40,7 @@ from torch import nn
 from harts.models.config import HybridConfig
 from harts.models.layers.mlp import MLP, swiglu
 from harts.ops.compiled import cuda_compiled
+from harts.ops.moe_swiglu import weighted_swiglu, weighted_swiglu_backward
 from harts.ops.router_topk import grouped_topk, grouped_topk_reference
 
 __all__ = [
@@ -319,16 +320,6 @@ class Experts(nn.Module):
 
 
 @cuda_compiled(rows=(0, 1))
-def weighted_swiglu(gate_up_PJ: torch.Tensor, w_P: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up * w`` of pairs P, [P, 2I] -> [P, I] (gate and up: the two halves of
-    ``gate_up``), computed in float32 (or float64) and rounded once to the input dtype; one fused
-    pass each way on CUDA (the backward forms d(gate_up) and d(w), a reduction over I, together)."""
-    work = torch.promote_types(gate_up_PJ.dtype, torch.float32)
-    gate, up = gate_up_PJ.to(work).chunk(2, dim=-1)
-    return (F.silu(gate) * up * w_P[:, None].to(work)).to(gate_up_PJ.dtype)
-
-
-@cuda_compiled(rows=(0, 1))
 def sum_slots(index_TK: torch.Tensor, x_TKD: torch.Tensor) -> torch.Tensor:
     """``y[t] = sum_k x[index[t, k]]`` over the rows of ``x`` ([T*K, D], passed as its [T, K, D]
     view so that both arguments are row-first in T), added in slot order k = 0..K-1 in float32
@@ -386,12 +377,14 @@ class _LeanRoutedExperts(torch.autograd.Function):
 
     The autograd path keeps the gathered rows [P, D], the gate/up output [P, 2I] and the
     activation [P, I] (P = T x K: 1.6, 1.1 and 0.5 GB at 65,536 rows of ``ling3_tiny``, per MoE
-    layer). This backward recomputes those three (one gather, one grouped GEMM, the SwiGLU
-    pass) and then runs exactly the autograd path's backward: the grouped GEMMs' input and
-    weight gradients (``_grouped_mm`` of the gradient with the weights, and of the transposed
-    input with the gradient, per expert group), the compiled SwiGLU backward, and the gathers
-    and slot sums of ``_RowsToPairs`` / ``_PairsToRows`` / ``_Permute``; so its gradients are
-    the autograd path's (bit for bit on CPU, ``tests/models/test_moe.py``).
+    layer). This backward recomputes the first two (one gather, one grouped GEMM) and then runs
+    the autograd path's backward: the grouped GEMMs' input and weight gradients (``_grouped_mm``
+    of the gradient with the weights, and of the transposed input with the gradient, per expert
+    group), the gathers and slot sums of ``_RowsToPairs`` / ``_PairsToRows`` / ``_Permute``, and
+    the SwiGLU's backward. That last one, with the activation recomputed, is one pass
+    (``harts.ops.moe_swiglu.weighted_swiglu_backward``: a Triton kernel on CUDA, equal to autograd
+    up to float32 operation order; autograd itself elsewhere), so on CPU its gradients are the
+    autograd path's bit for bit (``tests/models/test_moe.py``).
 
     With ``keep_gate_up`` the gate/up output [P, 2I] is kept as well and the backward skips
     its GEMM (the same values: the GEMM is deterministic), for memory that holds it.
@@ -415,13 +408,11 @@ class _LeanRoutedExperts(torch.autograd.Function):
         k = ctx.k
         xs = x_TD[src]
         gate_up = kept[0] if kept else torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
-        with torch.enable_grad():
-            gu = gate_up.detach().requires_grad_()
-            w_pairs = topk_w.reshape(-1)[order].detach().requires_grad_()
-            act = weighted_swiglu(gu, w_pairs)
         g_h = g_TD[src]  # each pair gets its row's gradient
-        d_act, d_w2 = _grouped_linear_grads(act.detach(), w2, g_h, offs)
-        d_gu, d_w_pairs = torch.autograd.grad(act, (gu, w_pairs), d_act)
+        d_act = torch._grouped_mm(g_h, w2, offs=offs)
+        # the SwiGLU again and both its input gradients in one pass (autograd's reference off CUDA)
+        act, d_gu, d_w_pairs = weighted_swiglu_backward(gate_up, topk_w.reshape(-1)[order], d_act)
+        d_w2 = torch._grouped_mm(g_h.t(), act, offs=offs)
         d_xs, d_w1 = _grouped_linear_grads(xs, w1, d_gu, offs)
         d_x = sum_slots(back.view(-1, k), d_xs.view(-1, k, d_xs.shape[-1]))
         return d_x, d_w_pairs[back].view_as(topk_w), d_w1, d_w2, None, None, None
