@@ -150,8 +150,9 @@ def test_half_gemms_on_cuda_within_plain_bf16_error():
         assert e <= 2 * ep + 1e-6, f"{name}: {e:.2e} vs plain bf16 {ep:.2e}"
         # the fused passes (compiled exp, one rounding per entry) stay as close as the eager ones
         assert e <= 1.5 * ee + 1e-6, f"{name}: fused {e:.2e} vs eager {ee:.2e}"
-    # kept probabilities: the same forward; gradients within plain bf16's error (2x, as above)
-    assert err_kept[0] == err[0], (err_kept, err)
+    # kept probabilities: the same forward (the same online max and sum, compiled in another
+    # kernel: float32 summation order aside); gradients within plain bf16's error (2x, as above)
+    assert abs(err_kept[0] - err[0]) <= 1e-6, (err_kept, err)
     for name, ek, ep in zip(["logprobs", "d_hidden", "d_weight"], err_kept, err_plain):
         assert ek <= 2 * ep + 1e-6, f"{name}: kept probs {ek:.2e} vs plain bf16 {ep:.2e}"
 

@@ -416,17 +416,30 @@ def _addmm_out_dtype_works(device: torch.device) -> bool:
 # recompiles once with a symbolic row count when the last, shorter chunk arrives; V stays static.
 
 
+def _row_max_and_sum(logits_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m [c, 1] row max, s [c, 1] = sum_v exp(logits - m), exp(logits - m) [c, V]), written as
+    the pattern Inductor turns into one online-softmax pass over the chunk on CUDA
+    (``prepare_softmax_online``: the max and the sum in one read; ``torch.logsumexp``'s
+    decomposition reads the chunk once for the max and again for the sum). Logits from the LM
+    head's GEMM are finite, so the row max needs none of ``logsumexp``'s infinity guard."""
+    m = logits_cV.amax(dim=-1, keepdim=True)
+    e = (logits_cV - m).exp()
+    return m, e.sum(dim=-1, keepdim=True), e
+
+
 @cuda_compiled(opt_in=False, dynamic=None, rows=None)
 def _fused_row_logsumexp(logits_cV: torch.Tensor) -> torch.Tensor:
     """[c, V] float32 -> [c] logsumexp in one read of the chunk."""
-    return torch.logsumexp(logits_cV, dim=-1)
+    m, s, _ = _row_max_and_sum(logits_cV)
+    return (m + s.log()).squeeze(-1)
 
 
 @cuda_compiled(opt_in=False, dynamic=None, rows=None)
 def _fused_lse_softmax(logits_cV: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[c, V] float32 -> ([c] logsumexp, [c, V] softmax as ``dtype``) (``.eager``: unfused)."""
-    lse = torch.logsumexp(logits_cV, dim=-1)
-    return lse, torch.exp(logits_cV - lse[:, None]).to(dtype)
+    """[c, V] float32 -> ([c] logsumexp, [c, V] softmax as ``dtype``): two reads of the chunk
+    (the online max and sum, then the softmax) and one write (``.eager``: unfused)."""
+    m, s, e = _row_max_and_sum(logits_cV)
+    return (m + s.log()).squeeze(-1), (e / s).to(dtype)
 
 
 @cuda_compiled(opt_in=False, dynamic=None, rows=None)
