@@ -165,8 +165,9 @@ def _kernel(
 
 
 if triton is not None:
-
-    @triton.jit
+    # P not specialized: Triton would compile a second variant for pair counts divisible by 16
+    # (a ``swe`` step's first such microbatch compiled it inside the timed step; session 23)
+    @triton.jit(do_not_specialize=["P"])
     def _weighted_swiglu_bwd_kernel(
         gu, w, da, act, d_gu, d_w, P, I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr
     ):
