@@ -123,15 +123,26 @@ def test_a_failing_kernel_warns_once_and_the_reference_runs(monkeypatch: pytest.
 
 
 def test_a_differing_kernel_is_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call checks the kernel on its first CHECK_ROWS pairs; a kernel off by 1 % in
+    d_gate_up there is switched off, and the whole call gets the reference."""
     gate_up, w, d_act = _inputs(6, 4, torch.float32, torch.float32, "cpu")
     want = weighted_swiglu_backward_reference(gate_up, w, d_act)
-    wrong = (want[0], want[1] * 1.01, want[2])
+    seen = []
+
+    def wrong(gu, wp, da):  # noqa: ANN001, ANN202
+        seen.append(gu.shape[0])
+        act, d_gu, d_w = weighted_swiglu_backward_reference(gu, wp, da)
+        return act, d_gu * 1.01, d_w
+
+    monkeypatch.setattr(moe_swiglu, "CHECK_ROWS", 4)
     monkeypatch.setattr(moe_swiglu, "kernel_applies", lambda *a: True)
-    monkeypatch.setattr(moe_swiglu, "_kernel", lambda *a: wrong)
+    monkeypatch.setattr(moe_swiglu, "_kernel", wrong)
     monkeypatch.setattr(moe_swiglu, "_checked", {})
     with pytest.warns(UserWarning, match="differed from the autograd reference"):
         got = weighted_swiglu_backward(gate_up, w, d_act)
-    assert torch.equal(got[1], want[1])
+    assert seen == [4]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
