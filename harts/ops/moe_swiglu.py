@@ -109,7 +109,7 @@ def weighted_swiglu_backward(
     if not kernel_applies(gate_up_PJ, w_P, d_act_PI):
         return weighted_swiglu_backward_reference(gate_up_PJ, w_P, d_act_PI)
     key = (gate_up_PJ.device.type, gate_up_PJ.dtype, w_P.dtype, j // 2)
-    if key not in _checked:
+    if key not in _checked and p:  # (no pairs: nothing to check it on; the kernel writes nothing)
         # on the first CHECK_ROWS pairs (rows are independent), against eager autograd: no
         # compilation of the training graph and no float32 temporaries of the whole [P, 2I]
         n = min(p, CHECK_ROWS)
@@ -125,7 +125,7 @@ def weighted_swiglu_backward(
                 f"harts' weighted-SwiGLU backward kernel is off for {key}: {why}; autograd's backward runs",
                 stacklevel=2,
             )
-    if not _checked[key]:
+    if not _checked.get(key, True):
         return weighted_swiglu_backward_reference(gate_up_PJ, w_P, d_act_PI)
     return _kernel(gate_up_PJ, w_P, d_act_PI)
 
