@@ -15,6 +15,16 @@
 #                scaling_D<d>.json per D: step time, tokens/s/GPU, MFU and effective MFU, measured vs
 #                predicted per-replica time
 #
+# In device calls of at most 10 minutes (the lent H200 machines) run the parts one at a time. One
+# H200 runs a whole `swe` step of the full model in about 225 s with harts and about 1,200 s
+# trajectory-wise (8 x session 23's replica-0 times), so:
+#   PARTS=correctness                                                       (minutes)
+#   PARTS=scaling SCALE_MODES=compact SCALE_DS="1 2 4" SCALE_WORK="--workload swe --steps 1"
+#   PARTS=scaling SCALE_MODES=trajectory SCALE_DS=4 SCALE_WORK="--workload swe --steps 1"
+#   PARTS=scaling SCALE_WORK="--workload medium --steps 1" SCALE_DS="1 2 4"  (both modes: the
+#             baseline at D = 1 and 2 on a step that fits; `medium` is about 92 s / 14 s on one GPU)
+# each with TIMEOUT below the call's limit.
+#
 # Every run writes OUT_DIR/<name>.log; OUT_DIR/summary.txt has one line per run with its exit
 # status and wall time. The exit status is the number of failed runs.
 #
