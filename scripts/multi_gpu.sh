@@ -19,7 +19,8 @@
 # H200 runs a whole `swe` step of the full model in about 225 s with harts and about 1,200 s
 # trajectory-wise (8 x session 23's replica-0 times), so:
 #   PARTS=correctness                                                       (minutes)
-#   PARTS=scaling SCALE_MODES=compact SCALE_DS="1 2 4" SCALE_WORK="--workload swe --steps 1"
+#   PARTS=scaling SCALE_MODES=compact SCALE_DS=1 SCALE_WORK="--workload swe --steps 1"
+#   PARTS=scaling SCALE_MODES=compact SCALE_DS="2 4" SCALE_WORK="--workload swe --steps 1"
 #   PARTS=scaling SCALE_MODES=trajectory SCALE_DS=4 SCALE_WORK="--workload swe --steps 1"
 #   PARTS=scaling SCALE_WORK="--workload medium --steps 1" SCALE_DS="1 2 4"  (both modes: the
 #             baseline at D = 1 and 2 on a step that fits; `medium` is about 92 s / 14 s on one GPU)
