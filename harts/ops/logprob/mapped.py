@@ -22,8 +22,9 @@ Fused element-wise passes (CUDA, half inputs): around the cuBLAS GEMMs, each [ro
 float32 logits chunk is read once per direction by a ``torch.compile``-generated kernel: the
 forward's row logsumexp (its max and sum in one online pass, ``_row_max_and_sum``; twice with
 ``keep_probs``, which then writes the softmax), and the backward's -g_row * exp(logits - lse)
-written straight in the half dtype. Eager torch makes 4-6 passes over the chunk there (logsumexp's temporaries; sub_,
-exp_, mul_, the cast), which cost about a third of the LM head's time at V = 157 k. The entries a
+written straight in the half dtype. Eager torch makes 4-6 passes over the chunk there
+(logsumexp's temporaries; sub_, exp_, mul_, the cast), which cost about a third of the LM head's
+time at V = 157 k. The entries a
 position's target adds to are then set to their float32 totals, rounded once, as the eager path
 does. ``fused=False`` keeps the eager passes (the reference the GPU test compares against).
 
