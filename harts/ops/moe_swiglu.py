@@ -32,12 +32,12 @@ reference runs from then on.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 from harts.ops.compiled import cuda_compiled
+from harts.ops.kernel_check import kernel_passes
 
 try:
     import triton
@@ -109,23 +109,20 @@ def weighted_swiglu_backward(
     if not kernel_applies(gate_up_PJ, w_P, d_act_PI):
         return weighted_swiglu_backward_reference(gate_up_PJ, w_P, d_act_PI)
     key = (gate_up_PJ.device.type, gate_up_PJ.dtype, w_P.dtype, j // 2)
-    if key not in _checked and p:  # (no pairs: nothing to check it on; the kernel writes nothing)
-        # on the first CHECK_ROWS pairs (rows are independent), against eager autograd: no
-        # compilation of the training graph and no float32 temporaries of the whole [P, 2I]
-        n = min(p, CHECK_ROWS)
-        part = (gate_up_PJ[:n], w_P[:n], d_act_PI[:n])
-        want = weighted_swiglu_backward_reference(*part, eager=True)
-        try:
-            why = None if _close(_kernel(*part), want) else "its output differed from the autograd reference"
-        except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the reference
-            why = f"it failed ({type(e).__name__}: {e})"
-        _checked[key] = why is None
-        if why is not None:
-            warnings.warn(
-                f"harts' weighted-SwiGLU backward kernel is off for {key}: {why}; autograd's backward runs",
-                stacklevel=2,
-            )
-    if not _checked.get(key, True):
+    # checked on the first CHECK_ROWS pairs (rows are independent), against eager autograd: no
+    # compilation of the training graph and no float32 temporaries of the whole [P, 2I]; a call
+    # without pairs leaves the check to the next one (the kernel writes nothing)
+    part = (gate_up_PJ[:CHECK_ROWS], w_P[:CHECK_ROWS], d_act_PI[:CHECK_ROWS])
+    if p and not kernel_passes(
+        _checked,
+        key,
+        lambda: weighted_swiglu_backward_reference(*part, eager=True),
+        lambda: _kernel(*part),
+        _close,
+        name="weighted-SwiGLU backward",
+        differs="its output differed from the autograd reference",
+        fallback="autograd's backward runs",
+    ):
         return weighted_swiglu_backward_reference(gate_up_PJ, w_P, d_act_PI)
     return _kernel(gate_up_PJ, w_P, d_act_PI)
 

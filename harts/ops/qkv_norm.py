@@ -51,12 +51,12 @@ Shapes: mixed_TC with C = 2 * HK * K + HV * V; q, k [T, HK, K]; v [T, HV, V] (T 
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 from harts.ops.compiled import cuda_compiled
+from harts.ops.kernel_check import kernel_passes
 from harts.ops.row_gather import RowGatherPlan, gather_rows
 
 __all__ = ["ACTIVATIONS", "kernel_applies", "l2norm", "split_l2norm_qkv", "split_l2norm_qkv_reference"]
@@ -163,27 +163,20 @@ def split_l2norm_qkv(
     if not kernel_applies(mixed_TC, hk, dk, hv, dv):
         return split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps, rows, activation)
     key = (mixed_TC.device.type, mixed_TC.dtype, hk, dk, hv, dv, rows is not None, activation)
-    if key not in _checked:
-        # without autograd: under activation checkpointing the first call's forward and its
-        # recomputation must save the same tensors
-        with torch.no_grad():
-            want = split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps, rows, activation)
-            try:
-                got = _forward(mixed_TC, hk, dk, hv, dv, eps, None if rows is None else rows.index, activation)
-                why = (
-                    None
-                    if _close(got, want, exact_v=activation is None)
-                    else "its output differed from the torch reference"
-                )
-            except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the reference
-                why = f"it failed ({type(e).__name__}: {e})"
-        _checked[key] = why is None
-        if why is not None:
-            warnings.warn(
-                f"harts' split-l2norm kernel is off for {key}: {why}; the torch split and l2 norms run",
-                stacklevel=2,
-            )
-    if not _checked[key]:
+    # without autograd: under activation checkpointing the first call's forward and its
+    # recomputation must save the same tensors
+    with torch.no_grad():
+        passes = kernel_passes(
+            _checked,
+            key,
+            lambda: split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps, rows, activation),
+            lambda: _forward(mixed_TC, hk, dk, hv, dv, eps, None if rows is None else rows.index, activation),
+            lambda got, want: _close(got, want, exact_v=activation is None),
+            name="split-l2norm",
+            differs="its output differed from the torch reference",
+            fallback="the torch split and l2 norms run",
+        )
+    if not passes:
         return split_l2norm_qkv_reference(mixed_TC, hk, dk, hv, dv, eps, rows, activation)
     q, k, v = _SplitL2Norm.apply(mixed_TC, hk, dk, hv, dv, eps, rows, activation)
     return q, k, v

@@ -29,6 +29,8 @@ import os
 
 import torch
 
+from harts.ops.kernel_check import kernel_passes
+
 __all__ = ["grouped_topk", "grouped_topk_reference", "kernel_applies"]
 
 try:  # Triton is a GPU extra; the torch reference runs without it
@@ -93,22 +95,16 @@ def grouped_topk(scores_TE: torch.Tensor, bias_E: torch.Tensor, n_group: int, to
     if not kernel_applies(scores_TE, n_group, topk_group, k):
         return grouped_topk_reference(scores_TE, bias_E, n_group, topk_group, k)
     key = (scores_TE.device.type, scores_TE.shape[1], n_group, topk_group, k)
-    if key not in _checked:
-        want = grouped_topk_reference(scores_TE, bias_E, n_group, topk_group, k)
-        try:
-            got = _launch(scores_TE, bias_E, n_group, topk_group, k)
-            why = None if _same_choice(scores_TE, bias_E, got, want) else "its choice differed from the torch reference"
-        except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the reference
-            why = f"it failed ({type(e).__name__}: {e})"
-        _checked[key] = why is None
-        if why is not None:
-            import warnings
-
-            warnings.warn(
-                f"harts' grouped top-k kernel is off for {key}: {why}; routing runs torch's topk", stacklevel=2
-            )
-        return want
-    if not _checked[key]:
+    if not kernel_passes(
+        _checked,
+        key,
+        lambda: grouped_topk_reference(scores_TE, bias_E, n_group, topk_group, k),
+        lambda: _launch(scores_TE, bias_E, n_group, topk_group, k),
+        lambda got, want: _same_choice(scores_TE, bias_E, got, want),
+        name="grouped top-k",
+        differs="its choice differed from the torch reference",
+        fallback="routing runs torch's topk",
+    ):
         return grouped_topk_reference(scores_TE, bias_E, n_group, topk_group, k)
     return _launch(scores_TE, bias_E, n_group, topk_group, k)
 
