@@ -6,6 +6,7 @@
   (``check_capacity``, ``needed_vocab``), so that a problem in step k is reported in seconds,
   not after k steps;
 * a model preset or checkpoint (``build_model``) with its device and vocabulary checked first;
+  ``build_model_and_attention`` also chooses the FlexAttention backend while the model is made;
 * output paths checked before any work (``check_output_file`` / ``check_output_dir``) and
   written atomically (``write_json``).
 
@@ -502,7 +503,6 @@ def build_model(
     shards it and gives it values with ``harts.parallel.build.materialize``."""
     import torch
 
-    from harts.integrations.loading import load_model
     from harts.models.execution.config import ExecutionConfig
 
     check_device(args.device)
@@ -512,19 +512,7 @@ def build_model(
         raise UserError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        model = load_model(
-            args.model,
-            vocab_size=vocab_size,
-            dtype=args.dtype,
-            layer_pattern=args.pattern,
-            seed=args.seed,
-            device="meta" if meta else args.device,
-        )
-    except checkpoint_errors() as err:
-        if isinstance(err, UserError):
-            raise
-        raise UserError(f"--model {args.model}: {err}") from None
+    model = _load_model(args, vocab_size, "meta" if meta else args.device)
     # device and fla-core were checked before loading; now the model's chunk size too
     check_la_backend(getattr(args, "la_backend", "reference"), args.device, model.config.chunk_size, args.model)
     attention = getattr(args, "attention", "auto")
@@ -535,6 +523,101 @@ def build_model(
     except ValueError as err:
         raise UserError(f"--attention {attention} with --model {args.model}: {err}") from None
     return model
+
+
+def _load_model(args: argparse.Namespace, vocab_size: int, device: str) -> HybridLM:
+    """``--model`` (a preset or a checkpoint) on ``device``, a bad checkpoint as a ``UserError``."""
+    from harts.integrations.loading import load_model
+
+    try:
+        return load_model(
+            args.model,
+            vocab_size=vocab_size,
+            dtype=args.dtype,
+            layer_pattern=args.pattern,
+            seed=args.seed,
+            device=device,
+        )
+    except checkpoint_errors() as err:
+        if isinstance(err, UserError):
+            raise
+        raise UserError(f"--model {args.model}: {err}") from None
+
+
+@dataclass
+class BuiltModel:
+    """``build_model_and_attention``'s result: the model, its FlexAttention backends, and how long
+    each half took (they ran side by side, so the wall time is about the longer one)."""
+
+    model: HybridLM
+    #: FlexAttention backend per full-attention layer kind, e.g. {"M": "flash"} (``flex_backends``)
+    flex: dict[str, str]
+    #: seconds making the model's storage and values (on a helper thread)
+    model_seconds: float
+    #: seconds choosing the FlexAttention backend (on the calling thread, beside the model)
+    attention_seconds: float
+
+
+def build_model_and_attention(
+    args: argparse.Namespace, vocab_size: int, execution: Any, *, where: str | None = None
+) -> BuiltModel:
+    """``build_model(args, vocab_size, where=where)``, and the FlexAttention backend that
+    ``execution`` (a ``harts.models.execution.config.ExecutionConfig``) runs on ``--device``,
+    chosen while the model's values are made.
+
+    Both are cold-start costs of about 20 s each for the full ``ling3_tiny`` on an H200: drawing
+    7.8 B initial values on the host's threads (or reading a checkpoint), and FLASH's probe, which
+    compiles FA4's forward and backward (``flex_backends``). Every check ``build_model`` makes runs
+    first, on a structure-only (meta) model; then a helper thread makes the model while this
+    thread probes (torch.compile stays on the calling thread; the draws release the GIL). An error
+    on either side is raised here, after both have ended."""
+    import threading
+    import time
+
+    import torch
+
+    shell = build_model(args, vocab_size, where=where, meta=True)  # every check; no storage
+    made: dict[str, Any] = {}
+
+    def make() -> None:
+        began = time.perf_counter()
+        try:
+            made["model"] = _load_model(args, vocab_size, args.device)
+        except BaseException as err:  # noqa: BLE001 - raised on the calling thread below
+            made["error"] = err
+        made["seconds"] = time.perf_counter() - began
+
+    helper = threading.Thread(target=make, name="harts-build-model", daemon=True)
+    helper.start()
+    began = time.perf_counter()
+    try:
+        flex = flex_backends(shell.config, execution, torch.device(args.device))
+        attention_seconds = time.perf_counter() - began
+    finally:
+        helper.join()
+    if "error" in made:
+        raise made["error"]
+    return BuiltModel(made["model"], flex, made["seconds"], attention_seconds)
+
+
+def flex_backends(config: Any, execution: Any, device: Any) -> dict[str, str]:
+    """Which FlexAttention backend ("flash" / "triton") each full-attention layer kind of a model
+    with ``config`` (a ``HybridConfig``) runs under ``execution`` on ``device`` (a
+    ``torch.device``): {"M": ..., "A": ...}; empty where the mask path does not run (the CPU,
+    ``--attention gather``). The same choice both sides of a bench make; FLASH's probe runs here
+    once per head shape, not inside the first step."""
+    from harts.ops.attention.tree_mask import flex_backend
+
+    dims = config.attention_head_dims
+    if not dims or device.type != "cuda":
+        return {}
+    try:
+        if execution.resolved_attention(device.type, config.min_attention_head_dim) != "mask":
+            return {}
+        dtype = config.torch_dtype()
+        return {k: flex_backend(device, dtype, qk, v, gqa=gqa) for k, (qk, v, gqa) in dims.items()}
+    except (ValueError, RuntimeError) as exc:  # --attention mask below its head dim; FLASH asked for, unusable
+        raise UserError(str(exc)) from exc
 
 
 # ---------------------------------------------------------------------- outputs

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.bench.step_bench import COMPONENTS, StepBench, bench_step, recurrence_words
     from harts.bench.table import format_table
     from harts.commands._inputs import (
-        build_model,
+        build_model_and_attention,
         check_capacity,
         check_output_dir,
         check_output_file,
@@ -164,8 +164,16 @@ def run(args: argparse.Namespace) -> int:
     # started now, so that spawning them overlaps building the model
     workers = shared_workers(planner_workers(args.planner_workers))
     vocab, where = needed_vocab(summaries)
-    model = build_model(args, vocab, where=where)
-    cold["model_initialised"] = time.perf_counter() - started
+    execution = ExecutionConfig(
+        **recompute,
+        attention=args.attention,
+        linear_attention_backend=args.la_backend,
+        logprob_positions=args.logprobs,
+    )
+    built = build_model_and_attention(args, vocab, execution, where=where)
+    model, flex = built.model, built.flex
+    cold["model_built"] = time.perf_counter() - started
+    cold_beside = {"model": round(built.model_seconds, 2), "attention_probe": round(built.attention_seconds, 2)}
     check_recompute_layers(recompute, model)
     peak = args.peak_tflops or peak_tflops(torch.device(args.device))
     print(
@@ -175,14 +183,6 @@ def run(args: argparse.Namespace) -> int:
         f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}",
         flush=True,
     )
-    execution = ExecutionConfig(
-        **recompute,
-        attention=args.attention,
-        linear_attention_backend=args.la_backend,
-        logprob_positions=args.logprobs,
-    )
-    flex = flex_backends(model, execution, torch.device(args.device))
-    cold["model_built"] = time.perf_counter() - started
     if flex:
         print(f"FlexAttention backend (both sides): {', '.join(f'{k} {v}' for k, v in flex.items())}", flush=True)
     if args.profile_only:
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"cold start: the first timed microbatch began {r.baseline.seconds_to_timed:.1f} s (baseline) and "
                     f"{r.harts.seconds_to_timed:.1f} s (harts) after the command started; the baseline's "
-                    f"{r.baseline.seconds_to_timed:.1f} s: {_phase_words(cold_start)}",
+                    f"{r.baseline.seconds_to_timed:.1f} s: {_phase_words(cold_start, cold_beside)}",
                     flush=True,
                 )
             for name, side in (("baseline", r.baseline), ("harts", r.harts)):
@@ -471,6 +471,8 @@ def run(args: argparse.Namespace) -> int:
                 "replica": args.replica,
                 "peak_tflops": peak,
                 "cold_start": cold_start if results else None,
+                # the "model" phase's two halves, which ran side by side (build_model_and_attention)
+                "cold_start_model_beside_attention": cold_beside,
                 "steps": [r.to_dict() for r in results],
             },
         )
@@ -482,8 +484,7 @@ def run(args: argparse.Namespace) -> int:
 COLD_START_PHASES = {
     "imports": "imports",
     "inputs": "reading and checking the steps",
-    "model": "building the model",
-    "attention_probe": "choosing the FlexAttention backend",
+    "model": "building the model beside choosing the FlexAttention backend",
     "step": "making the first step",
     "planning": "planning and the baseline's preparation",
     "warmup": "the baseline's untimed warm-up",
@@ -492,9 +493,9 @@ COLD_START_PHASES = {
 
 def cold_start_phases(marks: dict[str, float], to_timed: float | None, warmup: float) -> dict[str, float] | None:
     """Seconds of each cold-start phase (``COLD_START_PHASES``) from the command's marks (seconds
-    since it started: ``imports``, ``inputs_checked``, ``model_initialised``, ``model_built``
-    (after the FlexAttention backend probe), ``step_made``) and the
-    baseline's seconds to its first timed microbatch and warm-up; None without ``to_timed``.
+    since it started: ``imports``, ``inputs_checked``, ``model_built`` (the model made and the
+    FlexAttention backend chosen, side by side), ``step_made``) and the baseline's seconds to its
+    first timed microbatch and warm-up; None without ``to_timed``.
     "planning" is what lies between the step being made and the baseline's warm-up: the step
     planner (twice with worker processes: once alone, for the check), the baseline's raw-token
     plan and its preparation of its microbatches."""
@@ -503,7 +504,6 @@ def cold_start_phases(marks: dict[str, float], to_timed: float | None, warmup: f
     ends = [
         marks["imports"],
         marks["inputs_checked"],
-        marks.get("model_initialised", marks["model_built"]),
         marks["model_built"],
         marks["step_made"],
         to_timed - warmup,
@@ -522,31 +522,13 @@ def _variant_words(names: list[str]) -> str:
     return words + (f" and {len(common) - 5} more kernels" if len(common) > 5 else "")
 
 
-def _phase_words(phases: dict[str, float] | None) -> str:
+def _phase_words(phases: dict[str, float] | None, beside: dict[str, float]) -> str:
+    """The phases in words; the model phase with its two halves (``beside``: "model" and
+    "attention_probe" seconds, run side by side)."""
     if phases is None:
         return "n/a"
-    return ", ".join(f"{COLD_START_PHASES[k]} {v:.1f} s" for k, v in phases.items())
-
-
-def flex_backends(model, execution, device) -> dict[str, str]:  # noqa: ANN001
-    """Which FlexAttention backend ("flash" / "triton") each full-attention layer kind of
-    ``model`` runs under ``execution`` on ``device`` ({"M": ..., "A": ...}); empty where the mask
-    path does not run (the CPU, ``--attention gather``). The same choice both sides make."""
-    from harts.ops.attention.tree_mask import flex_backend
-
-    cfg = model.config
-    dims = cfg.attention_head_dims
-    if not dims or device.type != "cuda":
-        return {}
-    from harts.errors import UserError
-
-    try:
-        if execution.resolved_attention(device.type, cfg.min_attention_head_dim) != "mask":
-            return {}
-        dtype = cfg.torch_dtype()
-        return {k: flex_backend(device, dtype, qk, v, gqa=gqa) for k, (qk, v, gqa) in dims.items()}
-    except (ValueError, RuntimeError) as exc:  # --attention mask below its head dim; FLASH asked for, unusable
-        raise UserError(str(exc)) from exc
+    halves = f" (the model {beside['model']:.1f} s, the backend {beside['attention_probe']:.1f} s)"
+    return ", ".join(f"{COLD_START_PHASES[k]} {v:.1f} s{halves if k == 'model' else ''}" for k, v in phases.items())
 
 
 def _recompute_words(fields: dict) -> str:

@@ -177,6 +177,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
 
     from harts.commands._inputs import (
         build_model,
+        build_model_and_attention,
         check_capacity,
         check_device,
         check_output_dir,
@@ -253,9 +254,6 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             shared_workers(workers)
             vocab, where = needed_vocab(summaries)
             meta = distributed or args.meta_init
-            model = build_model(args, vocab, where=where, meta=meta)
-            check_recompute_layers(recompute, model)
-            parallel = init_parallel(parallel_cfg, args.device, moe_experts(model))
             execution = ExecutionConfig(
                 mode=args.mode,
                 **recompute,
@@ -266,6 +264,12 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 fused_logprobs=True,
                 logprob_positions=args.logprobs,
             )
+            if meta:
+                model = build_model(args, vocab, where=where, meta=True)
+            else:  # FlexAttention's backend probe (FA4's compile) runs while the model's values are drawn
+                model = build_model_and_attention(args, vocab, execution, where=where).model
+            check_recompute_layers(recompute, model)
+            parallel = init_parallel(parallel_cfg, args.device, moe_experts(model))
             cfg = TrainConfig(
                 capacity=args.capacity,
                 execution=execution,

@@ -177,7 +177,12 @@ def test_bench_reports_the_cold_start(tmp_path, capsys) -> None:
     assert 0 < base["seconds_to_timed"] < harts["seconds_to_timed"]
     # the cold start's phases add up to the baseline's seconds to its first timed microbatch
     phases = report["cold_start"]
-    assert list(phases) == ["imports", "inputs", "model", "attention_probe", "step", "planning", "warmup"]
+    assert list(phases) == ["imports", "inputs", "model", "step", "planning", "warmup"]
+    # the model phase's two halves ran side by side: each fits inside it
+    beside = report["cold_start_model_beside_attention"]
+    assert set(beside) == {"model", "attention_probe"}
+    assert 0 < beside["model"] <= phases["model"] + 0.02 and 0 <= beside["attention_probe"] <= phases["model"] + 0.02
+    assert "building the model beside choosing the FlexAttention backend" in text and "(the model " in text
     assert all(v >= 0 for v in phases.values()) and phases["warmup"] == pytest.approx(base["warmup_seconds"], abs=0.01)
     assert sum(phases.values()) == pytest.approx(base["seconds_to_timed"], abs=0.05)
     assert harts["seconds_to_timed"] - base["seconds_to_timed"] >= base["train_seconds"]

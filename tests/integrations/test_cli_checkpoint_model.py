@@ -67,3 +67,34 @@ def test_checkpoint_vocab_too_small_is_an_error(tmp_path, capsys):
     hf.save_pretrained(tmp_path / "small_vocab")
     assert main(["bench", "--model", str(tmp_path / "small_vocab"), "--workload", "tiny", "--steps", "1"]) == 2
     assert "needs vocab_size >= " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_checkpoint_with_unreadable_weights_is_an_error(checkpoint, command, capsys):
+    """The configuration reads, so every check passes on the structure-only model; the weights are
+    read on the helper thread of ``build_model_and_attention``, and their error still reaches the
+    user as one line naming the checkpoint."""
+    weights = next(checkpoint.glob("*.safetensors"))
+    weights.write_bytes(b"not a safetensors file")
+    assert main([command, "--model", str(checkpoint), "--workload", "tiny", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {checkpoint}:" in err and "Traceback" not in err
+
+
+def test_model_built_beside_the_attention_probe_equals_build_model() -> None:
+    """``build_model_and_attention`` makes the model on a helper thread: the same values as
+    ``build_model``, and on the CPU no FlexAttention backend to choose."""
+    import argparse
+
+    from harts.commands._inputs import build_model, build_model_and_attention
+    from harts.models.execution.config import ExecutionConfig
+
+    args = argparse.Namespace(
+        model="tiny", dtype="float32", pattern="KM", seed=3, device="cpu", threads=0, la_backend="reference"
+    )
+    built = build_model_and_attention(args, 256, ExecutionConfig())
+    whole = build_model(args, 256)
+    assert built.flex == {} and built.model_seconds > 0 and built.attention_seconds >= 0
+    mine, theirs = built.model.state_dict(), whole.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert all(t.device.type == "cpu" for t in mine.values())

@@ -284,6 +284,8 @@ def flex_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: i
     want = flex_backend_setting()
     if want == "triton":
         return "triton"
+    if device.type == "cuda" and device.index is None:  # one probe for "cuda" and "cuda:0" (its cache key)
+        device = torch.device("cuda", torch.cuda.current_device())
     why = _flash_unusable(device, dtype, qk_dim, v_dim, gqa)
     if why is None:
         return "flash"
