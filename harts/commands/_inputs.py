@@ -565,9 +565,10 @@ def build_model_and_attention(
     ``execution`` (a ``harts.models.execution.config.ExecutionConfig``) runs on ``--device``,
     chosen while the model's values are made.
 
-    Both are cold-start costs of about 20 s each for the full ``ling3_tiny`` on an H200: drawing
-    7.8 B initial values on the host's threads (or reading a checkpoint), and FLASH's probe, which
-    compiles FA4's forward and backward (``flex_backends``). Every check ``build_model`` makes runs
+    Both are cold-start costs. For the full ``ling3_tiny`` on an H200 (session 24) FLASH's probe,
+    which compiles FA4's forward and backward (``flex_backends``), took 20.2 s, and drawing the
+    model's 7.8 B initial values on the host's threads 6.2 s beside it (a checkpoint is read
+    instead). Every check ``build_model`` makes runs
     first, on a structure-only (meta) model; then a helper thread makes the model while this
     thread probes (torch.compile stays on the calling thread; the draws release the GIL). An error
     on either side is raised here, after both have ended."""
