@@ -28,6 +28,10 @@ from typing import TYPE_CHECKING, Any
 from harts.errors import CapacityError, OutputPathError, UserError
 
 if TYPE_CHECKING:  # heavy imports stay after argument parsing
+    import torch
+
+    from harts.models.config import HybridConfig
+    from harts.models.execution.config import ExecutionConfig
     from harts.models.hybrid_lm import HybridLM
     from harts.tree.batch import RolloutBatch
 
@@ -559,10 +563,10 @@ class BuiltModel:
 
 
 def build_model_and_attention(
-    args: argparse.Namespace, vocab_size: int, execution: Any, *, where: str | None = None
+    args: argparse.Namespace, vocab_size: int, execution: ExecutionConfig, *, where: str | None = None
 ) -> BuiltModel:
     """``build_model(args, vocab_size, where=where)``, and the FlexAttention backend that
-    ``execution`` (a ``harts.models.execution.config.ExecutionConfig``) runs on ``--device``,
+    ``execution`` runs on ``--device``,
     chosen while the model's values are made.
 
     Both are cold-start costs. For the full ``ling3_tiny`` on an H200 (session 24) FLASH's probe,
@@ -601,10 +605,9 @@ def build_model_and_attention(
     return BuiltModel(made["model"], flex, made["seconds"], attention_seconds)
 
 
-def flex_backends(config: Any, execution: Any, device: Any) -> dict[str, str]:
+def flex_backends(config: HybridConfig, execution: ExecutionConfig, device: torch.device) -> dict[str, str]:
     """Which FlexAttention backend ("flash" / "triton") each full-attention layer kind of a model
-    with ``config`` (a ``HybridConfig``) runs under ``execution`` on ``device`` (a
-    ``torch.device``): {"M": ..., "A": ...}; empty where the mask path does not run (the CPU,
+    with ``config`` runs under ``execution`` on ``device``: {"M": ..., "A": ...}; empty where the mask path does not run (the CPU,
     ``--attention gather``). The same choice both sides of a bench make; FLASH's probe runs here
     once per head shape, not inside the first step."""
     from harts.ops.attention.tree_mask import flex_backend
