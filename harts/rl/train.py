@@ -59,12 +59,19 @@ from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch
 
 __all__ = [
+    "Objective",
     "PlannedStep",
     "StepPrefetcher",
     "TrainConfig",
     "StepLog",
+    "MicrobatchItem",
     "accumulate_step_gradients",
+    "forward_step",
+    "microbatch_inputs",
+    "microbatch_item",
+    "prepared_microbatches",
     "check_capacity",
+    "grpo_objective",
     "plan_training_step",
     "replicas_of",
     "train",
@@ -215,6 +222,27 @@ class _Accumulated:
     diagnostics: dict[str, float] = field(default_factory=dict)
 
 
+#: a microbatch's loss of its log-probs [S_k - N_k] under its batch, with detached 0-dim sums that
+#: add up over microbatches (the same keys every call)
+Objective = Callable[[torch.Tensor, RolloutBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def grpo_objective(batch: RolloutBatch, cfg: TrainConfig) -> Objective:
+    """``train``'s objective for a step on ``batch``: GRPO under ``cfg`` normalized by the whole
+    step's denominator, with the clip fraction and KL weighted by each microbatch's action tokens
+    (so that their sums divided by ``action_tokens`` are the step's means)."""
+    kl = cfg.kl_coef if batch.ref_logprobs is not None else 0.0
+    normalizer = grpo_normalizer(batch, cfg.reduction)
+
+    def objective(logprobs: torch.Tensor, sub: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        pg = grpo_loss(logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer)
+        m = pg.metric_tensors
+        acts = m["action_tokens"]
+        return pg.loss, {"clip_frac": m["clip_frac"] * acts, "kl": m["kl_mean"] * acts, "action_tokens": acts}
+
+    return objective
+
+
 def check_capacity(batch: RolloutBatch, capacity: int, *, step: int | None = None) -> None:
     """Every trajectory of ``batch`` fits ``capacity``; else ``CapacityError`` naming the longest
     trajectory and the smallest capacity that fits (a trajectory is never split)."""
@@ -355,6 +383,67 @@ class StepPrefetcher:
         self.close()
 
 
+#: microbatch k of a planned step: its batch, and in compact mode its slice of the step's
+#: compaction and its call plan (None, None trajectory-wise)
+MicrobatchItem = tuple[RolloutBatch, "CompactBatch | None", "CallPlan | None"]
+
+
+def microbatch_item(model: HybridLM, planned: PlannedStep, k: int) -> MicrobatchItem:
+    """Microbatch ``k`` of ``planned`` (``MicrobatchItem``): nothing is compacted twice, the
+    compact slice comes from the step's own compaction."""
+    if isinstance(planned.plan, StepPlan):
+        cb, call_plan = planned.plan.prepare_microbatch(k, model.config.chunk_size)
+        return cb.batch, cb, call_plan
+    return planned.batch.select(planned.plan.microbatches[k]), None, None
+
+
+def microbatch_inputs(model: HybridLM, item: MicrobatchItem, execution: ExecutionConfig) -> Any:
+    """The model's prepared inputs of one ``MicrobatchItem`` (host work only)."""
+    sub, cb, call_plan = item
+    if cb is None:
+        return model.prepare_trajectory(sub, execution)
+    return model.prepare_compact(cb, execution, plan=call_plan)
+
+
+def prepared_microbatches(
+    model: HybridLM,
+    planned: PlannedStep,
+    ks: list[int],
+    execution: ExecutionConfig,
+    *,
+    ahead: bool = True,
+    made: list[MicrobatchItem | None] | None = None,
+) -> Prefetched[tuple[RolloutBatch, Any]]:
+    """``(sub, inputs)`` of microbatches ``ks`` in order, each prepared on a background thread
+    while the caller runs the one before (``ahead``); ``made``: items already sliced (or None)."""
+
+    def prepare(k: int, item: MicrobatchItem | None) -> tuple[RolloutBatch, Any]:
+        item = item if item is not None else microbatch_item(model, planned, k)
+        return item[0], microbatch_inputs(model, item, execution)
+
+    made = made if made is not None else [None] * len(ks)
+    return Prefetched([functools.partial(prepare, k, item) for k, item in zip(ks, made)], ahead=ahead)
+
+
+@torch.no_grad()
+def forward_step(
+    model: HybridLM,
+    planned: PlannedStep,
+    cfg: TrainConfig,
+    on_logprobs: Callable[[int, torch.Tensor], None],
+    *,
+    parallel: ParallelState | None = None,
+) -> None:
+    """A no-grad forward of this rank's microbatches of ``planned``, as
+    ``accumulate_step_gradients`` runs them: ``on_logprobs(k, logprobs)`` per microbatch."""
+    state = _state(model, parallel)
+    mine = [k for r in replicas_of(cfg, state) for k in planned.plan.for_replica(r)]
+    for k, (_, inputs) in zip(
+        mine, prepared_microbatches(model, planned, mine, cfg.execution, ahead=cfg.prepare_ahead)
+    ):
+        on_logprobs(k, model(inputs, cfg.execution).logprobs)
+
+
 def accumulate_step_gradients(
     model: HybridLM,
     batch: RolloutBatch,
@@ -363,9 +452,18 @@ def accumulate_step_gradients(
     progress: Callable[[int, int], None] | None = None,
     parallel: ParallelState | None = None,
     planned: PlannedStep | None = None,
+    objective: Objective | None = None,
+    on_logprobs: Callable[[int, torch.Tensor], None] | None = None,
 ) -> _Accumulated:
     """Steps 1-3 of the module docstring: afterwards every ``p.grad`` holds the gradient of
     the whole step's loss (summed over this rank's microbatches and across ranks).
+
+    ``objective(logprobs, sub)`` is a microbatch's loss of its log-probs [S_k - N_k] under its
+    batch ``sub``, with detached sums that add up over microbatches (``Objective``); default
+    GRPO normalized by the whole step's denominator (``grpo_objective``). The loss of the step
+    is the sum of the microbatches' losses, so an objective must be additive over trajectories.
+    ``on_logprobs(k, logprobs)`` receives every microbatch's detached log-probs (``k`` indexes
+    ``plan.microbatches``, whose trajectories are ``sub``'s, in that order).
 
     ``progress(done, total)`` is called once the step is planned (``done = 0``) and after each of
     this rank's microbatches. Only ``p.grad`` changes here, so interrupting this function leaves
@@ -383,88 +481,66 @@ def accumulate_step_gradients(
     elif planned.plan.dp != (cfg.replicas or world):
         raise ValueError(f"planned= has {planned.plan.dp} replicas; this step runs {cfg.replicas or world}")
     batch, plan, plan_seconds = planned.batch, planned.plan, planned.plan_seconds
-    kl = cfg.kl_coef if batch.ref_logprobs is not None else 0.0
+    if objective is None:
+        objective = grpo_objective(batch, cfg)
     mine = [k for r in replicas for k in plan.for_replica(r)]
     # every rank must run as many microbatches (FSDP's last-backward sync, expert all-to-alls)
     assert all(len(plan.for_replica(r)) == plan.num_slots for r in replicas), "a replica's slots are uneven"
     if progress is not None:
         progress(0, len(mine))
-    normalizer = grpo_normalizer(batch, cfg.reduction)
     z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
 
     # the step's scalars stay on the device until the step ends (no host sync between
     # microbatches, so the host prepares microbatch k + 1 while the device runs k):
-    # loss, MoE objective, clip fraction x action tokens, KL x action tokens, action tokens
-    sums = torch.zeros(5, dtype=torch.float32 if state.device.type == "mps" else torch.float64, device=state.device)
+    # loss, MoE objective, then the objective's metric sums
+    sum_dtype = torch.float32 if state.device.type == "mps" else torch.float64
+    sums: torch.Tensor | None = None
+    metric_names: list[str] = []
     counts_sum = None
     rows = calls = replay = 0
-    step_plan = plan if isinstance(plan, StepPlan) else None
-
-    def item_of(k: int) -> tuple[RolloutBatch, CompactBatch | None, CallPlan | None]:
-        # microbatch k: its slice of the step's compaction (nothing is compacted twice) and its
-        # call plan, or its trajectories
-        if step_plan is not None:
-            cb, call_plan = step_plan.prepare_microbatch(k, model.config.chunk_size)
-            return cb.batch, cb, call_plan
-        return batch.select(plan.microbatches[k]), None, None
-
-    def inputs_of(sub: RolloutBatch, cb: CompactBatch | None, call_plan: CallPlan | None) -> Any:
-        if cb is None:
-            return model.prepare_trajectory(sub, cfg.execution)
-        return model.prepare_compact(cb, cfg.execution, plan=call_plan)
-
     prepare_seconds = 0.0
     step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
-    items: list[tuple[RolloutBatch, CompactBatch | None, CallPlan | None] | None] = [None] * len(mine)
+    items: list[MicrobatchItem | None] = [None] * len(mine)
     if step_level:
         # two passes over the microbatches: the slices are made once, for both
         tp = time.perf_counter()
-        items = [item_of(k) for k in mine]
+        items = [microbatch_item(model, planned, k) for k in mine]
         prepare_seconds += time.perf_counter() - tp
-        counts = _step_expert_counts(model, (inputs_of(*it) for it in items if it is not None), cfg, state)
+        counts = _step_expert_counts(
+            model, (microbatch_inputs(model, it, cfg.execution) for it in items if it is not None), cfg, state
+        )
         _set_step_statistics(model, (counts, float(batch.num_tokens)))
-
-    def prepare(k: int, made: tuple[RolloutBatch, CompactBatch | None, CallPlan | None] | None) -> tuple[Any, Any]:
-        sub, cb, call_plan = made if made is not None else item_of(k)
-        return sub, inputs_of(sub, cb, call_plan)
 
     # each microbatch is prepared on a background thread while the one before it is launched (no
     # device sync between them): the training thread waits only for what that does not hide
-    ahead = Prefetched([functools.partial(prepare, k, made) for k, made in zip(mine, items)], ahead=cfg.prepare_ahead)
+    ahead = prepared_microbatches(model, planned, mine, cfg.execution, ahead=cfg.prepare_ahead, made=items)
     try:
-        for done, (sub, inputs) in enumerate(ahead, start=1):
+        for done, (k, (sub, inputs)) in enumerate(zip(mine, ahead), start=1):
             out = model(inputs, cfg.execution)
-            pg = grpo_loss(
-                out.logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer
-            )
-            total = pg.loss
-            m = pg.metric_tensors
-            acts = m["action_tokens"].to(sums.dtype)
-            moe = torch.zeros((), dtype=sums.dtype, device=sums.device)
+            if on_logprobs is not None:
+                on_logprobs(k, out.logprobs.detach())
+            loss, m = objective(out.logprobs, sub)
+            total = loss
+            moe = torch.zeros((), dtype=sum_dtype, device=state.device)
             if out.moe_losses is not None:
                 # step-level statistics are already the microbatch's share of the step's losses
                 share = 1.0 if step_level else sub.num_tokens / batch.num_tokens
-                objective = share * out.moe_objective(z_coef, aux_coef)
-                total = total + objective
-                moe = torch.as_tensor(objective, device=sums.device).detach().to(sums.dtype)
+                router = share * out.moe_objective(z_coef, aux_coef)
+                total = total + router
+                moe = torch.as_tensor(router, device=state.device).detach().to(sum_dtype)
                 c = out.expert_counts.detach()
                 counts_sum = c.clone() if counts_sum is None else counts_sum + c
-            sums += torch.stack(
-                [
-                    pg.loss.detach().to(sums.dtype),
-                    moe,
-                    m["clip_frac"].to(sums.dtype) * acts,
-                    m["kl_mean"].to(sums.dtype) * acts,
-                    acts,
-                ]
-            )
+            if sums is None:
+                metric_names = list(m)
+                sums = torch.zeros(2 + len(m), dtype=sum_dtype, device=state.device)
+            sums += torch.stack([loss.detach().to(sum_dtype), moe, *(m[name].to(sum_dtype) for name in metric_names)])
             # FSDP reduces the gradients once, in the step's last backward (or after each one)
             set_gradient_sync(model, cfg.reduce_every_microbatch or done == len(mine))
             total.backward()
             rows += int(out.info["rows"])
             calls += int(out.info["calls"])
             replay += int(out.info["replay_rows"])
-            del out, pg, total, m  # nothing of this microbatch outlives its backward
+            del out, loss, total, m  # nothing of this microbatch outlives its backward
             if progress is not None:
                 progress(done, len(mine))
     finally:
@@ -472,12 +548,14 @@ def accumulate_step_gradients(
         if step_level:
             _set_step_statistics(model, None)
 
+    if sums is None:  # no microbatch ran here: the objective's metrics are unknown, hence 0
+        sums = torch.zeros(2, dtype=sum_dtype, device=state.device)
     if world > 1:
         finish_gradients(model, state)
         dist.all_reduce(sums)
         if counts_sum is not None:
             dist.all_reduce(counts_sum)
-    loss_sum, moe_sum, clip_acts, kl_acts, acts_sum = sums.tolist()  # the step's one host sync
+    loss_sum, moe_sum, *metric_sums = sums.tolist()  # the step's one host sync
     return _Accumulated(
         loss=loss_sum,
         moe_objective=moe_sum,
@@ -489,7 +567,7 @@ def accumulate_step_gradients(
         replay_rows=replay,
         plan_seconds=plan_seconds,
         prepare_seconds=prepare_seconds,
-        diagnostics={"clip_frac": clip_acts, "kl": kl_acts, "action_tokens": acts_sum},
+        diagnostics=dict(zip(metric_names, metric_sums)),
     )
 
 
@@ -531,7 +609,7 @@ def train_step(
     # planning is reported apart from the training interval (the paper's F/B/Grad vs Core); a
     # plan made ahead took none of it
     train_seconds = time.perf_counter() - t0 - (acc.plan_seconds if planned_here else 0.0)
-    acts = acc.diagnostics["action_tokens"]
+    acts = acc.diagnostics.get("action_tokens", 0.0)
     adv = batch.advantages[batch.action_mask]
     return StepLog(
         step=step,
@@ -549,8 +627,8 @@ def train_step(
         prepare_seconds=round(acc.prepare_seconds, 4),
         train_seconds=round(train_seconds, 4),
         tokens_per_second=round(batch.num_tokens / max(train_seconds, 1e-9) / world, 1),
-        clip_frac=acc.diagnostics["clip_frac"] / max(acts, 1.0),
-        kl=acc.diagnostics["kl"] / max(acts, 1.0),
+        clip_frac=acc.diagnostics.get("clip_frac", 0.0) / max(acts, 1.0),
+        kl=acc.diagnostics.get("kl", 0.0) / max(acts, 1.0),
         action_tokens=int(acts),
         adv_mean=float(adv.mean()) if adv.size else 0.0,
         adv_std=float(adv.std()) if adv.size else 0.0,
