@@ -2,7 +2,8 @@
 
 ``load_model("tiny")`` builds ``HybridLM(HybridConfig.preset("tiny"))`` with a seeded init;
 ``load_model("/path/to/checkpoint")`` loads a local transformers checkpoint directory
-(BailingHybrid / Qwen3-Next / Kimi Linear; ``harts.integrations.hf``).
+(BailingHybrid / Qwen3-Next / Kimi Linear; ``harts.integrations.hf``) or harts' own weights
+directory (``harts.integrations.native``, written for models no transformers class describes).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from harts.integrations.native import is_native, load_native
 from harts.models.config import HybridConfig
 from harts.models.hybrid_lm import HybridLM
 
@@ -44,6 +46,15 @@ def load_model(
     apply, and ``vocab_size`` is checked (a batch must fit the checkpoint's vocabulary).
     """
     meta = torch.device(device).type == "meta"
+    if is_checkpoint(spec) and is_native(spec):
+        if layer_pattern is not None or chunk_size is not None:
+            raise ValueError("a saved harts model's architecture is fixed; drop the pattern and chunk-size overrides")
+        model = load_native(spec, dtype=dtype, device=device)
+        if vocab_size is not None and vocab_size > model.config.vocab_size:
+            raise ValueError(
+                f"the batch needs vocab_size >= {vocab_size} but the model at {spec} has {model.config.vocab_size}"
+            )
+        return model
     if is_checkpoint(spec):
         # transformers-side code: only for checkpoints
         from harts.integrations.hf import from_pretrained, pretrained_config
