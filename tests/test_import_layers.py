@@ -2,7 +2,7 @@
 
 Every ``import`` in harts counts, including those inside functions (a lazy import is still a
 dependency). Layers, lowest first: errors -> tree / envs -> plan -> ops -> models -> rl /
-rollout / parallel / integrations -> bench -> commands -> cli. A module may import its own layer
+rollout / parallel / integrations -> trainer / bench -> serve -> commands -> cli. A module may import its own layer
 or lower ones;
 ``import harts`` (the lazy public API) is allowed from bench and commands.
 """
@@ -19,7 +19,7 @@ import harts
 KNOWN_UP: set[tuple[str, str]] = set()
 
 RANK = {"errors": 0, "tree": 1, "envs": 1, "plan": 2, "ops": 3, "models": 4, "rl": 5, "rollout": 5,
-        "parallel": 5, "integrations": 5, "bench": 6, "commands": 7, "cli": 8}  # fmt: skip
+        "parallel": 5, "integrations": 5, "trainer": 6, "bench": 6, "serve": 7, "commands": 8, "cli": 9}  # fmt: skip
 
 
 def _graph() -> dict[str, set[str]]:

@@ -1,0 +1,550 @@
+"""The trainer engine: Tinker's training API over flat trajectories, executed compactly.
+
+    engine = Engine(model)                                   # or Engine.from_spec("tiny" / HF dir)
+    out = engine.forward_backward(trajectories, "importance_sampling")
+    engine.optim_step(lr=1e-5)
+    engine.save_state("ckpt/step1"); engine.save_weights_for_sampler("ckpt/sampler1")
+
+A trajectory is a dict: ``tokens`` (ints, length n) and, optionally, per-target arrays of length
+n - 1 (entry t describes target ``tokens[t + 1]``): ``weights``, ``advantages`` and ``logprobs``
+(the sampler's). The engine finds the prefixes the trajectories share (``harts.tree.compact``),
+plans microbatches of at most ``capacity`` compact tokens (``harts.plan.step``), runs each once
+through the model, and hands back one log-prob array per trajectory, for ``tokens[1:]``, in the
+caller's order. Shared prefixes are computed once; trajectories that share nothing run as they
+would trajectory-wise. The losses are Tinker's sums over tokens (``harts.rl.losses``), so the
+result does not depend on the microbatching, and the log-probs, the loss and every gradient equal
+trajectory-wise execution of the same call (``Engine(model, ExecutionConfig(mode="trajectory"))``
+is that baseline, on the same code path).
+
+A callable loss ``fn(logprobs, trajectories) -> loss | (loss, metrics)`` gets one differentiable
+float tensor per trajectory (Tinker's ``forward_backward_custom``): the engine runs a forward, takes
+d loss / d logprobs from ``fn``, and runs the forward-backward of the linear loss
+``sum(grad * logprobs)``, which has the same parameter gradient.
+
+MoE models: the router's z / aux objective is added to the gradient with the whole call's router
+statistics (``moe_statistics="step"``, independent of the microbatching), and the expert-bias
+balancing update runs at ``optim_step`` from the counts of the calls since the last step (not
+with LoRA adapters: the base model stays frozen).
+
+``forward_backward`` accumulates gradients until ``optim_step``; ``save_state`` holds weights,
+optimizer and RNG (``harts.trainer.state``), not gradients pending between the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from harts.errors import CapacityError, UserError
+from harts.models.execution.config import ExecutionConfig
+from harts.models.hybrid_lm import HybridLM
+from harts.parallel.mesh import ParallelConfig, ParallelState
+from harts.parallel.parallelize import clip_grad_norm
+from harts.rl.losses import LOSSES, check_loss, tinker_loss
+from harts.rl.train import (
+    PlannedStep,
+    TrainConfig,
+    accumulate_step_gradients,
+    forward_step,
+    plan_training_step,
+)
+from harts.trainer.state import load_optimizer, read_state, restore_rng, write_state
+from harts.tree.batch import RolloutBatch
+
+__all__ = [
+    "CustomLoss",
+    "Engine",
+    "ForwardBackwardOutput",
+    "OptimStepOutput",
+    "TRAJECTORY_FIELDS",
+    "trajectories_to_batch",
+]
+
+#: the optional per-target fields of a trajectory, and the RolloutBatch field each one fills
+TRAJECTORY_FIELDS = {"weights": "loss_weights", "advantages": "advantages", "logprobs": "old_logprobs"}
+
+#: Tinker's forward_backward_custom: per-trajectory log-prob tensors [n_j - 1] and the
+#: trajectories -> the loss, or (loss, metrics)
+CustomLoss = Callable[
+    [list[torch.Tensor], list[Mapping[str, Any]]], "torch.Tensor | tuple[torch.Tensor, dict[str, float]]"
+]
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOutput:
+    """One ``forward_backward``: log-probs [n_j - 1] per trajectory (caller's order, float64),
+    the loss (a sum over target tokens) and metrics (``<name>:sum`` / ``<name>:mean``)."""
+
+    logprobs: list[np.ndarray]
+    loss: float
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class OptimStepOutput:
+    """One ``optim_step``: the gradient norm before clipping, the learning rate used, the step count."""
+
+    grad_norm: float
+    lr: float
+    step: int
+
+
+def _per_target(values: Any, n: int, j: int, name: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64) if not isinstance(values, np.ndarray) else values.astype(np.float64)
+    if arr.ndim != 1 or arr.size != n - 1:
+        got = arr.size if arr.ndim == 1 else f"shape {arr.shape}"
+        raise UserError(f"trajectory {j}: {name} has {got} values for {n} tokens (need len(tokens) - 1 = {n - 1})")
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        raise UserError(f"trajectory {j}: {name}[{int(bad[0])}] is {arr[bad[0]]} (must be finite)")
+    return arr
+
+
+def _tokens(traj: Any, j: int, vocab_size: int) -> np.ndarray:
+    if not isinstance(traj, Mapping):
+        raise UserError(f"trajectory {j}: expected a dict with 'tokens', got {type(traj).__name__}")
+    unknown = sorted(set(traj) - {"tokens", *TRAJECTORY_FIELDS})
+    if unknown:
+        raise UserError(
+            f"trajectory {j}: unknown field {unknown[0]!r}; a trajectory has tokens, {sorted(TRAJECTORY_FIELDS)}"
+        )
+    if "tokens" not in traj:
+        raise UserError(f"trajectory {j}: has no 'tokens'")
+    tokens = np.asarray(traj["tokens"])
+    if tokens.ndim != 1 or tokens.size == 0:
+        raise UserError(f"trajectory {j}: tokens must be a non-empty list of ints, got shape {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"trajectory {j}: tokens must be ints, got {tokens.dtype}")
+    out = tokens.astype(np.int64, copy=False)
+    lo, hi = int(out.min()), int(out.max())
+    if lo < 0 or hi >= vocab_size:
+        t = int(np.flatnonzero((out < 0) | (out >= vocab_size))[0])
+        raise UserError(f"trajectory {j}: token {t} is {int(out[t])}, outside the model's vocabulary [0, {vocab_size})")
+    return out
+
+
+def trajectories_to_batch(
+    trajectories: Sequence[Mapping[str, Any]], *, vocab_size: int, require: Sequence[str] = ()
+) -> RolloutBatch:
+    """The ``RolloutBatch`` of flat ``trajectories`` (module docstring): every target token an
+    action, per-target fields at positions 1..n-1 of each trajectory. ``require``: fields every
+    trajectory must carry (``UserError`` naming the first that lacks one). A field some
+    trajectories lack is 1 there for ``weights`` and 0 for ``advantages``; ``logprobs`` must be on
+    all or none."""
+    if isinstance(trajectories, (str, bytes)) or not isinstance(trajectories, Sequence) or not trajectories:
+        raise UserError("trajectories: expected a non-empty list of dicts with 'tokens'")
+    parts = [_tokens(t, j, vocab_size) for j, t in enumerate(trajectories)]
+    lengths = np.array([p.size for p in parts], dtype=np.int64)
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    mask = np.ones(int(offsets[-1]), dtype=bool)
+    mask[offsets[:-1]] = False
+    fields: dict[str, np.ndarray | None] = {}
+    for name, target in TRAJECTORY_FIELDS.items():
+        have = [name in t and t[name] is not None for t in trajectories]
+        missing = [j for j, h in enumerate(have) if not h]
+        if missing and (name in require or (name == "logprobs" and any(have))):
+            raise UserError(f"trajectory {missing[0]}: has no {name!r}, which this loss needs on every trajectory")
+        if not any(have):
+            fields[target] = None
+            continue
+        flat = np.full(int(offsets[-1]), 1.0 if name == "weights" else 0.0)
+        for j, t in enumerate(trajectories):
+            if have[j]:
+                flat[offsets[j] + 1 : offsets[j + 1]] = _per_target(t[name], int(lengths[j]), j, name)
+        fields[target] = flat
+    advantages = fields["advantages"]
+    return RolloutBatch(
+        tokens=np.concatenate(parts),
+        offsets=offsets,
+        action_mask=mask,
+        advantages=advantages if advantages is not None else np.zeros(int(offsets[-1])),
+        old_logprobs=fields["old_logprobs"],
+        loss_weights=fields["loss_weights"],
+        vocab_size=vocab_size,
+    )
+
+
+def _split(flat: np.ndarray, batch: RolloutBatch) -> list[np.ndarray]:
+    """log-probs [S - N] -> one array [n_j - 1] per trajectory."""
+    ends = np.cumsum(batch.lengths - 1)
+    return np.split(flat, ends[:-1])
+
+
+class Engine:
+    """One model, its optimizer and its execution settings, behind Tinker's training calls
+    (module docstring).
+
+    Args:
+        model: the ``HybridLM`` to train (``engine.model``); with LoRA adapters applied
+            (``harts.trainer.lora.apply_lora``) only the adapters train and carry optimizer state.
+        execution: how microbatches run (default compact, every log-prob computed);
+            ``ExecutionConfig(mode="trajectory")`` is the trajectory-wise baseline.
+        capacity: microbatch capacity in compact tokens (raw tokens trajectory-wise); a trajectory
+            longer than it is a ``CapacityError``.
+        lr, betas, eps, weight_decay: AdamW's (Tinker's defaults but the learning rate);
+            ``optim_step`` may change them.
+        grad_clip: gradient-norm clipping at ``optim_step`` (None: no clipping).
+        expert_bias_rate: the MoE expert-bias balancing rate (0: off; always off with adapters).
+        planner_workers: processes that build the step planner's candidates (0: this process).
+    """
+
+    def __init__(
+        self,
+        model: HybridLM,
+        execution: ExecutionConfig | None = None,
+        *,
+        capacity: int = 65_536,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-12,
+        weight_decay: float = 0.0,
+        grad_clip: float | None = None,
+        expert_bias_rate: float = 1e-3,
+        planner_workers: int = 0,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise UserError(f"capacity must be a positive integer, got {capacity!r}")
+        self.model = model
+        self.execution = ExecutionConfig.of(execution)
+        self.train_config = TrainConfig(
+            capacity=capacity,
+            execution=self.execution,
+            on_policy=False,
+            moe_statistics="step",
+            expert_bias_rate=expert_bias_rate,
+            planner_workers=planner_workers,
+        )
+        self._adamw = _adamw_settings(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise UserError("the model has no trainable parameters (every requires_grad is False)")
+        self.optimizer = torch.optim.AdamW(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
+        self.step = 0
+        self._counts: torch.Tensor | None = None
+        self._parallel = ParallelState(
+            config=ParallelConfig(), rank=0, world_size=1, device=model.embed_tokens.weight.device
+        )
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_spec(
+        cls,
+        spec: str,
+        *,
+        layers: int | None = None,
+        dtype: str | None = None,
+        device: str | torch.device = "cpu",
+        lora: Any = None,
+        seed: int = 0,
+        **engine_options: Any,
+    ) -> Engine:
+        """An engine over the model ``spec`` names: a preset (``HybridConfig.preset``), a
+        transformers checkpoint directory or a harts weights directory (``harts.integrations``).
+        ``layers`` keeps the first N layers (presets); ``lora``: a ``LoraConfig`` to train
+        adapters only; ``engine_options`` go to ``Engine``."""
+        from harts.integrations.loading import load_model
+
+        kwargs: dict[str, Any] = {"dtype": dtype, "seed": seed, "device": device}
+        if layers is not None:
+            kwargs["layers"] = layers
+        try:
+            model = load_model(spec, **kwargs)
+        except TypeError:
+            raise UserError(f"layers={layers}: this harts cannot cut {spec!r} to its first layers") from None
+        except (ValueError, OSError) as err:
+            if isinstance(err, UserError):
+                raise
+            raise UserError(f"model {spec!r}: {err}") from None
+        if lora is not None:
+            from harts.trainer.lora import apply_lora
+
+            apply_lora(model, lora)
+        return cls(model, **engine_options)
+
+    # ------------------------------------------------------------------ inputs
+    def _batch(
+        self, trajectories: Sequence[Mapping[str, Any]] | RolloutBatch, require: Sequence[str] = ()
+    ) -> RolloutBatch:
+        if isinstance(trajectories, RolloutBatch):
+            return trajectories
+        return trajectories_to_batch(trajectories, vocab_size=self.model.config.vocab_size, require=require)
+
+    def _plan(self, batch: RolloutBatch) -> PlannedStep:
+        try:
+            return plan_training_step(batch, self.train_config)
+        except CapacityError:
+            raise
+        except ValueError as err:
+            if isinstance(err, UserError):
+                raise
+            raise UserError(f"trajectories: {err}") from None
+
+    def _collector(
+        self, batch: RolloutBatch, planned: PlannedStep
+    ) -> tuple[Callable[[int, torch.Tensor], None], Callable[[], np.ndarray]]:
+        """(``on_logprobs`` hook, ``result()``: the step's log-probs [S - N] in batch order)."""
+        first = batch.offsets[:-1] - np.arange(batch.num_trajectories)
+        got: list[tuple[np.ndarray, torch.Tensor]] = []
+
+        def on_logprobs(k: int, lp: torch.Tensor) -> None:
+            mb = np.asarray(planned.plan.microbatches[k], dtype=np.int64)
+            n = batch.lengths[mb] - 1
+            # the entries of the microbatch's trajectories in the whole batch's log-prob order
+            start = np.repeat(first[mb] - np.cumsum(np.concatenate([[0], n[:-1]])), n)
+            got.append((start + np.arange(int(n.sum())), lp))
+
+        def result() -> np.ndarray:
+            out = np.full(batch.num_logprobs, np.nan)
+            if got:
+                flat = torch.cat([lp for _, lp in got]).to(torch.float64).cpu().numpy()
+                out[np.concatenate([idx for idx, _ in got])] = flat
+            return out
+
+        return on_logprobs, result
+
+    # ------------------------------------------------------------------ calls
+    def forward(self, trajectories: Sequence[Mapping[str, Any]] | RolloutBatch) -> list[np.ndarray]:
+        """Log-probs of ``tokens[1:]`` per trajectory (float64 [n_j - 1], caller's order), no grad."""
+        batch = self._batch(trajectories)
+        planned = self._plan(batch)
+        on_logprobs, result = self._collector(batch, planned)
+        forward_step(self.model, planned, self.train_config, on_logprobs, parallel=self._parallel)
+        return _split(result(), batch)
+
+    def forward_backward(
+        self,
+        trajectories: Sequence[Mapping[str, Any]] | RolloutBatch,
+        loss: str | CustomLoss = "cross_entropy",
+        loss_config: Mapping[str, Any] | None = None,
+    ) -> ForwardBackwardOutput:
+        """Loss ``loss`` of ``trajectories`` and its gradients, accumulated into ``.grad`` until
+        ``optim_step`` (module docstring). ``loss``: ``cross_entropy``, ``importance_sampling``,
+        ``ppo``, ``cispo`` (``harts.rl.losses``) or a ``CustomLoss``; ``loss_config`` the loss's
+        options (``clip_low_threshold`` / ``clip_high_threshold`` for ppo and cispo)."""
+        if callable(loss):
+            if loss_config:
+                raise UserError("loss_config applies to the built-in losses, not to a callable loss")
+            return self._custom(trajectories, loss)
+        if not isinstance(loss, str):
+            raise UserError(f"loss must be a name or a callable, got {type(loss).__name__}")
+        config = check_loss(loss, loss_config)
+        need = [name for name, target in TRAJECTORY_FIELDS.items() if target in LOSSES[loss]]
+        batch = self._batch(trajectories, require=need)
+        for target in LOSSES[loss]:
+            if isinstance(trajectories, RolloutBatch) and target != "advantages" and getattr(batch, target) is None:
+                raise UserError(f"loss {loss} needs the batch's {target}")
+
+        def objective(lp: torch.Tensor, sub: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return tinker_loss(lp, sub, loss, config)
+
+        return self._run(batch, objective)
+
+    def _run(
+        self,
+        batch: RolloutBatch,
+        objective: Callable[[torch.Tensor, RolloutBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    ) -> ForwardBackwardOutput:
+        planned = self._plan(batch)
+        on_logprobs, result = self._collector(batch, planned)
+        acc = accumulate_step_gradients(
+            self.model,
+            batch,
+            self.train_config,
+            parallel=self._parallel,
+            planned=planned,
+            objective=objective,
+            on_logprobs=on_logprobs,
+        )
+        if acc.expert_counts is not None:
+            self._counts = acc.expert_counts if self._counts is None else self._counts + acc.expert_counts
+        d = acc.diagnostics
+        metrics = {"loss:sum": acc.loss, "target_tokens:sum": d["target_tokens"], "weight:sum": d["weight"]}
+        if "ratio" in d:
+            metrics["ratio:mean"] = d["ratio"] / max(d["weight"], 1e-12)
+        if "clipped" in d:
+            metrics["clip_fraction:mean"] = d["clipped"] / max(d["target_tokens"], 1.0)
+        if acc.expert_counts is not None:
+            metrics["moe_objective:sum"] = acc.moe_objective
+        metrics["microbatches"] = float(acc.microbatches)
+        metrics["rows"] = float(acc.rows)
+        return ForwardBackwardOutput(logprobs=_split(result(), batch), loss=acc.loss, metrics=metrics)
+
+    def _custom(
+        self, trajectories: Sequence[Mapping[str, Any]] | RolloutBatch, fn: CustomLoss
+    ) -> ForwardBackwardOutput:
+        """Tinker's forward_backward_custom (module docstring)."""
+        if isinstance(trajectories, RolloutBatch):
+            raise UserError("a callable loss takes trajectories as a list of dicts, not a RolloutBatch")
+        batch = self._batch(trajectories)
+        dtype = torch.float64 if self.model.config.dtype == "float64" else torch.float32
+        lps = [torch.tensor(a, dtype=dtype, requires_grad=True) for a in self.forward(batch)]
+        out = fn(lps, list(trajectories))
+        value, user_metrics = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+            raise UserError(
+                "a callable loss must return a differentiable scalar tensor of the log-probs (or (loss, metrics))"
+            )
+        grads = torch.autograd.grad(value, lps, allow_unused=True)
+        g = np.concatenate(
+            [
+                np.zeros(lp.numel()) if gr is None else gr.detach().to(torch.float64).numpy()
+                for lp, gr in zip(lps, grads)
+            ]
+        )
+        # the linear loss sum(g * lp) is cross_entropy with weights -g: the same parameter gradient
+        weights = np.zeros(batch.num_tokens)
+        keep = np.ones(batch.num_tokens, dtype=bool)
+        keep[batch.offsets[:-1]] = False
+        weights[keep] = -g
+        linear = dataclasses.replace(batch, loss_weights=weights, old_logprobs=None)
+        res = self._run(linear, lambda lp, sub: tinker_loss(lp, sub, "cross_entropy", {}))
+        metrics = {k: v for k, v in res.metrics.items() if k not in ("loss:sum", "weight:sum")}
+        metrics.update({str(k): float(v) for k, v in user_metrics.items()})
+        metrics["loss:sum"] = float(value.detach())
+        return ForwardBackwardOutput(
+            logprobs=[lp.detach().to(torch.float64).numpy() for lp in lps], loss=float(value.detach()), metrics=metrics
+        )
+
+    def optim_step(
+        self,
+        *,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        grad_clip: float | None = None,
+    ) -> OptimStepOutput:
+        """One AdamW update from the accumulated gradients, then zero them. Arguments given here
+        replace the engine's settings from this step on (``grad_clip`` 0 or None: no clipping).
+        Returns the gradient norm before clipping."""
+        given = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "grad_clip": grad_clip}
+        self._adamw = _adamw_settings(**{**self._adamw, **{k: v for k, v in given.items() if v is not None}})
+        for group in self.optimizer.param_groups:
+            group.update({k: v for k, v in self._adamw.items() if k != "grad_clip"})
+        clip = self._adamw["grad_clip"]
+        norm = clip_grad_norm(self.model, float("inf") if clip is None else clip, self._parallel)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._counts is not None and self.train_config.expert_bias_rate and not _has_adapters(self.model):
+            self.model.update_expert_bias(self._counts, rate=self.train_config.expert_bias_rate)
+        self._counts = None
+        self.step += 1
+        return OptimStepOutput(grad_norm=float(norm), lr=float(self._adamw["lr"]), step=self.step)
+
+    # ------------------------------------------------------------------ state
+    def _identity(self) -> dict[str, Any]:
+        from harts.trainer.lora import lora_config_of
+
+        lora = lora_config_of(self.model)
+        return {
+            "model_config": self.model.config.to_dict(),
+            "lora": None if lora is None else dataclasses.asdict(lora),
+        }
+
+    def save_state(self, path: str | Path) -> None:
+        """Weights, optimizer state and RNG to directory ``path`` (``harts.trainer.state``; no pickle,
+        atomic). Gradients accumulated since the last ``optim_step`` are not saved."""
+        fields = {**self._identity(), "step": self.step, "adamw": self._adamw}
+        if self._counts is not None:
+            fields["pending_expert_counts"] = self._counts.tolist()
+        write_state(path, self.model, self.optimizer, fields)
+
+    def load_state(self, path: str | Path) -> None:
+        """Restore what ``save_state`` wrote; ``UserError`` naming the first difference if it
+        was written for another model or adapter, or naming a damaged file."""
+        meta, model_sd, opt_tensors, rng = read_state(path)
+        mine = self._identity()
+        for key in ("model_config", "lora"):
+            saved, here = meta.get(key), mine[key]
+            if saved != here:
+                diff = _first_difference(saved, here)
+                raise UserError(f"{path}: the state was saved for another {key.replace('_', ' ')} ({diff})")
+        expected = self.model.state_dict()
+        bad = sorted(set(expected) ^ set(model_sd))
+        if bad:
+            raise UserError(f"{path}/model.safetensors: tensor names differ from this model's (first: {bad[0]})")
+        for name, t in model_sd.items():
+            if tuple(t.shape) != tuple(expected[name].shape):
+                raise UserError(
+                    f"{path}/model.safetensors: {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, t in model_sd.items():
+                expected[name].copy_(t)
+        load_optimizer(self.model, self.optimizer, meta["param_groups"], opt_tensors, f"{path}/optimizer.safetensors")
+        restore_rng(rng)
+        self._adamw = _adamw_settings(**meta["adamw"])
+        self.step = int(meta["step"])
+        pending = meta.get("pending_expert_counts")
+        self._counts = None if pending is None else torch.tensor(pending, device=self._parallel.device)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def save_weights_for_sampler(self, path: str | Path) -> str:
+        """The current weights, adapters merged, as a directory an inference engine loads:
+        transformers' layout (``save_hf_checkpoint``) for a model loaded from transformers, harts'
+        own (``harts.integrations.native``, ``--model DIR``) otherwise. Returns the path."""
+        from harts.trainer.lora import merged_model
+
+        model = merged_model(self.model) if _has_adapters(self.model) else self.model
+        if getattr(model, "hf_source", None):
+            from harts.integrations.hf import save_hf_checkpoint
+
+            save_hf_checkpoint(model, str(path))
+        else:
+            from harts.integrations.native import save_native
+
+            save_native(model, path)
+        return str(path)
+
+
+def _adamw_settings(
+    *, lr: float, betas: tuple[float, float] | list[float], eps: float, weight_decay: float, grad_clip: float | None
+) -> dict[str, Any]:
+    """The AdamW settings checked (``UserError`` naming the first bad one)."""
+
+    def number(name: str, v: Any, lo: float, *, open_lo: bool = False) -> float:
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not np.isfinite(v)
+            or v < lo
+            or (open_lo and v == lo)
+        ):
+            raise UserError(f"{name} must be a finite number {'>' if open_lo else '>='} {lo}, got {v!r}")
+        return float(v)
+
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise UserError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    b1, b2 = (number("betas", b, 0.0) for b in betas)
+    if b1 >= 1 or b2 >= 1:
+        raise UserError(f"betas must be in [0, 1), got {tuple(betas)}")
+    return {
+        "lr": number("lr", lr, 0.0),
+        "betas": (b1, b2),
+        "eps": number("eps", eps, 0.0, open_lo=True),
+        "weight_decay": number("weight_decay", weight_decay, 0.0),
+        "grad_clip": None if grad_clip is None else number("grad_clip", grad_clip, 0.0) or None,
+    }
+
+
+def _has_adapters(model: HybridLM) -> bool:
+    from harts.trainer.lora import lora_config_of
+
+    return lora_config_of(model) is not None
+
+
+def _first_difference(saved: Any, here: Any) -> str:
+    if isinstance(saved, dict) and isinstance(here, dict):
+        for key in sorted(set(saved) | set(here)):
+            if saved.get(key) != here.get(key):
+                return f"{key}: saved {saved.get(key)!r}, here {here.get(key)!r}"
+    return f"saved {saved!r}, here {here!r}"
