@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -26,7 +27,22 @@ if TYPE_CHECKING:
     from harts.models.hybrid_lm import HybridLM
     from harts.tree.batch import RolloutBatch
 
-__all__ = ["count_ops", "main"]
+__all__ = ["call_site", "count_ops", "main"]
+
+#: The harts package's own directory, with a trailing separator. A call site is a frame whose
+#: file lies under it: matching ``/harts/`` anywhere in the path would also take in torch's
+#: frames when the clone is named ``harts`` and its venv lives inside it.
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+
+
+def call_site(filename: str, function: str) -> str | None:
+    """``"ops/attention/varlen.py:varlen_causal_attention"`` for a frame in the harts package
+    (its path relative to the package, with ``/``), or None for any other file and for this
+    benchmark itself."""
+    path = os.path.abspath(filename)
+    if not path.startswith(PACKAGE_DIR) or path == os.path.abspath(__file__):
+        return None
+    return f"{os.path.relpath(path, PACKAGE_DIR).replace(os.sep, '/')}:{function}"
 
 
 def count_ops(model: HybridLM, batch: RolloutBatch, execution: ExecutionConfig) -> collections.Counter:
@@ -40,14 +56,11 @@ def count_ops(model: HybridLM, batch: RolloutBatch, execution: ExecutionConfig) 
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
             frame = sys._getframe(1)
-            site = "other"
-            while frame is not None:
-                name = frame.f_code.co_filename
-                if "/harts/" in name and not name.endswith("op_count.py"):
-                    site = f"{name.split('/harts/')[-1]}:{frame.f_code.co_name}"
-                    break
+            site = None
+            while frame is not None and site is None:
+                site = call_site(frame.f_code.co_filename, frame.f_code.co_name)
                 frame = frame.f_back
-            self.sites[site] += 1
+            self.sites[site or "other"] += 1
             return func(*args, **(kwargs or {}))
 
     model.zero_grad(set_to_none=True)
@@ -68,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", metavar="PRESET|PATH", help="model preset or checkpoint directory")
     p.add_argument("--pattern", default=None, help="override a preset's layer pattern, e.g. KKKM")
+    p.add_argument("--layers", type=int, default=None, help="a preset's first N decoder layers")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--la-backend", default="reference", help="linear-attention core (see harts.ops.linear_attn)")
@@ -82,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=int(batch.vocab_size or batch.tokens.max() + 1),
         dtype=args.dtype,
         layer_pattern=args.pattern,
+        layers=args.layers,
         seed=args.seed,
         device=args.device,
     )

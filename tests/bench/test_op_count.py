@@ -1,6 +1,7 @@
 import json
+import os
 
-from harts.bench.op_count import main
+from harts.bench.op_count import PACKAGE_DIR, call_site, main
 
 
 def test_op_count_attributes_operators_to_each_modes_attention(tmp_path, capsys):
@@ -15,3 +16,14 @@ def test_op_count_attributes_operators_to_each_modes_attention(tmp_path, capsys)
     assert "ops/attention/varlen.py:varlen_causal_attention" not in comp
     assert comp.get("ops/attention/ancestor_view.py:ancestor_view_attention", 0) > 0
     assert "compact / trajectory" in capsys.readouterr().out
+
+
+def test_call_site_is_the_package_directory_not_a_path_containing_harts(tmp_path):
+    # a clone named "harts" with its venv inside: torch's frames lie under ".../harts/.venv/..."
+    clone = tmp_path / "my clone" / "harts"
+    torch_file = clone / ".venv" / "lib" / "python3.11" / "site-packages" / "torch" / "_tensor.py"
+    assert call_site(str(torch_file), "backward") is None
+    assert call_site(str(clone / "harts" / "ops" / "x.py"), "f") is None  # another copy of harts
+    own = os.path.join(PACKAGE_DIR, "ops", "attention", "varlen.py")
+    assert call_site(own, "varlen_causal_attention") == "ops/attention/varlen.py:varlen_causal_attention"
+    assert call_site(os.path.join(PACKAGE_DIR, "bench", "op_count.py"), "count_ops") is None
