@@ -15,10 +15,11 @@ GEMMs and their lean backward, the per-expert loop, the LM head's ``lm_head_weig
 execution therefore run on identical weights, and checkpoint's recomputation recomputes the
 adapted weight inside the layer (no copy of it is kept between forward and backward then).
 Without recomputation each adapted weight, like any GEMM operand, is kept for its backward: one
-adapted copy per weight while the step's graph lives (the frozen base tensor is not duplicated).
+adapted copy of every adapted weight, beside its frozen base tensor, while the step's graph lives.
 
 **Which stored tensors get an adapter** (one ``A``, one ``B`` per stored tensor; a fused tensor
-gets one adapter over all its rows):
+gets one rank-r adapter over all its rows, where Tinker's exports show one adapter per part of
+a fused projection, e.g. Qwen3.5's ``in_proj_q`` / ``_k`` / ``_v``):
 
 * ``train_attn``: every ``nn.Linear`` of a layer's mixer. GQA (A): ``q_proj`` (query and output
   gate rows), ``k_proj``, ``v_proj``, ``o_proj``. MLA (M): ``q_proj`` or ``q_a_proj`` /
@@ -38,9 +39,9 @@ gets one adapter over all its rows):
 
 **Scale and initialisation.** ``scale = alpha / rank``, as PEFT's default (PEFT's ``lora_alpha``
 defaults to 8 with r = 8; ``use_rslora`` would be ``alpha / sqrt(rank)``). The default
-``alpha = 32`` whatever the rank is the choice Thinking Machines published for Tinker ("LoRA
-Without Regret": constant alpha 32, the 1/r factor, A uniform and B zero); the Tinker SDK itself
-exposes rank, seed and the three flags only. ``A`` is drawn uniform in +-1/sqrt(in_features)
+``alpha = 32`` at every rank is what Thinking Machines' "LoRA Without Regret" (the study behind
+Tinker's LoRA) uses: constant alpha 32 with the 1/r factor, A uniform, B zero. The Tinker SDK
+itself exposes rank, seed and the three flags only, not alpha. ``A`` is drawn uniform in +-1/sqrt(in_features)
 (PEFT's default, kaiming-uniform with a = sqrt(5)) from a generator seeded by (``seed``, the
 weight's name), so it does not depend on the order adapters are made in; ``B`` starts at zero, so
 a fresh adapter leaves every weight bit for bit unchanged.
