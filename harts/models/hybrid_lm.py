@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 import harts.models.regions as regions
 from harts.models.config import LAYER_TYPES, HybridConfig
 from harts.models.execution.base import RowContext
-from harts.models.execution.config import ExecutionConfig
+from harts.models.execution.config import ExecutionConfig, attention_head_dim_range
 from harts.models.init import draw_seed, init_weights
 from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
 from harts.models.layers.norms import RMSNorm, add_rms_norm
@@ -298,7 +298,7 @@ class HybridLM(nn.Module):
         cfg = ExecutionConfig.of(config, **fields)
         mode, recompute, no_replay = cfg.mode, cfg.recompute, cfg.no_replay
         device = self.embed_tokens.weight.device
-        attention = cfg.resolved_attention(device.type, self.config.min_attention_head_dim)
+        attention = cfg.resolved_attention(device.type, *attention_head_dim_range(self.config.attention_head_dims))
         if mode == "trajectory":
             from harts.models.execution.trajectory import TrajectoryContext
 

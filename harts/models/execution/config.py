@@ -10,9 +10,12 @@ without a change.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from harts.errors import UserError
+from harts.ops.attention.flex_tiles import FLEX_MAX_HEAD_DIM
 from harts.ops.linear_attn.dispatch import LINEAR_ATTN_BACKENDS
 
 __all__ = [
@@ -20,7 +23,10 @@ __all__ = [
     "LOGPROB_POSITIONS",
     "MODES",
     "SKIPPABLE_CORES",
+    "FLEX_MAX_HEAD_DIM",
+    "FLEX_MIN_HEAD_DIM",
     "ExecutionConfig",
+    "attention_head_dim_range",
     "check_recompute_skip",
 ]
 
@@ -135,21 +141,50 @@ class ExecutionConfig:
             raise ValueError(f"recompute_layers={self.recompute_layers}, but the model has {num_layers} decoder layers")
         return self.recompute_layers
 
-    def resolved_attention(self, device_type: str, min_head_dim: int | None = None) -> str:
+    def resolved_attention(
+        self, device_type: str, min_head_dim: int | None = None, max_head_dim: int | None = None
+    ) -> str:
         """ "gather" or "mask": ``attention`` with "auto" decided for ``device_type`` and the
-        model's smallest attention head dim (FlexAttention, the mask path, lowers on CUDA only
-        for head dims >= ``FLEX_MIN_HEAD_DIM``; an explicit "mask" below it is a ValueError)."""
-        flex_ok = device_type != "cuda" or min_head_dim is None or min_head_dim >= FLEX_MIN_HEAD_DIM
-        if self.attention == "mask" and not flex_ok:
-            raise ValueError(
-                f"attention='mask' runs FlexAttention, which on CUDA needs attention head dims >= "
-                f"{FLEX_MIN_HEAD_DIM}; this model's smallest is {min_head_dim}: use attention='gather' or 'auto'"
-            )
+        model's smallest and largest attention head dims (``attention_head_dim_range``).
+
+        On CUDA the mask path runs FlexAttention, which takes head dims ``FLEX_MIN_HEAD_DIM`` to
+        ``FLEX_MAX_HEAD_DIM`` (16 to 256: below, it does not lower; above, no tile of
+        ``harts.ops.attention.flex_tiles`` was tried); "auto" gathers outside that range, and an
+        explicit "mask" there is a ``UserError`` naming the head dim, raised before any work."""
+        why = _flex_refuses(device_type, min_head_dim, max_head_dim)
+        if self.attention == "mask" and why is not None:
+            raise UserError(f"attention='mask' {why}: use attention='gather' or 'auto'")
         if self.attention != "auto":
             return self.attention
         # one FlexAttention call per layer on CUDA (launch-bound otherwise); per-branch dense
         # calls on CPU, where the dense tree mask costs more than the loop
-        return "mask" if device_type == "cuda" and flex_ok else "gather"
+        return "mask" if device_type == "cuda" and why is None else "gather"
+
+
+def attention_head_dim_range(head_dims: Mapping[str, tuple[int, int, bool]]) -> tuple[int | None, int | None]:
+    """(smallest, largest) query/key or value head dim of ``HybridConfig.attention_head_dims``
+    ({letter: (qk dim, v dim, grouped)}); (None, None) without full attention."""
+    dims = [d for qk, v, _ in head_dims.values() for d in (qk, v)]
+    return (min(dims), max(dims)) if dims else (None, None)
+
+
+def _flex_refuses(device_type: str, min_head_dim: int | None, max_head_dim: int | None) -> str | None:
+    """Why the mask path cannot run these head dims on ``device_type`` (None: it can; the CPU's
+    dense mask takes any)."""
+    if device_type != "cuda":
+        return None
+    if min_head_dim is not None and min_head_dim < FLEX_MIN_HEAD_DIM:
+        return (
+            f"runs FlexAttention, which on CUDA needs attention head dims >= {FLEX_MIN_HEAD_DIM}; "
+            f"this model's smallest is {min_head_dim}"
+        )
+    if max_head_dim is not None and max_head_dim > FLEX_MAX_HEAD_DIM:
+        return (
+            f"runs FlexAttention, which on CUDA takes attention head dims up to {FLEX_MAX_HEAD_DIM}; this model's "
+            f"largest is {max_head_dim} (tried: the Triton kernel, whose tiles fit shared memory up to head dim "
+            f"{FLEX_MAX_HEAD_DIM}, and FA4's flash backend, up to 256)"
+        )
+    return None
 
 
 def check_recompute_skip(skip: tuple[str, ...], recompute: bool) -> None:

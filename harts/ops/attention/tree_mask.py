@@ -54,12 +54,14 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from harts.ops.attention.core import attend, check_qkv
+from harts.ops.attention.flex_tiles import HOPPER_SHARED_MEMORY, flex_tiles
 from harts.ops.attention.host_block_mask import host_block_mask
 
 __all__ = [
     "FLASH_OPTIONS",
     "flash_kv_block",
     "flex_backend",
+    "flex_kernel_options",
     "flex_backend_setting",
     "tree_block_mask",
     "tree_mask_attention",
@@ -370,50 +372,25 @@ def _probe_flash(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: i
 
 
 def flex_kernel_options(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int) -> dict | None:
-    """FlexAttention tile sizes where torch 2.11's defaults fail or are slow, else None (torch's).
+    """FlexAttention tile options of the Triton kernel for these heads on ``device``, or None:
+    torch's own tiles (CPU kernels take none).
 
-    * float32 above head dim 128 (MLA: 192 / 128), any CUDA GPU: torch tiles the forward as 64 x 64
-      rows in 3 stages, which needs ~274 KiB of shared memory against 227 KiB; the H100 table of
-      later torch releases uses 32 x 64 rows in one stage, 8 warps. That tile is used here.
-    * bfloat16 / float16 above head dim 128 on Hopper (sm 9.0): torch's backward tile (64, 64, 64,
-      64; 2 stages, 4 warps) ran 6.7x the forward's time. ``harts.bench.attention_bench`` on the
-      largest microbatch of each side of ``medium`` step 0 (T = 65,536, MLA 16 x 192 / 128, H200):
-      forward + backward 122.8 -> 59.1 ms (document-causal rows) and 134.9 -> 68.2 ms (tree) with
-      backward tiles (32, 128, 128, 32; 3 stages, 8 warps) and forward tiles 128 x 64 rows (3
-      stages, 8 warps; forward alone 15.9 -> 13.0 ms); flash-attention's varlen kernel took 67.9
-      ms on the causal rows (v padded to 192). Outputs and gradients were bitwise equal across
-      tiles. (64, 128, 128, 64; 3 stages) and a 128 x 128 forward need more shared memory than an
-      SM has; 4 warps instead of 8 made the backward 4x slower. In a full ``medium`` step the
-      attention took 8.10 -> 4.57 s trajectory-wise and 1.70 -> 0.92 s for harts.
-      The forward also loads its tiles with Hopper's bulk tensor copies (``fwd_USE_TMA``): on
-      harts' largest microbatch of ``swe`` step 5 (65,486 rows, 1.76 G visible pairs; ``python -m
-      harts.bench.attention_bench --workload swe --step 5 --sides harts --variant harts --variant
-      harts+tma ...``) the forward took 48.97 -> 44.59 ms, outputs and gradients bitwise equal;
-      TMA in the backward too made it slower (forward + backward 226.6 -> 263.6 ms), so the
-      backward keeps plain loads. Of eight variants in that run (``safe``, ``prescale``,
-      ``nodq``, backward tiles 32/128 in 2 stages, 64/128, 64/64) none beat these tiles.
-    CPU kernels take none.
+    ``harts.ops.attention.flex_tiles.flex_tiles`` chooses them by head dim, dtype and the GPU's
+    shared memory per block, so that the forward and backward both fit (its module docstring
+    gives the estimate, the preference lists and the tiles' measurements); they divide the
+    (128, 128) blocks of the Triton path's BlockMask. Raises ValueError for head dims above
+    ``FLEX_MAX_HEAD_DIM`` (256), which ``ExecutionConfig.resolved_attention`` keeps off this path.
     """
-    if device.type != "cuda" or max(qk_dim, v_dim) <= 128:
+    if device.type != "cuda":
         return None
-    if dtype == torch.float32:
-        return {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 64, "fwd_num_stages": 1, "fwd_num_warps": 8}
-    if dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device) == (9, 0):
-        return dict(_HOPPER_HALF_ABOVE_128)
-    return None
+    capability = torch.cuda.get_device_capability(device)
+    return flex_tiles(qk_dim, v_dim, dtype.itemsize, capability, _shared_memory_per_block(device, capability))
 
 
-#: Hopper, half precision, head dim above 128 (``flex_kernel_options``)
-_HOPPER_HALF_ABOVE_128 = {
-    "fwd_BLOCK_M": 128,
-    "fwd_BLOCK_N": 64,
-    "fwd_num_stages": 3,
-    "fwd_num_warps": 8,
-    "fwd_USE_TMA": True,
-    "bwd_BLOCK_M1": 32,
-    "bwd_BLOCK_N1": 128,
-    "bwd_BLOCK_M2": 128,
-    "bwd_BLOCK_N2": 32,
-    "bwd_num_stages": 3,
-    "bwd_num_warps": 8,
-}
+def _shared_memory_per_block(device: torch.device, capability: tuple[int, int]) -> int:
+    """Bytes of shared memory one block may opt in to: the SM's less the 1 KiB CUDA reserves per
+    block (227 KiB on Hopper); Hopper's without a CUDA runtime (the rule's CPU tests)."""
+    if not torch.cuda.is_available():
+        return HOPPER_SHARED_MEMORY
+    per_sm = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", None)
+    return HOPPER_SHARED_MEMORY if per_sm is None else int(per_sm) - 1024
