@@ -60,7 +60,13 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"tensors        {rep.mapped_tensors:,} of {rep.num_disk_tensors:,} on disk mapped, {len(rep.ignored):,} ignored"
     )
-    for label, names in (("ignored", rep.ignored), ("missing", rep.missing), ("unmapped", rep.unmapped)):
+    listed = (
+        ("ignored", rep.ignored),
+        ("missing", rep.missing),
+        ("unmapped", rep.unmapped),
+        ("mismatch", rep.mismatched),
+    )
+    for label, names in listed:
         for n in names[: args.show]:
             print(f"  {label:9s} {n}")
         if len(names) > args.show:

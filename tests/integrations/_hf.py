@@ -1,4 +1,4 @@
-"""Tiny random transformers models of the three hybrid architectures, and logit helpers.
+"""Tiny random transformers models of the hybrid architectures, and logit helpers.
 
 Every parameter and buffer is perturbed after construction so that no weight sits at an
 initial value (all-ones norms, zero-centred Qwen norms, zero correction biases) that could
@@ -107,17 +107,105 @@ def kimi_linear_config(**kw: Any) -> Any:
     return transformers.KimiLinearConfig(**base)
 
 
-CONFIGS = {"bailing_hybrid": bailing_config, "qwen3_next": qwen3_next_config, "kimi_linear": kimi_linear_config}
+def _qwen3_5_text_fields(moe: bool, kw: dict[str, Any]) -> dict[str, Any]:
+    """Two key heads of four value heads (the grouped-projection permutation is not the identity),
+    rotary dims 8 of 16 in interleaved-mrope sections [2, 1, 1] (T H W T)."""
+    base: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )
+    if moe:
+        base.update(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    else:
+        base.update(intermediate_size=48)
+    base.update(kw)
+    return base
+
+
+def qwen3_5_text_config(**kw: Any) -> Any:
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(**_qwen3_5_text_fields(False, kw))
+
+
+def qwen3_5_moe_text_config(**kw: Any) -> Any:
+    import transformers
+
+    return transformers.Qwen3_5MoeTextConfig(**_qwen3_5_text_fields(True, kw))
+
+
+#: a one-block vision tower: the VL models only need one to exist
+_VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=16,
+    num_heads=2,
+    out_hidden_size=32,
+    patch_size=2,
+    num_position_embeddings=16,
+)
+
+
+def qwen3_5_config(tie_word_embeddings: bool = False, **kw: Any) -> Any:
+    """The VL config (``text_config`` nested); ``kw`` go to the language model."""
+    import transformers
+
+    text = _qwen3_5_text_fields(False, kw)
+    return transformers.Qwen3_5Config(text_config=text, vision_config=_VISION, tie_word_embeddings=tie_word_embeddings)
+
+
+def qwen3_5_moe_config(tie_word_embeddings: bool = False, **kw: Any) -> Any:
+    import transformers
+
+    text = _qwen3_5_text_fields(True, kw)
+    return transformers.Qwen3_5MoeConfig(
+        text_config=text, vision_config=_VISION, tie_word_embeddings=tie_word_embeddings
+    )
+
+
+CONFIGS = {
+    "bailing_hybrid": bailing_config,
+    "qwen3_next": qwen3_next_config,
+    "kimi_linear": kimi_linear_config,
+    "qwen3_5_text": qwen3_5_text_config,
+    "qwen3_5_moe_text": qwen3_5_moe_text_config,
+    "qwen3_5": qwen3_5_config,
+    "qwen3_5_moe": qwen3_5_moe_config,
+}
+
+#: vision-language model types: built as the full VL model (vision tower included)
+VL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
 def make_hf_model(model_type: str, seed: int = 0, **kw: Any) -> Any:
-    """A random transformers causal LM in float32, eager attention, eval mode, all weights perturbed."""
-    from transformers import AutoModelForCausalLM
+    """A random transformers causal LM in float32, eager attention, eval mode, all weights perturbed
+    (for a VL model type the whole image-text-to-text model)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
     cfg = CONFIGS[model_type](**kw)
     cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    if model_type in VL_TYPES:
+        cfg.text_config._attn_implementation = "eager"
+        model = AutoModelForImageTextToText.from_config(cfg).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(cfg).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):

@@ -30,7 +30,7 @@ from tests.integrations._hf import (  # noqa: E402
     trajectories,
 )
 
-ARCHS = ["bailing_hybrid", "qwen3_next", "kimi_linear"]
+ARCHS = ["bailing_hybrid", "qwen3_next", "kimi_linear", "qwen3_5_text", "qwen3_5_moe_text"]
 
 
 @pytest.mark.parametrize("model_type", ARCHS)

@@ -1,4 +1,4 @@
-"""harts vs transformers' own forward on tiny random BailingHybrid, Qwen3-Next and Kimi Linear.
+"""harts vs transformers' own forward on tiny random BailingHybrid, Qwen3-Next, Kimi Linear and Qwen3.5.
 
 transformers' CPU reference paths cast to float32 internally (RMSNorm statistics, routers,
 the chunked KDA / gated-delta-rule cores, eager softmax), so a float64 comparison would only
@@ -54,6 +54,21 @@ VARIANTS = [
     ("kimi_linear", {}),  # low-rank gates, NoPE MLA, group routing
     ("kimi_linear", dict(q_lora_rank=12, mlp_layer_types=["dense", "dense", "sparse", "sparse"], n_group=1)),
     ("qwen3_next", dict(num_experts_per_tok=1)),  # top-1 with normalized top-k: weight 1
+    ("qwen3_5_text", {}),  # separate GDN projections Hk=2 Hv=4, mrope sections [2, 1, 1] on 8 rotary dims
+    (
+        "qwen3_5_text",
+        dict(
+            tie_word_embeddings=True,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            head_dim=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
+    ("qwen3_5_moe_text", {}),  # experts on every layer, gated shared expert
+    ("qwen3_5_moe_text", dict(num_experts_per_tok=1)),
+    ("qwen3_5", {}),  # the VL model's language model
+    ("qwen3_5_moe", dict(tie_word_embeddings=True)),
 ]
 
 
@@ -91,7 +106,9 @@ def _tree_trajectories(seed: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("model_type", ["bailing_hybrid", "qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize(
+    "model_type", ["bailing_hybrid", "qwen3_next", "kimi_linear", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5_moe"]
+)
 def test_compact_logprobs_match_transformers(model_type):
     hf = make_hf_model(model_type, seed=5)
     model = from_hf(hf, chunk_size=B)

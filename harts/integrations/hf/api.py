@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harts.errors import UserError
 from harts.integrations.hf.base import HFAdapter, TensorGroup, UnsupportedConfigError
 from harts.models.config import HybridConfig
 
 if TYPE_CHECKING:  # imported lazily at run time (the model imports torch layers)
+    from harts.integrations.hf.checkpoint import CheckpointFiles, Source
     from harts.models.hybrid_lm import HybridLM
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "pretrained_config",
     "read_pretrained",
     "save_hf_checkpoint",
+    "shape_mismatches",
     "to_hf_state_dict",
 ]
 
@@ -42,9 +45,11 @@ __all__ = [
 def _adapters() -> dict[str, HFAdapter]:
     from harts.integrations.hf.bailing_hybrid import BailingHybridAdapter
     from harts.integrations.hf.kimi_linear import KimiLinearAdapter
+    from harts.integrations.hf.qwen3_5 import QWEN3_5_ADAPTERS
     from harts.integrations.hf.qwen3_next import Qwen3NextAdapter
 
-    return {a.model_type: a for a in (BailingHybridAdapter(), Qwen3NextAdapter(), KimiLinearAdapter())}
+    adapters = (BailingHybridAdapter(), Qwen3NextAdapter(), KimiLinearAdapter(), *QWEN3_5_ADAPTERS)
+    return {a.model_type: a for a in adapters}
 
 
 ADAPTERS: dict[str, HFAdapter] = _adapters()
@@ -52,25 +57,34 @@ ADAPTERS: dict[str, HFAdapter] = _adapters()
 
 def adapter_for(model_type: str) -> HFAdapter:
     if model_type not in ADAPTERS:
-        raise ValueError(f"unsupported model_type {model_type!r}; harts converts {sorted(ADAPTERS)}")
+        raise UserError(f"unsupported model_type {model_type!r}; harts converts {', '.join(sorted(ADAPTERS))}")
     return ADAPTERS[model_type]
 
 
-def hf_config_from_dict(config: dict[str, Any]) -> Any:
-    """A transformers config object from a config.json dict (transformers derives defaults)."""
+def hf_config_from_dict(config: dict[str, Any], where: str = "config.json") -> Any:
+    """A transformers config object from a config.json dict (transformers derives defaults).
+
+    ``UserError`` naming ``where`` (the file) for a missing ``model_type``, an unsupported one, a
+    field the architecture needs spelled out, or a value transformers' validation rejects."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = config.get("model_type")
     if model_type is None:
-        raise ValueError("config.json has no model_type")
-    adapter_for(model_type)
-    return CONFIG_MAPPING[model_type].from_dict(dict(config))
+        raise UserError(f"{where}: no model_type; harts converts {', '.join(sorted(ADAPTERS))}")
+    adapter = adapter_for(str(model_type))
+    missing = adapter.missing_config_fields(config)
+    if missing:
+        raise UserError(f"{where}: missing field(s) {', '.join(missing)} ({adapter.architecture} needs them)")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(config))
+    except Exception as err:  # transformers' strict validation raises its own exception types
+        raise UserError(f"{where}: {' '.join(str(err).split())}") from None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     names = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
     if dtype not in names:
-        raise ValueError(f"dtype {dtype}: harts models run in float32, float64 or bfloat16; pass dtype=...")
+        raise UserError(f"dtype {dtype}: harts models run in float32, float64 or bfloat16; pass dtype=...")
     return names[dtype]
 
 
@@ -107,13 +121,13 @@ def _build(cfg: HybridConfig, sd: dict[str, torch.Tensor], device: str | torch.d
     return model
 
 
-def _unmapped_error(arch: str, missing: list[str], unused: list[str]) -> ValueError:
+def _unmapped_error(arch: str, missing: list[str], unused: list[str]) -> UserError:
     parts = []
     if missing:
         parts.append(f"missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     if unused:
         parts.append(f"unmapped tensors {unused[:10]}{' ...' if len(unused) > 10 else ''}")
-    return ValueError(f"{arch}: " + "; ".join(parts))
+    return UserError(f"{arch}: " + "; ".join(parts))
 
 
 def from_hf(hf_model: Any, *, device: str | torch.device | None = None, **overrides: Any) -> Any:
@@ -122,24 +136,68 @@ def from_hf(hf_model: Any, *, device: str | torch.device | None = None, **overri
     adapter = adapter_for(getattr(hf_cfg, "model_type", ""))
     overrides.setdefault("dtype", _dtype_name(hf_model.get_input_embeddings().weight.dtype))
     cfg = adapter.config_from_hf(hf_cfg, **overrides)
-    canonical = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    canonical = adapter.canonical_state_dict(hf_model)
     sd, missing, unused = _to_harts(adapter, cfg, canonical)
     if missing or unused:
         raise _unmapped_error(adapter.architecture, missing, unused)
     model = _build(cfg, sd, device)
-    model.hf_source = {"model_type": adapter.model_type, "config": hf_cfg.to_dict()}
+    model.hf_source = adapter.hf_source(hf_cfg)
     return model
 
 
-def _load_canonical(path: str) -> tuple[HFAdapter, Any, dict[str, torch.Tensor], list[str]]:
-    from harts.integrations.hf.checkpoint import materialize, open_checkpoint, plan_sources
+def shape_mismatches(adapter: HFAdapter, cfg: HybridConfig, sources: dict[str, Source]) -> list[str]:
+    """On-disk tensors (``plan_sources``) whose shapes differ from what ``cfg`` gives (the model
+    built on the meta device, converted to transformers' layout): one line each, naming the
+    on-disk tensor, its shape and the expected one."""
+    from harts.models.hybrid_lm import HybridLM
+
+    with torch.device("meta"):
+        sd = HybridLM(cfg).state_dict()
+    out = []
+    for g in adapter.tensor_groups(cfg):
+        if not all(n in sd for n in g.harts) or not all(n in sources for n in g.hf):
+            continue
+        for name, want in zip(g.hf, g.convert_to_hf([sd[n] for n in g.harts])):
+            src = sources[name]
+            if tuple(src.shape) == tuple(want.shape):
+                continue
+            if src.kind == "single":
+                out.append(f"{src.names[0]} {list(src.shape)} on disk, {list(want.shape)} from config.json")
+            else:
+                out.append(
+                    f"{name} {list(src.shape)} as assembled from {src.names[0]} and {len(src.names) - 1} more, "
+                    f"{list(want.shape)} from config.json"
+                )
+    return out
+
+
+def _check_shapes(path: str, adapter: HFAdapter, hf_cfg: Any, sources: dict[str, Source]) -> None:
+    bad = shape_mismatches(adapter, adapter.config_from_hf(hf_cfg, dtype="float32"), sources)
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise UserError(f"{path}: weights disagree with config.json: {'; '.join(bad[:3])}{more}")
+
+
+def _open_config(path: str) -> tuple[CheckpointFiles, Any, HFAdapter]:
+    """(checkpoint files, transformers config, adapter) of a checkpoint directory."""
+    import os
+
+    from harts.integrations.hf.checkpoint import open_checkpoint
 
     ck = open_checkpoint(path)
-    hf_cfg = hf_config_from_dict(ck.config)
-    adapter = adapter_for(hf_cfg.model_type)
+    hf_cfg = hf_config_from_dict(ck.config, os.path.join(path, "config.json"))
+    return ck, hf_cfg, adapter_for(hf_cfg.model_type)
+
+
+def _load_canonical(path: str) -> tuple[HFAdapter, Any, dict[str, torch.Tensor], list[str]]:
+    from harts.integrations.hf.checkpoint import materialize, plan_sources
+
+    ck, hf_cfg, adapter = _open_config(path)
     sources, ignored, bad = plan_sources(adapter, ck.shapes, adapter.num_hidden_layers_on_disk(hf_cfg))
     if bad:
-        raise ValueError(f"{adapter.architecture}: incomplete tensor families on disk: {bad[:10]}")
+        raise UserError(f"{path}: {adapter.architecture}: incomplete tensor families on disk: {bad[:10]}")
+    _check_shapes(path, adapter, hf_cfg, sources)
+    adapter.report_left_out(ignored)
     raw = ck.read(sorted({n for s in sources.values() for n in s.names}))
     canonical = {k: materialize(s, raw) for k, s in sources.items()}
     return adapter, hf_cfg, canonical, ignored
@@ -154,23 +212,22 @@ def pretrained_config(path: str, **overrides: Any) -> tuple[HybridConfig, dict[s
     Equals what ``read_pretrained`` returns for the same ``overrides``."""
     from safetensors import safe_open
 
-    from harts.integrations.hf.checkpoint import open_checkpoint, plan_sources
+    from harts.integrations.hf.checkpoint import plan_sources
 
-    ck = open_checkpoint(path)
-    hf_cfg = hf_config_from_dict(ck.config)
-    adapter = adapter_for(hf_cfg.model_type)
+    ck, hf_cfg, adapter = _open_config(path)
+    sources, _, _ = plan_sources(adapter, ck.shapes, adapter.num_hidden_layers_on_disk(hf_cfg))
+    _check_shapes(path, adapter, hf_cfg, sources)
     if "dtype" not in overrides:
-        sources, _, _ = plan_sources(adapter, ck.shapes, adapter.num_hidden_layers_on_disk(hf_cfg))
         emb = sources.get("model.embed_tokens.weight")
         overrides["dtype"] = "float32"
         if emb is not None:
             with safe_open(ck.files[emb.names[0]], framework="pt") as fh:
                 disk = fh.get_slice(emb.names[0]).get_dtype()
             if disk not in _DISK_DTYPES:
-                raise ValueError(f"dtype {disk}: harts models run in float32, float64 or bfloat16; pass dtype=...")
+                raise UserError(f"dtype {disk}: harts models run in float32, float64 or bfloat16; pass dtype=...")
             overrides["dtype"] = _DISK_DTYPES[disk]
     cfg = adapter.config_from_hf(hf_cfg, **overrides)
-    return cfg, {"model_type": adapter.model_type, "config": hf_cfg.to_dict()}
+    return cfg, adapter.hf_source(hf_cfg)
 
 
 def read_pretrained(path: str, **overrides: Any) -> tuple[HybridConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -189,7 +246,7 @@ def read_pretrained(path: str, **overrides: Any) -> tuple[HybridConfig, dict[str
     dtype = cfg.torch_dtype()
     for k in list(sd):  # one at a time: each original is freed as its converted copy replaces it
         sd[k] = sd[k].to(dtype)
-    return cfg, sd, {"model_type": adapter.model_type, "config": hf_cfg.to_dict()}
+    return cfg, sd, adapter.hf_source(hf_cfg)
 
 
 def from_pretrained(path: str, *, device: str | torch.device | None = None, **overrides: Any) -> Any:
@@ -286,16 +343,18 @@ class ConversionReport:
     num_parameters: int = 0
     num_disk_tensors: int = 0
     mapped_tensors: int = 0
-    #: on-disk tensors deliberately skipped (multi-token-prediction layers, tied lm_head)
+    #: on-disk tensors deliberately skipped (multi-token-prediction layers, tied lm_head, a vision tower)
     ignored: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unmapped: list[str] = field(default_factory=list)
+    #: on-disk tensors whose shape disagrees with config.json (``shape_mismatches``)
+    mismatched: list[str] = field(default_factory=list)
     config_error: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def all_mapped(self) -> bool:
-        return self.config_error is None and not self.missing and not self.unmapped
+        return self.config_error is None and not self.missing and not self.unmapped and not self.mismatched
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -305,15 +364,12 @@ class ConversionReport:
 
 def inspect_checkpoint(path: str) -> ConversionReport:
     """Architecture, layer pattern, parameter count and tensor coverage of a checkpoint."""
-    from harts.integrations.hf.checkpoint import open_checkpoint, plan_sources
+    from harts.integrations.hf.checkpoint import plan_sources
 
-    ck = open_checkpoint(path)
-    model_type = str(ck.config.get("model_type", ""))
-    adapter = adapter_for(model_type)
+    ck, hf_cfg, adapter = _open_config(path)
     rep = ConversionReport(
-        path=path, model_type=model_type, architecture=adapter.architecture, num_disk_tensors=len(ck.shapes)
+        path=path, model_type=adapter.model_type, architecture=adapter.architecture, num_disk_tensors=len(ck.shapes)
     )
-    hf_cfg = hf_config_from_dict(ck.config)
     sources, ignored, bad = plan_sources(adapter, ck.shapes, adapter.num_hidden_layers_on_disk(hf_cfg))
     rep.ignored, rep.unmapped = ignored, list(bad)
     try:
@@ -323,6 +379,7 @@ def inspect_checkpoint(path: str) -> ConversionReport:
         return rep
     rep.layer_pattern = cfg.layer_pattern
     rep.config = cfg.to_dict()
+    rep.mismatched = shape_mismatches(adapter, cfg, sources)
     used: set[str] = set()
     for g in adapter.tensor_groups(cfg):
         absent = [n for n in g.hf if n not in sources]

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from harts.errors import UserError
 from harts.models.config import HybridConfig
 
 __all__ = [
@@ -44,7 +45,7 @@ ALLOWED_OVERRIDES = ("chunk_size", "dtype", "router_z_loss_coef", "router_aux_lo
 Convert = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(UserError):
     """A transformers config uses options harts does not implement; the message names each one."""
 
 
@@ -151,6 +152,25 @@ class HFAdapter:
     def num_hidden_layers_on_disk(self, hf_config: Any) -> int:
         """Layers past this index on disk (e.g. multi-token-prediction heads) are ignored."""
         return int(hf_config.num_hidden_layers)
+
+    def missing_config_fields(self, config: dict[str, Any]) -> list[str]:
+        """Fields a config.json must spell out (dotted for nested ones): those whose transformers
+        default would silently give a model of another shape. None by default."""
+        return []
+
+    def hf_source(self, hf_config: Any) -> dict[str, Any]:
+        """What travels with the model as ``model.hf_source``: the model type and config that
+        ``save_hf_checkpoint`` writes back."""
+        return {"model_type": self.model_type, "config": hf_config.to_dict()}
+
+    def canonical_state_dict(self, hf_model: Any) -> dict[str, torch.Tensor]:
+        """An instantiated transformers model's tensors under the canonical names ``tensor_groups``
+        uses (its module state dict, unless the architecture nests the language model)."""
+        return {k: v.detach() for k, v in hf_model.state_dict().items()}
+
+    def report_left_out(self, names: list[str]) -> None:
+        """Say in one line what a load leaves out on purpose, given the skipped names (silent by
+        default: MTP layers and tied heads need no word)."""
 
     # ------------------------------------------------------------------ shared
     def check_overrides(self, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from harts.errors import UserError
 from harts.integrations.hf.base import HFAdapter
 
 __all__ = ["Source", "CheckpointFiles", "open_checkpoint", "plan_sources", "write_safetensors"]
@@ -78,12 +79,17 @@ def open_checkpoint(path: str) -> CheckpointFiles:
     from safetensors import safe_open
 
     if not os.path.isdir(path):
-        raise ValueError(f"checkpoint path {path!r} is not a directory")
+        raise UserError(f"checkpoint path {path!r} is not a directory")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ValueError(f"checkpoint {path!r} has no config.json")
+        raise UserError(f"checkpoint {path!r} has no config.json")
     with open(cfg_path) as fh:
-        config = json.load(fh)
+        try:
+            config = json.load(fh)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{cfg_path}: not JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{cfg_path}: not a JSON object")
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
@@ -92,12 +98,12 @@ def open_checkpoint(path: str) -> CheckpointFiles:
         files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
         missing = sorted({f for f in files.values() if not os.path.isfile(f)})
         if missing:
-            raise ValueError(f"checkpoint {path!r}: index names missing shard file(s) {missing}")
+            raise UserError(f"checkpoint {path!r}: index names missing shard file(s) {missing}")
     elif os.path.isfile(single):
         with safe_open(single, framework="pt") as fh:
             files = {name: single for name in fh.keys()}
     else:
-        raise ValueError(f"checkpoint {path!r} has neither model.safetensors nor model.safetensors.index.json")
+        raise UserError(f"checkpoint {path!r} has neither model.safetensors nor model.safetensors.index.json")
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(set(files.values())):
         with safe_open(f, framework="pt") as fh:
