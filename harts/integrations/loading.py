@@ -1,6 +1,7 @@
 """One way to name a model on the command line: a preset or a transformers checkpoint.
 
-``load_model("tiny")`` builds ``HybridLM(HybridConfig.preset("tiny"))`` with a seeded init;
+``load_model("tiny")`` builds ``HybridLM(HybridConfig.preset("tiny"))`` with a seeded init
+(``layers=N``: the preset's first N decoder layers, ``harts.models.presets``);
 ``load_model("/path/to/checkpoint")`` loads a local transformers checkpoint directory
 (BailingHybrid / Qwen3-Next / Kimi Linear; ``harts.integrations.hf``) or harts' own weights
 directory (``harts.integrations.native``, written for models no transformers class describes).
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from harts.errors import UserError
 from harts.integrations.native import is_native, load_native
 from harts.models.config import HybridConfig
 from harts.models.hybrid_lm import HybridLM
@@ -32,20 +34,24 @@ def load_model(
     dtype: str | None = None,
     layer_pattern: str | None = None,
     chunk_size: int | None = None,
+    layers: int | None = None,
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> HybridLM:
-    """A preset (``tiny``, ``ling3_tiny``) or a checkpoint directory, on ``device``.
+    """A preset (``harts.models.config.PRESET_NAMES``) or a checkpoint directory, on ``device``.
 
     ``device="meta"``: the model's structure only, no storage and no tensor read from a
     checkpoint; ``harts.parallel.build.materialize`` gives it storage and values after
     sharding (the same values ``seed`` / the checkpoint give here).
 
     For presets, ``vocab_size``/``dtype``/``layer_pattern``/``chunk_size`` override the
-    preset's fields. A checkpoint keeps its architecture: only ``dtype`` and ``chunk_size``
-    apply, and ``vocab_size`` is checked (a batch must fit the checkpoint's vocabulary).
+    preset's fields and ``layers`` keeps its first decoder layers. A checkpoint keeps its
+    architecture: only ``dtype`` and ``chunk_size`` apply, and ``vocab_size`` is checked (a batch
+    must fit the checkpoint's vocabulary); ``layers`` is a UserError for one.
     """
     meta = torch.device(device).type == "meta"
+    if layers is not None and is_checkpoint(spec):
+        raise UserError(f"layers {layers}: for presets only; the checkpoint {spec} keeps all its layers")
     if is_checkpoint(spec) and is_native(spec):
         if layer_pattern is not None or chunk_size is not None:
             raise ValueError("a saved harts model's architecture is fixed; drop the pattern and chunk-size overrides")
@@ -87,7 +93,7 @@ def load_model(
     ):
         if value is not None:
             fields[name] = value
-    config = HybridConfig.preset(spec, **fields)
+    config = HybridConfig.preset(spec, layers=layers, **fields)
     torch.manual_seed(seed)
     # storage straight on ``device`` (HybridLM builds on the default device), no host copy first
     with torch.device(device):

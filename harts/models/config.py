@@ -11,6 +11,10 @@ per decoder layer:
 FFN: layers ``< first_k_dense_replace`` (or every layer when ``num_experts == 0``) use a
 dense SwiGLU MLP of ``intermediate_size``; the rest use a no-drop top-k MoE. Field names
 follow transformers where one exists so state-dict adapters stay thin.
+
+Presets (``HybridConfig.preset(name, layers=N)``): ``tiny``, ``ling3_tiny`` and the real models
+of ``harts.models.presets`` (Qwen3.5, Qwen3-Next, Kimi Linear); ``layers`` keeps the first N
+decoder layers of the real layer pattern (``first_layers``).
 """
 
 from __future__ import annotations
@@ -19,10 +23,26 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from harts.errors import UserError
+from harts.models.presets import MODEL_FIELDS
+
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HybridConfig", "LAYER_TYPES"]
+__all__ = ["HybridConfig", "LAYER_TYPES", "PRESET_NAMES", "preset_key"]
+
+#: every name ``HybridConfig.preset`` takes
+PRESET_NAMES: tuple[str, ...] = ("tiny", "ling3_tiny", *MODEL_FIELDS)
+
+
+def preset_key(name: str) -> str:
+    """The preset ``name`` spells, case-insensitive with ``-`` or ``.`` for ``_`` (``Qwen3.5-9B``
+    -> ``qwen3_5_9b``); UserError listing ``PRESET_NAMES`` when it names none."""
+    key = name.strip().lower().replace("-", "_").replace(".", "_")
+    if key not in PRESET_NAMES:
+        raise UserError(f"unknown model preset {name!r}; known: {', '.join(PRESET_NAMES)}")
+    return key
+
 
 #: layer letter -> (family, description)
 LAYER_TYPES = {
@@ -291,10 +311,30 @@ class HybridConfig:
         return cls(**base)
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> HybridConfig:
-        """``HybridConfig.preset("tiny")`` etc.; raises ValueError naming the known presets."""
-        presets = {"tiny": cls.tiny, "ling3_tiny": cls.ling3_tiny}
-        key = name.replace("-", "_")
-        if key not in presets:
-            raise ValueError(f"unknown model preset {name!r}; known: {sorted(presets)}")
-        return presets[key](**overrides)
+    def preset(cls, name: str, *, layers: int | None = None, **overrides: Any) -> HybridConfig:
+        """``HybridConfig.preset("qwen3_next_80b_a3b", layers=4)``: the preset ``name``
+        (``PRESET_NAMES``) with field ``overrides``, cut to its first ``layers`` decoder layers
+        when given (``first_layers``). UserError for an unknown name or ``layers`` outside 1 ..
+        the depth."""
+        key = preset_key(name)
+        if key in MODEL_FIELDS:
+            config = cls(**{**MODEL_FIELDS[key], **overrides})
+        else:
+            config = cls.tiny(**overrides) if key == "tiny" else cls.ling3_tiny(**overrides)
+        return config if layers is None else config.first_layers(layers, name=key)
+
+    def first_layers(self, layers: int, *, name: str = "the model", option: str = "layers") -> HybridConfig:
+        """A copy with the first ``layers`` decoder layers: the layer pattern's prefix, and the
+        dense prefix and MoE layers that fall inside it. Where no MoE layer is left every FFN is
+        dense (``num_experts`` 0), as a transformers config of that depth converts.
+
+        UserError naming ``option`` and ``name`` unless 1 <= ``layers`` <= the depth."""
+        depth = self.num_hidden_layers
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= depth:
+            raise UserError(f"{option} {layers!r}: {name} has {depth} decoder layers; use 1 .. {depth}")
+        moe = any(self.is_moe_layer(i) for i in range(layers))
+        return self.replace(
+            layer_pattern=self.layer_pattern[:layers],
+            first_k_dense_replace=min(self.first_k_dense_replace, layers) if moe else 0,
+            num_experts=self.num_experts if moe else 0,
+        )
