@@ -68,6 +68,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list]:
         vocab_size=vocab,
         dtype=args.dtype,
         layer_pattern=args.pattern,
+        layers=args.layers,
         seed=args.seed,
         device="meta" if world > 1 else device,
     )
@@ -272,6 +273,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--out", required=True, help="JSON file (rank 0 writes)")
         s.add_argument("--model", default="tiny")
         s.add_argument("--pattern", default=None)
+        s.add_argument("--layers", type=int, default=None, help="a preset's first N decoder layers")
         s.add_argument("--workload", default="tiny")
         s.add_argument("--steps", type=int, default=1)
         s.add_argument("--seed", type=int, default=0)

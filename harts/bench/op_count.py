@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", metavar="PRESET|PATH", help="model preset or checkpoint directory")
     p.add_argument("--pattern", default=None, help="override a preset's layer pattern, e.g. KKKM")
+    p.add_argument("--layers", type=int, default=None, help="a preset's first N decoder layers")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--la-backend", default="reference", help="linear-attention core (see harts.ops.linear_attn)")
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=int(batch.vocab_size or batch.tokens.max() + 1),
         dtype=args.dtype,
         layer_pattern=args.pattern,
+        layers=args.layers,
         seed=args.seed,
         device=args.device,
     )

@@ -5,7 +5,8 @@
   before any work starts (``summarize``: trajectory lengths, token ids) and check them
   (``check_capacity``, ``needed_vocab``), so that a problem in step k is reported in seconds,
   not after k steps;
-* a model preset or checkpoint (``build_model``) with its device and vocabulary checked first;
+* a model preset or checkpoint (``build_model``) with its device and vocabulary checked first,
+  a preset optionally cut to its first ``--layers N`` decoder layers (``check_model``);
   ``build_model_and_attention`` also chooses the FlexAttention backend while the model is made;
 * output paths checked before any work (``check_output_file`` / ``check_output_dir``) and
   written atomically (``write_json``).
@@ -133,15 +134,29 @@ def add_workload_arguments(p: argparse.ArgumentParser, default: str = "tiny") ->
     p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
 
 
+#: the names ``--model`` takes for a preset (``harts.models.config.PRESET_NAMES``; this module
+#: imports no torch, so the names are spelled out here and a test keeps the two lists equal)
+MODEL_PRESETS = (
+    "tiny",
+    "ling3_tiny",
+    "qwen3_5_9b",
+    "qwen3_5_27b",
+    "qwen3_5_35b_a3b",
+    "qwen3_next_80b_a3b",
+    "kimi_linear_48b_a3b",
+)
+
+
 def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float32") -> None:
     p.add_argument(
         "--model",
         default="tiny",
         metavar="PRESET|PATH",
-        help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory "
-        "(BailingHybrid / Qwen3-Next / Kimi Linear)",
+        help=f"model preset ({', '.join(MODEL_PRESETS)}: the real models' shapes, random init) or a "
+        "transformers checkpoint directory (BailingHybrid / Qwen3-Next / Qwen3.5 / Kimi Linear)",
     )
     p.add_argument("--pattern", default=None, help="override a preset's layer pattern, e.g. KKKM")
+    add_layers_argument(p)
     p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"], help="parameter dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
     p.add_argument(
@@ -153,6 +168,19 @@ def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float3
         "per layer), or auto (tree_linked on CUDA with fla-core, reference elsewhere)",
     )
     p.add_argument("--threads", type=nonneg_int, default=1, help="torch intra-op threads on CPU; 0 lets torch choose")
+
+
+def add_layers_argument(p: argparse.ArgumentParser) -> None:
+    """``--layers N``: a preset's first N decoder layers (``check_model`` checks it against ``--model``)."""
+    p.add_argument(
+        "--layers",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="keep the first N decoder layers of the preset's layer pattern (after --pattern), at its "
+        "real widths, heads and experts, e.g. --model qwen3_next_80b_a3b --layers 4; presets only "
+        "(default: all layers)",
+    )
 
 
 def add_execution_arguments(p: argparse.ArgumentParser) -> None:
@@ -384,6 +412,31 @@ def needed_vocab(summaries: list[StepSummary]) -> tuple[int, str]:
 
 
 # ------------------------------------------------------------------------ model
+def check_model(args: argparse.Namespace) -> None:
+    """``--model`` names a preset or a checkpoint directory, and ``--layers`` (when given) fits it:
+    1 .. the preset's depth (after ``--pattern``); a checkpoint keeps its layers."""
+    from harts.integrations.loading import is_checkpoint
+
+    layers = getattr(args, "layers", None)
+    if is_checkpoint(args.model):
+        if layers is not None:
+            raise UserError(
+                f"--layers {layers}: for model presets only; the checkpoint --model {args.model} keeps all its "
+                "layers (drop --layers)"
+            )
+        return
+    from harts.models.config import HybridConfig, preset_key
+
+    pattern = getattr(args, "pattern", None)
+    try:
+        key = preset_key(args.model)
+        config = HybridConfig.preset(key, **({"layer_pattern": pattern} if pattern else {}))
+    except ValueError as err:
+        raise UserError(f"--model {args.model!r}: {err} (or give a checkpoint directory)") from None
+    if layers is not None:
+        config.first_layers(layers, name=f"--model {key}", option="--layers")
+
+
 def check_device(spec: str) -> None:
     """``--device`` names a device this torch build can use, or raise naming the fix."""
     import torch
@@ -509,6 +562,7 @@ def build_model(
 
     from harts.models.execution.config import ExecutionConfig, attention_head_dim_range
 
+    check_model(args)
     check_device(args.device)
     check_la_backend(getattr(args, "la_backend", "reference"), args.device)
     check_vocab(args, vocab_size, where, training=training)
@@ -539,6 +593,7 @@ def _load_model(args: argparse.Namespace, vocab_size: int, device: str) -> Hybri
             vocab_size=vocab_size,
             dtype=args.dtype,
             layer_pattern=args.pattern,
+            layers=getattr(args, "layers", None),
             seed=args.seed,
             device=device,
         )

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import argparse
 
-from harts.commands._inputs import add_execution_arguments, add_output_arguments, nonneg_int, recompute_fields, seed_int
+from harts.commands._inputs import (
+    MODEL_PRESETS,
+    add_execution_arguments,
+    add_layers_argument,
+    add_output_arguments,
+    nonneg_int,
+    recompute_fields,
+    seed_int,
+)
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -30,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         default="tiny",
         metavar="PRESET|PATH",
-        help="model preset (tiny, ling3_tiny) or a transformers checkpoint directory",
+        help=f"model preset ({', '.join(MODEL_PRESETS)}) or a transformers checkpoint directory",
     )
     p.add_argument("--pattern", default=None, help="override the layer pattern, e.g. KKKM")
+    add_layers_argument(p)
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"], help="parameter dtype")
     add_execution_arguments(p)
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")

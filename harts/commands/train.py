@@ -422,7 +422,13 @@ class _Checkpointer:
 
     def __init__(self, args: argparse.Namespace, run_dir: str | None) -> None:
         self.run_dir = run_dir
-        self.identity = {"workload": args.workload, "seed": args.seed, "model": args.model, "mode": args.mode}
+        self.identity = {
+            "workload": args.workload,
+            "seed": args.seed,
+            "model": args.model,
+            "layers": args.layers,
+            "mode": args.mode,
+        }
         self.saved_step = -1
 
     def resume(self, model, optimizer, num_steps: int) -> int:  # noqa: ANN001
