@@ -1,0 +1,108 @@
+"""``harts serve``: a Tinker-compatible training server for one model (``harts.serve``).
+
+    harts serve --model tiny --port 8000 --api-key tml-local
+    # then, in Python:  tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-local")
+
+The real ``tinker`` SDK (0.38) trains through it: LoRA training clients (``forward``,
+``forward_backward`` with cross_entropy / importance_sampling / ppo / cispo, custom losses,
+``optim_step``), checkpoints (``save_state``, ``create_training_client_from_state[_with_optimizer]``,
+``save_weights_for_sampler``), sampling clients (harts' sampler, with the prompt's state forked
+per sample) and the RestClient's listings. Every request needs the API key (``--api-key`` or the
+``HARTS_SERVE_API_KEY`` environment variable; the SDK wants the ``tml-`` prefix); checkpoints go
+under ``--state-dir``. ``docs/SERVE.md`` is the user guide.
+
+Ctrl-C / SIGTERM stop the server after the running request; results of finished requests that
+were never fetched are lost with it, checkpoints on disk are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from harts.commands._inputs import positive_float, positive_int, seed_int
+
+#: every user error here is a harts.errors.UserError (see harts.cli)
+TYPED_ERRORS = True
+
+HELP = "A Tinker-compatible training server: the tinker SDK trains, samples and saves a harts model."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET_OR_DIR",
+        help="a preset (tiny, ling3_tiny) or a transformers / harts checkpoint directory",
+    )
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="the name clients pass as base_model (default: the preset name, or the directory's name)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=positive_int, default=8000, help="TCP port")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the key every request must carry (default: $HARTS_SERVE_API_KEY); starts with 'tml-'",
+    )
+    p.add_argument(
+        "--state-dir",
+        default="harts-serve",
+        metavar="DIR",
+        help="where checkpoints go (runs/<model_id>/...); client paths never leave it",
+    )
+    p.add_argument("--device", default="cpu", help="torch device of the engines")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"], help="model dtype")
+    p.add_argument("--seed", type=seed_int, default=0, help="model init (presets), default LoRA seed, sampling seeds")
+    p.add_argument(
+        "--capacity",
+        type=positive_int,
+        default=65_536,
+        help="engine microbatch capacity in tokens; also the longest datum and prompt + completion",
+    )
+    p.add_argument("--max-models", type=positive_int, default=8, help="training runs held in memory at once")
+    p.add_argument("--max-samples", type=positive_int, default=256, help="largest num_samples of one sample request")
+    p.add_argument(
+        "--max-snapshots",
+        type=positive_int,
+        default=32,
+        help="in-memory adapter snapshots for sampling clients (the oldest are dropped)",
+    )
+    p.add_argument(
+        "--max-request-mb", type=positive_float, default=256.0, help="largest request body, MiB (uncompressed)"
+    )
+    p.add_argument(
+        "--poll-seconds", type=positive_float, default=20.0, help="how long one future poll waits before 'try again'"
+    )
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log")
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from harts.serve.config import API_KEY_ENV, ServeConfig
+    from harts.serve.server import serve
+
+    config = ServeConfig(
+        model=args.model,
+        model_name=args.model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV, ""),
+        host=args.host,
+        port=args.port,
+        state_dir=Path(args.state_dir),
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        capacity=args.capacity,
+        max_models=args.max_models,
+        max_request_bytes=int(args.max_request_mb * (1 << 20)),
+        max_samples=args.max_samples,
+        max_snapshots=args.max_snapshots,
+        poll_seconds=args.poll_seconds,
+        threads=args.threads,
+    )
+    serve(config, log_level=args.log_level)
+    return 0

@@ -1,0 +1,18 @@
+"""``harts serve``: a Tinker-compatible HTTP training server over ``harts.trainer.engine.Engine``.
+
+The real ``tinker`` SDK's ServiceClient, TrainingClient, SamplingClient and RestClient talk to
+it as to Tinker, with the SDK's own wire types on both ends. Modules, outside in:
+
+    app          the FastAPI app: API key, body limit, one route per Tinker endpoint
+    service      what each endpoint does: validate, register, queue (no engine calls)
+    worker       the one thread that runs engine work, in each training client's request order
+    futures      request records, resolved exactly once, polled by retrieve_future
+    training     a training run and its forward_backward / optim_step / checkpoint work
+    sampling     sampling with harts' sampler (prompt state forked per sample), weight snapshots
+    checkpoints  the state directory: tinker:// paths -> directories that cannot escape it
+    wire         tinker's request types and protobufs <-> harts trajectories and results
+    config       ServeConfig
+    server       model facts, the engine factory, uvicorn
+
+``harts serve --help`` lists the options; ``docs/SERVE.md`` is the guide.
+"""

@@ -1,0 +1,171 @@
+"""Sampling for Tinker's sampling clients, with harts' own sampler (``harts.rollout``).
+
+A request's prompt runs once through the model (``extend``); the branch is forked
+``num_samples`` times, sharing the prompt's caches, and every fork decodes with ``generate``
+(temperature, top-p, max tokens, stop tokens), so a group of samples costs one prompt. Each
+sampled token carries its log-prob under the distribution it was drawn from; at temperature 1
+and top-p 1 that is the model's own log-prob, which a ``forward`` of the same tokens reproduces.
+
+Which weights: a sampling client made by ``save_weights_for_sampler`` samples the adapter
+weights saved then. The server keeps those as a ``Snapshot`` of the run's trainable tensors (the
+LoRA factors, small beside the model) and, for the sample, copies them into the run's own model
+and back afterwards -- or not at all when the run has not changed since (``version``). A
+sampling client of the base model, or of a checkpoint that is on disk but not in memory (after a
+restart, or once its snapshot was dropped for newer ones), samples a model loaded for sampling
+only (``SamplerEngines``).
+
+This is a reference sampler for a CPU-sized model and for tests: a real deployment samples with
+an inference engine (vLLM, SGLang) loaded from the ``save_weights_for_sampler`` export.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from harts.rollout.decode import extend, new_branch
+from harts.rollout.sampler import SamplingConfig, generate
+from harts.serve.futures import Done
+from harts.serve.wire import PROTO_MEDIA_TYPE, encode_sample_response
+
+if TYPE_CHECKING:
+    from harts.trainer.engine import Engine
+
+__all__ = ["SampleJob", "SamplerEngines", "Snapshot", "Snapshots", "run_sample", "take_snapshot"]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The trainable tensors of a run at one moment (``version`` counts its weight updates)."""
+
+    model_id: str
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+def take_snapshot(model_id: str, version: int, model: torch.nn.Module) -> Snapshot:
+    """Copy every trainable tensor of ``model`` (its LoRA factors, or all weights without LoRA)."""
+    with torch.no_grad():
+        tensors = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return Snapshot(model_id, version, tensors)
+
+
+class Snapshots:
+    """Snapshots by id, the most recently used kept (at most ``limit``); thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(1, limit)
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, Snapshot] = OrderedDict()
+
+    def put(self, key: str, snap: Snapshot) -> None:
+        with self._lock:
+            self._items[key] = snap
+            self._items.move_to_end(key)
+            while len(self._items) > self._limit:
+                self._items.popitem(last=False)
+
+    def get(self, key: str) -> Snapshot | None:
+        with self._lock:
+            snap = self._items.get(key)
+            if snap is not None:
+                self._items.move_to_end(key)
+            return snap
+
+    def drop_run(self, model_id: str) -> None:
+        """Forget every snapshot of run ``model_id`` (it was released)."""
+        with self._lock:
+            for key in [k for k, s in self._items.items() if s.model_id == model_id]:
+                del self._items[key]
+
+
+class SamplerEngines:
+    """Engines loaded for sampling only (the base model, checkpoints read from disk), the most
+    recently used ``limit`` kept; used by the worker thread only."""
+
+    def __init__(self, limit: int = 2) -> None:
+        self._limit = max(1, limit)
+        self._items: OrderedDict[str, Engine] = OrderedDict()
+
+    def get(self, key: str, load: Callable[[], Engine]) -> Engine:
+        engine = self._items.get(key)
+        if engine is None:
+            engine = load()
+            self._items[key] = engine
+        self._items.move_to_end(key)
+        while len(self._items) > self._limit:
+            self._items.popitem(last=False)
+        return engine
+
+
+@contextmanager
+def swapped(model: torch.nn.Module, tensors: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """``model`` with ``tensors`` copied into its parameters, restored on exit."""
+    if not tensors:
+        yield
+        return
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        saved = {n: params[n].detach().clone() for n in tensors}
+        for n, t in tensors.items():
+            params[n].copy_(t)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, t in saved.items():
+                params[n].copy_(t)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleJob:
+    """One validated sampling request."""
+
+    prompt: list[int]
+    num_samples: int
+    config: SamplingConfig
+    seed: int
+    #: return the prompt's log-probs (``[NaN, lp_1, ...]``), only the last N when set
+    prompt_logprobs: bool = False
+    prompt_logprobs_last_n: int | None = None
+
+
+def run_sample(engine: Engine, tensors: dict[str, torch.Tensor] | None, job: SampleJob) -> Done:
+    """Sample ``job`` from ``engine``'s model with ``tensors`` swapped in (module docstring);
+    the encoded ``SampleResponse``."""
+    model = engine.model
+    stop = set(job.config.stop_tokens)
+    with swapped(model, tensors):
+        branch = extend(model, [new_branch(model)], [job.prompt])[0]
+        generator = torch.Generator().manual_seed(job.seed)
+        _, turns = generate(model, branch.fork(job.num_samples), job.config, generator)
+        prompt_lp = _prompt_logprobs(engine, job) if job.prompt_logprobs else None
+    sequences = [(t.tokens, t.logprobs, bool(t.tokens) and t.tokens[-1] in stop) for t in turns]
+    return Done(encode_sample_response(sequences, prompt_lp), PROTO_MEDIA_TYPE)
+
+
+def _prompt_logprobs(engine: Engine, job: SampleJob) -> np.ndarray:
+    out = np.full(len(job.prompt), math.nan)
+    if len(job.prompt) > 1:
+        out[1:] = engine.forward([{"tokens": job.prompt}])[0]
+    if job.prompt_logprobs_last_n is not None:
+        out[: len(out) - job.prompt_logprobs_last_n] = math.nan
+    return out
+
+
+def sampling_config(params: Any, stop_tokens: tuple[int, ...]) -> SamplingConfig:
+    """A ``SamplingConfig`` from tinker's validated ``SamplingParams`` (checked by the caller)."""
+    return SamplingConfig(
+        temperature=float(params.temperature),
+        top_p=float(params.top_p),
+        max_tokens=int(params.max_tokens),
+        stop_tokens=stop_tokens,
+    )

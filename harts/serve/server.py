@@ -1,0 +1,132 @@
+"""Putting ``harts serve`` together: the served model's facts, the engine factory, uvicorn.
+
+``make_service`` reads what clients are told about the model (vocabulary, architecture,
+tokenizer, end-of-sequence tokens) from its structure alone (the meta device: no weights are
+loaded until a client creates a training run) and returns the ``Service``; ``serve`` runs it
+with uvicorn until SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harts.errors import UserError
+from harts.serve.config import ServeConfig
+from harts.serve.service import ModelInfo, Service
+
+if TYPE_CHECKING:
+    from harts.trainer.engine import Engine
+    from harts.trainer.lora import LoraConfig
+
+__all__ = ["make_service", "model_info", "serve"]
+
+log = logging.getLogger("harts.serve")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _eos_tokens(directory: Path) -> tuple[int, ...]:
+    """``eos_token_id`` of a checkpoint's generation_config.json, else its config.json."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            data = json.loads((directory / name).read_text())
+        except (OSError, ValueError):
+            continue
+        eos = data.get("eos_token_id") if isinstance(data, dict) else None
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+def _check_port(host: str, port: int) -> None:
+    """``UserError`` when ``host:port`` cannot be bound (in use, or not an address of this machine)."""
+    import socket
+
+    try:
+        with socket.create_server((host, port), reuse_port=False):
+            pass
+    except OSError as err:
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err})") from None
+
+
+def model_info(config: ServeConfig) -> ModelInfo:
+    """The served model's facts, from its structure on the meta device (module docstring)."""
+    from harts.integrations.loading import load_model
+
+    try:
+        model = load_model(config.model, dtype=config.dtype, device="meta")
+    except UserError:
+        raise
+    except (ValueError, OSError, KeyError) as err:
+        raise UserError(f"--model {config.model!r}: {err}") from None
+    if not os.path.isdir(config.model):
+        return ModelInfo(vocab_size=model.config.vocab_size, arch="harts", tokenizer_id=None, eos_tokens=())
+    directory = Path(config.model)
+    try:
+        arch = str(json.loads((directory / "config.json").read_text()).get("model_type", "harts"))
+    except (OSError, ValueError, AttributeError):
+        arch = "harts"
+    has_tokenizer = any((directory / f).is_file() for f in _TOKENIZER_FILES)
+    return ModelInfo(
+        vocab_size=model.config.vocab_size,
+        arch=arch,
+        tokenizer_id=str(directory.resolve()) if has_tokenizer else None,
+        eos_tokens=_eos_tokens(directory),
+    )
+
+
+def make_service(config: ServeConfig) -> Service:
+    """The ``Service`` for ``config``: model facts checked now, engines made per training run."""
+    import torch
+
+    from harts.commands._inputs import check_device
+
+    check_device(config.device)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    info = model_info(config)
+
+    def make_engine(lora: LoraConfig | None, spec: str | None) -> Engine:
+        from harts.trainer.engine import Engine
+
+        return Engine.from_spec(
+            spec or config.model,
+            dtype=config.dtype,
+            device=config.device,
+            lora=lora,
+            seed=config.seed,
+            capacity=config.capacity,
+        )
+
+    return Service(config, info, make_engine)
+
+
+def serve(config: ServeConfig, *, log_level: str = "info") -> None:
+    """Serve until SIGINT / SIGTERM (uvicorn's handlers: the running request finishes first)."""
+    import uvicorn
+
+    from harts.serve.app import build_app
+
+    _check_port(config.host, config.port)
+    service = make_service(config)
+    app = build_app(service)
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="harts serve: %(message)s")
+    log.info(
+        "serving %r (%s) on http://%s:%d, state in %s",
+        config.served_name,
+        config.model,
+        config.host,
+        config.port,
+        Path(config.state_dir).resolve(),
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="off")
+    )
+    try:
+        server.run()
+    finally:
+        service.close()

@@ -1,0 +1,774 @@
+"""What each Tinker endpoint does, independent of HTTP: validate, register, queue.
+
+``Service`` holds the server's Tinker-side state -- sessions, training runs, sampling clients --
+and one method per endpoint. A method validates its request completely (``WireError`` naming the
+field, before any work is queued), then either answers at once (sessions, info, listings) or
+queues a job on the ``Worker`` and answers with Tinker's ``UntypedAPIFuture``; the client then
+polls ``retrieve`` for the result. Methods run on the event loop and never touch an engine;
+the jobs they queue do, on the worker thread (``harts.serve.training``, ``harts.serve.sampling``).
+
+Identities follow the SDK: a session id is ours; a training run is ``<session>:train:<n>`` and a
+sampling client ``<session>:sample:<n>`` for the client's own counters ``n`` (the SDK derives the
+run id of ``create_training_client_from_state`` itself, so the scheme is fixed).
+
+``close()`` of a ServiceClient finishes its session; the server then lets go of that session's
+engines (what they wrote under ``--state-dir`` stays).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tinker import types
+
+from harts.errors import UserError
+from harts.rl.losses import check_loss
+from harts.serve import training
+from harts.serve.checkpoints import CheckpointDir, now
+from harts.serve.config import ServeConfig
+from harts.serve.futures import Done, Failed, FutureStore
+from harts.serve.sampling import SampleJob, SamplerEngines, Snapshots, run_sample, sampling_config, take_snapshot
+from harts.serve.training import TrainingRun, json_done
+from harts.serve.wire import (
+    TinkerPath,
+    WireError,
+    check_name,
+    decode_forward_backward,
+    finite,
+    json_body,
+    loss_config,
+    parse_tinker_path,
+    prompt_tokens,
+    trajectories,
+    validate_json,
+)
+from harts.serve.worker import Job, Worker
+
+if TYPE_CHECKING:
+    from harts.trainer.engine import Engine
+    from harts.trainer.lora import LoraConfig
+
+__all__ = ["EngineFactory", "ModelInfo", "Service"]
+
+log = logging.getLogger("harts.serve")
+
+#: ``make_engine(lora, spec)``: a new engine with ``lora`` adapters (None: full weights) over the
+#: served model, or over the model directory ``spec`` when given
+EngineFactory = Callable[["LoraConfig | None", "str | None"], "Engine"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the server tells clients about the served model."""
+
+    vocab_size: int
+    #: transformers' ``model_type`` (``harts`` for a preset)
+    arch: str
+    #: a directory AutoTokenizer loads, when the model has one
+    tokenizer_id: str | None
+    #: token ids that end a sample when the client gives no ``stop``
+    eos_tokens: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Session:
+    session_id: str
+    user_metadata: dict[str, Any] | None
+    display_name: str | None
+    finished: bool = False
+    model_ids: list[str] = field(default_factory=list)
+    sampler_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sampler:
+    sampler_id: str
+    session_id: str
+    base_model: str
+    #: the snapshot it samples (a key of ``Service.snapshots``), or None
+    snapshot: str | None = None
+    #: the checkpoint it samples when the snapshot is gone (or it has none)
+    path: TinkerPath | None = None
+    model_path: str | None = None
+
+
+class Service:
+    """Tinker's endpoints over harts engines (module docstring)."""
+
+    def __init__(self, config: ServeConfig, info: ModelInfo, make_engine: EngineFactory) -> None:
+        self.config = config
+        self.info = info
+        self.make_engine = make_engine
+        self.futures = FutureStore()
+        self.worker = Worker(self.futures)
+        self.checkpoints = CheckpointDir(config.state_dir)
+        self.snapshots = Snapshots(config.max_snapshots)
+        self.sampler_engines = SamplerEngines()
+        self._lock = threading.RLock()
+        self._sessions: dict[str, _Session] = {}
+        self._runs: dict[str, TrainingRun] = {}
+        self._samplers: dict[str, _Sampler] = {}
+        self._seeds = np.random.default_rng(config.seed)
+
+    # ------------------------------------------------------------------ client configuration
+    def client_config(self) -> dict[str, Any]:
+        """The SDK's feature flags for this server: API keys, one request per ``forward_backward``
+        (so a call is validated whole before any of it applies), per-request polling, and custom
+        losses computed client-side."""
+        limit = self.config.max_request_bytes
+        return types.ClientConfigResponse(
+            pjwt_auth_enabled=False,
+            credential_default_source="api_key",
+            parallel_fwdbwd_chunks=False,
+            proto_compress_fwdbwd=False,
+            fwdbwd_max_chunk_len=1 << 30,
+            fwdbwd_max_chunk_bytes_count=limit // 2,
+            fwdbwd_dispatch_bytes_semaphore_size=limit,
+            sample_use_retrieve_futures=False,
+            custom_loss_server_side=False,
+            sample_join_sampling_session=False,
+        ).model_dump(mode="json")
+
+    def capabilities(self) -> dict[str, Any]:
+        model = types.SupportedModel(
+            model_name=self.config.served_name,
+            max_context_length=self.config.capacity,
+            trainable=True,
+            sampleable=True,
+        )
+        return types.GetServerCapabilitiesResponse(supported_models=[model]).model_dump(mode="json")
+
+    def _check_base_model(self, base_model: str, field: str = "base_model") -> str:
+        if not self.config.serves(base_model):
+            raise WireError(
+                f"{field}: {base_model!r} is not served here; this server serves {self.config.served_name!r}"
+            )
+        return self.config.served_name
+
+    # ------------------------------------------------------------------ sessions
+    def create_session(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.CreateSessionRequest, "create_session")
+        sid = uuid.uuid4().hex
+        with self._lock:
+            self._sessions[sid] = _Session(sid, req.user_metadata, req.display_name)
+        log.info("session %s created (%s)", sid, req.display_name or "no name")
+        return types.CreateSessionResponse(session_id=sid).model_dump(mode="json")
+
+    def _session(self, session_id: str, field: str = "session_id") -> _Session:
+        with self._lock:
+            s = self._sessions.get(session_id)
+        if s is None:
+            raise WireError(f"{field}: unknown session {session_id!r}", 404)
+        if s.finished:
+            raise WireError(f"{field}: session {session_id} is finished", 410)
+        return s
+
+    def heartbeat(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.SessionHeartbeatRequest, "session_heartbeat")
+        self._session(req.session_id)
+        return types.SessionHeartbeatResponse().model_dump(mode="json")
+
+    def finish_session(self, session_id: str) -> dict[str, Any]:
+        """End a session: its runs and sampling clients are released (checkpoints stay)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                raise WireError(f"session_id: unknown session {session_id!r}", 404)
+            s.finished = True
+            runs = [self._runs.pop(m) for m in s.model_ids if m in self._runs]
+            for sid in s.sampler_ids:
+                self._samplers.pop(sid, None)
+        for run in runs:
+            self.worker.forget(run.model_id)
+            self.snapshots.drop_run(run.model_id)
+        log.info("session %s finished; released %d training runs", session_id, len(runs))
+        return {}
+
+    def get_session(self, session_id: str) -> dict[str, Any]:
+        with self._lock:
+            s = self._sessions.get(session_id)
+        if s is None:
+            raise WireError(f"session_id: unknown session {session_id!r}", 404)
+        return types.GetSessionResponse(
+            training_run_ids=list(s.model_ids),
+            sampler_ids=list(s.sampler_ids),
+            user_metadata=s.user_metadata,
+            display_name=s.display_name,
+        ).model_dump(mode="json")
+
+    def list_sessions(self) -> dict[str, Any]:
+        with self._lock:
+            return types.ListSessionsResponse(sessions=list(self._sessions)).model_dump(mode="json")
+
+    # ------------------------------------------------------------------ futures
+    def _future(self, request_id: str, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
+        return types.UntypedAPIFuture(request_id=request_id, model_id=model_id, **extra).model_dump(
+            mode="json", exclude_none=True
+        )
+
+    def _queue(self, kind: str, run: Callable[[], Done], *, key: str | None = None, seq_id: int | None = None) -> str:
+        if key is not None and seq_id is not None:
+            first = self.worker.taken(key, seq_id)
+            if first is not None:
+                return first
+        request_id = self.futures.create(kind)
+        return self.worker.submit(Job(request_id=request_id, kind=kind, run=run, key=key, seq_id=seq_id))
+
+    async def retrieve(self, body: bytes) -> tuple[bytes, str]:
+        """One long poll of ``retrieve_future``: the result, a failure, or "try again"."""
+        req = validate_json(body, types.FutureRetrieveRequest, "retrieve_future")
+        try:
+            outcome = await self.futures.wait(req.request_id, self.config.poll_seconds)
+        except KeyError:
+            raise WireError(f"request_id: unknown request {req.request_id!r}", 404) from None
+        if outcome is None:
+            pending = {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
+            return json.dumps(pending).encode(), "application/json"
+        if isinstance(outcome, Failed):
+            return json.dumps({"error": outcome.message, "category": outcome.category}).encode(), "application/json"
+        return outcome.body, outcome.media_type
+
+    # ------------------------------------------------------------------ training runs
+    def _run(self, model_id: str, field: str = "model_id") -> TrainingRun:
+        with self._lock:
+            run = self._runs.get(model_id)
+        if run is None:
+            raise WireError(f"{field}: no training run {model_id!r} is loaded on this server", 404)
+        run.last_request = now()
+        return run
+
+    def _new_run(
+        self,
+        session: _Session,
+        model_seq_id: int,
+        base_model: str,
+        lora: dict[str, Any] | None,
+        user_metadata: dict[str, Any] | None,
+    ) -> TrainingRun:
+        model_id = f"{session.session_id}:train:{model_seq_id}"
+        with self._lock:
+            if model_id in self._runs:
+                return self._runs[model_id]
+            if len(self._runs) >= self.config.max_models:
+                raise WireError(
+                    f"model_seq_id: the server holds {len(self._runs)} training runs (--max-models "
+                    f"{self.config.max_models}); close() a ServiceClient to release its runs, or restart with more"
+                )
+            run = TrainingRun(model_id, session.session_id, base_model, lora, now(), user_metadata)
+            self._runs[model_id] = run
+            session.model_ids.append(model_id)
+        return run
+
+    @contextmanager
+    def _creating(self, run: TrainingRun) -> Iterator[None]:
+        """A run whose creation fails is unregistered (its later requests get 404)."""
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                self._runs.pop(run.model_id, None)
+            self.worker.forget(run.model_id)
+            raise
+
+    def create_model(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.CreateModelRequest, "create_model")
+        session = self._session(req.session_id)
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        first = self.worker.taken(model_id, 0)
+        if first is not None:
+            return self._future(first, model_id)
+        base = self._check_base_model(req.base_model)
+        _check_optimizer(req.optimizer_config, "optimizer_config")
+        lora = None
+        if req.lora_config is not None:
+            lc = req.lora_config
+            lora = {
+                "rank": lc.rank,
+                "seed": self.config.seed if lc.seed is None else lc.seed,
+                "train_attn": lc.train_attn,
+                "train_mlp": lc.train_mlp,
+                "train_unembed": lc.train_unembed,
+            }
+            _lora_config(lora)  # checked now, not in the job
+        run = self._new_run(session, req.model_seq_id, base, lora, req.user_metadata)
+
+        def create() -> Done:
+            with self._creating(run):
+                run.engine = self.make_engine(_lora_config(run.lora), None)
+                self.checkpoints.write_run(run.model_id, run.record())
+            log.info("training run %s created (%s)", run.model_id, _describe_lora(run.lora))
+            return json_done(types.CreateModelResponse(model_id=run.model_id))
+
+        return self._future(self._queue("CreateModel", create, key=model_id, seq_id=0), model_id)
+
+    def get_info(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.GetInfoRequest, "get_info")
+        run = self._run(req.model_id)
+        return types.GetInfoResponse(
+            type="get_info",
+            model_data=types.ModelData(
+                arch=self.info.arch, model_name=run.base_model, tokenizer_id=self.info.tokenizer_id
+            ),
+            model_id=run.model_id,
+            is_lora=run.lora is not None,
+            lora_rank=None if run.lora is None else run.lora["rank"],
+            model_name=run.base_model,
+        ).model_dump(mode="json", exclude_none=True)
+
+    def _ordered(self, model_id: str, seq_id: int | None, field: str = "seq_id") -> int | None:
+        """Check ``seq_id`` (None: the request runs when it arrives, after what is queued)."""
+        if seq_id is None:
+            return None
+        if seq_id < 1:
+            raise WireError(f"{field}: {seq_id}; a training client's requests are numbered from 1")
+        if self.worker.is_past(model_id, seq_id):
+            raise WireError(f"{field}: request {seq_id} of {model_id} was refused before; it cannot run now")
+        return seq_id
+
+    def _refuse(self, model_id: str, seq_id: int | None, err: WireError) -> WireError:
+        """A refused ordered request still used its number: let the ones after it run."""
+        if seq_id is not None and seq_id >= 1 and self.worker.taken(model_id, seq_id) is None:
+            self.worker.skip(model_id, seq_id)
+        return err
+
+    def forward_backward(self, body: bytes, content_encoding: str | None) -> dict[str, Any]:
+        msg = decode_forward_backward(body, content_encoding, max_bytes=self.config.max_request_bytes)
+        run = self._run(msg.model_id)
+        seq = self._ordered(run.model_id, msg.seq_id)
+        if seq is not None and (first := self.worker.taken(run.model_id, seq)) is not None:
+            return self._future(first, run.model_id)
+        try:
+            trajs = trajectories(msg, vocab_size=self.info.vocab_size, max_tokens=self.config.capacity)
+            cfg = loss_config(msg)
+            try:
+                check_loss(msg.loss_fn, cfg)
+            except UserError as err:
+                raise WireError(f"forward_backward_input.loss_fn_config: {err}") from None
+        except WireError as err:
+            raise self._refuse(run.model_id, seq, err) from None
+        loss_fn, forward_only = msg.loss_fn, msg.forward_only
+
+        def work() -> Done:
+            return training.forward_backward(run.live_engine(), trajs, loss_fn, cfg, forward_only=forward_only)
+
+        kind = "Forward" if forward_only else "ForwardBackward"
+        return self._future(self._queue(kind, work, key=run.model_id, seq_id=seq), run.model_id)
+
+    def optim_step(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.OptimStepRequest, "optim_step")
+        run = self._run(req.model_id)
+        seq = self._ordered(run.model_id, req.seq_id)
+        try:
+            params = _adam_params(req.optim_params)
+        except WireError as err:
+            raise self._refuse(run.model_id, seq, err) from None
+
+        def work() -> Done:
+            metrics = training.optim_step(run.live_engine(), params)
+            run.version += 1
+            return json_done(types.OptimStepResponse(metrics=metrics))
+
+        return self._future(self._queue("OptimStep", work, key=run.model_id, seq_id=seq), run.model_id)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_weights(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.SaveWeightsRequest, "save_weights")
+        run = self._run(req.model_id)
+        seq = self._ordered(run.model_id, req.seq_id)
+        try:
+            name = check_name(req.path or f"state-{uuid.uuid4().hex[:8]}", "path")
+            tp = TinkerPath(run.model_id, "weights", name)
+            if not req.overwrite and self.checkpoints.exists(tp):
+                raise WireError(f"path: checkpoint {tp} exists; pass overwrite=True to replace it")
+        except WireError as err:
+            raise self._refuse(run.model_id, seq, err) from None
+
+        def work() -> Done:
+            self.checkpoints.write_run(run.model_id, run.record())
+            self.checkpoints.save(
+                tp,
+                run.live_engine().save_state,
+                overwrite=req.overwrite,
+                ttl_seconds=req.ttl_seconds,
+                user_metadata=req.user_metadata,
+            )
+            run.last_checkpoint["training"] = str(tp)
+            return json_done(types.SaveWeightsResponse(path=str(tp), type="save_weights"))
+
+        return self._future(self._queue("SaveWeights", work, key=run.model_id, seq_id=seq), run.model_id)
+
+    def save_weights_for_sampler(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.SaveWeightsForSamplerRequest, "save_weights_for_sampler")
+        run = self._run(req.model_id)
+        seq = self._ordered(run.model_id, req.seq_id)
+        try:
+            tp, sampler_id = self._sampler_target(run, req)
+        except WireError as err:
+            raise self._refuse(run.model_id, seq, err) from None
+        key = sampler_id or str(tp)
+        if sampler_id is not None:
+            with self._lock:
+                self._samplers[sampler_id] = _Sampler(sampler_id, run.session_id, run.base_model, snapshot=key)
+                self._sessions[run.session_id].sampler_ids.append(sampler_id)
+
+        def work() -> Done:
+            engine = run.live_engine()
+            if tp is not None:
+                self.checkpoints.write_run(run.model_id, run.record())
+                self.checkpoints.save(
+                    tp,
+                    engine.save_weights_for_sampler,
+                    overwrite=True,
+                    ttl_seconds=req.ttl_seconds,
+                    user_metadata=req.user_metadata,
+                )
+                run.last_checkpoint["sampler"] = str(tp)
+            self.snapshots.put(key, take_snapshot(run.model_id, run.version, engine.model))
+            return json_done(
+                types.SaveWeightsForSamplerResponseInternal(
+                    path=None if tp is None else str(tp),
+                    sampling_session_id=sampler_id,
+                    type="save_weights_for_sampler",
+                )
+            )
+
+        return self._future(self._queue("SaveWeightsForSampler", work, key=run.model_id, seq_id=seq), run.model_id)
+
+    def _sampler_target(self, run: TrainingRun, req: Any) -> tuple[TinkerPath | None, str | None]:
+        """(the named checkpoint to write, the new sampling client's id) of a sampler save."""
+        if req.path is not None:
+            return TinkerPath(run.model_id, "sampler_weights", check_name(req.path, "path")), None
+        if req.sampling_session_seq_id is None:
+            raise WireError("path: give a checkpoint name, or sampling_session_seq_id for an unnamed snapshot")
+        return None, f"{run.session_id}:sample:{req.sampling_session_seq_id}"
+
+    def load_weights(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.LoadWeightsRequest, "load_weights")
+        tp = parse_tinker_path(req.path, "path", kinds=("weights",))
+        source = self.checkpoints.read_run(tp.model_id)
+        if source is None or not self.checkpoints.exists(tp):
+            raise WireError(f"path: no checkpoint {tp} on this server", 404)
+        if req.session_id is not None:
+            return self._create_from_state(req, tp, source)
+        if req.model_id is None:
+            raise WireError("model_id: give model_id (load into a run) or session_id and model_seq_id (a new run)")
+        run = self._run(req.model_id)
+        seq = self._ordered(run.model_id, req.seq_id)
+        path, optimizer = self.checkpoints.path(tp), req.optimizer
+
+        def work() -> Done:
+            engine = run.live_engine()
+            engine.load_state(path)
+            if not optimizer:
+                training.reset_optimizer(engine)
+            run.version += 1
+            return json_done(types.LoadWeightsResponse(path=str(tp), model_id=run.model_id, type="load_weights"))
+
+        return self._future(self._queue("LoadWeights", work, key=run.model_id, seq_id=seq), run.model_id)
+
+    def _create_from_state(self, req: Any, tp: TinkerPath, source: dict[str, Any]) -> dict[str, Any]:
+        """``create_training_client_from_state[_with_optimizer]``: a new run from a saved state."""
+        session = self._session(req.session_id)
+        if req.model_seq_id is None:
+            raise WireError("model_seq_id: required with session_id (the new run's number in the session)")
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        first = self.worker.taken(model_id, 0)
+        if first is not None:
+            return self._future(first, model_id)
+        base = self._check_base_model(req.base_model or source["base_model"])
+        if req.optimizer_config is not None:
+            _check_optimizer(req.optimizer_config, "optimizer_config")
+        run = self._new_run(session, req.model_seq_id, base, source.get("lora"), req.user_metadata)
+        path, optimizer = self.checkpoints.path(tp), req.optimizer
+
+        def create() -> Done:
+            with self._creating(run):
+                engine = self.make_engine(_lora_config(run.lora), None)
+                engine.load_state(path)
+                if not optimizer:
+                    training.reset_optimizer(engine)
+                run.engine = engine
+                self.checkpoints.write_run(run.model_id, run.record())
+            log.info("training run %s created from %s", run.model_id, tp)
+            return json_done(types.LoadWeightsResponse(path=str(tp), model_id=run.model_id, type="load_weights"))
+
+        return self._future(self._queue("LoadWeights", create, key=model_id, seq_id=0), model_id)
+
+    # ------------------------------------------------------------------ sampling
+    def create_sampling_session(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.CreateSamplingSessionRequest, "create_sampling_session")
+        session = self._session(req.session_id)
+        sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+        sampler = self._sampler_for(sampler_id, session.session_id, req.base_model, req.model_path)
+        with self._lock:
+            if sampler_id not in self._samplers:
+                session.sampler_ids.append(sampler_id)
+            self._samplers[sampler_id] = sampler
+        return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id).model_dump(mode="json")
+
+    def _sampler_for(
+        self, sampler_id: str, session_id: str, base_model: str | None, model_path: str | None
+    ) -> _Sampler:
+        if model_path is None:
+            if base_model is None:
+                raise WireError("base_model: give base_model or model_path")
+            return _Sampler(sampler_id, session_id, self._check_base_model(base_model))
+        tp = parse_tinker_path(model_path, "model_path")
+        source = self.checkpoints.read_run(tp.model_id)
+        in_memory = self.snapshots.get(str(tp)) is not None
+        if source is None or not (in_memory or self.checkpoints.exists(tp)):
+            raise WireError(f"model_path: no checkpoint {tp} on this server", 404)
+        if base_model is not None:
+            self._check_base_model(base_model)
+        key = str(tp) if tp.kind == "sampler_weights" else None
+        return _Sampler(sampler_id, session_id, source["base_model"], snapshot=key, path=tp, model_path=model_path)
+
+    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+        with self._lock:
+            s = self._samplers.get(sampler_id)
+        if s is None:
+            raise WireError(f"sampler_id: unknown sampling client {sampler_id!r}", 404)
+        return types.GetSamplerResponse(
+            sampler_id=s.sampler_id, base_model=s.base_model, model_path=s.model_path
+        ).model_dump(mode="json", exclude_none=True)
+
+    def asample(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.SampleRequest, "asample")
+        if req.sampling_session_id is not None:
+            with self._lock:
+                sampler = self._samplers.get(req.sampling_session_id)
+            if sampler is None:
+                raise WireError(f"sampling_session_id: unknown sampling client {req.sampling_session_id!r}", 404)
+        else:
+            sampler = self._sampler_for("direct", "", req.base_model, req.model_path)
+        job = self._sample_job(req)
+
+        def work() -> Done:
+            engine, tensors = self._sampling_weights(sampler)
+            return run_sample(engine, tensors, job)
+
+        request_id = self._queue("Sample", work)
+        ids = [f"{request_id}:{i}" for i in range(job.num_samples)]
+        return self._future(request_id, sample_sequence_ids=ids)
+
+    def _sample_job(self, req: Any) -> SampleJob:
+        """A ``SampleJob`` from a validated ``SampleRequest``; every unsupported option refused by name."""
+        if not 1 <= req.num_samples <= self.config.max_samples:
+            raise WireError(f"num_samples: {req.num_samples}; between 1 and {self.config.max_samples} (--max-samples)")
+        for name, value in (
+            ("topk_prompt_logprobs", req.topk_prompt_logprobs),
+            ("topk_sample_logprobs", req.topk_sample_logprobs),
+            ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
+        ):
+            if value:
+                raise WireError(f"{name}: {value}; harts serve returns no top-k or alternative tokens (use 0)")
+        if req.target_prompt_logprobs is not None:
+            raise WireError("target_prompt_logprobs: not supported by harts serve")
+        if req.record_stability_info:
+            raise WireError("record_stability_info: not supported by harts serve (it serves no stable_reinforce)")
+        prompt = prompt_tokens(req.prompt.chunks, "prompt", self.info.vocab_size)
+        if not prompt:
+            raise WireError("prompt: empty (sampling needs at least one prompt token)")
+        p = req.sampling_params
+        if p.max_tokens is None or p.max_tokens < 1:
+            raise WireError(f"sampling_params.max_tokens: {p.max_tokens}; give the most tokens to sample (>= 1)")
+        if len(prompt) + p.max_tokens > self.config.capacity:
+            raise WireError(
+                f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({p.max_tokens}) is over "
+                f"the server's {self.config.capacity} tokens (--capacity)"
+            )
+        if not finite(float(p.temperature), "sampling_params.temperature") > 0:
+            raise WireError(f"sampling_params.temperature: {p.temperature}; must be > 0 (harts samples, no greedy)")
+        if not 0 < finite(float(p.top_p), "sampling_params.top_p") <= 1:
+            raise WireError(f"sampling_params.top_p: {p.top_p}; must be in (0, 1]")
+        if p.top_k not in (-1, 0) and p.top_k < self.info.vocab_size:
+            raise WireError(f"sampling_params.top_k: {p.top_k}; harts serve samples with top_k = -1 only")
+        last_n = req.prompt_logprobs_last_n
+        if last_n is not None and not (req.prompt_logprobs and 1 <= last_n < len(prompt)):
+            raise WireError(f"prompt_logprobs_last_n: {last_n}; needs prompt_logprobs and 1 <= N < len(prompt)")
+        seed = int(p.seed) if p.seed is not None else int(self._seeds.integers(2**62))
+        return SampleJob(
+            prompt=prompt,
+            num_samples=req.num_samples,
+            config=sampling_config(p, self._stop_tokens(p.stop)),
+            seed=seed,
+            prompt_logprobs=bool(req.prompt_logprobs),
+            prompt_logprobs_last_n=last_n,
+        )
+
+    def _stop_tokens(self, stop: Any) -> tuple[int, ...]:
+        if stop is None:
+            return self.info.eos_tokens
+        if isinstance(stop, str) or any(isinstance(s, str) for s in stop):
+            raise WireError("sampling_params.stop: string stop sequences are not supported; pass token ids")
+        out = tuple(int(s) for s in stop)
+        bad = [s for s in out if not 0 <= s < self.info.vocab_size]
+        if bad:
+            raise WireError(
+                f"sampling_params.stop: token {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})"
+            )
+        return out
+
+    def _sampling_weights(self, sampler: _Sampler) -> tuple[Engine, dict[str, Any] | None]:
+        """(engine, tensors to swap in) a sampler samples with -- on the worker thread."""
+        if sampler.snapshot is not None:
+            snap = self.snapshots.get(sampler.snapshot)
+            with self._lock:
+                run = None if snap is None else self._runs.get(snap.model_id)
+            if snap is not None and run is not None and run.engine is not None:
+                return run.engine, (None if run.version == snap.version else snap.tensors)
+        tp = sampler.path
+        if tp is None:
+            if sampler.snapshot is not None:
+                raise UserError(
+                    f"the weights of sampling client {sampler.sampler_id} are no longer held (--max-snapshots "
+                    f"{self.config.max_snapshots} newer snapshots, or its training run was released); save again"
+                )
+            return self.sampler_engines.get("base", lambda: self.make_engine(None, None)), None
+        directory = str(self.checkpoints.path(tp))
+        if tp.kind == "sampler_weights":
+            return self.sampler_engines.get(directory, lambda: self.make_engine(None, directory)), None
+        source = self.checkpoints.read_run(tp.model_id) or {}
+
+        def load() -> Engine:
+            engine = self.make_engine(_lora_config(source.get("lora")), None)
+            engine.load_state(directory)
+            return engine
+
+        return self.sampler_engines.get(directory, load), None
+
+    # ------------------------------------------------------------------ listings (RestClient)
+    def _run_record(self, model_id: str) -> dict[str, Any]:
+        with self._lock:
+            run = self._runs.get(model_id)
+        record = run.record() if run is not None else self.checkpoints.read_run(model_id)
+        if record is None:
+            raise WireError(f"training_run_id: no training run {model_id!r} on this server", 404)
+        checkpoints = [types.Checkpoint.model_validate(c) for c in self.checkpoints.listing(model_id)]
+        last = {kind: [c for c in checkpoints if c.checkpoint_type == kind] for kind in ("training", "sampler")}
+        lora = record.get("lora")
+        return types.TrainingRun(
+            training_run_id=model_id,
+            base_model=record["base_model"],
+            model_owner="harts",
+            is_lora=lora is not None,
+            lora_rank=None if lora is None else lora["rank"],
+            last_request_time=(run.last_request or run.created) if run is not None else record["created"],
+            last_checkpoint=last["training"][-1] if last["training"] else None,
+            last_sampler_checkpoint=last["sampler"][-1] if last["sampler"] else None,
+            user_metadata=record.get("user_metadata"),
+        ).model_dump(mode="json", exclude_none=True)
+
+    def training_run(self, model_id: str) -> dict[str, Any]:
+        return self._run_record(model_id)
+
+    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+        ids = self.checkpoints.run_ids()
+        with self._lock:
+            ids += [m for m in self._runs if m not in ids]
+        page = ids[offset : offset + limit]
+        return {
+            "training_runs": [self._run_record(m) for m in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
+        }
+
+    def list_checkpoints(self, model_id: str) -> dict[str, Any]:
+        self.checkpoints.run_dir(model_id)
+        listing = [types.Checkpoint.model_validate(c) for c in self.checkpoints.listing(model_id)]
+        return types.CheckpointsListResponse(checkpoints=listing).model_dump(mode="json")
+
+    def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
+        every = [c for m in self.checkpoints.run_ids() for c in self.checkpoints.listing(m)]
+        every.sort(key=lambda c: c["time"], reverse=True)
+        return {
+            "checkpoints": every[offset : offset + limit],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(every)},
+        }
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> dict[str, Any]:
+        tp = parse_tinker_path(f"tinker://{model_id}/{checkpoint_id}", "checkpoint_id")
+        self.checkpoints.delete(tp)
+        return {}
+
+    def weights_info(self, body: bytes) -> dict[str, Any]:
+        data = json_body(body, "weights_info")
+        path = data.get("tinker_path")
+        if not isinstance(path, str):
+            raise WireError("tinker_path: required (a tinker:// path)")
+        tp = parse_tinker_path(path, "tinker_path")
+        record = self.checkpoints.read_run(tp.model_id)
+        if record is None or not self.checkpoints.exists(tp):
+            raise WireError(f"tinker_path: no checkpoint {tp} on this server", 404)
+        lora = record.get("lora")
+        return types.WeightsInfoResponse(
+            base_model=record["base_model"],
+            is_lora=lora is not None,
+            lora_rank=None if lora is None else lora["rank"],
+            train_attn=None if lora is None else lora["train_attn"],
+            train_mlp=None if lora is None else lora["train_mlp"],
+            train_unembed=None if lora is None else lora["train_unembed"],
+        ).model_dump(mode="json", exclude_none=True)
+
+    def close(self) -> None:
+        """Stop the worker after the running job (queued work is dropped)."""
+        self.worker.stop()
+
+
+def _lora_config(lora: dict[str, Any] | None) -> LoraConfig | None:
+    """harts' ``LoraConfig`` from Tinker's fields (alpha: harts' default, 32, as Tinker uses)."""
+    if lora is None:
+        return None
+    from harts.trainer.lora import LoraConfig
+
+    cfg = LoraConfig(
+        rank=lora["rank"],
+        seed=lora["seed"],
+        train_attn=lora["train_attn"],
+        train_mlp=lora["train_mlp"],
+        train_unembed=lora["train_unembed"],
+    )
+    try:
+        cfg.validate()
+    except UserError as err:
+        raise WireError(f"lora_config: {err}") from None
+    return cfg
+
+
+def _describe_lora(lora: dict[str, Any] | None) -> str:
+    if lora is None:
+        return "full weights"
+    parts = [k.removeprefix("train_") for k in ("train_attn", "train_mlp", "train_unembed") if lora[k]]
+    return f"LoRA rank {lora['rank']} on {', '.join(parts)}"
+
+
+def _check_optimizer(cfg: Any, field: str) -> None:
+    kind = getattr(cfg, "type", "adamw")
+    if kind != "adamw":
+        raise WireError(f"{field}.type: {kind!r}; harts serve trains with AdamW only ('adamw')")
+
+
+def _adam_params(params: Any) -> Any:
+    """Tinker's ``AdamParams`` checked field by field (other optimizers refused)."""
+    if not isinstance(params, types.AdamParams):
+        raise WireError(f"optim_params.type: {getattr(params, 'type', '?')!r}; harts serve takes AdamParams only")
+    checks = (
+        ("learning_rate", params.learning_rate >= 0),
+        ("beta1", 0 <= params.beta1 < 1),
+        ("beta2", 0 <= params.beta2 < 1),
+        ("eps", params.eps > 0),
+        ("weight_decay", params.weight_decay >= 0),
+        ("grad_clip_norm", params.grad_clip_norm >= 0),
+    )
+    for name, ok in checks:
+        value = finite(float(getattr(params, name)), f"optim_params.{name}")
+        if not ok:
+            raise WireError(f"optim_params.{name}: {value} is out of range")
+    return params

@@ -1,0 +1,364 @@
+"""Tinker's wire formats in and out: request validation, datums -> trajectories, encoded results.
+
+JSON requests are validated with the ``tinker`` package's own pydantic request types
+(``validate_json``); ``forward_backward`` arrives as the SDK's protobuf
+(``tinker.proto.tinker_public_pb2.ForwardBackwardRequest``, optionally zstd-compressed) and
+is parsed with that message class. Responses the SDK reads as protobuf
+(``ForwardBackwardOutput``, ``SampleResponse``) are built as those messages; the rest are the
+SDK's pydantic response types dumped to JSON.
+
+A datum maps to one harts trajectory. Tinker sends ``model_input`` = tokens[:-1] and
+``loss_fn_inputs["target_tokens"]`` = tokens[1:]; harts computes next-token log-probs only, so
+the targets must be the input shifted by one wherever they carry loss (a non-zero ``weights``
+entry for cross_entropy, a non-zero ``advantages`` entry for the policy losses). Positions
+without loss may hold anything (tinker-cookbook pads prompt targets with 0); their returned
+log-prob is that of the actual next token. The trajectory is ``model_input`` plus the last
+target, with ``weights`` / ``advantages`` / ``logprobs`` of length len(tokens) - 1.
+
+Every refusal is a ``WireError`` (a ``UserError``) whose message starts with the field it is
+about, e.g. ``forward_backward_input.data[3].loss_fn_inputs.target_tokens: ...``, and which
+carries the HTTP status to answer with (400 unless said otherwise).
+
+Shapes: T = len(model_input) = len(target_tokens) per datum (the trajectory has T + 1 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import pydantic
+from tinker.proto import tinker_public_pb2 as pb
+
+from harts.errors import UserError
+
+__all__ = [
+    "CHECKPOINT_KINDS",
+    "LOSS_INPUTS",
+    "PROTO_MEDIA_TYPE",
+    "TinkerPath",
+    "WireError",
+    "check_name",
+    "decode_forward_backward",
+    "encode_forward_backward_output",
+    "encode_sample_response",
+    "json_body",
+    "parse_tinker_path",
+    "finite",
+    "loss_config",
+    "prompt_tokens",
+    "trajectories",
+    "validate_json",
+]
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+#: the loss functions harts serves and the per-target inputs each accepts (required ones first)
+LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "cross_entropy": (("target_tokens",), ("weights",)),
+    "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
+    "ppo": (("target_tokens", "logprobs", "advantages"), ()),
+    "cispo": (("target_tokens", "logprobs", "advantages"), ()),
+}
+
+#: path segment of each checkpoint kind in a tinker path, and its Tinker checkpoint type
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}")
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,199}")
+#: the media type of the SDK's protobuf bodies
+PROTO_MEDIA_TYPE = "application/x-protobuf"
+
+
+class WireError(UserError):
+    """A request the server refuses; the message names the field, ``status`` is the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# ------------------------------------------------------------------ JSON requests
+def json_body(body: bytes, what: str) -> dict[str, Any]:
+    """The JSON object in ``body``; ``what`` names the endpoint in the error."""
+    try:
+        data = json.loads(body) if body else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise WireError(f"{what}: the request body is not JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise WireError(f"{what}: the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def validate_json(body: bytes, model: type[M], what: str) -> M:
+    """``body`` validated as tinker's request type ``model``; the error names the first bad field."""
+    data = json_body(body, what)
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as err:
+        raise WireError(f"{what}: {describe_validation(err)}") from None
+
+
+def describe_validation(err: pydantic.ValidationError) -> str:
+    """``field.path: message`` for the first error (and how many more there are)."""
+    errors = err.errors()
+    first = errors[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(body)"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{loc}: {first['msg']}{more}"
+
+
+# ------------------------------------------------------------------ names and paths
+def check_name(name: str, field: str) -> str:
+    """A checkpoint name: letters, digits, ``_ . -``, no ``..``, at most 200 characters."""
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise WireError(
+            f"{field}: {name!r} is not a checkpoint name (letters, digits, '_', '.', '-'; "
+            "starting with a letter or digit; no '..' or '/')"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class TinkerPath:
+    """``tinker://<model_id>/<kind>/<name>``; ``kind`` is ``weights`` or ``sampler_weights``."""
+
+    model_id: str
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"tinker://{self.model_id}/{self.kind}/{self.name}"
+
+
+def parse_tinker_path(path: str, field: str, kinds: Sequence[str] = tuple(CHECKPOINT_KINDS)) -> TinkerPath:
+    """Parse a client's tinker path; anything that could leave the state directory is refused."""
+    if not path.startswith("tinker://"):
+        raise WireError(f"{field}: {path!r} is not a tinker path (tinker://<model_id>/<kind>/<name>)")
+    parts = path[len("tinker://") :].split("/")
+    if len(parts) != 3:
+        raise WireError(f"{field}: {path!r} must have three parts, tinker://<model_id>/<kind>/<name>")
+    model_id, kind, name = parts
+    if not _MODEL_ID.fullmatch(model_id) or ".." in model_id:
+        raise WireError(f"{field}: {path!r} does not name a training run of this server")
+    if kind not in kinds:
+        raise WireError(f"{field}: {path!r} has kind {kind!r}; expected {' or '.join(map(repr, kinds))}")
+    check_name(name, field)
+    return TinkerPath(model_id, kind, name)
+
+
+# ------------------------------------------------------------------ forward_backward in
+def decode_forward_backward(body: bytes, content_encoding: str | None, *, max_bytes: int) -> pb.ForwardBackwardRequest:
+    """The protobuf ``ForwardBackwardRequest`` in ``body`` (zstd when ``content_encoding`` says so)."""
+    if content_encoding and content_encoding.strip().lower() == "zstd":
+        import zstandard
+
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
+        except zstandard.ZstdError as err:
+            raise WireError(f"forward_backward: the zstd request body does not decompress ({err})") from None
+        if len(body) > max_bytes:
+            raise WireError(f"forward_backward: the request is over {max_bytes} bytes uncompressed", 413)
+    elif content_encoding and content_encoding.strip().lower() not in ("identity", ""):
+        raise WireError(f"forward_backward: Content-Encoding {content_encoding!r} is not supported (zstd is)", 415)
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as err:  # google.protobuf.message.DecodeError
+        raise WireError(f"forward_backward: the body is not a tinker ForwardBackwardRequest protobuf ({err})") from None
+    return msg
+
+
+def loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
+    """``loss_fn_config``: the v2 map when set (numbers and strings), else the legacy float map."""
+    if len(msg.loss_fn_config_v2):
+        out: dict[str, float | str] = {}
+        for k, v in msg.loss_fn_config_v2.items():
+            arm = v.WhichOneof("value")
+            if arm is None:
+                raise WireError(f"forward_backward_input.loss_fn_config.{k}: no value")
+            out[k] = v.number if arm == "number" else v.text
+        return out
+    return {k: float(v) for k, v in msg.loss_fn_config.items()}
+
+
+def trajectories(msg: pb.ForwardBackwardRequest, *, vocab_size: int, max_tokens: int) -> list[dict[str, Any]]:
+    """One trajectory per datum (module docstring), every field checked first."""
+    loss_fn = msg.loss_fn
+    if loss_fn not in LOSS_INPUTS:
+        raise WireError(
+            f"forward_backward_input.loss_fn: {loss_fn!r} is not served by harts; "
+            f"served: {', '.join(LOSS_INPUTS)} (forward_backward_custom runs any loss through cross_entropy)"
+        )
+    if not len(msg.data):
+        raise WireError("forward_backward_input.data: no datums")
+    return [
+        _trajectory(d, f"forward_backward_input.data[{i}]", loss_fn, vocab_size, max_tokens)
+        for i, d in enumerate(msg.data)
+    ]
+
+
+def _trajectory(d: pb.Datum, field: str, loss_fn: str, vocab_size: int, max_tokens: int) -> dict[str, Any]:
+    inputs = _chunk_tokens(d.model_input, f"{field}.model_input", vocab_size)
+    t = len(inputs)
+    if t == 0:
+        raise WireError(f"{field}.model_input: empty (a datum needs at least one input token)")
+    if t + 1 > max_tokens:
+        raise WireError(f"{field}.model_input: {t} tokens; this server fits at most {max_tokens - 1} per datum")
+    required, optional = LOSS_INPUTS[loss_fn]
+    unknown = sorted(set(d.loss_fn_inputs) - set(required) - set(optional))
+    if unknown:
+        raise WireError(
+            f"{field}.loss_fn_inputs.{unknown[0]}: not an input of loss_fn {loss_fn!r} "
+            f"(it takes {', '.join(required + optional)})"
+        )
+    arrays: dict[str, np.ndarray] = {}
+    for name in required + optional:
+        if name not in d.loss_fn_inputs:
+            if name in required:
+                raise WireError(f"{field}.loss_fn_inputs.{name}: missing (loss_fn {loss_fn!r} needs it)")
+            continue
+        arrays[name] = _vector(
+            d.loss_fn_inputs[name], f"{field}.loss_fn_inputs.{name}", t, integer=name == "target_tokens"
+        )
+    targets = arrays.pop("target_tokens").astype(np.int64)
+    bad = np.flatnonzero((targets < 0) | (targets >= vocab_size))
+    if bad.size:
+        raise WireError(
+            f"{field}.loss_fn_inputs.target_tokens: token {int(targets[bad[0]])} at position {int(bad[0])} "
+            f"is outside the vocabulary [0, {vocab_size})"
+        )
+    carrying = arrays["weights"] != 0 if loss_fn == "cross_entropy" and "weights" in arrays else None
+    if loss_fn != "cross_entropy":
+        carrying = arrays["advantages"] != 0
+    shifted = targets[:-1] == inputs[1:]
+    wrong = ~shifted if carrying is None else ~shifted & carrying[:-1]
+    if wrong.any():
+        j = int(np.flatnonzero(wrong)[0])
+        raise WireError(
+            f"{field}.loss_fn_inputs.target_tokens: position {j} is {int(targets[j])} but model_input[{j + 1}] is "
+            f"{int(inputs[j + 1])}; harts computes next-token log-probs only, so every target that carries loss "
+            "must be the next input token"
+        )
+    traj: dict[str, Any] = {"tokens": inputs.tolist() + [int(targets[-1])]}
+    traj.update(arrays)
+    return traj
+
+
+def _chunk_tokens(chunks: Sequence[pb.Chunk], field: str, vocab_size: int) -> np.ndarray:
+    parts = []
+    for c, chunk in enumerate(chunks):
+        arm = chunk.WhichOneof("chunk")
+        if arm != "encoded_text":
+            raise WireError(f"{field}.chunks[{c}]: {arm or 'empty'} chunks are not supported (text tokens only)")
+        raw = chunk.encoded_text.tokens
+        if len(raw) % 4:
+            raise WireError(f"{field}.chunks[{c}].tokens: {len(raw)} bytes is not a whole number of int32 tokens")
+        parts.append(np.frombuffer(raw, dtype=np.int32))
+    tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    if bad.size:
+        raise WireError(
+            f"{field}: token {int(tokens[bad[0]])} at position {int(bad[0])} is outside the vocabulary [0, {vocab_size})"
+        )
+    return tokens
+
+
+_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+
+
+def _vector(msg: pb.Tensor, field: str, length: int, *, integer: bool) -> np.ndarray:
+    """A 1-D tensor of ``length`` numbers from its protobuf (dense or sparse CSR)."""
+    np_dtype = _DTYPES.get(msg.dtype)
+    if np_dtype is None:
+        raise WireError(f"{field}: dtype {pb.DType.Name(msg.dtype)} is not supported (float32 or int64)")
+    shape = list(msg.shape) or None
+    if msg.HasField("sparse_csr"):
+        raise WireError(f"{field}: sparse tensors are not supported here (send a dense 1-D tensor)")
+    raw = msg.dense
+    itemsize = np.dtype(np_dtype).itemsize
+    if len(raw) % itemsize:
+        raise WireError(f"{field}: {len(raw)} bytes is not a whole number of {np.dtype(np_dtype).name} values")
+    arr = np.frombuffer(raw, dtype=np_dtype)
+    if shape is not None and (len(shape) != 1 or shape[0] != arr.size):
+        raise WireError(f"{field}: shape {shape}; expected [{length}] (one value per target position)")
+    if arr.size != length:
+        raise WireError(f"{field}: {arr.size} values; expected {length}, one per model_input token")
+    if integer:
+        if arr.dtype.kind == "f":
+            if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
+                raise WireError(f"{field}: token ids must be integers")
+        return arr.astype(np.int64)
+    if arr.dtype.kind != "f":
+        arr = arr.astype(np.float32)
+    if not np.all(np.isfinite(arr)):
+        j = int(np.flatnonzero(~np.isfinite(arr))[0])
+        raise WireError(f"{field}: value {float(arr[j])} at position {j} is not finite")
+    return arr.copy()
+
+
+# ------------------------------------------------------------------ sampling in
+def prompt_tokens(chunks: Sequence[Any], field: str, vocab_size: int) -> list[int]:
+    """The token ids of a validated ``ModelInput``'s chunks (text chunks only)."""
+    tokens: list[int] = []
+    for c, chunk in enumerate(chunks):
+        kind = getattr(chunk, "type", None)
+        if kind != "encoded_text":
+            raise WireError(f"{field}.chunks[{c}]: {kind} chunks are not supported (text tokens only)")
+        for j, tok in enumerate(chunk.tokens):
+            if not 0 <= int(tok) < vocab_size:
+                raise WireError(f"{field}.chunks[{c}].tokens[{j}]: {tok} is outside the vocabulary [0, {vocab_size})")
+            tokens.append(int(tok))
+    return tokens
+
+
+# ------------------------------------------------------------------ results out
+def _batched(arrays: Sequence[np.ndarray]) -> pb.BatchedTensor:
+    flat = [np.ascontiguousarray(a, dtype=np.float32).reshape(-1) for a in arrays]
+    sizes = np.array([0] + [a.nbytes for a in flat], dtype=np.int64)
+    data = b"".join(a.tobytes() for a in flat)
+    return pb.BatchedTensor(data=data, offsets=np.cumsum(sizes).tobytes(), dtype=pb.DTYPE_FLOAT32)
+
+
+def encode_forward_backward_output(
+    outputs: Mapping[str, Sequence[np.ndarray]], metrics: Mapping[str, float], num_datums: int
+) -> bytes:
+    """``ForwardBackwardOutput`` protobuf: one float32 array per datum and field, plus metrics.
+
+    Metric names carry Tinker's reduction suffix (``loss:sum``): the SDK combines chunked
+    requests by it."""
+    record = pb.ArrayRecord(num_datums=num_datums)
+    for name, arrays in outputs.items():
+        record.fields[name].CopyFrom(_batched(arrays))
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+    for k, v in metrics.items():
+        msg.metrics[k] = float(v)
+    return msg.SerializeToString()
+
+
+def encode_sample_response(
+    sequences: Sequence[tuple[Sequence[int], Sequence[float], bool]], prompt_logprobs: np.ndarray | None
+) -> bytes:
+    """``SampleResponse`` protobuf; each sequence is (tokens, logprobs, stopped at a stop token)."""
+    msg = pb.SampleResponse()
+    for tokens, logprobs, stopped in sequences:
+        msg.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP if stopped else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(logprobs, dtype=np.float32).tobytes(),
+        )
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    return msg.SerializeToString()
+
+
+def finite(x: float, field: str) -> float:
+    """``x`` if finite, else a ``WireError`` naming ``field``."""
+    if not math.isfinite(x):
+        raise WireError(f"{field}: {x} is not finite")
+    return x
