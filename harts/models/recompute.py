@@ -5,23 +5,22 @@ With ``ExecutionConfig(recompute=True)`` every decoder layer runs under
 backward reruns the whole layer to rebuild what its gradients need. ``recompute_skip`` names
 cores that are not rerun (``harts.models.execution.config.SKIPPABLE_CORES``):
 
-* ``"attention"``: the full-attention core (FlexAttention / SDPA). On an H200 its recomputation
-  took 12.7 s of the full ``ling3_tiny`` model's 240 s ``swe`` replica step trajectory-wise (the
-  linear-attention cores' 6.5 s); at T = 65,536 rows an MLA layer keeps q, k (16 x 192), v, o
-  (16 x 128) in bf16 and the log-sum-exp, 1.35 GB by their shapes;
+* ``"attention"``: the full-attention core (FlexAttention / SDPA), the costliest core to rerun
+  on long contexts; at T = 65,536 rows an MLA layer keeps q, k (16 x 192), v, o (16 x 128) in bf16
+  and the log-sum-exp, 1.35 GB by their shapes;
 * ``"linear_attention"``: the chunkwise KDA / GDN core (fla-core or the tree kernel), whose
-  saved tensors include float32 decays and per-chunk matrices. On an H200, keeping both kinds
-  of core raised the full ``ling3_tiny`` model's peak on a ``swe`` replica step from 56.8 to
-  95.5 GiB (trajectory-wise) and cut its time by 7.9 % (README, session 10).
+  saved tensors include float32 decays and per-chunk matrices. Keeping both kinds of core trades
+  tens of GiB of peak memory for a few percent of step time on the full ``ling3_tiny``
+  (``benchmarks/results/ling3-tiny_h200_2026-12-01_selective-recompute.md``).
 * ``"moe"``: the whole MoE block (router, routed and shared experts, statistics). Its routed
   experts then run lean (``MoE.forward``'s ``lean``): they keep only their inputs and recompute
   the row gather, the gate/up GEMM and the SwiGLU inside their own backward, so the block keeps
   about its input and output rows, the shared expert's three [T, I_s] activations, the router's
   float32 [T, E] tensors and the dispatch's int64 [T K] indices (about 0.8 GB per layer at
   65,536 rows of ``ling3_tiny``, by their shapes) instead of the [T K, D + 3 I] the autograd
-  path keeps. The recomputation then skips the whole block (7.2 of a MoE layer's 30.6 ms in
-  ``harts.bench.moe_bench`` on an H200 was recomputation) at the cost of one gather, one grouped
-  GEMM and one SwiGLU pass in the backward. Not yet measured on a GPU.
+  path keeps. The recomputation then skips the whole block (about a quarter of a MoE layer's
+  time under recomputation, ``python -m harts.bench.moe_bench --device cuda``) at the cost of one
+  gather, one grouped GEMM and one SwiGLU pass in the backward.
 
 A skipped core runs in the forward with its saved tensors kept (an identity
 ``saved_tensors_hooks`` inside checkpoint's, so checkpoint never sees them) and its output

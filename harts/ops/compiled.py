@@ -3,45 +3,36 @@
 One mechanism for two uses: the LM head's fused passes (``harts.ops.logprob.mapped``, always
 compiled on CUDA: ``opt_in=False``) and the layer glue below (``HARTS_COMPILE=0`` turns it off).
 
-A profile of one trajectory-wise microbatch on an H200 (ling3_tiny's dimensions, pattern KKKM,
-bf16, recompute) spent about a third of the device time outside GEMMs and attention kernels:
-RMS norms taken in float32, gates, l2 norms, SwiGLU products, casts, each a separate pass over
-[T, D] rows in eager torch (``aten::mul`` alone was 16 %). Inductor fuses each small function
+In eager torch the glue between GEMMs and attention kernels (RMS norms taken in float32,
+gates, l2 norms, SwiGLU products, casts) is a separate pass over [T, D] rows per operation, and
+on a GPU profile it is a large share of the device time. Inductor fuses each small function
 below into one or two Triton kernels per direction.
 
 ``cuda_compiled(fn)`` keeps ``fn`` itself as the reference: CPU tensors (every float64 test)
 always run it eagerly; CUDA tensors run ``torch.compile(fn, dynamic=True)`` unless
-``HARTS_COMPILE=0`` (``compile_enabled()``). Both sides of ``harts bench`` get it. On an H200 it
-took a full ``medium`` step (``harts bench --workload medium``, ling3_tiny's dimensions, pattern
-KKKM, bf16, recompute) from 50.98 s to 44.82 s trajectory-wise and from 8.09 s to 7.22 s for
-harts (README, GPU section; measured with RoPE still eager, see below).
+``HARTS_COMPILE=0`` (``compile_enabled()``). Both sides of ``harts bench`` get it (a step
+eager and compiled: ``benchmarks/results/ling3-tiny-kkkm_h200_2026-12-01_compiled-glue.md``).
 
 **Row counts never recompile.** Every microbatch has its own row count T, and a tree step's
 microbatches differ widely. With dynamic shapes Inductor still guards on T's size class
 (``4096 <= T``, ``T * 768 >= 5242880``: fusion and indexing heuristics evaluated at the first T
-it saw), so a smaller microbatch recompiled the glue in the middle of a timed step (six
-recompilations of the norms, 1-3 s each, in an H200 log of ``harts bench --workload medium --dp 8
---replica 0`` with ``TORCH_LOGS=recompiles``). A call whose row-first arguments (positions
+it saw), so a smaller microbatch would recompile the glue in the middle of a timed step, at
+seconds per compilation (``TORCH_LOGS=recompiles`` shows it). A call whose row-first arguments (positions
 ``rows``, all with the same T) have fewer than ``MIN_ROWS`` rows is therefore zero-padded up to
 it (an element-wise pass over ``MIN_ROWS`` rows costs microseconds) and its result cut back to
 T: every call, and the first one the kernels are compiled for, lies above those thresholds, so
 the guards hold for all of them. (Declaring the range with ``torch._dynamo.mark_dynamic(min=,
-max=)`` instead failed on the H200: Inductor's 32-bit indexing guards depend on the inputs'
-strides, and a declared upper bound above them is a constraint violation; RoPE then ran eagerly
-in the measurements above. With the padding alone, a full ``medium`` step on an H200 logged no
-recompilation between the warm-ups and the end of the baseline's timed step; ``harts bench``
-reports the graphs built inside each timed step.) Recompilation is
+max=)`` instead does not work: Inductor's 32-bit indexing guards depend on the inputs' strides,
+and a declared upper bound above them is a constraint violation. ``harts bench`` reports the
+graphs built inside each timed step, so a recompilation there shows.) Recompilation is
 left for what changes the kernel: the feature width, dtype, and whether an argument is a view
 -- a handful of variants per function, compiled once per process.
 
 **Only the row count is symbolic.** ``torch.compile(fn, dynamic=True)`` makes *every* size
 symbolic, feature widths included, and Inductor then indexes each element with 64-bit divisions
-and remainders by runtime widths. On an H200 (``python -m harts.bench.moe_bench --device cuda``,
-one ``ling3_tiny`` MoE layer at 65,536 rows, bf16) the MoE's compiled passes ran 2-5x slower than
-their bytes allow: the weighted SwiGLU's backward 3.58 ms where 2.7 GB of traffic take about 0.8
-ms, its forward 1.08 ms (1.6 GB), the slot sum 1.25 ms per call (1.8 GB); with only the rows
-symbolic 1.35, 0.37 and 0.63 ms, and the layer's forward + backward under recomputation 36.4 ->
-30.6 ms (README, session 13). So a row-bounded call
+and remainders by runtime widths, which leaves the compiled passes several times slower than
+their bytes allow (``python -m harts.bench.moe_bench --device cuda`` times a MoE layer both ways:
+``benchmarks/results/ling3-tiny_h200_2026-12-01_flash-host-mask-moe.md``). So a row-bounded call
 (``rows`` given) compiles with ``dynamic=None`` and marks its arguments itself: dim 0 of each
 row-first tensor dynamic (``maybe_mark_dynamic``), every other dim of every tensor argument
 static (``mark_static``). One graph serves every row count; each distinct feature width or
@@ -54,9 +45,8 @@ forward only: a backward graph that fails to compile fails in ``loss.backward()`
 
 **Float64 always runs eagerly, on CUDA too** (``COMPILED_DTYPES``). It is the precision
 reference (``harts compare --dtype float64``, float64 twins in the GPU tests), not a speed path,
-and Inductor in torch 2.11 failed to compile a float64 split reduction: an H200 run of
-``tests/models/test_linked_rounds.py`` with a float64 model on CUDA failed in the backward of the
-glue's norms (``triton_per_fused_add_div_expand_mul_pow_sum_0``: "Loop-carried variable accum0 has
+and Inductor in torch 2.11 does not compile a float64 split reduction: the backward of the glue's
+norms fails (``triton_per_fused_add_div_expand_mul_pow_sum_0``: "Loop-carried variable accum0 has
 initial type fp32 but is re-assigned to fp64"), where the fallback above cannot catch it.
 """
 

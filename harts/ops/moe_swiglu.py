@@ -12,10 +12,8 @@ The lean MoE block (``harts.models.layers.moe._LeanRoutedExperts``) keeps only t
 output (or recomputes it) and needs, in its backward, ``act`` again (for the down projection's
 weight gradient) and both input gradients. Through autograd that is three passes over the
 ``[P, 2I]`` tensor: the compiled forward again, then Inductor's backward as a pointwise kernel
-(``d_gate_up``) and a separate reduction over I (``d_w``), each reading ``gate_up`` and ``d_act``.
-On an H200 the two backward kernels took 30.8 + 8.7 ms of a trajectory-wise ``swe`` microbatch
-of ``ling3_tiny`` (23 MoE layers, P = 8 x 65,536; README, session 22), about twice their bytes.
-``weighted_swiglu_backward`` reads ``gate_up``, ``w`` and ``d_act`` once and writes ``act``,
+(``d_gate_up``) and a separate reduction over I (``d_w``), each reading ``gate_up`` and ``d_act``:
+about twice the bytes the backward needs. ``weighted_swiglu_backward`` reads ``gate_up``, ``w`` and ``d_act`` once and writes ``act``,
 ``d_gate_up`` and ``d_w`` in one kernel: half the traffic of the three passes.
 
 Numerics: float32 inside (as the compiled forms), each output rounded once to its input's dtype;
@@ -170,8 +168,8 @@ def _kernel(
 
 
 if triton is not None:
-    # P not specialized: Triton would compile a second variant for pair counts divisible by 16
-    # (a ``swe`` step's first such microbatch compiled it inside the timed step; session 23)
+    # P not specialized: Triton would compile a second variant for pair counts divisible by 16,
+    # and the first microbatch of that class would pay the compilation inside its step
     @triton.jit(do_not_specialize=["P"])
     def _weighted_swiglu_bwd_kernel(
         gu, w, da, act, d_gu, d_w, P, I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr

@@ -10,20 +10,17 @@ three passes forward and, backward, two l2-norm gradients followed by a concaten
 three gradients into ``[T, 2HK + HV]`` (``split``'s backward), plus a copy of v wherever the
 linear attention wants it contiguous. ``split_l2norm_qkv`` reads ``mixed`` once and writes q, k,
 v forward, and backward reads the three gradients and the q / k inputs once and writes
-``d mixed`` directly: no concatenation, no copy. On an H200, one ``ling3_tiny`` KDA layer at
-65,536 rows (bf16) took 0.460 ms forward and 1.025 ms forward + backward against the
-reference's 1.038 and 2.227 (``python -m harts.bench.qkv_norm_bench --device cuda``), and one
-profiled trajectory-wise ``swe`` microbatch (18 KDA layers) about 29 ms less device time
-(README, session 18).
+``d mixed`` directly: no concatenation, no copy: about half the reference's time per layer
+(``python -m harts.bench.qkv_norm_bench --device cuda``; ``benchmarks/results/ling3-tiny_h200_2026-12-02_qkv-norm-kernel.md``).
 
 Numerics: both forms take each row's sum of squares in float32 and round the result once to the
 input dtype; the kernel's q / k equal the reference's up to float32 summation order (a rounding
 step of the output dtype at most), v exactly.
 
 **The SiLU** (``activation="silu"``): KDA's short conv then runs without its activation and
-writes the pre-activation rows. On an H200 that took fla-core's conv from 94.9 to 55.8 ms per
-trajectory-wise ``swe`` microbatch (its backward neither recomputes the pre-activation output nor
-reads it per tap; README, session 19), but a compiled SiLU + split + norms cost that much again.
+writes the pre-activation rows, which makes fla-core's conv much cheaper (its backward neither
+recomputes the pre-activation output nor reads it per tap); a separate compiled SiLU + split +
+norms would cost that saving again.
 Here the SiLU costs the kernel no pass: forward it already reads every column and writes v,
 backward it reads the v columns of ``mixed`` as well (its only extra traffic, ``[T, HV V]``). The
 kernel keeps SiLU's output in float32 up to the norms, where the reference rounds it to the

@@ -318,9 +318,8 @@ class StepPrefetcher:
 
     Planning a step (``plan_training_step``: capacity check, the step planner, its
     compaction) is numpy on the host and needs neither the model nor the device. Done between
-    steps it is time the device stands idle: on the H200 machine's host, 1.5-2.5 s per ``swe``
-    step (all replicas planned) against 46 s of one replica's training, 0.3-0.4 s per ``medium``
-    step against 5 s (README, sessions 9-10).
+    steps it is time the device stands idle, and a large step's planning is seconds of host work
+    (all replicas are planned on every rank).
     ``StepPrefetcher`` runs it, and the loading of the step's batch, in one background thread:
 
         with StepPrefetcher(cfg, world) as ahead:

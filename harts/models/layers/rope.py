@@ -82,11 +82,10 @@ def mla_key_value(
 
     One compiled pass each way on CUDA. Eager, the keys were a ``torch.cat`` of a strided
     ``k_nope`` slice and the broadcast ``k_rot``, after a rotation of ``k_rot``, with the values
-    copied apart, and backward ``split``'s concatenation of the two gradients. In an H200 profile
-    of a 65,322-row ``swe`` microbatch (``docs/gpu/session19_profile_per_round/baseline.txt``) the
-    keys' concatenation took 8.49 ms in 12 launches, 0.71 ms each where its bytes take about
-    0.2 ms, and the gradients' 5.26 ms in 6. The eager function (CPU, float64) is the former code:
-    the same operations."""
+    copied apart, and backward ``split``'s concatenation of the two gradients; in a GPU profile
+    the keys' concatenation took about three times what its bytes take (the profile:
+    ``benchmarks/results/ling3-tiny_h200_2026-12-02_conv-no-state/profile_per_round/``). The
+    eager function (CPU, float64) is the former code: the same operations."""
     t, h = kv_THC.shape[:2]
     k_nope, v = kv_THC[..., :nope], kv_THC[..., nope:]
     rot = k_rot_T1R

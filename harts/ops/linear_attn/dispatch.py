@@ -12,18 +12,14 @@ states, requested boundary states, all differentiable), so executors pick by nam
     "tree_linked" the same kernels with a compact microbatch's rounds linked into one op per
                  layer (``linked_tree_linear_attn``: fla's chunk-parallel kernels once, the scans
                  per round, the backward's recomputed scan once) wherever the layout's state
-                 requests are chunk-aligned; trajectory-wise it is "tree". What "auto" picks since
-                 session 22: on one H200 it took harts' linear attention from 3.80 to 3.53 s on the
-                 full ling3_tiny's ``medium`` step 0 and from 6.17 to 5.81 s on ``swe`` step 5
-                 (README, sessions 21 and 22), and its model-level GPU test passed
+                 requests are chunk-aligned; trajectory-wise it is "tree". What "auto" picks,
+                 since linking saves the per-round splits and concatenations (a step both ways:
+                 ``benchmarks/results/ling3-tiny_h200_2026-12-02_glue-fusions.md``)
     "auto"       "tree_linked" on CUDA when fla-core imports and the chunk size is fla's 64, else
                  "reference" (a model with another chunk size, e.g. the tiny preset's 8, runs
-                 the reference op; asking for "tree" or "fla" there is an error). On one H200 (bf16,
-                 16 heads of 128, the medium workload's first 4 microbatches) the tree kernel's
-                 forward + backward took 0.92x plain fla's time on the same rows without any
-                 state export, and 1/5.7 of the split path's on rounds with >= 8 requested
-                 states (``python -m harts.bench.la_bench --workload medium --microbatches 4
-                 --device cuda --dtype bfloat16 --backends tree,fla,plain``)
+                 the reference op; asking for "tree" or "fla" there is an error). The tree
+                 kernel runs close to plain fla's time on the same rows without any state export,
+                 and far below the split path's (``python -m harts.bench.la_bench --device cuda``)
 """
 
 from __future__ import annotations

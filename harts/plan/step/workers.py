@@ -2,9 +2,9 @@
 
 Most of ``plan_step``'s time goes to independent numpy work: the greedy pass's four processing
 orders, the converged repair of the deep candidates, and the polish of the winner
-(``planner.py``). On ``swe`` step 0 (2,308 paths, dp 8) they are 0.34, 0.13 and 0.32 s of
-0.86 s under cProfile on a 2-core machine, and in ``harts bench`` and ``harts train`` with
-``--no-prefetch`` that time stands between the rollouts and the first microbatch.
+(``planner.py``): under cProfile most of a large step's planning time, and in ``harts bench``
+and ``harts train`` with ``--no-prefetch`` that time stands between the rollouts and the first
+microbatch.
 
 ``PlannerWorkers`` keeps a few spawned processes for that (numpy only: no torch, no CUDA, so
 they are safe beside a process that holds a GPU; ``spawn`` never forks a CUDA context), started
@@ -39,9 +39,8 @@ __all__ = ["PlannerWorkers", "Task", "auto_workers", "completed", "run_inline", 
 T = TypeVar("T")
 
 #: below this many trajectories a step is planned in the calling process: handing tasks to the
-#: workers costs more than it saves on small steps (the H200 host, session 17: ``medium``, 389
-#: paths, 0.114 s with 4 workers against 0.095 s alone; ``swe``, 1,417-2,364 paths, 0.21-0.53 s
-#: against 0.36-0.82 s)
+#: workers costs more than it saves on small steps (``medium``'s 389 paths planned slower with
+#: workers, ``swe``'s 1,417-2,364 faster: ``benchmarks/results/ling3-tiny_h200_2026-12-02_planner-workers.md``)
 MIN_PATHS = 1000
 
 
