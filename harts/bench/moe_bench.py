@@ -2,9 +2,9 @@
 
     python -m harts.bench.moe_bench --device cuda --rows 65536 --json out.json
 
-The MoE blocks were the largest component of a full ``ling3_tiny`` step on an H200 (77 of 192 s
-trajectory-wise on ``swe`` step 5, replica 0 of 8, about 20 % MFU), while the layer's GEMMs run
-at about 640 TFLOP/s here: most of the block's time was outside them. This runs one
+The MoE blocks are the largest component of a full ``ling3_tiny`` step on a GPU, while the
+layer's GEMMs run near the device's GEMM rate: most of the block's time is outside them
+(``benchmarks/results/ling3-tiny_h200_2026-12-01_flash-host-mask-moe.md``). This runs one
 ``harts.models.layers.moe.MoE`` layer of a model preset (default ``ling3_tiny``: 128 experts, top
 8 in 4 of 8 groups, expert width 512, one shared expert, hidden 1,536) on ``--rows`` random rows,
 after the layer's post-attention RMS norm (as a decoder layer runs it; the norm is not counted

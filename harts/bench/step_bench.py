@@ -441,12 +441,9 @@ def warmup_microbatches(executed_rows: list[int], rows: list[int]) -> list[int]:
     * the first whose executed row count (``executed_rows``: the T the kernels take, physical
       rows with replay in compact mode) is a multiple of 16 if the first's is not, or the other
       way round. Triton compiles a kernel once per divisibility class of its integer arguments
-      (a multiple of 16 gets its own binary), and every fla / tree / Inductor kernel takes T: in
-      three H200 runs the slowest timed microbatch was, each time, the first one of a multiple
-      of 16 rows (``medium`` step 0 baseline #14, 63,344 rows: 2.16 s against a 0.50 s median;
-      ``swe`` step 5 replica 0, baseline #11, 62,448 rows: 4.28 s against 2.14 s, harts #8,
-      50,864 rows: 6.51 s against 2.55 s), and in a rerun on the same machine, with the
-      compiled kernels cached, no microbatch stood out (the ``medium`` baseline's slowest 0.56 s).
+      (a multiple of 16 gets its own binary), and every fla / tree / Inductor kernel takes T:
+      without this warm-up the first timed microbatch of the other class pays those
+      compilations (``benchmarks/results/ling3-tiny_h200_2026-12-01_selective-recompute.md``).
     """
     if not executed_rows:
         return []

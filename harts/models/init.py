@@ -22,9 +22,8 @@ pool of host threads: torch's CPU generator is sequential (about 14 ns per norma
 7.8 B parameters of the full ``ling3_tiny`` took over a minute of the cold start drawn in one
 stream per tensor. The values depend on (seed, name) only, never on the thread count; tensors
 up to ``DRAW_CHUNK`` entries keep the one-stream values they always had. ``init_weights`` runs
-every stream and chunk of the whole model on the pool and casts while copying in place (0.835 B
-parameters of ``ling3_tiny --pattern KM`` in bfloat16 on a 2-core host: 6.7 s per tensor through
-``init_value``, 2.2 s so, the same values).
+every stream and chunk of the whole model on the pool and casts while copying in place (the
+same values as one tensor at a time through ``init_value``, in a fraction of its time).
 
 Distributions (the layers' own choices, by module and tensor):
 ``nn.Linear`` / ``nn.Embedding`` weights, the router and the experts: normal(0, initializer_range);

@@ -6,9 +6,8 @@
     topk    = the K best experts of each row inside its kept groups, best first   [T, K]
 
 The torch formulation (``TopKRouter.choose``'s reference) takes three ``topk`` calls, a scatter,
-a masked fill and their temporaries: about 1.6 ms per MoE layer for a 60 k-row microbatch on an
-H200 (``gatherTopK`` and ``bitonicSortKVInPlace``, one profiled `medium` microbatch), for an
-output of 8 indices per row. ``grouped_topk`` reads the [T, E] scores once: a Triton program
+a masked fill and their temporaries (sorting kernels, ``gatherTopK`` and
+``bitonicSortKVInPlace`` in a GPU profile), for an output of 8 indices per row. ``grouped_topk`` reads the [T, E] scores once: a Triton program
 holds a block of rows in registers and takes the group maxima, the KG groups and the K experts
 by repeated arg-max. Triton only: no maintained kernel does this choice (fla-core has no
 routing; torch's ``topk`` is one of the three calls above).

@@ -4,9 +4,9 @@ A synchronous host-to-device copy (``torch.as_tensor(a, device=cuda)``, ``.to(cu
 drains the stream, so the host stops running ahead of the GPU in the middle of a step. A
 "non-blocking" copy from pageable host memory is no better in practice: the driver stages it
 through its own pinned buffer, and the host waits until the copy engine, which runs in stream
-order behind the kernels already queued, has taken the data. In one profiled ``medium``
-microbatch on an H200 harts' 144 such copies held the host 60.9 ms (423 us each) while the
-GPU sat idle 71 ms of the microbatch's 566 ms. ``upload`` therefore copies the array into pinned
+order behind the kernels already queued, has taken the data; with a hundred or so index
+copies per microbatch the GPU then sits idle (a profile before and after:
+``benchmarks/results/ling3-tiny_h200_2026-12-01_tma-pinned-uploads.md``). ``upload`` therefore copies the array into pinned
 (page-locked) memory from torch's caching host allocator first: the device copy is then queued
 and the call returns at once. The pinned block is not handed out again before its copy has run
 (the allocator records the copy's stream event), and the source array may be freed or changed

@@ -229,7 +229,8 @@ def _small_ints(x: np.ndarray) -> np.ndarray:
 #: engine costs about a hundred numpy calls per unit level, and unit levels come with general
 #: forks (two or more internal children): a forest takes the walk when it has at most
 #: ``LEAN_BASE + LEAN_PER_GENERAL_FORK * G`` segments (G general forks), and never above
-#: ``LEAN_MAX_SEGMENTS``. Break-even measured by ``calls_bench --sweep`` (README): near 600
+#: ``LEAN_MAX_SEGMENTS``. Break-even measured by ``calls_bench --sweep``
+#: (``benchmarks/results/forests_cpu-2core_2026-11-30_call-planning.md``): near 600
 #: segments on caterpillars (G = 0), 1,500 on swe step forests (V/G ~ 25), 3,500 on random
 #: recursive trees (V/G ~ 9)
 LEAN_BASE = 512

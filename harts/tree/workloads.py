@@ -20,7 +20,7 @@ The generator reproduces those shapes from a handful of parameters (``WorkloadSp
   * no path exceeds ``max_path_tokens``.
 Siblings always start with distinct tokens, so the explicit tree equals the token trie.
 
-``harts stats --workload NAME`` prints the calibration table; README documents it.
+``harts stats --workload NAME`` prints the calibration table; ``docs/workloads.md`` documents it.
 """
 
 from __future__ import annotations

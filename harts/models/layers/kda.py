@@ -92,8 +92,8 @@ class KimiDeltaAttention(nn.Module):
     #: the log-decay g by fla-core's fused gate (``fla.ops.kda.gate.fused_kda_gate``: one Triton
     #: pass forward, and backward one pass that writes df beside per-block partial sums of
     #: dA_log and ddt_bias) instead of the compiled ``kda_log_decay``, whose backward Inductor
-    #: made a reduction and a pointwise pass (1.0 ms per layer at 65 k rows on an H200, where
-    #: the bytes take about 0.3). The same arithmetic in float32, rounded once to f's dtype.
+    #: made a reduction and a pointwise pass (about three times what their bytes take on a GPU).
+    #: The same arithmetic in float32, rounded once to f's dtype.
     #: Only on CUDA with fla-core and half or float32 f (float64 and CPU: ``kda_log_decay``).
     #: None: on unless the environment sets ``HARTS_KDA_FLA_GATE`` to 0/false/no/off
     fla_gate: bool | None = None

@@ -145,7 +145,7 @@ def router_grad_split(
     half operands with float32 accumulation over the two terms side by side: ``[hi | lo] @ [w;
     w]`` and ``[hi | lo]^T @ x`` (its two [E, D] halves added in float32). Every product is exact
     in float32, so the result is the float32 GEMMs' to within the split's error, far below the
-    final bfloat16 rounding (2^-8 relative). On an H200 this replaces two float32 CUDA-core GEMMs of
+    final bfloat16 rounding (2^-8 relative). On CUDA this replaces two float32 CUDA-core GEMMs of
     [T, E] x [E, D] and a float32 copy of x per MoE layer (``python -m harts.bench.moe_bench``).
     """
     hi = g_TE.to(torch.bfloat16)
@@ -326,10 +326,10 @@ def sum_slots(index_TK: torch.Tensor, x_TKD: torch.Tensor) -> torch.Tensor:
     (float64 for float64) and rounded once: [T, D].
 
     Written as K gathers added element-wise, not ``x[index].sum(1)``: on CUDA that is one
-    pointwise kernel reading K rows per output row along D, 1.25 ms per call at T = 65,536, K = 8,
-    D = 1536 on an H200 (Inductor made the ``sum(1)`` form a reduction over K that took 3.4 ms,
-    slower than eager gather-then-sum). The row gathers ``x[src]`` stay eager: a compiled
-    gather took 2.34 ms against ``aten::index``'s 1.83 ms there."""
+    pointwise kernel reading K rows per output row along D, where Inductor makes the ``sum(1)``
+    form a reduction over K, slower than eager gather-then-sum. The row gathers ``x[src]`` stay
+    eager: a compiled gather was slower than ``aten::index``
+    (``benchmarks/results/ling3-tiny-kkkm_h200_2026-12-01_flex-tiles-conv.md``)."""
     flat = x_TKD.reshape(-1, x_TKD.shape[-1])
     work = torch.promote_types(flat.dtype, torch.float32)
     acc = flat[index_TK[:, 0]].to(work)
@@ -423,9 +423,8 @@ def _grouped_linear_grads(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_x [P, K], d_w [E, N, K]) of ``y = x @ w[e]^T`` per expert group (``offs``): d_x = g @
     w[e] and d_w[e] = g_e^T @ x_e, the weight gradient made in the weight's own layout (its
-    transpose, which autograd's ``_grouped_mm`` backward returns for ``w.transpose(1, 2)``, cost
-    AccumulateGrad a strided copy of every expert weight: 42 ms per 65 k-row microbatch of
-    ``ling3_tiny`` on an H200, 2 % of it)."""
+    transpose, which autograd's ``_grouped_mm`` backward returns for ``w.transpose(1, 2)``, costs
+    AccumulateGrad a strided copy of every expert weight per microbatch)."""
     return torch._grouped_mm(g_PN, w_ENK, offs=offs), torch._grouped_mm(g_PN.t(), x_PK, offs=offs)
 
 

@@ -11,10 +11,9 @@ with initial states
 and a trajectory-wise batch is the special case of one run per trajectory and no state.
 
 On CUDA (``impl="fla"``) only fla-core's kernel *without* states runs, because its variant with
-states is slower on every row, not only on the few that read a state: on one H200 and the
-first ``swe`` step-5 microbatch (10 runs, 1,030 chunks, ``harts.bench.kernel_sweep``) it took
-1.09 / 5.54 ms forward / backward per layer against 0.89 / 4.10 on the same runs without
-states (the baseline's trajectories: 0.86 / 4.08). Instead (``_HeadFixup``):
+states is slower on every row, not only on the few that read a state (``harts.bench.kernel_sweep``
+times both on a ``swe`` microbatch: ``benchmarks/results/ling3-tiny_h200_2026-12-02_conv-no-state.md``).
+Instead (``_HeadFixup``):
 
 * forward: the no-state kernel over the runs, then each stated run's first W-1 rows (its
   *head*) recomputed by the same kernel over a *mini-sequence* of the run's ancestors followed by
@@ -245,8 +244,8 @@ def runs_causal_conv1d(
         # built on the host: left to fla, it would be uploaded synchronously (a device sync)
         chunk_indices=dev.chunk_indices,
     )
-    # a view whose backward is a view: ``y[0]``'s backward (select) zero-filled a [1, P, D]
-    # gradient and copied into it, 11 ms per 65 k-row microbatch of ling3_tiny on an H200
+    # a view whose backward is a view: ``y[0]``'s backward (select) zero-fills a [1, P, D]
+    # gradient and copies into it, two full passes over the conv's output gradient
     return y.squeeze(0)
 
 

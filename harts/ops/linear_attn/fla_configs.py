@@ -1,8 +1,7 @@
 """Pinned Triton configs for fla-core's kernels: no autotuning on a fresh machine.
 
 fla-core autotunes each kernel over up to a dozen configs the first time it sees a key
-(head counts and dims, chunk size, dtypes): on a cold H200 the first harts training step spent
-over 200 s there. fla can instead read the chosen configs from JSON files
+(head counts and dims, chunk size, dtypes): minutes of a fresh machine's first training step. fla can instead read the chosen configs from JSON files
 (``FLA_CACHE_MODE`` / ``FLA_CONFIG_DIR``, read when fla is imported). harts ships the configs
 that fla's own autotuner picked on the GPUs listed under ``fla_configs/<GPU name>/`` and points
 fla at them before fla is imported, unless the user set ``FLA_CONFIG_DIR`` or

@@ -544,8 +544,8 @@ class _LinkedKDA(torch.autograd.Function):
     Every scan call passes the same flags whatever its round holds (initial states, zero rows
     for roots; every sequence's final state; exports and injections, through a spare slot where
     the plan exports nothing): one compiled variant per scan, so a later microbatch whose rounds
-    differ compiles nothing in the timed step. (In the first ``harts bench`` run, flags set per
-    round, two of 17 microbatches took 0.5 s and 0.3 s longer, most likely compiling new variants.)
+    differ compiles nothing in the timed step (with flags set per round, a microbatch with a new
+    mix of states compiled new variants there).
 
     The first round is often one long shared prefix, whose scan leaves most of the GPU idle
     (sequences x heads x V / 16 programs). In the backward it runs on a high-priority stream

@@ -42,12 +42,10 @@ import triton.language as tl
 
 __all__ = ["ScanConfig", "tree_scan_fwd", "tree_scan_bwd"]
 
-#: value block and warps (fixed: no autotuning, so no cold-start search). Measured on one H200
-#: (``harts.bench.kernel_sweep``, ``swe`` step 5's first microbatch, 16 heads of 128, bfloat16):
-#: a call lasts as long as its longest sequence, and the GPU holds only sequences x heads x
-#: V / BV programs, so the small block is the fastest: BV 16 (4 warps) against 32 took harts'
-#: rounds 1.93 -> 1.68 ms forward (with 3 stages) and 2.79 -> 2.61 ms backward (2 stages; 3
-#: stages made the baseline's backward 1.68 -> 2.51 ms), the baseline's 1.19 -> 0.95 and 1.68.
+#: value block and warps (fixed: no autotuning, so no cold-start search). A call lasts as long
+#: as its longest sequence, and the GPU holds only sequences x heads x V / BV programs, so the
+#: small block is the fastest; 3 stages help the forward and slow the backward
+#: (``harts.bench.kernel_sweep`` times them: ``benchmarks/results/ling3-tiny_h200_2026-12-02_conv-no-state.md``).
 BLOCK_V = 16
 NUM_WARPS = 4
 

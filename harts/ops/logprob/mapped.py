@@ -86,8 +86,8 @@ def mapped_logprobs(
             index plan costs no device synchronization (a device tensor is copied back once).
         targets_n: int [n] target token of each position (host or device, as rows_n).
         row_chunk: unique rows per logits chunk (bounds memory at row_chunk x V: 2.6 GB of float32
-            logits at 4,096 x 157,184; on an H200 4,096 rows ran the kept-softmax head 4 % faster
-            than 2,048, `python -m harts.bench.lm_head_bench --row-chunk N`, fewer [V, D] updates).
+            logits at 4,096 x 157,184; larger chunks make fewer [V, D] weight-gradient updates,
+            ``python -m harts.bench.lm_head_bench --row-chunk N`` times the choice).
         fused: the fused element-wise passes around the GEMMs; None: on CUDA with half inputs
             (where the GEMMs run in the half dtype), False: eager passes. They are compiled on
             CUDA only; elsewhere ``fused=True`` runs the same arithmetic eagerly (how the CPU
