@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The issue-10 GPU figures on one H200 without registry access, one device call per part, each
-# inside one call's 10 minutes. Wheels travel as the README's Notes say:
+# inside one call's 10 minutes. Wheels travel as docs/gpu.md says (a GPU machine without registry access):
 #
 #   here, once:  scripts/fa4_wheels.sh pack            # .whl (fla-core, FA4), .fa4a, .fa4b
 #   call 1:      carry [".whl", ".fa4a"]   bash scripts/gpu_bench_runs.sh tests     # keeps FA4 part A
@@ -31,7 +31,7 @@
 #   medium_full N  `medium` step 0 on the full ling3_tiny (24 layers, no --pattern), the MoE block kept
 #             and its first N MoE layers keeping their gate/up output
 #   silu_ab N  `medium_full N` twice in one call: HARTS_KDA_SILU_IN_SPLIT=0 (the short conv's SiLU in
-#             fla-core's conv, as before session 21), then =1 (in the split kernel, the default)
+#             fla-core's conv, the older arrangement), then =1 (in the split kernel, the default)
 #   env_ab NAME N  `medium_full N` twice in one call, with the environment switch NAME=0, then =1
 #             (HARTS_KDA_FLA_GATE: KDA's log-decay by the compiled glue, then by fla-core's fused gate)
 #   gpu_tests ARGS...  `pytest -m gpu ARGS` (test files, -k EXPR, ...) with part A of FA4 kept, as `tests`
@@ -50,11 +50,11 @@
 # COLD=1 first deletes this machine's Triton, Inductor and fla-core caches (~/.triton,
 # /tmp/torchinductor_*, ~/.cache/torch/inductor, ~/.cache/fla*), so that the part's cold start is a
 # fresh machine's (FA4's cute-DSL compilation keeps no cache there that we know of).
-# LA_BACKEND=NAME runs the bench parts with --la-backend NAME (default auto, since session 22
+# LA_BACKEND=NAME runs the bench parts with --la-backend NAME (default auto, on CUDA
 # tree_linked: a microbatch's rounds linked into one op per layer); LA_BACKEND=tree runs the tree
-# kernel one call per round (the default before session 22).
+# kernel one call per round.
 # HARTS_KDA_SILU_IN_SPLIT=0 runs any part with the short conv's SiLU back in fla-core's conv (the
-# arrangement before session 21), for A/B timing against the default.
+# older arrangement), for A/B timing against the default.
 # REPEATS=N times each side's step (and harts' Core run) N times in the bench parts and reports the
 # median run with every run's seconds (`medium`'s 4-second harts step varies by a few percent).
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
@@ -115,7 +115,7 @@ tests)
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/tests.log" | head -30
     grep -A16 "slowest .*durations" "$OUT/tests.log"
     tail -3 "$OUT/tests.log"
-    # compact against trajectory-wise on the GPU, float32: as the README's figures, and with the
+    # compact against trajectory-wise on the GPU, float32: as the results' figures, and with the
     # MoE block kept (no recomputation of it)
     for mode in default moe_kept; do
         extra=(); [ "$mode" = moe_kept ] && extra=(--recompute "${KEEP_MOE[@]}")

@@ -17,7 +17,8 @@
 #
 # In device calls of at most 10 minutes (the lent H200 machines) run the parts one at a time. One
 # H200 runs a whole `swe` step of the full model in about 225 s with harts and about 1,200 s
-# trajectory-wise (8 x session 23's replica-0 times), so:
+# trajectory-wise (8 x the replica-0 times of
+# benchmarks/results/ling3-tiny_h200_2026-12-02_fla-gate-moe-swiglu.md), so:
 #   PARTS=correctness                                                       (minutes)
 #   PARTS=scaling SCALE_MODES=compact SCALE_DS=1 SCALE_WORK="--workload swe --steps 1"
 #   PARTS=scaling SCALE_MODES=compact SCALE_DS="2 4" SCALE_WORK="--workload swe --steps 1"

@@ -7,7 +7,8 @@ Takes ``harts bench``'s arguments. The ``--profile`` tables of one microbatch pe
 by device time, host self time and host total time, then by device time per operator and input
 shapes; DIR/dynamo_<TAG>.txt gets
 ``torch._dynamo.utils.compile_times()`` and Dynamo's counters. With ``TORCH_LOGS=recompiles`` it
-showed the compiled glue recompiling inside harts' timed step (2026-12-01, README).
+showed the compiled glue recompiling inside harts' timed step
+(``benchmarks/results/ling3-tiny-kkkm_h200_2026-12-01_compiled-glue.md``).
 """
 
 import os
