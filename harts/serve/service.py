@@ -40,6 +40,7 @@ from harts.serve.training import TrainingRun, json_done
 from harts.serve.wire import (
     TinkerPath,
     WireError,
+    check_loss_fn,
     check_name,
     decode_forward_backward,
     finite,
@@ -346,15 +347,16 @@ class Service:
         if seq is not None and (first := self.worker.taken(run.model_id, seq)) is not None:
             return self._future(first, run.model_id)
         try:
-            trajs = trajectories(msg, vocab_size=self.info.vocab_size, max_tokens=self.config.capacity)
             cfg = loss_config(msg)
+            loss_fn = check_loss_fn(msg.loss_fn)
             try:
-                check_loss(msg.loss_fn, cfg)
+                check_loss(loss_fn, cfg)
             except UserError as err:
                 raise WireError(f"forward_backward_input.loss_fn_config: {err}") from None
+            trajs = trajectories(msg, vocab_size=self.info.vocab_size, max_tokens=self.config.capacity)
         except WireError as err:
             raise self._refuse(run.model_id, seq, err) from None
-        loss_fn, forward_only = msg.loss_fn, msg.forward_only
+        forward_only = msg.forward_only
 
         def work() -> Done:
             return training.forward_backward(run.live_engine(), trajs, loss_fn, cfg, forward_only=forward_only)

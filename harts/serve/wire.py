@@ -10,7 +10,8 @@ SDK's pydantic response types dumped to JSON.
 A datum maps to one harts trajectory. Tinker sends ``model_input`` = tokens[:-1] and
 ``loss_fn_inputs["target_tokens"]`` = tokens[1:]; harts computes next-token log-probs only, so
 the targets must be the input shifted by one wherever they carry loss (a non-zero ``weights``
-entry for cross_entropy, a non-zero ``advantages`` entry for the policy losses). Positions
+entry for cross_entropy; a non-zero ``advantages`` entry, and weight where given, for the policy
+losses, which take an optional ``weights`` too, as a mask). Positions
 without loss may hold anything (tinker-cookbook pads prompt targets with 0); their returned
 log-prob is that of the actual next token. The trajectory is ``model_input`` plus the last
 target, with ``weights`` / ``advantages`` / ``logprobs`` of length len(tokens) - 1.
@@ -43,6 +44,7 @@ __all__ = [
     "PROTO_MEDIA_TYPE",
     "TinkerPath",
     "WireError",
+    "check_loss_fn",
     "check_name",
     "decode_forward_backward",
     "encode_forward_backward_output",
@@ -61,9 +63,9 @@ M = TypeVar("M", bound=pydantic.BaseModel)
 #: the loss functions harts serves and the per-target inputs each accepts (required ones first)
 LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cross_entropy": (("target_tokens",), ("weights",)),
-    "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
-    "ppo": (("target_tokens", "logprobs", "advantages"), ()),
-    "cispo": (("target_tokens", "logprobs", "advantages"), ()),
+    "importance_sampling": (("target_tokens", "logprobs", "advantages"), ("weights",)),
+    "ppo": (("target_tokens", "logprobs", "advantages"), ("weights",)),
+    "cispo": (("target_tokens", "logprobs", "advantages"), ("weights",)),
 }
 
 #: path segment of each checkpoint kind in a tinker path, and its Tinker checkpoint type
@@ -187,14 +189,19 @@ def loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
     return {k: float(v) for k, v in msg.loss_fn_config.items()}
 
 
-def trajectories(msg: pb.ForwardBackwardRequest, *, vocab_size: int, max_tokens: int) -> list[dict[str, Any]]:
-    """One trajectory per datum (module docstring), every field checked first."""
-    loss_fn = msg.loss_fn
+def check_loss_fn(loss_fn: str) -> str:
+    """``loss_fn`` if harts serves it."""
     if loss_fn not in LOSS_INPUTS:
         raise WireError(
             f"forward_backward_input.loss_fn: {loss_fn!r} is not served by harts; "
             f"served: {', '.join(LOSS_INPUTS)} (forward_backward_custom runs any loss through cross_entropy)"
         )
+    return loss_fn
+
+
+def trajectories(msg: pb.ForwardBackwardRequest, *, vocab_size: int, max_tokens: int) -> list[dict[str, Any]]:
+    """One trajectory per datum (module docstring), every field checked first."""
+    loss_fn = check_loss_fn(msg.loss_fn)
     if not len(msg.data):
         raise WireError("forward_backward_input.data: no datums")
     return [
@@ -233,9 +240,9 @@ def _trajectory(d: pb.Datum, field: str, loss_fn: str, vocab_size: int, max_toke
             f"{field}.loss_fn_inputs.target_tokens: token {int(targets[bad[0]])} at position {int(bad[0])} "
             f"is outside the vocabulary [0, {vocab_size})"
         )
-    carrying = arrays["weights"] != 0 if loss_fn == "cross_entropy" and "weights" in arrays else None
+    carrying = arrays["weights"] != 0 if "weights" in arrays else None
     if loss_fn != "cross_entropy":
-        carrying = arrays["advantages"] != 0
+        carrying = arrays["advantages"] != 0 if carrying is None else carrying & (arrays["advantages"] != 0)
     shifted = targets[:-1] == inputs[1:]
     wrong = ~shifted if carrying is None else ~shifted & carrying[:-1]
     if wrong.any():
