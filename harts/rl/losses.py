@@ -102,9 +102,10 @@ def tinker_loss(
     n = batch.num_logprobs
     if logprobs.shape != (n,):
         raise ValueError(f"logprobs must have shape ({n},) for this batch, got {tuple(logprobs.shape)}")
-    dev, dt = logprobs.device, logprobs.dtype
+    # a sum over up to millions of tokens: never accumulated in a 16-bit type
+    dev, dt = logprobs.device, torch.promote_types(logprobs.dtype, torch.float32)
     sel = np.flatnonzero(per_logprob(batch, batch.action_mask))
-    lp = logprobs.index_select(0, upload(sel, dev))
+    lp = logprobs.index_select(0, upload(sel, dev)).to(dt)
 
     def meta(a: np.ndarray | None, fill: float) -> torch.Tensor:
         if a is None:

@@ -212,7 +212,11 @@ class Engine:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise UserError(f"capacity must be a positive integer, got {capacity!r}")
         self.model = model
-        self.execution = ExecutionConfig.of(execution)
+        # the fused LM head on both sides: exact, and the baseline gets every optimization harts gets
+        execution = ExecutionConfig.of(execution)
+        if execution.fused_logprobs is None:
+            execution = dataclasses.replace(execution, fused_logprobs=True)
+        self.execution = execution
         self.train_config = TrainConfig(
             capacity=capacity,
             execution=self.execution,
