@@ -40,6 +40,8 @@ _EXPORTS = {
     "HybridLM": "harts.models.hybrid_lm",
     "ExecutionConfig": "harts.models.execution.config",
     "ModelOutput": "harts.models.hybrid_lm",
+    "Engine": "harts.trainer.engine",
+    "LoraConfig": "harts.trainer.lora",
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES])
