@@ -26,6 +26,7 @@ import sys
 import traceback
 from types import ModuleType
 
+import harts
 import harts.commands
 from harts.errors import UserError
 
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Errors print 'harts: error: ...' and exit 2 (HARTS_DEBUG=1 shows the traceback).",
         formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"harts {harts.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in _command_modules().items():
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=HelpFormatter)

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from harts.cli import main
 
 
@@ -48,3 +50,12 @@ def test_commands_default_the_cuda_allocator_to_expandable_segments(monkeypatch,
     assert main(["stats", "--workload", "tiny"]) == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"  # the user's stays
     capsys.readouterr()
+
+
+def test_version(capsys):
+    import harts
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.strip() == f"harts {harts.__version__}"
