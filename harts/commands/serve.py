@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-request-mb", type=positive_float, default=256.0, help="largest request body, MiB (uncompressed)"
     )
     p.add_argument(
-        "--poll-seconds", type=positive_float, default=20.0, help="how long one future poll waits before 'try again'"
+        "--poll-seconds", type=positive_float, default=30.0, help="how long one future poll waits before 'try again'"
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log")

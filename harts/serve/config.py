@@ -42,7 +42,7 @@ class ServeConfig:
     #: in-memory weight snapshots for sampling clients, across all runs (oldest dropped first)
     max_snapshots: int = 32
     #: how long one ``retrieve_future`` waits for its result before answering "try again"
-    poll_seconds: float = 20.0
+    poll_seconds: float = 30.0
     #: torch CPU threads for the engines (None: torch's default)
     threads: int | None = None
 

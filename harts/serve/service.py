@@ -24,9 +24,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+import pydantic
 from tinker import types
 
 from harts.errors import UserError
@@ -43,6 +44,7 @@ from harts.serve.wire import (
     check_loss_fn,
     check_name,
     decode_forward_backward,
+    describe_validation,
     finite,
     json_body,
     loss_config,
@@ -60,6 +62,8 @@ if TYPE_CHECKING:
 __all__ = ["EngineFactory", "ModelInfo", "Service"]
 
 log = logging.getLogger("harts.serve")
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 #: ``make_engine(lora, spec)``: a new engine with ``lora`` adapters (None: full weights) over the
 #: served model, or over the model directory ``spec`` when given
@@ -334,6 +338,21 @@ class Service:
             raise WireError(f"{field}: request {seq_id} of {model_id} was refused before; it cannot run now")
         return seq_id
 
+    def _ordered_request(self, body: bytes, model: type[M], what: str) -> tuple[M, TrainingRun, int | None]:
+        """(request, its run, its sequence number) of a training client's JSON request; a request
+        refused for a bad field still frees its sequence number when it names one."""
+        data = json_body(body, what)
+        try:
+            req = model.model_validate(data)
+        except pydantic.ValidationError as err:
+            error = WireError(f"{what}: {describe_validation(err)}")
+            model_id, seq_id = data.get("model_id"), data.get("seq_id")
+            if isinstance(model_id, str) and isinstance(seq_id, int) and model_id in self._runs:
+                raise self._refuse(model_id, seq_id, error) from None
+            raise error from None
+        run = self._run(req.model_id)  # type: ignore[attr-defined]
+        return req, run, self._ordered(run.model_id, req.seq_id)  # type: ignore[attr-defined]
+
     def _refuse(self, model_id: str, seq_id: int | None, err: WireError) -> WireError:
         """A refused ordered request still used its number: let the ones after it run."""
         if seq_id is not None and seq_id >= 1 and self.worker.taken(model_id, seq_id) is None:
@@ -365,9 +384,7 @@ class Service:
         return self._future(self._queue(kind, work, key=run.model_id, seq_id=seq), run.model_id)
 
     def optim_step(self, body: bytes) -> dict[str, Any]:
-        req = validate_json(body, types.OptimStepRequest, "optim_step")
-        run = self._run(req.model_id)
-        seq = self._ordered(run.model_id, req.seq_id)
+        req, run, seq = self._ordered_request(body, types.OptimStepRequest, "optim_step")
         try:
             params = _adam_params(req.optim_params)
         except WireError as err:
@@ -382,9 +399,7 @@ class Service:
 
     # ------------------------------------------------------------------ checkpoints
     def save_weights(self, body: bytes) -> dict[str, Any]:
-        req = validate_json(body, types.SaveWeightsRequest, "save_weights")
-        run = self._run(req.model_id)
-        seq = self._ordered(run.model_id, req.seq_id)
+        req, run, seq = self._ordered_request(body, types.SaveWeightsRequest, "save_weights")
         try:
             name = check_name(req.path or f"state-{uuid.uuid4().hex[:8]}", "path")
             tp = TinkerPath(run.model_id, "weights", name)
@@ -402,15 +417,12 @@ class Service:
                 ttl_seconds=req.ttl_seconds,
                 user_metadata=req.user_metadata,
             )
-            run.last_checkpoint["training"] = str(tp)
             return json_done(types.SaveWeightsResponse(path=str(tp), type="save_weights"))
 
         return self._future(self._queue("SaveWeights", work, key=run.model_id, seq_id=seq), run.model_id)
 
     def save_weights_for_sampler(self, body: bytes) -> dict[str, Any]:
-        req = validate_json(body, types.SaveWeightsForSamplerRequest, "save_weights_for_sampler")
-        run = self._run(req.model_id)
-        seq = self._ordered(run.model_id, req.seq_id)
+        req, run, seq = self._ordered_request(body, types.SaveWeightsForSamplerRequest, "save_weights_for_sampler")
         try:
             tp, sampler_id = self._sampler_target(run, req)
         except WireError as err:
@@ -432,7 +444,6 @@ class Service:
                     ttl_seconds=req.ttl_seconds,
                     user_metadata=req.user_metadata,
                 )
-                run.last_checkpoint["sampler"] = str(tp)
             self.snapshots.put(key, take_snapshot(run.model_id, run.version, engine.model))
             return json_done(
                 types.SaveWeightsForSamplerResponseInternal(
@@ -452,18 +463,26 @@ class Service:
             raise WireError("path: give a checkpoint name, or sampling_session_seq_id for an unnamed snapshot")
         return None, f"{run.session_id}:sample:{req.sampling_session_seq_id}"
 
-    def load_weights(self, body: bytes) -> dict[str, Any]:
-        req = validate_json(body, types.LoadWeightsRequest, "load_weights")
-        tp = parse_tinker_path(req.path, "path", kinds=("weights",))
+    def _saved_state(self, path: str) -> tuple[TinkerPath, dict[str, Any]]:
+        """(the training checkpoint ``path`` names, its run's record); 404 when it is not on disk."""
+        tp = parse_tinker_path(path, "path", kinds=("weights",))
         source = self.checkpoints.read_run(tp.model_id)
         if source is None or not self.checkpoints.exists(tp):
             raise WireError(f"path: no checkpoint {tp} on this server", 404)
+        return tp, source
+
+    def load_weights(self, body: bytes) -> dict[str, Any]:
+        req = validate_json(body, types.LoadWeightsRequest, "load_weights")
         if req.session_id is not None:
-            return self._create_from_state(req, tp, source)
+            return self._create_from_state(req, *self._saved_state(req.path))
         if req.model_id is None:
             raise WireError("model_id: give model_id (load into a run) or session_id and model_seq_id (a new run)")
         run = self._run(req.model_id)
         seq = self._ordered(run.model_id, req.seq_id)
+        try:
+            tp, _ = self._saved_state(req.path)
+        except WireError as err:
+            raise self._refuse(run.model_id, seq, err) from None
         path, optimizer = self.checkpoints.path(tp), req.optimizer
 
         def work() -> Done:
@@ -683,7 +702,10 @@ class Service:
         }
 
     def list_checkpoints(self, model_id: str) -> dict[str, Any]:
-        self.checkpoints.run_dir(model_id)
+        with self._lock:
+            loaded = model_id in self._runs
+        if not loaded and self.checkpoints.read_run(model_id) is None:
+            raise WireError(f"training_run_id: no training run {model_id!r} on this server", 404)
         listing = [types.Checkpoint.model_validate(c) for c in self.checkpoints.listing(model_id)]
         return types.CheckpointsListResponse(checkpoints=listing).model_dump(mode="json")
 

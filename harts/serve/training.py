@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +45,6 @@ class TrainingRun:
     #: bumped by every weight update (``optim_step``, a load), so a sampler snapshot knows if it is current
     version: int = 0
     last_request: datetime | None = None
-    #: tinker paths of the last training and sampler checkpoints
-    last_checkpoint: dict[str, str] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
         """What ``run.json`` holds (enough to make the same engine again)."""

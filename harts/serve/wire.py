@@ -47,6 +47,7 @@ __all__ = [
     "check_loss_fn",
     "check_name",
     "decode_forward_backward",
+    "describe_validation",
     "encode_forward_backward_output",
     "encode_sample_response",
     "json_body",

@@ -240,6 +240,12 @@ def test_save_state_then_resume_gives_the_same_next_losses(service, server):
     assert "weights/resume-me" in names
     run = rest.get_training_run(tc.model_id).result()
     assert run.base_model == "tiny" and run.lora_rank == RANK and run.last_checkpoint is not None
+    assert tc.model_id in [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
+    assert saved.path in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    info = rest.get_weights_info_by_tinker_path(saved.path).result()
+    assert info.base_model == "tiny" and info.is_lora and info.lora_rank == RANK
+    rest.delete_checkpoint_from_tinker_path(saved.path).result()
+    assert "weights/resume-me" not in [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
 
 
 def test_sampler_checkpoint_path_samples_its_weights(service):
@@ -342,7 +348,10 @@ def test_malformed_requests_get_4xx_and_the_server_stays_up(service, server):
         with pytest.raises(tinker.APIStatusError) as excinfo:
             sampler.sample(prompt, **kwargs).result()
         _bad_request(excinfo, field)
+    sid = server.post("create_session", json={"tags": [], "user_metadata": None, "sdk_version": "test"}).json()
+    load = {"optimizer": True, "session_id": sid["session_id"], "model_seq_id": 0}
     raw = [
+        ("load_weights", {"json": {"path": "tinker://nobody/weights/x", **load}}, 404, "path"),
         ("create_model", {"content": b"{not json"}, 400, "not JSON"),
         ("create_model", {"json": {"session_id": "x", "model_seq_id": 0}}, 400, "base_model"),
         ("create_model", {"json": {"session_id": "nope", "model_seq_id": 0, "base_model": "tiny"}}, 404, "session_id"),
@@ -352,9 +361,9 @@ def test_malformed_requests_get_4xx_and_the_server_stays_up(service, server):
             400,
             "ForwardBackwardRequest",
         ),
-        ("load_weights", {"json": {"path": "tinker://../weights/x", "optimizer": True, "model_id": "m"}}, 400, "path"),
-        ("load_weights", {"json": {"path": "tinker://a/weights/..", "optimizer": True, "model_id": "m"}}, 400, "path"),
-        ("load_weights", {"json": {"path": "/etc/passwd", "optimizer": True, "model_id": "m"}}, 400, "path"),
+        ("load_weights", {"json": {"path": "tinker://../weights/x", **load}}, 400, "path"),
+        ("load_weights", {"json": {"path": "tinker://a/weights/..", **load}}, 400, "path"),
+        ("load_weights", {"json": {"path": "/etc/passwd", **load}}, 400, "path"),
         ("retrieve_future", {"json": {"request_id": "unknown"}}, 404, "request_id"),
         ("optim_step", {"json": {"model_id": "none", "adam_params": {}}}, 404, "model_id"),
         ("asample", {"content": b"x" * (2 << 20)}, 413, "bytes"),
@@ -405,6 +414,13 @@ def test_resent_and_out_of_order_requests_apply_once_in_order(server):
     assert isinstance(result(fb["request_id"]), bytes)
     # the result stays retrievable: a client that lost the answer asks again and gets the same
     assert result(first) == step
+    # requests refused for a bad field (3: a pydantic error, 4: a path) free their numbers for 5
+    bad = server.post("optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": "x"}})
+    assert bad.status_code == 400 and "learning_rate" in bad.json()["detail"], bad.text
+    load = {"model_id": model_id, "seq_id": 4, "path": "tinker://x/weights/..", "optimizer": False}
+    assert server.post("load_weights", json=load).status_code == 400
+    fifth = server.post("optim_step", json={**optim, "seq_id": 5}).json()["request_id"]
+    assert result(fifth)["metrics"]["step"] == 2.0  # type: ignore[index]
 
 
 def test_heartbeat_and_finish(server):
