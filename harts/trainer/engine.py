@@ -257,13 +257,8 @@ class Engine:
         adapters only; ``engine_options`` go to ``Engine``."""
         from harts.integrations.loading import load_model
 
-        kwargs: dict[str, Any] = {"dtype": dtype, "seed": seed, "device": device}
-        if layers is not None:
-            kwargs["layers"] = layers
         try:
-            model = load_model(spec, **kwargs)
-        except TypeError:
-            raise UserError(f"layers={layers}: this harts cannot cut {spec!r} to its first layers") from None
+            model = load_model(spec, dtype=dtype, layers=layers, seed=seed, device=device)
         except (ValueError, OSError) as err:
             if isinstance(err, UserError):
                 raise

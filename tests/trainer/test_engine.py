@@ -268,3 +268,12 @@ def test_bad_options_are_user_errors() -> None:
         engine.optim_step(lr=-1.0)
     with pytest.raises(UserError, match="betas"):
         engine.optim_step(betas=(0.9, 1.5))
+
+
+def test_from_spec_cuts_a_preset_and_names_bad_specs() -> None:
+    cut = Engine.from_spec("tiny", layers=2, dtype="float64")
+    assert cut.model.config.layer_pattern == HybridConfig.tiny().layer_pattern[:2]
+    with pytest.raises(UserError, match="no_such_model"):
+        Engine.from_spec("no_such_model")
+    with pytest.raises(UserError, match="layers"):
+        Engine.from_spec("tiny", layers=99)
