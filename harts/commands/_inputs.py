@@ -118,18 +118,34 @@ def nonneg_float(text: str) -> float:
 
 
 # ------------------------------------------------------------------- arguments
-def add_workload_arguments(p: argparse.ArgumentParser, default: str = "tiny") -> None:
+def add_workload_arguments(p: argparse.ArgumentParser, default: str = "tiny", *, data: bool = False) -> None:
+    """``--workload``, ``--steps``, ``--seed``; ``data``: also ``--data PATH...`` and ``--epochs``
+    (``workload_schedule``), and ``--workload`` then defaults to ``default`` only without ``--data``."""
     p.add_argument(
         "--workload",
-        default=default,
+        default=None if data else default,
         metavar="NAME|FILE",
-        help="built-in workload preset (tiny, small, medium, swe) or a batch file (.jsonl/.parquet)",
+        help="built-in workload preset (tiny, small, medium, swe) or a batch file (.jsonl/.parquet)"
+        + (f"; default {default} unless --data is given" if data else ""),
     )
+    if data:
+        p.add_argument(
+            "--data",
+            nargs="+",
+            default=None,
+            metavar="PATH",
+            help="batch files to train on, one step each, in the order given: files, directories (their "
+            ".jsonl/.parquet files below, sorted by path) and glob patterns (quoted; sorted matches)",
+        )
+        p.add_argument(
+            "--epochs", type=positive_int, default=1, help="passes over the steps (--data's files or the workload's)"
+        )
     p.add_argument(
         "--steps",
         type=positive_int,
         default=None,
-        help="steps to run (default: the preset's; 1 for a file, which repeats)",
+        help="steps to run (default: the preset's; 1 for a file, which repeats"
+        + ("; with --data: the first N of the files x epochs)" if data else ")"),
     )
     p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
 
@@ -315,6 +331,48 @@ def step_sources(workload: str, steps: int | None, seed: int) -> list[tuple[str,
     from harts.tree.workloads import workload_steps
 
     return workload_steps(workload, steps, seed=seed)
+
+
+@dataclass
+class Schedule:
+    """The steps of a training run: ``order[i]`` is the index into ``sources`` of step ``i``'s
+    batch; each source is read (and checked) once, however often the epochs repeat it."""
+
+    sources: list[tuple[str, Callable[[], RolloutBatch]]]
+    order: list[int]
+    #: what the steps are, for the run's first line (e.g. "3 batch files x 2 epochs = 6 steps")
+    description: str
+    #: the batch files of ``--data`` (None for a workload)
+    files: list[str] | None = None
+
+    def epoch(self, step: int) -> int:
+        """The epoch (from 0) step ``step`` belongs to."""
+        return step // len(self.sources)
+
+
+def workload_schedule(args: argparse.Namespace) -> Schedule:
+    """The steps of ``--data PATH... --epochs E`` or ``--workload`` (repeated ``--epochs`` times);
+    ``--steps`` cuts the data's steps (and sets the workload's). UserError names a bad path, or
+    ``--data`` together with ``--workload``."""
+    from harts.tree.batch import RolloutBatch
+    from harts.tree.dataset import batch_files, epoch_order
+
+    epochs = getattr(args, "epochs", 1)
+    if getattr(args, "data", None):
+        if args.workload is not None:
+            raise UserError("--data and --workload both name the training batches; give one")
+        files = batch_files(args.data)
+        order = epoch_order(len(files), epochs, args.steps)
+        noun = "batch file" if len(files) == 1 else "batch files"
+        per = f" x {epochs} epochs" if epochs > 1 else ""
+        cut = f", the first {len(order)}" if args.steps is not None else ""
+        description = f"{len(files)} {noun}{per} = {len(files) * epochs} steps{cut}"
+        return Schedule([(f, partial(RolloutBatch.load, f)) for f in files], order, description, files)
+    name = args.workload or "tiny"
+    sources = step_sources(name, args.steps, args.seed)
+    order = [i for _ in range(epochs) for i in range(len(sources))]
+    per = f" x {epochs} epochs" if epochs > 1 else ""
+    return Schedule(sources, order, f"workload {name}: {len(sources)} steps{per} = {len(order)} steps")
 
 
 @dataclass

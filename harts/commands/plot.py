@@ -1,24 +1,36 @@
-"""``harts plot RUN_DIR [RUN_DIR ...]``: reward, KL and step time of online runs, as PNG.
+"""``harts plot RUN_DIR [RUN_DIR ...]``: the per-step curves of online and training runs, as PNG.
 
-Reads every run's ``metrics.jsonl`` (``harts demo`` writes one per step) and draws three panels
-side by side, like the paper's Figure 5: the reward per step (faint) with its moving average
-(``--window`` steps, solid), the KL to the reference policy, and the step time. Several runs
-are overlaid, one colour each, labelled by their directory. The plotted numbers go to a JSON
-file next to the PNG (``--json`` moves it). Needs matplotlib (``pip install harts[plot]``).
+Reads every run's ``metrics.jsonl`` and draws its panels side by side. An online run (``harts
+demo``) gets the paper's Figure 5: the reward per step (faint) with its moving average
+(``--window`` steps, solid), the KL to the reference policy, and the step time. A training run
+(``harts train --run-dir``; its records carry the learning rate) gets the loss the same way
+(faint, with its moving average), the gradient norm, the compression and the step time, and the
+reward first where every step's batch carried rewards. Several runs of one kind are overlaid,
+one colour each, labelled by their directory. The plotted numbers go to a JSON file next to the
+PNG (``--json`` moves it). Needs matplotlib (``pip install harts[plot]``).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from harts.commands._inputs import add_output_arguments, positive_int
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
 
-HELP = "Plot reward (with moving average), KL and step time of one or more runs as PNG."
+HELP = "Plot the per-step curves (reward or loss with moving average, ...) of one or more runs as PNG."
 
+#: an online run's panels (key, title); the first is drawn with its moving average
 PANELS = (("reward", "reward"), ("kl", "KL to reference"), ("step_seconds", "step time (s)"))
+#: a training run's panels; "reward" goes first where every record has one
+TRAIN_PANELS = (
+    ("loss", "loss"),
+    ("grad_norm", "gradient norm"),
+    ("compression", "compression (raw / computed tokens)"),
+    ("step_seconds", "step time (s)"),
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +51,29 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+def run_panels(records: dict[str, list[dict[str, Any]]]) -> tuple[tuple[str, str], ...]:
+    """The panels of ``records`` (run directory -> its metrics records): a training run's (its
+    records have "lr") or an online run's; UserError for runs of both kinds or a missing field."""
+    from harts.errors import UserError
+
+    kinds = {d: "train" if "lr" in recs[0] else "online" for d, recs in records.items()}
+    if len(set(kinds.values())) > 1:
+        train = next(d for d, k in kinds.items() if k == "train")
+        online = next(d for d, k in kinds.items() if k == "online")
+        raise UserError(f"{train} is a training run and {online} an online run: plot them separately")
+    panels: tuple[tuple[str, str], ...] = PANELS
+    if "train" in kinds.values():
+        with_reward = all(r.get("reward") is not None for recs in records.values() for r in recs)
+        panels = ((("reward", "reward"),) if with_reward else ()) + TRAIN_PANELS
+    for d, recs in records.items():
+        for i, r in enumerate(recs):
+            missing = [key for key, _ in panels if key not in r]
+            if missing:
+                kind = "a training" if kinds[d] == "train" else "an online"
+                raise UserError(f"{d}: metrics.jsonl record {i} has no {', '.join(missing)} (not {kind} run?)")
+    return panels
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -50,16 +85,15 @@ def run(args: argparse.Namespace) -> int:
     json_out = args.json_out or os.path.splitext(out)[0] + ".json"
     check_output_file(out, "--out", args.overwrite)
     check_output_file(json_out, "--json", args.overwrite)
+    records = {os.path.normpath(d): read_metrics(d) for d in args.run_dirs}
+    panels = run_panels(records)
+    first = panels[0][0]
     runs = {}
-    for d in args.run_dirs:
-        records = read_metrics(d)
-        missing = [key for key, _ in PANELS if key not in records[0]]
-        if missing:
-            raise UserError(f"{d}: metrics.jsonl has no {', '.join(missing)} (not an online run?)")
-        series = {key: [float(r[key]) for r in records] for key, _ in PANELS}
-        series["step"] = [int(r["step"]) for r in records]
-        series["reward_moving_average"] = moving_average(series["reward"], args.window)
-        runs[os.path.normpath(d)] = series
+    for d, recs in records.items():
+        series = {key: [float(r[key]) for r in recs] for key, _ in panels}
+        series["step"] = [int(r["step"]) for r in recs]
+        series[f"{first}_moving_average"] = moving_average(series[first], args.window)
+        runs[d] = series
     try:
         import matplotlib
     except ImportError:
@@ -67,18 +101,18 @@ def run(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
     for i, (label, s) in enumerate(runs.items()):
         color = f"C{i}"
-        axes[0].plot(s["step"], s["reward"], color=color, alpha=0.3, linewidth=1)
-        axes[0].plot(s["step"], s["reward_moving_average"], color=color, linewidth=2, label=label)
-        axes[1].plot(s["step"], s["kl"], color=color, label=label)
-        axes[2].plot(s["step"], s["step_seconds"], color=color, label=label)
-    for ax, (_, title) in zip(axes, PANELS):
+        axes[0].plot(s["step"], s[first], color=color, alpha=0.3, linewidth=1)
+        axes[0].plot(s["step"], s[f"{first}_moving_average"], color=color, linewidth=2, label=label)
+        for ax, (key, _) in zip(axes[1:], panels[1:]):
+            ax.plot(s["step"], s[key], color=color, label=label)
+    for ax, (_, title) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].set_title(f"reward ({args.window}-step moving average)")
+    axes[0].set_title(f"{panels[0][1]} ({args.window}-step moving average)")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -77,7 +77,7 @@ CAPACITY_ADVICE = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_arguments(p, default="tiny")
+    add_workload_arguments(p, default="tiny", data=True)
     add_model_arguments(p)
     p.add_argument(
         "--mode",
@@ -145,7 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--run-dir",
         default=None,
         metavar="DIR",
-        help="write resumable checkpoints to DIR/checkpoints (at the end, on interrupt, and every --save-every steps)",
+        help="the run's directory: DIR/metrics.jsonl gets every step's metrics (harts plot DIR draws them), "
+        "DIR/checkpoints resumable checkpoints (at the end, on interrupt, and every --save-every steps)",
     )
     p.add_argument("--save-every", type=positive_int, default=None, metavar="N", help="checkpoint every N steps")
     p.add_argument(
@@ -153,6 +154,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its latest checkpoint (and keep checkpointing there)",
+    )
+    p.add_argument(
+        "--tensorboard", action="store_true", help="also log the metrics to RUN_DIR/tensorboard (needs tensorboard)"
+    )
+    p.add_argument(
+        "--wandb",
+        default=None,
+        metavar="PROJECT",
+        help="also log the metrics to this Weights & Biases project (needs wandb and a run directory)",
     )
     add_planner_workers_argument(p)
     add_output_arguments(p, what="the step logs")
@@ -170,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, signals: Signals) -> int:
     import signal as signal_mod
     import sys
+    import time
 
     import torch
     import torch.distributed as dist
@@ -185,8 +196,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         check_plannable,
         needed_vocab,
         planner_workers,
-        step_sources,
         summarize,
+        workload_schedule,
     )
     from harts.commands._progress import progress
     from harts.errors import CapacityError, UserError
@@ -227,10 +238,18 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             if replicas % world:
                 raise UserError(f"--replicas {replicas} is not a multiple of the {world} rank(s) of this launch")
             check_device(args.device)
-            sources = step_sources(args.workload, args.steps, args.seed)
+            _check_loggers(args, run_dir)
+            schedule = workload_schedule(args)
+            ckpt.identity.update(
+                workload=None if schedule.files else args.workload or "tiny", data=schedule.files, epochs=args.epochs
+            )
+            steps = len(schedule.order)
+            if rank == 0:
+                print(f"data: {schedule.description}", flush=True)
+        sources = schedule.sources
         summaries, kept, kept_tokens = [], {}, 0
         with progress(
-            len(sources), "checking inputs", "step", leave=False, disable=rank != 0 or len(sources) < 2
+            len(sources), "checking inputs", "batch", leave=False, disable=rank != 0 or len(sources) < 2
         ) as bar:
             for i, (label, make) in enumerate(sources):
                 with signals.window():
@@ -286,7 +305,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
             if meta:
                 materialize(model, parallel, spec=args.model, seed=args.seed)
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-            start = ckpt.resume(model, optimizer, len(sources))
+            start = ckpt.resume(model, optimizer, steps)
         if rank == 0:
             mesh = f"; {world} ranks (dp {parallel_cfg.dp} x ep {parallel_cfg.ep})" if distributed else ""
             print(
@@ -296,24 +315,32 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                 flush=True,
             )
             if start:
-                left = f"; steps {start}..{len(sources) - 1} to go" if start < len(sources) else "; no step left"
+                left = f"; steps {start}..{steps - 1} to go" if start < steps else "; no step left"
                 print(f"resumed {run_dir} after step {start - 1}{left}", flush=True)
 
         # ------------------------------------------------------------------ training
-        steps_bar = progress(len(sources), "train", "step", disable=rank != 0)
+        steps_bar = progress(steps, "train", "step", disable=rank != 0)
         steps_bar.update(start)
         # with several ranks a signal is acted on at a step's end, by all ranks together
         step_window = contextlib.nullcontext if distributed else signals.window
 
+        # a batch read by the checks is kept until its last step (epochs repeat it)
+        last_use = {j: i for i, j in enumerate(schedule.order)}
+
         def load(i: int):  # noqa: ANN202 - runs in the prefetcher's thread
-            return kept.pop(i) if i in kept else sources[i][1]()
+            j = schedule.order[i]
+            if j not in kept:
+                return sources[j][1]()
+            return kept.pop(j) if last_use[j] == i else kept[j]
+
+        metrics = _metrics_writer(args, run_dir, start, rank)
 
         # the next step is read and planned in a background thread while this one trains
         ahead = StepPrefetcher(cfg, world)
-        if start < len(sources):
+        if start < steps:
             ahead.submit(start, functools.partial(load, start))
         try:
-            for i in range(len(sources)):
+            for i in range(steps):
                 if i < start:
                     continue
                 mb_bar = progress(None, f"step {i}", "mb", leave=False, position=1, disable=rank != 0)
@@ -325,11 +352,12 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                     if not distributed:
                         signals.check()
 
+                began = time.perf_counter()
                 try:
                     with step_window():
                         planned = ahead.take(i)
                         assert planned is not None
-                        if i + 1 < len(sources):
+                        if i + 1 < steps:
                             ahead.submit(i + 1, functools.partial(load, i + 1))
                         # on_update closes the window before the weights change
                         log = train_step(
@@ -347,6 +375,12 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                     mb_bar.close()
                 logs.append(log)
                 state["in_update"] = False
+                if metrics is not None:
+                    source = sources[schedule.order[i]][0]
+                    step_seconds = time.perf_counter() - began
+                    metrics.write(
+                        {**log.metrics(), "epoch": schedule.epoch(i), "batch": source, "step_seconds": step_seconds}
+                    )
                 if rank == 0 and log.adv_nonzero == 0 and not state.get("warned_zero_adv"):
                     state["warned_zero_adv"] = True
                     tqdm.write(
@@ -364,7 +398,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
                     )
                     sys.stdout.flush()
                 steps_bar.update()
-                if args.save_every and (i + 1) % args.save_every == 0 and i + 1 < len(sources):
+                if args.save_every and (i + 1) % args.save_every == 0 and i + 1 < steps:
                     ckpt.save(model, optimizer, i + 1)
                 if distributed:
                     _agree_on_signal(signals)
@@ -373,6 +407,8 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         finally:
             ahead.close()
             steps_bar.close()
+            if metrics is not None:
+                metrics.close()
     except (Interrupted, Exception) as err:
         if isinstance(err, Interrupted):
             signum = err.signum
@@ -399,6 +435,40 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     if distributed:
         dist.destroy_process_group()
     return 0
+
+
+def _check_loggers(args: argparse.Namespace, run_dir: str | None) -> None:
+    """``--tensorboard`` and ``--wandb`` have a run directory and their package."""
+    from harts.errors import UserError
+    from harts.rl.metrics import tensorboard_available, wandb_available
+
+    for flag, wanted, available, package in (
+        ("--tensorboard", args.tensorboard, tensorboard_available, "tensorboard"),
+        ("--wandb", args.wandb, wandb_available, "wandb"),
+    ):
+        if not wanted:
+            continue
+        if run_dir is None:
+            raise UserError(f"{flag} logs beside RUN_DIR/metrics.jsonl: give --run-dir DIR (or --resume DIR)")
+        if not available():
+            raise UserError(f"{flag}: the {package} package does not import here (pip install {package})")
+
+
+def _metrics_writer(args: argparse.Namespace, run_dir: str | None, start: int, rank: int):  # noqa: ANN202
+    """Rank 0's ``RUN_DIR/metrics.jsonl`` writer (None without a run directory): a resumed run
+    drops the records after its checkpoint's step, a new one starts the file afresh."""
+    import os
+    import shutil
+
+    from harts.rl.metrics import MetricsWriter, truncate_metrics
+
+    if run_dir is None or rank != 0:
+        return None
+    truncate_metrics(run_dir, start)
+    if start == 0:
+        shutil.rmtree(os.path.join(run_dir, "tensorboard"), ignore_errors=True)
+    settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    return MetricsWriter(run_dir, tensorboard=args.tensorboard, wandb=args.wandb, config=settings)
 
 
 def _agree_on_signal(signals: Signals) -> None:
@@ -518,8 +588,8 @@ def _finish(
     calls this (a sharded model is gathered for ``--save``); rank 0 prints and writes."""
     import sys
 
-    from harts.bench.table import format_table
     from harts.commands._inputs import write_json
+    from harts.commands._table import format_table
     from harts.errors import OutputPathError
 
     if logs and rank == 0:

@@ -2,7 +2,9 @@
 
 ``MetricsWriter(run_dir)`` appends one JSON object per step to ``metrics.jsonl`` (flushed at
 once, so a crash or Ctrl-C keeps every finished step) and, with ``tensorboard=True`` and
-``torch.utils.tensorboard`` importable, writes every numeric field as a scalar too.
+``torch.utils.tensorboard`` importable, writes every numeric field as a scalar too; with
+``wandb="PROJECT"`` (the ``wandb`` package, ``pip install harts[all]``) it logs them to that
+Weights & Biases project as well.
 ``read_metrics(run_dir)`` reads a run back (``harts plot``); ``truncate_metrics(run_dir, n)``
 drops the records of steps ``>= n`` (a resumed run continues after its checkpoint's step).
 """
@@ -15,7 +17,14 @@ from typing import Any
 
 from harts.errors import UserError
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "read_metrics", "tensorboard_available", "truncate_metrics"]
+__all__ = [
+    "METRICS_FILE",
+    "MetricsWriter",
+    "read_metrics",
+    "tensorboard_available",
+    "truncate_metrics",
+    "wandb_available",
+]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -29,18 +38,40 @@ def tensorboard_available() -> bool:
     return True
 
 
-class MetricsWriter:
-    """Appends step records to ``run_dir/metrics.jsonl`` (and TensorBoard, see module docstring)."""
+def wandb_available() -> bool:
+    """Whether the ``wandb`` package imports."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    def __init__(self, run_dir: str, *, tensorboard: bool = False) -> None:
+
+class MetricsWriter:
+    """Appends step records to ``run_dir/metrics.jsonl`` (and TensorBoard / W&B, see module
+    docstring); ``config``: the run's settings, given to W&B as its run config."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        tensorboard: bool = False,
+        wandb: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._tb: Any = None
+        self._wandb: Any = None
         if tensorboard and tensorboard_available():
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+        if wandb is not None:
+            import wandb as wandb_module
+
+            self._wandb = wandb_module.init(project=wandb, dir=run_dir, config=config or {})
 
     @property
     def tensorboard(self) -> bool:
@@ -50,16 +81,24 @@ class MetricsWriter:
         """One step's record; ``record["step"]`` is the x axis."""
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        scalars = {
+            key: value
+            for key, value in record.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"
+        }
         if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                    self._tb.add_scalar(key, value, record["step"])
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, record["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -73,7 +112,9 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     the directory has no metrics or a line is not JSON."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
-        raise UserError(f"{run_dir}: no {METRICS_FILE} here (is it a run directory of 'harts demo'?)")
+        raise UserError(
+            f"{run_dir}: no {METRICS_FILE} here (a run directory of 'harts demo', or of 'harts train --run-dir'?)"
+        )
     records = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, start=1):

@@ -175,9 +175,44 @@ class StepLog:
     #: the batch carries none
     reward_mean: float | None = None
     reward_std: float | None = None
+    #: tokens the step's microbatches computed: their compact rows in compact mode (a prefix two
+    #: microbatches share counts in both), raw tokens trajectory-wise
+    compact_tokens: int = 0
+    #: the optimizer's learning rate of this step (its first parameter group)
+    lr: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def metrics(self) -> dict[str, Any]:
+        """The step's record of ``metrics.jsonl``: optimisation, tokens and compression, times,
+        and the RL diagnostics (reward only where the batch carries rewards)."""
+        record: dict[str, Any] = {
+            "step": self.step,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "lr": self.lr,
+            "tokens": self.raw_tokens,
+            "compact_tokens": self.compact_tokens,
+            "compression": self.raw_tokens / max(self.compact_tokens, 1),
+            "trajectories": self.paths,
+            "microbatches": self.microbatches,
+            "train_seconds": self.train_seconds,
+            "plan_seconds": self.plan_seconds,
+            "prepare_seconds": self.prepare_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "moe_objective": self.moe_objective,
+            "kl": self.kl,
+            "clip_frac": self.clip_frac,
+            "action_tokens": self.action_tokens,
+            "adv_mean": self.adv_mean,
+            "adv_std": self.adv_std,
+            "adv_nonzero": self.adv_nonzero,
+        }
+        if self.reward_mean is not None:
+            record["reward"] = self.reward_mean
+            record["reward_std"] = self.reward_std
+        return record
 
 
 def _state(model: HybridLM, parallel: ParallelState | None) -> ParallelState:
@@ -220,6 +255,8 @@ class _Accumulated:
     prepare_seconds: float
     #: clip_frac, kl, action_tokens summed over microbatches (fractions weighted by action tokens)
     diagnostics: dict[str, float] = field(default_factory=dict)
+    #: tokens the step's microbatches compute (``StepLog.compact_tokens``), over all replicas
+    work_tokens: int = 0
 
 
 #: a microbatch's loss of its log-probs [S_k - N_k] under its batch, with detached 0-dim sums that
@@ -567,6 +604,7 @@ def accumulate_step_gradients(
         plan_seconds=plan_seconds,
         prepare_seconds=prepare_seconds,
         diagnostics=dict(zip(metric_names, metric_sums)),
+        work_tokens=int(np.sum(plan.work)),
     )
 
 
@@ -634,6 +672,8 @@ def train_step(
         adv_nonzero=float(np.count_nonzero(adv) / adv.size) if adv.size else 0.0,
         reward_mean=None if batch.rewards is None else float(batch.rewards.mean()),
         reward_std=None if batch.rewards is None else float(batch.rewards.std()),
+        compact_tokens=acc.work_tokens,
+        lr=float(optimizer.param_groups[0]["lr"]),
     )
 
 
