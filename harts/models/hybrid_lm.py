@@ -37,8 +37,9 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import harts.models.regions as regions
 from harts.models.config import LAYER_TYPES, HybridConfig
+from harts.models.execution.backends import Backends, resolve_backends
 from harts.models.execution.base import RowContext
-from harts.models.execution.config import ExecutionConfig, attention_head_dim_range
+from harts.models.execution.config import ExecutionConfig
 from harts.models.init import draw_seed, init_weights
 from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
 from harts.models.layers.norms import RMSNorm, add_rms_norm
@@ -197,7 +198,8 @@ class DecoderLayer(nn.Module):
         kept = "moe" in getattr(ctx, "recompute_skip", ())
         routing = None if kept else kept_routing(ctx, self)
         keep_gate_up = kept and ctx.moe_keep_gate_up
-        return self.mlp(x_TD, w_T, routing=routing, lean=kept, keep_gate_up=keep_gate_up)
+        fast = ctx.backends.fast_paths
+        return self.mlp(x_TD, w_T, routing=routing, lean=kept, keep_gate_up=keep_gate_up, fast=fast)
 
 
 class HybridLM(nn.Module):
@@ -233,6 +235,22 @@ class HybridLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def backends(self, config: ExecutionConfig | None = None) -> Backends:
+        """The kernel record this model runs under ``config`` on its parameters' device and dtype
+        (``harts.models.execution.backends``), resolved on first use and kept: one per choice of
+        the config's kernel fields, device and dtype (the environment overrides it reads are
+        read then). Raises what ``resolve_backends`` raises."""
+        cfg = ExecutionConfig() if config is None else config
+        weight = self.embed_tokens.weight
+        # deterministic algorithms keep FlexAttention off FA4 (its backward uses atomics)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        fields = (cfg.attention, cfg.linear_attention_backend, cfg.link_rounds, cfg.fast_paths)
+        key = (*fields, weight.device, weight.dtype, deterministic)
+        records = self.__dict__.setdefault("_backends", {})
+        if key not in records:
+            records[key] = resolve_backends(cfg, self.config, weight.device, weight.dtype)
+        return records[key]
 
     # ------------------------------------------------------------------ inputs
     def prepare_compact(
@@ -298,16 +316,15 @@ class HybridLM(nn.Module):
         cfg = ExecutionConfig.of(config, **fields)
         mode, recompute, no_replay = cfg.mode, cfg.recompute, cfg.no_replay
         device = self.embed_tokens.weight.device
-        attention = cfg.resolved_attention(device.type, *attention_head_dim_range(self.config.attention_head_dims))
+        backends = self.backends(cfg)
+        attention = backends.attention
         if mode == "trajectory":
             from harts.models.execution.trajectory import TrajectoryContext
 
             batch = inputs.batch if isinstance(inputs, (CompactBatch, CompactInputs, TrajectoryInputs)) else inputs
             prepared_head = inputs.head if isinstance(inputs, TrajectoryInputs) else None
             self._check_batch(batch)
-            ctx: RowContext = TrajectoryContext(
-                batch, self.config.chunk_size, device, la_backend=cfg.linear_attention_backend, attention=attention
-            )
+            ctx: RowContext = TrajectoryContext(batch, self.config.chunk_size, device, backends)
             tokens = torch.as_tensor(batch.tokens).to(device, non_blocking=True)
             info: dict[str, Any] = {"mode": "trajectory", "rows": batch.num_tokens, "calls": 1, "replay_rows": 0}
         elif mode == "compact":
@@ -325,9 +342,7 @@ class HybridLM(nn.Module):
             batch = inputs.batch
             prepared_head = inputs.head
             self._check_batch(batch)
-            ctx = CompactContext(
-                inputs.layout, attention=attention, device=device, la_backend=cfg.linear_attention_backend
-            )
+            ctx = CompactContext(inputs.layout, device=device, backends=backends)
             tokens = torch.as_tensor(inputs.layout.tokens).to(device, non_blocking=True)
             info = {
                 "mode": "compact",

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from harts.models.execution.backends import Backends
 from harts.models.execution.base import RowContext
 from harts.models.hybrid_lm import HybridLM
 
@@ -81,7 +82,15 @@ class DecodeContext(RowContext):
     before each decoder layer runs, and ``caches[b][layer]`` collects the updated caches.
     """
 
-    def __init__(self, branches: Sequence[Branch], counts: Sequence[int], device: torch.device) -> None:
+    def __init__(
+        self,
+        branches: Sequence[Branch],
+        counts: Sequence[int],
+        device: torch.device,
+        backends: Backends = Backends(),  # noqa: B008
+    ) -> None:
+        #: the model's kernel record (``HybridLM.backends``): its layers' fast paths
+        self.backends = backends
         self.branches = list(branches)
         self.counts = torch.as_tensor(list(counts), dtype=torch.int64)
         self.lengths = torch.as_tensor([b.length for b in branches], dtype=torch.int64)
@@ -190,7 +199,7 @@ def extend(model: HybridLM, branches: Sequence[Branch], tokens: Sequence[Sequenc
     if empty:
         raise ValueError(f"branch {empty[0]} has no token to extend with")
     device = model.embed_tokens.weight.device
-    ctx = DecodeContext(branches, [len(f) for f in feeds], device)
+    ctx = DecodeContext(branches, [len(f) for f in feeds], device, model.backends())
     flat = torch.as_tensor([t for f in feeds for t in f], dtype=torch.int64, device=device)
     h = model.embed_tokens(flat)
     for i, layer in enumerate(model.layers):

@@ -1,4 +1,4 @@
-"""KDA's log-decay by fla-core's fused gate (``KimiDeltaAttention.fla_gate``, on by default on CUDA):
+"""KDA's log-decay by fla-core's fused gate (the fast path "fla_gate", on by default on CUDA):
 where it applies, how the layer hands it its arguments (a stand-in for fla-core on the CPU:
 log-probs and every gradient equal ``kda_log_decay``'s, softplus and safe gate), and on CUDA
 fla-core's kernel against ``kda_log_decay`` forward and backward."""
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import harts.models.layers.kda as kda
+from harts.models.execution.backends import default_fast_paths
 from harts.models.layers.kda import KimiDeltaAttention, fla_gate_applies, kda_log_decay
 from harts.rl.verify import run_step
 from tests.models._trees import mixed_batch
@@ -20,22 +21,26 @@ from tests.models.test_compact_vs_trajectory import B, make_model
 
 
 def test_fla_gate_applies_only_on_cuda_in_half_or_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert KimiDeltaAttention.fla_gate is None  # None: the environment decides, on by default
-    assert not fla_gate_applies(torch.zeros(3, 4))  # CPU
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     import harts.ops.linear_attn.fla as fla_mod
 
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only the device type is read
+    monkeypatch.delenv("HARTS_KDA_FLA_GATE", raising=False)
+    assert "fla_gate" not in default_fast_paths(cpu)
+    assert not fla_gate_applies(torch.zeros(3, 4), True)  # CPU
     monkeypatch.setattr(fla_mod, "fla_available", lambda: True)
-    assert fla_gate_applies(torch.zeros(3, 4, dtype=torch.bfloat16))
-    assert fla_gate_applies(torch.zeros(3, 4, dtype=torch.float32))
-    assert not fla_gate_applies(torch.zeros(3, 4, dtype=torch.float64))
+    assert "fla_gate" in default_fast_paths(cuda)  # None: the environment decides, on by default
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert fla_gate_applies(torch.zeros(3, 4, dtype=torch.bfloat16), True)
+    assert fla_gate_applies(torch.zeros(3, 4, dtype=torch.float32), True)
+    assert not fla_gate_applies(torch.zeros(3, 4, dtype=torch.float64), True)
+    assert not fla_gate_applies(torch.zeros(3, 4, dtype=torch.bfloat16), False)
     for off in ("0", "false", "Off"):
         monkeypatch.setenv("HARTS_KDA_FLA_GATE", off)
-        assert not fla_gate_applies(torch.zeros(3, 4, dtype=torch.bfloat16))
-    monkeypatch.setattr(KimiDeltaAttention, "fla_gate", True)  # the attribute wins over the environment
-    assert fla_gate_applies(torch.zeros(3, 4, dtype=torch.bfloat16))
+        assert "fla_gate" not in default_fast_paths(cuda)
     monkeypatch.setattr(fla_mod, "fla_available", lambda: False)
-    assert not fla_gate_applies(torch.zeros(3, 4, dtype=torch.bfloat16))
+    monkeypatch.delenv("HARTS_KDA_FLA_GATE")
+    assert "fla_gate" not in default_fast_paths(cuda)
+    assert not fla_gate_applies(torch.zeros(3, 4, dtype=torch.bfloat16), True)
 
 
 def _stand_in_gate(calls: list) -> types.ModuleType:
@@ -58,13 +63,12 @@ def _stand_in_gate(calls: list) -> types.ModuleType:
 def test_layer_hands_the_fused_gate_its_arguments(monkeypatch: pytest.MonkeyPatch, mode: str, safe: bool) -> None:
     model = make_model("KM", moe=False, kda_safe_gate=safe)
     batch = mixed_batch(B)
-    monkeypatch.setattr(KimiDeltaAttention, "fla_gate", False)
-    want = run_step(model, batch, mode=mode, kl_coef=0.1)
+    want = run_step(model, batch, mode=mode, kl_coef=0.1)  # the CPU: kda_log_decay
     calls: list = []
     for name in ("fla", "fla.ops", "fla.ops.kda"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name, types.ModuleType(name)))
     monkeypatch.setitem(sys.modules, "fla.ops.kda.gate", _stand_in_gate(calls))
-    monkeypatch.setattr(kda, "fla_gate_applies", lambda f: True)
+    monkeypatch.setattr(kda, "fla_gate_applies", lambda f, enabled: True)
     got = run_step(model, batch, mode=mode, kl_coef=0.1)
     layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
     h, k = layer.num_heads, layer.head_k_dim

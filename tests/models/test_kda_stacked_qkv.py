@@ -1,5 +1,5 @@
-"""KDA's stacked projections (``KimiDeltaAttention.stacked_qkv`` for q / k / v and
-``stacked_gates`` for the low-rank gates' first factors and beta's, both on by default on CUDA):
+"""KDA's stacked projections (the fast paths "stacked_qkv" for q / k / v and "stacked_gates" for
+the low-rank gates' first factors and beta's, both on by default on CUDA):
 one GEMM over the stacked weights gives the separate GEMMs' outputs and every gradient, to float64
 rounding, in both execution modes; the CPU default stays the separate GEMMs."""
 
@@ -8,22 +8,28 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harts.models.hybrid_lm import HybridLM
 from harts.models.layers.kda import KimiDeltaAttention
 from harts.rl.verify import run_step
 from tests.models._trees import mixed_batch
 from tests.models.test_compact_vs_trajectory import B, make_model
 
 
+def with_path(model: HybridLM, path: str, on: bool) -> tuple[str, ...]:
+    """``ExecutionConfig.fast_paths``: the model's default ones on this device, ``path`` turned on or off."""
+    default = model.backends().fast_paths
+    return tuple(sorted(default | {path} if on else default - {path}))
+
+
 @pytest.mark.parametrize("flag", ["stacked_qkv", "stacked_gates"])
 @pytest.mark.parametrize("mode", ["trajectory", "compact"])
-def test_stacked_projection_equals_separate_gemms(monkeypatch: pytest.MonkeyPatch, mode: str, flag: str) -> None:
+def test_stacked_projection_equals_separate_gemms(mode: str, flag: str) -> None:
     model = make_model("KM", moe=False)
     assert next(m for m in model.modules() if isinstance(m, KimiDeltaAttention)).low_rank_gates
     batch = mixed_batch(B)
     runs = {}
     for stacked in (False, True):
-        monkeypatch.setattr(KimiDeltaAttention, flag, stacked)
-        runs[stacked] = run_step(model, batch, mode=mode, kl_coef=0.1)
+        runs[stacked] = run_step(model, batch, mode=mode, kl_coef=0.1, fast_paths=with_path(model, flag, stacked))
     a, b = runs[False], runs[True]
     torch.testing.assert_close(b.logprobs, a.logprobs, rtol=1e-12, atol=1e-12)
     assert set(a.grads) == set(b.grads)
@@ -35,8 +41,8 @@ def test_stacked_projection_equals_separate_gemms(monkeypatch: pytest.MonkeyPatc
 
 
 def test_cpu_default_is_the_three_gemms() -> None:
-    assert KimiDeltaAttention.stacked_qkv is None and KimiDeltaAttention.stacked_gates is None  # None: CUDA only
     model = make_model("K", moe=False)
+    assert not {"stacked_qkv", "stacked_gates"} & model.backends().fast_paths  # CUDA only
     layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
     calls = []
     handle = layer.q_proj.register_forward_hook(lambda *a: calls.append(1))
@@ -45,7 +51,7 @@ def test_cpu_default_is_the_three_gemms() -> None:
     assert calls  # the q projection ran as its own module on CPU
 
 
-def test_full_rank_gates_ignore_the_gate_stacking(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_rank_gates_ignore_the_gate_stacking() -> None:
     """Full-rank gates (Ling 3.0 / BailingHybrid) have nothing small to stack: the flag changes
     nothing there."""
     import dataclasses
@@ -59,6 +65,5 @@ def test_full_rank_gates_ignore_the_gate_stacking(monkeypatch: pytest.MonkeyPatc
     batch = mixed_batch(B)
     runs = {}
     for stacked in (False, True):
-        monkeypatch.setattr(KimiDeltaAttention, "stacked_gates", stacked)
-        runs[stacked] = run_step(full, batch, mode="compact")
+        runs[stacked] = run_step(full, batch, mode="compact", fast_paths=with_path(full, "stacked_gates", stacked))
     assert torch.equal(runs[True].logprobs.nan_to_num(), runs[False].logprobs.nan_to_num())

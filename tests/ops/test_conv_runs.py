@@ -174,10 +174,9 @@ def test_fla_runs_equal_the_reference_on_cuda(dtype: torch.dtype) -> None:
 def test_executors_route_the_conv_through_runs(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both executors with the runs conv (the path CUDA + fla-core takes; here its torch
     reference): compact equals trajectory-wise, and both equal the gather conv's run (float64)."""
+    import dataclasses
     import functools
 
-    import harts.models.execution.compact as compact_mod
-    import harts.models.execution.trajectory as trajectory_mod
     import harts.ops.conv as conv_mod
     from harts.models.config import HybridConfig
     from harts.models.hybrid_lm import HybridLM
@@ -198,8 +197,9 @@ def test_executors_route_the_conv_through_runs(case: str, monkeypatch: pytest.Mo
         return reference(*args, **kwargs)
 
     monkeypatch.setattr(conv_mod, "runs_causal_conv1d", counted)
-    for mod in (compact_mod, trajectory_mod):
-        monkeypatch.setattr(mod, "conv_uses_fla", lambda backend, device: True)
+    # the kernel record with fla-core's conv, as CUDA + fla-core resolves it
+    record = dataclasses.replace(model.backends(), conv="fla")
+    monkeypatch.setattr(HybridLM, "backends", lambda self, config=None: record)
     runs_traj = run_step(model, inputs, mode="trajectory", kl_coef=0.1)
     runs_compact = run_step(model, inputs, mode="compact", kl_coef=0.1)
     assert calls, "the runs conv was not used"

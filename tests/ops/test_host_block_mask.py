@@ -254,6 +254,7 @@ def test_execution_contexts_pass_their_host_arrays(monkeypatch):
     """Both execution contexts hand tree_mask_attention host copies equal to the device tensors
     (so the flex path builds the mask on the host)."""
     import harts.ops.attention as attention_ops
+    from harts.models.execution.backends import Backends
     from harts.models.execution.compact import CompactContext
     from harts.models.execution.trajectory import TrajectoryContext
     from harts.tree.workloads import generate
@@ -267,8 +268,8 @@ def test_execution_contexts_pass_their_host_arrays(monkeypatch):
     monkeypatch.setattr(attention_ops, "tree_mask_attention", spy)
     cpu = torch.device("cpu")
     contexts = [
-        TrajectoryContext(generate("tiny", step=0), 16, cpu, attention="mask"),
-        CompactContext(planner_layouts(pad_to=8)[0], attention="mask", device=cpu),
+        TrajectoryContext(generate("tiny", step=0), 16, cpu, Backends(attention="mask")),
+        CompactContext(planner_layouts(pad_to=8)[0], device=cpu, backends=Backends(attention="mask")),
     ]
     for ctx in contexts:
         P = ctx.num_rows

@@ -242,17 +242,19 @@ def test_backend_dispatch_follows_the_chunk_size(monkeypatch: pytest.MonkeyPatch
     assert dispatch.linear_attn_op("fla", cuda, 32) is dispatch.fla_chunk_linear_attn
 
 
-def test_auto_resolves_to_linked_rounds_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The "auto" backend is "tree_linked" on CUDA with fla-core at chunk 64 (the compact executor then links a
-    microbatch's rounds), the reference elsewhere; explicit names come back as they are."""
+def test_auto_resolves_to_the_tree_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "auto" backend is the tree kernel on CUDA with fla-core at chunk 64 (the compact
+    executor links a microbatch's rounds: ``ExecutionConfig.link_rounds``), the reference
+    elsewhere; explicit names come back as they are, and the old name "tree_linked" as "tree"."""
     import harts.ops.linear_attn.dispatch as dispatch
 
     monkeypatch.setattr(dispatch, "fla_available", lambda: True)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert dispatch.resolve_linear_attn_backend("auto", cuda, 64) == "tree_linked"
+    assert dispatch.resolve_linear_attn_backend("auto", cuda, 64) == "tree"
     assert dispatch.resolve_linear_attn_backend("auto", cuda, 8) == "reference"
     assert dispatch.resolve_linear_attn_backend("auto", cpu, 64) == "reference"
-    for name in ("tree", "tree_linked", "fla"):
+    for name in ("tree", "fla", "reference"):
         assert dispatch.resolve_linear_attn_backend(name, cuda, 64) == name
+    assert dispatch.resolve_linear_attn_backend("tree_linked", cuda, 64) == "tree"
     monkeypatch.setattr(dispatch, "fla_available", lambda: False)
     assert dispatch.resolve_linear_attn_backend("auto", cuda, 64) == "reference"

@@ -8,7 +8,6 @@ import torch
 
 from harts.errors import UserError
 from harts.models import HybridConfig, HybridLM
-from harts.models.layers import KimiDeltaAttention
 from harts.rl.grpo import grpo_loss
 from harts.rl.losses import LOSSES, check_loss, tinker_loss
 from harts.trainer.lora import LoraConfig, apply_lora, lora_config_of, merged_model, save_peft_adapter
@@ -116,17 +115,16 @@ def test_compact_equals_trajectory_without_lora_every_tinker_loss() -> None:
         check_compact_equals_trajectory(model, loss)
 
 
-def test_fast_paths_read_the_adapted_weights(monkeypatch) -> None:
+def test_fast_paths_read_the_adapted_weights() -> None:
     """KDA's stacked q / k / v and gate GEMMs and the grouped MoE experts, lean under
     recomputation, read module weights outside ``nn.Linear`` calls (float32: ``torch._grouped_mm``
     takes no float64): they give the merged model's log-probs, and every adapter a gradient."""
-    monkeypatch.setattr(KimiDeltaAttention, "stacked_qkv", True)
-    monkeypatch.setattr(KimiDeltaAttention, "stacked_gates", True)
     model, params = adapted(dtype="float32", layer_pattern="KM")
     assert all(layer.mlp.experts.uses_grouped(torch.zeros(1, dtype=torch.float32)) for layer in model.layers[1:])
     merged = merged_model(model)
     inputs = model.prepare_compact(mixed_batch(B))
-    fields = dict(recompute=True, recompute_skip=("moe",))
+    stacked = tuple(sorted(model.backends().fast_paths | {"stacked_qkv", "stacked_gates"}))
+    fields = dict(recompute=True, recompute_skip=("moe",), fast_paths=stacked)
     for mode in ("compact", "trajectory"):
         out = model(inputs, mode=mode, **fields)
         assert rel(out.logprobs, merged(inputs, mode=mode, **fields).logprobs) <= 1e-5

@@ -8,7 +8,9 @@ mode) and delegates the three operations that couple rows to its context:
     linear_attention   the chunkwise delta-rule core (KDA / GDN)
     attention          causal softmax attention (full-attention layers)
 
-plus two per-row inputs: ``position`` (RoPE id inside the original trajectory) and
+It also carries the kernel record (``backends``: which implementation of every choice runs,
+``harts.models.execution.backends``), from which the layers read their fast paths; plus two
+per-row inputs: ``position`` (RoPE id inside the original trajectory) and
 ``row_weight`` (semantic multiplicity q; 1 per row in trajectory mode, 0 for padding),
 which MoE uses to weight its router losses and expert counts.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from harts.models.execution.backends import Backends
 from harts.ops.row_gather import RowGatherPlan
 
 __all__ = ["RowContext"]
@@ -35,6 +38,8 @@ class RowContext:
     row_weight: torch.Tensor
     #: linear-attention chunk size B
     chunk_size: int
+    #: the kernel record this forward runs (``HybridLM.backends``); the default: the CPU's
+    backends: Backends = Backends()
     #: whether the layer running now is under activation checkpointing (``HybridLM.forward``
     #: sets it per layer, then to whether any layer is, for the backward's recomputations)
     checkpointing: bool = False

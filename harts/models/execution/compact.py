@@ -7,7 +7,7 @@ context maps the three row-coupling operations onto it:
   one post-conv result per physical row; replay never re-runs it.
 * linear attention: one packed ``chunk_linear_attn`` call per round over
   ``x[round.la_rows]`` (all rounds' rows in one gather, ``harts.ops.row_gather``), or with the
-  "tree_linked" backend every round in one op (``linked_tree_linear_attn``, same states); a sequence
+  tree kernel and ``link_rounds`` every round in one op (``linked_tree_linear_attn``, same states); a sequence
   starts from zero (``init_state == -1``) or from a boundary state exported by an earlier
   round; the round exports ``round.requests`` into ``states[round.request_ids]``; outputs of
   non-replay positions go to ``round.out_rows``. Replay positions only update state. Autograd
@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harts.models.execution.backends import Backends
 from harts.models.execution.base import RowContext
-from harts.ops.conv import ConvRuns, conv_uses_fla
+from harts.ops.conv import ConvRuns
 from harts.ops.row_gather import RowGatherPlan, gather_rows, row_gather_plan
 from harts.ops.upload import upload
 
@@ -63,23 +64,22 @@ class RoundTensors:
 class CompactContext(RowContext):
     def __init__(
         self,
-        layout,
+        layout,  # noqa: ANN001
         *,
-        attention: str = "gather",
-        device: torch.device,  # noqa: ANN001
-        la_backend: str = "reference",
+        device: torch.device,
+        backends: Backends = Backends(),  # noqa: B008 - frozen
     ) -> None:
-        from harts.ops.linear_attn import linear_attn_op, resolve_linear_attn_backend
+        from harts.ops.linear_attn import linear_attn_op
 
-        la_backend = resolve_linear_attn_backend(la_backend, device, int(layout.chunk_size))
-        self.la_op = linear_attn_op(la_backend, device, int(layout.chunk_size))
-        # "tree_linked" ("auto" on CUDA): the tree kernel with the rounds linked into one op per layer
-        self._link_rounds = la_backend == "tree_linked"
+        self.backends = backends
+        self.la_op = linear_attn_op(backends.linear_attention, device, int(layout.chunk_size))
+        # the tree kernel with the rounds linked into one op per layer ("auto" on CUDA)
+        self._link_rounds = backends.link_rounds
         self._linked = None  # LinkedPlan, made on the first linear attention (host work)
-        if attention not in ("gather", "mask"):
-            raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
+        if backends.attention not in ("gather", "mask"):
+            raise ValueError(f"attention must be 'gather' or 'mask', got {backends.attention!r}")
         self.layout = layout
-        self.attention_impl = attention
+        self.attention_impl = backends.attention
         self._mask_cache: dict = {}  # one FlexAttention BlockMask for every layer of this layout
         self.device = device
         self.num_rows = int(layout.num_rows)
@@ -107,7 +107,7 @@ class CompactContext(RowContext):
         self.num_boundary_states = int(layout.num_boundary_states)
         self._ancestors: dict[int, torch.Tensor] = {}
         self._conv_runs: dict[int, ConvRuns] = {}
-        self.conv_fla = conv_uses_fla(la_backend, device)
+        self.conv_fla = backends.conv == "fla"
         self._attn: dict[str, torch.Tensor] = {}
 
     def _round(self, r) -> RoundTensors:  # noqa: ANN001
@@ -252,4 +252,5 @@ class CompactContext(RowContext):
             mask_cache=self._mask_cache,
             tree_pre_host=self.layout.tree_pre,
             tree_end_host=self.layout.tree_end,
+            backend=self.backends.flex_backend(q_THD, k_TGD, v_TGE),
         )

@@ -3,9 +3,11 @@
 One frozen dataclass, one spelling, one default for every execution switch. ``HybridLM.forward``
 takes it (or its fields as keyword overrides), ``HybridLM.prepare_compact`` reads
 ``no_replay`` from it, and ``TrainConfig``, ``run_step``, ``harts bench`` / ``harts compare`` /
-``harts train`` pass one along. The linear-attention backend is a name checked against
-``harts.ops.linear_attn.dispatch.LINEAR_ATTN_BACKENDS``, so a backend added there works here
-without a change.
+``harts train`` pass one along. Every kernel choice is a name from ``harts.ops.registry`` (the
+CLI's choices come from there too), so a backend added there works here without a change; the
+old spelling "tree_linked" is mapped there, once, to "tree" with ``link_rounds``. What the
+choices resolve to on one device, for one model, is the kernel record
+(``harts.models.execution.backends.Backends``).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Any
 
 from harts.errors import UserError
 from harts.ops.attention.flex_tiles import FLEX_MAX_HEAD_DIM
-from harts.ops.linear_attn.dispatch import LINEAR_ATTN_BACKENDS
+from harts.ops.registry import ATTENTION_IMPLS, FAST_PATHS, canonical_linear_attn
 
 __all__ = [
     "ATTENTION_IMPLS",
+    "FAST_PATHS",
     "LOGPROB_POSITIONS",
     "MODES",
     "SKIPPABLE_CORES",
@@ -32,7 +35,6 @@ __all__ = [
 
 MODES = ("compact", "trajectory")
 LOGPROB_POSITIONS = ("all", "actions")
-ATTENTION_IMPLS = ("auto", "gather", "mask")
 #: cores that ``ExecutionConfig.recompute_skip`` may name (region names of ``harts.models.regions``;
 #: ``harts.models.recompute`` runs them)
 SKIPPABLE_CORES = ("attention", "linear_attention", "moe")
@@ -69,8 +71,20 @@ class ExecutionConfig:
     #: it there (one grouped GEMM fewer per layer for T x K x 2I half-precision entries: 1.07 GB
     #: per layer at 65,536 rows of ``ling3_tiny``); gradients unchanged. 0: none (default)
     moe_keep_gate_up: int = 0
-    #: linear-attention core, one of ``LINEAR_ATTN_BACKENDS`` ("reference": torch, any device)
+    #: linear-attention core, one of ``harts.ops.registry.LINEAR_ATTN_BACKENDS`` ("reference":
+    #: torch, any device; "auto": the tree kernel where fla-core runs the model's chunk size);
+    #: the old name "tree_linked" is taken as "tree" with ``link_rounds=True``
     linear_attention_backend: str = "reference"
+    #: compact execution with the tree kernel: a microbatch's rounds linked into one
+    #: linear-attention op per layer (``linked_tree_linear_attn``; the same states). None: linked
+    #: under "auto", one call per round under an explicit "tree" (the two sides of an A/B). With
+    #: another operator (the reference, fla's split path) there is nothing to link: ignored
+    link_rounds: bool | None = None
+    #: the layers' fast paths in use, names from ``FAST_PATHS`` (every other one runs the code
+    #: it replaces, its reference); a named path still runs only where it can (fla's gate needs
+    #: CUDA and fla-core, the fused kernels fall back to torch where their kernel does not
+    #: apply). None: the defaults, ``harts.models.execution.backends.default_fast_paths``
+    fast_paths: tuple[str, ...] | None = None
     #: ablation: side branches start from the fork's exact state instead of replaying from the
     #: chunk anchor (a planning choice: ``prepare_compact`` builds the layout for it)
     no_replay: bool = False
@@ -92,10 +106,10 @@ class ExecutionConfig:
             raise ValueError(f"mode must be 'trajectory' or 'compact', got {self.mode!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be 'gather', 'mask' or 'auto', got {self.attention!r}")
-        if self.linear_attention_backend not in LINEAR_ATTN_BACKENDS:
-            raise ValueError(
-                f"linear-attention backend must be one of {LINEAR_ATTN_BACKENDS}, got {self.linear_attention_backend!r}"
-            )
+        if self.link_rounds is not None and not isinstance(self.link_rounds, bool):
+            raise ValueError(f"link_rounds must be True, False or None, got {self.link_rounds!r}")
+        self._canonical_linear_attention()
+        _check_names("fast_paths", self.fast_paths, FAST_PATHS)
         check_recompute_skip(self.recompute_skip, self.recompute)
         if self.recompute_layers is not None:
             if isinstance(self.recompute_layers, bool) or not isinstance(self.recompute_layers, int):
@@ -118,6 +132,21 @@ class ExecutionConfig:
             )
         if self.logprob_positions not in LOGPROB_POSITIONS:
             raise ValueError(f"logprob_positions must be 'all' or 'actions', got {self.logprob_positions!r}")
+
+    def _canonical_linear_attention(self) -> None:
+        """The old spelling of a linear-attention backend replaced by its backend and
+        ``link_rounds`` (the one mapping: ``harts.ops.registry.LINEAR_ATTN_ALIASES``)."""
+        backend, link = canonical_linear_attn(self.linear_attention_backend)
+        if link is None:
+            return
+        if self.link_rounds is not None and self.link_rounds != link:
+            raise ValueError(
+                f"linear_attention_backend={self.linear_attention_backend!r} means {backend!r} with "
+                f"link_rounds={link}, but link_rounds={self.link_rounds} was given"
+            )
+        # frozen: the normalized fields are set once, here, while the instance is made
+        object.__setattr__(self, "linear_attention_backend", backend)
+        object.__setattr__(self, "link_rounds", link)
 
     @classmethod
     def of(cls, config: ExecutionConfig | None = None, **fields: Any) -> ExecutionConfig:
@@ -185,6 +214,20 @@ def _flex_refuses(device_type: str, min_head_dim: int | None, max_head_dim: int 
             f"{FLEX_MAX_HEAD_DIM}, and FA4's flash backend, up to 256)"
         )
     return None
+
+
+def _check_names(field: str, names: tuple[str, ...] | None, known: tuple[str, ...]) -> None:
+    """ValueError naming the offending entry unless ``names`` is None or a tuple of distinct
+    ``known`` names."""
+    if names is None:
+        return
+    if not isinstance(names, tuple):
+        raise ValueError(f"{field} must be a tuple of names or None, got {names!r}")
+    for name in names:
+        if name not in known:
+            raise ValueError(f"{field}: unknown name {name!r}; known: {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{field} names an entry twice: {names}")
 
 
 def check_recompute_skip(skip: tuple[str, ...], recompute: bool) -> None:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from harts.models.execution.backends import Backends
 from harts.models.execution.base import RowContext
-from harts.ops.conv import conv_runs_from_offsets, conv_uses_fla
+from harts.ops.conv import conv_runs_from_offsets
 from harts.ops.upload import upload
 from harts.tree.batch import RolloutBatch
 
@@ -31,12 +32,14 @@ class TrajectoryContext(RowContext):
         batch: RolloutBatch,
         chunk_size: int,
         device: torch.device,
-        la_backend: str = "reference",
-        attention: str = "gather",
+        backends: Backends = Backends(),  # noqa: B008 - frozen
     ) -> None:
         from harts.ops.linear_attn import linear_attn_op
 
-        self.la_op = linear_attn_op(la_backend, device, chunk_size)
+        self.backends = backends
+        attention = backends.attention
+        # linking rounds is the compact executor's part: trajectory-wise every tree op is per call
+        self.la_op = linear_attn_op(backends.linear_attention, device, chunk_size)
         offsets = batch.offsets
         self.num_rows = batch.num_tokens
         self.chunk_size = chunk_size
@@ -45,7 +48,8 @@ class TrajectoryContext(RowContext):
         pos = np.arange(batch.num_tokens) - np.repeat(offsets[:-1], batch.lengths)
         self.position = upload(pos, device, torch.int64)
         self.row_weight = torch.ones(batch.num_tokens, dtype=torch.float64, device=device)
-        self.conv_fla = conv_uses_fla(la_backend, device)
+        # the record's conv, which follows the resolved linear-attention operator
+        self.conv_fla = backends.conv == "fla"
         self.conv_runs = conv_runs_from_offsets(offsets) if self.conv_fla else None
         if attention not in ("gather", "mask"):
             raise ValueError(f"attention must be 'gather' or 'mask', got {attention!r}")
@@ -87,5 +91,6 @@ class TrajectoryContext(RowContext):
                 mask_cache=self._mask_cache,
                 tree_pre_host=self.chain_pre_host,
                 tree_end_host=self.chain_end_host,
+                backend=self.backends.flex_backend(q_THD, k_TGD, v_TGE),
             )
         return varlen_causal_attention(q_THD, k_TGD, v_TGE, cu_seqlens=self.cu_seqlens, scale=scale)

@@ -28,8 +28,8 @@ __all__ = ["GatedDeltaNet"]
 
 
 class GatedDeltaNet(nn.Module):
-    #: as ``KimiDeltaAttention.fused_qkv_norm``
-    fused_qkv_norm: bool = True
+    """GDN (module docstring); its one fast path, the kernel record's "fused_qkv_norm"
+    (``ctx.backends``), is KDA's: the split and l2 norms in one kernel where it applies."""
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -58,7 +58,7 @@ class GatedDeltaNet(nn.Module):
         b, a = torch.split(ba, [r, r], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), kk.reshape(t, -1), vv.reshape(t, -1)], dim=-1)
         mixed = ctx.short_conv(mixed, self.conv1d.weight_DW, None, "silu")
-        split = split_l2norm_qkv if self.fused_qkv_norm else split_l2norm_qkv_reference
+        split = split_l2norm_qkv if ctx.backends.fast("fused_qkv_norm") else split_l2norm_qkv_reference
         # the linear attention's input rows gathered by the split itself (compact execution)
         rows = ctx.la_input_rows()
         q, kk, vv = split(mixed, hk, k, hv, v, rows=rows)

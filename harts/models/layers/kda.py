@@ -11,7 +11,8 @@
     out     = o_proj(rmsnorm(o) * weight * sigmoid(g_b_proj(g_a_proj x)))
 
 On CUDA the three input projections run as one GEMM over their stacked weights
-(``stacked_qkv``), and the three short convs, being depthwise, as one conv over ``[q | k | v]``;
+("stacked_qkv", a fast path of the kernel record), and the three short convs, being depthwise,
+as one conv over ``[q | k | v]``;
 the parameters keep their separate names (``q_proj.weight``, ``q_conv1d.weight`` ``[dim, 1, w]``
 etc., as checkpoints have them).
 Heads: KDA uses ``H = linear_num_value_heads`` for q, k and v.
@@ -31,7 +32,7 @@ from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNormGated
 from harts.models.recompute import run_core
-from harts.ops.compiled import cuda_compiled, env_switch
+from harts.ops.compiled import cuda_compiled
 from harts.ops.qkv_norm import split_l2norm_qkv, split_l2norm_qkv_reference
 
 __all__ = ["KimiDeltaAttention", "ShortConvolution", "fla_gate_applies", "silu_in_split"]
@@ -65,38 +66,35 @@ class ShortConvolution(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    #: q / k / v input projections as one GEMM over their stacked weights (a [3HK, D] copy of the
-    #: weights instead of a [T, 3HK] one of the activations, one GEMM each way instead of three);
-    #: None: on CUDA, where the copies and launches cost; elsewhere the three GEMMs (the
-    #: reference: the same products, rounded per GEMM; the CPU figures were measured with it).
-    #: Stacked, the q / k / v ``nn.Linear`` modules are not called: hooks on them do not run
-    #: (set it False for adapters that wrap those modules)
-    stacked_qkv: bool | None = None
-    #: with low-rank gates: the forget and output gates' first factors (``f_a_proj``,
-    #: ``g_a_proj``, V columns each) and ``b_proj`` (H columns) as one GEMM over their stacked
-    #: weights. Each of them alone reads all of x for a handful of columns, and its backward
-    #: writes a [T, D] gradient that autograd then adds into x's; stacked, x is read once each
-    #: way and two [T, D] gradients and their additions are gone, for a [T, 2V + H] split
-    #: gradient (``split``'s backward: small). None: on CUDA; elsewhere the three GEMMs (the
-    #: reference). Stacked, those ``nn.Linear`` modules are not called (hooks do not run)
-    stacked_gates: bool | None = None
-    #: the split of the conv's ``[q | k | v]`` and the q / k l2 norms as one kernel each way
-    #: (``harts.ops.qkv_norm``; no concatenation of the three gradients) where the kernel applies
-    #: (CUDA); False: the torch split and l2 norms (the reference) everywhere
-    fused_qkv_norm: bool = True
-    #: the short conv's SiLU applied by the split kernel instead of by fla-core's conv, whose
-    #: backward is then much cheaper (``harts.ops.qkv_norm``, "The SiLU"); the same operations in
-    #: float64. None: on unless the environment sets ``HARTS_KDA_SILU_IN_SPLIT`` to 0/false/no/off
-    #: (for A/B timing: both sides of ``harts bench`` read it)
-    silu_in_split: bool | None = None
-    #: the log-decay g by fla-core's fused gate (``fla.ops.kda.gate.fused_kda_gate``: one Triton
-    #: pass forward, and backward one pass that writes df beside per-block partial sums of
-    #: dA_log and ddt_bias) instead of the compiled ``kda_log_decay``, whose backward Inductor
-    #: made a reduction and a pointwise pass (about three times what their bytes take on a GPU).
-    #: The same arithmetic in float32, rounded once to f's dtype.
-    #: Only on CUDA with fla-core and half or float32 f (float64 and CPU: ``kda_log_decay``).
-    #: None: on unless the environment sets ``HARTS_KDA_FLA_GATE`` to 0/false/no/off
-    fla_gate: bool | None = None
+    """KDA (module docstring). Its fast paths are the kernel record's (``ctx.backends``, names of
+    ``harts.ops.registry.KDA_FAST_PATHS``; ``ExecutionConfig.fast_paths`` overrides them):
+
+    * "stacked_qkv": q / k / v input projections as one GEMM over their stacked weights (a
+      [3HK, D] copy of the weights instead of a [T, 3HK] one of the activations, one GEMM each
+      way instead of three); by default on CUDA, where the copies and launches cost; elsewhere
+      the three GEMMs (the reference: the same products, rounded per GEMM). Stacked, the q / k / v
+      ``nn.Linear`` modules are not called: hooks on them do not run (turn it off for adapters
+      that wrap those modules).
+    * "stacked_gates": with low-rank gates, the forget and output gates' first factors
+      (``f_a_proj``, ``g_a_proj``, V columns each) and ``b_proj`` (H columns) as one GEMM over
+      their stacked weights. Each of them alone reads all of x for a handful of columns, and its
+      backward writes a [T, D] gradient that autograd then adds into x's; stacked, x is read once
+      each way and two [T, D] gradients and their additions are gone, for a [T, 2V + H] split
+      gradient (``split``'s backward: small). By default on CUDA; the modules are not called.
+    * "fused_qkv_norm": the split of the conv's ``[q | k | v]`` and the q / k l2 norms as one
+      kernel each way (``harts.ops.qkv_norm``; no concatenation of the three gradients) where the
+      kernel applies (CUDA); off: the torch split and l2 norms (the reference) everywhere.
+    * "silu_in_split": the short conv's SiLU applied by the split kernel instead of by fla-core's
+      conv, whose backward is then much cheaper (``harts.ops.qkv_norm``, "The SiLU"); the same
+      operations in float64. On by default (``HARTS_KDA_SILU_IN_SPLIT=0`` turns the default off).
+    * "fla_gate": the log-decay g by fla-core's fused gate (``fla.ops.kda.gate.fused_kda_gate``:
+      one Triton pass forward, and backward one pass that writes df beside per-block partial sums
+      of dA_log and ddt_bias) instead of the compiled ``kda_log_decay``, whose backward Inductor
+      made a reduction and a pointwise pass (about three times what their bytes take on a GPU).
+      The same arithmetic in float32, rounded once to f's dtype. Only on CUDA with fla-core and
+      half or float32 f (float64 and CPU: ``kda_log_decay``); on by default there
+      (``HARTS_KDA_FLA_GATE=0`` turns the default off).
+    """
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -133,21 +131,20 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x_TD: torch.Tensor, ctx: RowContext) -> torch.Tensor:
         t = x_TD.shape[0]
         h, k, v = self.num_heads, self.head_k_dim, self.head_v_dim
-        stacked = x_TD.is_cuda if self.stacked_qkv is None else self.stacked_qkv
-        if stacked:
+        kernels = ctx.backends
+        if kernels.fast("stacked_qkv"):
             w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], dim=0)
             mixed = torch.nn.functional.linear(x_TD, w_qkv)
         else:
             mixed = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight_DW, self.k_conv1d.weight_DW, self.v_conv1d.weight_DW], dim=0)
-        act = "silu" if silu_in_split() else None
+        act = "silu" if kernels.fast("silu_in_split") else None
         mixed = ctx.short_conv(mixed, weight, None, None if act else "silu")
-        split = split_l2norm_qkv if self.fused_qkv_norm else split_l2norm_qkv_reference
+        split = split_l2norm_qkv if kernels.fast("fused_qkv_norm") else split_l2norm_qkv_reference
         # the linear attention's input rows gathered by the split itself (compact execution)
         rows = ctx.la_input_rows()
         q, kk, vv = split(mixed, h, k, h, v, rows=rows, activation=act)
-        stack_gates = self.low_rank_gates and (x_TD.is_cuda if self.stacked_gates is None else self.stacked_gates)
-        if stack_gates:
+        if self.low_rank_gates and kernels.fast("stacked_gates"):
             w_gates = torch.cat([self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight], dim=0)
             f_a, g_a, b = torch.split(torch.nn.functional.linear(x_TD, w_gates), [v, v, h], dim=-1)
         elif self.low_rank_gates:
@@ -156,7 +153,7 @@ class KimiDeltaAttention(nn.Module):
             f_a, g_a, b = None, None, self.b_proj(x_TD)
         f = self.f_b_proj(f_a) if self.low_rank_gates else self.f_proj(x_TD)
         lower_bound = self.lower_bound if self.safe_gate else None
-        if fla_gate_applies(f):
+        if fla_gate_applies(f, kernels.fast("fla_gate")):
             from fla.ops.kda.gate import fused_kda_gate
 
             g = fused_kda_gate(f.reshape(t, h, k), self.A_log, self.dt_bias, lower_bound, output_dtype=f.dtype)
@@ -174,12 +171,11 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o.reshape(t, h * v))
 
 
-def fla_gate_applies(f: torch.Tensor) -> bool:
+def fla_gate_applies(f: torch.Tensor, enabled: bool) -> bool:
     """Whether KDA's log-decay runs in fla-core's fused gate for the gate projection ``f``
-    ([T, H * K]): ``KimiDeltaAttention.fla_gate`` (else ``HARTS_KDA_FLA_GATE``, on unless
-    0/false/no/off), f on CUDA in bfloat16, float16 or float32, and fla-core importable."""
-    on = env_switch("HARTS_KDA_FLA_GATE") if KimiDeltaAttention.fla_gate is None else KimiDeltaAttention.fla_gate
-    if not (on and f.is_cuda and f.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+    ([T, H * K]): the record's "fla_gate" fast path ``enabled``, f on CUDA in bfloat16, float16
+    or float32, and fla-core importable."""
+    if not (enabled and f.is_cuda and f.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return False
     from harts.ops.linear_attn.fla import fla_available
 
@@ -187,9 +183,10 @@ def fla_gate_applies(f: torch.Tensor) -> bool:
 
 
 def silu_in_split() -> bool:
-    """Whether KDA's short-conv SiLU runs in the q / k / v split (``KimiDeltaAttention.silu_in_split``
-    when set, else ``HARTS_KDA_SILU_IN_SPLIT``, on unless 0/false/no/off); then the conv runs
-    without activation. Benchmarks of the conv alone ask it too, to time the model's variant."""
-    if KimiDeltaAttention.silu_in_split is not None:
-        return KimiDeltaAttention.silu_in_split
-    return env_switch("HARTS_KDA_SILU_IN_SPLIT")
+    """Whether KDA's short-conv SiLU runs in the q / k / v split by default (the "silu_in_split"
+    fast path of ``default_fast_paths``: on unless ``HARTS_KDA_SILU_IN_SPLIT`` is
+    0/false/no/off); then the conv runs without activation. Benchmarks of the conv alone ask it,
+    to time the model's variant."""
+    from harts.models.execution.backends import default_fast_paths
+
+    return "silu_in_split" in default_fast_paths(torch.device("cpu"))

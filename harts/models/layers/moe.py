@@ -41,6 +41,7 @@ from harts.models.config import HybridConfig
 from harts.models.layers.mlp import MLP, swiglu
 from harts.ops.compiled import cuda_compiled
 from harts.ops.moe_swiglu import weighted_swiglu, weighted_swiglu_backward
+from harts.ops.registry import MOE_FAST_PATHS
 from harts.ops.router_topk import grouped_topk, grouped_topk_reference
 
 __all__ = [
@@ -514,21 +515,18 @@ def moe_statistics(
     return z_loss_sum / total, aux_loss, counts
 
 
-#: the MoE's fast paths, each with the code it replaces kept as its reference (``MoE.fast``):
-#: "router_split" (the router's backward on tensor cores, ``router_grad_split``),
-#: "dispatch_reuse" (checkpoint's recomputation reuses the forward's ``Dispatch``, no second
-#: sort), "permute_gather" (``Experts.forward``'s ``permute_gather``), "router_topk" (the
-#: group-limited expert choice in one kernel, ``harts.ops.router_topk``)
-FAST_PATHS = ("router_split", "dispatch_reuse", "permute_gather", "router_topk")
+#: the MoE's fast paths (``harts.ops.registry.MOE_FAST_PATHS``), each with the code it replaces
+#: kept as its reference: "router_split" (the router's backward on tensor cores,
+#: ``router_grad_split``), "dispatch_reuse" (checkpoint's recomputation reuses the forward's
+#: ``Dispatch``, no second sort), "permute_gather" (``Experts.forward``'s ``permute_gather``),
+#: "router_topk" (the group-limited expert choice in one kernel, ``harts.ops.router_topk``)
+FAST_PATHS = MOE_FAST_PATHS
 
 
 class MoE(nn.Module):
     #: the whole step's (counts_E, W) for step-level statistics (module docstring); set and
     #: cleared by the training loop, None (per-call statistics) otherwise
     step_statistics: tuple[torch.Tensor, float] | None = None
-    #: the ``FAST_PATHS`` in use (all by default; ``harts.bench.moe_bench`` and the tests turn
-    #: them off to run the reference code)
-    fast: frozenset[str] = frozenset(FAST_PATHS)
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -543,6 +541,9 @@ class MoE(nn.Module):
         self.shared_expert_gate = (
             nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate and self.shared_experts else None
         )
+        #: the ``FAST_PATHS`` of a call that names none: the block run by itself (the MoE
+        #: benchmark sets them); inside a model every call passes the kernel record's
+        self.fast: frozenset[str] = frozenset(FAST_PATHS)
 
     def forward(
         self,
@@ -552,6 +553,7 @@ class MoE(nn.Module):
         *,
         lean: bool = False,
         keep_gate_up: bool = False,
+        fast: frozenset[str] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (y_TD, z_loss, aux_loss, counts_E).
 
@@ -560,28 +562,26 @@ class MoE(nn.Module):
         to checkpoint's recomputation of this layer. ``lean``: the routed experts keep only
         their inputs for the backward (``Experts.forward``), for a block whose forward is kept
         through checkpoint's recomputation (``recompute_skip=("moe",)``); ``keep_gate_up``:
-        they keep their gate/up output too (``ExecutionConfig.moe_keep_gate_up``).
+        they keep their gate/up output too (``ExecutionConfig.moe_keep_gate_up``). ``fast``: the
+        fast paths in use (names of ``FAST_PATHS``; a model passes its kernel record's
+        ``fast_paths``, of which only these count); None: ``self.fast``.
         """
+        fast = self.fast if fast is None else fast
         kept = routing.take() if routing is not None else None
         chosen, dispatch = kept if kept is not None else (None, None)
         logits, scores, topk_idx, topk_w = self.gate(
-            x_TD, chosen, split_backward="router_split" in self.fast, fused_topk="router_topk" in self.fast
+            x_TD, chosen, split_backward="router_split" in fast, fused_topk="router_topk" in fast
         )
         experts = self.experts
         if isinstance(experts, Experts):
-            if (
-                dispatch is None
-                and "dispatch_reuse" in self.fast
-                and routing is not None
-                and experts.uses_grouped(x_TD)
-            ):
+            if dispatch is None and "dispatch_reuse" in fast and routing is not None and experts.uses_grouped(x_TD):
                 dispatch = experts.dispatch(topk_idx)
             y = experts(
                 x_TD,
                 topk_idx,
                 topk_w,
                 dispatch,
-                permute_gather="permute_gather" in self.fast,
+                permute_gather="permute_gather" in fast,
                 lean=lean,
                 keep_gate_up=keep_gate_up,
             )

@@ -56,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from harts.ops.attention.core import attend, check_qkv
 from harts.ops.attention.flex_tiles import HOPPER_SHARED_MEMORY, flex_tiles
 from harts.ops.attention.host_block_mask import host_block_mask
+from harts.ops.registry import FLEX_BACKENDS
 
 __all__ = [
     "FLASH_OPTIONS",
@@ -90,6 +91,7 @@ def tree_mask_attention(
     mask_cache: dict | None = None,
     tree_pre_host: np.ndarray | None = None,
     tree_end_host: np.ndarray | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Tree-masked attention over all physical rows.
 
@@ -117,6 +119,9 @@ def tree_mask_attention(
         tree_pre_host, tree_end_host: int [P] numpy copies of tree_pre / tree_end (both or
             neither): the flex BlockMask is then built on the host, with no mask kernel and no
             device synchronization (module docstring).
+        backend: the flex implementation's FlexAttention backend, "flash" or "triton", as the
+            kernel record chose it (``harts.models.execution.backends``); None: ``flex_backend``
+            chooses here.
 
     Returns:
         o_PHE: [P, H, E].
@@ -136,7 +141,11 @@ def tree_mask_attention(
         return _dense(q_PHD, k_PGD, v_PGE, tree_pre.to(q_PHD.device), tree_end.to(q_PHD.device), scale, row_chunk)
     if impl == "flex":
         D, G, E = q_PHD.shape[2], k_PGD.shape[1], v_PGE.shape[2]
-        flash = flex_backend(q_PHD.device, q_PHD.dtype, D, E, gqa=G != q_PHD.shape[1]) == "flash"
+        if backend is None:
+            backend = flex_backend(q_PHD.device, q_PHD.dtype, D, E, gqa=G != q_PHD.shape[1])
+        elif backend not in ("flash", "triton"):
+            raise ValueError(f"backend must be 'flash', 'triton' or None; got {backend!r}")
+        flash = backend == "flash"
         kv_block = flash_kv_block(D, E) if flash else 128
         # one mask per backend and KV block: attention layers of other head dims (MLA beside
         # GQA) need FLASH's KV block of their own
@@ -269,8 +278,6 @@ def _flex(q, k, v, block_mask, scale: float, flash: bool = False) -> torch.Tenso
 #: FlexAttention's kernel options for its flash-attention (CuTe DSL) backend
 FLASH_OPTIONS = {"BACKEND": "FLASH"}
 
-_BACKENDS = ("auto", "triton", "flash")
-
 
 def flash_kv_block(qk_dim: int, v_dim: int) -> int:
     """The KV block of a BlockMask that flash-attn-4's Hopper backward reads: its backward tile's
@@ -314,8 +321,8 @@ def flex_backend_setting() -> str:
     import os
 
     want = os.environ.get("HARTS_FLEX_BACKEND", "auto").strip().lower() or "auto"
-    if want not in _BACKENDS:
-        raise ValueError(f"HARTS_FLEX_BACKEND must be one of {', '.join(_BACKENDS)}; got {want!r}")
+    if want not in FLEX_BACKENDS:
+        raise ValueError(f"HARTS_FLEX_BACKEND must be one of {', '.join(FLEX_BACKENDS)}; got {want!r}")
     return want
 
 

@@ -2,7 +2,8 @@
 
 Two implementations of one function: ``tree_causal_conv1d`` / ``causal_conv1d_varlen`` (torch
 gathers: the reference, any device) and ``runs_causal_conv1d`` (fla-core's varlen kernel over
-runs with initial states, CUDA). ``conv_uses_fla`` says which one an executor takes.
+runs with initial states, CUDA). ``conv_uses_fla`` says which one runs beside a resolved
+linear-attention operator (the kernel record, ``harts.models.execution.backends``, asks it).
 """
 
 from __future__ import annotations

@@ -408,11 +408,19 @@ def _reference(x_PD, weight_DW, bounds: list[int], states, bias_D, activation) -
     return y if activation is None else F.silu(y)
 
 
-def conv_uses_fla(la_backend: str, device: torch.device) -> bool:
-    """Whether executors run the short conv through fla-core (``runs_causal_conv1d``): with any
-    linear-attention backend but "reference" (which keeps every op the torch reference), on CUDA
-    with fla-core installed."""
-    if la_backend == "reference" or device.type != "cuda":
+def conv_uses_fla(linear_attn: str, device: torch.device) -> bool:
+    """Whether executors run the short conv through fla-core (``runs_causal_conv1d``): beside a
+    resolved linear-attention operator other than "reference" (which keeps every op the torch
+    reference), on CUDA with fla-core installed.
+
+    ``linear_attn`` is ``resolve_linear_attn_backend``'s answer ("reference", "fla" or "tree"):
+    "auto" names no operator until the chunk size is known (on CUDA at chunk size 8 it runs the
+    reference), so it is a ValueError here, as any other name is."""
+    if linear_attn not in ("reference", "fla", "tree"):
+        raise ValueError(
+            f"conv_uses_fla takes a resolved linear-attention operator (reference, fla, tree); got {linear_attn!r}"
+        )
+    if linear_attn == "reference" or device.type != "cuda":
         return False
     from harts.ops.linear_attn.fla import fla_available
 
