@@ -34,12 +34,12 @@ import torch
 from harts.rollout.decode import extend, new_branch
 from harts.rollout.sampler import SamplingConfig, generate
 from harts.serve.futures import Done
-from harts.serve.wire import PROTO_MEDIA_TYPE, encode_sample_response
+from harts.serve.wire import PROTO_MEDIA_TYPE, WireError, encode_sample_response, finite, prompt_tokens
 
 if TYPE_CHECKING:
     from harts.trainer.engine import Engine
 
-__all__ = ["SampleJob", "SamplerEngines", "Snapshot", "Snapshots", "run_sample", "take_snapshot"]
+__all__ = ["SampleJob", "SamplerEngines", "Snapshot", "Snapshots", "run_sample", "sample_job", "take_snapshot"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,11 +161,67 @@ def _prompt_logprobs(engine: Engine, job: SampleJob) -> np.ndarray:
     return out
 
 
-def sampling_config(params: Any, stop_tokens: tuple[int, ...]) -> SamplingConfig:
-    """A ``SamplingConfig`` from tinker's validated ``SamplingParams`` (checked by the caller)."""
-    return SamplingConfig(
-        temperature=float(params.temperature),
-        top_p=float(params.top_p),
-        max_tokens=int(params.max_tokens),
-        stop_tokens=stop_tokens,
+def sample_job(
+    req: Any, *, vocab_size: int, eos_tokens: tuple[int, ...], capacity: int, max_samples: int, default_seed: int
+) -> SampleJob:
+    """A ``SampleJob`` from tinker's validated ``SampleRequest``; every unsupported option refused by
+    name (``WireError``). ``eos_tokens`` stop a sample when the request names no ``stop``."""
+    if not 1 <= req.num_samples <= max_samples:
+        raise WireError(f"num_samples: {req.num_samples}; between 1 and {max_samples} (--max-samples)")
+    for name, value in (
+        ("topk_prompt_logprobs", req.topk_prompt_logprobs),
+        ("topk_sample_logprobs", req.topk_sample_logprobs),
+        ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
+    ):
+        if value:
+            raise WireError(f"{name}: {value}; harts serve returns no top-k or alternative tokens (use 0)")
+    if req.target_prompt_logprobs is not None:
+        raise WireError("target_prompt_logprobs: not supported by harts serve")
+    if req.record_stability_info:
+        raise WireError("record_stability_info: not supported by harts serve (it serves no stable_reinforce)")
+    prompt = prompt_tokens(req.prompt.chunks, "prompt", vocab_size)
+    if not prompt:
+        raise WireError("prompt: empty (sampling needs at least one prompt token)")
+    p = req.sampling_params
+    if p.max_tokens is None or p.max_tokens < 1:
+        raise WireError(f"sampling_params.max_tokens: {p.max_tokens}; give the most tokens to sample (>= 1)")
+    if len(prompt) + p.max_tokens > capacity:
+        raise WireError(
+            f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({p.max_tokens}) is over "
+            f"the server's {capacity} tokens (--capacity)"
+        )
+    if not finite(float(p.temperature), "sampling_params.temperature") > 0:
+        raise WireError(f"sampling_params.temperature: {p.temperature}; must be > 0 (harts samples, no greedy)")
+    if not 0 < finite(float(p.top_p), "sampling_params.top_p") <= 1:
+        raise WireError(f"sampling_params.top_p: {p.top_p}; must be in (0, 1]")
+    if p.top_k not in (-1, 0) and p.top_k < vocab_size:
+        raise WireError(f"sampling_params.top_k: {p.top_k}; harts serve samples with top_k = -1 only")
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None and not (req.prompt_logprobs and 1 <= last_n < len(prompt)):
+        raise WireError(f"prompt_logprobs_last_n: {last_n}; needs prompt_logprobs and 1 <= N < len(prompt)")
+    seed = int(p.seed) if p.seed is not None else default_seed
+    return SampleJob(
+        prompt=prompt,
+        num_samples=req.num_samples,
+        config=SamplingConfig(
+            temperature=float(p.temperature),
+            top_p=float(p.top_p),
+            max_tokens=int(p.max_tokens),
+            stop_tokens=_stop_tokens(p.stop, eos_tokens, vocab_size),
+        ),
+        seed=seed,
+        prompt_logprobs=bool(req.prompt_logprobs),
+        prompt_logprobs_last_n=last_n,
     )
+
+
+def _stop_tokens(stop: Any, eos_tokens: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
+    if stop is None:
+        return eos_tokens
+    if isinstance(stop, str) or any(isinstance(s, str) for s in stop):
+        raise WireError("sampling_params.stop: string stop sequences are not supported; pass token ids")
+    out = tuple(int(s) for s in stop)
+    bad = [s for s in out if not 0 <= s < vocab_size]
+    if bad:
+        raise WireError(f"sampling_params.stop: token {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return out

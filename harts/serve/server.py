@@ -59,9 +59,7 @@ def model_info(config: ServeConfig) -> ModelInfo:
 
     try:
         model = load_model(config.model, dtype=config.dtype, device="meta")
-    except UserError:
-        raise
-    except (ValueError, OSError, KeyError) as err:
+    except (ValueError, OSError, KeyError) as err:  # UserError is a ValueError
         raise UserError(f"--model {config.model!r}: {err}") from None
     if not os.path.isdir(config.model):
         return ModelInfo(vocab_size=model.config.vocab_size, arch="harts", tokenizer_id=None, eos_tokens=())

@@ -36,7 +36,7 @@ from harts.serve import training
 from harts.serve.checkpoints import CheckpointDir, now
 from harts.serve.config import ServeConfig
 from harts.serve.futures import Done, Failed, FutureStore
-from harts.serve.sampling import SampleJob, SamplerEngines, Snapshots, run_sample, sampling_config, take_snapshot
+from harts.serve.sampling import SamplerEngines, Snapshots, run_sample, sample_job, take_snapshot
 from harts.serve.training import TrainingRun, json_done
 from harts.serve.wire import (
     TinkerPath,
@@ -49,7 +49,6 @@ from harts.serve.wire import (
     json_body,
     loss_config,
     parse_tinker_path,
-    prompt_tokens,
     trajectories,
     validate_json,
 )
@@ -570,7 +569,14 @@ class Service:
                 raise WireError(f"sampling_session_id: unknown sampling client {req.sampling_session_id!r}", 404)
         else:
             sampler = self._sampler_for("direct", "", req.base_model, req.model_path)
-        job = self._sample_job(req)
+        job = sample_job(
+            req,
+            vocab_size=self.info.vocab_size,
+            eos_tokens=self.info.eos_tokens,
+            capacity=self.config.capacity,
+            max_samples=self.config.max_samples,
+            default_seed=int(self._seeds.integers(2**62)),
+        )
 
         def work() -> Done:
             engine, tensors = self._sampling_weights(sampler)
@@ -579,64 +585,6 @@ class Service:
         request_id = self._queue("Sample", work)
         ids = [f"{request_id}:{i}" for i in range(job.num_samples)]
         return self._future(request_id, sample_sequence_ids=ids)
-
-    def _sample_job(self, req: Any) -> SampleJob:
-        """A ``SampleJob`` from a validated ``SampleRequest``; every unsupported option refused by name."""
-        if not 1 <= req.num_samples <= self.config.max_samples:
-            raise WireError(f"num_samples: {req.num_samples}; between 1 and {self.config.max_samples} (--max-samples)")
-        for name, value in (
-            ("topk_prompt_logprobs", req.topk_prompt_logprobs),
-            ("topk_sample_logprobs", req.topk_sample_logprobs),
-            ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
-        ):
-            if value:
-                raise WireError(f"{name}: {value}; harts serve returns no top-k or alternative tokens (use 0)")
-        if req.target_prompt_logprobs is not None:
-            raise WireError("target_prompt_logprobs: not supported by harts serve")
-        if req.record_stability_info:
-            raise WireError("record_stability_info: not supported by harts serve (it serves no stable_reinforce)")
-        prompt = prompt_tokens(req.prompt.chunks, "prompt", self.info.vocab_size)
-        if not prompt:
-            raise WireError("prompt: empty (sampling needs at least one prompt token)")
-        p = req.sampling_params
-        if p.max_tokens is None or p.max_tokens < 1:
-            raise WireError(f"sampling_params.max_tokens: {p.max_tokens}; give the most tokens to sample (>= 1)")
-        if len(prompt) + p.max_tokens > self.config.capacity:
-            raise WireError(
-                f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({p.max_tokens}) is over "
-                f"the server's {self.config.capacity} tokens (--capacity)"
-            )
-        if not finite(float(p.temperature), "sampling_params.temperature") > 0:
-            raise WireError(f"sampling_params.temperature: {p.temperature}; must be > 0 (harts samples, no greedy)")
-        if not 0 < finite(float(p.top_p), "sampling_params.top_p") <= 1:
-            raise WireError(f"sampling_params.top_p: {p.top_p}; must be in (0, 1]")
-        if p.top_k not in (-1, 0) and p.top_k < self.info.vocab_size:
-            raise WireError(f"sampling_params.top_k: {p.top_k}; harts serve samples with top_k = -1 only")
-        last_n = req.prompt_logprobs_last_n
-        if last_n is not None and not (req.prompt_logprobs and 1 <= last_n < len(prompt)):
-            raise WireError(f"prompt_logprobs_last_n: {last_n}; needs prompt_logprobs and 1 <= N < len(prompt)")
-        seed = int(p.seed) if p.seed is not None else int(self._seeds.integers(2**62))
-        return SampleJob(
-            prompt=prompt,
-            num_samples=req.num_samples,
-            config=sampling_config(p, self._stop_tokens(p.stop)),
-            seed=seed,
-            prompt_logprobs=bool(req.prompt_logprobs),
-            prompt_logprobs_last_n=last_n,
-        )
-
-    def _stop_tokens(self, stop: Any) -> tuple[int, ...]:
-        if stop is None:
-            return self.info.eos_tokens
-        if isinstance(stop, str) or any(isinstance(s, str) for s in stop):
-            raise WireError("sampling_params.stop: string stop sequences are not supported; pass token ids")
-        out = tuple(int(s) for s in stop)
-        bad = [s for s in out if not 0 <= s < self.info.vocab_size]
-        if bad:
-            raise WireError(
-                f"sampling_params.stop: token {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})"
-            )
-        return out
 
     def _sampling_weights(self, sampler: _Sampler) -> tuple[Engine, dict[str, Any] | None]:
         """(engine, tensors to swap in) a sampler samples with -- on the worker thread."""

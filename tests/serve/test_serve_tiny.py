@@ -375,6 +375,44 @@ def test_malformed_requests_get_4xx_and_the_server_stays_up(service, server):
     assert server.get("healthz").json() == {"status": "ok"}
 
 
+POSTS = [
+    "create_session",
+    "session_heartbeat",
+    "create_model",
+    "get_info",
+    "forward_backward",
+    "optim_step",
+    "save_weights",
+    "save_weights_for_sampler",
+    "load_weights",
+    "create_sampling_session",
+    "asample",
+    "retrieve_future",
+    "weights_info",
+]
+BODIES = [
+    b"",
+    b"[]",
+    b"null",
+    b'{"x": 1}',
+    b'{"model_id": 5, "seq_id": "a"}',
+    b"\x00\xff garbage",
+    b'{"session_id": []}',
+]
+
+
+def test_every_malformed_body_gets_a_4xx(server):
+    for path in POSTS:
+        for body in BODIES:
+            r = server.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert 400 <= r.status_code < 500 and r.json()["detail"], (path, body, r.status_code, r.text)
+    for path in ("training_runs/..%2F..", "training_runs/nope/checkpoints", "samplers/nope", "sessions/nope"):
+        r = server.get(path)
+        assert 400 <= r.status_code < 500, (path, r.status_code, r.text)
+    assert server.get("training_runs?limit=x").status_code == 400
+    assert server.get("healthz").status_code == 200
+
+
 def test_resent_and_out_of_order_requests_apply_once_in_order(server):
     """Raw protocol: optim_step (seq 2) sent before forward_backward (seq 1) waits for it, and a
     resent request gets the first one's future instead of running again."""
