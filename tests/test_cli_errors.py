@@ -13,6 +13,7 @@ import torch
 import harts
 from harts.cli import build_parser, main
 from harts.errors import UserError
+from harts.integrations.loading import load_model
 from harts.tree.workloads import generate
 
 TRAIN_FAST = ["train", "--workload", "tiny", "--steps", "1", "--pattern", "KM"]
@@ -133,8 +134,7 @@ def test_json_into_missing_directory_keeps_the_checkpoint(tmp_path, capsys):
     code, out, _ = run(capsys, *TRAIN_FAST, "--save", ckpt, "--json", log)
     assert code == 0
     assert json.loads(log.read_text())["steps"][0]["step"] == 0
-    state = torch.load(ckpt / "harts.pt", weights_only=False)
-    assert "state_dict" in state
+    assert load_model(str(ckpt)).config.layer_pattern == "KM"  # reloadable as --model DIR
     # --overwrite replaces both
     code, _, _ = run(capsys, *TRAIN_FAST, "--save", ckpt, "--json", log, "--overwrite")
     assert code == 0

@@ -571,6 +571,8 @@ def check_vocab(args: argparse.Namespace, vocab_size: int, where: str | None = N
             cfg = json.loads(cfg_path.read_text())
         except (OSError, ValueError):
             return  # load_model reports an unreadable checkpoint
+        if isinstance(cfg, dict) and isinstance(cfg.get("harts_config"), dict):
+            cfg = cfg["harts_config"]  # harts' own weights directory (harts.integrations.native)
         have = cfg.get("vocab_size") if isinstance(cfg, dict) else None
         if isinstance(have, int) and vocab_size > have:
             raise UserError(

@@ -99,8 +99,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--save",
         default=None,
         metavar="DIR",
-        help="save the trained weights here (a transformers checkpoint when --model was one, "
-        "else DIR/harts.pt); also on Ctrl-C / SIGTERM, after the last completed step",
+        help="save the trained weights here, in a directory --model DIR loads (a transformers checkpoint when "
+        "--model was one, else harts' own: config.json + model.safetensors); also on Ctrl-C / SIGTERM, after the "
+        "last completed step",
+    )
+    p.add_argument(
+        "--export-hf",
+        default=None,
+        metavar="DIR",
+        help="also save the trained weights as a transformers checkpoint (config.json + safetensors) here, "
+        "whenever --save would; for a --model that is a transformers checkpoint",
     )
     p.add_argument(
         "--dp", type=positive_int, default=None, help="ranks that hold the same experts (default: ranks / --ep)"
@@ -228,6 +236,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         # ---------------------------------------------------------- checks before step 0
         with signals.window():
             check_output_dir(args.save, "--save", args.overwrite)
+            _check_export_hf(args)
             if rank == 0:
                 check_output_file(args.json_out, "--json", args.overwrite)
             check_run_dir(args)
@@ -437,6 +446,24 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     return 0
 
 
+def _check_export_hf(args: argparse.Namespace) -> None:
+    """``--export-hf DIR`` is writable and ``--model`` has a transformers class to export to."""
+    from harts.commands._inputs import check_output_dir
+    from harts.errors import UserError
+    from harts.integrations.loading import is_checkpoint
+    from harts.integrations.native import is_native
+
+    if not args.export_hf:
+        return
+    check_output_dir(args.export_hf, "--export-hf", args.overwrite)
+    if not is_checkpoint(args.model) or is_native(args.model):
+        what = "harts' own weights directory" if is_checkpoint(args.model) else "a preset"
+        raise UserError(
+            f"--export-hf {args.export_hf}: --model {args.model} is {what}, which has no transformers config to "
+            "write; --save writes weights that --model DIR loads"
+        )
+
+
 def _check_loggers(args: argparse.Namespace, run_dir: str | None) -> None:
     """``--tensorboard`` and ``--wandb`` have a run directory and their package."""
     from harts.errors import UserError
@@ -591,6 +618,7 @@ def _finish(
     from harts.commands._inputs import write_json
     from harts.commands._table import format_table
     from harts.errors import OutputPathError
+    from harts.trainer.weights import export_hf, save_weights
 
     if logs and rank == 0:
         rows = [
@@ -643,18 +671,20 @@ def _finish(
             flush=True,
         )
     save_error = None
-    if args.save:
+    for option, out, save in (("--save", args.save, save_weights), ("--export-hf", args.export_hf, export_hf)):
+        if not out:
+            continue
         if model is None:
             if rank == 0:
-                print(f"nothing saved to {args.save}: no step completed", file=sys.stderr)
-        else:
-            try:
-                save_model(model, args.model, args.save)
-                partial = interrupted or failed
-                if rank == 0:
-                    print(f"saved to {args.save}" + (f" (weights after step {logs[-1].step})" if partial else ""))
-            except OSError as err:
-                save_error = OutputPathError(f"--save {args.save}: cannot write the weights ({err.strerror or err})")
+                print(f"nothing saved to {out}: no step completed", file=sys.stderr)
+            continue
+        try:
+            save(model, out)
+            partial = interrupted or failed
+            if rank == 0:
+                print(f"saved to {out}" + (f" (weights after step {logs[-1].step})" if partial else ""))
+        except OSError as err:
+            save_error = OutputPathError(f"{option} {out}: cannot write the weights ({err.strerror or err})")
     if args.json_out and rank == 0:
         record = {
             "mode": args.mode,
@@ -671,41 +701,3 @@ def _finish(
         print(f"wrote {args.json_out}")
     if save_error is not None:
         raise save_error
-
-
-def save_model(model, spec: str, out: str) -> None:  # noqa: ANN001
-    """What ``--save`` writes: a transformers checkpoint when ``spec`` was one, else ``out/harts.pt``
-    (``{"config": ..., "state_dict": ...}``). Files appear atomically (written aside, then renamed).
-    A sharded model is gathered: every rank calls this, rank 0 writes."""
-    import os
-    import shutil
-    import tempfile
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from harts.commands._inputs import write_atomic
-    from harts.integrations.loading import is_checkpoint
-
-    writer = not dist.is_initialized() or dist.get_rank() == 0
-    if is_checkpoint(spec):
-        from harts.integrations.hf import save_hf_checkpoint
-
-        if not writer:
-            save_hf_checkpoint(model, out)  # its part of the gather; writes nothing
-            return
-        os.makedirs(out, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".harts-save-", dir=out)
-        try:
-            save_hf_checkpoint(model, tmp)
-            for name in sorted(os.listdir(tmp)):
-                os.replace(os.path.join(tmp, name), os.path.join(out, name))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-        if writer:
-            state = {"config": model.config.__dict__, "state_dict": full}
-            os.makedirs(out, exist_ok=True)
-            write_atomic(os.path.join(out, "harts.pt"), lambda p: torch.save(state, p))

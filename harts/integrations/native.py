@@ -20,7 +20,7 @@ from harts.errors import UserError
 from harts.models.config import HybridConfig
 from harts.models.hybrid_lm import HybridLM
 
-__all__ = ["NATIVE_MODEL_TYPE", "is_native", "load_native", "save_native"]
+__all__ = ["NATIVE_MODEL_TYPE", "is_native", "load_native", "save_native", "save_native_state"]
 
 NATIVE_MODEL_TYPE = "harts"
 
@@ -36,15 +36,20 @@ def is_native(path: str | os.PathLike[str]) -> bool:
 
 def save_native(model: HybridLM, path: str | os.PathLike[str]) -> None:
     """Write ``model``'s config and weights to directory ``path`` (created; files replaced)."""
+    save_native_state(model.config, model.state_dict(), path)
+
+
+def save_native_state(config: HybridConfig, state: dict[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """``save_native`` of a model's ``config`` and full (not sharded) ``state`` dict."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(sd, str(path / "model.safetensors.tmp"))
     os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
-    config = {"model_type": NATIVE_MODEL_TYPE, "harts_config": model.config.to_dict()}
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    fields = {"model_type": NATIVE_MODEL_TYPE, "harts_config": config.to_dict()}
+    (path / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True))
 
 
 def load_native(

@@ -19,6 +19,7 @@ from harts.parallel.build import build_parallel_model, materialize, moe_experts
 from harts.parallel.mesh import ParallelConfig, init_parallel
 from harts.parallel.parallelize import parallelize
 from harts.rl.train import TrainConfig, accumulate_step_gradients
+from harts.trainer.weights import load_state
 from harts.tree.workloads import generate
 from tests.parallel._dist import full_grads, full_params, spawn
 
@@ -163,6 +164,6 @@ def test_train_meta_init_equals_the_default_run(tmp_path):
     for name, extra in (("default", []), ("meta", ["--meta-init"])):
         r = harts(*BASE, "--steps", "1", "--save", str(tmp_path / name), *extra)
         assert r.returncode == 0, r.stderr
-        saved[name] = torch.load(tmp_path / name / "harts.pt", weights_only=False)["state_dict"]
+        saved[name] = load_state(str(tmp_path / name))
     a, b = saved["default"], saved["meta"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -13,6 +13,7 @@ import torch
 
 from harts.errors import UserError
 from harts.parallel.mesh import ParallelConfig
+from harts.trainer.weights import load_state
 from tests.parallel._dist import free_port
 
 BASE = ["train", "--workload", "tiny", "--dtype", "float64", "--threads", "1"]
@@ -29,7 +30,7 @@ def harts(*args: str, ranks: int = 1, timeout: int = 240) -> subprocess.Complete
 
 
 def _weights(path) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    return torch.load(path / "harts.pt", weights_only=False)["state_dict"]
+    return load_state(str(path))
 
 
 def test_resume_equals_the_uninterrupted_run(tmp_path):
@@ -38,7 +39,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
     assert r.returncode == 0, r.stderr
     done = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert done == ["step-00000003", "step-00000005"]
-    assert {p.name for p in (run / "checkpoints" / "step-00000003").iterdir()} == {"dcp", "meta.pt", "rng"}
+    assert {p.name for p in (run / "checkpoints" / "step-00000003").iterdir()} == {"data.safetensors", "dcp", "meta.json", "rng"}
     shutil.rmtree(run / "checkpoints" / "step-00000005")  # as if the run had stopped after step 3
 
     r = harts(*BASE, "--steps", "5", "--resume", str(run), "--save", str(resumed))
