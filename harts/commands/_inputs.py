@@ -175,14 +175,7 @@ def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float3
     add_layers_argument(p)
     p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"], help="parameter dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
-    p.add_argument(
-        "--la-backend",
-        default="auto",
-        choices=["reference", "fla", "tree", "tree_linked", "auto"],
-        help="linear-attention core: torch reference, fla-core split path (CUDA), the one-pass tree kernel (CUDA; "
-        "one call per round), tree_linked (the tree kernel with a compact microbatch's rounds linked into one op "
-        "per layer), or auto (tree_linked on CUDA with fla-core, reference elsewhere)",
-    )
+    add_la_backend_argument(p, default="auto")
     p.add_argument("--threads", type=nonneg_int, default=1, help="torch intra-op threads on CPU; 0 lets torch choose")
 
 
@@ -199,8 +192,26 @@ def add_layers_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_la_backend_argument(p: argparse.ArgumentParser, default: str) -> None:
+    """``--la-backend``: ``ExecutionConfig.linear_attention_backend``, its choices from
+    ``harts.ops.registry`` (the old name tree_linked among them)."""
+    from harts.ops.registry import linear_attn_choices
+
+    p.add_argument(
+        "--la-backend",
+        default=default,
+        choices=linear_attn_choices(),
+        help="linear-attention core: torch reference, fla-core split path (CUDA), the one-pass tree kernel (CUDA; "
+        "one call per round), or auto (on CUDA with fla-core: the tree kernel with a compact microbatch's rounds "
+        "linked into one op per layer; reference elsewhere); tree_linked: tree with the rounds linked",
+    )
+
+
 def add_execution_arguments(p: argparse.ArgumentParser) -> None:
-    """``--recompute`` and ``--attention`` (fields of ``ExecutionConfig``) for model-running commands."""
+    """``--recompute`` and ``--attention`` (fields of ``ExecutionConfig``) for model-running commands;
+    the choices from ``harts.ops.registry``."""
+    from harts.ops.registry import ATTENTION_IMPLS
+
     p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
     p.add_argument(
         "--recompute-skip",
@@ -231,7 +242,7 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention",
         default="auto",
-        choices=["auto", "gather", "mask"],
+        choices=ATTENTION_IMPLS,
         help="full attention: one call per branch (gather), one FlexAttention call over "
         "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
     )
