@@ -12,7 +12,7 @@
 #            a later call replaces, ignored folders too), then anything else
 #   call 2:  on the same machine, within its idle window: carry [".whl", ".fa4b"]; after the
 #            usual install of .whl/*.whl into /tmp/site, run  scripts/fa4_wheels.sh unpack /tmp/site
-#            then e.g. python -m harts.bench.attention_bench ... --variant flash+kv=96
+#            then e.g. python -m benchmarks.ops.attention ... --variant flash+kv=96
 #
 # The runtime is unpacked over the installed wheels (pip --target --upgrade would replace the
 # shared nvidia_cutlass_dsl/ folder). Versions: flash-attn-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1,

@@ -36,13 +36,13 @@
 #             (HARTS_KDA_FLA_GATE: KDA's log-decay by the compiled glue, then by fla-core's fused gate)
 #   gpu_tests ARGS...  `pytest -m gpu ARGS` (test files, -k EXPR, ...) with part A of FA4 kept, as `tests`
 #   qkv_norm  the split-l2norm kernel's GPU test, then one KDA layer's split + l2 norms at 65,536 rows,
-#             kernel against the torch reference, forward and backward (harts.bench.qkv_norm_bench),
+#             kernel against the torch reference, forward and backward (benchmarks.ops.qkv_norm),
 #             and fla-core's short conv + the split with the SiLU in the conv against in the split
 #   profile_la  `profile_swe` without the MoE block's gate/up kept, twice: --la-backend tree (one call per
 #             round) and tree_linked (the rounds linked into one op per layer): one microbatch per side each
 #   sweep     launch configurations of the state scans and fla-core's short conv on the first `swe` step-5
-#             microbatch of each side (harts.bench.kernel_sweep): ms per configuration, harts beside baseline
-#   tune      autotune fla-core's KDA and short-conv kernels at 65,536 rows (`harts.bench.tune_fla
+#             microbatch of each side (benchmarks.ops.kernel_sweep): ms per configuration, harts beside baseline
+#   tune      autotune fla-core's KDA and short-conv kernels at 65,536 rows (`benchmarks.ops.tune_fla
 #             --rows 65536`) into /tmp/harts_fla_tuned (kept on this machine) and $OUT/fla_configs,
 #             list what differs from the shipped configs, then `medium` step 0 (as `medium`, MoE
 #             recomputed) with the tuned configs
@@ -130,7 +130,7 @@ flash_tests)
     tail -5 "$OUT/flash_tests.log"
     ;;
 moe)
-    timeout 500 python3 -m harts.bench.moe_bench --device cuda --profile --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
+    timeout 500 python3 -m benchmarks.modules.moe --device cuda --profile --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
     show "$OUT/moe.log"
     ;;
 medium)
@@ -177,7 +177,7 @@ profile_la)
     ;;
 tune)
     rm -rf "$TUNED"
-    timeout 400 python3 -m harts.bench.tune_fla --out "$TUNED" --rows 65536 --kernels kda,conv >"$OUT/tune.log" 2>&1
+    timeout 400 python3 -m benchmarks.ops.tune_fla --out "$TUNED" --rows 65536 --kernels kda,conv >"$OUT/tune.log" 2>&1
     tail -4 "$OUT/tune.log"
     tuned_dir=$(ls -d "$TUNED"/*/ 2>/dev/null | head -1)
     [ -n "$tuned_dir" ] || { echo "tune_fla wrote no configs"; exit 1; }
@@ -238,10 +238,10 @@ medium_keep)
 qkv_norm)
     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_qkv_norm.py >"$OUT/qkv_norm_test.log" 2>&1
     tail -2 "$OUT/qkv_norm_test.log"
-    timeout 200 python3 -m harts.bench.qkv_norm_bench --device cuda --json "$OUT/qkv_norm.json" 2>&1 | tee "$OUT/qkv_norm.log"
+    timeout 200 python3 -m benchmarks.ops.qkv_norm --device cuda --json "$OUT/qkv_norm.json" 2>&1 | tee "$OUT/qkv_norm.log"
     ;;
 sweep)
-    timeout 540 python3 -m harts.bench.kernel_sweep --json "$OUT/kernel_sweep.json" 2>&1 | tee "$OUT/kernel_sweep.log"
+    timeout 540 python3 -m benchmarks.ops.kernel_sweep --json "$OUT/kernel_sweep.json" 2>&1 | tee "$OUT/kernel_sweep.log"
     ;;
 layers)
     n=$2

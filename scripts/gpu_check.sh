@@ -41,7 +41,7 @@
 #                 The timed benches (step 3) always run alone.
 #   STEPS         which of "tests compare la bench fidelity" to run (default "tests compare bench
 #                 fidelity"; "la" runs
-#                 python -m harts.bench.la_bench on LA_WORK's rounds, default medium)
+#                 python -m benchmarks.ops.la on LA_WORK's rounds, default medium)
 #   BENCH_MODEL   bench model flags (default "--model ling3_tiny --pattern KKKM")
 #   BENCH_WORK    bench workload flags (default "--workload small": 3 steps of ~38k raw tokens;
 #                 "--workload medium --steps 1" is 3.6 M raw tokens, which did not finish in
@@ -53,6 +53,10 @@
 #   COMPARE_LA, COMPARE_ATTN   compare grid (default "fla reference" x "mask gather")
 #   FIDELITY_MODEL, FIDELITY_WORK   fidelity model and workload flags (defaults in step 4)
 set -uo pipefail
+# the benchmarks are modules of this repository (python -m benchmarks...), not of the harts package:
+# its root on the path, wherever the script is started from
+REPO_ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 OUT=${1:-gpu_check_out}
 PY=${PYTHON:-python3}
@@ -141,7 +145,7 @@ fi
 
 if want la; then
     # the linear-attention core alone on real rounds: tree kernel vs fla split path vs plain fla
-    run la_bench "$PY" -m harts.bench.la_bench --workload "${LA_WORK:-medium}" --device cuda \
+    run la_bench "$PY" -m benchmarks.ops.la --workload "${LA_WORK:-medium}" --device cuda \
         --json "$OUT/la_bench.json"
 fi
 

@@ -46,6 +46,10 @@
 #   SCALE_MODES  default "compact trajectory"
 #   TIMEOUT      seconds per run (default 1800)
 set -uo pipefail
+# the benchmarks are modules of this repository (python -m benchmarks...), not of the harts package:
+# its root on the path, wherever the script is started from
+REPO_ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 OUT=${1:-multi_gpu_out}
 PY=${PYTHON:-python3}
@@ -88,9 +92,9 @@ launch() {
     local n=$1
     shift
     if [[ $n == 1 ]]; then
-        echo "$PY" -m harts.bench.multi_gpu "$@"
+        echo "$PY" -m benchmarks.step.multi_gpu "$@"
     else
-        echo "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" -m harts.bench.multi_gpu "$@"
+        echo "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" -m benchmarks.step.multi_gpu "$@"
     fi
 }
 
@@ -109,7 +113,7 @@ if want correctness; then
     run corr_rerun $(launch 1 $common --out "$OUT/corr_rerun.json")
     # shellcheck disable=SC2046,SC2086
     run corr_many $(launch "$NGPUS" $common --ep "$CORR_EP" --out "$OUT/corr_many.json")
-    run corr_compare "$PY" -m harts.bench.multi_gpu compare "$OUT/corr_one.json" "$OUT/corr_rerun.json" \
+    run corr_compare "$PY" -m benchmarks.step.multi_gpu compare "$OUT/corr_one.json" "$OUT/corr_rerun.json" \
         "$OUT/corr_many.json" --out "$OUT/correctness.json"
 fi
 

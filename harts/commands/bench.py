@@ -1,6 +1,6 @@
 """``harts bench``: training-step speed of harts against the trajectory-wise baseline.
 
-See ``harts.bench.step_bench``: whole steps (or one data-parallel replica's share with
+See ``harts.trainer.step_bench``: whole steps (or one data-parallel replica's share with
 ``--dp D --replica R``), same weights, baseline microbatches packed by raw tokens, harts
 microbatches from the prefix-aware planner, both at capacity T. Prints per step the paper's
 Table 4 metrics (non-replay compact-row compression, F/B/Grad and Core speedup) beside each
@@ -103,9 +103,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from harts.bench.flops import peak_tflops
-    from harts.bench.step_bench import COMPONENTS, StepBench, bench_step, recurrence_words
-    from harts.bench.table import format_table
     from harts.commands._inputs import (
         build_model_and_attention,
         check_capacity,
@@ -120,9 +117,12 @@ def run(args: argparse.Namespace) -> int:
         write_json,
     )
     from harts.commands._progress import progress
+    from harts.commands._table import format_table
     from harts.errors import UserError
     from harts.models.execution.config import ExecutionConfig
+    from harts.models.flops import peak_tflops
     from harts.plan.step.workers import shared_workers
+    from harts.trainer.step_bench import COMPONENTS, StepBench, bench_step, recurrence_words
 
     # the cold start's phases, seconds from ``started`` (the first step's are added below)
     cold = {"imports": time.perf_counter() - started}
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if flex:
         print(f"FlexAttention backend (both sides): {', '.join(f'{k} {v}' for k, v in flex.items())}", flush=True)
     if args.profile_only:
-        from harts.bench.step_bench import profile_step
+        from harts.trainer.step_bench import profile_step
 
         for step, (_, make) in enumerate(sources, start=args.first_step):
             paths = profile_step(
@@ -545,7 +545,7 @@ def _recompute_words(fields: dict) -> str:
     return f"on ({'; '.join(parts)})" if parts else "on"
 
 
-def _microbatch_words(side) -> str:  # noqa: ANN001 - a harts.bench.step_bench.BenchSide
+def _microbatch_words(side) -> str:  # noqa: ANN001 - a harts.trainer.step_bench.BenchSide
     """Spread of the timed microbatches' seconds and rows, and the fixed / per-row cost fit."""
     import numpy as np
 

@@ -67,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from harts.bench.table import format_table
     from harts.commands._inputs import (
         build_model,
         check_device,
@@ -78,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         write_json,
     )
     from harts.commands._progress import progress
+    from harts.commands._table import format_table
     from harts.models.execution.config import ExecutionConfig
     from harts.rl.verify import compare_runs, run_step
 

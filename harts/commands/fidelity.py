@@ -100,7 +100,7 @@ _LETTER = {"baseline_a": "A", "baseline_b": "B", "replay": "R", "no_replay": "N"
 def _depth_table(d: dict, key: str) -> str:
     """One row per non-empty bucket of a ``measure`` depth record: each path's mean |dNLL| and
     SymKL, Replay's and No-replay's ratios to the noise path, Replay's mean cosine."""
-    from harts.bench.table import format_table
+    from harts.commands._table import format_table
 
     m = d["mean"]
     (ratio_key,) = (k for k in d if k.startswith("ratio_to_"))
@@ -127,8 +127,6 @@ def _depth_table(d: dict, key: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from harts.bench.fidelity import PATHS, choose_microbatches, measure, plot_depth
-    from harts.bench.table import format_table
     from harts.commands._inputs import (
         build_model,
         check_capacity,
@@ -138,10 +136,12 @@ def run(args: argparse.Namespace) -> int:
         write_json,
     )
     from harts.commands._progress import progress
+    from harts.commands._table import format_table
     from harts.models.execution.config import ExecutionConfig
     from harts.plan.calls import plan_calls_many
     from harts.plan.depth import handoff_depth
     from harts.plan.step import plan_step
+    from harts.rl.fidelity_ablation import PATHS, choose_microbatches, measure, plot_depth
     from harts.tree.workloads import load_workload
 
     check_output_file(args.json_out, "--json", args.overwrite)

@@ -36,8 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harts.bench.plan_bench import plan_batches, plot, summarize
-    from harts.bench.table import format_table
     from harts.commands._inputs import (
         batch_sources,
         check_capacity,
@@ -50,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
         summarize as summarize_step,
     )
     from harts.commands._progress import progress
+    from harts.commands._table import format_table
     from harts.errors import UserError
+    from harts.plan.bench import plan_batches, plot, summarize
 
     check_output_file(args.json_out, "--json", args.overwrite)
     check_output_file(args.plot, "--plot", args.overwrite)

@@ -31,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from harts.bench.table import format_table
     from harts.commands._inputs import batch_sources, check_output_file, write_json
     from harts.commands._progress import progress
+    from harts.commands._table import format_table
     from harts.tree.compact import compact
     from harts.tree.stats import batch_stats
     from harts.tree.workloads import PRESETS

@@ -19,7 +19,7 @@ With no active timer ``enter`` / ``exit`` return their arguments untouched.
 ``RegionTimer(device, annotate=True)`` also opens a profiler range ``harts/<region>/<phase>``
 (``ANNOTATION_PREFIX``) on the launching thread for each region it times, so a torch profiler
 trace can attribute every kernel to the region that launched it
-(``harts.bench.step_bench.device_time_by_region``).
+(``harts.models.region_trace.device_time_by_region``).
 
 Usage in a module::
 

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-import harts.bench.step_bench as SB
+import harts.trainer.step_bench as SB
 from harts.cli import main
 
 OUT = os.environ.get("OUT", ".")

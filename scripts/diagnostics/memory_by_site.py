@@ -1,8 +1,8 @@
 """Where a training step's GPU memory goes: the scaling harness under a CUDA memory history.
 
-    OUT=DIR python scripts/diagnostics/memory_by_site.py scaling --device cuda [harness flags]
+    OUT=DIR PYTHONPATH=. python scripts/diagnostics/memory_by_site.py scaling --device cuda [harness flags]
 
-Takes ``python -m harts.bench.multi_gpu``'s arguments (one process). Writes DIR/mem.txt: after
+Takes ``python -m benchmarks.step.multi_gpu``'s arguments (one process). Writes DIR/mem.txt: after
 every microbatch's forward, the memory allocated and the peak since the previous one; at the
 end, or when the step runs out of memory, the live memory grouped by its innermost harts frame
 and the largest live blocks with their frames. It found the D = 1 out-of-memory run of
@@ -75,7 +75,7 @@ def report():
 
 
 torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
-from harts.bench import multi_gpu  # noqa: E402
+from benchmarks.step import multi_gpu  # noqa: E402
 
 try:
     multi_gpu.main(sys.argv[1:])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harts.bench.attention_bench import KV_BLOCK_KEY, _visible_pairs, masks_of_step, parse_variant
+from benchmarks.ops.attention import KV_BLOCK_KEY, _visible_pairs, masks_of_step, parse_variant
 
 
 def test_parse_variant_layers_options_left_to_right() -> None:

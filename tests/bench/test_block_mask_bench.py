@@ -1,4 +1,4 @@
-"""block_mask_bench: exact and conservative block counts of a step's microbatches."""
+"""``benchmarks.ops.block_mask``: exact and conservative block counts of a step's microbatches."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from harts.bench.block_mask_bench import main, step_masks, visible_pairs
+from benchmarks.ops.block_mask import main, step_masks, visible_pairs
 
 
 def test_block_mask_bench_counts(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""gather_bench: every gather variant returns x[index], for both index patterns."""
+"""``benchmarks.ops.gather``: every gather variant returns x[index], for both index patterns."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from harts.bench.gather_bench import GATHERS, gather_indices, main
+from benchmarks.ops.gather import GATHERS, gather_indices, main
 
 
 @pytest.mark.parametrize("pattern", ["moe", "rounds"])

@@ -13,7 +13,7 @@ pytest.importorskip("safetensors")
 
 import torch  # noqa: E402
 
-from harts.bench.hf_anchor import (  # noqa: E402
+from benchmarks.modules.hf_anchor import (  # noqa: E402
     bailing_hybrid_pair,
     build_anchor_models,
     hf_packed_logprobs,

@@ -1,4 +1,4 @@
-"""``harts.bench.kernel_sweep``: the host shapes it reads from a step, and the scan sweep itself
+"""``benchmarks.ops.kernel_sweep``: the host shapes it reads from a step, and the scan sweep itself
 (on CUDA here, on CPU through Triton's interpreter): every configuration checked against the
 default one's outputs and timed, a failing one recorded with its error."""
 
@@ -11,7 +11,7 @@ from tests.ops._triton import check_here_or_interpreted
 
 
 def test_microbatch_shapes_are_the_first_microbatch_of_each_side() -> None:
-    from harts.bench.kernel_sweep import microbatch_shapes
+    from benchmarks.ops.kernel_sweep import microbatch_shapes
 
     shapes = microbatch_shapes("tiny", 0, 1, 0, 4096)
     rounds = shapes["rounds"]
@@ -37,7 +37,7 @@ def _check_scan_sweep() -> None:
         from tests.ops.test_tree_scan import _scan_module
 
         _scan_module()  # the interpreter's numpy patch
-    from harts.bench import kernel_sweep as ks
+    from benchmarks.ops import kernel_sweep as ks
     from harts.ops.linear_attn.tree_scan import ScanConfig
 
     ks.H = 2

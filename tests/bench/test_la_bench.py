@@ -1,4 +1,4 @@
-"""la_bench plans real rounds and times every backend it is given (CPU smoke run, reference op)."""
+"""``benchmarks.ops.la`` plans real rounds and times every backend it is given (CPU smoke run, reference op)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from harts.bench.la_bench import main, round_shapes
+from benchmarks.ops.la import main, round_shapes
 from harts.tree.workloads import generate
 
 

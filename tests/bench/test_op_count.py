@@ -1,7 +1,8 @@
 import json
 import os
 
-from harts.bench.op_count import PACKAGE_DIR, call_site, main
+from benchmarks.step import op_count
+from benchmarks.step.op_count import PACKAGE_DIR, call_site, main
 
 
 def test_op_count_attributes_operators_to_each_modes_attention(tmp_path, capsys):
@@ -26,4 +27,4 @@ def test_call_site_is_the_package_directory_not_a_path_containing_harts(tmp_path
     assert call_site(str(clone / "harts" / "ops" / "x.py"), "f") is None  # another copy of harts
     own = os.path.join(PACKAGE_DIR, "ops", "attention", "varlen.py")
     assert call_site(own, "varlen_causal_attention") == "ops/attention/varlen.py:varlen_causal_attention"
-    assert call_site(os.path.join(PACKAGE_DIR, "bench", "op_count.py"), "count_ops") is None
+    assert call_site(op_count.__file__, "count_ops") is None  # the benchmark itself, outside the package

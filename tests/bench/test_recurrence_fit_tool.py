@@ -1,4 +1,4 @@
-"""``python -m harts.bench.recurrence_fit``: a bench result's chains counted again on the CPU equal
+"""``python -m benchmarks.step.recurrence_fit``: a bench result's chains counted again on the CPU equal
 the ones the run recorded, the fit is the run's own, and a result from another workload or seed
 is refused by name."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from harts.bench.recurrence_fit import fit_result, main
+from benchmarks.step.recurrence_fit import fit_result, main
 
 
 @pytest.fixture(scope="module")

@@ -196,7 +196,7 @@ def test_fast_paths_equal_the_reference(recompute: bool) -> None:
     only) gives the reference code's output and gradients bit for bit, grouped experts in
     float32, with and without checkpoint's recomputation (through the MoE bench's harness); a
     recomputation finds the forward's dispatch in the slot and sorts nothing."""
-    from harts.bench.moe_bench import run_moe
+    from benchmarks.modules.moe import run_moe
     from harts.models.layers.moe import FAST_PATHS, Experts
 
     torch.manual_seed(0)
@@ -233,11 +233,11 @@ def test_fast_paths_equal_the_reference(recompute: bool) -> None:
 
 
 def test_moe_bench_runs_on_cpu(tmp_path) -> None:  # noqa: ANN001
-    """``python -m harts.bench.moe_bench`` on a small preset: every variant and mode, equal
+    """``python -m benchmarks.modules.moe`` on a small preset: every variant and mode, equal
     results, its JSON; bad arguments are argparse errors."""
     import json
 
-    from harts.bench.moe_bench import kernel_family, main
+    from benchmarks.modules.moe import kernel_family, main
 
     out = tmp_path / "moe.json"
     assert main(["--device", "cpu", "--model", "tiny", "--rows", "64", "--dtype", "float32", "--repeat", "1",

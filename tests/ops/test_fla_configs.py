@@ -57,7 +57,7 @@ def test_configure_leaves_user_settings_and_cpu_alone(monkeypatch: pytest.Monkey
 
 
 def test_tuning_lengths_fill_the_rows_after_the_chunk_edges() -> None:
-    from harts.bench.tune_fla import tuning_lengths
+    from benchmarks.ops.tune_fla import tuning_lengths
 
     assert tuning_lengths(5289) == [1, 63, 64, 65, 1000, 4096]
     lengths = tuning_lengths(65536)

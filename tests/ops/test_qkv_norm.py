@@ -295,7 +295,7 @@ def test_gathered_kernel_on_cuda(act: str | None) -> None:
 
 
 def test_bench_says_where_the_kernel_does_not_apply(capsys: pytest.CaptureFixture[str]) -> None:
-    from harts.bench.qkv_norm_bench import main
+    from benchmarks.ops.qkv_norm import main
 
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the kernel applies here")
@@ -310,7 +310,7 @@ def test_bench_conv_comparison_wiring(monkeypatch: pytest.MonkeyPatch, capsys: p
     reference in its place: both arrangements agree and each pass gets a time."""
     import functools
 
-    import harts.bench.qkv_norm_bench as bench
+    import benchmarks.ops.qkv_norm as bench
     from harts.ops.conv import runs_causal_conv1d
 
     monkeypatch.setattr(bench, "runs_causal_conv1d", functools.partial(runs_causal_conv1d, impl="reference"))

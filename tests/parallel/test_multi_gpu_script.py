@@ -1,4 +1,4 @@
-"""``scripts/multi_gpu.sh`` and its python entry points (``harts.bench.multi_gpu``), on CPU with gloo."""
+"""``scripts/multi_gpu.sh`` and its python entry points (``benchmarks.step.multi_gpu``), on CPU with gloo."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from harts.bench.multi_gpu import _group, compare, main
+from benchmarks.step.multi_gpu import _group, compare, main
 
 SMALL = ["--model", "tiny", "--workload", "tiny", "--capacity", "400", "--threads", "1"]
 
@@ -73,10 +73,10 @@ def test_scaling_counts_the_flops_each_mode_executes():
     its raw rows and causal pairs (the counts ``harts bench`` uses), over every replica."""
     import numpy as np
 
-    from harts.bench.flops import FlopModel
-    from harts.bench.multi_gpu import _executed_flops, _raw_flops
+    from benchmarks.step.multi_gpu import _executed_flops, _raw_flops
     from harts.models import HybridConfig, HybridLM
     from harts.models.execution.config import ExecutionConfig
+    from harts.models.flops import FlopModel
     from harts.plan.step import plan_step
     from harts.tree.workloads import generate
 

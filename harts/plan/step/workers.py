@@ -23,7 +23,6 @@ recomputed inline with a warning, and later tasks run inline.
 from __future__ import annotations
 
 import atexit
-import importlib
 import multiprocessing
 import os
 import signal
@@ -44,12 +43,12 @@ T = TypeVar("T")
 MIN_PATHS = 1000
 
 
-def _import_planner() -> None:
+def _init_worker() -> None:
     """Worker initializer: ignore Ctrl-C (it reaches the whole process group; the parent decides
-    what stops, and closes the pool), then import the planner's modules once, before the first
-    task (by name: the planner imports this module)."""
+    what stops, and closes the pool). The planner's modules are in place before the first task
+    without naming them here (the planner imports this module): a spawned worker unpickles this
+    function, which imports ``harts.plan.step``, whose ``__init__`` imports the planner."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    importlib.import_module("harts.plan.step.planner")
 
 
 def _sigint_handler() -> object:
@@ -118,7 +117,7 @@ class PlannerWorkers:
         self.processes = processes
         self._min_paths = min_paths
         self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
-            processes, mp_context=multiprocessing.get_context("spawn"), initializer=_import_planner
+            processes, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
         )
         # submitted together, before any finishes: each submit finds no idle worker and spawns one
         self._warm = [self._pool.submit(_ready) for _ in range(processes)]

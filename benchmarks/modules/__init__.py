@@ -1,0 +1,1 @@
+"""Benchmarks of one layer (MoE) or of the whole model against another implementation of it."""
