@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from harts.models import HybridConfig, HybridLM
+from harts.models.execution.base import RowContext
 from harts.tree.batch import RolloutBatch
 
 B = 8
@@ -69,7 +70,7 @@ def test_safe_gate_bounds_the_decay():
     layer = HybridLM(cfg).layers[0].linear_attn
     seen = {}
 
-    class Ctx:
+    class Ctx(RowContext):  # the record's defaults: the CPU's kernels
         def short_conv(self, x, w, b, act):
             return torch.nn.functional.silu(x)
 
