@@ -19,7 +19,7 @@ cores that are not rerun (``harts.models.execution.config.SKIPPABLE_CORES``):
   float32 [T, E] tensors and the dispatch's int64 [T K] indices (about 0.8 GB per layer at
   65,536 rows of ``ling3_tiny``, by their shapes) instead of the [T K, D + 3 I] the autograd
   path keeps. The recomputation then skips the whole block (about a quarter of a MoE layer's
-  time under recomputation, ``python -m harts.bench.moe_bench --device cuda``) at the cost of one
+  time under recomputation, ``python -m benchmarks.modules.moe --device cuda``) at the cost of one
   gather, one grouped GEMM and one SwiGLU pass in the backward.
 
 A skipped core runs in the forward with its saved tensors kept (an identity

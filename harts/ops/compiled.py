@@ -31,7 +31,7 @@ left for what changes the kernel: the feature width, dtype, and whether an argum
 **Only the row count is symbolic.** ``torch.compile(fn, dynamic=True)`` makes *every* size
 symbolic, feature widths included, and Inductor then indexes each element with 64-bit divisions
 and remainders by runtime widths, which leaves the compiled passes several times slower than
-their bytes allow (``python -m harts.bench.moe_bench --device cuda`` times a MoE layer both ways:
+their bytes allow (``python -m benchmarks.modules.moe --device cuda`` times a MoE layer both ways:
 ``benchmarks/results/ling3-tiny_h200_2026-12-01_flash-host-mask-moe.md``). So a row-bounded call
 (``rows`` given) compiles with ``dynamic=None`` and marks its arguments itself: dim 0 of each
 row-first tensor dynamic (``maybe_mark_dynamic``), every other dim of every tensor argument

@@ -11,7 +11,7 @@ three gradients into ``[T, 2HK + HV]`` (``split``'s backward), plus a copy of v 
 linear attention wants it contiguous. ``split_l2norm_qkv`` reads ``mixed`` once and writes q, k,
 v forward, and backward reads the three gradients and the q / k inputs once and writes
 ``d mixed`` directly: no concatenation, no copy: about half the reference's time per layer
-(``python -m harts.bench.qkv_norm_bench --device cuda``; ``benchmarks/results/ling3-tiny_h200_2026-12-02_qkv-norm-kernel.md``).
+(``python -m benchmarks.ops.qkv_norm --device cuda``; ``benchmarks/results/ling3-tiny_h200_2026-12-02_qkv-norm-kernel.md``).
 
 Numerics: both forms take each row's sum of squares in float32 and round the result once to the
 input dtype; the kernel's q / k equal the reference's up to float32 summation order (a rounding

@@ -147,7 +147,7 @@ def router_grad_split(
     w]`` and ``[hi | lo]^T @ x`` (its two [E, D] halves added in float32). Every product is exact
     in float32, so the result is the float32 GEMMs' to within the split's error, far below the
     final bfloat16 rounding (2^-8 relative). On CUDA this replaces two float32 CUDA-core GEMMs of
-    [T, E] x [E, D] and a float32 copy of x per MoE layer (``python -m harts.bench.moe_bench``).
+    [T, E] x [E, D] and a float32 copy of x per MoE layer (``python -m benchmarks.modules.moe``).
     """
     hi = g_TE.to(torch.bfloat16)
     lo = (g_TE - hi.float()).to(torch.bfloat16)

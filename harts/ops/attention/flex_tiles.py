@@ -30,7 +30,7 @@ figures were measured with), and half precision off Hopper (sm 9.0), where harts
 nothing. Above 128 on Hopper the first choices are harts' measured MLA tiles (forward 128 x 64 in
 3 stages with bulk tensor copies; backward 32 / 128 / 128 / 32 in 3 stages, 8 warps: forward +
 backward 134.9 -> 68.2 ms against torch's tiles on ``medium``'s largest compact microbatch,
-``harts.bench.attention_bench``); where they do not fit (qk and v both above 128) the next ones
+``benchmarks.ops.attention``); where they do not fit (qk and v both above 128) the next ones
 halve the pipelined K / V rows or stages and keep 8 warps, since the dk / dv accumulators of 64
 key rows at dim 256 already take 128 registers a thread at 8 warps. float32 above 128 has one
 stage on any CUDA GPU (torch's 64 x 64 in 3 stages needs ~274 KiB).

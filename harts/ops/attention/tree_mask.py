@@ -17,7 +17,7 @@ Row j is visible to row i iff j is an ancestor of i or i itself in the compact t
   mask_mod on the whole [P, P] grid, one kernel of ~13-16 ms per 64k-row microbatch on an H200
   (about 1 s of a 36.6 s ``medium`` step trajectory-wise), while the host needs only the block
   bounds: ~15 ms (document-causal) and ~9 ms (compact) per microbatch of ``medium`` step 0 at
-  T = 65,536 (``python -m harts.bench.block_mask_bench``), uploaded non-blocking. Its rule,
+  T = 65,536 (``python -m benchmarks.ops.block_mask``), uploaded non-blocking. Its rule,
   exact (the same blocks as ``create_block_mask``): a (q, kv) block is full iff both blocks are
   complete and padding-free, max kv pre <= min q pre and max q pre < min kv end; empty iff off
   the diagonal and no valid q pre lies in any valid kv row's [pre, end); else partial. The

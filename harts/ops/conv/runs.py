@@ -11,7 +11,7 @@ with initial states
 and a trajectory-wise batch is the special case of one run per trajectory and no state.
 
 On CUDA (``impl="fla"``) only fla-core's kernel *without* states runs, because its variant with
-states is slower on every row, not only on the few that read a state (``harts.bench.kernel_sweep``
+states is slower on every row, not only on the few that read a state (``benchmarks.ops.kernel_sweep``
 times both on a ``swe`` microbatch: ``benchmarks/results/ling3-tiny_h200_2026-12-02_conv-no-state.md``).
 Instead (``_HeadFixup``):
 

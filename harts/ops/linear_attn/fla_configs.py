@@ -16,7 +16,7 @@ machine does not compile two dozen variants of it; ``tune_fla`` below replaces t
 
 Regenerate on a new GPU or fla/Triton version::
 
-    python -m harts.bench.tune_fla --out harts/ops/linear_attn/fla_configs
+    python -m benchmarks.ops.tune_fla --out harts/ops/linear_attn/fla_configs
 
 which runs fla's KDA kernels forward and backward on ling3_tiny's shapes (autotuning them)
 and writes one ``<kernel>.json`` per autotuned kernel via ``dump_fla_autotune``. What a new

@@ -45,13 +45,13 @@ __all__ = ["ScanConfig", "tree_scan_fwd", "tree_scan_bwd"]
 #: value block and warps (fixed: no autotuning, so no cold-start search). A call lasts as long
 #: as its longest sequence, and the GPU holds only sequences x heads x V / BV programs, so the
 #: small block is the fastest; 3 stages help the forward and slow the backward
-#: (``harts.bench.kernel_sweep`` times them: ``benchmarks/results/ling3-tiny_h200_2026-12-02_conv-no-state.md``).
+#: (``benchmarks.ops.kernel_sweep`` times them: ``benchmarks/results/ling3-tiny_h200_2026-12-02_conv-no-state.md``).
 BLOCK_V = 16
 NUM_WARPS = 4
 
 
 class ScanConfig(NamedTuple):
-    """A launch configuration of the scans (``harts.bench.kernel_sweep`` times several): the
+    """A launch configuration of the scans (``benchmarks.ops.kernel_sweep`` times several): the
     value block (a power of two >= 16), warps per program, and software-pipelining stages (None:
     ``_num_stages``'s rule for the kernel)."""
 
