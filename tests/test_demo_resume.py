@@ -36,7 +36,10 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _meta(ckpt: Path) -> dict:
-    return torch.load(ckpt / "meta.pt", weights_only=False)
+    from harts.parallel.checkpoint import read_checkpoint
+
+    got = read_checkpoint(ckpt)
+    return {"step": got.step, "data_state": got.data_state, "extra": got.extra}
 
 
 def _model_state(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -78,7 +81,12 @@ def test_resume_equals_the_uninterrupted_run(straight, tmp_path, capsys) -> None
     code, _, _ = _demo(capsys, "--steps", "3", "--save-every", "2", "--run-dir", run)
     assert code == 0
     ckpt = checkpoint_path(run, 2)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["dcp", "meta.pt", "rng"]  # no hf/: no transformers model
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "data.safetensors",
+        "dcp",
+        "meta.json",
+        "rng",
+    ]  # no hf/: no transformers model
     shutil.rmtree(checkpoint_path(run, 3))  # as if the run had died after step 2, its row written
     assert [r["step"] for r in _rows(run)] == [0, 1, 2]
 

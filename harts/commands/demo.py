@@ -20,7 +20,8 @@ one every ``--save-every N`` steps if asked (default: none in between -- the thr
 keep every completed step, only a SIGKILL or a power cut would lose them; a checkpoint of the
 tiny model takes ~80 ms, a default step ~0.5 s, both on one CPU thread). Each holds the model, the
 optimizer, the step, the RNG states and the online state (task and sampler generators,
-per-step history, the reference weights), written aside and renamed. The demo's model is the
+per-step history, the reference weights), in JSON and tensor files (no pickle: a checkpoint from
+elsewhere cannot run code when loaded), written aside and renamed. The demo's model is the
 built-in tiny preset, which has no transformers architecture, so a checkpoint has no ``hf/``
 part. A step that is interrupted or fails halfway (after some of its ``--updates``) is undone
 first: each step starts from an in-memory copy of the tiny model and optimizer (~6 ms).
@@ -31,9 +32,13 @@ those it was started with -- the error names the flag that differs -- and ``metr
 continues after the checkpoint's step (rows of steps after it, from a run that died after
 saving, are dropped and computed again). The resumed run equals the uninterrupted one (the
 same per-step records and final weights; bitwise on the CPU). The summary covers every step;
-its ``seconds`` are this command's.
+its ``seconds`` are this command's. A damaged checkpoint file is an error naming it and the
+checkpoint before it; ``--resume auto`` continues ``--run-dir`` (default ``runs/demo``) from its
+newest checkpoint that loads, or starts the run there when it has none
+(``harts.commands._resume``).
 
-An existing non-empty RUN_DIR is an error unless ``--overwrite``.
+An existing non-empty RUN_DIR is an error unless ``--overwrite`` (a new run there also drops the
+old run's checkpoints).
 """
 
 from __future__ import annotations
@@ -110,8 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume",
         default=None,
-        metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its latest checkpoint, up to --steps (same flags otherwise)",
+        metavar="RUN_DIR|auto",
+        help="continue the run in RUN_DIR from its latest checkpoint, up to --steps (same flags otherwise); "
+        "auto: continue --run-dir from its newest checkpoint that loads (damaged newer ones are passed over), "
+        "or start it there when it has none",
     )
     add_output_arguments(p, what="the summary")
 
@@ -137,13 +144,16 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     import os
 
     from harts.commands._inputs import check_device, write_json
+    from harts.commands._resume import resolve_resume
     from harts.errors import UserError
 
     if args.updates > args.tasks:
         raise UserError(f"--updates {args.updates}: at most --tasks ({args.tasks}) updates per step")
+    subdirs = ("compact", "trajectory") if args.mode == "both" else ("",)
+    resolve_resume(args, subdirs, DEFAULT_RUN_DIR)
     if args.run_dir is None and args.resume is None:
         args.run_dir = DEFAULT_RUN_DIR
-    check_run_dir(args, ("compact", "trajectory") if args.mode == "both" else ("",))
+    check_run_dir(args, subdirs)
     root = args.resume or args.run_dir
     check_device(args.device)
     if args.tensorboard:
@@ -187,6 +197,19 @@ def _identity(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """The flags a resumed run must share with the run it continues (keys are flag names)."""
     flags = ("seed", "tasks", "group_size", "fork_width", "max_leaves", "updates", "lr", "kl_coef", "temperature")
     return {"mode": mode, "dtype": args.dtype} | {f.replace("_", "-"): getattr(args, f) for f in flags}
+
+
+def _check_demo_run(resume: str, ckpt: Any, saved: dict[str, Any], identity: dict[str, Any]) -> None:  # noqa: ANN401
+    """UserError unless checkpoint ``ckpt`` (its ``extra``: ``saved``) is a demo run's with these flags."""
+    from harts.errors import UserError
+
+    if saved.get("command") != "demo":
+        writer = "harts train" if "workload" in saved else "another command"
+        raise UserError(
+            f"--resume {resume}: {ckpt} was written by {writer}, not by harts demo; continue it with the "
+            "command that started it"
+        )
+    check_same_run(resume, saved, identity)
 
 
 def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) -> dict[str, Any]:
@@ -236,10 +259,17 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
         identity = _identity(args, mode)
         found = latest_checkpoint(run_dir) if args.resume else None
         if found is not None:
-            # the flags first (meta.pt, see harts.parallel.checkpoint): weights of another dtype
-            # would not even load
-            check_same_run(args.resume, torch.load(found / "meta.pt", weights_only=False)["extra"], identity)
-            got = load_checkpoint(found, model=model, optimizer=trainer.optimizer)
+            # the flags are checked on meta.json before any weights are read: weights of another
+            # dtype would not even load
+            got = load_checkpoint(
+                run_dir,
+                model=model,
+                optimizer=trainer.optimizer,
+                fallback=args.resume_auto,
+                check=lambda saved: _check_demo_run(args.resume, saved.path, saved.extra, identity),
+            )
+            for line in got.skipped:
+                print(f"harts: warning: {line}", file=sys.stderr, flush=True)
             if got.step > args.steps:
                 raise UserError(
                     f"--resume {args.resume}: it completed {got.step} steps, more than the {args.steps} asked for"
@@ -247,10 +277,12 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
             trainer.load_state_dict(got.data_state["online"])
             truncate_metrics(run_dir, got.step)
         else:
-            # a new run (--overwrite was checked for the whole run dir): start its metrics afresh
+            # a new run (--overwrite was checked for the whole run dir): start its metrics and
+            # checkpoints afresh (an older run's later checkpoints would be resumed instead)
             if os.path.exists(os.path.join(run_dir, METRICS_FILE)):
                 os.remove(os.path.join(run_dir, METRICS_FILE))
             shutil.rmtree(os.path.join(run_dir, "tensorboard"), ignore_errors=True)
+            shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
     start = trainer.state.step
     saved = {"step": start if found is not None else -1}
 
@@ -266,7 +298,7 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
             model=model,
             optimizer=trainer.optimizer,
             data_state={"next_step": done, "online": trainer.state_dict()},
-            extra=identity,
+            extra={"command": "demo", **identity},
         )
         saved["step"] = done
         print(f"checkpoint {path}", file=sys.stderr, flush=True)

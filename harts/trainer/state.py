@@ -10,8 +10,9 @@ A state directory holds
 
 Nothing here can execute code on load: safetensors holds raw tensors and JSON holds data. A
 state is written to a temporary sibling directory and renamed into place, so a crash in the middle
-of a save leaves the previous state whole. A missing, truncated or garbled file is a ``UserError``
-naming it.
+of a save leaves the previous state whole (replacing one moves the old copy aside first; a crash
+between the two renames leaves that copy, which ``read_state`` and the next ``write_state`` use).
+A missing, truncated or garbled file is a ``UserError`` naming it.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def write_state(
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    moved = _moved_aside(path)
+    if not path.exists() and moved.is_dir():
+        os.replace(moved, path)  # a replacement died between its two renames: the old state is whole
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         model_sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -83,7 +87,7 @@ def write_state(
         (tmp / "state.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         old = None
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
+            old = moved
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
         os.replace(tmp, path)
@@ -92,6 +96,11 @@ def write_state(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _moved_aside(path: Path) -> Path:
+    """Where ``write_state`` moves the state it replaces until the new one is in place."""
+    return path.with_name(f".{path.name}.old")
 
 
 def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
@@ -109,6 +118,8 @@ def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
 def read_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """(``state.json``'s fields, model tensors, optimizer tensors, RNG tensors) of directory ``path``."""
     path = Path(path)
+    if not path.is_dir() and _moved_aside(path).is_dir():
+        path = _moved_aside(path)  # a replacing write_state was killed between its two renames
     if not path.is_dir():
         raise UserError(f"{path}: no trainer state directory there")
     meta_file = path / "state.json"

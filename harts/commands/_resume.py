@@ -1,0 +1,43 @@
+"""``--resume auto`` for the commands that checkpoint (``harts train``, ``harts demo``).
+
+``--resume RUN_DIR`` continues RUN_DIR from its newest checkpoint, and a damaged one is an error
+naming the file and the checkpoint before it. ``--resume auto`` (with ``--run-dir RUN_DIR``, or
+the command's default run directory) is the form a restarted job repeats unchanged: it continues
+RUN_DIR from its newest checkpoint that loads, passing over damaged newer ones with a warning,
+and starts a new run in RUN_DIR when there is none yet (an existing non-empty RUN_DIR then
+needs ``--overwrite``, as for any new run).
+
+Import-light (no torch): ``harts.parallel.checkpoint`` is imported only when ``auto`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+__all__ = ["AUTO", "resolve_resume"]
+
+AUTO = "auto"
+
+
+def resolve_resume(args: argparse.Namespace, subdirs: tuple[str, ...] = ("",), default: str | None = None) -> None:
+    """Turn ``--resume auto`` into ``--resume RUN_DIR`` (a checkpoint to continue) or ``--run-dir
+    RUN_DIR`` (a new run), and set ``args.resume_auto`` (load with ``fallback=True``).
+
+    ``subdirs``: the runs inside RUN_DIR (``harts demo --mode both`` keeps one per mode); any of
+    them with a checkpoint makes it a resumed run. ``default``: RUN_DIR without ``--run-dir``.
+    """
+    from harts.errors import UserError
+
+    args.resume_auto = args.resume == AUTO
+    if not args.resume_auto:
+        return
+    run_dir = args.run_dir or default
+    if run_dir is None:
+        raise UserError("--resume auto needs --run-dir DIR: the run to continue, or to start when it has no checkpoint")
+    from harts.parallel.checkpoint import checkpoints
+
+    if any(checkpoints(os.path.join(run_dir, d)) for d in subdirs):
+        args.resume, args.run_dir = run_dir, None
+    else:
+        args.resume, args.run_dir = None, run_dir
