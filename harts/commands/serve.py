@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import argparse
 
-from harts.commands._inputs import positive_float, positive_int, seed_int
+from harts.commands._inputs import (
+    add_execution_arguments,
+    add_la_backend_argument,
+    add_layers_argument,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -54,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", help="torch device of the engines")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"], help="model dtype")
+    add_layers_argument(p)
+    add_la_backend_argument(p, default="auto")
+    add_execution_arguments(p)
     p.add_argument("--seed", type=seed_int, default=0, help="model init (presets), default LoRA seed, sampling seeds")
     p.add_argument(
         "--capacity",
@@ -83,8 +93,11 @@ def run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
+    from harts.commands._inputs import recompute_fields
     from harts.serve.config import API_KEY_ENV, ServeConfig
     from harts.serve.server import serve
+
+    execution = {**recompute_fields(args), "attention": args.attention, "linear_attention_backend": args.la_backend}
 
     config = ServeConfig(
         model=args.model,
@@ -95,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         state_dir=Path(args.state_dir),
         device=args.device,
         dtype=args.dtype,
+        layers=args.layers,
+        execution=execution,
         seed=args.seed,
         capacity=args.capacity,
         max_models=args.max_models,

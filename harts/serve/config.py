@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harts.errors import UserError
 
@@ -30,6 +31,10 @@ class ServeConfig:
     state_dir: Path = Path("harts-serve")
     device: str = "cpu"
     dtype: str = "float32"
+    #: a preset's first N decoder layers (None: all)
+    layers: int | None = None
+    #: ``ExecutionConfig`` fields of every engine (recompute, attention, linear_attention_backend, ...)
+    execution: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     #: tokens per engine microbatch; also the longest datum / prompt + completion served
     capacity: int = 65536

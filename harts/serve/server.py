@@ -19,6 +19,7 @@ from harts.serve.config import ServeConfig
 from harts.serve.service import ModelInfo, Service
 
 if TYPE_CHECKING:
+    from harts.models.hybrid_lm import HybridLM
     from harts.trainer.engine import Engine
     from harts.trainer.lora import LoraConfig
 
@@ -53,14 +54,29 @@ def _check_port(host: str, port: int) -> None:
         raise UserError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err})") from None
 
 
+def check_execution(config: ServeConfig, model: HybridLM) -> None:
+    """The execution settings can run the model on the device (``UserError`` naming the option)."""
+    from harts.commands._inputs import check_la_backend, check_recompute_layers
+    from harts.models.execution.config import ExecutionConfig
+
+    backend = config.execution.get("linear_attention_backend", "reference")
+    check_la_backend(backend, config.device, model.config.chunk_size, config.model)
+    check_recompute_layers(config.execution, model)
+    try:
+        ExecutionConfig(**config.execution)
+    except ValueError as err:
+        raise UserError(f"execution options: {err}") from None
+
+
 def model_info(config: ServeConfig) -> ModelInfo:
     """The served model's facts, from its structure on the meta device (module docstring)."""
     from harts.integrations.loading import load_model
 
     try:
-        model = load_model(config.model, dtype=config.dtype, device="meta")
+        model = load_model(config.model, dtype=config.dtype, layers=config.layers, device="meta")
     except (ValueError, OSError, KeyError) as err:  # UserError is a ValueError
         raise UserError(f"--model {config.model!r}: {err}") from None
+    check_execution(config, model)
     if not os.path.isdir(config.model):
         return ModelInfo(vocab_size=model.config.vocab_size, arch="harts", tokenizer_id=None, eos_tokens=())
     directory = Path(config.model)
@@ -89,15 +105,18 @@ def make_service(config: ServeConfig) -> Service:
     info = model_info(config)
 
     def make_engine(lora: LoraConfig | None, spec: str | None) -> Engine:
+        from harts.models.execution.config import ExecutionConfig
         from harts.trainer.engine import Engine
 
         return Engine.from_spec(
             spec or config.model,
+            layers=None if spec else config.layers,
             dtype=config.dtype,
             device=config.device,
             lora=lora,
             seed=config.seed,
             capacity=config.capacity,
+            execution=ExecutionConfig(**config.execution),
         )
 
     return Service(config, info, make_engine)
