@@ -20,7 +20,9 @@ The headline is ``overhead / engine time`` (median over ``--repeats`` calls, aft
 in the JSON): SDK encode, server decode + validation, response encode, SDK decode. The in-process
 engine is freed before the server starts, so the two never share the device.
 
-``--json FILE`` writes every per-call time and the settings. Needs the ``serve`` extra.
+Both sides run the same ``ExecutionConfig`` (``--la-backend``, ``--attention``, ``--recompute``
+and its companions, as ``harts train`` and ``harts serve`` take them). ``--json FILE`` writes
+every per-call time and the settings. Needs the ``serve`` extra.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from benchmarks._runner import (
     sync,
     write_json,
 )
+from harts.commands._inputs import add_execution_arguments, add_la_backend_argument, recompute_fields
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first, per side")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, both sides")
     p.add_argument("--seed", type=int, default=0)
+    add_la_backend_argument(p, default="auto")
+    add_execution_arguments(p)
     add_json_argument(p)
     args = parse(p, argv)
     if args.tokens < 2 * args.datums:
@@ -78,12 +83,31 @@ def trajectories(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     return [rng.integers(0, vocab_size, n).tolist() for n in sizes]
 
 
+def execution_options(args: argparse.Namespace) -> list[str]:
+    """The execution options as ``harts serve`` takes them (the same as this script's)."""
+    out = ["--la-backend", args.la_backend, "--attention", args.attention]
+    if args.recompute:
+        out.append("--recompute")
+        if args.recompute_skip:
+            out += ["--recompute-skip", ",".join(args.recompute_skip)]
+        if args.recompute_layers is not None:
+            out += ["--recompute-layers", str(args.recompute_layers)]
+        if args.moe_keep_gate_up:
+            out += ["--moe-keep-gate-up", str(args.moe_keep_gate_up)]
+    return out
+
+
 def in_process(args: argparse.Namespace, trajs: list[list[int]]) -> dict[str, Any]:
     """Engine.forward_backward timings of the call, then the engine is freed."""
     import torch
 
+    from harts.models.execution.config import ExecutionConfig
     from harts.trainer.engine import Engine
     from harts.trainer.lora import LoraConfig
+
+    execution = ExecutionConfig(
+        **recompute_fields(args), attention=args.attention, linear_attention_backend=args.la_backend
+    )
 
     engine = Engine.from_spec(
         args.model,
@@ -92,6 +116,7 @@ def in_process(args: argparse.Namespace, trajs: list[list[int]]) -> dict[str, An
         lora=LoraConfig(rank=args.rank, seed=args.seed),
         seed=args.seed,
         capacity=args.tokens,
+        execution=execution,
     )
     batch = [{"tokens": t, "weights": np.ones(len(t) - 1)} for t in trajs]
     device = device_of(args.device)
@@ -181,6 +206,7 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
     cmd = [sys.executable, "-m", "harts.cli", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--api-key", key, "--state-dir", str(workdir / "state"), "--device", args.device, "--dtype", args.dtype]
     cmd += ["--capacity", str(args.tokens), "--seed", str(args.seed), "--log-level", "warning"]
+    cmd += execution_options(args)
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
