@@ -183,8 +183,9 @@ def run(args: argparse.Namespace) -> int:
         f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}",
         flush=True,
     )
-    if flex:
-        print(f"FlexAttention backend (both sides): {', '.join(f'{k} {v}' for k, v in flex.items())}", flush=True)
+    # the kernel record both sides run (FlexAttention's backend per layer kind among its choices)
+    kernels = model.backends(execution)
+    print(f"kernels (both sides): {kernels.describe()}", flush=True)
     if args.profile_only:
         from harts.trainer.step_bench import profile_step
 
@@ -466,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
                 "attention": args.attention,
                 "flex_backend": flex,
                 "la_backend": args.la_backend,
+                "kernels": kernels.to_dict(),
                 "logprobs": args.logprobs,
                 "dp": args.dp,
                 "replica": args.replica,

@@ -13,6 +13,7 @@ import argparse
 from harts.commands._inputs import (
     MODEL_PRESETS,
     add_execution_arguments,
+    add_la_backend_argument,
     add_layers_argument,
     add_output_arguments,
     nonneg_int,
@@ -47,12 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")
     p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
-    p.add_argument(
-        "--la-backend",
-        default="reference",
-        choices=["reference", "fla", "tree", "tree_linked", "auto"],
-        help="linear-attention core for both modes: torch reference, fla-core (CUDA), or auto",
-    )
+    add_la_backend_argument(p, default="reference")
     p.add_argument(
         "--threads",
         type=nonneg_int,
