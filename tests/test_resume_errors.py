@@ -86,7 +86,24 @@ def test_demo_resume_of_a_train_run_names_the_command(capsys, train_run):
 def test_train_resume_of_a_demo_run_is_one_line(capsys, demo_run):
     code, _, err = run(capsys, *TRAIN, "--steps", "3", "--resume", demo_run)
     assert code == 2 and err.count("\n") == 1, err
-    assert "not this model's checkpoint (it was saved by harts demo with --mode compact" in err
+    assert "was written by harts demo, not by harts train" in err and "None" not in err
+
+
+def test_resume_auto_needs_a_run_dir(capsys):
+    code, _, err = run(capsys, *TRAIN, "--steps", "1", "--resume", "auto")
+    assert code == 2 and "--resume auto needs --run-dir DIR" in err
+
+
+def test_train_resume_auto_passes_over_a_damaged_checkpoint(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run(capsys, *TRAIN, "--steps", "2", "--save-every", "1", "--run-dir", run_dir)[0] == 0
+    meta = checkpoint_path(run_dir, 2) / "meta.json"
+    meta.write_text("{")
+    code, _, err = run(capsys, *TRAIN, "--steps", "3", "--resume", run_dir)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"harts: error: {meta}: not readable JSON")
+    code, out, err = run(capsys, *TRAIN, "--steps", "3", "--run-dir", run_dir, "--resume", "auto")
+    assert code == 0, err
+    assert f"harts: warning: step-00000002 skipped: {meta}" in err and f"resumed {run_dir} after step 0" in out
 
 
 def test_an_old_pickled_checkpoint_is_refused(capsys, demo_run, tmp_path):

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
-__all__ = ["AUTO", "resolve_resume"]
+__all__ = ["AUTO", "check_resumed_run", "resolve_resume"]
 
 AUTO = "auto"
 
@@ -41,3 +42,19 @@ def resolve_resume(args: argparse.Namespace, subdirs: tuple[str, ...] = ("",), d
         args.resume, args.run_dir = run_dir, None
     else:
         args.resume, args.run_dir = None, run_dir
+
+
+def check_resumed_run(resume: str, ckpt: Any, saved: dict[str, Any], command: str, identity: dict[str, Any]) -> None:  # noqa: ANN401
+    """UserError unless checkpoint ``ckpt`` (``saved``: the ``extra`` it was saved with) was written
+    by ``harts command`` with the flags of ``identity`` (``check_same_run``). ``harts train``'s
+    checkpoints carry no ``command``."""
+    from harts.commands._runs import check_same_run
+    from harts.errors import UserError
+
+    writer = saved.get("command", "train")
+    if writer != command:
+        raise UserError(
+            f"--resume {resume}: {ckpt} was written by harts {writer}, not by harts {command}; continue it with "
+            f"harts {writer} --resume"
+        )
+    check_same_run(resume, saved, identity)

@@ -47,7 +47,7 @@ import argparse
 from typing import Any
 
 from harts.commands._inputs import add_output_arguments, nonneg_float, positive_float, positive_int, seed_int
-from harts.commands._runs import Interrupted, Signals, check_run_dir, check_same_run
+from harts.commands._runs import Interrupted, Signals, check_run_dir
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -199,19 +199,6 @@ def _identity(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     return {"mode": mode, "dtype": args.dtype} | {f.replace("_", "-"): getattr(args, f) for f in flags}
 
 
-def _check_demo_run(resume: str, ckpt: Any, saved: dict[str, Any], identity: dict[str, Any]) -> None:  # noqa: ANN401
-    """UserError unless checkpoint ``ckpt`` (its ``extra``: ``saved``) is a demo run's with these flags."""
-    from harts.errors import UserError
-
-    if saved.get("command") != "demo":
-        writer = "harts train" if "workload" in saved else "another command"
-        raise UserError(
-            f"--resume {resume}: {ckpt} was written by {writer}, not by harts demo; continue it with the "
-            "command that started it"
-        )
-    check_same_run(resume, saved, identity)
-
-
 def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) -> dict[str, Any]:
     import os
     import shutil
@@ -223,6 +210,7 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
         from tqdm import tqdm
 
         from harts.commands._progress import progress
+        from harts.commands._resume import check_resumed_run
         from harts.envs import ToolLookup
         from harts.errors import UserError
         from harts.models.config import HybridConfig
@@ -266,7 +254,7 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
                 model=model,
                 optimizer=trainer.optimizer,
                 fallback=args.resume_auto,
-                check=lambda saved: _check_demo_run(args.resume, saved.path, saved.extra, identity),
+                check=lambda saved: check_resumed_run(args.resume, saved.path, saved.extra, "demo", identity),
             )
             for line in got.skipped:
                 print(f"harts: warning: {line}", file=sys.stderr, flush=True)

@@ -11,8 +11,11 @@ trajectory whole, in microbatches of at most ``--capacity`` raw tokens
 Checkpoints (``harts.parallel.checkpoint``): ``--run-dir DIR --save-every N`` writes a
 resumable, sharded checkpoint every N steps (model, optimizer, step, data position, RNG states;
 atomically), and one at the end and on interruption; ``--resume DIR`` continues such a run
-(same workload, seed and model; any number of ranks) and equals the uninterrupted run. A run
-directory that exists and is not empty is not written without ``--overwrite``.
+(same workload, seed and model; any number of ranks) and equals the uninterrupted run; a damaged
+checkpoint file is an error naming it and the checkpoint before it, and ``--run-dir DIR --resume
+auto`` continues from the newest one that loads, or starts the run when DIR has none
+(``harts.commands._resume``). A run directory that exists and is not empty is not written
+without ``--overwrite``.
 
 Before the first step, everything that could stop the run later is checked: the output paths
 (``--save``, ``--json``: writable, not overwriting without ``--overwrite``), the device, every
@@ -160,8 +163,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume",
         default=None,
-        metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its latest checkpoint (and keep checkpointing there)",
+        metavar="RUN_DIR|auto",
+        help="continue the run in RUN_DIR from its latest checkpoint (and keep checkpointing there); auto: "
+        "continue --run-dir from its newest checkpoint that loads, or start it there when it has none",
     )
     p.add_argument(
         "--tensorboard", action="store_true", help="also log the metrics to RUN_DIR/tensorboard (needs tensorboard)"
@@ -208,6 +212,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
         workload_schedule,
     )
     from harts.commands._progress import progress
+    from harts.commands._resume import resolve_resume
     from harts.errors import CapacityError, UserError
     from harts.models.execution.config import ExecutionConfig
     from harts.parallel.build import materialize, moe_experts
@@ -221,6 +226,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
+    resolve_resume(args)  # --resume auto: a run to continue, or one to start
     run_dir = args.resume or args.run_dir
     logs: list = []
     model = None
@@ -519,6 +525,7 @@ class _Checkpointer:
 
     def __init__(self, args: argparse.Namespace, run_dir: str | None) -> None:
         self.run_dir = run_dir
+        self.auto = getattr(args, "resume_auto", False)
         self.identity = {
             "workload": args.workload,
             "seed": args.seed,
@@ -530,14 +537,26 @@ class _Checkpointer:
 
     def resume(self, model, optimizer, num_steps: int) -> int:  # noqa: ANN001
         """Load the latest checkpoint when resuming; returns the first step to run (0 otherwise)."""
-        from harts.commands._runs import check_same_run
+        import sys
+
+        import torch.distributed as dist
+
+        from harts.commands._resume import check_resumed_run
         from harts.errors import UserError
         from harts.parallel.checkpoint import latest_checkpoint, load_checkpoint
 
         if self.run_dir is None or latest_checkpoint(self.run_dir) is None:
             return 0
-        got = load_checkpoint(self.run_dir, model=model, optimizer=optimizer)
-        check_same_run(self.run_dir, got.extra, self.identity)
+        run_dir = self.run_dir
+        got = load_checkpoint(
+            run_dir,
+            model=model,
+            optimizer=optimizer,
+            fallback=self.auto,
+            check=lambda saved: check_resumed_run(run_dir, saved.path, saved.extra, "train", self.identity),
+        )
+        for line in got.skipped if not dist.is_initialized() or dist.get_rank() == 0 else ():
+            print(f"harts: warning: {line}", file=sys.stderr, flush=True)
         nxt = int(got.data_state["next_step"])
         if nxt > num_steps:
             raise UserError(f"--resume {self.run_dir}: it completed {nxt} steps, more than the {num_steps} asked for")
