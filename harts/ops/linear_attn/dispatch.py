@@ -20,7 +20,7 @@ states, requested boundary states, all differentiable), so executors pick by nam
                  "reference" (a model with another chunk size, e.g. the tiny preset's 8, runs
                  the reference op; asking for "tree" or "fla" there is an error). The tree
                  kernel runs close to plain fla's time on the same rows without any state export,
-                 and far below the split path's (``benchmarks/ops/la.py --device cuda``)
+                 and far below the split path's (``python -m benchmarks.ops.la --device cuda``)
 
 The old name "tree_linked" is accepted here too and stands for "tree" (the linking is the
 compact executor's part: ``harts.ops.registry.canonical_linear_attn``).
