@@ -29,9 +29,8 @@ def _commands_with_model() -> dict[str, argparse.ArgumentParser]:
     return {name: p for name, p in sub.choices.items() if any("--model" in a.option_strings for a in p._actions)}
 
 
-#: commands with --model and no --layers yet: ``harts serve`` builds its model inside harts.serve,
-#: whose ServeConfig has no layers field to pass to load_model(layers=)
-NOT_YET = {"serve"}
+#: commands with --model and no --layers yet
+NOT_YET: set[str] = set()
 
 
 def test_every_command_with_model_takes_layers() -> None:

@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 
 from harts.commands._inputs import (
+    MODEL_PRESETS,
     add_execution_arguments,
     add_la_backend_argument,
     add_layers_argument,
+    add_output_arguments,
     positive_float,
     positive_int,
     seed_int,
@@ -37,9 +39,10 @@ HELP = "A Tinker-compatible training server: the tinker SDK trains, samples and 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        required=True,
+        default="tiny",
         metavar="PRESET_OR_DIR",
-        help="a preset (tiny, ling3_tiny) or a transformers / harts checkpoint directory",
+        help=f"a preset ({', '.join(MODEL_PRESETS)}: the real models' shapes, random init) or a "
+        "transformers / harts checkpoint directory",
     )
     p.add_argument(
         "--model-name",
@@ -87,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log")
+    add_output_arguments(p, what="the server's base URL, served model and state directory, once it listens,")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,5 +123,5 @@ def run(args: argparse.Namespace) -> int:
         poll_seconds=args.poll_seconds,
         threads=args.threads,
     )
-    serve(config, log_level=args.log_level)
+    serve(config, log_level=args.log_level, json_out=args.json_out)
     return 0

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harts.errors import UserError
 from harts.serve.config import ServeConfig
@@ -122,8 +122,11 @@ def make_service(config: ServeConfig) -> Service:
     return Service(config, info, make_engine)
 
 
-def serve(config: ServeConfig, *, log_level: str = "info") -> None:
-    """Serve until SIGINT / SIGTERM (uvicorn's handlers: the running request finishes first)."""
+def serve(config: ServeConfig, *, log_level: str = "info", json_out: str | None = None) -> None:
+    """Serve until SIGINT / SIGTERM (uvicorn's handlers: the running request finishes first).
+    ``json_out``: where to write the base URL, served model and state directory once listening."""
+    import threading
+
     import uvicorn
 
     from harts.serve.app import build_app
@@ -143,7 +146,29 @@ def serve(config: ServeConfig, *, log_level: str = "info") -> None:
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="off")
     )
+    if json_out:
+        record = {
+            "base_url": f"http://{config.host}:{config.port}",
+            "model": config.served_name,
+            "spec": config.model,
+            "state_dir": str(Path(config.state_dir).resolve()),
+            "pid": os.getpid(),
+        }
+        threading.Thread(target=_announce, args=(server, json_out, record), daemon=True).start()
     try:
         server.run()
     finally:
         service.close()
+
+
+def _announce(server: Any, path: str, record: dict[str, Any]) -> None:
+    """Write ``record`` to ``path`` once ``server`` accepts connections."""
+    import time
+
+    from harts.commands._inputs import write_json
+
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    write_json(path, record)
