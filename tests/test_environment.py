@@ -29,7 +29,7 @@ def sources() -> list[Path]:
 def test_every_variable_the_package_names_is_documented() -> None:
     named = {m for path in sources() for m in NAME.findall(path.read_text())}
     assert named, "no HARTS_* name found: the scan looks in the wrong place"
-    assert named == set(documented()), (named ^ set(documented()))
+    assert named == set(documented()), named ^ set(documented())
 
 
 def test_each_variable_is_read_in_one_place_the_page_names() -> None:
