@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="preset or checkpoint directory (harts serve --model)")
     add_device_argument(p, "cpu")
     add_dtype_argument(p, ["float32", "float64", "bfloat16"], "float32")
+    p.add_argument("--layers", type=int, default=None, help="a preset's first N layers (both sides)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens in the call, all datums together (T)")
     p.add_argument("--datums", type=int, default=1, help="datums the tokens are split into")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank")
@@ -111,6 +112,7 @@ def in_process(args: argparse.Namespace, trajs: list[list[int]]) -> dict[str, An
 
     engine = Engine.from_spec(
         args.model,
+        layers=args.layers,
         dtype=args.dtype,
         device=args.device,
         lora=LoraConfig(rank=args.rank, seed=args.seed),
@@ -207,6 +209,8 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
     cmd += ["--api-key", key, "--state-dir", str(workdir / "state"), "--device", args.device, "--dtype", args.dtype]
     cmd += ["--capacity", str(args.tokens), "--seed", str(args.seed), "--log-level", "warning"]
     cmd += execution_options(args)
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
