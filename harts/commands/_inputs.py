@@ -376,7 +376,7 @@ def workload_schedule(args: argparse.Namespace) -> Schedule:
         order = epoch_order(len(files), epochs, args.steps)
         noun = "batch file" if len(files) == 1 else "batch files"
         per = f" x {epochs} epochs" if epochs > 1 else ""
-        cut = f", the first {len(order)}" if args.steps is not None else ""
+        cut = f", the first {len(order)}" if len(order) < len(files) * epochs else ""
         description = f"{len(files)} {noun}{per} = {len(files) * epochs} steps{cut}"
         return Schedule([(f, partial(RolloutBatch.load, f)) for f in files], order, description, files)
     name = args.workload or "tiny"

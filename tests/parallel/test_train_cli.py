@@ -39,7 +39,12 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
     assert r.returncode == 0, r.stderr
     done = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert done == ["step-00000003", "step-00000005"]
-    assert {p.name for p in (run / "checkpoints" / "step-00000003").iterdir()} == {"data.safetensors", "dcp", "meta.json", "rng"}
+    assert {p.name for p in (run / "checkpoints" / "step-00000003").iterdir()} == {
+        "data.safetensors",
+        "dcp",
+        "meta.json",
+        "rng",
+    }
     shutil.rmtree(run / "checkpoints" / "step-00000005")  # as if the run had stopped after step 3
 
     r = harts(*BASE, "--steps", "5", "--resume", str(run), "--save", str(resumed))
