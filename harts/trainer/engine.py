@@ -47,14 +47,8 @@ from harts.models.hybrid_lm import HybridLM
 from harts.parallel.mesh import ParallelConfig, ParallelState
 from harts.parallel.parallelize import clip_grad_norm
 from harts.rl.losses import LOSSES, check_loss, tinker_loss
-from harts.rl.train import (
-    PlannedStep,
-    TrainConfig,
-    accumulate_step_gradients,
-    forward_step,
-    plan_training_step,
-)
 from harts.trainer.state import load_optimizer, read_state, restore_rng, write_state
+from harts.trainer.step import PlannedStep, TrainConfig, accumulate_step_gradients, forward_step, plan_training_step
 from harts.tree.batch import RolloutBatch
 
 __all__ = [
@@ -373,8 +367,8 @@ class Engine:
             metrics["clip_fraction:mean"] = d["clipped"] / max(d["target_tokens"], 1.0)
         if acc.expert_counts is not None:
             metrics["moe_objective:sum"] = acc.moe_objective
-        metrics["microbatches"] = float(acc.microbatches)
-        metrics["rows"] = float(acc.rows)
+        metrics["microbatches:sum"] = float(acc.microbatches)
+        metrics["rows:sum"] = float(acc.rows)
         return ForwardBackwardOutput(logprobs=_split(result(), batch), loss=acc.loss, metrics=metrics)
 
     def _custom(

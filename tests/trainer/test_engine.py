@@ -104,7 +104,7 @@ def test_compact_equals_trajectory_wise(loss: Any) -> None:
     assert a.loss == pytest.approx(b.loss, rel=1e-10, abs=1e-12)
     _assert_same_grads(_grads(compact), _grads(trajwise))
     # a compact step computed fewer rows than the trajectories hold
-    assert a.metrics["rows"] < b.metrics["rows"]
+    assert a.metrics["rows:sum"] < b.metrics["rows:sum"]
 
 
 def test_microbatching_changes_nothing() -> None:
@@ -114,7 +114,7 @@ def test_microbatching_changes_nothing() -> None:
     trajs = _flat()
     a = one.forward_backward(trajs, "ppo")
     b = many.forward_backward(trajs, "ppo")
-    assert b.metrics["microbatches"] > 1 == a.metrics["microbatches"]
+    assert b.metrics["microbatches:sum"] > 1 == a.metrics["microbatches:sum"]
     _assert_close_lists(a.logprobs, b.logprobs)
     assert a.loss == pytest.approx(b.loss, rel=1e-10)
     _assert_same_grads(_grads(one), _grads(many))
@@ -153,7 +153,7 @@ def test_no_sharing_runs_as_trajectories() -> None:
     trajs = [{"tokens": [int(i)] + rng.integers(0, 64, 20).tolist()} for i in range(6)]  # distinct first tokens
     compact, trajwise = _pair()
     a, b = compact.forward_backward(trajs), trajwise.forward_backward(trajs)
-    assert a.metrics["rows"] == b.metrics["rows"] == sum(len(t["tokens"]) for t in trajs)
+    assert a.metrics["rows:sum"] == b.metrics["rows:sum"] == sum(len(t["tokens"]) for t in trajs)
     _assert_close_lists(a.logprobs, b.logprobs)
     _assert_same_grads(_grads(compact), _grads(trajwise))
 
