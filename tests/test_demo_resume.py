@@ -121,7 +121,7 @@ def test_resume_checks_name_the_flag(straight, tmp_path, capsys) -> None:  # noq
 def test_a_failing_step_is_undone_and_the_completed_steps_kept(straight, tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
     """Step 2 fails in its second update, after the first has changed the weights: the
     checkpoint holds the run after step 1 (bitwise), and resuming it finishes the run."""
-    import harts.rl.online as online
+    import harts.trainer.online as online
 
     calls = {"n": 0}
     real = online.train_step

@@ -96,7 +96,7 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from harts.models.execution.config import ExecutionConfig
-    from harts.rl.train import TrainConfig, accumulate_step_gradients
+    from harts.trainer.step import TrainConfig, accumulate_step_gradients
 
     model, state, batches, _ = _setup(args)
     execution = ExecutionConfig(
@@ -162,7 +162,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     from harts.models.flops import FlopModel, peak_tflops
     from harts.plan.baselines.trajectory_plan import plan_trajectory_step
     from harts.plan.step import plan_step
-    from harts.rl.train import TrainConfig, train_step
+    from harts.trainer.step import TrainConfig, train_step
 
     model, state, batches, _ = _setup(args)
     flops = FlopModel.from_model(model)

@@ -218,9 +218,9 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
         from harts.models.hybrid_lm import HybridLM
         from harts.parallel.checkpoint import latest_checkpoint, load_checkpoint
         from harts.rl.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
-        from harts.rl.online import OnlineConfig, OnlineTrainer
-        from harts.rl.train import TrainConfig
         from harts.rollout.collect import RolloutConfig
+        from harts.trainer.online import OnlineConfig, OnlineTrainer
+        from harts.trainer.step import TrainConfig
 
         t_start = time.perf_counter()
         torch.set_num_threads(args.threads)

@@ -219,7 +219,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     from harts.parallel.mesh import ParallelConfig, init_parallel, setup_process_group
     from harts.parallel.parallelize import parallelize
     from harts.plan.step.workers import shared_workers
-    from harts.rl.train import StepPrefetcher, TrainConfig, train_step
+    from harts.trainer.step import StepPrefetcher, TrainConfig, train_step
 
     recompute = recompute_fields(args)  # a bad --recompute-skip fails before any work
     args.device = setup_process_group(args.device)

@@ -9,7 +9,7 @@
   (``ignored_params``): they are already split over ``ep``, and their gradients are summed over
   ``dp`` by ``finish_gradients``;
 * gradients are summed, not averaged (divide factor 1): every microbatch loss is already
-  divided by the whole step's denominator (``harts.rl.train``);
+  divided by the whole step's denominator (``harts.trainer.step``);
 * a bfloat16 model keeps bf16 parameters and reduces gradients in float32
   (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); float32 / float64 models
   run without mixed precision; ``cpu_offload`` puts the shards on the host (``CPUOffloadPolicy``).

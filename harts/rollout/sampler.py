@@ -5,7 +5,7 @@
 token per branch from its logits and records that token's log-probability under the
 distribution it was drawn from (after temperature and top-p). With temperature 1 and top-p 1
 that is the model's own log-prob, which the training forward must reproduce (the
-train/inference consistency check; ``harts.rl.online`` reports the gap every step).
+train/inference consistency check; ``harts.trainer.online`` reports the gap every step).
 
 A branch stops at a stop token (kept, as the end of its turn) or after ``max_tokens``. Its
 last token stays ``pending``: the next ``extend`` (the environment's observation, or the next

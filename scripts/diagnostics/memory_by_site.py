@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-import harts.rl.train as T
+import harts.trainer.step as T
 
 OUT = os.environ.get("OUT", ".")
 log = open(os.path.join(OUT, "mem.txt"), "w")

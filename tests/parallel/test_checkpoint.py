@@ -10,7 +10,7 @@ from harts import ExecutionConfig
 from harts.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from harts.parallel.mesh import ParallelConfig, ParallelState, init_parallel
 from harts.parallel.parallelize import parallelize
-from harts.rl.train import TrainConfig, train_step
+from harts.trainer.step import TrainConfig, train_step
 from harts.tree.workloads import generate
 from tests.parallel._dist import assert_close, full_params, moe_model, spawn
 

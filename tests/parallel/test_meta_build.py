@@ -18,7 +18,7 @@ from harts.integrations.loading import load_model
 from harts.parallel.build import build_parallel_model, materialize, moe_experts
 from harts.parallel.mesh import ParallelConfig, init_parallel
 from harts.parallel.parallelize import parallelize
-from harts.rl.train import TrainConfig, accumulate_step_gradients
+from harts.trainer.step import TrainConfig, accumulate_step_gradients
 from harts.trainer.weights import load_state
 from harts.tree.workloads import generate
 from tests.parallel._dist import full_grads, full_params, spawn

@@ -12,7 +12,7 @@ import pytest
 from harts import ExecutionConfig
 from harts.parallel.mesh import ParallelConfig, init_parallel
 from harts.parallel.parallelize import parallelize
-from harts.rl.train import TrainConfig, accumulate_step_gradients
+from harts.trainer.step import TrainConfig, accumulate_step_gradients
 from harts.tree.workloads import generate
 from tests.parallel._dist import assert_close, full_grads, moe_model, spawn
 

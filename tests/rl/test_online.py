@@ -15,9 +15,9 @@ from harts.models.config import HybridConfig
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.rl.metrics import MetricsWriter, read_metrics
-from harts.rl.online import OnlineConfig, OnlineState, OnlineTrainer
-from harts.rl.train import TrainConfig
 from harts.rollout.collect import RolloutConfig
+from harts.trainer.online import OnlineConfig, OnlineState, OnlineTrainer
+from harts.trainer.step import TrainConfig
 
 TIMINGS = ("sample_seconds", "step_seconds", "tokens_per_second")
 

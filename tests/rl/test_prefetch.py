@@ -10,10 +10,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import harts.rl.train as train_mod
+import harts.trainer.step as train_mod
 from harts import ExecutionConfig, HybridConfig, HybridLM
 from harts.errors import CapacityError
-from harts.rl.train import StepPrefetcher, TrainConfig, accumulate_step_gradients, plan_training_step, train
+from harts.trainer.loop import train
+from harts.trainer.step import StepPrefetcher, TrainConfig, accumulate_step_gradients, plan_training_step
 from harts.tree.workloads import generate
 
 TIMES = {"plan_seconds", "prepare_seconds", "train_seconds", "tokens_per_second"}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from harts import ExecutionConfig, HybridConfig, HybridLM
-from harts.rl.train import TrainConfig, accumulate_step_gradients, train
+from harts.trainer.loop import train
+from harts.trainer.step import TrainConfig, accumulate_step_gradients
 from harts.tree.workloads import generate
 
 

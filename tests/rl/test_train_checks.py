@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from harts import CapacityError, HybridConfig, HybridLM
-from harts.rl.train import TrainConfig, train, train_step
+from harts.trainer.loop import train
+from harts.trainer.step import TrainConfig, train_step
 from harts.trainer.weights import load_state
 from harts.tree.workloads import generate
 
@@ -54,7 +55,7 @@ def test_cli_keeps_completed_steps_when_a_later_step_fails(tmp_path, monkeypatch
     that step: the table, --save and --json hold the completed ones, then the error propagates."""
     import json
 
-    import harts.rl.train as rl_train
+    import harts.trainer.step as rl_train
     from harts.cli import main
 
     real = rl_train.train_step

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from harts import ExecutionConfig, HybridConfig, HybridLM
-from harts.rl.online import policy_pass
-from harts.rl.train import TrainConfig, accumulate_step_gradients
+from harts.trainer.online import policy_pass
+from harts.trainer.step import TrainConfig, accumulate_step_gradients
 from harts.tree.workloads import generate
 
 

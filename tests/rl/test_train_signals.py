@@ -14,7 +14,7 @@ import torch
 
 from harts import ExecutionConfig
 from harts.integrations.loading import load_model
-from harts.rl.train import TrainConfig, train_step
+from harts.trainer.step import TrainConfig, train_step
 from harts.trainer.weights import load_state
 from harts.tree.workloads import generate
 

@@ -17,7 +17,7 @@ Step-level statistics (an option; per-call statistics as above are the paper's d
 ``MoE.step_statistics = (counts_E, W)`` holds the whole step's q-weighted counts and weight, W
 and f_e = counts_e / W are the step's, so z_loss and aux_loss of one call are its share of the
 step's losses and their sum over the step's microbatches (and ranks) is the step-level loss
-(``harts.rl.train``, ``moe_statistics="step"``). ``p`` is softmax(logits) for softmax routing and
+(``harts.trainer.step``, ``moe_statistics="step"``). ``p`` is softmax(logits) for softmax routing and
 sigmoid(logits) normalized over experts for sigmoid routing.
 
 Router (DeepSeek-V3 / Qwen3-Next): scores = softmax or sigmoid of ``gate.weight @ x``;

@@ -16,7 +16,7 @@ from harts.plan.step import PlannerWorkers, plan_step
 from harts.plan.step import planner as planner_module
 from harts.plan.step.step_plan import same_step_plan
 from harts.plan.step.workers import completed, run_inline, shared_workers
-from harts.rl.train import TrainConfig
+from harts.trainer.step import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,7 @@ def test_training_plans_with_workers(monkeypatch) -> None:
     from dataclasses import replace
 
     import harts.plan.step.workers as planner_workers
-    from harts.rl.train import plan_training_step
+    from harts.trainer.step import plan_training_step
 
     monkeypatch.setattr(planner_workers, "MIN_PATHS", 0)
     batch = harts.workloads.generate("small", step=0, seed=4)

@@ -1,4 +1,4 @@
-"""The RL training loop: plan the step, run every microbatch compactly, one optimizer update.
+"""One training step: plan it, run every microbatch compactly, one optimizer update.
 
 Per step (one RolloutBatch):
 
@@ -32,7 +32,6 @@ microbatches, hence the same step objective, as D ranks.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,8 +72,8 @@ __all__ = [
     "check_capacity",
     "grpo_objective",
     "plan_training_step",
+    "parallel_state",
     "replicas_of",
-    "train",
     "train_step",
 ]
 
@@ -215,7 +214,7 @@ class StepLog:
         return record
 
 
-def _state(model: HybridLM, parallel: ParallelState | None) -> ParallelState:
+def parallel_state(model: HybridLM, parallel: ParallelState | None) -> ParallelState:
     """``parallel``, or the one-process state (refused under a process group: the model must be
     sharded by ``harts.parallel.parallelize`` and its state passed)."""
     if parallel is not None:
@@ -472,7 +471,7 @@ def forward_step(
 ) -> None:
     """A no-grad forward of this rank's microbatches of ``planned``, as
     ``accumulate_step_gradients`` runs them: ``on_logprobs(k, logprobs)`` per microbatch."""
-    state = _state(model, parallel)
+    state = parallel_state(model, parallel)
     mine = [k for r in replicas_of(cfg, state) for k in planned.plan.for_replica(r)]
     for k, (_, inputs) in zip(
         mine, prepared_microbatches(model, planned, mine, cfg.execution, ahead=cfg.prepare_ahead)
@@ -507,7 +506,7 @@ def accumulate_step_gradients(
     ``planned``: ``plan_training_step(batch, cfg, world)``, made ahead (else it is made here);
     ValueError if it was made for another batch or replica count.
     """
-    state = _state(model, parallel)
+    state = parallel_state(model, parallel)
     world = state.world_size
     replicas = replicas_of(cfg, state)
     if planned is None:
@@ -629,7 +628,7 @@ def train_step(
     the step can be abandoned with the model and optimizer untouched; from then on it should
     run to the end (``harts train`` stops taking interrupts there).
     """
-    state = _state(model, parallel)
+    state = parallel_state(model, parallel)
     world = state.world_size
     optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
@@ -675,48 +674,3 @@ def train_step(
         compact_tokens=acc.work_tokens,
         lr=float(optimizer.param_groups[0]["lr"]),
     )
-
-
-def train(
-    model: HybridLM,
-    batches: Iterable[RolloutBatch],
-    cfg: TrainConfig,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    on_step: Callable[[StepLog], None] | None = None,
-    parallel: ParallelState | None = None,
-    plan_ahead: bool = False,
-) -> list[StepLog]:
-    """Run ``train_step`` over ``batches``; returns the logs (``on_step`` sees each as it ends).
-
-    ``batches`` may be a lazy iterable; give a list to have every step checked against
-    ``cfg.capacity`` before the first one runs. ``plan_ahead``: a background thread takes the
-    next batch from ``batches`` and plans it while the current step trains
-    (``StepPrefetcher``); only for batches that do not depend on the weights
-    being trained (not for rollouts sampled from this model between steps). The logs are the
-    same either way; the steps take less wall time.
-    """
-    if isinstance(batches, (list, tuple)):
-        for i, b in enumerate(batches):
-            check_capacity(b, cfg.capacity, step=i)
-    if optimizer is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    logs = []
-    if not plan_ahead:
-        for i, batch in enumerate(batches):
-            logs.append(train_step(model, optimizer, batch, cfg, step=i, parallel=parallel))
-            if on_step is not None:
-                on_step(logs[-1])
-        return logs
-    source = iter(batches)
-    with StepPrefetcher(cfg, _state(model, parallel).world_size) as ahead:
-        ahead.submit(0, lambda: next(source, None))
-        for i in itertools.count():
-            planned = ahead.take(i)
-            if planned is None:
-                break
-            ahead.submit(i + 1, lambda: next(source, None))
-            logs.append(train_step(model, optimizer, planned.source, cfg, step=i, parallel=parallel, planned=planned))
-            if on_step is not None:
-                on_step(logs[-1])
-    return logs

@@ -43,8 +43,8 @@ import torch
 from harts.envs.base import Environment
 from harts.models.hybrid_lm import HybridLM
 from harts.rl.grpo import per_logprob
-from harts.rl.train import TrainConfig, train_step
 from harts.rollout.collect import RolloutConfig, collect
+from harts.trainer.step import TrainConfig, train_step
 from harts.tree.batch import RolloutBatch
 from harts.tree.compact import prefix_index
 
