@@ -189,56 +189,87 @@ class HybridConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"HybridConfig: unknown field(s) {unknown}")
+            raise UserError(f"HybridConfig: unknown field(s) {unknown}")
         return cls(**d)
 
+    #: fields that may be 0 (every other integer size must be positive)
+    _MAY_BE_ZERO = frozenset({"num_experts", "first_k_dense_replace", "num_shared_experts"})
+
+    def _validate_types(self) -> None:
+        """Every field of its declared type and every size positive (a config.json field that is a
+        string, NaN or negative names itself here, before any tensor is made)."""
+        import math
+
+        for f in dataclasses.fields(self):
+            v, kind = getattr(self, f.name), str(f.type)
+            if v is None and kind.endswith("| None"):
+                continue
+            kind = kind.removesuffix(" | None")
+            if kind == "bool":
+                ok = isinstance(v, bool)
+            elif kind == "int":
+                ok = isinstance(v, int) and not isinstance(v, bool)
+                ok = ok and (v >= 0 if f.name in self._MAY_BE_ZERO or f.name.endswith("_coef") else v > 0)
+            elif kind == "float":
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            else:
+                ok = isinstance(v, str)
+            if not ok:
+                need = {"int": "a positive integer", "float": "a finite number", "bool": "true or false"}.get(
+                    kind, "a string"
+                )
+                if f.name in self._MAY_BE_ZERO:
+                    need = "an integer >= 0"
+                raise UserError(f"HybridConfig.{f.name} must be {need}, got {v!r}")
+
     def validate(self) -> None:
+        self._validate_types()
         bad = sorted(set(self.layer_pattern) - set(LAYER_TYPES))
         if not self.layer_pattern or bad:
-            raise ValueError(
+            raise UserError(
                 f"layer_pattern {self.layer_pattern!r}: letters must be from {''.join(LAYER_TYPES)}"
                 + (f", got {bad}" if bad else ", got an empty pattern")
             )
         if self.dtype not in ("float32", "float64", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
+            raise UserError(f"dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
         if self.chunk_size < 8 or self.chunk_size & (self.chunk_size - 1):
-            raise ValueError(f"chunk_size must be a power of two >= 8, got {self.chunk_size}")
+            raise UserError(f"chunk_size must be a power of two >= 8, got {self.chunk_size}")
         if self.linear_conv_kernel_dim < 1:
-            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.linear_conv_kernel_dim}")
+            raise UserError(f"linear_conv_kernel_dim must be >= 1, got {self.linear_conv_kernel_dim}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(
+            raise UserError(
                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                 f"linear_num_key_heads ({self.linear_num_key_heads})"
             )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise UserError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         rot = int(self.head_dim * self.partial_rotary_factor)
         if rot % 2 or not 0 < self.partial_rotary_factor <= 1:
-            raise ValueError(
+            raise UserError(
                 f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} must give an "
                 "even, positive number of rotary dims"
             )
         if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+            raise UserError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.router_score not in ("softmax", "sigmoid"):
-            raise ValueError(f"router_score must be 'softmax' or 'sigmoid', got {self.router_score!r}")
+            raise UserError(f"router_score must be 'softmax' or 'sigmoid', got {self.router_score!r}")
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
-                raise ValueError(
+                raise UserError(
                     f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
                 )
             if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
-                raise ValueError(
+                raise UserError(
                     f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
                     f"1 <= topk_group ({self.topk_group}) <= n_group"
                 )
             if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
-                raise ValueError("topk_group groups hold fewer experts than num_experts_per_tok")
+                raise UserError("topk_group groups hold fewer experts than num_experts_per_tok")
         if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+            raise UserError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
 
     # ------------------------------------------------------------------ presets
     @classmethod

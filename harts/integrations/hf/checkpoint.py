@@ -16,10 +16,12 @@ so a checkpoint can be checked (``harts convert``) without reading tensor data.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,39 +76,59 @@ class CheckpointFiles:
         return out
 
 
+def _read_json(file: str) -> Any:
+    """The JSON in ``file``; ``UserError`` naming it when it is not readable JSON."""
+    try:
+        with open(file, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise UserError(f"{file}: not JSON ({err})") from None
+    except OSError as err:
+        raise UserError(f"{file}: not readable ({err.strerror or err})") from None
+
+
+@contextlib.contextmanager
+def _safe_open(file: str) -> Iterator[Any]:
+    """``safetensors.safe_open(file)``; a damaged header is a ``UserError`` naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(file, framework="pt")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise UserError(f"{file}: not a readable safetensors file ({err})") from None
+    with handle as fh:
+        yield fh
+
+
 def open_checkpoint(path: str) -> CheckpointFiles:
     """Index a local checkpoint directory (no tensor data is read)."""
-    from safetensors import safe_open
-
     if not os.path.isdir(path):
         raise UserError(f"checkpoint path {path!r} is not a directory")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise UserError(f"checkpoint {path!r} has no config.json")
-    with open(cfg_path) as fh:
-        try:
-            config = json.load(fh)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{cfg_path}: not JSON ({err})") from None
+    config = _read_json(cfg_path)
     if not isinstance(config, dict):
         raise UserError(f"{cfg_path}: not a JSON object")
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as fh:
-            weight_map = json.load(fh)["weight_map"]
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserError(f"{index}: needs a 'weight_map' object of tensor name -> shard file")
         files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
         missing = sorted({f for f in files.values() if not os.path.isfile(f)})
         if missing:
             raise UserError(f"checkpoint {path!r}: index names missing shard file(s) {missing}")
     elif os.path.isfile(single):
-        with safe_open(single, framework="pt") as fh:
+        with _safe_open(single) as fh:
             files = {name: single for name in fh.keys()}
     else:
         raise UserError(f"checkpoint {path!r} has neither model.safetensors nor model.safetensors.index.json")
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(set(files.values())):
-        with safe_open(f, framework="pt") as fh:
+        with _safe_open(f) as fh:
             for name in fh.keys():
                 if name in files:
                     shapes[name] = tuple(fh.get_slice(name).get_shape())
