@@ -4,7 +4,7 @@ Every import in harts counts, including those inside functions (a lazy import is
 dependency) and those made through ``importlib.import_module`` / ``__import__``: a literal
 name is one edge, an f-string an edge to every module under its literal prefix, and a name
 computed at run time an edge to every harts module named by a string in that file (the lazy
-public API's table). Layers, lowest first: errors -> tree / envs -> plan -> ops -> models ->
+public API's table). Layers, lowest first: errors / outputs -> tree / envs -> plan -> ops -> models ->
 rl / rollout / parallel / integrations -> trainer -> serve -> commands -> cli. A module may
 import its own layer or lower ones; ``import harts`` (the lazy public API) is allowed from
 commands and cli. Nothing in the package imports what lives beside it in the repository
@@ -26,7 +26,7 @@ KNOWN_UP: set[tuple[str, str]] = {
     ("harts.serve.server", "harts.commands._inputs"),
 }
 
-RANK = {"errors": 0, "tree": 1, "envs": 1, "plan": 2, "ops": 3, "models": 4, "rl": 5, "rollout": 5,
+RANK = {"errors": 0, "outputs": 0, "tree": 1, "envs": 1, "plan": 2, "ops": 3, "models": 4, "rl": 5, "rollout": 5,
         "parallel": 5, "integrations": 5, "trainer": 6, "serve": 7, "commands": 8, "cli": 9}  # fmt: skip
 
 #: top-level names of the repository's other folders, which the package must not import

@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="write the plan as JSON to FILE; a bare --json (or --json -) prints only the JSON, on stdout",
     )
-    parser.add_argument("--plot", metavar="OUT.png", default=None, help="draw the segment tree and the plan")
+    parser.add_argument(
+        "--plot", metavar="FILE", default=None, help="draw the segment tree and the plan (.png, .pdf or .svg)"
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -44,12 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from harts.commands._inputs import check_output_file, write_json
     from harts.errors import UserError
+    from harts.outputs import PLOT_FORMATS, check_output_file, write_json
     from harts.plan.calls import plan_calls
+    from harts.plan.plot import MAX_SEGMENTS
 
     check_output_file(args.json_out, "--json", args.overwrite)
-    check_output_file(args.plot, "--plot", args.overwrite)
+    check_output_file(args.plot, "--plot", args.overwrite, formats=PLOT_FORMATS)
     path = Path(args.path)
     if not path.exists():
         raise UserError(f"{path}: no such file (give a TREE.json or a .jsonl/.parquet batch file)")
@@ -64,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
         from harts.plan.tree_file import load_tree
 
         forest, file_chunk = load_tree(path)
+    if args.plot and forest.num_segments > MAX_SEGMENTS:
+        raise UserError(
+            f"--plot draws at most {MAX_SEGMENTS} segments; {path} has {forest.num_segments} (drop --plot, or plot a "
+            "smaller tree)"
+        )
     chunk = args.chunk_size if args.chunk_size is not None else (file_chunk or 64)
     plan = plan_calls(forest, chunk)
 

@@ -81,7 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also compare every path with Baseline A run on a copy of the weights in this dtype: the "
         "noise floor when reruns are bit-identical (err(Replay) vs err(Baseline A), both against it)",
     )
-    p.add_argument("--plot", default=None, metavar="OUT.png", help="draw Figure 4 (the first setting) as PNG here")
+    p.add_argument(
+        "--plot", default=None, metavar="FILE", help="draw Figure 4 (the first setting) here (.png, .pdf or .svg)"
+    )
     add_output_arguments(p, what="the results")
 
 
@@ -130,14 +132,13 @@ def run(args: argparse.Namespace) -> int:
     from harts.commands._inputs import (
         build_model,
         check_capacity,
-        check_output_file,
         needed_vocab,
         summarize,
-        write_json,
     )
     from harts.commands._progress import progress
     from harts.commands._table import format_table
     from harts.models.execution.config import ExecutionConfig
+    from harts.outputs import PLOT_FORMATS, check_output_file, write_json
     from harts.plan.calls import plan_calls_many
     from harts.plan.depth import handoff_depth
     from harts.plan.step import plan_step
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.tree.workloads import load_workload
 
     check_output_file(args.json_out, "--json", args.overwrite)
-    check_output_file(args.plot, "--plot", args.overwrite)
+    check_output_file(args.plot, "--plot", args.overwrite, formats=PLOT_FORMATS)
     batch = load_workload(args.workload, step=args.step, seed=args.seed)
     summary = summarize(args.step, args.workload, batch)
     check_capacity([summary], args.capacity)

@@ -32,17 +32,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_int, default=0, help="workload seed (and CP-SAT seed)")
     add_planner_workers_argument(p)
     add_output_arguments(p, what="every number")
-    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG of compact work and imbalance here")
+    p.add_argument(
+        "--plot", default=None, metavar="FILE", help="draw compact work and imbalance here (.png, .pdf or .svg)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from harts.commands._inputs import (
         batch_sources,
         check_capacity,
-        check_output_file,
         check_plannable,
         planner_workers,
-        write_json,
     )
     from harts.commands._inputs import (
         summarize as summarize_step,
@@ -50,10 +50,11 @@ def run(args: argparse.Namespace) -> int:
     from harts.commands._progress import progress
     from harts.commands._table import format_table
     from harts.errors import UserError
+    from harts.outputs import PLOT_FORMATS, check_output_file, write_json
     from harts.plan.bench import plan_batches, plot, summarize
 
     check_output_file(args.json_out, "--json", args.overwrite)
-    check_output_file(args.plot, "--plot", args.overwrite)
+    check_output_file(args.plot, "--plot", args.overwrite, formats=PLOT_FORMATS)
     if args.baseline == "ortools":
         try:
             import ortools  # noqa: F401

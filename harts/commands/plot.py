@@ -35,7 +35,13 @@ TRAIN_PANELS = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
-    p.add_argument("--out", default=None, metavar="PNG", help="output image (default: RUN_DIR/curves.png)")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="output image, .png, .pdf or .svg (default: RUN_DIR/curves.png); a device or pipe "
+        "(/dev/stdout) gets a PNG",
+    )
     p.add_argument("--window", type=positive_int, default=5, help="moving-average window for the reward")
     add_output_arguments(p, what="the plotted series (default: next to the PNG)")
 
@@ -77,13 +83,14 @@ def run_panels(records: dict[str, list[dict[str, Any]]]) -> tuple[tuple[str, str
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from harts.commands._inputs import check_output_file, write_json
     from harts.errors import UserError
+    from harts.outputs import PLOT_FORMATS, check_output_file, save_figure, special_file, write_json
     from harts.rl.metrics import read_metrics
 
     out = args.out or os.path.join(args.run_dirs[0], "curves.png")
-    json_out = args.json_out or os.path.splitext(out)[0] + ".json"
-    check_output_file(out, "--out", args.overwrite)
+    check_output_file(out, "--out", args.overwrite, formats=PLOT_FORMATS)
+    # beside a figure written to a device or pipe (/dev/stdout) there is no place for the JSON
+    json_out = args.json_out or (None if special_file(out) else os.path.splitext(out)[0] + ".json")
     check_output_file(json_out, "--json", args.overwrite)
     records = {os.path.normpath(d): read_metrics(d) for d in args.run_dirs}
     panels = run_panels(records)
@@ -115,9 +122,12 @@ def run(args: argparse.Namespace) -> int:
     axes[0].set_title(f"{panels[0][1]} ({args.window}-step moving average)")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    write_json(json_out, {"window": args.window, "runs": runs})
-    print(f"wrote {out} and {json_out}")
+    try:
+        save_figure(fig, out, option="--out", dpi=110)
+    finally:
+        plt.close(fig)
+    if json_out:
+        write_json(json_out, {"window": args.window, "runs": runs})
+    if not special_file(out):  # a figure on stdout gets no text after it
+        print(f"wrote {out}" + (f" and {json_out}" if json_out else ""))
     return 0

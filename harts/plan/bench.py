@@ -99,8 +99,11 @@ def summarize(steps: list[dict[str, Any]], baseline: str | None) -> dict[str, An
 
 
 def plot(steps: list[dict[str, Any]], baseline: str | None, path: str) -> None:
-    """Compact tokens per step (bars) and within-slot imbalance distribution (box)."""
+    """Compact tokens per step (bars) and within-slot imbalance distribution (box), written to
+    ``path`` (PNG, PDF or SVG; atomically, ``harts.outputs.save_figure``)."""
     import matplotlib
+
+    from harts.outputs import save_figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -119,4 +122,7 @@ def plot(steps: list[dict[str, Any]], baseline: str | None, path: str) -> None:
     ax2.boxplot(data, tick_labels=keys)
     ax2.set_ylabel("within-slot imbalance (%)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        save_figure(fig, path, option="--plot", dpi=120)
+    finally:
+        plt.close(fig)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from harts.errors import UserError
+from harts.outputs import save_figure
 from harts.plan.calls import CallPlan
 
 __all__ = ["plot_plan", "tree_coordinates"]
@@ -42,11 +44,12 @@ def tree_coordinates(plan: CallPlan) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def plot_plan(plan: CallPlan, out: str | Path, *, title: str | None = None) -> None:
-    """Write a PNG (or any matplotlib format, by suffix) of the segment tree and its plan."""
+def plot_plan(plan: CallPlan, out: str | Path, *, title: str | None = None, option: str = "--plot") -> None:
+    """Write a figure of the segment tree and its plan to ``out`` (PNG, PDF or SVG, by suffix;
+    atomically; ``option`` names it in an ``OutputPathError``)."""
     f = plan.forest
     if f.num_segments > MAX_SEGMENTS:
-        raise ValueError(f"--plot draws at most {MAX_SEGMENTS} segments; this plan has {f.num_segments}")
+        raise UserError(f"{option} draws at most {MAX_SEGMENTS} segments; this plan has {f.num_segments}")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,5 +102,7 @@ def plot_plan(plan: CallPlan, out: str | Path, *, title: str | None = None) -> N
     ax.margins(0.08)
     ax.set_axis_off()
     fig.tight_layout()
-    fig.savefig(str(out), dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, out, option=option, dpi=110)
+    finally:
+        plt.close(fig)

@@ -299,8 +299,11 @@ def plot_depth(record: dict[str, Any], setting: str, path: str | Path) -> None:
     against baseline A (log scale), and token counts under the axis. The noise floor: Baseline B
     where a rerun differs (with No-replay's excess over B on the right axis, dashed); where B is
     bit-identical to A, Baseline A against the higher-precision reference (``--reference-dtype``,
-    dotted) if the record has one. Written as PNG to ``path``."""
+    dotted) if the record has one. Written to ``path`` (PNG, PDF or SVG; atomically,
+    ``harts.outputs.save_figure``)."""
     import matplotlib
+
+    from harts.outputs import save_figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -350,5 +353,7 @@ def plot_depth(record: dict[str, Any], setting: str, path: str | Path) -> None:
         ax.legend(handles, names, fontsize=8)
     fig.suptitle(f"Replay fidelity by state-handoff depth ({setting})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, option="--plot", dpi=120)
+    finally:
+        plt.close(fig)
