@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.commands._inputs import check_output_file, checkpoint_errors, write_json
     from harts.errors import UserError
     from harts.integrations.hf import inspect_checkpoint
+    from harts.integrations.hf.checkpoint import UnreadableFileError
 
     check_output_file(args.json_out, "--json", args.overwrite)
     if not os.path.isdir(args.path):
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rep = inspect_checkpoint(args.path)
     except checkpoint_errors() as err:
-        if isinstance(err, UserError):
+        if isinstance(err, UserError) and not isinstance(err, UnreadableFileError):
             raise
         raise UserError(f"{args.path}: not a readable checkpoint ({err})") from None
     print(f"checkpoint     {rep.path}")

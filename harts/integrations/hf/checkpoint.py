@@ -30,7 +30,7 @@ import torch
 from harts.errors import UserError
 from harts.integrations.hf.base import HFAdapter
 
-__all__ = ["Source", "CheckpointFiles", "open_checkpoint", "plan_sources", "write_safetensors"]
+__all__ = ["Source", "CheckpointFiles", "UnreadableFileError", "open_checkpoint", "plan_sources", "write_safetensors"]
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[A-Za-z0-9_]+)\.weight$")
 _CONV = re.compile(r"^(?P<prefix>.*)\.(?P<which>[qkv])_conv1d\.weight$")
@@ -76,15 +76,20 @@ class CheckpointFiles:
         return out
 
 
+class UnreadableFileError(UserError):
+    """A checkpoint file that is not what its name says (garbled JSON, a damaged safetensors
+    header); the message names the file. Commands add which option named the checkpoint."""
+
+
 def _read_json(file: str) -> Any:
     """The JSON in ``file``; ``UserError`` naming it when it is not readable JSON."""
     try:
         with open(file, encoding="utf-8") as fh:
             return json.load(fh)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise UserError(f"{file}: not JSON ({err})") from None
+        raise UnreadableFileError(f"{file}: not JSON ({err})") from None
     except OSError as err:
-        raise UserError(f"{file}: not readable ({err.strerror or err})") from None
+        raise UnreadableFileError(f"{file}: not readable ({err.strerror or err})") from None
 
 
 @contextlib.contextmanager
@@ -95,7 +100,7 @@ def _safe_open(file: str) -> Iterator[Any]:
     try:
         handle = safe_open(file, framework="pt")
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise UserError(f"{file}: not a readable safetensors file ({err})") from None
+        raise UnreadableFileError(f"{file}: not a readable safetensors file ({err})") from None
     with handle as fh:
         yield fh
 
