@@ -8,7 +8,9 @@ status 2, without a traceback (``HARTS_DEBUG=1`` shows it). Any other exception 
 ours and keeps its traceback (exit status 1).
 
 ``UserError`` derives from ``ValueError`` so that code written against the older
-``ValueError``-based errors keeps working.
+``ValueError``-based errors keeps working. The Python API raises the same types: a bad
+``HybridConfig`` field, a damaged checkpoint, an unwritable output path are ``UserError``s there
+too.
 
 Hierarchy::
 
@@ -17,7 +19,8 @@ Hierarchy::
           ├── BatchValidationError    a rollout batch, rollout tree or batch file is malformed
           ├── TreeFileError           a TREE.json segment file is malformed
           ├── CapacityError           a trajectory does not fit the microbatch capacity
-          └── OutputPathError         an output path cannot be written, or would be overwritten
+          ├── OutputPathError         an output path cannot be written, or would be overwritten
+          └── DamagedCheckpoint       a checkpoint file is missing, truncated or garbled
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ __all__ = [
     "TreeFileError",
     "CapacityError",
     "OutputPathError",
+    "DamagedCheckpoint",
 ]
 
 
@@ -37,7 +41,17 @@ class HartsError(Exception):
 
 
 class UserError(HartsError, ValueError):
-    """Bad input or options; the message names the item and the fix (the CLI exits 2)."""
+    """Bad input or options; the message names the item and the fix (the CLI exits 2).
+
+    Its text is one line: a message that quotes another library's error (which may span several
+    lines) is joined into one, so that the CLI's ``harts: error: ...`` stays a single line.
+    """
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if "\n" not in text:
+            return text
+        return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 class BatchValidationError(UserError):
@@ -54,3 +68,8 @@ class CapacityError(UserError):
 
 class OutputPathError(UserError):
     """An output path is not writable, is the wrong kind of file, or exists (without --overwrite)."""
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint file is missing, truncated, garbled or holds something harts never writes (a
+    pickle); the message names the file and the checkpoint to use instead."""

@@ -38,17 +38,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from harts.errors import UserError
+from harts.errors import DamagedCheckpoint, UserError
 
 __all__ = ["METADATA_FILE", "DamagedCheckpoint", "JsonReader", "JsonWriter", "TensorLoadPlanner", "read_metadata"]
 
 METADATA_FILE = "metadata.json"
 #: bumped whenever the JSON layout below changes
 METADATA_FORMAT = "harts-dcp-metadata/1"
-
-
-class DamagedCheckpoint(UserError):
-    """A checkpoint file is missing, truncated, garbled or holds something harts never writes."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
