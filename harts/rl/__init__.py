@@ -1,5 +1,6 @@
-"""RL objectives on log-probs + RolloutBatch metadata (unaware of prefix sharing), the training
-loop (``train.py``) and the verification harness (``verify.py``)."""
+"""RL objectives on log-probs + RolloutBatch metadata (unaware of prefix sharing): GRPO, PPO,
+Tinker's losses, advantages; and the verification harness (``verify.py``). The training step
+and loop that run them are ``harts.trainer``."""
 
 from harts.rl.grpo import GRPOOutput, group_advantages, grpo_loss
 from harts.rl.ppo import ppo_policy_loss

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from harts.errors import UserError
 
-__all__ = ["BATCH_SUFFIXES", "batch_files", "epoch_order"]
+if TYPE_CHECKING:
+    from harts.tree.batch import RolloutBatch
+
+__all__ = ["BATCH_SUFFIXES", "Schedule", "batch_files", "epoch_order"]
 
 #: the file types ``RolloutBatch.load`` reads (``harts.tree.io``)
 BATCH_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
@@ -77,3 +82,20 @@ def epoch_order(num_files: int, epochs: int, steps: int | None = None) -> list[i
             )
         order = order[:steps]
     return order
+
+
+@dataclass
+class Schedule:
+    """The steps of a training run: ``order[i]`` is the index into ``sources`` of step ``i``'s
+    batch; each source is read (and checked) once, however often the epochs repeat it."""
+
+    sources: list[tuple[str, Callable[[], RolloutBatch]]]
+    order: list[int]
+    #: what the steps are, for the run's first line (e.g. "3 batch files x 2 epochs = 6 steps")
+    description: str
+    #: the batch files of ``--data`` (None for a workload)
+    files: list[str] | None = None
+
+    def epoch(self, step: int) -> int:
+        """The epoch (from 0) step ``step`` belongs to."""
+        return step // len(self.sources)

@@ -55,7 +55,7 @@ def test_cli_keeps_completed_steps_when_a_later_step_fails(tmp_path, monkeypatch
     that step: the table, --save and --json hold the completed ones, then the error propagates."""
     import json
 
-    import harts.trainer.step as rl_train
+    import harts.trainer.run as rl_train
     from harts.cli import main
 
     real = rl_train.train_step

@@ -1,0 +1,129 @@
+"""The checks of a run's batches before its first step: every step's batch is read once and
+summarized (``StepSummary``: trajectory lengths, token ids), then checked against the
+microbatch capacity and the replicas (``check_capacity``, ``check_plannable``) and the
+vocabulary it needs is found (``needed_vocab``), so that a problem in step k is reported in
+seconds, not after k steps. Errors are ``UserError`` / ``CapacityError`` naming the step, its
+source and the command-line option to change.
+
+Module level imports only the standard library (the command line's ``--help`` stays instant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from harts.errors import CapacityError, UserError
+
+if TYPE_CHECKING:
+    from harts.tree.batch import RolloutBatch
+
+__all__ = ["StepSummary", "check_capacity", "check_plannable", "check_recompute_layers", "needed_vocab", "summarize"]
+
+
+@dataclass
+class StepSummary:
+    """What the checks before the first step need to know about one step's batch."""
+
+    step: int
+    label: str
+    trajectories: int
+    tokens: int
+    #: the longest trajectory: its index and length
+    longest: int
+    longest_len: int
+    #: the largest token id: where it is (trajectory, position)
+    max_token: int
+    max_token_at: tuple[int, int]
+    #: the batch's declared vocabulary (file header), if any
+    vocab_size: int | None
+
+    def where(self) -> str:
+        return f"step {self.step} ({self.label})"
+
+
+def summarize(step: int, label: str, batch: RolloutBatch) -> StepSummary:
+    import numpy as np
+
+    lengths = batch.lengths
+    j = int(np.argmax(lengths))
+    k = int(np.argmax(batch.tokens))
+    jt = int(np.searchsorted(batch.offsets, k, side="right") - 1)
+    return StepSummary(
+        step=step,
+        label=label,
+        trajectories=batch.num_trajectories,
+        tokens=batch.num_tokens,
+        longest=j,
+        longest_len=int(lengths[j]),
+        max_token=int(batch.tokens[k]),
+        max_token_at=(jt, int(k - batch.offsets[jt])),
+        vocab_size=batch.vocab_size,
+    )
+
+
+def check_capacity(
+    summaries: list[StepSummary], capacity: int, dp: int = 1, *, dp_name: str = "data-parallel ranks"
+) -> None:
+    """Every trajectory of every step fits ``--capacity`` and every step has >= ``dp`` trajectories."""
+    fits = max(s.longest_len for s in summaries)
+    for s in summaries:
+        if s.longest_len > capacity:
+            raise CapacityError(
+                f"{s.where()}: trajectory {s.longest} has {s.longest_len:,} tokens, more than --capacity "
+                f"{capacity:,} (a trajectory is never split across microbatches); the smallest capacity "
+                f"that fits every step is --capacity {fits}"
+            )
+    for s in summaries:
+        if s.trajectories < dp:
+            raise UserError(
+                f"{s.where()} has {s.trajectories} trajectories, fewer than the {dp} {dp_name} "
+                f"(every replica needs a microbatch); use at most {s.trajectories}"
+            )
+
+
+def check_plannable(
+    batch: RolloutBatch, summary: StepSummary, capacity: int, dp: int, modes: tuple[str, ...] = ("compact",)
+) -> None:
+    """Each of ``modes`` can plan ``batch`` for ``dp`` replicas: harts' step planner ("compact")
+    splits it into a multiple of ``dp`` microbatches of ``capacity`` compact tokens (with D > 1
+    a small capacity can need more microbatches than there are trajectories); the baseline's
+    raw-token packing ("trajectory") gives every replica as many microbatches."""
+    from harts.plan.baselines.trajectory_plan import plan_trajectory_step
+    from harts.plan.step.step_plan import check_inputs
+    from harts.tree.compact import prefix_index
+
+    n = summary.trajectories
+    if "trajectory" in modes:
+        try:
+            plan_trajectory_step(batch.lengths, dp=dp, capacity=capacity)
+        except ValueError as err:  # its message says what to change
+            raise CapacityError(f"{summary.where()}: trajectory-wise baseline: {err}") from None
+    if "compact" in modes and dp * max(1, -(-summary.tokens // (capacity * dp))) > dp * (n // dp):
+        # (when even the raw tokens, >= the compact work, fit, there is no need to compact)
+        try:
+            check_inputs(prefix_index(batch), dp, capacity)
+        except ValueError as err:
+            raise CapacityError(f"{summary.where()}: {err}; raise --capacity") from None
+
+
+def needed_vocab(summaries: list[StepSummary]) -> tuple[int, str]:
+    """The vocabulary every step fits, and where the largest token id sits."""
+    top = max(summaries, key=lambda s: s.max_token)
+    vocab = max(top.max_token + 1, *(s.vocab_size or 0 for s in summaries))
+    j, t = top.max_token_at
+    return vocab, f"token id {top.max_token:,} ({top.where()}, trajectory {j}, position {t})"
+
+
+def check_recompute_layers(fields: dict[str, Any], model: Any) -> None:
+    """UserError unless ``--recompute-layers`` (``fields`` from ``recompute_fields``) is at most
+    ``model``'s number of decoder layers, and ``--moe-keep-gate-up`` at most its MoE layers,
+    naming both."""
+    layers, have = fields.get("recompute_layers"), model.config.num_hidden_layers
+    if layers is not None and layers > have:
+        raise UserError(f"--recompute-layers {layers}: the model has {have} decoder layers (use 0 .. {have})")
+    keep = fields.get("moe_keep_gate_up", 0)
+    moe_layers = sum(1 for layer in model.layers if layer.is_moe)
+    if keep > moe_layers:
+        noun = "MoE layer" if moe_layers == 1 else "MoE layers"
+        raise UserError(f"--moe-keep-gate-up {keep}: the model has {moe_layers} {noun} (use 0 .. {moe_layers})")
