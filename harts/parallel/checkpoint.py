@@ -428,6 +428,20 @@ def _check_fits(tensors: dict[str, Any], metadata: Any, path: Path, extra: dict[
             )
 
 
+def _agree(problem: UserError | None) -> UserError | None:
+    """The first rank's problem, on every rank (None when every rank has none)."""
+    if _rank_world()[1] == 1:
+        return problem
+    mine = None if problem is None else (isinstance(problem, DamagedCheckpoint), str(problem))
+    every: list[Any] = [None] * _rank_world()[1]
+    dist.all_gather_object(every, mine)
+    for found in every:
+        if found is not None:
+            damaged, text = found
+            return DamagedCheckpoint(text) if damaged else UserError(text)
+    return None
+
+
 def _unwrap(err: CheckpointException) -> BaseException:
     """The first rank's own exception inside DCP's wrapper."""
     for _rank, (exc, _trace) in sorted(err.failures.items()):
@@ -443,18 +457,31 @@ def _load_one(
     check: Callable[[CheckpointState], None] | None,
 ) -> CheckpointState:
     rank, _ = _rank_world()
-    # every small file first, and the shapes: a bad one leaves the model and optimizer untouched
-    meta = _read_meta(path)
-    state = CheckpointState(
-        path=path, step=meta["step"], data_state=meta["data_state"], extra=meta["extra"], world_size=meta["world_size"]
-    )
-    if check is not None:
-        check(state)
-    metadata = read_metadata(path / "dcp")
     rng_file = path / "rng" / f"rank{rank}.safetensors"
-    rng = _read_rng(rng_file) if rng_file.is_file() else None
-    tensors, _, model_sd, optim_sd = _halves(model, optimizer)
-    _check_fits(tensors, metadata, path, state.extra)
+    # every small file first, and the shapes: a bad one leaves the model and optimizer untouched;
+    # every rank learns of another's bad file (its own RNG file), so that all of them stop, or
+    # all go back to the previous checkpoint, together
+    problem: UserError | None = None
+    try:
+        meta = _read_meta(path)
+        state = CheckpointState(
+            path=path,
+            step=meta["step"],
+            data_state=meta["data_state"],
+            extra=meta["extra"],
+            world_size=meta["world_size"],
+        )
+        if check is not None:
+            check(state)
+        metadata = read_metadata(path / "dcp")
+        rng = _read_rng(rng_file) if rng_file.is_file() else None
+        tensors, _, model_sd, optim_sd = _halves(model, optimizer)
+        _check_fits(tensors, metadata, path, state.extra)
+    except UserError as err:
+        problem = err
+    problem = _agree(problem)
+    if problem is not None:
+        raise problem
     try:
         with _quiet_single_process():
             # DCP loads in place into these (sharded) tensors

@@ -220,3 +220,35 @@ def test_no_checkpoint_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="no complete checkpoint"):
         load(tmp_path)
     assert latest_checkpoint(tmp_path) is None
+
+
+def _two_ranks_load(run: str) -> dict:
+    """On every rank: the error of a plain load and the step a fallback load reaches."""
+    import torch.distributed as dist
+
+    try:
+        load(Path(run))
+        plain = None
+    except DamagedCheckpoint as err:
+        plain = str(err)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, plain)
+    return {"errors": errors, "fallback": load(Path(run), fallback=True)[1].step}
+
+
+def _two_ranks_save(run: str) -> None:
+    for step in (1, 2):
+        save(Path(run), step)
+
+
+def test_one_rank_s_damaged_file_stops_every_rank_together(tmp_path):
+    from tests.parallel._dist import spawn
+
+    run = tmp_path / "run"
+    spawn(2, _two_ranks_save, str(run), tmp=str(tmp_path))
+    rng1 = checkpoint_path(run, 2) / "rng" / "rank1.safetensors"
+    assert rng1.is_file()
+    _garble(rng1)
+    got = spawn(2, _two_ranks_load, str(run), tmp=str(tmp_path))
+    assert got["errors"][0] == got["errors"][1] and got["errors"][0].startswith(f"{rng1}: ")
+    assert got["fallback"] == 1
