@@ -9,7 +9,7 @@
   a preset optionally cut to its first ``--layers N`` decoder layers (``check_model``);
   ``build_model_and_attention`` also chooses the FlexAttention backend while the model is made;
 * output paths checked before any work (``check_output_file`` / ``check_output_dir``) and
-  written atomically (``write_json``).
+  written atomically (``write_json``, ``save_figure``): ``harts.outputs``.
 
 Everything here raises ``harts.errors.UserError`` for bad input (the CLI prints one line and
 exits 2). Module level imports only the standard library, so building the parser stays instant.
@@ -18,14 +18,20 @@ exits 2). Module level imports only the standard library, so building the parser
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harts.errors import OutputPathError, UserError
+from harts.errors import UserError
+
+# output paths: checked before any work, written atomically, devices and FIFOs written in place
+from harts.outputs import PLOT_FORMATS as PLOT_FORMATS
+from harts.outputs import check_output_dir as check_output_dir
+from harts.outputs import check_output_file as check_output_file
+from harts.outputs import save_figure as save_figure
+from harts.outputs import write_atomic as write_atomic
+from harts.outputs import write_json as write_json
 
 # the model's and the batches' checks live on the trainer floor; commands import them from here too
 from harts.trainer import build
@@ -406,80 +412,3 @@ def build_model_and_attention(
 ) -> BuiltModel:
     """``harts.trainer.build.build_model_and_attention`` of the command's ``model_spec``."""
     return build.build_model_and_attention(model_spec(args), vocab_size, execution, where=where)
-
-
-# ---------------------------------------------------------------------- outputs
-def _nearest_existing(p: Path) -> Path:
-    p = p.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def _check_creatable(p: Path, option: str, *, is_dir: bool = False) -> None:
-    anc = _nearest_existing(p if is_dir else p.parent)
-    if not anc.is_dir():
-        raise OutputPathError(f"{option} {p}: cannot be created, {anc} is a file, not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise OutputPathError(f"{option} {p}: cannot be created, {anc} is not writable")
-
-
-def check_output_file(path: str | None, option: str, overwrite: bool) -> None:
-    """``path`` can be written as a file (missing parent directories are created when writing)."""
-    if not path or path == "-":
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise OutputPathError(f"{option} {p}: is a directory; give a file name")
-    if p.exists():
-        if not overwrite:
-            raise OutputPathError(f"{option} {p}: exists; pass --overwrite to replace it, or choose another name")
-        if not os.access(p, os.W_OK):
-            raise OutputPathError(f"{option} {p}: exists and is not writable")
-        return
-    _check_creatable(p, option)
-
-
-def check_output_dir(path: str | None, option: str, overwrite: bool) -> None:
-    """``path`` can be written as a directory: missing, or empty, or ``overwrite``."""
-    if not path:
-        return
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise OutputPathError(f"{option} {p}: exists and is not a directory; give a directory name")
-    if p.is_dir():
-        if any(p.iterdir()) and not overwrite:
-            raise OutputPathError(f"{option} {p}: exists and is not empty; pass --overwrite to write into it")
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise OutputPathError(f"{option} {p}: is not writable")
-        return
-    _check_creatable(p, option, is_dir=True)
-
-
-def write_atomic(path: str | Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` then rename onto ``path``: an interrupted write never leaves half a file."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.parent / f".{p.name}.{os.getpid()}.tmp"
-    try:
-        write(tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: str, obj: Any, *, indent: int | None = 2, default: Callable[[Any], Any] | None = None) -> None:
-    """Write ``obj`` as JSON to ``path`` (atomically; ``-`` = stdout)."""
-    if path == "-":
-        print(json.dumps(obj, indent=indent, default=default))
-        return
-
-    def write(tmp: Path) -> None:
-        with tmp.open("w") as fh:
-            json.dump(obj, fh, indent=indent, default=default)
-
-    try:
-        write_atomic(path, write)
-    except OSError as err:
-        raise OutputPathError(f"--json {path}: cannot write ({err.strerror or err})") from None
