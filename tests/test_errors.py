@@ -34,3 +34,17 @@ def test_hybrid_config_validation_is_a_user_error(make, match):
     with pytest.raises(UserError, match=match) as err:
         make()
     assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", ['{"model_type": "qwen3_next", ', "[1, 2]", "\udcff"], ids=["cut", "list", "bytes"])
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_broken_config_json_in_model_names_the_file(capsys, tmp_path, command, text):
+    from harts.cli import main
+
+    (tmp_path / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    steps = ["--steps", "1"] if command == "train" else []
+    code = main([command, "--model", str(tmp_path), "--workload", "tiny", *steps])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"harts: error: {tmp_path / 'config.json'}: not ")
