@@ -320,7 +320,7 @@ def save_checkpoint(
     final = checkpoint_path(run_dir, step)
     tmp = final.parent / f".tmp-{final.name}"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_leftovers(final.parent)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
     tensors, plain, _, _ = _halves(model, optimizer)
@@ -352,12 +352,26 @@ def save_checkpoint(
     return final
 
 
+def _remove_leftovers(root: Path) -> None:
+    """What saves killed halfway left under ``root``: ``.tmp-…`` directories, and ``.old-…``
+    copies whose checkpoint is back in place (one without it is the checkpoint: it stays)."""
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        stale = p.name.startswith(".tmp-step-")
+        stale |= p.name.startswith(".old-step-") and (root / p.name.removeprefix(".old-")).is_dir()
+        if stale:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _publish(tmp: Path, final: Path) -> None:
     """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside first and removed after."""
     old = final.parent / f".old-{final.name}"
-    shutil.rmtree(old, ignore_errors=True)
     if final.exists():
+        shutil.rmtree(old, ignore_errors=True)  # stale: ``final`` is whole
         os.replace(final, old)
+    # without ``final``, an ``old`` is the checkpoint (a replacement died between the renames):
+    # it goes only once the new one is in place
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
 

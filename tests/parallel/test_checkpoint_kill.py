@@ -113,6 +113,10 @@ def test_sigkill_at_random_points_keeps_the_previous_save(tmp_path, mode):
         assert _loaded_value(where, mode) >= reported
         if mode != "state":
             assert not list((where / "checkpoints").glob("step-*/dcp/.*.tmp"))
+            # the next save clears what the killed one left
+            _save(mode, where, 1000)
+            left = [p.name for p in (where / "checkpoints").iterdir() if p.name.startswith(".")]
+            assert not left and _loaded_value(where, mode) == 1000
 
 
 @pytest.mark.parametrize("mode", ["same", "state"])
