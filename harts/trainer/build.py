@@ -255,7 +255,9 @@ def _load_model(spec: ModelSpec, vocab_size: int, device: str) -> HybridLM:
             device=device,
         )
     except checkpoint_errors() as err:
-        if isinstance(err, UserError):
+        from harts.integrations.hf.checkpoint import UnreadableFileError
+
+        if isinstance(err, UserError) and not isinstance(err, UnreadableFileError):
             raise
         raise UserError(f"--model {spec.model}: {err}") from None
 
