@@ -22,25 +22,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 from harts.serve.app import build_app  # noqa: E402
 from harts.serve.config import ServeConfig  # noqa: E402
 from harts.serve.server import make_service  # noqa: E402
+from tests.serve.test_serve_tiny import POSTS  # noqa: E402
 
 KEY = "tml-fuzz"
-POST_JSON = [
-    "create_session",
-    "session_heartbeat",
-    "create_model",
-    "get_info",
-    "forward_backward",
-    "optim_step",
-    "save_weights",
-    "save_weights_for_sampler",
-    "load_weights",
-    "create_sampling_session",
-    "asample",
-    "retrieve_future",
-    "weights_info",
-    "telemetry",
-    "client/dynamic_config",
-]
+POST_JSON = [*POSTS, "telemetry", "client/dynamic_config"]
 #: field names the routes read, so that random bodies reach past the first missing field
 FIELDS = [
     "session_id", "model_seq_id", "base_model", "lora_config", "rank", "seed", "train_mlp", "train_attn",
