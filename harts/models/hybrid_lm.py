@@ -14,6 +14,11 @@ production trainer's varlen attention makes).
 the P physical rows of that layout (paper §3.4), MoE weights its statistics by multiplicity
 q, and log-probs come from ``mapped_logprobs`` (logsumexp once per compact row, §3.5).
 
+Input preparation is ``harts.models.execution.inputs``: calling the model prepares what it is
+given for the mode (``prepare_inputs``), then ``forward`` executes the prepared inputs' fixed
+plan; ``prepare_compact`` / ``prepare_trajectory`` make them ahead (a training step prepares
+microbatch k + 1 while k runs).
+
 ``out.logprobs`` [S - N] is in original batch order: for trajectory j, entry
 ``offsets[j] - j + i`` is log p(x_j[i+1] | x_j[:i+1]). With ``logprob_positions="actions"``
 only the entries whose target is an action token are computed; the others are NaN. ``out.moe_losses`` holds per-MoE-layer
@@ -30,7 +35,6 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -40,15 +44,25 @@ from harts.models.config import LAYER_TYPES, HybridConfig
 from harts.models.execution.backends import Backends, resolve_backends
 from harts.models.execution.base import RowContext
 from harts.models.execution.config import ExecutionConfig
+from harts.models.execution.inputs import (
+    CompactInputs,
+    HeadInputs,
+    ModelInputs,
+    TrajectoryInputs,
+    check_batch,
+    check_prepared,
+    head_inputs,
+    prepare_compact,
+    prepare_inputs,
+    prepare_trajectory,
+)
 from harts.models.init import draw_seed, init_weights
 from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
 from harts.models.layers.norms import RMSNorm, add_rms_norm
 from harts.models.recompute import kept_routing, run_core
-from harts.ops.logprob.mapped import LogprobIndex, logprob_index
-from harts.plan.calls import CallPlan, plan_calls
-from harts.plan.layout import Layout, build_layout
+from harts.plan.calls import CallPlan
 from harts.tree.batch import RolloutBatch
-from harts.tree.compact import CompactBatch, compact
+from harts.tree.compact import CompactBatch
 
 __all__ = [
     "HybridLM",
@@ -81,77 +95,6 @@ class ModelOutput:
         if not self.moe_losses:
             return 0.0
         return z_loss_coef * self.moe_losses["z_loss"].sum() + aux_loss_coef * self.moe_losses["aux_loss"].sum()
-
-
-@dataclass(frozen=True)
-class HeadInputs:
-    """The LM head's host inputs for one batch under one ``logprob_positions`` setting: which
-    hidden row and target each computed log-prob reads, and the fused head's index bookkeeping.
-
-    ``HybridLM.prepare_compact`` / ``prepare_trajectory`` make them ahead of the forward (numpy
-    only), so that no host work sits between the layers' kernels and the head's; a forward whose
-    setting differs makes its own. Shapes (n computed positions): ``rows`` [n] hidden rows
-    (trajectory: the position itself; compact: its physical row), ``targets`` [n] target tokens,
-    ``entries`` [n] the log-prob entries computed (None: all, in order), ``index`` the fused
-    head's ``LogprobIndex`` (None: the chunked-eager head, or not made).
-    """
-
-    logprob_positions: str
-    fused: bool
-    rows: np.ndarray
-    targets: np.ndarray
-    entries: np.ndarray | None
-    index: LogprobIndex | None
-
-    def serves(self, cfg: ExecutionConfig) -> bool:
-        """Whether a forward under ``cfg`` can use these (same positions, same head)."""
-        return self.logprob_positions == cfg.logprob_positions and self.fused == cfg.use_fused_logprobs
-
-
-def head_inputs(batch: RolloutBatch, layout: Layout | None, cfg: ExecutionConfig, vocab_size: int) -> HeadInputs:
-    """``HeadInputs`` of ``batch`` under ``cfg`` (its ``logprob_positions`` and whether the head is
-    fused); ``layout`` maps positions to compact physical rows (None: trajectory rows)."""
-    pred, targets = batch.predicting_positions(), batch.next_token_targets()
-    # "actions": the LM head runs only where the loss reads a log-prob (its largest cost)
-    entries = batch.action_logprob_entries() if cfg.logprob_positions == "actions" else None
-    if entries is not None:
-        pred, targets = pred[entries], targets[entries]
-    # a compact row shared by several selected positions is computed once (mapped_logprobs)
-    rows = pred if layout is None else np.asarray(layout.semantic_to_phys)[pred]
-    hidden_rows = batch.num_tokens if layout is None else layout.num_rows
-    fused = cfg.use_fused_logprobs
-    index = logprob_index(rows, targets, hidden_rows, vocab_size) if fused else None
-    return HeadInputs(cfg.logprob_positions, fused, rows, targets, entries, index)
-
-
-@dataclass(frozen=True)
-class CompactInputs:
-    """A batch prepared for compact execution: compaction, call plan, physical layout and the LM
-    head's host inputs.
-
-    Build once with ``HybridLM.prepare_compact`` and pass to ``model(inputs, mode="compact")``
-    to keep planning out of a timed region; the model executes the fixed plan and never re-plans.
-    """
-
-    cb: CompactBatch
-    plan: CallPlan
-    layout: Layout
-    no_replay: bool = False
-    head: HeadInputs | None = None
-
-    @property
-    def batch(self) -> RolloutBatch:
-        return self.cb.batch
-
-
-@dataclass(frozen=True)
-class TrajectoryInputs:
-    """A batch prepared for trajectory-wise execution: the LM head's host inputs made ahead, as
-    ``CompactInputs`` has them (``HybridLM.prepare_trajectory``), so that both modes leave the
-    same host work out of the forward."""
-
-    batch: RolloutBatch
-    head: HeadInputs | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -256,51 +199,35 @@ class HybridLM(nn.Module):
     def prepare_compact(
         self, batch: RolloutBatch | CompactBatch, config: ExecutionConfig | None = None, *, plan: CallPlan | None = None
     ) -> CompactInputs:
-        """Compaction, call plan, layout and the LM head's host inputs for ``batch`` (numpy only,
-        no model state).
-
-        ``config.no_replay`` picks the layout (default: replay); ``plan``, when given, is
-        ``batch``'s call plan already made (``plan_calls_many`` plans a step's microbatches at once).
-        The head's inputs follow ``config``'s ``logprob_positions`` and fused head (a forward run
-        with other settings makes its own).
-        """
-        cfg = ExecutionConfig.of(config, mode="compact")
-        self._check_batch(batch.batch if isinstance(batch, CompactBatch) else batch)
-        cb = batch if isinstance(batch, CompactBatch) else compact(batch)
-        if plan is None:
-            plan = plan_calls(cb.segment_trees, self.config.chunk_size)
-        layout = build_layout(cb, plan, no_replay=cfg.no_replay)
-        head = head_inputs(cb.batch, layout, cfg, self.config.vocab_size)
-        return CompactInputs(cb=cb, plan=plan, layout=layout, no_replay=cfg.no_replay, head=head)
+        """``harts.models.execution.inputs.prepare_compact`` for this model (numpy only, no model
+        state): compaction, call plan, layout and the LM head's host inputs of ``batch``."""
+        return prepare_compact(self.config, batch, config, plan=plan)
 
     def prepare_trajectory(self, batch: RolloutBatch, config: ExecutionConfig | None = None) -> TrajectoryInputs:
-        """``batch`` with the LM head's host inputs made ahead for trajectory-wise execution under
-        ``config`` (numpy only): the trajectory-wise counterpart of ``prepare_compact``."""
-        cfg = ExecutionConfig.of(config, mode="trajectory")
-        self._check_batch(batch)
-        return TrajectoryInputs(batch=batch, head=head_inputs(batch, None, cfg, self.config.vocab_size))
+        """``harts.models.execution.inputs.prepare_trajectory`` for this model (numpy only)."""
+        return prepare_trajectory(self.config, batch, config)
 
-    def _check_batch(self, batch: RolloutBatch) -> None:
-        top = int(batch.tokens.max())
-        if top >= self.config.vocab_size:
-            raise ValueError(f"batch has token id {top} but the model's vocab_size is {self.config.vocab_size}")
-
-    # ------------------------------------------------------------------ forward
-    def forward(
+    def __call__(
         self,
         inputs: RolloutBatch | CompactBatch | CompactInputs | TrajectoryInputs,
         config: ExecutionConfig | None = None,
         **fields: Any,
     ) -> ModelOutput:
-        """Run ``inputs`` as ``config`` says (module docstring); ``fields`` override its fields.
+        """``forward`` of ``inputs`` prepared for ``config``'s mode (``prepare_inputs``: a batch is
+        compacted and planned here, before the forward; prepared inputs of that mode pass as they
+        are); ``fields`` override ``config``'s fields, e.g. ``mode="trajectory"``."""
+        cfg = ExecutionConfig.of(config, **fields)
+        return super().__call__(prepare_inputs(self.config, inputs, cfg), cfg)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, inputs: ModelInputs, config: ExecutionConfig | None = None) -> ModelOutput:
+        """Run prepared ``inputs`` as ``config`` says (module docstring); the model executes the
+        plan it is given and never plans (call the model to prepare a batch first).
 
         Args:
-            inputs: a ``RolloutBatch`` or ``CompactBatch`` (compact mode prepares it here), or
-                ``CompactInputs`` from ``prepare_compact`` / ``TrajectoryInputs`` from
-                ``prepare_trajectory`` (planning kept out of a timed region). Either mode takes
-                the other's prepared inputs by their batch.
+            inputs: ``CompactInputs`` (``prepare_compact``) in compact mode, ``TrajectoryInputs``
+                (``prepare_trajectory``) trajectory-wise.
             config: ``ExecutionConfig`` (default ``ExecutionConfig()``: compact, attention auto).
-            **fields: ``ExecutionConfig`` fields, e.g. ``mode="trajectory"``.
 
         Returns:
             ``ModelOutput``: ``logprobs`` [S - N] in batch order (module docstring). With
@@ -310,38 +237,37 @@ class HybridLM(nn.Module):
             ``info["logit_positions"]`` is the number of positions the LM head computed.
 
         Raises:
-            ValueError: ``CompactInputs`` prepared with another ``no_replay`` than ``config``'s
-                (the model executes the plan it is given and never re-plans).
+            TypeError: inputs prepared for the other mode, or not prepared.
+            ValueError: ``CompactInputs`` prepared with another ``no_replay`` than ``config``'s.
         """
-        cfg = ExecutionConfig.of(config, **fields)
-        mode, recompute, no_replay = cfg.mode, cfg.recompute, cfg.no_replay
+        cfg = ExecutionConfig.of(config)
+        check_prepared(inputs, cfg)
+        check_batch(self.config, inputs.batch)
+        ctx, tokens, info = self._context(inputs, cfg)
+        h, moe = self._layers(self.embed_tokens(tokens), ctx, cfg, info)
+        logprobs = self._head(self.norm(h), inputs, cfg, info)
+        if moe is None:
+            return ModelOutput(logprobs=logprobs, info=info)
+        z_loss, aux_loss, counts = moe
+        return ModelOutput(
+            logprobs=logprobs, moe_losses={"z_loss": z_loss, "aux_loss": aux_loss}, expert_counts=counts, info=info
+        )
+
+    def _context(self, inputs: ModelInputs, cfg: ExecutionConfig) -> tuple[RowContext, torch.Tensor, dict[str, Any]]:
+        """The layers' row context of ``inputs``, the token ids of its rows [T] on the model's
+        device, and the execution facts (``ModelOutput.info``)."""
         device = self.embed_tokens.weight.device
         backends = self.backends(cfg)
-        attention = backends.attention
-        if mode == "trajectory":
+        if isinstance(inputs, TrajectoryInputs):
             from harts.models.execution.trajectory import TrajectoryContext
 
-            batch = inputs.batch if isinstance(inputs, (CompactBatch, CompactInputs, TrajectoryInputs)) else inputs
-            prepared_head = inputs.head if isinstance(inputs, TrajectoryInputs) else None
-            self._check_batch(batch)
+            batch = inputs.batch
             ctx: RowContext = TrajectoryContext(batch, self.config.chunk_size, device, backends)
             tokens = torch.as_tensor(batch.tokens).to(device, non_blocking=True)
             info: dict[str, Any] = {"mode": "trajectory", "rows": batch.num_tokens, "calls": 1, "replay_rows": 0}
-        elif mode == "compact":
+        else:
             from harts.models.execution.compact import CompactContext
 
-            if isinstance(inputs, TrajectoryInputs):
-                inputs = self.prepare_compact(inputs.batch, cfg)
-            elif not isinstance(inputs, CompactInputs):
-                inputs = self.prepare_compact(inputs, cfg)
-            elif inputs.no_replay != no_replay:
-                raise ValueError(
-                    f"these CompactInputs were prepared with no_replay={inputs.no_replay} but the forward "
-                    f"asks for no_replay={no_replay}; prepare them with the same ExecutionConfig"
-                )
-            batch = inputs.batch
-            prepared_head = inputs.head
-            self._check_batch(batch)
             ctx = CompactContext(inputs.layout, device=device, backends=backends)
             tokens = torch.as_tensor(inputs.layout.tokens).to(device, non_blocking=True)
             info = {
@@ -351,21 +277,24 @@ class HybridLM(nn.Module):
                 "calls": ctx.num_calls,
                 "replay_rows": ctx.num_replay_rows,
                 "boundary_states": ctx.num_boundary_states,
-                "attention": attention,
-                "no_replay": no_replay,
+                "attention": backends.attention,
+                "no_replay": cfg.no_replay,
             }
-        else:
-            raise ValueError(f"mode must be 'trajectory' or 'compact', got {mode!r}")
-        info["recompute"] = recompute
-
+        info["recompute"] = cfg.recompute
         info["recompute_skip"] = list(cfg.recompute_skip)
+        return ctx, tokens, info
+
+    def _layers(
+        self, h_TD: torch.Tensor, ctx: RowContext, cfg: ExecutionConfig, info: dict[str, Any]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """Every decoder layer on the rows ``h_TD``, the first ``cfg.checkpointed_layers``
+        recomputed in the backward; returns the last hidden rows and, with MoE layers, their
+        z-losses [L_moe], aux losses [L_moe] and expert counts [L_moe, E]."""
         n_ckpt = cfg.checkpointed_layers(len(self.layers)) if torch.is_grad_enabled() else 0
         n_moe = sum(1 for layer in self.layers if layer.is_moe)
         if cfg.moe_keep_gate_up > n_moe:
             raise ValueError(f"moe_keep_gate_up={cfg.moe_keep_gate_up}, but the model has {n_moe} MoE layers")
         info["checkpointed_layers"] = n_ckpt
-
-        h = self.embed_tokens(tokens)
         z_losses, aux_losses, counts = [], [], []
         moe_seen = 0
         for i, layer in enumerate(self.layers):
@@ -381,10 +310,10 @@ class HybridLM(nn.Module):
                 # a kept MoE block (the layer's last saving op) must still be reached by the
                 # recomputation, which takes its stored output: no early stop then
                 with set_checkpoint_early_stop("moe" not in cfg.recompute_skip):
-                    outs = checkpoint(layer, h, ctx, use_reentrant=False)
+                    outs = checkpoint(layer, h_TD, ctx, use_reentrant=False)
             else:
-                outs = layer(h, ctx)
-            h = outs[0]
+                outs = layer(h_TD, ctx)
+            h_TD = outs[0]
             if len(outs) > 1:
                 z_losses.append(outs[1])
                 aux_losses.append(outs[2])
@@ -392,26 +321,34 @@ class HybridLM(nn.Module):
         # checkpoint's recomputations (in the backward) rerun the first n_ckpt layers only
         ctx.checkpointing = n_ckpt > 0
         ctx.recompute_skip = cfg.recompute_skip if n_ckpt else ()
-        h = self.norm(h)
+        if not z_losses:
+            return h_TD, None
+        return h_TD, (torch.stack(z_losses), torch.stack(aux_losses), torch.stack(counts))
 
-        head = prepared_head
+    def _head(
+        self, h_TD: torch.Tensor, inputs: ModelInputs, cfg: ExecutionConfig, info: dict[str, Any]
+    ) -> torch.Tensor:
+        """Log-probs [S - N] in batch order from the final hidden rows ``h_TD`` (module docstring)."""
+        batch = inputs.batch
+        head = inputs.head
         if head is None or not head.serves(cfg):
-            layout = inputs.layout if mode == "compact" and isinstance(inputs, CompactInputs) else None
+            layout = inputs.layout if isinstance(inputs, CompactInputs) else None
             head = head_inputs(batch, layout, cfg, self.config.vocab_size)
         entries = head.entries
         info["logit_positions"] = int(head.rows.size)
         # host tensors: the head's index plan lives on the host (no device sync)
         rows, targets = torch.as_tensor(head.rows), torch.as_tensor(head.targets)
-        h, head_weight = regions.enter("lm_head", h, self.lm_head_weight)
+        h_TD, head_weight = regions.enter("lm_head", h_TD, self.lm_head_weight)
         if cfg.use_fused_logprobs:
             from harts.ops.logprob import mapped_logprobs
 
             logprobs = mapped_logprobs(
-                h, head_weight, rows, targets, keep_probs=cfg.keep_lm_head_probs, index=head.index
+                h_TD, head_weight, rows, targets, keep_probs=cfg.keep_lm_head_probs, index=head.index
             )
         else:
+            device = h_TD.device
             rows, targets = rows.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            logits = torch.nn.functional.linear(h[rows], head_weight)
+            logits = torch.nn.functional.linear(h_TD[rows], head_weight)
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
         (logprobs,) = regions.exit("lm_head", logprobs)
         if entries is not None:
@@ -419,15 +356,7 @@ class HybridLM(nn.Module):
             # out-of-place index_copy sends gradients to the computed entries only
             index = torch.as_tensor(entries).to(logprobs.device, non_blocking=True)
             logprobs = logprobs.new_full((batch.num_logprobs,), float("nan")).index_copy(0, index, logprobs)
-
-        if not z_losses:
-            return ModelOutput(logprobs=logprobs, info=info)
-        return ModelOutput(
-            logprobs=logprobs,
-            moe_losses={"z_loss": torch.stack(z_losses), "aux_loss": torch.stack(aux_losses)},
-            expert_counts=torch.stack(counts),
-            info=info,
-        )
+        return logprobs
 
     # ------------------------------------------------------------------ MoE balancing
     @torch.no_grad()

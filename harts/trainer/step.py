@@ -305,9 +305,10 @@ def _step_expert_counts(model: HybridLM, inputs: Iterable[Any], cfg: TrainConfig
     """The step's q-weighted expert counts [L_moe, E]: a no-grad forward of this rank's
     microbatches (prepared one at a time as ``inputs`` yields them), summed over ranks (routing depends only on the weights, which the step has
     not changed yet, so the training forwards route the same way)."""
-    counts = None
+    counts: torch.Tensor | None = None
     for x in inputs:
         c = model(x, cfg.execution).expert_counts
+        assert c is not None, "only MoE models count their experts"
         counts = c if counts is None else counts + c
     assert counts is not None
     if state.world_size > 1:
@@ -563,6 +564,7 @@ def accumulate_step_gradients(
                 router = share * out.moe_objective(z_coef, aux_coef)
                 total = total + router
                 moe = torch.as_tensor(router, device=state.device).detach().to(sum_dtype)
+                assert out.expert_counts is not None, "MoE losses come with expert counts"
                 c = out.expert_counts.detach()
                 counts_sum = c.clone() if counts_sum is None else counts_sum + c
             if sums is None:

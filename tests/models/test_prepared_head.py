@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import harts.models.execution.inputs as model_inputs
 import harts.models.hybrid_lm as hybrid_lm
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import CompactInputs, HybridLM, TrajectoryInputs, head_inputs
@@ -49,7 +50,8 @@ def test_prepared_head_is_bit_identical_and_not_made_again(
         raise AssertionError("the forward made its own head inputs")
 
     monkeypatch.setattr(hybrid_lm, "head_inputs", refuse)
-    monkeypatch.setattr(hybrid_lm, "logprob_index", refuse)
+    monkeypatch.setattr(model_inputs, "head_inputs", refuse)
+    monkeypatch.setattr(model_inputs, "logprob_index", refuse)
     got_lp, got_grads = _run(model, prepared, cfg)
     assert torch.equal(torch.nan_to_num(got_lp, nan=7.0), torch.nan_to_num(want_lp, nan=7.0))
     assert len(got_grads) == len(want_grads) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
