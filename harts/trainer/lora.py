@@ -115,6 +115,9 @@ class LoraConfig:
     #: seed of the adapters' A draws (B starts at zero)
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank

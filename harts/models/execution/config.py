@@ -103,35 +103,35 @@ class ExecutionConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be 'trajectory' or 'compact', got {self.mode!r}")
+            raise UserError(f"mode must be 'trajectory' or 'compact', got {self.mode!r}")
         if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention must be 'gather', 'mask' or 'auto', got {self.attention!r}")
+            raise UserError(f"attention must be 'gather', 'mask' or 'auto', got {self.attention!r}")
         if self.link_rounds is not None and not isinstance(self.link_rounds, bool):
-            raise ValueError(f"link_rounds must be True, False or None, got {self.link_rounds!r}")
+            raise UserError(f"link_rounds must be True, False or None, got {self.link_rounds!r}")
         self._canonical_linear_attention()
         _check_names("fast_paths", self.fast_paths, FAST_PATHS)
         check_recompute_skip(self.recompute_skip, self.recompute)
         if self.recompute_layers is not None:
             if isinstance(self.recompute_layers, bool) or not isinstance(self.recompute_layers, int):
-                raise ValueError(f"recompute_layers must be an integer or None, got {self.recompute_layers!r}")
+                raise UserError(f"recompute_layers must be an integer or None, got {self.recompute_layers!r}")
             if self.recompute_layers < 0:
-                raise ValueError(f"recompute_layers must be >= 0, got {self.recompute_layers}")
+                raise UserError(f"recompute_layers must be >= 0, got {self.recompute_layers}")
             if not self.recompute:
-                raise ValueError(
+                raise UserError(
                     f"recompute_layers={self.recompute_layers} needs recompute=True "
                     "(without recomputation no layer is checkpointed)"
                 )
         if isinstance(self.moe_keep_gate_up, bool) or not isinstance(self.moe_keep_gate_up, int):
-            raise ValueError(f"moe_keep_gate_up must be an integer, got {self.moe_keep_gate_up!r}")
+            raise UserError(f"moe_keep_gate_up must be an integer, got {self.moe_keep_gate_up!r}")
         if self.moe_keep_gate_up < 0:
-            raise ValueError(f"moe_keep_gate_up must be >= 0, got {self.moe_keep_gate_up}")
+            raise UserError(f"moe_keep_gate_up must be >= 0, got {self.moe_keep_gate_up}")
         if self.moe_keep_gate_up and "moe" not in self.recompute_skip:
-            raise ValueError(
+            raise UserError(
                 f"moe_keep_gate_up={self.moe_keep_gate_up} needs recompute=True with 'moe' in recompute_skip "
                 "(only the lean routed experts of a kept MoE block recompute their gate/up output)"
             )
         if self.logprob_positions not in LOGPROB_POSITIONS:
-            raise ValueError(f"logprob_positions must be 'all' or 'actions', got {self.logprob_positions!r}")
+            raise UserError(f"logprob_positions must be 'all' or 'actions', got {self.logprob_positions!r}")
 
     def _canonical_linear_attention(self) -> None:
         """The old spelling of a linear-attention backend replaced by its backend and
@@ -140,7 +140,7 @@ class ExecutionConfig:
         if link is None:
             return
         if self.link_rounds is not None and self.link_rounds != link:
-            raise ValueError(
+            raise UserError(
                 f"linear_attention_backend={self.linear_attention_backend!r} means {backend!r} with "
                 f"link_rounds={link}, but link_rounds={self.link_rounds} was given"
             )
@@ -167,7 +167,7 @@ class ExecutionConfig:
         if self.recompute_layers is None:
             return num_layers
         if self.recompute_layers > num_layers:
-            raise ValueError(f"recompute_layers={self.recompute_layers}, but the model has {num_layers} decoder layers")
+            raise UserError(f"recompute_layers={self.recompute_layers}, but the model has {num_layers} decoder layers")
         return self.recompute_layers
 
     def resolved_attention(
@@ -222,23 +222,23 @@ def _check_names(field: str, names: tuple[str, ...] | None, known: tuple[str, ..
     if names is None:
         return
     if not isinstance(names, tuple):
-        raise ValueError(f"{field} must be a tuple of names or None, got {names!r}")
+        raise UserError(f"{field} must be a tuple of names or None, got {names!r}")
     for name in names:
         if name not in known:
-            raise ValueError(f"{field}: unknown name {name!r}; known: {', '.join(known)}")
+            raise UserError(f"{field}: unknown name {name!r}; known: {', '.join(known)}")
     if len(set(names)) != len(names):
-        raise ValueError(f"{field} names an entry twice: {names}")
+        raise UserError(f"{field} names an entry twice: {names}")
 
 
 def check_recompute_skip(skip: tuple[str, ...], recompute: bool) -> None:
     """Raise ValueError naming the offending entry unless ``skip`` lists distinct
     ``SKIPPABLE_CORES`` and recompute is on (without recomputation nothing is rerun)."""
     if isinstance(skip, str):
-        raise ValueError(f"recompute_skip must be a tuple of core names, got the string {skip!r}")
+        raise UserError(f"recompute_skip must be a tuple of core names, got the string {skip!r}")
     for name in skip:
         if name not in SKIPPABLE_CORES:
-            raise ValueError(f"recompute_skip: unknown core {name!r}; known: {', '.join(SKIPPABLE_CORES)}")
+            raise UserError(f"recompute_skip: unknown core {name!r}; known: {', '.join(SKIPPABLE_CORES)}")
     if len(set(skip)) != len(skip):
-        raise ValueError(f"recompute_skip names a core twice: {skip}")
+        raise UserError(f"recompute_skip names a core twice: {skip}")
     if skip and not recompute:
-        raise ValueError(f"recompute_skip={skip} needs recompute=True (without recomputation nothing is rerun)")
+        raise UserError(f"recompute_skip={skip} needs recompute=True (without recomputation nothing is rerun)")
