@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from harts.ops.attention.core import attend, check_qkv
+from harts.ops.attention.core import attend_causal, check_qkv
 
 __all__ = ["ancestor_view_attention", "bottom_right_causal_mask"]
 
@@ -75,8 +75,8 @@ def ancestor_view_attention(
         if lq == 0:
             continue
         qr, kvr = q_rows[bq[b] : bq[b + 1]], kv_rows[bkv[b] : bkv[b + 1]]
-        mask = bottom_right_causal_mask(lq, lkv, q_PHD.device)
-        outs.append(attend(q_PHD[qr], k_PGD[kvr], v_PGE[kvr], mask, scale))
+        # bottom-right causal without an [lq, lkv] mask on the CPU (``attend_causal``)
+        outs.append(attend_causal(q_PHD[qr], k_PGD[kvr], v_PGE[kvr], scale))
     out = q_PHD.new_zeros(P, H, E, dtype=v_PGE.dtype)
     if not outs:
         return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from harts.ops.attention.core import attend, check_qkv
+from harts.ops.attention.core import attend_causal, check_qkv
 
 __all__ = ["varlen_causal_attention"]
 
@@ -45,9 +45,8 @@ def varlen_causal_attention(
         raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}; got {bounds}")
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        if b > a:
-            mask = torch.ones(b - a, b - a, dtype=torch.bool, device=q_THD.device).tril()
-            outs.append(attend(q_THD[a:b], k_TGD[a:b], v_TGE[a:b], mask, scale))
+        if b > a:  # the kernels' own causal flag: no [b - a, b - a] mask (``attend_causal``)
+            outs.append(attend_causal(q_THD[a:b], k_TGD[a:b], v_TGE[a:b], scale))
     if not outs:
         return q_THD.new_zeros(0, q_THD.shape[1], v_TGE.shape[2], dtype=v_TGE.dtype)
     return torch.cat(outs)

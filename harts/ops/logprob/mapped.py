@@ -44,11 +44,18 @@ Weight gradient: each chunk's d(weight) GEMM adds into the float32 accumulator i
 with beta = 1, ``torch.addmm(..., out_dtype=float32, out=acc)``) instead of writing a [V, D]
 float32 product and adding it in a second pass (about 1 ms per chunk at V = 157 k, D = 1,536).
 
+CPU chunks: on the CPU a chunk holds at most ``CPU_CHUNK_BYTES`` of logits (``cpu_row_chunk``:
+426 rows at V = 157,184 in float32, against the default 4,096, whose 2.6 GB chunk and its
+logsumexp temporary would dominate a small model's whole step). The index's chunk bounds are
+recut for it (``LogprobIndex.with_row_chunk``, O(U + n) on the host); the result is the same
+up to the order of the weight-gradient sums.
+
 Shapes: P hidden rows, D model dim, V vocabulary, n positions, U unique rows among rows_n.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -58,12 +65,29 @@ import torch
 from harts.ops.compiled import cuda_compiled
 from harts.ops.upload import upload
 
-__all__ = ["KEEP_PROBS_MEMORY_FRACTION", "ROW_CHUNK", "LogprobIndex", "logprob_index", "mapped_logprobs"]
+__all__ = [
+    "CPU_CHUNK_BYTES",
+    "KEEP_PROBS_MEMORY_FRACTION",
+    "ROW_CHUNK",
+    "LogprobIndex",
+    "cpu_row_chunk",
+    "logprob_index",
+    "mapped_logprobs",
+]
 
 #: ``keep_probs=None`` keeps the softmax when it takes at most this fraction of the device memory
 KEEP_PROBS_MEMORY_FRACTION = 0.25
 #: unique rows per logits chunk by default (``mapped_logprobs``' ``row_chunk``)
 ROW_CHUNK = 4096
+#: on the CPU, the most bytes one chunk of logits may take (``cpu_row_chunk``)
+CPU_CHUNK_BYTES = 256 * 2**20
+
+
+def cpu_row_chunk(vocab_size: int, itemsize: int = 4, row_chunk: int = ROW_CHUNK) -> int:
+    """Unique rows per logits chunk on the CPU: ``row_chunk``, cut so that one [rows, V] chunk of
+    ``itemsize``-byte logits (the compute dtype: 4 for float32 and half inputs, 8 for float64)
+    takes at most ``CPU_CHUNK_BYTES`` (at least one row)."""
+    return max(1, min(row_chunk, CPU_CHUNK_BYTES // (vocab_size * itemsize)))
 
 
 def mapped_logprobs(
@@ -87,7 +111,8 @@ def mapped_logprobs(
         targets_n: int [n] target token of each position (host or device, as rows_n).
         row_chunk: unique rows per logits chunk (bounds memory at row_chunk x V: 2.6 GB of float32
             logits at 4,096 x 157,184; larger chunks make fewer [V, D] weight-gradient updates,
-            ``python -m harts.bench.lm_head_bench --row-chunk N`` times the choice).
+            ``python -m harts.bench.lm_head_bench --row-chunk N`` times the choice). On the CPU
+            at most ``cpu_row_chunk(V)`` (module docstring).
         fused: the fused element-wise passes around the GEMMs; None: on CUDA with half inputs
             (where the GEMMs run in the half dtype), False: eager passes. They are compiled on
             CUDA only; elsewhere ``fused=True`` runs the same arithmetic eagerly (how the CPU
@@ -123,6 +148,9 @@ def mapped_logprobs(
             f"index was made for P={index.P}, V={index.V}, row_chunk={index.row_chunk}, n={index.num_positions}; "
             f"these are P={P}, V={V}, row_chunk={row_chunk}, n={rows_n.numel()}"
         )
+    if hidden_PD.device.type == "cpu":
+        itemsize = 8 if hidden_PD.dtype == torch.float64 else 4
+        index = index.with_row_chunk(cpu_row_chunk(V, itemsize, row_chunk))
     half = _half_gemms(hidden_PD)
     plan = _IndexPlan(index, hidden_PD.device)
     targets = targets_h.to(hidden_PD.device, non_blocking=True)
@@ -183,6 +211,23 @@ class LogprobIndex:
     @property
     def num_pairs(self) -> int:
         return int(self.pair_row.size)
+
+    def with_row_chunk(self, row_chunk: int) -> LogprobIndex:
+        """This index with its chunk bounds recut for ``row_chunk`` unique rows per chunk (the
+        same unique rows, positions and pairs; itself when ``row_chunk`` is its own)."""
+        if row_chunk == self.row_chunk:
+            return self
+        if row_chunk < 1:
+            raise ValueError(f"row_chunk must be positive; got {row_chunk}")
+        U = self.num_unique
+        bounds = np.minimum(np.arange(0, U + row_chunk, row_chunk), U)
+        return dataclasses.replace(
+            self,
+            row_chunk=int(row_chunk),
+            bounds=bounds.tolist(),
+            pos_bounds=np.searchsorted(self.inv[self.order], bounds).tolist(),
+            pair_bounds=np.searchsorted(self.pair_row, bounds).tolist(),
+        )
 
 
 def logprob_index(

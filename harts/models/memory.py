@@ -1,0 +1,300 @@
+"""Peak memory of one training step, estimated before anything is built.
+
+``estimate_memory(config, execution, capacity=T, ...)`` is a pure function of the model's
+``HybridConfig``, its ``ExecutionConfig``, the microbatch capacity, the parameter dtype, the
+optimizer and how many ranks shard the model's state. Its result names every term in bytes, per
+rank, on the chosen device:
+
+    runtime      the process itself on the CPU: torch and harts loaded (``CPU_RUNTIME_BYTES``)
+    parameters   every parameter, in the parameter dtype, / shards
+    gradients    one gradient per parameter (training), / shards, plus the largest parameter's
+                 once more: a microbatch's gradient is made before it is added to the last one
+    optimizer    AdamW's two moments per parameter (with ``optimizer``), / shards
+    activations  what autograd keeps from the forward for the backward, summed over the layers:
+                 rows x the bytes each layer keeps per row (below); a layer under activation
+                 checkpointing keeps only its input row
+    allocator    on the CPU, what the C allocator keeps of the forward's freed temporaries
+                 (glibc's heap below its mmap threshold): ``CPU_ALLOCATOR_SLACK`` of the
+                 activations
+    backward     the backward's working set above the activations: the gradients a layer makes
+                 while its saved tensors still live (``BACKWARD_FRACTION`` of them), its
+                 recomputed forward too when it is checkpointed, at the layer where that peaks
+                 (the layers after it in the model have freed theirs by then)
+    lm_head      the LM head's logits: the chunked head (``mapped_logprobs``) holds two
+                 [row_chunk, V] chunks in its compute dtype (a chunk and its exp in the forward;
+                 the backward's chunk and, on CUDA, its half-precision gradient), the kept softmax [rows, V] when it keeps it, and its float32
+                 [V, D] weight-gradient accumulator for half weights; the plain head (trajectory
+                 mode's oracle) holds three [rows, V] tensors
+
+``total`` is the peak: the other terms plus the larger of the two transient terms (``backward`` and ``lm_head`` never hold memory at the same time: the head's
+backward ends before the layers' begins).
+
+Bytes per row: each layer's count is the tensors its forward leaves for autograd, by width,
+counted from the torch reference path that runs on the CPU (``harts.ops.linear_attn.chunk``:
+its in-chunk decay products hold ``H x c x K`` per row with c = 16, the sub-block; the CPU flash
+attention of ``harts.ops.attention.core`` holds q, k, v and the output padded to one head dim).
+On CUDA the linear-attention core is fla-core's, which keeps its inputs, the in-chunk matrices and
+the chunk states, and FlexAttention keeps q, k, v, the output and its logsumexp. The counts are
+checked against measured peaks in ``tests/models/test_memory_estimate.py``.
+
+Shapes of the terms: T rows (the capacity), V vocabulary, D hidden size, H heads, K / V head
+dims, B linear-attention chunk, E experts, k experts per token, I intermediate sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harts.models.config import LAYER_TYPES, HybridConfig
+from harts.models.execution.config import ExecutionConfig
+from harts.ops.logprob.mapped import KEEP_PROBS_MEMORY_FRACTION, ROW_CHUNK, cpu_row_chunk
+
+__all__ = [
+    "BACKWARD_FRACTION",
+    "CPU_ALLOCATOR_SLACK",
+    "CPU_RUNTIME_BYTES",
+    "DTYPE_BYTES",
+    "TERMS",
+    "MemoryEstimate",
+    "estimate_memory",
+    "format_bytes",
+    "parameter_count",
+]
+
+#: bytes per element of each parameter dtype name
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
+#: resident memory of a process with torch and harts loaded and a model built, before any step
+CPU_RUNTIME_BYTES = 380 * 2**20
+#: the C allocator's heap keeps about this fraction of the activations more resident on the CPU
+CPU_ALLOCATOR_SLACK = 0.2
+#: a layer's backward makes gradients of about this fraction of its saved tensors before they go
+BACKWARD_FRACTION = 0.75
+#: every term ``MemoryEstimate.terms`` holds, in this order
+TERMS = ("runtime", "parameters", "gradients", "optimizer", "activations", "allocator", "backward", "lm_head")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryEstimate:
+    """An estimate of one rank's peak memory (module docstring)."""
+
+    #: bytes by term, every name of ``TERMS``
+    terms: dict[str, int]
+    #: "cpu" or "cuda": the device the terms are for
+    device_type: str
+    #: rows per microbatch the activations were counted at
+    capacity: int
+    #: parameters of the whole model (before sharding)
+    parameters: int
+    #: bytes per row each decoder layer keeps, in layer order (before checkpointing)
+    layer_row_bytes: tuple[int, ...] = field(default=())
+
+    @property
+    def total(self) -> int:
+        """The peak: every term but the two transient ones, and the larger of those."""
+        t = self.terms
+        return sum(t[n] for n in TERMS if n not in ("backward", "lm_head")) + max(t["backward"], t["lm_head"])
+
+    @property
+    def largest(self) -> tuple[str, int]:
+        """(name, bytes) of the largest term."""
+        name = max(TERMS, key=lambda n: self.terms[n])
+        return name, self.terms[name]
+
+    def summary(self, *, skip: int = 0, top: int | None = None) -> str:
+        """The terms as ``name size`` pairs, largest first (zero terms left out), from the
+        ``skip``-th largest, at most ``top`` of them."""
+        ordered = sorted((n for n in TERMS if self.terms[n]), key=lambda n: -self.terms[n])
+        chosen = ordered[skip:] if top is None else ordered[skip : skip + top]
+        return ", ".join(f"{n} {format_bytes(self.terms[n])}" for n in chosen)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as GiB (MiB below one GiB), e.g. "13.2 GiB"."""
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.0f} MiB"
+
+
+def estimate_memory(
+    config: HybridConfig,
+    execution: ExecutionConfig | None = None,
+    *,
+    capacity: int,
+    device_type: str = "cpu",
+    dtype: str | None = None,
+    training: bool = True,
+    optimizer: bool = True,
+    shards: int = 1,
+    logit_rows: int | None = None,
+    device_total_bytes: int | None = None,
+) -> MemoryEstimate:
+    """One rank's peak memory for a forward + backward of ``capacity`` rows (module docstring).
+
+    Args:
+        config: the model's architecture (its ``vocab_size`` the one it is built with).
+        execution: how it runs (recomputation, which log-prob head, kept head softmax); None:
+            ``ExecutionConfig()``.
+        capacity: T, rows per microbatch (compact rows in compact mode, tokens in trajectory mode).
+        device_type: "cpu" or "cuda" ("mps" counts as "cuda": no CPU reference kernels).
+        dtype: parameter dtype name ("float32", "float64", "bfloat16"); None: ``config.dtype``.
+        training: a backward runs (gradients, activations kept); False: forward only, no grad.
+        optimizer: AdamW state is held (training runs; ``harts bench --optimizer``).
+        shards: ranks the parameters, gradients and optimizer state are split over (FSDP).
+        logit_rows: positions the LM head computes per microbatch; None: ``capacity``.
+        device_total_bytes: the device's total memory, which decides whether the head keeps its
+            softmax under ``keep_lm_head_probs=None`` (CUDA, half precision); None: not kept.
+
+    Returns:
+        ``MemoryEstimate`` with every term of ``TERMS``.
+    """
+    cfg = ExecutionConfig() if execution is None else execution
+    dev = "cpu" if device_type == "cpu" else "cuda"
+    e = DTYPE_BYTES[dtype or config.dtype]
+    n_params = parameter_count(config)
+    largest_param = config.vocab_size * config.hidden_size
+    share = -(-n_params // max(1, shards))
+    rows = capacity if training else 0
+    layer_rows = tuple(_layer_row_bytes(config, i, dev, e) for i in range(config.num_hidden_layers))
+    n_ckpt = cfg.checkpointed_layers(config.num_hidden_layers) if training else 0
+    kept_rows = [config.hidden_size * e if i < n_ckpt else b for i, b in enumerate(layer_rows)]
+    kept = sum(kept_rows) + _head_row_bytes(config, e)
+    # the backward runs the layers last to first, freeing each one's saved tensors after it: at
+    # layer i, layers 0..i still hold theirs (a checkpointed layer its recomputed forward too)
+    reach, before = 0.0, 0
+    for i, b in enumerate(layer_rows):
+        before += kept_rows[i]
+        reach = max(reach, before + b * BACKWARD_FRACTION + (b if i < n_ckpt else 0) - sum(kept_rows))
+    terms = {
+        "runtime": CPU_RUNTIME_BYTES if dev == "cpu" else 0,
+        "parameters": share * e,
+        "gradients": (share + largest_param // max(1, shards)) * e if training else 0,
+        "optimizer": 2 * share * e if optimizer else 0,
+        "activations": rows * kept,
+        "allocator": int(rows * kept * CPU_ALLOCATOR_SLACK) if dev == "cpu" else 0,
+        "backward": int(rows * max(0.0, reach)),
+        "lm_head": _lm_head_bytes(
+            config, cfg, capacity if logit_rows is None else logit_rows, dev, e, device_total_bytes
+        ),
+    }
+    return MemoryEstimate(
+        terms=terms, device_type=dev, capacity=capacity, parameters=n_params, layer_row_bytes=layer_rows
+    )
+
+
+# ---------------------------------------------------------------------------------- parameters
+def parameter_count(config: HybridConfig) -> int:
+    """Parameters of ``HybridLM(config)``, counted from the config (no model is built)."""
+    c, d = config, config.hidden_size
+    total = c.vocab_size * d * (1 if c.tie_word_embeddings else 2) + d  # embedding, head, final norm
+    for i, letter in enumerate(c.layer_pattern):
+        total += 2 * d + _mixer_params(c, letter) + _ffn_params(c, i)
+    return total
+
+
+def _mixer_params(c: HybridConfig, letter: str) -> int:
+    d, w = c.hidden_size, c.linear_conv_kernel_dim
+    if letter == "K":
+        h, k, v = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        n = d * (2 * h * k + h * v) + w * (2 * h * k + h * v) + d * h + h + h * k + v + h * v * d
+        gates = d * v + v * h * k + d * v + v * h * v if c.kda_low_rank_gates else d * h * k + d * h * v
+        return n + gates
+    if letter == "G":
+        hk, hv, k, v = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        conv = 2 * hk * k + hv * v
+        return w * conv + d * (conv + hv * v) + d * 2 * hv + 2 * hv + v + hv * v * d
+    h = c.num_attention_heads
+    if letter == "M":
+        qk, ql, kvl = c.qk_nope_head_dim + c.qk_rope_head_dim, c.q_lora_rank, c.kv_lora_rank
+        q = d * h * qk if ql is None else d * ql + ql + ql * h * qk
+        kv = d * (kvl + c.qk_rope_head_dim) + kvl + kvl * h * (c.qk_nope_head_dim + c.v_head_dim)
+        gate = (d * (h if c.mla_head_gate else h * c.v_head_dim)) if c.mla_output_gate else 0
+        return q + kv + gate + h * c.v_head_dim * d
+    hd, g = c.head_dim, c.num_key_value_heads
+    return d * h * hd * (2 if c.attn_output_gate else 1) + 2 * d * g * hd + h * hd * d + 2 * hd
+
+
+def _ffn_params(c: HybridConfig, i: int) -> int:
+    d = c.hidden_size
+    if not c.is_moe_layer(i):
+        return 3 * d * c.intermediate_size
+    shared_i = c.shared_expert_intermediate_size or c.moe_intermediate_size
+    shared = c.num_shared_experts * 3 * d * shared_i + (d if c.shared_expert_gate and c.num_shared_experts else 0)
+    return c.num_experts * d + c.num_experts * 3 * d * c.moe_intermediate_size + shared
+
+
+# --------------------------------------------------------------------------------- activations
+def _layer_row_bytes(c: HybridConfig, i: int, dev: str, e: int) -> int:
+    """Bytes one decoder layer keeps for the backward per row: its two norms, its mixer (the
+    core in the compute dtype, at least float32 on the CPU) and its FFN."""
+    d, letter = c.hidden_size, c.layer_pattern[i]
+    cdt = max(e, 4) if dev == "cpu" else e
+    outside, core = _mixer_row_elements(c, letter, dev)
+    return int((2 * d + 1 + outside + _ffn_row_elements(c, i)) * e + core * cdt)
+
+
+def _mixer_row_elements(c: HybridConfig, letter: str, dev: str) -> tuple[float, float]:
+    """(elements kept per row outside the mixer's core, elements kept inside it), the post-mixer
+    add-and-norm included."""
+    d = c.hidden_size
+    if LAYER_TYPES[letter][0] == "linear":
+        h, k, v, b = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, c.chunk_size
+        states = h * k * (k + v) / b  # the chunk transitions and start states, one per chunk
+        if letter == "K":
+            m = 2 * h * k + h * v
+            outside = 6 * m + 3 * d + 4 * h * k + 4 * h * v + (2 * v if c.kda_low_rank_gates else 0) + 7 * h
+            sub = 16 if b % 16 == 0 else b  # the chunk op's sub-block of per-channel decays
+            ref = 11 * h * k + 4 * h * v + 4 * h * sub * k + 3 * h * (b // sub) * k + 3 * h * b + states + 20
+        else:
+            hk = c.linear_num_key_heads
+            m = 2 * hk * k + h * v
+            outside = 6 * m + (2 * hk * k + 2 * h * v) + 3 * h * k + 4 * h * v + 3 * d + 10 * h
+            ref = 8 * h * k + 5 * h * v + 7 * h * b + states + 30
+        # fla-core keeps q, k, v, g, beta, the in-chunk matrices [B] and the chunk states
+        fla = 3 * h * k + h * v + h + 2 * h * b + h * k * v / b
+        return outside, ref if dev == "cpu" else fla
+    h = c.num_attention_heads
+    if letter == "M":
+        qk, hv = c.qk_nope_head_dim + c.qk_rope_head_dim, h * c.v_head_dim
+        ql = 3 * c.q_lora_rank if c.q_lora_rank is not None else h * qk
+        outside = 3 * d + ql + 3 * hv + 3 * c.kv_lora_rank + 3 * c.qk_rope_head_dim + 3
+        # the CPU kernel pads q, k, v and the output to one head dim
+        width = max(qk, c.v_head_dim) if dev == "cpu" else None
+        core = 4 * h * width + 4 * h if width else 2 * h * qk + 2 * hv + 4 * h
+        return outside, core
+    hd, g = c.head_dim, c.num_key_value_heads
+    outside = (2 if c.attn_output_gate else 1) * h * hd + 3 * d + 4 * h * hd + 2 * g * hd + 3 * h + g + 3
+    return outside, 2 * h * hd + 2 * g * hd + h
+
+
+def _ffn_row_elements(c: HybridConfig, i: int) -> float:
+    d = c.hidden_size
+    if not c.is_moe_layer(i):
+        return 4 * c.intermediate_size + d
+    k, shared_i = c.num_experts_per_tok, c.shared_expert_intermediate_size or c.moe_intermediate_size
+    routed = k * d + 5 * k * c.moe_intermediate_size + 6 * k
+    return routed + d + 4 * c.num_shared_experts * shared_i + 2 * c.num_experts + 8
+
+
+def _head_row_bytes(c: HybridConfig, e: int) -> int:
+    """The final norm and the head's input per row, and the head's int64 index plan."""
+    return (3 * c.hidden_size + 4) * e + 6 * 8
+
+
+# ------------------------------------------------------------------------------------- LM head
+def _lm_head_bytes(c: HybridConfig, cfg: ExecutionConfig, n: int, dev: str, e: int, device_total: int | None) -> int:
+    """The LM head's transient bytes for ``n`` positions (module docstring)."""
+    v, d = c.vocab_size, c.hidden_size
+    cdt = 8 if e == 8 else 4
+    if not cfg.use_fused_logprobs:  # logits, their log_softmax and its gradient
+        return 3 * n * v * cdt
+    chunk = min(cpu_row_chunk(v, cdt) if dev == "cpu" else ROW_CHUNK, max(n, 1))
+    half = dev == "cuda" and e == 2
+    # forward: a logits chunk and logsumexp's exp of it; backward: the recomputed chunk (turned
+    # into d(logits) in place; on CUDA half d(logits) is written beside it) and d(hidden)
+    held = chunk * v * max(2 * cdt, cdt + (e if half else 0)) + (n * d * cdt if half else 0)
+    if half:
+        held += v * d * 4  # the float32 weight-gradient accumulator beside the half gradient
+    keep = cfg.keep_lm_head_probs
+    if keep is None:
+        keep = half and device_total is not None and n * v * e <= KEEP_PROBS_MEMORY_FRACTION * device_total
+    if keep and dev == "cuda":
+        held += n * v * e
+    return int(held)

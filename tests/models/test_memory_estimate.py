@@ -1,0 +1,130 @@
+"""``harts.models.memory``: the parameter count equals the built model's, the terms follow the
+capacity, recomputation, sharding and the LM head, and the estimate lies within 25 % of the
+measured peak resident memory of real CPU steps (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from harts.models import HybridConfig, HybridLM
+from harts.models.config import PRESET_NAMES
+from harts.models.execution.config import ExecutionConfig
+from harts.models.memory import TERMS, estimate_memory, parameter_count
+from harts.ops.logprob.mapped import CPU_CHUNK_BYTES
+
+PROBE = Path(__file__).with_name("_memory_probe.py")
+
+VARIANTS = {
+    "dense-gates": dict(kda_low_rank_gates=False),
+    "no-q-lora-tied": dict(q_lora_rank=None, mla_head_gate=True, tie_word_embeddings=True),
+    "shared-gate": dict(
+        shared_expert_gate=True, shared_expert_intermediate_size=24, num_shared_experts=2, attn_output_gate=False
+    ),
+}
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_parameter_count_equals_the_models_for_every_preset(name: str) -> None:
+    config = HybridConfig.preset(name)
+    with torch.device("meta"):
+        model = HybridLM(config, seed=0)
+    assert parameter_count(config) == model.num_parameters()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_parameter_count_equals_the_models_for_variants(name: str) -> None:
+    config = HybridConfig.tiny(**VARIANTS[name])
+    assert parameter_count(config) == HybridLM(config, seed=0).num_parameters()
+
+
+def test_terms_follow_capacity_recompute_shards_and_head() -> None:
+    config = HybridConfig.tiny(vocab_size=157_184)
+    base = estimate_memory(config, capacity=8192)
+    assert set(base.terms) == set(TERMS) and base.total > 0
+    double = estimate_memory(config, capacity=16384)
+    assert double.terms["activations"] == 2 * base.terms["activations"]
+    assert double.terms["parameters"] == base.terms["parameters"]
+    recompute = estimate_memory(config, ExecutionConfig(recompute=True), capacity=8192)
+    assert recompute.terms["activations"] < base.terms["activations"] / 5
+    sharded = estimate_memory(config, capacity=8192, shards=4)
+    assert sharded.terms["parameters"] == -(-base.parameters // 4) * 4
+    assert sharded.terms["optimizer"] < base.terms["optimizer"] / 3
+    # the CPU head holds a bounded chunk; the plain head grows with the positions
+    fused = estimate_memory(config, ExecutionConfig(fused_logprobs=True), capacity=65536)
+    assert fused.terms["lm_head"] <= 2 * CPU_CHUNK_BYTES
+    plain = estimate_memory(config, ExecutionConfig(mode="trajectory"), capacity=65536)
+    assert plain.terms["lm_head"] == 3 * 65536 * 157_184 * 4
+    no_opt = estimate_memory(config, capacity=8192, optimizer=False)
+    assert no_opt.terms["optimizer"] == 0 and no_opt.total < base.total
+
+
+def test_largest_term_and_summary_name_the_biggest_first() -> None:
+    est = estimate_memory(HybridConfig.preset("ling3_tiny"), capacity=65536, dtype="float32")
+    name, size = est.largest
+    assert size == max(est.terms.values())
+    assert est.summary().startswith(name)
+    assert est.summary(skip=1, top=2).count(",") == 1
+
+
+def test_cuda_counts_no_runtime_and_keeps_the_head_softmax_when_it_fits() -> None:
+    config = HybridConfig.preset("ling3_tiny")
+    kept = estimate_memory(config, capacity=65536, device_type="cuda", device_total_bytes=150 * 2**30)
+    recomputed = estimate_memory(config, ExecutionConfig(keep_lm_head_probs=False), capacity=65536, device_type="cuda")
+    assert kept.terms["runtime"] == 0 and kept.terms["allocator"] == 0
+    assert kept.terms["lm_head"] - recomputed.terms["lm_head"] == 65536 * 157_184 * 2
+
+
+_BIG = dict(
+    vocab_size=2000,
+    hidden_size=128,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    chunk_size=64,
+    num_attention_heads=4,
+    head_dim=32,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+)
+
+CASES = {
+    "tiny-8-layers-T32768": {"rows": 32768, "config": {"vocab_size": 2000, "layer_pattern": "KGMAKGMA"}},
+    "wide-T8192": {"rows": 8192, "config": _BIG},
+    "wide-recompute-T8192": {"rows": 8192, "recompute": True, "config": _BIG},
+    "wide-bf16-T8192": {"rows": 8192, "config": {**_BIG, "dtype": "bfloat16"}},
+    "vocab-300k-adamw-T1024": {"rows": 1024, "optimizer": True, "config": {"vocab_size": 300_000}},
+    "plain-head-V30000-T4096": {"rows": 4096, "fused": False, "config": {"vocab_size": 30_000}},
+    "compact-T16384": {"rows": 16384, "mode": "compact", "trajectories": 8, "config": {"vocab_size": 2000}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_estimate_within_25_percent_of_the_measured_cpu_peak(case: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(CASES[case])], capture_output=True, text=True, check=True, timeout=600
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    ratio = result["estimate"] / result["measured"]
+    assert 0.75 <= ratio <= 1.25, (case, ratio, result)
+
+
+def test_estimate_takes_the_execution_of_a_run() -> None:
+    config = HybridConfig.tiny(vocab_size=512)
+    cfg = ExecutionConfig(recompute=True, recompute_layers=2)
+    some = estimate_memory(config, cfg, capacity=4096)
+    every = estimate_memory(config, replace(cfg, recompute_layers=None), capacity=4096)
+    none = estimate_memory(config, capacity=4096)
+    assert every.terms["activations"] < some.terms["activations"] < none.terms["activations"]
