@@ -27,6 +27,7 @@ from harts.commands._inputs import (
     positive_int,
     recompute_fields,
 )
+from harts.commands._memory import add_force_argument
 
 TYPED_ERRORS = True
 HELP = "Time training steps compactly vs trajectory-wise (F/B/Grad, Core, tokens/s, MFU, breakdown, memory)."
@@ -88,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "with every run's seconds (a step of a few seconds varies by a few percent from run to run)",
     )
     add_planner_workers_argument(p)
+    add_force_argument(p)
     add_output_arguments(p, what="every figure")
 
 
@@ -101,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()  # the cold-start clock: before torch is imported
 
+    from dataclasses import replace
+
     import torch
 
     from harts.commands._inputs import (
@@ -110,12 +114,14 @@ def run(args: argparse.Namespace) -> int:
         check_output_file,
         check_plannable,
         check_recompute_layers,
+        model_spec,
         needed_vocab,
         planner_workers,
         step_sources,
         summarize,
         write_json,
     )
+    from harts.commands._memory import check_memory
     from harts.commands._progress import progress
     from harts.commands._table import format_table
     from harts.errors import UserError
@@ -169,6 +175,14 @@ def run(args: argparse.Namespace) -> int:
         attention=args.attention,
         linear_attention_backend=args.la_backend,
         logprob_positions=args.logprobs,
+    )
+    check_memory(
+        model_spec(args),
+        vocab,
+        capacity=args.capacity,
+        execution=replace(execution, fused_logprobs=True),
+        optimizer=args.optimizer,
+        force=args.force,
     )
     built = build_model_and_attention(args, vocab, execution, where=where)
     model, flex = built.model, built.flex

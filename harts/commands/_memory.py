@@ -1,0 +1,237 @@
+"""The memory check a command runs before it builds a model: ``harts.models.memory``'s estimate
+of the peak against what the device has now, and one line naming the knob when it does not fit.
+
+``add_force_argument`` gives a command ``--force`` (run anyway); each command that builds a model
+calls ``check_memory`` with its capacity before ``build_model``, and ``harts train`` hands
+``train_memory_check`` to its runtime, which calls it once the batches fixed the vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harts.errors import UserError
+
+if TYPE_CHECKING:
+    from harts.models.config import HybridConfig
+    from harts.models.execution.config import ExecutionConfig
+    from harts.models.memory import MemoryEstimate
+    from harts.trainer.build import ModelSpec
+    from harts.trainer.step import TrainConfig
+
+__all__ = ["add_force_argument", "available_bytes", "check_memory", "train_memory_check"]
+
+
+def add_force_argument(p: argparse.ArgumentParser) -> None:
+    """``--force``: build and run even when the memory estimate exceeds what the device has."""
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="run even when the estimated peak memory (parameters, gradients, optimizer state, "
+        "activations at --capacity, logits) exceeds what the device has free; checked before any work",
+    )
+
+
+def check_memory(
+    spec: ModelSpec,
+    vocab_size: int,
+    *,
+    capacity: int,
+    execution: ExecutionConfig | None = None,
+    optimizer: bool = True,
+    shards: int = 1,
+    force: bool = False,
+) -> MemoryEstimate | None:
+    """Raise a one-line ``UserError`` (the estimate, what is available, the largest term, the
+    knob) unless the model ``spec`` names, with ``vocab_size``, fits one training step of
+    ``capacity`` rows per microbatch on its device under ``execution`` (default: the chunked LM
+    head), with AdamW state when ``optimizer``, its state sharded ``shards`` ways; ``force``
+    skips it. Returns the estimate (None when skipped or the device's memory is unknown)."""
+    if force:
+        return None
+    from harts.models.execution.config import ExecutionConfig
+    from harts.models.memory import estimate_memory, format_bytes
+    from harts.trainer.build import check_device
+
+    check_device(spec.device)  # before asking it how much memory it has
+    have = available_bytes(spec.device)
+    config = _model_config(spec, vocab_size)
+    if have is None or config is None:
+        return None
+    cfg = ExecutionConfig(fused_logprobs=True) if execution is None else execution
+    dev = "cpu" if spec.device.split(":")[0] == "cpu" else "cuda"
+    total = _device_total(spec.device)
+
+    def estimate(**changes: Any) -> MemoryEstimate:
+        kw: dict[str, Any] = dict(
+            capacity=capacity, dtype=spec.dtype, optimizer=optimizer, shards=shards, device_total_bytes=total
+        )
+        kw.update(changes)
+        return estimate_memory(kw.pop("config", config), kw.pop("execution", cfg), device_type=dev, **kw)
+
+    est = estimate()
+    if est.total <= have:
+        return est
+    name, size = est.largest
+    raise UserError(
+        f"not enough memory on {spec.device}: one step is estimated at {format_bytes(est.total)}, "
+        f"{format_bytes(have)} available; the largest term is {name} {format_bytes(size)} "
+        f"(then {est.summary(skip=1, top=3)}); {_knob(spec, cfg, est, have, estimate, config)}; --force runs anyway"
+    )
+
+
+def train_memory_check(force: bool) -> Callable[[ModelSpec, int, TrainConfig, int], None]:
+    """``check_memory`` as ``harts train``'s runtime calls it before building the model: with
+    the run's capacity and execution (the chunked head), AdamW state, and FSDP over the ranks."""
+
+    def check(spec: ModelSpec, vocab_size: int, train: TrainConfig, world: int) -> None:
+        execution = replace(train.execution, fused_logprobs=True)
+        check_memory(spec, vocab_size, capacity=train.capacity, execution=execution, shards=world, force=force)
+
+    return check
+
+
+def _knob(  # noqa: ANN001
+    spec: ModelSpec, execution: ExecutionConfig, est: MemoryEstimate, have: int, estimate, config: HybridConfig
+) -> str:
+    """What fixes it: when the model's state alone (no rows) does not fit, fewer layers, a
+    smaller vocabulary, a GPU or more ranks; otherwise a capacity that fits, or recomputation."""
+    from harts.models.memory import format_bytes
+
+    hints = []
+    if estimate(capacity=0).total > have:
+        depth = config.num_hidden_layers
+        if not os.path.isdir(spec.model):
+            layers = _largest_fitting(lambda n: estimate(config=config.first_layers(n)).total, have, depth)
+            alone = _largest_fitting(lambda n: estimate(config=config.first_layers(n), capacity=0).total, have, depth)
+            if layers:
+                hints.append(f"a smaller --layers ({layers} of {depth} fit)")
+            elif alone:
+                hints.append(f"a smaller --layers (the state of {alone} of {depth} fits) with a smaller --capacity")
+        if 2 * config.vocab_size * config.hidden_size > est.parameters // 2:
+            hints.append(f"fewer than {config.vocab_size:,} token ids (remap them to a dense range 0..V-1)")
+        if est.device_type == "cpu" and _cuda_available():
+            hints.append("--device cuda")
+        hints.append("more ranks (torchrun: FSDP shards parameters, gradients and optimizer state)")
+    else:
+        fits = _largest_fitting(lambda c: estimate(capacity=c).total, have, est.capacity)
+        if fits:
+            hints.append(f"--capacity {fits:,}")
+        if not execution.recompute:
+            with_recompute = estimate(execution=replace(execution, recompute=True)).total
+            if with_recompute <= have:
+                hints.append(f"--recompute (estimate {format_bytes(with_recompute)})")
+        if est.device_type == "cpu" and _cuda_available():
+            hints.append("--device cuda")
+    return "use " + " or ".join(hints)
+
+
+def _largest_fitting(peak, have: int, top: int) -> int | None:  # noqa: ANN001
+    """The largest n in 1 .. top - 1 with ``peak(n) <= have`` (peak grows with n), or None."""
+    lo, hi = 0, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if peak(mid) <= have:
+            lo = mid
+        else:
+            hi = mid
+    return lo or None
+
+
+def _model_config(spec: ModelSpec, vocab_size: int) -> HybridConfig | None:
+    """The ``HybridConfig`` ``build_model`` will build: a preset with ``--pattern`` / ``--layers``
+    and the batch's vocabulary, or a checkpoint's own (its structure read on the meta device;
+    None when it does not load: ``build_model`` reports that)."""
+    from harts.models.config import HybridConfig
+    from harts.trainer.build import check_model
+
+    check_model(spec)
+    if os.path.isdir(spec.model):
+        from harts.integrations.loading import load_model
+
+        try:
+            return load_model(spec.model, vocab_size=vocab_size, dtype=spec.dtype, device="meta").config
+        except Exception:  # noqa: BLE001 - build_model raises its own error for it
+            return None
+    fields: dict[str, Any] = {"vocab_size": vocab_size, **({"layer_pattern": spec.pattern} if spec.pattern else {})}
+    return HybridConfig.preset(spec.model, layers=spec.layers, **fields)
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory a new allocation can use now: on the CPU the kernel's ``MemAvailable`` (within a
+    cgroup's limit, where one is set), on CUDA the device's free memory; None when unknown."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info(dev.index or 0)[0])
+    if dev.type != "cpu":
+        return None
+    have = _meminfo_available()
+    limit = _cgroup_room()
+    if have is None:
+        return limit
+    return have if limit is None else min(have, limit)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _cgroup_room() -> int | None:
+    """The cgroup's memory limit minus what it holds that cannot be reclaimed (its usage less
+    its inactive page cache; cgroup v2, then v1), or None without a limit."""
+    for folder, limit_name, usage_name, cache_key in (
+        ("/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
+        ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    ):
+        try:
+            limit_text = Path(folder, limit_name).read_text().strip()
+            if limit_text == "max":
+                return None
+            limit, usage = int(limit_text), int(Path(folder, usage_name).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit >= 1 << 60:  # v1 writes a huge number for "no limit"
+            return None
+        cache = 0
+        try:
+            for line in Path(folder, "memory.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == cache_key:
+                    cache = int(value)
+        except (OSError, ValueError):
+            pass
+        return max(0, limit - usage + cache)
+    return None
+
+
+def _device_total(device: str) -> int | None:
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(dev.index or 0).total_memory)
+    return None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
