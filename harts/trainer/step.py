@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from harts.errors import CapacityError
 from harts.models.execution.config import ExecutionConfig
-from harts.models.hybrid_lm import HybridLM
+from harts.models.hybrid_lm import HybridLM, ModelOutput
 from harts.models.layers.moe import MoE
 from harts.parallel.mesh import ParallelConfig, ParallelState
 from harts.parallel.parallelize import clip_grad_norm, finish_gradients, set_gradient_sync
@@ -508,44 +508,22 @@ def accumulate_step_gradients(
     ValueError if it was made for another batch or replica count.
     """
     state = parallel_state(model, parallel)
-    world = state.world_size
-    replicas = replicas_of(cfg, state)
-    if planned is None:
-        planned = plan_training_step(batch, cfg, world)
-    elif planned.source is not batch:
-        raise ValueError("planned= was made for another batch (plan_training_step(batch, cfg, world) of this one)")
-    elif planned.plan.dp != (cfg.replicas or world):
-        raise ValueError(f"planned= has {planned.plan.dp} replicas; this step runs {cfg.replicas or world}")
-    batch, plan, plan_seconds = planned.batch, planned.plan, planned.plan_seconds
+    planned = _checked_plan(batch, cfg, state, planned)
+    batch, plan = planned.batch, planned.plan
     if objective is None:
         objective = grpo_objective(batch, cfg)
+    replicas = replicas_of(cfg, state)
     mine = [k for r in replicas for k in plan.for_replica(r)]
     # every rank must run as many microbatches (FSDP's last-backward sync, expert all-to-alls)
     assert all(len(plan.for_replica(r)) == plan.num_slots for r in replicas), "a replica's slots are uneven"
     if progress is not None:
         progress(0, len(mine))
-    z_coef, aux_coef = model.config.router_z_loss_coef, model.config.router_aux_loss_coef
-
-    # the step's scalars stay on the device until the step ends (no host sync between
-    # microbatches, so the host prepares microbatch k + 1 while the device runs k):
-    # loss, MoE objective, then the objective's metric sums
-    sum_dtype = torch.float32 if state.device.type == "mps" else torch.float64
-    sums: torch.Tensor | None = None
-    metric_names: list[str] = []
-    counts_sum = None
-    rows = calls = replay = 0
-    prepare_seconds = 0.0
+    sums = _StepSums(state.device, model.config.router_z_loss_coef, model.config.router_aux_loss_coef)
     step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
     items: list[MicrobatchItem | None] = [None] * len(mine)
+    prepare_seconds = 0.0
     if step_level:
-        # two passes over the microbatches: the slices are made once, for both
-        tp = time.perf_counter()
-        items = [microbatch_item(model, planned, k) for k in mine]
-        prepare_seconds += time.perf_counter() - tp
-        counts = _step_expert_counts(
-            model, (microbatch_inputs(model, it, cfg.execution) for it in items if it is not None), cfg, state
-        )
-        _set_step_statistics(model, (counts, float(batch.num_tokens)))
+        items, prepare_seconds = _set_step_level_statistics(model, planned, mine, cfg, state)
 
     # each microbatch is prepared on a background thread while the one before it is launched (no
     # device sync between them): the training thread waits only for what that does not hide
@@ -555,58 +533,118 @@ def accumulate_step_gradients(
             out = model(inputs, cfg.execution)
             if on_logprobs is not None:
                 on_logprobs(k, out.logprobs.detach())
-            loss, m = objective(out.logprobs, sub)
-            total = loss
-            moe = torch.zeros((), dtype=sum_dtype, device=state.device)
-            if out.moe_losses is not None:
-                # step-level statistics are already the microbatch's share of the step's losses
-                share = 1.0 if step_level else sub.num_tokens / batch.num_tokens
-                router = share * out.moe_objective(z_coef, aux_coef)
-                total = total + router
-                moe = torch.as_tensor(router, device=state.device).detach().to(sum_dtype)
-                assert out.expert_counts is not None, "MoE losses come with expert counts"
-                c = out.expert_counts.detach()
-                counts_sum = c.clone() if counts_sum is None else counts_sum + c
-            if sums is None:
-                metric_names = list(m)
-                sums = torch.zeros(2 + len(m), dtype=sum_dtype, device=state.device)
-            sums += torch.stack([loss.detach().to(sum_dtype), moe, *(m[name].to(sum_dtype) for name in metric_names)])
+            # step-level statistics are already the microbatch's share of the step's losses
+            share = 1.0 if step_level else sub.num_tokens / batch.num_tokens
+            total = sums.add(out, *objective(out.logprobs, sub), router_share=share)
             # FSDP reduces the gradients once, in the step's last backward (or after each one)
             set_gradient_sync(model, cfg.reduce_every_microbatch or done == len(mine))
             total.backward()
-            rows += int(out.info["rows"])
-            calls += int(out.info["calls"])
-            replay += int(out.info["replay_rows"])
-            del out, loss, total, m  # nothing of this microbatch outlives its backward
+            del out, total  # nothing of this microbatch outlives its backward
             if progress is not None:
                 progress(done, len(mine))
     finally:
         prepare_seconds += ahead.waited
         if step_level:
             _set_step_statistics(model, None)
-
-    if sums is None:  # no microbatch ran here: the objective's metrics are unknown, hence 0
-        sums = torch.zeros(2, dtype=sum_dtype, device=state.device)
-    if world > 1:
+    if state.world_size > 1:
         finish_gradients(model, state)
-        dist.all_reduce(sums)
-        if counts_sum is not None:
-            dist.all_reduce(counts_sum)
-    loss_sum, moe_sum, *metric_sums = sums.tolist()  # the step's one host sync
+    loss_sum, moe_sum, diagnostics = sums.reduce(state.world_size)  # the step's one host sync
     return _Accumulated(
         loss=loss_sum,
         moe_objective=moe_sum,
-        expert_counts=counts_sum,
+        expert_counts=sums.counts,
         microbatches=len(plan.microbatches),
         rank_microbatches=len(mine),
-        rows=rows,
-        calls=calls,
-        replay_rows=replay,
-        plan_seconds=plan_seconds,
+        rows=sums.rows,
+        calls=sums.calls,
+        replay_rows=sums.replay_rows,
+        plan_seconds=planned.plan_seconds,
         prepare_seconds=prepare_seconds,
-        diagnostics=dict(zip(metric_names, metric_sums)),
+        diagnostics=diagnostics,
         work_tokens=int(np.sum(plan.work)),
     )
+
+
+def _checked_plan(
+    batch: RolloutBatch, cfg: TrainConfig, state: ParallelState, planned: PlannedStep | None
+) -> PlannedStep:
+    """``planned``, checked to be ``batch``'s for this step's replicas, or the plan made now."""
+    world = state.world_size
+    if planned is None:
+        return plan_training_step(batch, cfg, world)
+    if planned.source is not batch:
+        raise ValueError("planned= was made for another batch (plan_training_step(batch, cfg, world) of this one)")
+    if planned.plan.dp != (cfg.replicas or world):
+        raise ValueError(f"planned= has {planned.plan.dp} replicas; this step runs {cfg.replicas or world}")
+    return planned
+
+
+def _set_step_level_statistics(
+    model: HybridLM, planned: PlannedStep, mine: list[int], cfg: TrainConfig, state: ParallelState
+) -> tuple[list[MicrobatchItem | None], float]:
+    """``moe_statistics="step"``: count the step's expert assignments (a first, no-grad pass)
+    and give them to every MoE layer; returns the microbatches' slices, made once for both
+    passes, and the seconds slicing them took."""
+    began = time.perf_counter()
+    items: list[MicrobatchItem | None] = [microbatch_item(model, planned, k) for k in mine]
+    seconds = time.perf_counter() - began
+    inputs = (microbatch_inputs(model, it, cfg.execution) for it in items if it is not None)
+    counts = _step_expert_counts(model, inputs, cfg, state)
+    _set_step_statistics(model, (counts, float(planned.batch.num_tokens)))
+    return items, seconds
+
+
+class _StepSums:
+    """A step's sums over this rank's microbatches. The scalars stay on the device until the
+    step ends (no host sync between microbatches, so the host prepares microbatch k + 1 while the
+    device runs k): the loss, the MoE objective, then the objective's metric sums; and the
+    q-weighted expert counts [L_moe, E]. The execution counts (rows, calls, replay rows) are host
+    numbers."""
+
+    def __init__(self, device: torch.device, z_coef: float, aux_coef: float) -> None:
+        self.device = device
+        self.dtype = torch.float32 if device.type == "mps" else torch.float64
+        self.z_coef, self.aux_coef = z_coef, aux_coef
+        self.sums: torch.Tensor | None = None
+        self.names: list[str] = []
+        self.counts: torch.Tensor | None = None
+        self.rows = self.calls = self.replay_rows = 0
+
+    def add(
+        self, out: ModelOutput, loss: torch.Tensor, metrics: dict[str, torch.Tensor], *, router_share: float
+    ) -> torch.Tensor:
+        """Add one microbatch's forward ``out`` and its objective's ``loss`` and ``metrics``;
+        returns the loss to differentiate: ``loss`` plus ``router_share`` of the MoE objective."""
+        total = loss
+        moe = torch.zeros((), dtype=self.dtype, device=self.device)
+        if out.moe_losses is not None:
+            router = router_share * out.moe_objective(self.z_coef, self.aux_coef)
+            total = total + router
+            moe = torch.as_tensor(router, device=self.device).detach().to(self.dtype)
+            assert out.expert_counts is not None, "MoE losses come with expert counts"
+            c = out.expert_counts.detach()
+            self.counts = c.clone() if self.counts is None else self.counts + c
+        if self.sums is None:
+            self.names = list(metrics)
+            self.sums = torch.zeros(2 + len(metrics), dtype=self.dtype, device=self.device)
+        values = [loss.detach().to(self.dtype), moe, *(metrics[name].to(self.dtype) for name in self.names)]
+        self.sums += torch.stack(values)
+        self.rows += int(out.info["rows"])
+        self.calls += int(out.info["calls"])
+        self.replay_rows += int(out.info["replay_rows"])
+        return total
+
+    def reduce(self, world: int) -> tuple[float, float, dict[str, float]]:
+        """The step's loss, MoE objective and metric sums, summed over ``world`` ranks (the
+        expert counts in place): the step's one host sync."""
+        if self.sums is None:  # no microbatch ran here: the objective's metrics are unknown, hence 0
+            self.sums = torch.zeros(2, dtype=self.dtype, device=self.device)
+        if world > 1:
+            dist.all_reduce(self.sums)
+            if self.counts is not None:
+                dist.all_reduce(self.counts)
+        loss_sum, moe_sum, *metric_sums = self.sums.tolist()
+        return loss_sum, moe_sum, dict(zip(self.names, metric_sums))
 
 
 def train_step(
