@@ -20,6 +20,7 @@ from harts.commands._inputs import (
     recompute_fields,
     seed_int,
 )
+from harts.commands._memory import add_force_argument
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -55,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="torch intra-op threads; 1 suits tiny tensors on a shared CPU, 0 lets torch choose",
     )
+    add_force_argument(p)
     add_output_arguments(p, what="the results")
 
 
@@ -68,10 +70,12 @@ def run(args: argparse.Namespace) -> int:
         check_device,
         check_output_file,
         check_recompute_layers,
+        model_spec,
         needed_vocab,
         summarize,
         write_json,
     )
+    from harts.commands._memory import check_memory
     from harts.commands._progress import progress
     from harts.commands._table import format_table
     from harts.models.execution.config import ExecutionConfig
@@ -83,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
 
     batch, source = load_workload(args.workload, step=args.step, seed=args.seed), args.workload
     vocab, where = needed_vocab([summarize(args.step, source, batch)])
+    # the trajectory-wise side is the larger one: every path's rows, the plain log-softmax head
+    oracle = ExecutionConfig(mode="trajectory", **recompute_fields(args))
+    check_memory(
+        model_spec(args), vocab, capacity=batch.num_tokens, execution=oracle, optimizer=False, force=args.force
+    )
     model = build_model(args, vocab, where=where, training=False)
     recompute = recompute_fields(args)
     check_recompute_layers(recompute, model)
