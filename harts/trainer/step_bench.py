@@ -66,7 +66,7 @@ from harts.models.region_trace import (
 )
 from harts.plan.baselines.trajectory_plan import plan_trajectory_step
 from harts.plan.prefetch import Prefetched
-from harts.plan.step import PlannerWorkers, plan_step
+from harts.plan.step import PlannerWorkers, StepPlan, plan_step
 from harts.plan.step.step_plan import same_step_plan
 from harts.rl.grpo import grpo_loss, grpo_normalizer
 from harts.tree.batch import RolloutBatch
@@ -819,6 +819,58 @@ def profile_step(
     return paths
 
 
+def _timed_plan(
+    batch: RolloutBatch, dp: int, capacity: int, planner_workers: PlannerWorkers | None
+) -> tuple[StepPlan, float, float | None, bool | None]:
+    """The step plan and its seconds; with worker processes also the seconds of planning in
+    this process alone and whether that made the same plan (else None, None)."""
+    t0 = time.perf_counter()
+    plan = plan_step(batch, dp=dp, capacity=capacity, workers=planner_workers)
+    plan_seconds = time.perf_counter() - t0
+    if not int(plan.info.get("workers", 0)):
+        return plan, plan_seconds, None, None
+    t0 = time.perf_counter()
+    serial = plan_step(batch, dp=dp, capacity=capacity)
+    return plan, plan_seconds, round(time.perf_counter() - t0, 4), same_step_plan(plan, serial)
+
+
+def _with_core_run(
+    harts: BenchSide,
+    model: HybridLM,
+    batch: RolloutBatch,
+    plan: StepPlan,
+    replica: int,
+    compact_side: ExecutionConfig,
+    plan_seconds: float,
+    repeats: int,
+) -> BenchSide:
+    """``harts`` with its Core figures: the step planner's time measured before plus a run that
+    prepares every microbatch as ``harts train`` does (its clock holds every preparation)."""
+    device = model.embed_tokens.weight.device
+
+    def as_trained(k: int) -> tuple[RolloutBatch, Any]:
+        # ``harts train``'s preparation of microbatch k: its slice and call plan, then layout
+        # and LM-head plan
+        cb, call_plan = plan.prepare_microbatch(k, model.config.chunk_size)
+        return cb.batch, model.prepare_compact(cb, compact_side, plan=call_plan)
+
+    items = [functools.partial(as_trained, k) for k in plan.for_replica(replica)]
+    graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
+    core = [_core_run_seconds(model, batch, items, compact_side) for _ in range(repeats)]
+    runs = [plan_seconds + seconds for seconds, _, _ in core]
+    median = _median_index(runs)
+    return replace(
+        harts,
+        core_seconds=round(runs[median], 4),
+        core_seconds_runs=[round(x, 4) for x in runs],
+        core_microbatch_seconds=[round(x, 5) for x in core[median][1]],
+        core_prepare_wait_seconds=round(core[median][2], 4),
+        compiles_in_core_run=_compiled_graphs() - graphs_before,
+        triton_variants_in_core_run=TRITON_VARIANTS[variants_before:],
+        allocator_syncs_in_core_run=_allocator_syncs(device) - syncs_before,
+    )
+
+
 def bench_step(
     model: HybridLM,
     batch: RolloutBatch,
@@ -857,17 +909,8 @@ def bench_step(
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1; got {repeats}")
     batch = replace(batch, old_logprobs=None, ref_logprobs=None)
-    device = model.embed_tokens.weight.device
-    t0 = time.perf_counter()
-    plan = plan_step(batch, dp=dp, capacity=capacity, workers=planner_workers)
-    plan_seconds = time.perf_counter() - t0
+    plan, plan_seconds, serial_seconds, same_plan = _timed_plan(batch, dp, capacity, planner_workers)
     workers = int(plan.info.get("workers", 0))
-    serial_seconds, same_plan = None, None
-    if workers:
-        t0 = time.perf_counter()
-        serial = plan_step(batch, dp=dp, capacity=capacity)
-        serial_seconds = round(time.perf_counter() - t0, 4)
-        same_plan = same_step_plan(plan, serial)
     predicted_harts = [int(x) for x in plan.work_matrix().sum(1)]
     # the baseline's own microbatches: raw tokens packed at the capacity (the harness's and
     # ``harts train --mode trajectory``'s plan)
@@ -902,30 +945,7 @@ def bench_step(
     baseline = _run_side(model, batch, prepare_baseline, replace(execution, mode="trajectory"), plan_seconds=0.0, **kw)
     harts = _run_side(model, batch, prepare_harts, compact_side, plan_seconds=plan_seconds, **kw)
     if core_run:
-
-        def as_trained(k: int) -> tuple[RolloutBatch, Any]:
-            # ``harts train``'s preparation of microbatch k: its slice and call plan, then layout
-            # and LM-head plan
-            cb, call_plan = plan.prepare_microbatch(k, model.config.chunk_size)
-            return cb.batch, model.prepare_compact(cb, compact_side, plan=call_plan)
-
-        # the step planner's time measured above plus this run, whose clock holds every
-        # microbatch's preparation
-        items = [functools.partial(as_trained, k) for k in plan.for_replica(replica)]
-        graphs_before, syncs_before, variants_before = _compiled_graphs(), _allocator_syncs(device), _triton_variants()
-        core = [_core_run_seconds(model, batch, items, compact_side) for _ in range(repeats)]
-        runs = [plan_seconds + seconds for seconds, _, _ in core]
-        median = _median_index(runs)
-        harts = replace(
-            harts,
-            core_seconds=round(runs[median], 4),
-            core_seconds_runs=[round(x, 4) for x in runs],
-            core_microbatch_seconds=[round(x, 5) for x in core[median][1]],
-            core_prepare_wait_seconds=round(core[median][2], 4),
-            compiles_in_core_run=_compiled_graphs() - graphs_before,
-            triton_variants_in_core_run=TRITON_VARIANTS[variants_before:],
-            allocator_syncs_in_core_run=_allocator_syncs(device) - syncs_before,
-        )
+        harts = _with_core_run(harts, model, batch, plan, replica, compact_side, plan_seconds, repeats)
     return StepBench(
         step=step,
         paths=batch.num_trajectories,
