@@ -9,6 +9,7 @@ bytes from the torch profiler, measured in a second, untimed pass).
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from harts.commands._inputs import (
     MODEL_PRESETS,
@@ -63,8 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    import numpy as np
-
     from harts.commands._inputs import (
         build_model,
         check_device,
@@ -73,13 +72,11 @@ def run(args: argparse.Namespace) -> int:
         model_spec,
         needed_vocab,
         summarize,
-        write_json,
     )
     from harts.commands._memory import check_memory
     from harts.commands._progress import progress
-    from harts.commands._table import format_table
     from harts.models.execution.config import ExecutionConfig
-    from harts.rl.verify import compare_runs, run_step
+    from harts.rl.verify import run_step
 
     check_output_file(args.json_out, "--json", args.overwrite)
     check_device(args.device)
@@ -95,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(args, vocab, where=where, training=False)
     recompute = recompute_fields(args)
     check_recompute_layers(recompute, model)
-    config = model.config
     # phases: compaction + call plan, then per mode a warmup, the timed step and (CPU) the
     # profiled memory pass
     per_mode = 2 + (next(model.parameters()).device.type != "cuda")
@@ -126,8 +122,21 @@ def run(args: argparse.Namespace) -> int:
             on_phase=on_phase,
         )
     bar.close()
+    _report(args, source, model, inputs, runs)
+    return 0
+
+
+def _report(args: argparse.Namespace, source: str, model: Any, inputs: Any, runs: dict[str, Any]) -> None:  # noqa: ANN401
+    """The batch, model and plan lines, both modes' table, their differences, and ``--json``."""
+    import numpy as np
+
+    from harts.commands._inputs import write_json
+    from harts.commands._table import format_table
+    from harts.rl.verify import compare_runs
+
     diff = compare_runs(runs["trajectory"], runs["compact"])
     cb, t, c = inputs.cb, runs["trajectory"], runs["compact"]
+    batch, config = inputs.batch, model.config
 
     print(
         f"batch {source}: {batch.num_trajectories} trajectories, S={cb.num_semantic_tokens:,} tokens, "
@@ -188,4 +197,3 @@ def run(args: argparse.Namespace) -> int:
         }
         write_json(args.json_out, record, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
         print(f"wrote {args.json_out}")
-    return 0
