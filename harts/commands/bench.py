@@ -12,6 +12,7 @@ writes a Chrome trace of one microbatch per side.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import numpy as np
 
@@ -98,7 +99,6 @@ def _fmt_rate(x: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
     import time
 
     started = time.perf_counter()  # the cold-start clock: before torch is imported
@@ -109,63 +109,22 @@ def run(args: argparse.Namespace) -> int:
 
     from harts.commands._inputs import (
         build_model_and_attention,
-        check_capacity,
-        check_output_dir,
-        check_output_file,
-        check_plannable,
         check_recompute_layers,
         model_spec,
         needed_vocab,
         planner_workers,
-        step_sources,
-        summarize,
         write_json,
     )
     from harts.commands._memory import check_memory
-    from harts.commands._progress import progress
-    from harts.commands._table import format_table
-    from harts.errors import UserError
     from harts.models.execution.config import ExecutionConfig
     from harts.models.flops import peak_tflops
     from harts.plan.step.workers import shared_workers
-    from harts.trainer.step_bench import COMPONENTS, StepBench, bench_step, recurrence_words
 
     # the cold start's phases, seconds from ``started`` (the first step's are added below)
     cold = {"imports": time.perf_counter() - started}
-    if args.replica >= args.dp:
-        raise UserError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
-    check_output_file(args.json_out, "--json", args.overwrite)
-    check_output_dir(args.profile, "--profile", args.overwrite)
-    if args.profile_only:
-        if not args.profile:
-            raise UserError("--profile-only needs --profile DIR (where the traces go)")
-        for flag, given in (
-            ("--json", args.json_out),
-            ("--optimizer", args.optimizer),
-            ("--no-core-run", args.no_core_run),
-        ):
-            if given:
-                raise UserError(f"--profile-only times nothing, so {flag} has nothing to act on; drop one of them")
+    _check_flags(args)
     recompute = recompute_fields(args)
-    # every step is read and checked before the first one runs
-    sources = step_sources(args.workload, None if args.steps is None else args.first_step + args.steps, args.seed)
-    if args.first_step >= len(sources):
-        raise UserError(
-            f"--first-step {args.first_step}: workload {args.workload!r} has {len(sources)} step(s) here "
-            f"(0 .. {len(sources) - 1}{'' if args.steps is None else f' with --steps {args.steps}'})"
-        )
-    sources = sources[args.first_step :]
-    summaries = []
-    with progress(len(sources), "checking inputs", "step", leave=False, disable=len(sources) < 2) as bar:
-        for i, (label, make) in enumerate(sources, start=args.first_step):
-            batch = make()
-            st = summarize(i, label, batch)
-            if args.dp > 1 and st.longest_len <= args.capacity and st.trajectories >= args.dp:
-                check_plannable(batch, st, args.capacity, args.dp, ("compact", "trajectory"))
-            summaries.append(st)
-            del batch  # steps are made again when they run: a paper-scale step is ~0.5 GB of ids
-            bar.update()
-    check_capacity(summaries, args.capacity, args.dp, dp_name="replicas (--dp)")
+    sources, summaries = _read_steps(args)
     cold["inputs_checked"] = time.perf_counter() - started
     # started now, so that spawning them overlaps building the model
     workers = shared_workers(planner_workers(args.planner_workers))
@@ -201,25 +160,136 @@ def run(args: argparse.Namespace) -> int:
     kernels = model.backends(execution)
     print(f"kernels (both sides): {kernels.describe()}", flush=True)
     if args.profile_only:
-        from harts.trainer.step_bench import profile_step
+        return _profile_only(args, model, sources, execution, workers)
+    results, cold_start = _bench_steps(args, model, sources, execution, workers, peak, started, cold, cold_beside)
+    _print_tables(results)
+    _print_ratios(results)
+    if args.json_out:
+        write_json(
+            args.json_out,
+            {
+                "model": args.model,
+                "pattern": model.config.layer_pattern,
+                "device": args.device,
+                "dtype": args.dtype,
+                "capacity": args.capacity,
+                "recompute": args.recompute,
+                "recompute_skip": list(recompute["recompute_skip"]),
+                "recompute_layers": recompute["recompute_layers"],
+                "moe_keep_gate_up": recompute["moe_keep_gate_up"],
+                "attention": args.attention,
+                "flex_backend": flex,
+                "la_backend": args.la_backend,
+                "kernels": kernels.to_dict(),
+                "logprobs": args.logprobs,
+                "dp": args.dp,
+                "replica": args.replica,
+                "peak_tflops": peak,
+                "cold_start": cold_start if results else None,
+                # the "model" phase's two halves, which ran side by side (build_model_and_attention)
+                "cold_start_model_beside_attention": cold_beside,
+                "steps": [r.to_dict() for r in results],
+            },
+        )
+        print(f"wrote {args.json_out}")
+    return 0
 
-        for step, (_, make) in enumerate(sources, start=args.first_step):
-            paths = profile_step(
-                model,
-                make(),
-                os.path.join(args.profile, f"step{step}"),
-                capacity=args.capacity,
-                execution=execution,
-                dp=args.dp,
-                replica=args.replica,
-                planner_workers=workers,
-            )
-            for path in paths:
-                with open(path) as f:
-                    head = f.read().split("\nsorted by")[0]
-                print(f"step {step}, {os.path.basename(path)[:-4]} ({path}):\n{head}", flush=True)
-        return 0
-    results: list[StepBench] = []
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags that contradict each other, and the output paths, before any work."""
+    from harts.commands._inputs import check_output_dir, check_output_file
+    from harts.errors import UserError
+
+    if args.replica >= args.dp:
+        raise UserError(f"--replica must lie in [0, {args.dp}) for --dp {args.dp}; got {args.replica}")
+    check_output_file(args.json_out, "--json", args.overwrite)
+    check_output_dir(args.profile, "--profile", args.overwrite)
+    if args.profile_only:
+        if not args.profile:
+            raise UserError("--profile-only needs --profile DIR (where the traces go)")
+        for flag, given in (
+            ("--json", args.json_out),
+            ("--optimizer", args.optimizer),
+            ("--no-core-run", args.no_core_run),
+        ):
+            if given:
+                raise UserError(f"--profile-only times nothing, so {flag} has nothing to act on; drop one of them")
+
+
+def _read_steps(args: argparse.Namespace) -> tuple[list, list]:
+    """The steps to bench (``--first-step``, ``--steps``) and their summaries, every one read and
+    checked before the first runs."""
+    from harts.commands._inputs import check_capacity, check_plannable, step_sources, summarize
+    from harts.commands._progress import progress
+    from harts.errors import UserError
+
+    # every step is read and checked before the first one runs
+    sources = step_sources(args.workload, None if args.steps is None else args.first_step + args.steps, args.seed)
+    if args.first_step >= len(sources):
+        raise UserError(
+            f"--first-step {args.first_step}: workload {args.workload!r} has {len(sources)} step(s) here "
+            f"(0 .. {len(sources) - 1}{'' if args.steps is None else f' with --steps {args.steps}'})"
+        )
+    sources = sources[args.first_step :]
+    summaries = []
+    with progress(len(sources), "checking inputs", "step", leave=False, disable=len(sources) < 2) as bar:
+        for i, (label, make) in enumerate(sources, start=args.first_step):
+            batch = make()
+            st = summarize(i, label, batch)
+            if args.dp > 1 and st.longest_len <= args.capacity and st.trajectories >= args.dp:
+                check_plannable(batch, st, args.capacity, args.dp, ("compact", "trajectory"))
+            summaries.append(st)
+            del batch  # steps are made again when they run: a paper-scale step is ~0.5 GB of ids
+            bar.update()
+    check_capacity(summaries, args.capacity, args.dp, dp_name="replicas (--dp)")
+    return sources, summaries
+
+
+def _profile_only(args: argparse.Namespace, model: Any, sources: list, execution: Any, workers: Any) -> int:  # noqa: ANN401
+    """``--profile-only``: a Chrome trace of one microbatch per side and step, and its summary."""
+    import os
+
+    from harts.trainer.step_bench import profile_step
+
+    for step, (_, make) in enumerate(sources, start=args.first_step):
+        paths = profile_step(
+            model,
+            make(),
+            os.path.join(args.profile, f"step{step}"),
+            capacity=args.capacity,
+            execution=execution,
+            dp=args.dp,
+            replica=args.replica,
+            planner_workers=workers,
+        )
+        for path in paths:
+            with open(path) as f:
+                head = f.read().split("\nsorted by")[0]
+            print(f"step {step}, {os.path.basename(path)[:-4]} ({path}):\n{head}", flush=True)
+    return 0
+
+
+def _bench_steps(
+    args: argparse.Namespace,
+    model: Any,  # noqa: ANN401
+    sources: list,
+    execution: Any,  # noqa: ANN401
+    workers: Any,  # noqa: ANN401
+    peak: float | None,
+    started: float,
+    cold: dict[str, float],
+    cold_beside: dict[str, float],
+) -> tuple[list, dict[str, float] | None]:
+    """Every step timed both ways (``bench_step``), with its lines as it ends; returns the
+    results and the cold start's phases (from the first step)."""
+    import os
+    import time
+
+    from harts.commands._progress import progress
+    from harts.trainer.step_bench import bench_step
+
+    cold_start = None
+    results: list = []
     steps_bar = progress(len(sources), "bench", "step", disable=len(sources) < 2)
     with steps_bar:
         for step, (_, make) in enumerate(sources, start=args.first_step):
@@ -245,47 +315,7 @@ def run(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
             )
             results.append(r)
-            print(
-                f"step {step}: baseline {r.baseline.train_seconds:.3f} s, harts {r.harts.train_seconds:.3f} s "
-                f"(+{r.harts.plan_seconds:.3f} s planning, all made ahead): F/B/Grad {r.fbg_speedup:.2f}x "
-                f"(warm-up {r.baseline.warmup_seconds:.1f} / {r.harts.warmup_seconds:.1f} s, untimed)",
-                flush=True,
-            )
-            if r.harts.core_seconds is not None:
-                print(
-                    f"step {step}: harts as `harts train` runs it (step planner, then each microbatch prepared "
-                    f"on a host thread while the one before it is launched): {r.harts.core_seconds:.3f} s, planning on the critical path "
-                    f"{r.harts.critical_plan_seconds:.3f} s (of which the step planner {r.step_plan_seconds:.3f} s): "
-                    f"Core {r.core_speedup:.2f}x",
-                    flush=True,
-                )
-            core_mb, fbg_mb = r.harts.core_microbatch_seconds, r.harts.microbatch_seconds
-            if core_mb and len(core_mb) == len(fbg_mb):
-                diff = [1e3 * (c - f) for c, f in zip(core_mb, fbg_mb)]
-                worst = max(range(len(diff)), key=lambda i: abs(diff[i]))
-                print(
-                    f"step {step}: harts' Core run against its F/B/Grad run, ms per microbatch: "
-                    f"min {min(diff):+.1f} / median {float(np.median(diff)):+.1f} / max {max(diff):+.1f}, "
-                    f"largest at #{worst} ({diff[worst]:+.1f}; #0 includes waiting for its preparation); the host "
-                    f"waited {r.harts.core_prepare_wait_seconds or 0.0:.3f} s for preparations in all",
-                    flush=True,
-                )
-            if args.repeats > 1:
-                runs = [("baseline", r.baseline.train_seconds_runs), ("harts", r.harts.train_seconds_runs)]
-                if r.harts.core_seconds_runs:
-                    runs.append(("harts' Core", r.harts.core_seconds_runs))
-                words = "; ".join(f"{name} {' / '.join(f'{x:.3f}' for x in xs)}" for name, xs in runs)
-                print(
-                    f"step {step}: {args.repeats} timed runs each, in order (the median reported): {words} s",
-                    flush=True,
-                )
-            if r.planner_workers:
-                same = "the same plan" if r.planner_workers_same_plan else "A DIFFERENT PLAN (a bug: please report it)"
-                print(
-                    f"step {step}: step planner with {r.planner_workers} worker processes {r.step_plan_seconds:.3f} s, "
-                    f"in this process alone {r.step_plan_seconds_serial:.3f} s: {same}",
-                    flush=True,
-                )
+            _print_step_times(args, step, r)
             if len(results) == 1:
                 cold_start = cold_start_phases(cold, r.baseline.seconds_to_timed, r.baseline.warmup_seconds)
                 print(
@@ -294,46 +324,104 @@ def run(args: argparse.Namespace) -> int:
                     f"{r.baseline.seconds_to_timed:.1f} s: {_phase_words(cold_start, cold_beside)}",
                     flush=True,
                 )
-            for name, side in (("baseline", r.baseline), ("harts", r.harts)):
-                if side.compiles_in_timed_step:
-                    print(
-                        f"step {step}: note: torch.compile built {side.compiles_in_timed_step} graph(s) inside "
-                        f"{name}'s timed step (a shape or variant the warm-up did not meet); its time includes them",
-                        flush=True,
-                    )
-                if side.triton_variants_in_timed_step:
-                    print(
-                        f"step {step}: note: {len(side.triton_variants_in_timed_step)} Triton kernel variant(s) were "
-                        f"first used inside {name}'s timed step (compiled or loaded; the warm-up did not meet them): "
-                        f"{_variant_words(side.triton_variants_in_timed_step)}; its time includes them",
-                        flush=True,
-                    )
-            for name, syncs in (
-                ("baseline's timed step", r.baseline.allocator_syncs),
-                ("harts' timed step", r.harts.allocator_syncs),
-                ("harts' Core run", r.harts.allocator_syncs_in_core_run),
-            ):
-                if syncs:
-                    print(
-                        f"step {step}: note: the CUDA caching allocator synchronized the device {syncs} time(s) in "
-                        f"{name} (allocation retries and blocks freed to the driver; memory near the limit or "
-                        "fragmented)",
-                        flush=True,
-                    )
-            if r.harts.compiles_in_core_run:
-                print(
-                    f"step {step}: note: torch.compile built {r.harts.compiles_in_core_run} graph(s) inside harts' "
-                    "Core run; Core includes them",
-                    flush=True,
-                )
-            if r.harts.triton_variants_in_core_run:
-                print(
-                    f"step {step}: note: {len(r.harts.triton_variants_in_core_run)} Triton kernel variant(s) were "
-                    f"first used inside harts' Core run: {_variant_words(r.harts.triton_variants_in_core_run)}; "
-                    "Core includes them",
-                    flush=True,
-                )
+            _print_step_notes(step, r)
             steps_bar.update()
+    return results, cold_start
+
+
+def _print_step_times(args: argparse.Namespace, step: int, r: Any) -> None:  # noqa: ANN401
+    """A step's times: F/B/Grad, Core, per microbatch, the repeats, the planner's workers."""
+    print(
+        f"step {step}: baseline {r.baseline.train_seconds:.3f} s, harts {r.harts.train_seconds:.3f} s "
+        f"(+{r.harts.plan_seconds:.3f} s planning, all made ahead): F/B/Grad {r.fbg_speedup:.2f}x "
+        f"(warm-up {r.baseline.warmup_seconds:.1f} / {r.harts.warmup_seconds:.1f} s, untimed)",
+        flush=True,
+    )
+    if r.harts.core_seconds is not None:
+        print(
+            f"step {step}: harts as `harts train` runs it (step planner, then each microbatch prepared "
+            f"on a host thread while the one before it is launched): {r.harts.core_seconds:.3f} s, planning on the critical path "
+            f"{r.harts.critical_plan_seconds:.3f} s (of which the step planner {r.step_plan_seconds:.3f} s): "
+            f"Core {r.core_speedup:.2f}x",
+            flush=True,
+        )
+    core_mb, fbg_mb = r.harts.core_microbatch_seconds, r.harts.microbatch_seconds
+    if core_mb and len(core_mb) == len(fbg_mb):
+        diff = [1e3 * (c - f) for c, f in zip(core_mb, fbg_mb)]
+        worst = max(range(len(diff)), key=lambda i: abs(diff[i]))
+        print(
+            f"step {step}: harts' Core run against its F/B/Grad run, ms per microbatch: "
+            f"min {min(diff):+.1f} / median {float(np.median(diff)):+.1f} / max {max(diff):+.1f}, "
+            f"largest at #{worst} ({diff[worst]:+.1f}; #0 includes waiting for its preparation); the host "
+            f"waited {r.harts.core_prepare_wait_seconds or 0.0:.3f} s for preparations in all",
+            flush=True,
+        )
+    if args.repeats > 1:
+        runs = [("baseline", r.baseline.train_seconds_runs), ("harts", r.harts.train_seconds_runs)]
+        if r.harts.core_seconds_runs:
+            runs.append(("harts' Core", r.harts.core_seconds_runs))
+        words = "; ".join(f"{name} {' / '.join(f'{x:.3f}' for x in xs)}" for name, xs in runs)
+        print(
+            f"step {step}: {args.repeats} timed runs each, in order (the median reported): {words} s",
+            flush=True,
+        )
+    if r.planner_workers:
+        same = "the same plan" if r.planner_workers_same_plan else "A DIFFERENT PLAN (a bug: please report it)"
+        print(
+            f"step {step}: step planner with {r.planner_workers} worker processes {r.step_plan_seconds:.3f} s, "
+            f"in this process alone {r.step_plan_seconds_serial:.3f} s: {same}",
+            flush=True,
+        )
+
+
+def _print_step_notes(step: int, r: Any) -> None:  # noqa: ANN401
+    """What a step's timed runs included that a warm run would not: compiles, new Triton
+    variants, the CUDA allocator's synchronizations."""
+    for name, side in (("baseline", r.baseline), ("harts", r.harts)):
+        if side.compiles_in_timed_step:
+            print(
+                f"step {step}: note: torch.compile built {side.compiles_in_timed_step} graph(s) inside "
+                f"{name}'s timed step (a shape or variant the warm-up did not meet); its time includes them",
+                flush=True,
+            )
+        if side.triton_variants_in_timed_step:
+            print(
+                f"step {step}: note: {len(side.triton_variants_in_timed_step)} Triton kernel variant(s) were "
+                f"first used inside {name}'s timed step (compiled or loaded; the warm-up did not meet them): "
+                f"{_variant_words(side.triton_variants_in_timed_step)}; its time includes them",
+                flush=True,
+            )
+    for name, syncs in (
+        ("baseline's timed step", r.baseline.allocator_syncs),
+        ("harts' timed step", r.harts.allocator_syncs),
+        ("harts' Core run", r.harts.allocator_syncs_in_core_run),
+    ):
+        if syncs:
+            print(
+                f"step {step}: note: the CUDA caching allocator synchronized the device {syncs} time(s) in "
+                f"{name} (allocation retries and blocks freed to the driver; memory near the limit or "
+                "fragmented)",
+                flush=True,
+            )
+    if r.harts.compiles_in_core_run:
+        print(
+            f"step {step}: note: torch.compile built {r.harts.compiles_in_core_run} graph(s) inside harts' "
+            "Core run; Core includes them",
+            flush=True,
+        )
+    if r.harts.triton_variants_in_core_run:
+        print(
+            f"step {step}: note: {len(r.harts.triton_variants_in_core_run)} Triton kernel variant(s) were "
+            f"first used inside harts' Core run: {_variant_words(r.harts.triton_variants_in_core_run)}; "
+            "Core includes them",
+            flush=True,
+        )
+
+
+def _print_tables(results: list) -> None:
+    """The steps' table, the rows and rates by side, and the time by component."""
+    from harts.commands._table import format_table
+    from harts.trainer.step_bench import COMPONENTS
 
     def mem(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f}"
@@ -425,6 +513,13 @@ def run(args: argparse.Namespace) -> int:
             rows,
         )
     )
+
+
+def _print_ratios(results: list) -> None:
+    """Against the baseline's time per unit of work, the recurrence fit, the microbatches, the
+    optimizer, the predicted work per replica, and all steps together."""
+    from harts.trainer.step_bench import recurrence_words
+
     labels = {
         "linear_attention": "lin. attn",
         "attention": "attention",
@@ -465,35 +560,6 @@ def run(args: argparse.Namespace) -> int:
             f"all steps: F/B/Grad {sum(r.harts.raw_tokens for r in results) / max(th, 1e-12) / max(rb, 1e-12):.2f}x, "
             f"Core {sum(r.harts.raw_tokens for r in results) / max(tc, 1e-12) / max(rb, 1e-12):.2f}x"
         )
-    if args.json_out:
-        write_json(
-            args.json_out,
-            {
-                "model": args.model,
-                "pattern": model.config.layer_pattern,
-                "device": args.device,
-                "dtype": args.dtype,
-                "capacity": args.capacity,
-                "recompute": args.recompute,
-                "recompute_skip": list(recompute["recompute_skip"]),
-                "recompute_layers": recompute["recompute_layers"],
-                "moe_keep_gate_up": recompute["moe_keep_gate_up"],
-                "attention": args.attention,
-                "flex_backend": flex,
-                "la_backend": args.la_backend,
-                "kernels": kernels.to_dict(),
-                "logprobs": args.logprobs,
-                "dp": args.dp,
-                "replica": args.replica,
-                "peak_tflops": peak,
-                "cold_start": cold_start if results else None,
-                # the "model" phase's two halves, which ran side by side (build_model_and_attention)
-                "cold_start_model_beside_attention": cold_beside,
-                "steps": [r.to_dict() for r in results],
-            },
-        )
-        print(f"wrote {args.json_out}")
-    return 0
 
 
 #: the cold start's phases in order, with the words the report uses
