@@ -60,6 +60,7 @@ from harts.commands._inputs import (
     positive_int,
     recompute_fields,
 )
+from harts.commands._memory import add_force_argument, train_memory_check
 from harts.commands._runs import Interrupted, Signals, check_run_dir
 
 if TYPE_CHECKING:
@@ -169,6 +170,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also log the metrics to this Weights & Biases project (needs wandb and a run directory)",
     )
     add_planner_workers_argument(p)
+    add_force_argument(p)
     add_output_arguments(p, what="the step logs")
 
 
@@ -196,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
             check_resumed_run(resume, path, saved, "train", cfg.identity)
 
         hooks = RunHooks(progress=progress, finish=functools.partial(_finish, args), check_resumed=check)
+        hooks.check_memory = train_memory_check(args.force)
         return run_training(cfg, signals, hooks)
     finally:
         signals.restore()
