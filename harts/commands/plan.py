@@ -48,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
         summarize as summarize_step,
     )
     from harts.commands._progress import progress
-    from harts.commands._table import format_table
     from harts.errors import UserError
     from harts.outputs import PLOT_FORMATS, check_output_file, write_json
     from harts.plan.bench import plan_batches, plot, summarize
@@ -95,8 +94,33 @@ def run(args: argparse.Namespace) -> int:
                 workers=workers,
             )
     summary = summarize(steps, base)
-    serial = all("plan_seconds_serial" in s["harts"] for s in steps)
+    _report(args, steps, summary, processes)
+    if args.json_out:
+        write_json(
+            args.json_out,
+            {
+                "dp": args.dp,
+                "capacity": args.capacity,
+                "workload": args.workload,
+                "seed": args.seed,
+                "planner_workers": processes,
+                "steps": steps,
+                "summary": summary,
+            },
+            indent=1,
+        )
+        print(f"wrote {args.json_out}")
+    if args.plot:
+        plot(steps, base, args.plot)
+    return 0
 
+
+def _report(args: argparse.Namespace, steps: list[dict], summary: dict, processes: int) -> None:
+    """The steps' table, the DP-replica balance, and the baseline's and workers' comparisons."""
+    from harts.commands._table import format_table
+
+    base = args.baseline
+    serial = all("plan_seconds_serial" in s["harts"] for s in steps)
     headers = ["step", "paths", "raw tokens", "harts compact"]
     if base:
         headers += [f"{base} compact", "compact OR/H", "time OR/H"]
@@ -152,21 +176,3 @@ def run(args: argparse.Namespace) -> int:
             f"process alone {summary['harts']['plan_seconds_serial']:.2f} s: "
             + (f"DIFFERENT PLANS at steps {differ} (a bug: please report it)" if differ else "the same plans")
         )
-    if args.json_out:
-        write_json(
-            args.json_out,
-            {
-                "dp": args.dp,
-                "capacity": args.capacity,
-                "workload": args.workload,
-                "seed": args.seed,
-                "planner_workers": processes,
-                "steps": steps,
-                "summary": summary,
-            },
-            indent=1,
-        )
-        print(f"wrote {args.json_out}")
-    if args.plot:
-        plot(steps, base, args.plot)
-    return 0
