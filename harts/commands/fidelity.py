@@ -12,6 +12,7 @@ parameter-gradient cosines; ``--json`` writes everything, ``--plot`` draws Figur
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from harts.commands._inputs import add_model_arguments, add_output_arguments, nonneg_int, positive_int, seed_int
 
@@ -136,7 +137,6 @@ def run(args: argparse.Namespace) -> int:
         summarize,
     )
     from harts.commands._progress import progress
-    from harts.commands._table import format_table
     from harts.models.execution.config import ExecutionConfig
     from harts.outputs import PLOT_FORMATS, check_output_file, write_json
     from harts.plan.calls import plan_calls_many
@@ -187,11 +187,52 @@ def run(args: argparse.Namespace) -> int:
         reference=reference,
     )
     bar.close()
+    _report(args, batch, step_plan.num_microbatches, chosen, model, record)
+    config = model.config
+    if args.json_out:
+        out = {
+            "workload": args.workload,
+            "step": args.step,
+            "seed": args.seed,
+            "capacity": args.capacity,
+            "microbatch_ids": chosen,
+            "model": args.model,
+            "config": config.to_dict(),
+            "dtype": args.dtype,
+            "attention": args.attention,
+            "la_backend": args.la_backend,
+            "device": args.device,
+            "old_logprobs": args.old_logprobs,
+            "reference_dtype": args.reference_dtype,
+            **record,
+        }
+        write_json(args.json_out, out, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        print(f"wrote {args.json_out}")
+    if args.plot:
+        setting = next(iter(record["settings"]))
+        plot_depth(record, setting, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    batch: Any,
+    num_microbatches: int,
+    chosen: list[int],
+    model: Any,
+    record: dict,  # noqa: ANN401
+) -> None:
+    """The batch, model and microbatch lines, then per recompute setting the error tables."""
+    import numpy as np
+
+    from harts.commands._table import format_table
+    from harts.rl.fidelity_ablation import PATHS
 
     config = model.config
     print(
         f"batch {args.workload}[{args.step}]: {batch.num_trajectories} trajectories, {batch.num_tokens:,} tokens, "
-        f"{step_plan.num_microbatches} microbatches at capacity {args.capacity:,}; ran {len(cbs)} (plan order {chosen})"
+        f"{num_microbatches} microbatches at capacity {args.capacity:,}; ran {len(chosen)} (plan order {chosen})"
     )
     print(
         f"model {args.model} ({config.layer_pattern}, {model.num_parameters():,} params, vocab {config.vocab_size:,}, "
@@ -235,27 +276,3 @@ def run(args: argparse.Namespace) -> int:
                 ],
             )
         )
-    if args.json_out:
-        out = {
-            "workload": args.workload,
-            "step": args.step,
-            "seed": args.seed,
-            "capacity": args.capacity,
-            "microbatch_ids": chosen,
-            "model": args.model,
-            "config": config.to_dict(),
-            "dtype": args.dtype,
-            "attention": args.attention,
-            "la_backend": args.la_backend,
-            "device": args.device,
-            "old_logprobs": args.old_logprobs,
-            "reference_dtype": args.reference_dtype,
-            **record,
-        }
-        write_json(args.json_out, out, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
-        print(f"wrote {args.json_out}")
-    if args.plot:
-        setting = next(iter(record["settings"]))
-        plot_depth(record, setting, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
