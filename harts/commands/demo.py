@@ -200,77 +200,21 @@ def _identity(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) -> dict[str, Any]:
-    import os
-    import shutil
     import sys
     import time
 
     with signals.window():
-        import torch
         from tqdm import tqdm
 
         from harts.commands._progress import progress
-        from harts.commands._resume import check_resumed_run
         from harts.envs import ToolLookup
-        from harts.errors import UserError
-        from harts.models.config import HybridConfig
-        from harts.models.execution.config import ExecutionConfig
-        from harts.models.hybrid_lm import HybridLM
-        from harts.parallel.checkpoint import latest_checkpoint, load_checkpoint
-        from harts.rl.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
-        from harts.rollout.collect import RolloutConfig
-        from harts.trainer.online import OnlineConfig, OnlineTrainer
-        from harts.trainer.step import TrainConfig
+        from harts.rl.metrics import MetricsWriter
 
         t_start = time.perf_counter()
-        torch.set_num_threads(args.threads)
         env = ToolLookup()
-        torch.manual_seed(args.seed)
-        model = HybridLM(HybridConfig.tiny(vocab_size=env.vocab_size, dtype=args.dtype)).to(args.device)
-        cfg = OnlineConfig(
-            rollout=RolloutConfig(
-                tasks=args.tasks,
-                group_size=args.group_size,
-                fork_width=args.fork_width,
-                max_leaves=args.max_leaves,
-                temperature=args.temperature,
-            ),
-            # one attention call per branch: the tiny model's head dims (8, 12) are below the
-            # minimum (16) of FlexAttention, which the tree-mask path uses on CUDA
-            train=TrainConfig(
-                lr=args.lr, kl_coef=args.kl_coef, execution=ExecutionConfig(mode=mode, attention="gather")
-            ),
-            updates=args.updates,
-            seed=args.seed,
-        )
-        trainer = OnlineTrainer(model, ToolLookup, cfg)
+        model, trainer = _trainer(args, mode, env.vocab_size)
         identity = _identity(args, mode)
-        found = latest_checkpoint(run_dir) if args.resume else None
-        if found is not None:
-            # the flags are checked on meta.json before any weights are read: weights of another
-            # dtype would not even load
-            got = load_checkpoint(
-                run_dir,
-                model=model,
-                optimizer=trainer.optimizer,
-                fallback=args.resume_auto,
-                check=lambda saved: check_resumed_run(args.resume, saved.path, saved.extra, "demo", identity),
-            )
-            for line in got.skipped:
-                print(f"harts: warning: {line}", file=sys.stderr, flush=True)
-            if got.step > args.steps:
-                raise UserError(
-                    f"--resume {args.resume}: it completed {got.step} steps, more than the {args.steps} asked for"
-                )
-            trainer.load_state_dict(got.data_state["online"])
-            truncate_metrics(run_dir, got.step)
-        else:
-            # a new run (--overwrite was checked for the whole run dir): start its metrics and
-            # checkpoints afresh (an older run's later checkpoints would be resumed instead)
-            if os.path.exists(os.path.join(run_dir, METRICS_FILE)):
-                os.remove(os.path.join(run_dir, METRICS_FILE))
-            shutil.rmtree(os.path.join(run_dir, "tensorboard"), ignore_errors=True)
-            shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+        found = _resume_or_start(args, run_dir, model, trainer, identity)
     start = trainer.state.step
     saved = {"step": start if found is not None else -1}
 
@@ -333,10 +277,104 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
         _stopped(trainer.state.step, save, f"step {trainer.state.step} failed ({type(err).__name__})", args)
         raise
     save()
+    return _summary(args, mode, trainer, env, run_dir, time.perf_counter() - t_start)
+
+
+def _trainer(args: argparse.Namespace, mode: str, vocab_size: int) -> tuple[Any, Any]:
+    """The tiny model (seeded) and its online trainer for ``mode``."""
+    import torch
+
+    from harts.envs import ToolLookup
+    from harts.models.config import HybridConfig
+    from harts.models.execution.config import ExecutionConfig
+    from harts.models.hybrid_lm import HybridLM
+    from harts.rollout.collect import RolloutConfig
+    from harts.trainer.online import OnlineConfig, OnlineTrainer
+    from harts.trainer.step import TrainConfig
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = HybridLM(HybridConfig.tiny(vocab_size=vocab_size, dtype=args.dtype)).to(args.device)
+    cfg = OnlineConfig(
+        rollout=RolloutConfig(
+            tasks=args.tasks,
+            group_size=args.group_size,
+            fork_width=args.fork_width,
+            max_leaves=args.max_leaves,
+            temperature=args.temperature,
+        ),
+        # one attention call per branch: the tiny model's head dims (8, 12) are below the
+        # minimum (16) of FlexAttention, which the tree-mask path uses on CUDA
+        train=TrainConfig(lr=args.lr, kl_coef=args.kl_coef, execution=ExecutionConfig(mode=mode, attention="gather")),
+        updates=args.updates,
+        seed=args.seed,
+    )
+    return model, OnlineTrainer(model, ToolLookup, cfg)
+
+
+def _resume_or_start(
+    args: argparse.Namespace,
+    run_dir: str,
+    model: Any,
+    trainer: Any,
+    identity: dict[str, Any],  # noqa: ANN401
+) -> Any:  # noqa: ANN401
+    """Load the newest checkpoint of ``run_dir`` when resuming (returns it), else clear the
+    run directory's metrics and checkpoints for a new run (returns None)."""
+    import os
+    import shutil
+    import sys
+
+    from harts.commands._resume import check_resumed_run
+    from harts.errors import UserError
+    from harts.parallel.checkpoint import latest_checkpoint, load_checkpoint
+    from harts.rl.metrics import METRICS_FILE, truncate_metrics
+
+    found = latest_checkpoint(run_dir) if args.resume else None
+    if found is not None:
+        # the flags are checked on meta.json before any weights are read: weights of another
+        # dtype would not even load
+        got = load_checkpoint(
+            run_dir,
+            model=model,
+            optimizer=trainer.optimizer,
+            fallback=args.resume_auto,
+            check=lambda saved: check_resumed_run(args.resume, saved.path, saved.extra, "demo", identity),
+        )
+        for line in got.skipped:
+            print(f"harts: warning: {line}", file=sys.stderr, flush=True)
+        if got.step > args.steps:
+            raise UserError(
+                f"--resume {args.resume}: it completed {got.step} steps, more than the {args.steps} asked for"
+            )
+        trainer.load_state_dict(got.data_state["online"])
+        truncate_metrics(run_dir, got.step)
+    else:
+        # a new run (--overwrite was checked for the whole run dir): start its metrics and
+        # checkpoints afresh (an older run's later checkpoints would be resumed instead)
+        if os.path.exists(os.path.join(run_dir, METRICS_FILE)):
+            os.remove(os.path.join(run_dir, METRICS_FILE))
+        shutil.rmtree(os.path.join(run_dir, "tensorboard"), ignore_errors=True)
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+    return found
+
+
+def _summary(
+    args: argparse.Namespace,
+    mode: str,
+    trainer: Any,
+    env: Any,
+    run_dir: str,
+    seconds: float,  # noqa: ANN401
+) -> dict[str, Any]:
+    """The run's summary record, and its closing line (reward first vs last steps, chance)."""
+    import os
+
+    from harts.rl.metrics import METRICS_FILE
+
     rewards = [r["reward"] for r in trainer.state.history]
     k = min(5, len(rewards))
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    seconds = time.perf_counter() - t_start
     summary = {
         "mode": mode,
         "steps": args.steps,
