@@ -46,19 +46,25 @@ def check_memory(
     optimizer: bool = True,
     shards: int = 1,
     force: bool = False,
+    rows_option: str | None = "--capacity",
+    where: str | None = None,
 ) -> MemoryEstimate | None:
     """Raise a one-line ``UserError`` (the estimate, what is available, the largest term, the
     knob) unless the model ``spec`` names, with ``vocab_size``, fits one training step of
     ``capacity`` rows per microbatch on its device under ``execution`` (default: the chunked LM
     head), with AdamW state when ``optimizer``, its state sharded ``shards`` ways; ``force``
-    skips it. Returns the estimate (None when skipped or the device's memory is unknown)."""
+    skips it. ``rows_option``: the flag that sets ``capacity`` (None: the batch's size does,
+    as in ``harts compare``); ``where``: the largest token id's place, for the vocabulary check
+    (``build_model``'s, made first: its message names the token). Returns the estimate (None when skipped or the device's memory is
+    unknown)."""
     if force:
         return None
     from harts.models.execution.config import ExecutionConfig
     from harts.models.memory import estimate_memory, format_bytes
-    from harts.trainer.build import check_device
+    from harts.trainer.build import check_device, check_vocab
 
     check_device(spec.device)  # before asking it how much memory it has
+    check_vocab(spec, vocab_size, where, training=optimizer)
     have = available_bytes(spec.device)
     config = _model_config(spec, vocab_size)
     if have is None or config is None:
@@ -81,23 +87,31 @@ def check_memory(
     raise UserError(
         f"not enough memory on {spec.device}: one step is estimated at {format_bytes(est.total)}, "
         f"{format_bytes(have)} available; the largest term is {name} {format_bytes(size)} "
-        f"(then {est.summary(skip=1, top=3)}); {_knob(spec, cfg, est, have, estimate, config)}; --force runs anyway"
+        f"(then {est.summary(skip=1, top=3)}); {_knob(spec, cfg, est, have, estimate, config, rows_option)}; --force runs anyway"
     )
 
 
-def train_memory_check(force: bool) -> Callable[[ModelSpec, int, TrainConfig, int], None]:
+def train_memory_check(force: bool) -> Callable[[ModelSpec, int, str, TrainConfig, int], None]:
     """``check_memory`` as ``harts train``'s runtime calls it before building the model: with
     the run's capacity and execution (the chunked head), AdamW state, and FSDP over the ranks."""
 
-    def check(spec: ModelSpec, vocab_size: int, train: TrainConfig, world: int) -> None:
+    def check(spec: ModelSpec, vocab_size: int, where: str, train: TrainConfig, world: int) -> None:
         execution = replace(train.execution, fused_logprobs=True)
-        check_memory(spec, vocab_size, capacity=train.capacity, execution=execution, shards=world, force=force)
+        check_memory(
+            spec, vocab_size, capacity=train.capacity, execution=execution, shards=world, force=force, where=where
+        )
 
     return check
 
 
 def _knob(  # noqa: ANN001
-    spec: ModelSpec, execution: ExecutionConfig, est: MemoryEstimate, have: int, estimate, config: HybridConfig
+    spec: ModelSpec,
+    execution: ExecutionConfig,
+    est: MemoryEstimate,
+    have: int,
+    estimate,
+    config: HybridConfig,
+    rows_option: str | None,
 ) -> str:
     """What fixes it: when the model's state alone (no rows) does not fit, fewer layers, a
     smaller vocabulary, a GPU or more ranks; otherwise a capacity that fits, or recomputation."""
@@ -114,14 +128,16 @@ def _knob(  # noqa: ANN001
             elif alone:
                 hints.append(f"a smaller --layers (the state of {alone} of {depth} fits) with a smaller --capacity")
         if 2 * config.vocab_size * config.hidden_size > est.parameters // 2:
-            hints.append(f"fewer than {config.vocab_size:,} token ids (remap them to a dense range 0..V-1)")
+            hints.append(_vocab_hint(config))
         if est.device_type == "cpu" and _cuda_available():
             hints.append("--device cuda")
         hints.append("more ranks (torchrun: FSDP shards parameters, gradients and optimizer state)")
     else:
         fits = _largest_fitting(lambda c: estimate(capacity=c).total, have, est.capacity)
         if fits:
-            hints.append(f"--capacity {fits:,}")
+            hints.append(f"{rows_option} {fits:,}" if rows_option else f"a batch of at most {fits:,} tokens")
+        if est.largest[0] == "lm_head":
+            hints.append(_vocab_hint(config))
         if not execution.recompute:
             with_recompute = estimate(execution=replace(execution, recompute=True)).total
             if with_recompute <= have:
@@ -129,6 +145,10 @@ def _knob(  # noqa: ANN001
         if est.device_type == "cpu" and _cuda_available():
             hints.append("--device cuda")
     return "use " + " or ".join(hints)
+
+
+def _vocab_hint(config: HybridConfig) -> str:
+    return f"fewer than {config.vocab_size:,} token ids (remap them to a dense range 0..V-1)"
 
 
 def _largest_fitting(peak, have: int, top: int) -> int | None:  # noqa: ANN001

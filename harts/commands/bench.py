@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         execution=replace(execution, fused_logprobs=True),
         optimizer=args.optimizer,
         force=args.force,
+        where=where,
     )
     built = build_model_and_attention(args, vocab, execution, where=where)
     model, flex = built.model, built.flex

@@ -86,8 +86,16 @@ def run(args: argparse.Namespace) -> int:
     vocab, where = needed_vocab([summarize(args.step, source, batch)])
     # the trajectory-wise side is the larger one: every path's rows, the plain log-softmax head
     oracle = ExecutionConfig(mode="trajectory", **recompute_fields(args))
+    spec = model_spec(args)
     check_memory(
-        model_spec(args), vocab, capacity=batch.num_tokens, execution=oracle, optimizer=False, force=args.force
+        spec,
+        vocab,
+        capacity=batch.num_tokens,
+        execution=oracle,
+        optimizer=False,
+        force=args.force,
+        rows_option=None,
+        where=where,
     )
     model = build_model(args, vocab, where=where, training=False)
     recompute = recompute_fields(args)

@@ -15,6 +15,7 @@ import argparse
 from typing import Any
 
 from harts.commands._inputs import add_model_arguments, add_output_arguments, nonneg_int, positive_int, seed_int
+from harts.commands._memory import add_force_argument
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-depth", type=positive_int, default=6, help="last depth bucket (it holds d >= this)")
     add_model_arguments(p, default_dtype="float64")
+    add_force_argument(p)
     p.add_argument(
         "--vocab-size",
         type=positive_int,
@@ -133,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
     from harts.commands._inputs import (
         build_model,
         check_capacity,
+        model_spec,
         needed_vocab,
         summarize,
     )
+    from harts.commands._memory import check_memory
     from harts.commands._progress import progress
     from harts.models.execution.config import ExecutionConfig
     from harts.outputs import PLOT_FORMATS, check_output_file, write_json
@@ -152,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     check_capacity([summary], args.capacity)
     vocab, where = needed_vocab([summary])
     vocab = max(vocab, args.vocab_size or 0)
+    check_memory(model_spec(args), vocab, capacity=args.capacity, optimizer=False, force=args.force, where=where)
     model = build_model(args, vocab, where=where, training=False)
     base = ExecutionConfig(attention=args.attention, linear_attention_backend=args.la_backend)
     reference = None

@@ -152,8 +152,14 @@ def estimate_memory(
     largest_param = config.vocab_size * config.hidden_size
     share = -(-n_params // max(1, shards))
     rows = capacity if training else 0
-    layer_rows = tuple(_layer_row_bytes(config, i, dev, e) for i in range(config.num_hidden_layers))
-    n_ckpt = cfg.checkpointed_layers(config.num_hidden_layers) if training else 0
+    depth = config.num_hidden_layers
+    layer_rows = tuple(_layer_row_bytes(config, i, dev, e) for i in range(depth))
+    # (a recompute_layers above the depth is the command's error to report, not the estimate's)
+    n_ckpt = (
+        0
+        if not (training and cfg.recompute)
+        else min(depth, depth if cfg.recompute_layers is None else cfg.recompute_layers)
+    )
     kept_rows = [config.hidden_size * e if i < n_ckpt else b for i, b in enumerate(layer_rows)]
     kept = sum(kept_rows) + _head_row_bytes(config, e)
     # the backward runs the layers last to first, freeing each one's saved tensors after it: at

@@ -133,9 +133,9 @@ class RunHooks:
     finish: Callable[[RunResult], None]
     #: ``check(checkpoint_path, saved_identity)`` raises to refuse a checkpoint to resume from
     check_resumed: Callable[[Any, dict[str, Any]], None] | None = None
-    #: ``check(spec, vocab_size, train, world)`` raises to refuse a model that will not fit its
-    #: device (``harts.commands._memory.train_memory_check``), before the model is built
-    check_memory: Callable[[ModelSpec, int, TrainConfig, int], None] | None = None
+    #: ``check(spec, vocab_size, where, train, world)`` raises to refuse a model that will not fit
+    #: its device (``harts.commands._memory.train_memory_check``), before the model is built
+    check_memory: Callable[[ModelSpec, int, str, TrainConfig, int], None] | None = None
 
 
 def run_training(cfg: RunConfig, signals: Signals, hooks: RunHooks) -> int:
@@ -233,7 +233,7 @@ class _Run:
         shared_workers(train.planner_workers)
         vocab, where = needed_vocab(summaries)
         if self.hooks.check_memory is not None:
-            self.hooks.check_memory(spec, vocab, train, self.world)
+            self.hooks.check_memory(spec, vocab, where, train, self.world)
         meta = self.distributed or cfg.meta_init
         if meta:
             model = build_model(spec, vocab, where=where, meta=True)
