@@ -44,6 +44,7 @@ the results of ``plan_units`` are int64 [V] per segment.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -76,6 +77,89 @@ def _levels(level: np.ndarray, num: int) -> tuple[np.ndarray, np.ndarray]:
     return order, np.searchsorted(level[order], np.arange(num + 1))
 
 
+@dataclass
+class _Ranks:
+    """Pass-independent facts of the internal segments, by rank (``plan_units``)."""
+
+    cross: np.ndarray
+    first_edge: np.ndarray
+    first_leaf: np.ndarray
+    has_leaf: np.ndarray
+    ids: np.ndarray
+    idx: np.ndarray
+    int_edge: np.ndarray
+    kid: np.ndarray
+    kid_rank: np.ndarray
+    le: np.ndarray
+    leaf_first: np.ndarray
+    lp: np.ndarray
+    nch_i: np.ndarray
+    nint: np.ndarray
+    ones: np.ndarray
+    parent: np.ndarray
+    rank: np.ndarray
+    spine: np.ndarray
+    n: int
+
+
+@dataclass
+class _Units:
+    """The units and the general forks, by unit level (module docstring)."""
+
+    bot_of: np.ndarray
+    depth_i: np.ndarray
+    edge_fork: np.ndarray
+    edge_ptr: np.ndarray
+    g_cnt: np.ndarray
+    g_cross: np.ndarray
+    g_leaf: np.ndarray
+    ge_kid: np.ndarray
+    gen: np.ndarray
+    gen_ptr: np.ndarray
+    level_tops: np.ndarray
+    lu_ptr: np.ndarray
+    nxt_cross: np.ndarray
+    nxt_leaf: np.ndarray
+    nxt_lf: np.ndarray
+    prv_lf: np.ndarray
+    ptop: np.ndarray
+    tops: np.ndarray
+    uid: np.ndarray
+    num_levels: int
+
+
+@dataclass
+class _Pass1:
+    """Pass 1's T_pre and T_in per rank and, per general fork in level order, its children's
+    largest and second-largest T_pre and the rank of the first child of largest T_pre."""
+
+    tp: np.ndarray
+    tin: np.ndarray
+    g_m1: np.ndarray
+    g_m2: np.ndarray
+    g_arg: np.ndarray
+
+
+@dataclass
+class _Recovery:
+    """Pass 2's state per rank (K_round ``bud``, ready ``rdy``, round ``rnd``, head rank ``hd``),
+    per head rank the fork exporting its initial state (``ipr``), per rank its direct child
+    (``dirc``), the lookups the walk down the units reads, and the phases it walked."""
+
+    bud: np.ndarray
+    rdy: np.ndarray
+    rnd: np.ndarray
+    hd: np.ndarray
+    ipr: np.ndarray
+    dirc: np.ndarray
+    key: np.ndarray
+    kbase: np.ndarray
+    before_cross: np.ndarray
+    e_seg: np.ndarray
+    g_first: np.ndarray
+    phases: list[tuple[np.ndarray, ...]] = field(default_factory=list)
+
+
 def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     """Algorithm 1 on ``forest`` with chunk size ``b`` (see module doc).
 
@@ -84,14 +168,25 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     exported by v's sequence; -1 = zero state; valid on heads), offset (place in its sequence).
     """
     v = forest.num_segments
+    if not np.any(np.diff(forest.child_ptr) > 0):  # single-segment trees: one sequence each, round 0
+        ones, z = np.ones(v, dtype=np.int64), np.zeros(v, dtype=np.int64)
+        return ones, ones.copy(), np.arange(v, dtype=np.int64), z, np.full(v, -1, dtype=np.int64), z
+    r = _ranks(forest, b)
+    u = _units(forest, r)
+    p1 = _pass1(r, u)
+    rec = _recover(r, u, p1)
+    same_i = _phase_states(r, u, rec)
+    return _to_segments(forest, r, p1, rec, same_i, u.depth_i)
+
+
+def _ranks(forest: SegmentForest, b: int) -> _Ranks:
+    """Ranks, edges, leaf children, chunk crossings and spines of ``forest``'s internal segments."""
+    v = forest.num_segments
     ptr, kid, parent = forest.child_ptr, forest.child_idx, forest.parent
     nch = np.diff(ptr)
     ids = np.flatnonzero(nch > 0)  # internal segments in preorder: rank -> segment
     n = ids.size
     ones = np.ones(v, dtype=np.int64)
-    if n == 0:  # single-segment trees: one sequence each, round 0
-        z = np.zeros(v, dtype=np.int64)
-        return ones, ones.copy(), np.arange(v, dtype=np.int64), z, np.full(v, -1, dtype=np.int64), z
     rank = np.full(v, -1, dtype=np.int64)
     rank[ids] = np.arange(n)
     idx = np.arange(n, dtype=np.int64)
@@ -118,6 +213,34 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     has_leaf = nleaf > 0
     leaf_first = spine & has_leaf & ~int_edge[first_edge]  # a spine whose first child is a leaf
 
+    return _Ranks(
+        cross=cross,
+        first_edge=first_edge,
+        first_leaf=first_leaf,
+        has_leaf=has_leaf,
+        ids=ids,
+        idx=idx,
+        int_edge=int_edge,
+        kid=kid,
+        kid_rank=kid_rank,
+        le=le,
+        leaf_first=leaf_first,
+        lp=lp,
+        nch_i=nch_i,
+        nint=nint,
+        ones=ones,
+        parent=parent,
+        rank=rank,
+        spine=spine,
+        n=n,
+    )
+
+
+def _units(forest: SegmentForest, r: _Ranks) -> _Units:
+    """The units, their depths, next-index lookups, and the general forks' internal edges."""
+    cross, first_edge, has_leaf, ids, idx, int_edge = r.cross, r.first_edge, r.has_leaf, r.ids, r.idx, r.int_edge
+    kid_rank, leaf_first, nch_i, nint, parent, rank = r.kid_rank, r.leaf_first, r.nch_i, r.nint, r.parent, r.rank
+    spine, n = r.spine, r.n
     # ---- units and their depths
     is_top = np.ones(n, dtype=bool)
     is_top[1:] = ~spine[:-1]
@@ -156,11 +279,48 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     np.cumsum(nint[gen], out=edge_ptr[1:])
     edge_fork = np.repeat(np.arange(gen.size), nint[gen])
     g_cnt, g_leaf, g_cross = nint[gen], has_leaf[gen], cross[gen]  # per general fork, level order
-    g_m1, g_m2, g_arg = (np.zeros(gen.size, dtype=np.int64) for _ in range(3))  # set by pass 1
     long_units = np.flatnonzero(spine[tops])  # units of two or more ranks (a spine top)
     lu_order, lu_ptr = _levels(udepth[long_units], num_levels)
     level_tops = tops[long_units[lu_order]]  # their tops by level; a one-rank unit needs no walk
 
+    return _Units(
+        bot_of=bot_of,
+        depth_i=depth_i,
+        edge_fork=edge_fork,
+        edge_ptr=edge_ptr,
+        g_cnt=g_cnt,
+        g_cross=g_cross,
+        g_leaf=g_leaf,
+        ge_kid=ge_kid,
+        gen=gen,
+        gen_ptr=gen_ptr,
+        level_tops=level_tops,
+        lu_ptr=lu_ptr,
+        nxt_cross=nxt_cross,
+        nxt_leaf=nxt_leaf,
+        nxt_lf=nxt_lf,
+        prv_lf=prv_lf,
+        ptop=ptop,
+        tops=tops,
+        uid=uid,
+        num_levels=num_levels,
+    )
+
+
+def _pass1(r: _Ranks, u: _Units) -> _Pass1:
+    """Pass 1 (Eqs. 12-14): T_pre and T_in of every rank, unit levels bottom-up."""
+    cross, nch_i, spine = r.cross, r.nch_i, r.spine
+    bot_of, edge_ptr, g_cnt, g_cross, g_leaf, ge_kid = u.bot_of, u.edge_ptr, u.g_cnt, u.g_cross, u.g_leaf, u.ge_kid
+    gen, gen_ptr, level_tops, lu_ptr, nxt_cross, nxt_leaf = (
+        u.gen,
+        u.gen_ptr,
+        u.level_tops,
+        u.lu_ptr,
+        u.nxt_cross,
+        u.nxt_leaf,
+    )
+    num_levels = u.num_levels
+    g_m1, g_m2, g_arg = (np.zeros(gen.size, dtype=np.int64) for _ in range(3))
     # ---- pass 1: leaf-only forks in closed form, then unit levels bottom-up
     tin = 1 + (nch_i >= 2)
     tp = _pick(cross, tin, 1)
@@ -204,6 +364,16 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
             spine_values(ut)
     spine_values(np.flatnonzero(spine))
 
+    return _Pass1(tp=tp, tin=tin, g_m1=g_m1, g_m2=g_m2, g_arg=g_arg)
+
+
+def _recover(r: _Ranks, u: _Units, p1: _Pass1) -> _Recovery:
+    """Pass 2 (recovery, lines 10-25): unit levels top-down, the phases down the units and the
+    general forks' choices."""
+    first_edge, first_leaf, ids, idx, kid, n = r.first_edge, r.first_leaf, r.ids, r.idx, r.kid, r.n
+    bot_of, ge_kid, gen, gen_ptr, level_tops, lu_ptr = u.bot_of, u.ge_kid, u.gen, u.gen_ptr, u.level_tops, u.lu_ptr
+    nxt_cross, prv_lf, ptop, tops, uid, num_levels = u.nxt_cross, u.prv_lf, u.ptop, u.tops, u.uid, u.num_levels
+    tp = p1.tp
     # ---- pass 2: unit levels top-down; per rank the state (K_round, ready, round, head rank)
     bud = np.zeros(n, dtype=np.int64)
     rdy = np.ones(n, dtype=bool)
@@ -221,81 +391,116 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     # last leaf-first spine before the first crossing at or after j (-1: none in j's unit)
     cut = nxt_cross - 1
     before_cross = _pick(cut >= idx, prv_lf[np.maximum(cut, 0)], -1)
-    phases: list[tuple[np.ndarray, ...]] = []
     e_seg = ids[ge_kid]  # per general-fork edge: the child segment
     g_first = kid[first_edge[gen]]  # per general fork: its first child (segment)
 
-    def walk_units(s: np.ndarray) -> None:
-        """Phases down the units topped by spine ranks ``s``; sets each bottom's state."""
-        k, r, rd, h = bud[s], rdy[s], rnd[s], hd[s]
-        pr = ipr[h]  # initial state of the phase's sequences
-        bt = bot_of[s]
-        while s.size:
-            cr = nxt_cross[s]
-            g = np.where(r, cr, s)  # before g every decision is same-round
-            z = np.maximum(np.searchsorted(key, kbase[s] - k, side="right"), s)  # T_pre(j+1) < K
-            e = nxt_lf[np.maximum(g, z)]
-            # head of e's sequence: after the last same-round break (a leaf-first spine
-            # before the first crossing), else the phase's head
-            last = before_cross[s]
-            h_e = np.where(r & (last >= s), last + 1, h)
-            phases.append((s, e, k, r, rd, h, pr))
-            done = e == bt
-            fb, hb = bt[done], h_e[done]
-            bud[fb], rnd[fb], hd[fb] = k[done], rd[done], hb
-            rdy[fb] = r[done] & (cr[done] == fb)
-            ipr[hb] = pr[done]
-            if fb.size == s.size:
-                return
-            # the next phase starts at e + 1 as a new head, one round later with K - 1
-            more = ~done
-            e = e[more]
-            s, k, rd, bt = e + 1, k[more] - 1, rd[more] + 1, bt[more]
-            r = np.ones(s.size, dtype=bool)
-            h, pr = s, ids[e]
-
-    def recover_forks(g0: int, g1: int) -> None:
-        """General forks gen[g0:g1] choose their direct child and set their children's state.
-
-        The direct child is the first one fitting K_round that covers every child over
-        K_side (the pseudocode): the first child when none exceeds K_side (T_pre <= K_side,
-        and T_in <= T_pre + 1 <= K_round when K_side = K_round - 1), else the one exceeding
-        child, the first of largest T_pre, which must fit K_round with no second one.
-        """
-        par = gen[g0:g1]
-        lo, hi = int(edge_ptr[g0]), int(edge_ptr[g1])
-        ef = edge_fork[lo:hi] - g0  # fork (in par) of each edge
-        kids = ge_kid[lo:hi]
-        kr = bud[par]
-        same = rdy[par] & ~g_cross[g0:g1]
-        ks = kr - ~same  # K_side >= 1: a fork that is not same-round has K_round >= T_in >= 2
-        ar = g_arg[g0:g1]
-        use_arg = g_m1[g0:g1] > ks
-        if np.any(use_arg & ((g_m2[g0:g1] > ks) | (np.where(same, tp[ar], tin[ar]) > kr))):
-            raise AssertionError(_FAIL)
-        dseg = np.where(use_arg, ids[ar], g_first[g0:g1])
-        dirc[par] = dseg
-        direct = e_seg[lo:hi] == dseg[ef]
-        kr_e, same_e = kr[ef], same[ef]
-        hpar = hd[par]
-        later = ~(direct | same_e)  # a side child of a fork that is not same-round
-        bud[kids] = kr_e - later
-        rdy[kids] = direct <= same_e  # a side child is ready; a direct one iff same-round
-        rnd[kids] = rnd[par][ef] + later
-        hd[kids] = np.where(direct, hpar[ef], kids)
-        # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
-        # initial state; otherwise it requests S_{b_v} from the parent's sequence
-        se = np.flatnonzero(~direct)
-        sf = ef[se]
-        ipr[kids[se]] = np.where(same, ipr[hpar], ids[par])[sf]
-
+    rec = _Recovery(
+        bud=bud,
+        rdy=rdy,
+        rnd=rnd,
+        hd=hd,
+        ipr=ipr,
+        dirc=dirc,
+        key=key,
+        kbase=kbase,
+        before_cross=before_cross,
+        e_seg=e_seg,
+        g_first=g_first,
+    )
     for d in range(num_levels):
         ut = level_tops[lu_ptr[d] : lu_ptr[d + 1]]  # a one-rank unit keeps its parent fork's state
         if ut.size:
-            walk_units(ut)
+            _walk_units(ut, r, u, rec)
         if gen_ptr[d + 1] > gen_ptr[d]:
-            recover_forks(int(gen_ptr[d]), int(gen_ptr[d + 1]))
+            _recover_forks(int(gen_ptr[d]), int(gen_ptr[d + 1]), r, u, p1, rec)
 
+    return rec
+
+
+def _walk_units(s: np.ndarray, ranks: _Ranks, u: _Units, rec: _Recovery) -> None:
+    """Phases down the units topped by spine ranks ``s``; sets each bottom's state."""
+    ids = ranks.ids
+    bot_of, nxt_cross, nxt_lf = u.bot_of, u.nxt_cross, u.nxt_lf
+    bud, rdy, rnd, hd, ipr, key = rec.bud, rec.rdy, rec.rnd, rec.hd, rec.ipr, rec.key
+    kbase, before_cross, phases = rec.kbase, rec.before_cross, rec.phases
+    k, r, rd, h = bud[s], rdy[s], rnd[s], hd[s]
+    pr = ipr[h]  # initial state of the phase's sequences
+    bt = bot_of[s]
+    while s.size:
+        cr = nxt_cross[s]
+        g = np.where(r, cr, s)  # before g every decision is same-round
+        z = np.maximum(np.searchsorted(key, kbase[s] - k, side="right"), s)  # T_pre(j+1) < K
+        e = nxt_lf[np.maximum(g, z)]
+        # head of e's sequence: after the last same-round break (a leaf-first spine
+        # before the first crossing), else the phase's head
+        last = before_cross[s]
+        h_e = np.where(r & (last >= s), last + 1, h)
+        phases.append((s, e, k, r, rd, h, pr))
+        done = e == bt
+        fb, hb = bt[done], h_e[done]
+        bud[fb], rnd[fb], hd[fb] = k[done], rd[done], hb
+        rdy[fb] = r[done] & (cr[done] == fb)
+        ipr[hb] = pr[done]
+        if fb.size == s.size:
+            return
+        # the next phase starts at e + 1 as a new head, one round later with K - 1
+        more = ~done
+        e = e[more]
+        s, k, rd, bt = e + 1, k[more] - 1, rd[more] + 1, bt[more]
+        r = np.ones(s.size, dtype=bool)
+        h, pr = s, ids[e]
+
+
+def _recover_forks(g0: int, g1: int, r: _Ranks, u: _Units, p1: _Pass1, rec: _Recovery) -> None:
+    """General forks gen[g0:g1] choose their direct child and set their children's state.
+
+    The direct child is the first one fitting K_round that covers every child over
+    K_side (the pseudocode): the first child when none exceeds K_side (T_pre <= K_side,
+    and T_in <= T_pre + 1 <= K_round when K_side = K_round - 1), else the one exceeding
+    child, the first of largest T_pre, which must fit K_round with no second one.
+    """
+    ids = r.ids
+    edge_fork, edge_ptr, g_cross, ge_kid, gen = u.edge_fork, u.edge_ptr, u.g_cross, u.ge_kid, u.gen
+    tp, tin, g_m1, g_m2, g_arg = p1.tp, p1.tin, p1.g_m1, p1.g_m2, p1.g_arg
+    bud, rdy, rnd, hd, ipr, dirc = rec.bud, rec.rdy, rec.rnd, rec.hd, rec.ipr, rec.dirc
+    e_seg, g_first = rec.e_seg, rec.g_first
+    par = gen[g0:g1]
+    lo, hi = int(edge_ptr[g0]), int(edge_ptr[g1])
+    ef = edge_fork[lo:hi] - g0  # fork (in par) of each edge
+    kids = ge_kid[lo:hi]
+    kr = bud[par]
+    same = rdy[par] & ~g_cross[g0:g1]
+    ks = kr - ~same  # K_side >= 1: a fork that is not same-round has K_round >= T_in >= 2
+    ar = g_arg[g0:g1]
+    use_arg = g_m1[g0:g1] > ks
+    if np.any(use_arg & ((g_m2[g0:g1] > ks) | (np.where(same, tp[ar], tin[ar]) > kr))):
+        raise AssertionError(_FAIL)
+    dseg = np.where(use_arg, ids[ar], g_first[g0:g1])
+    dirc[par] = dseg
+    direct = e_seg[lo:hi] == dseg[ef]
+    kr_e, same_e = kr[ef], same[ef]
+    hpar = hd[par]
+    later = ~(direct | same_e)  # a side child of a fork that is not same-round
+    bud[kids] = kr_e - later
+    rdy[kids] = direct <= same_e  # a side child is ready; a direct one iff same-round
+    rnd[kids] = rnd[par][ef] + later
+    hd[kids] = np.where(direct, hpar[ef], kids)
+    # a side branch of a same-round fork starts from S_{a_v}, the parent sequence's own
+    # initial state; otherwise it requests S_{b_v} from the parent's sequence
+    se = np.flatnonzero(~direct)
+    sf = ef[se]
+    ipr[kids[se]] = np.where(same, ipr[hpar], ids[par])[sf]
+
+
+def _phase_states(r: _Ranks, u: _Units, rec: _Recovery) -> np.ndarray:
+    """Every phase's ranks: round, readiness, same-round breaks (new heads) and continuations;
+    the spines' direct children. Returns bool [I]: the ranks whose side branches start in the
+    fork's own round."""
+    cross, ids, leaf_first, nch_i, nint, spine = r.cross, r.ids, r.leaf_first, r.nch_i, r.nint, r.spine
+    n = r.n
+    nxt_cross = u.nxt_cross
+    bud, rdy, rnd, hd, ipr, dirc = rec.bud, rec.rdy, rec.rnd, rec.hd, rec.ipr, rec.dirc
+    phases = rec.phases
     # every phase's ranks [s, e]: round, readiness, same-round breaks (new heads) and
     # continuations (K_round inside a unit is needed no more)
     cont = np.zeros(n, dtype=bool)  # a spine's internal child continues
@@ -328,6 +533,17 @@ def plan_units(forest: SegmentForest, b: int) -> tuple[np.ndarray, ...]:
     sp = np.flatnonzero(spine & cont)
     dirc[sp] = ids[sp + 1]
 
+    return same_i
+
+
+def _to_segments(
+    forest: SegmentForest, r: _Ranks, p1: _Pass1, rec: _Recovery, same_i: np.ndarray, depth_i: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """The ranks' results back on segments (int64 [V]), the leaves settled in bulk."""
+    v = forest.num_segments
+    ids, kid, le, lp, ones = r.ids, r.kid, r.le, r.lp, r.ones
+    tp, tin = p1.tp, p1.tin
+    rnd, hd, ipr, dirc = rec.rnd, rec.hd, rec.ipr, rec.dirc
     # ---- back to segments; leaves in bulk
     tpre_s = ones.copy()
     tin_s = ones.copy()
