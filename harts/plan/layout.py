@@ -244,6 +244,61 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray, iota: np.ndarray) -> np.nda
     return out
 
 
+@dataclass
+class _Order:
+    """The sequences in physical order (by round, then plan order) and the boundary-state requests
+    renumbered to follow it (``build_layout``)."""
+
+    heads: np.ndarray
+    init: np.ndarray
+    new_of: np.ndarray
+    perm: np.ndarray
+    q: int
+    replay: np.ndarray
+    req_count: np.ndarray
+    req_seq: np.ndarray
+    seq_round: np.ndarray
+
+
+@dataclass
+class _Rows:
+    """The physical rows: each sequence's own rows, contiguous and padded, and the maps between
+    physical and compact rows."""
+
+    c: int
+    all_rows: np.ndarray
+    compact_to_phys: np.ndarray
+    gaps: tuple[np.ndarray, np.ndarray]
+    is_pad: np.ndarray
+    nseg: np.ndarray
+    on_real: tuple[np.ndarray, np.ndarray, np.ndarray]
+    own: np.ndarray
+    own_phys: np.ndarray
+    p: int
+    pad: np.ndarray
+    padded: np.ndarray
+    phys_start: np.ndarray
+    phys_to_compact: np.ndarray
+    seg_len: np.ndarray
+    segs: np.ndarray
+
+
+@dataclass
+class _AncestorView:
+    """Attention view (a): per sequence its ancestors' physical ranges (root first) then its own
+    rows, and each row's parent token."""
+
+    cu_kv: np.ndarray
+    cu_q: np.ndarray
+    h: np.ndarray
+    kv_rows: np.ndarray
+    parent_phys: np.ndarray
+    run_len: np.ndarray
+    run_q: np.ndarray
+    run_start: np.ndarray
+    seq_of_seg: np.ndarray
+
+
 def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay: bool = False) -> Layout:
     """The physical layout of ``cb`` under ``plan`` (see module docstring).
 
@@ -261,10 +316,43 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         raise ValueError("build_layout: the plan was made for a different segment forest than cb.segment_trees")
     if isinstance(pad_to, bool) or int(pad_to) != pad_to or pad_to < 1:
         raise ValueError(f"build_layout: pad_to must be a positive integer, got {pad_to!r}")
-    b = plan.chunk_size
-    c = cb.num_compact_tokens
+    o = _sequence_order(plan, no_replay)
+    rw = _physical_rows(cb, plan, o, pad_to)
+    va = _ancestor_view(plan, o, rw)
+    rounds = _rounds(o, rw, va)
+    tree_end, position = _tree_view(plan, o, rw, va)
+    semantic_to_phys = _semantic_rows(cb, o, rw, va)
+    return Layout(
+        num_rows=rw.p,
+        chunk_size=plan.chunk_size,
+        no_replay=bool(no_replay),
+        phys_to_compact=rw.phys_to_compact,
+        compact_to_phys=rw.compact_to_phys,
+        position=position,
+        multiplicity=_runs(rw.p, rw.on_real, rw.gaps, 0, rw.all_rows, values=cb.multiplicity),
+        tokens=_runs(rw.p, rw.on_real, rw.gaps, 0, rw.all_rows, values=cb.tokens),
+        is_pad=rw.is_pad,
+        rounds=rounds,
+        num_boundary_states=int(o.req_seq.size),
+        attn_q_rows=rw.own_phys,
+        attn_cu_q=va.cu_q,
+        attn_kv_rows=va.kv_rows,
+        attn_cu_kv=va.cu_kv,
+        tree_pre=rw.phys_to_compact,  # compact rows are preorder ids; -1 on padding
+        tree_end=tree_end,
+        semantic_to_phys=semantic_to_phys,
+        parent_phys=va.parent_phys,
+        seq_plan_index=o.perm,
+        seq_phys_start=rw.phys_start,
+        seq_own=rw.own,
+        seq_replay=o.replay,
+        seq_round=o.seq_round,
+    )
 
-    # ---- sequence order: by round, then plan order
+
+def _sequence_order(plan: CallPlan, no_replay: bool) -> _Order:
+    """Sequence order: by round, then plan order; requests renumbered to follow it."""
+    f = plan.forest
     rnd_p, la_start_p, init_p, req_seq_p, req_pos_p = _sequence_schedule(plan, no_replay)
     q = plan.num_sequences
     perm = np.lexsort((np.arange(q), rnd_p)).astype(np.int64)
@@ -284,8 +372,24 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     init[init >= 0] = req_id_of[init[init >= 0]]
     req_count = req_pos - la_start[req_seq]
 
-    # ---- physical rows: own rows of each sequence, contiguous, padded to pad_to; each
-    # segment is one run of physical rows holding one run of compact rows
+    return _Order(
+        heads=heads,
+        init=init,
+        new_of=new_of,
+        perm=perm,
+        q=q,
+        replay=replay,
+        req_count=req_count,
+        req_seq=req_seq,
+        seq_round=seq_round,
+    )
+
+
+def _physical_rows(cb: CompactBatch, plan: CallPlan, o: _Order, pad_to: int) -> _Rows:
+    """Physical rows: own rows of each sequence, contiguous, padded to ``pad_to``; each segment is
+    one run of physical rows holding one run of compact rows."""
+    f, c = plan.forest, cb.num_compact_tokens
+    perm = o.perm
     own = plan.seq_tokens[perm]
     padded = -(-own // pad_to) * pad_to
     phys_start = np.cumsum(padded) - padded
@@ -317,9 +421,33 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         own_phys = _ranges(phys_start, own, all_rows)
         is_pad = phys_to_compact < 0
 
-    # ---- attention view (a): ancestors of each head (root first) + own rows. A sequence's
-    # own rows are contiguous and in position order, so the ancestors inside one ancestor
-    # sequence are one physical range: walk up the sequence tree, one range per level.
+    return _Rows(
+        c=c,
+        all_rows=all_rows,
+        compact_to_phys=compact_to_phys,
+        gaps=gaps,
+        is_pad=is_pad,
+        nseg=nseg,
+        on_real=on_real,
+        own=own,
+        own_phys=own_phys,
+        p=p,
+        pad=pad,
+        padded=padded,
+        phys_start=phys_start,
+        phys_to_compact=phys_to_compact,
+        seg_len=seg_len,
+        segs=segs,
+    )
+
+
+def _ancestor_view(plan: CallPlan, o: _Order, rw: _Rows) -> _AncestorView:
+    """Attention view (a): ancestors of each head (root first) + own rows. A sequence's own rows
+    are contiguous and in position order, so the ancestors inside one ancestor sequence are one
+    physical range: walk up the sequence tree, one range per level."""
+    f = plan.forest
+    heads, new_of, q = o.heads, o.new_of, o.q
+    c, all_rows, gaps, own, p, phys_start = rw.c, rw.all_rows, rw.gaps, rw.own, rw.p, rw.phys_start
     seq_of_seg = new_of[plan.seg_seq]
     h = f.start[heads]
     rng_q, rng_lvl, rng_start, rng_len = [np.arange(q)], [np.full(q, -1)], [phys_start], [own]
@@ -353,6 +481,25 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     if p != c:
         parent_phys[_ranges(*gaps, all_rows)] = -1
 
+    return _AncestorView(
+        cu_kv=cu_kv,
+        cu_q=cu_q,
+        h=h,
+        kv_rows=kv_rows,
+        parent_phys=parent_phys,
+        run_len=run_len,
+        run_q=run_q,
+        run_start=run_start,
+        seq_of_seg=seq_of_seg,
+    )
+
+
+def _rounds(o: _Order, rw: _Rows, va: _AncestorView) -> list[RoundView]:
+    """Every round's packed linear-attention call: its input rows (replay rows, then own rows
+    and padding), output rows, initial states and requested boundary states."""
+    init, q, replay, req_count, req_seq, seq_round = o.init, o.q, o.replay, o.req_count, o.req_seq, o.seq_round
+    all_rows, padded, phys_start = rw.all_rows, rw.padded, rw.phys_start
+    cu_kv, h, kv_rows = va.cu_kv, va.h, va.kv_rows
     # ---- replay rows: the last `replay` ancestor rows of each head, i.e. the tail of the
     # branch's ancestor part in view (a)
     replay_phys = kv_rows[_ranges(cu_kv[:-1] + h - replay, replay, all_rows)]
@@ -400,6 +547,17 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
             )
         )
 
+    return rounds
+
+
+def _tree_view(plan: CallPlan, o: _Order, rw: _Rows, va: _AncestorView) -> tuple[np.ndarray, np.ndarray]:
+    """Attention view (b): every physical row's subtree end in the compact trie's preorder, and its
+    position (padding: -1 and 0)."""
+    f = plan.forest
+    q = o.q
+    c, all_rows, gaps, nseg, own, p = rw.c, rw.all_rows, rw.gaps, rw.nseg, rw.own, rw.p
+    pad, phys_start, seg_len, segs = rw.pad, rw.phys_start, rw.seg_len, rw.segs
+    h = va.h
     # ---- attention view (b): preorder intervals of the compact trie (a segment's rows share
     # one subtree end; padding: -1); positions run on inside each sequence (from its head's)
     seg_end = f.subtree_end_rows()[segs]
@@ -415,6 +573,14 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
         tree_end = np.repeat(vals, reps)
     position = _runs(p, _merge_runs(phys_start, h, own), gaps, 0, all_rows)
 
+    return tree_end, position
+
+
+def _semantic_rows(cb: CompactBatch, o: _Order, rw: _Rows, va: _AncestorView) -> np.ndarray:
+    """The physical row of every semantic position [S]."""
+    q = o.q
+    all_rows = rw.all_rows
+    cu_kv, run_len, run_q, run_start, seq_of_seg = va.cu_kv, va.run_len, va.run_q, va.run_start, va.seq_of_seg
     # ---- semantic positions: trajectory t's j-th token is row j of the view-(a) branch of
     # the sequence holding its last token (ancestors root first, then own rows), so its rows
     # are a prefix of that branch's kv runs
@@ -430,29 +596,4 @@ def build_layout(cb: CompactBatch, plan: CallPlan, *, pad_to: int = 1, no_replay
     semantic_to_phys = _ranges(run_start[ri], piece, all_rows)
     assert semantic_to_phys.size == cb.num_semantic_tokens
 
-    return Layout(
-        num_rows=p,
-        chunk_size=b,
-        no_replay=bool(no_replay),
-        phys_to_compact=phys_to_compact,
-        compact_to_phys=compact_to_phys,
-        position=position,
-        multiplicity=_runs(p, on_real, gaps, 0, all_rows, values=cb.multiplicity),
-        tokens=_runs(p, on_real, gaps, 0, all_rows, values=cb.tokens),
-        is_pad=is_pad,
-        rounds=rounds,
-        num_boundary_states=int(req_seq.size),
-        attn_q_rows=own_phys,
-        attn_cu_q=cu_q,
-        attn_kv_rows=kv_rows,
-        attn_cu_kv=cu_kv,
-        tree_pre=phys_to_compact,  # compact rows are preorder ids; -1 on padding
-        tree_end=tree_end,
-        semantic_to_phys=semantic_to_phys,
-        parent_phys=parent_phys,
-        seq_plan_index=perm,
-        seq_phys_start=phys_start,
-        seq_own=own,
-        seq_replay=replay,
-        seq_round=seq_round,
-    )
+    return semantic_to_phys
