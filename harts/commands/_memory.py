@@ -39,7 +39,7 @@ def add_force_argument(p: argparse.ArgumentParser) -> None:
 
 def check_memory(
     spec: ModelSpec,
-    vocab_size: int,
+    vocab_size: int | None,
     *,
     capacity: int,
     execution: ExecutionConfig | None = None,
@@ -48,14 +48,16 @@ def check_memory(
     force: bool = False,
     rows_option: str | None = "--capacity",
     where: str | None = None,
+    frozen_base: bool = False,
 ) -> MemoryEstimate | None:
     """Raise a one-line ``UserError`` (the estimate, what is available, the largest term, the
-    knob) unless the model ``spec`` names, with ``vocab_size``, fits one training step of
+    knob) unless the model ``spec`` names, with ``vocab_size`` (None: its own), fits one training step of
     ``capacity`` rows per microbatch on its device under ``execution`` (default: the chunked LM
     head), with AdamW state when ``optimizer``, its state sharded ``shards`` ways; ``force``
     skips it. ``rows_option``: the flag that sets ``capacity`` (None: the batch's size does,
     as in ``harts compare``); ``where``: the largest token id's place, for the vocabulary check
-    (``build_model``'s, made first: its message names the token). Returns the estimate (None when skipped or the device's memory is
+    (``build_model``'s, made first: its message names the token); ``frozen_base``: LoRA
+    training, no gradients or optimizer state for the base weights. Returns the estimate (None when skipped or the device's memory is
     unknown)."""
     if force:
         return None
@@ -64,7 +66,8 @@ def check_memory(
     from harts.trainer.build import check_device, check_vocab
 
     check_device(spec.device)  # before asking it how much memory it has
-    check_vocab(spec, vocab_size, where, training=optimizer)
+    if vocab_size is not None:
+        check_vocab(spec, vocab_size, where, training=optimizer)
     have = available_bytes(spec.device)
     config = _model_config(spec, vocab_size)
     if have is None or config is None:
@@ -75,7 +78,12 @@ def check_memory(
 
     def estimate(**changes: Any) -> MemoryEstimate:
         kw: dict[str, Any] = dict(
-            capacity=capacity, dtype=spec.dtype, optimizer=optimizer, shards=shards, device_total_bytes=total
+            capacity=capacity,
+            dtype=spec.dtype,
+            optimizer=optimizer,
+            shards=shards,
+            device_total_bytes=total,
+            frozen_base=frozen_base,
         )
         kw.update(changes)
         return estimate_memory(kw.pop("config", config), kw.pop("execution", cfg), device_type=dev, **kw)
@@ -163,7 +171,7 @@ def _largest_fitting(peak, have: int, top: int) -> int | None:  # noqa: ANN001
     return lo or None
 
 
-def _model_config(spec: ModelSpec, vocab_size: int) -> HybridConfig | None:
+def _model_config(spec: ModelSpec, vocab_size: int | None) -> HybridConfig | None:
     """The ``HybridConfig`` ``build_model`` will build: a preset with ``--pattern`` / ``--layers``
     and the batch's vocabulary, or a checkpoint's own (its structure read on the meta device;
     None when it does not load: ``build_model`` reports that)."""
@@ -178,7 +186,9 @@ def _model_config(spec: ModelSpec, vocab_size: int) -> HybridConfig | None:
             return load_model(spec.model, vocab_size=vocab_size, dtype=spec.dtype, device="meta").config
         except Exception:  # noqa: BLE001 - build_model raises its own error for it
             return None
-    fields: dict[str, Any] = {"vocab_size": vocab_size, **({"layer_pattern": spec.pattern} if spec.pattern else {})}
+    fields: dict[str, Any] = {"layer_pattern": spec.pattern} if spec.pattern else {}
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
     return HybridConfig.preset(spec.model, layers=spec.layers, **fields)
 
 

@@ -47,6 +47,7 @@ import argparse
 from typing import Any
 
 from harts.commands._inputs import add_output_arguments, nonneg_float, positive_float, positive_int, seed_int
+from harts.commands._memory import add_force_argument
 from harts.commands._runs import Interrupted, Signals, check_run_dir
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
@@ -120,6 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "auto: continue --run-dir from its newest checkpoint that loads (damaged newer ones are passed over), "
         "or start it there when it has none",
     )
+    add_force_argument(p)
     add_output_arguments(p, what="the summary")
 
 
@@ -284,16 +286,20 @@ def _trainer(args: argparse.Namespace, mode: str, vocab_size: int) -> tuple[Any,
     """The tiny model (seeded) and its online trainer for ``mode``."""
     import torch
 
+    from harts.commands._memory import check_memory
     from harts.envs import ToolLookup
     from harts.models.config import HybridConfig
     from harts.models.execution.config import ExecutionConfig
     from harts.models.hybrid_lm import HybridLM
     from harts.rollout.collect import RolloutConfig
+    from harts.trainer.build import ModelSpec
     from harts.trainer.online import OnlineConfig, OnlineTrainer
     from harts.trainer.step import TrainConfig
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    spec = ModelSpec(model="tiny", dtype=args.dtype, device=args.device)
+    check_memory(spec, vocab_size, capacity=TrainConfig.capacity, force=args.force)
     model = HybridLM(HybridConfig.tiny(vocab_size=vocab_size, dtype=args.dtype)).to(args.device)
     cfg = OnlineConfig(
         rollout=RolloutConfig(

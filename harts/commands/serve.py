@@ -29,6 +29,7 @@ from harts.commands._inputs import (
     positive_int,
     seed_int,
 )
+from harts.commands._memory import add_force_argument
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -90,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log")
+    add_force_argument(p)
     add_output_arguments(p, what="the server's base URL, served model and state directory, once it listens,")
 
 
@@ -98,10 +100,15 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from harts.commands._inputs import recompute_fields
+    from harts.commands._memory import check_memory
     from harts.serve.config import API_KEY_ENV, ServeConfig
     from harts.serve.server import serve
+    from harts.trainer.build import ModelSpec
 
     execution = {**recompute_fields(args), "attention": args.attention, "linear_attention_backend": args.la_backend}
+    # one engine's model, trained through LoRA adapters (its weights frozen), at --capacity
+    spec = ModelSpec(model=args.model, layers=args.layers, dtype=args.dtype, device=args.device)
+    check_memory(spec, None, capacity=args.capacity, optimizer=False, frozen_base=True, force=args.force)
 
     config = ServeConfig(
         model=args.model,

@@ -125,6 +125,7 @@ def estimate_memory(
     shards: int = 1,
     logit_rows: int | None = None,
     device_total_bytes: int | None = None,
+    frozen_base: bool = False,
 ) -> MemoryEstimate:
     """One rank's peak memory for a forward + backward of ``capacity`` rows (module docstring).
 
@@ -141,6 +142,8 @@ def estimate_memory(
         logit_rows: positions the LM head computes per microbatch; None: ``capacity``.
         device_total_bytes: the device's total memory, which decides whether the head keeps its
             softmax under ``keep_lm_head_probs=None`` (CUDA, half precision); None: not kept.
+        frozen_base: the model's weights are frozen (LoRA training): no gradient and no
+            optimizer state for them (the adapters' own are left out: a small fraction).
 
     Returns:
         ``MemoryEstimate`` with every term of ``TERMS``.
@@ -171,8 +174,8 @@ def estimate_memory(
     terms = {
         "runtime": CPU_RUNTIME_BYTES if dev == "cpu" else 0,
         "parameters": share * e,
-        "gradients": (share + largest_param // max(1, shards)) * e if training else 0,
-        "optimizer": 2 * share * e if optimizer else 0,
+        "gradients": (share + largest_param // max(1, shards)) * e if training and not frozen_base else 0,
+        "optimizer": 2 * share * e if optimizer and not frozen_base else 0,
         "activations": rows * kept,
         "allocator": int(rows * kept * CPU_ALLOCATOR_SLACK) if dev == "cpu" else 0,
         "backward": int(rows * max(0.0, reach)),
