@@ -12,7 +12,7 @@ rank, on the chosen device:
     optimizer    AdamW's two moments per parameter (with ``optimizer``), / shards
     activations  what autograd keeps from the forward for the backward, summed over the layers:
                  rows x the bytes each layer keeps per row (below); a layer under activation
-                 checkpointing keeps only its input row
+                 checkpointing keeps its input row and what ``recompute_skip`` keeps of its cores
     allocator    on the CPU, what the C allocator keeps of the forward's freed temporaries
                  (glibc's heap below its mmap threshold): ``CPU_ALLOCATOR_SLACK`` of the
                  activations
@@ -163,7 +163,12 @@ def estimate_memory(
         if not (training and cfg.recompute)
         else min(depth, depth if cfg.recompute_layers is None else cfg.recompute_layers)
     )
-    kept_rows = [config.hidden_size * e if i < n_ckpt else b for i, b in enumerate(layer_rows)]
+    kept_rows = [
+        _checkpointed_row_bytes(config, i, dev, e, cfg, moe_rank=sum(map(config.is_moe_layer, range(i))))
+        if i < n_ckpt
+        else b
+        for i, b in enumerate(layer_rows)
+    ]
     kept = sum(kept_rows) + _head_row_bytes(config, e)
     # the backward runs the layers last to first, freeing each one's saved tensors after it: at
     # layer i, layers 0..i still hold theirs (a checkpointed layer its recomputed forward too)
@@ -237,6 +242,25 @@ def _layer_row_bytes(c: HybridConfig, i: int, dev: str, e: int) -> int:
     cdt = max(e, 4) if dev == "cpu" else e
     outside, core = _mixer_row_elements(c, letter, dev)
     return int((2 * d + 1 + outside + _ffn_row_elements(c, i)) * e + core * cdt)
+
+
+def _checkpointed_row_bytes(c: HybridConfig, i: int, dev: str, e: int, cfg: ExecutionConfig, moe_rank: int) -> int:
+    """Bytes a checkpointed layer keeps per row: its input, and what ``recompute_skip`` keeps of
+    its cores (a skipped attention or linear-attention core its saved tensors, a skipped MoE
+    block its output, its routed experts' inputs and routing, and with ``moe_keep_gate_up`` the
+    first MoE layers their experts' gate/up output)."""
+    d, letter = c.hidden_size, c.layer_pattern[i]
+    cdt = max(e, 4) if dev == "cpu" else e
+    kept = d * e
+    family = "linear_attention" if LAYER_TYPES[letter][0] == "linear" else "attention"
+    if family in cfg.recompute_skip:
+        kept += int(_mixer_row_elements(c, letter, dev)[1] * cdt)
+    if "moe" in cfg.recompute_skip and c.is_moe_layer(i):
+        k = c.num_experts_per_tok
+        kept += (k * d + d + 2 * c.num_experts + 6 * k) * e
+        if moe_rank < cfg.moe_keep_gate_up:
+            kept += 2 * k * c.moe_intermediate_size * e
+    return kept
 
 
 def _mixer_row_elements(c: HybridConfig, letter: str, dev: str) -> tuple[float, float]:
