@@ -58,15 +58,13 @@ def attend_causal(q_LHD: torch.Tensor, k_MGD: torch.Tensor, v_MGE: torch.Tensor,
         q  b0          x  x  x  x  .
         q  b1          x  x  x  x  x
 
-    No [L, M] mask is made on the CPU (module docstring); elsewhere it is ``attend`` with
-    ``bottom_right_causal_mask`` (square views take the kernels' own causal flag). Returns o_LHE.
+    No [L, M] mask is made on the CPU (module docstring); elsewhere it is ``attend`` with the
+    bottom-right causal mask. Returns o_LHE.
     """
     L, M = q_LHD.shape[0], k_MGD.shape[0]
     if M < L:
         raise ValueError(f"bottom-right causal attention needs at least as many keys as queries; got {M} < {L}")
-    if q_LHD.device.type != "cpu":
-        if L == M:
-            return _sdpa(q_LHD, k_MGD, v_MGE, scale, causal=True)
+    if q_LHD.device.type != "cpu":  # the GPU's default is the tree-mask path; this one is as it was
         mask = torch.ones(L, M, dtype=torch.bool, device=q_LHD.device).tril(M - L)
         return attend(q_LHD, k_MGD, v_MGE, mask, scale)
     D, E = q_LHD.shape[2], v_MGE.shape[2]
@@ -81,12 +79,6 @@ def attend_causal(q_LHD: torch.Tensor, k_MGD: torch.Tensor, v_MGE: torch.Tensor,
     else:
         o = _PrefixCausal.apply(q, k, v, M - L, scale)
     return o[0].transpose(0, 1)[..., :E]
-
-
-def _sdpa(q_LHD: torch.Tensor, k_MGD: torch.Tensor, v_MGE: torch.Tensor, scale: float, *, causal: bool) -> torch.Tensor:
-    q, k, v = (t.transpose(0, 1)[None] for t in (q_LHD, k_MGD, v_MGE))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return o[0].transpose(0, 1)
 
 
 def _flash_cpu(q, k, v, causal: bool, scale: float):  # noqa: ANN001, ANN202
