@@ -255,9 +255,7 @@ def _load_model(spec: ModelSpec, vocab_size: int, device: str) -> HybridLM:
             device=device,
         )
     except checkpoint_errors() as err:
-        from harts.integrations.hf.checkpoint import UnreadableFileError
-
-        if isinstance(err, UserError) and not isinstance(err, UnreadableFileError):
+        if isinstance(err, UserError):  # it names the file already
             raise
         raise UserError(f"--model {spec.model}: {err}") from None
 

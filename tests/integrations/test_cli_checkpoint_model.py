@@ -73,12 +73,13 @@ def test_checkpoint_vocab_too_small_is_an_error(tmp_path, capsys):
 def test_checkpoint_with_unreadable_weights_is_an_error(checkpoint, command, capsys):
     """The configuration reads, so every check passes on the structure-only model; the weights are
     read on the helper thread of ``build_model_and_attention``, and their error still reaches the
-    user as one line naming the checkpoint."""
+    user as one line naming the checkpoint's file."""
     weights = next(checkpoint.glob("*.safetensors"))
     weights.write_bytes(b"not a safetensors file")
     assert main([command, "--model", str(checkpoint), "--workload", "tiny", "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert f"--model {checkpoint}:" in err and "Traceback" not in err
+    assert f"{weights}: not a readable safetensors file" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_model_built_beside_the_attention_probe_equals_build_model() -> None:
