@@ -199,6 +199,7 @@ def test_flex_tree_mask_matches_dense_on_cuda(dtype, D, E, mask_on):
 @pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler"
 )
+@pytest.mark.inductor_cpu
 def test_flex_tree_mask_compiles_once_for_many_row_counts():
     """Every microbatch has its own P: the compiled FlexAttention must not recompile per P.
 
@@ -232,6 +233,7 @@ def test_flex_tree_mask_compiles_once_for_many_row_counts():
 @pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler"
 )
+@pytest.mark.inductor_cpu
 def test_flex_block_mask_is_built_once_per_cache_and_matches_eager(monkeypatch):
     """Every attention layer of a microbatch shares one BlockMask (``mask_cache``), built by the
     compiled builder; its blocks equal those of eager create_block_mask."""

@@ -266,6 +266,7 @@ def test_compiled_as_close_to_float64_as_eager_on_cuda(dtype: torch.dtype, monke
                 assert err <= 2 * err_eager + floor, f"{name}[{i}] T={T}: compiled {err:.2e} vs eager {err_eager:.2e}"
 
 
+@pytest.mark.inductor_cpu
 def test_row_counts_share_one_compiled_graph() -> None:
     """``run_row_bounded`` with the real compiler (Inductor on CPU): one graph serves every row
     count, 0 and 1 and counts below ``MIN_ROWS`` (zero-padded) included, with values and
@@ -296,6 +297,7 @@ def test_row_counts_share_one_compiled_graph() -> None:
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.inductor_cpu
 def test_sum_slots_padded_index_rows() -> None:
     """``sum_slots`` through ``run_row_bounded`` (Inductor on CPU): padded index rows point at row
     0 and are cut off again, so every row count gives the eager sums and gradients, from one graph."""

@@ -281,6 +281,7 @@ def test_execution_contexts_pass_their_host_arrays(monkeypatch):
 
 
 @needs_compiler
+@pytest.mark.inductor_cpu
 def test_flex_with_host_masks_matches_dense_reference_without_recompiling(monkeypatch):
     """FlexAttention (compiled for CPU: float32 only) under host-built masks against the float64
     dense reference, err <= 2 x the float32 dense error. The device builder is never called,
