@@ -20,11 +20,7 @@ from collections import defaultdict
 import harts
 
 #: edges still pointing up (none: add one only with the reason it cannot be fixed yet)
-KNOWN_UP: set[tuple[str, str]] = {
-    # ``harts serve`` checks --device with the command layer's ``check_device``; it goes once that
-    # check lives below serve (harts/serve is the lead's, harts/commands/_inputs.py trainer-floor's)
-    ("harts.serve.server", "harts.commands._inputs"),
-}
+KNOWN_UP: set[tuple[str, str]] = set()
 
 RANK = {"errors": 0, "outputs": 0, "tree": 1, "envs": 1, "plan": 2, "ops": 3, "models": 4, "rl": 5, "rollout": 5,
         "parallel": 5, "integrations": 5, "trainer": 6, "serve": 7, "commands": 8, "cli": 9}  # fmt: skip

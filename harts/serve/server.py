@@ -56,8 +56,9 @@ def _check_port(host: str, port: int) -> None:
 
 def check_execution(config: ServeConfig, model: HybridLM) -> None:
     """The execution settings can run the model on the device (``UserError`` naming the option)."""
-    from harts.commands._inputs import check_la_backend, check_recompute_layers
     from harts.models.execution.config import ExecutionConfig
+    from harts.trainer.build import check_la_backend
+    from harts.trainer.checks import check_recompute_layers
 
     backend = config.execution.get("linear_attention_backend", "reference")
     check_la_backend(backend, config.device, model.config.chunk_size, config.model)
@@ -97,7 +98,7 @@ def make_service(config: ServeConfig) -> Service:
     """The ``Service`` for ``config``: model facts checked now, engines made per training run."""
     import torch
 
-    from harts.commands._inputs import check_device
+    from harts.trainer.build import check_device
 
     check_device(config.device)
     if config.threads is not None:
@@ -165,7 +166,7 @@ def _announce(server: Any, path: str, record: dict[str, Any]) -> None:
     """Write ``record`` to ``path`` once ``server`` accepts connections."""
     import time
 
-    from harts.commands._inputs import write_json
+    from harts.outputs import write_json
 
     while not server.started:
         if server.should_exit:
