@@ -141,6 +141,10 @@ def _report(args: argparse.Namespace, steps: list[dict], summary: dict, processe
         row += [f"{h['index_seconds']:.3f}"] + ([f"{s[base]['plan_seconds']:.3f}"] if base else [])
         rows.append(row)
     print(format_table(headers, rows))
+    print(
+        "compact = the compact tokens of a step's microbatches, summed: a prefix shared by trajectories in "
+        "different microbatches runs once in each (harts stats compacts the whole batch once, so it counts fewer)"
+    )
     print()
     keys = ["harts"] + ([base] if base else [])
 
