@@ -250,7 +250,21 @@ class _Run:
             materialize(model, self.parallel, spec=spec.model, seed=spec.seed)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr)
-        return self.ckpt.resume(model, self.optimizer, len(cfg.schedule.order))
+        start = self.ckpt.resume(model, self.optimizer, len(cfg.schedule.order))
+        self._apply_lr(train.lr, start)
+        return start
+
+    def _apply_lr(self, lr: float, start: int) -> None:
+        """A resumed run takes this command's ``--lr`` from its next step on (the checkpoint's
+        optimizer state carries the learning rate it was saved with), and says so."""
+        saved = {float(g["lr"]) for g in self.optimizer.param_groups}
+        if saved == {lr}:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.rank == 0:
+            was = ", ".join(f"{v:g}" for v in sorted(saved))
+            print(f"--lr {lr:g} from step {start} on (the checkpoint's run used {was})", flush=True)
 
     def _print_start(self, parallel_cfg: ParallelConfig, start: int) -> None:
         if self.rank != 0:
