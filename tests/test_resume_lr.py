@@ -1,5 +1,6 @@
-"""``harts train --resume DIR --lr X``: the new learning rate is applied from the next step and
-said in one line (the checkpoint's optimizer state would otherwise bring back the old one)."""
+"""``harts train --resume DIR``: a changed ``--lr`` is applied from the next step and said in one
+line (the checkpoint's optimizer state would otherwise bring back the old one); a changed setting
+that makes another run is refused by name."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def test_resume_applies_and_prints_a_changed_lr(tmp_path: Path, capsys: pytest.C
     capsys.readouterr()
     assert main(["train", "--workload", "tiny", "--steps", "3", "--resume", str(again)]) == 0
     assert "--lr" not in capsys.readouterr().out
+
+
+def test_resume_names_a_changed_dtype_or_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert main(["train", "--workload", "tiny", "--steps", "2", "--run-dir", str(run), "--save-every", "1"]) == 0
+    capsys.readouterr()
+    for flag, value, saved in (("--dtype", "float64", "float32"), ("--capacity", "4096", "65536")):
+        assert main(["train", "--workload", "tiny", "--steps", "3", "--resume", str(run), flag, value]) == 2
+        err = capsys.readouterr().err
+        assert f"the run used {flag} {saved}, this command {flag} {value}" in err, err

@@ -258,7 +258,11 @@ def config(args: argparse.Namespace) -> RunConfig:
         "seed": args.seed,
         "model": args.model,
         "layers": args.layers,
+        "pattern": args.pattern,
+        "dtype": args.dtype,
         "mode": args.mode,
+        "capacity": args.capacity,
+        "kl-coef": args.kl_coef,
     }
     return RunConfig(
         model=model_spec(args),
