@@ -251,16 +251,16 @@ class _Run:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr)
         start = self.ckpt.resume(model, self.optimizer, len(cfg.schedule.order))
-        self._apply_lr(train.lr, start)
+        self._apply_lr(self.optimizer, train.lr, start)
         return start
 
-    def _apply_lr(self, lr: float, start: int) -> None:
+    def _apply_lr(self, optimizer: torch.optim.Optimizer, lr: float, start: int) -> None:
         """A resumed run takes this command's ``--lr`` from its next step on (the checkpoint's
         optimizer state carries the learning rate it was saved with), and says so."""
-        saved = {float(g["lr"]) for g in self.optimizer.param_groups}
+        saved = {float(g["lr"]) for g in optimizer.param_groups}
         if saved == {lr}:
             return
-        for group in self.optimizer.param_groups:
+        for group in optimizer.param_groups:
             group["lr"] = lr
         if self.rank == 0:
             was = ", ".join(f"{v:g}" for v in sorted(saved))
