@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from harts.integrations.hf.bailing_hybrid import check_common, rope_theta_of
 from harts.integrations.hf.base import HFAdapter, Problems, TensorGroup, UnsupportedConfigError, ident
+from harts.integrations.hf.qwen3_next import gdn_gqa_fields
 from harts.models.config import HybridConfig
 
 __all__ = ["Qwen3_5Adapter", "QWEN3_5_ADAPTERS", "gdn_projection_group"]
@@ -154,40 +154,7 @@ class Qwen3_5Adapter(HFAdapter):
     def config_from_hf(self, hf_config: Any, **overrides: Any) -> HybridConfig:
         c = self.text_config(hf_config)
         p = Problems(self.architecture)
-        check_common(c, p)
-        p.expect("hidden_act", c.hidden_act, "silu")
-        L = int(c.num_hidden_layers)
-        letters = {"linear_attention": "G", "full_attention": "A"}
-        types = [str(t) for t in list(c.layer_types)[:L]]
-        bad = sorted(set(types) - set(letters))
-        if bad:
-            p.add(f"layer_types: unknown entries {bad}")
-        if len(types) < L:
-            p.add(f"layer_types: {len(types)} entries for num_hidden_layers={L}")
-        theta, partial = rope_theta_of(c, p, partial_ok=True)
-        hk, hv = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
-        if hk < 1 or hv % hk:
-            p.add(f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
-        fields: dict[str, Any] = dict(
-            layer_pattern="".join(letters.get(t, "G") for t in types),
-            vocab_size=int(c.vocab_size),
-            hidden_size=int(c.hidden_size),
-            rms_norm_eps=float(c.rms_norm_eps),
-            norm_unit_offset=True,
-            tie_word_embeddings=self.tie_word_embeddings(hf_config),
-            linear_conv_kernel_dim=int(c.linear_conv_kernel_dim),
-            linear_num_key_heads=hk,
-            linear_num_value_heads=hv,
-            linear_key_head_dim=int(c.linear_key_head_dim),
-            linear_value_head_dim=int(c.linear_value_head_dim),
-            num_attention_heads=int(c.num_attention_heads),
-            num_key_value_heads=int(c.num_key_value_heads),
-            head_dim=int(c.head_dim),
-            partial_rotary_factor=partial,
-            attn_output_gate=True,
-            rope_theta=theta,
-            hidden_act="silu",
-        )
+        fields = gdn_gqa_fields(c, p, tie_word_embeddings=self.tie_word_embeddings(hf_config))
         fields.update(self._moe_fields(c, p) if self.moe else self._dense_fields(c))
         p.raise_if_any()
         fields.update(self.check_overrides(overrides))

@@ -25,7 +25,47 @@ from harts.integrations.hf.bailing_hybrid import check_common, rope_theta_of
 from harts.integrations.hf.base import HFAdapter, Problems, TensorGroup, dense_prefix, ident
 from harts.models.config import HybridConfig
 
-__all__ = ["Qwen3NextAdapter"]
+__all__ = ["Qwen3NextAdapter", "gdn_gqa_fields"]
+
+
+def gdn_gqa_fields(c: Any, p: Problems, *, tie_word_embeddings: bool) -> dict[str, Any]:
+    """The ``HybridConfig`` fields of a Qwen3-Next / Qwen3.5 text config ``c`` other than its FFN:
+    the layer pattern from ``layer_types`` (G for linear attention, A for full attention), the
+    Gated DeltaNet and gated GQA widths, partial RoPE, zero-centred norms. Problems go to ``p``."""
+    check_common(c, p)
+    p.expect("hidden_act", c.hidden_act, "silu")
+    L = int(c.num_hidden_layers)
+    letters = {"linear_attention": "G", "full_attention": "A"}
+    types = [str(t) for t in list(c.layer_types)[:L]]
+    bad = sorted(set(types) - set(letters))
+    if bad:
+        p.add(f"layer_types: unknown entries {bad}")
+    if len(types) < L:
+        p.add(f"layer_types: {len(types)} entries for num_hidden_layers={L}")
+    theta, partial = rope_theta_of(c, p, partial_ok=True)
+    hk, hv = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
+    if hk < 1 or hv % hk:
+        p.add(f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
+    return dict(
+        layer_pattern="".join(letters.get(t, "G") for t in types),
+        vocab_size=int(c.vocab_size),
+        hidden_size=int(c.hidden_size),
+        rms_norm_eps=float(c.rms_norm_eps),
+        norm_unit_offset=True,
+        tie_word_embeddings=tie_word_embeddings,
+        linear_conv_kernel_dim=int(c.linear_conv_kernel_dim),
+        linear_num_key_heads=hk,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=int(c.linear_key_head_dim),
+        linear_value_head_dim=int(c.linear_value_head_dim),
+        num_attention_heads=int(c.num_attention_heads),
+        num_key_value_heads=int(c.num_key_value_heads),
+        head_dim=int(c.head_dim),
+        partial_rotary_factor=partial,
+        attn_output_gate=True,
+        rope_theta=theta,
+        hidden_act="silu",
+    )
 
 
 class Qwen3NextAdapter(HFAdapter):
@@ -36,39 +76,14 @@ class Qwen3NextAdapter(HFAdapter):
     def config_from_hf(self, hf_config: Any, **overrides: Any) -> HybridConfig:
         c = hf_config
         p = Problems(self.architecture)
-        check_common(c, p)
-        p.expect("hidden_act", c.hidden_act, "silu")
+        fields = gdn_gqa_fields(c, p, tie_word_embeddings=self.tie_word_embeddings(c))
         L = int(c.num_hidden_layers)
-        letters = {"linear_attention": "G", "full_attention": "A"}
-        types = list(c.layer_types)[:L]
-        bad = sorted({str(t) for t in types} - set(letters))
-        if bad:
-            p.add(f"layer_types: unknown entries {bad}")
-        theta, partial = rope_theta_of(c, p, partial_ok=True)
         only = set(c.mlp_only_layers or [])
         is_moe = [i not in only and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0 for i in range(L)]
         first_dense = dense_prefix(is_moe, "decoder_sparse_step / mlp_only_layers", p)
         num_experts = int(c.num_experts) if any(is_moe) else 0
         shared = int(c.shared_expert_intermediate_size or 0)
-        fields: dict[str, Any] = dict(
-            layer_pattern="".join(letters.get(t, "G") for t in types),
-            vocab_size=int(c.vocab_size),
-            hidden_size=int(c.hidden_size),
-            rms_norm_eps=float(c.rms_norm_eps),
-            norm_unit_offset=True,
-            tie_word_embeddings=self.tie_word_embeddings(c),
-            linear_conv_kernel_dim=int(c.linear_conv_kernel_dim),
-            linear_num_key_heads=int(c.linear_num_key_heads),
-            linear_num_value_heads=int(c.linear_num_value_heads),
-            linear_key_head_dim=int(c.linear_key_head_dim),
-            linear_value_head_dim=int(c.linear_value_head_dim),
-            num_attention_heads=int(c.num_attention_heads),
-            num_key_value_heads=int(c.num_key_value_heads),
-            head_dim=int(c.head_dim),
-            partial_rotary_factor=partial,
-            attn_output_gate=True,
-            rope_theta=theta,
-            hidden_act="silu",
+        fields.update(
             intermediate_size=int(c.intermediate_size),
             num_experts=num_experts,
             first_k_dense_replace=first_dense if num_experts else 0,
