@@ -14,6 +14,12 @@ layers at head dim 256):
 * ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` on its flash backend, KV
   heads expanded: a dense causal kernel on one sequence of P tokens.
 
+Each of the four masks is also timed as ``MASK/varlen``: the same attention as ancestor views
+(``ancestor_view_attention``: every segment's ancestors' and own K/V rows gathered, one
+FlashAttention-2 varlen call, bottom-right causal), the path ``attention="gather"`` runs on CUDA
+where FlashAttention-2 takes the heads; ``attention="auto"`` chooses between the two paths by
+what this benchmark measured (``harts.models.execution.config``).
+
 Printed per head dim and mask: milliseconds, visible pairs, TFLOP/s over them (forward 4 x H x
 D per pair, backward 2.5x that) and the ratio of time to ``causal``'s and ``sdpa_causal``'s.
 ``--alt-bwd M1,N1,M2,N2,stages,warps`` also times ``fan`` with that backward tile over harts'
@@ -60,8 +66,25 @@ def laid_out_tree(segments: Segments) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return pre, end, depth
 
 
-def masks(rows: int) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The masks of the module docstring over ``rows`` (a multiple of 32,768's shapes)."""
+def ancestor_views(segments: Segments) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(q_rows, cu_q, kv_rows, cu_kv) int64 of ``laid_out_tree``'s tree: one branch per segment,
+    its own rows as queries over its ancestors' rows (root first) and then its own."""
+    starts = np.cumsum([0] + [n for _, n in segments])
+    q_rows, kv_rows, cu_q, cu_kv = [], [], [0], [0]
+    for s, (parent, n) in enumerate(segments):
+        chain = [s]
+        while segments[chain[-1]][0] >= 0:
+            chain.append(segments[chain[-1]][0])
+        own = np.arange(starts[s], starts[s] + n)
+        q_rows.append(own)
+        kv_rows += [np.arange(starts[a], starts[a] + segments[a][1]) for a in reversed(chain)]
+        cu_q.append(cu_q[-1] + n)
+        cu_kv.append(cu_kv[-1] + sum(segments[a][1] for a in chain))
+    return np.concatenate(q_rows), np.asarray(cu_q), np.concatenate(kv_rows), np.asarray(cu_kv)
+
+
+def segments_of(rows: int) -> dict[str, Segments]:
+    """The trees of the module docstring over ``rows`` (a multiple of 32,768), as segments."""
     k = rows // 32768
     fan: Segments = [(-1, 2048 * k)] + [(0, 1920 * k)] * 16
     nested: Segments = [(-1, 1024 * k)]
@@ -71,18 +94,13 @@ def masks(rows: int) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         nested += [(mid, 1728 * k)] * 4
     path = (2048 + 1920) * k
     docs = [path] * (rows // path) + ([rows % path] if rows % path else [])
-    return {
-        "fan": laid_out_tree(fan),
-        "nested": laid_out_tree(nested),
-        "causal": laid_out_tree([(-1, rows)]),
-        "doc_causal": _docs(docs),
-    }
+    return {"fan": fan, "nested": nested, "causal": [(-1, rows)], "doc_causal": [(-1, n) for n in docs]}
 
 
-def _docs(lengths: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    ends = np.cumsum(lengths)
-    pre = np.arange(int(ends[-1]), dtype=np.int64)
-    return pre, np.repeat(ends, lengths).astype(np.int64), np.concatenate([np.arange(n) for n in lengths])
+def masks(rows: int) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(tree_pre, tree_end, depth) of each tree of ``segments_of`` (a document list is a forest
+    of one-segment trees: each row's subtree ends at its document's end)."""
+    return {name: laid_out_tree(segs) for name, segs in segments_of(rows).items()}
 
 
 def _measure(call: Callable[[], torch.Tensor], leaves: list[torch.Tensor], go: torch.Tensor, repeat: int):  # noqa: ANN202
@@ -126,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args, {**info, "results": rows}, indent=1, quiet=True)
 
     the_masks = masks(P)
+    the_views = {name: ancestor_views(segs) for name, segs in segments_of(P).items()}
     print(f"{info['device']} torch {info['torch']}: P={P} H={H} G={G} bf16, median of {args.repeat}")
     head = " ".join(f"{'/' + ref[:7]:>7}" for ref in _REFS)
     print(f"{'D':>4} {'mask':12} {'pairs':>9} {'fwd ms':>8} {'f+b ms':>8} {'f+b TF/s':>8} {head}")
@@ -147,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
 
             pairs = int((depth + 1).sum())
+            views = _views_call(q, k, v, the_views[name], D**-0.5)
+            _guarded(
+                rows, save, D, f"{name}/varlen", lambda: _measure(views, [q, k, v], go, args.repeat), pairs, H, None
+            )
             if not _guarded(rows, save, D, name, lambda: _measure(call, [q, k, v], go, args.repeat), pairs, H, tiles):
                 break  # one kernel serves every mask of this head dim: the others would fail alike
         _guarded(rows, save, D, "sdpa_causal", lambda: _sdpa(q, k, v, go, args.repeat), P * (P + 1) // 2, H, None)
@@ -206,6 +229,22 @@ def _record(rows, save, D, name, pairs, H, tiles, t_f, t_fb) -> float:  # noqa: 
     )
     save()
     return t_fb
+
+
+def _views_call(q, k, v, views, scale: float) -> Callable[[], torch.Tensor]:  # noqa: ANN001
+    """The ancestor-view path on ``views`` (``ancestor_views``' arrays), as the compact executor calls it."""
+    from harts.ops.attention import ancestor_view_attention
+
+    q_rows, cu_q, kv_rows, cu_kv = views
+    dev = [torch.as_tensor(a, device=q.device) for a in views]
+
+    def call() -> torch.Tensor:
+        return ancestor_view_attention(
+            q, k, v, q_rows=dev[0], cu_q=dev[1], kv_rows=dev[2], cu_kv=dev[3], scale=scale,
+            cu_q_host=cu_q, cu_kv_host=cu_kv, q_rows_host=q_rows,
+        )  # fmt: skip
+
+    return call
 
 
 def _sdpa(q, k, v, go, repeat: int) -> tuple[float, float]:  # noqa: ANN001

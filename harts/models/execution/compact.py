@@ -239,6 +239,9 @@ class CompactContext(RowContext):
                 kv_rows=self._attn_index("attn_kv_rows"),
                 cu_kv=self._attn_index("attn_cu_kv"),
                 scale=scale,
+                cu_q_host=self.layout.attn_cu_q,
+                cu_kv_host=self.layout.attn_cu_kv,
+                q_rows_host=self.layout.attn_q_rows,
             )
         from harts.ops.attention import tree_mask_attention
 

@@ -93,4 +93,6 @@ class TrajectoryContext(RowContext):
                 tree_end_host=self.chain_end_host,
                 backend=self.backends.flex_backend(q_THD, k_TGD, v_TGE),
             )
-        return varlen_causal_attention(q_THD, k_TGD, v_TGE, cu_seqlens=self.cu_seqlens, scale=scale)
+        return varlen_causal_attention(
+            q_THD, k_TGD, v_TGE, cu_seqlens=self.cu_seqlens, scale=scale, cu_seqlens_host=self.cu_seqlens_host
+        )

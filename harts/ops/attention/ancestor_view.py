@@ -11,9 +11,11 @@ Shapes: P physical rows, H query heads, G kv heads, D qk dim, E v dim, nb branch
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from harts.ops.attention.core import attend_causal, check_qkv
+from harts.ops.attention.flash_varlen import flash_varlen_attention, flash_varlen_refusal
 
 __all__ = ["ancestor_view_attention", "bottom_right_causal_mask"]
 
@@ -33,8 +35,15 @@ def ancestor_view_attention(
     kv_rows: torch.Tensor,
     cu_kv: torch.Tensor,
     scale: float,
+    cu_q_host: np.ndarray | None = None,
+    cu_kv_host: np.ndarray | None = None,
+    q_rows_host: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Attend each branch's own rows over its gathered ancestor+own K/V view; scatter back.
+
+    On CUDA in half precision, where FlashAttention-2 takes the heads (``flash_varlen_refusal``),
+    every branch runs in one varlen call over the gathered K/V views (``flash_varlen_attention``):
+    the kernel visits exactly the visible pairs. Elsewhere each branch runs ``attend_causal``.
 
     The mask of a branch with h = 3 ancestors and l = 2 own rows (bottom-right aligned; a
     top-left alignment would wrongly hide the ancestors from the first queries)::
@@ -53,6 +62,10 @@ def ancestor_view_attention(
             first, then its own rows).
         cu_kv: int [nb + 1] boundaries of the branches in kv_rows.
         scale: softmax scale.
+        cu_q_host, cu_kv_host, q_rows_host: the same three on the host, where the caller has
+            them (a compact layout does): the boundaries are then read without a device
+            synchronization, and own rows that are already every physical row in order are not
+            gathered and scattered.
 
     Returns:
         o_PHE: [P, H, E]; rows not in q_rows are zero.
@@ -60,11 +73,14 @@ def ancestor_view_attention(
     check_qkv(q_PHD, k_PGD, v_PGE)
     if cu_q.shape != cu_kv.shape or cu_q.dim() != 1:
         raise ValueError(f"cu_q and cu_kv must both be [nb + 1]; got {tuple(cu_q.shape)} and {tuple(cu_kv.shape)}")
-    bq, bkv = cu_q.tolist(), cu_kv.tolist()
+    bq = cu_q.tolist() if cu_q_host is None else cu_q_host.tolist()
+    bkv = cu_kv.tolist() if cu_kv_host is None else cu_kv_host.tolist()
     if bq[0] != 0 or bq[-1] != q_rows.numel() or bkv[0] != 0 or bkv[-1] != kv_rows.numel():
         raise ValueError("cu_q / cu_kv must run from 0 to the lengths of q_rows / kv_rows")
     P, H = q_PHD.shape[:2]
     E = v_PGE.shape[2]
+    if flash_varlen_refusal(q_PHD.device, q_PHD.dtype, q_PHD.shape[2], E, H, k_PGD.shape[1]) is None:
+        return _flash_views(q_PHD, k_PGD, v_PGE, q_rows, cu_q, kv_rows, cu_kv, bq, bkv, q_rows_host, scale)
     outs = []
     for b in range(len(bq) - 1):
         lq, lkv = bq[b + 1] - bq[b], bkv[b + 1] - bkv[b]
@@ -81,3 +97,30 @@ def ancestor_view_attention(
     if not outs:
         return out
     return out.index_copy(0, q_rows.to(q_PHD.device), torch.cat(outs))
+
+
+def _flash_views(q_PHD, k_PGD, v_PGE, q_rows, cu_q, kv_rows, cu_kv, bq, bkv, q_rows_host, scale):  # noqa: ANN001, ANN202
+    """``ancestor_view_attention`` as one varlen FlashAttention-2 call (checked arguments)."""
+    lq, lkv = np.diff(bq), np.diff(bkv)
+    short = np.flatnonzero(lkv < lq)
+    if short.size:
+        b = int(short[0])
+        raise ValueError(
+            f"branch {b} has {lq[b]} query rows but only {lkv[b]} kv rows (its view must end with its own rows)"
+        )
+    P = q_PHD.shape[0]
+    own_is_all = q_rows_host is not None and len(q_rows_host) == P and np.array_equal(q_rows_host, np.arange(P))
+    q = q_PHD if own_is_all else q_PHD.index_select(0, q_rows)
+    o = flash_varlen_attention(
+        q,
+        k_PGD.index_select(0, kv_rows),
+        v_PGE.index_select(0, kv_rows),
+        cu_q=cu_q.to(torch.int32),
+        cu_k=cu_kv.to(torch.int32),
+        max_q=int(lq.max(initial=0)),
+        max_k=int(lkv.max(initial=0)),
+        scale=scale,
+    )
+    if own_is_all:
+        return o
+    return q_PHD.new_zeros(P, q_PHD.shape[1], v_PGE.shape[2]).index_copy(0, q_rows, o)
