@@ -320,16 +320,17 @@ def flex_backends(config: HybridConfig, execution: ExecutionConfig, device: torc
     with ``config`` runs under ``execution`` on ``device``: {"M": ..., "A": ...}; empty where the mask path does not run (the CPU,
     ``--attention gather``). The same choice both sides of a bench make; FLASH's probe runs here
     once per head shape, not inside the first step."""
-    from harts.models.execution.config import attention_head_dim_range
+    from harts.models.execution.config import attention_head_dim_range, flash_views_run
     from harts.ops.attention.tree_mask import flex_backend
 
     dims = config.attention_head_dims
     if not dims or device.type != "cuda":
         return {}
     try:
-        if execution.resolved_attention(device.type, *attention_head_dim_range(dims)) != "mask":
-            return {}
         dtype = config.torch_dtype()
+        views = flash_views_run(dims, device, dtype)
+        if execution.resolved_attention(device.type, *attention_head_dim_range(dims), flash_views=views) != "mask":
+            return {}
         return {k: flex_backend(device, dtype, qk, v, gqa=gqa) for k, (qk, v, gqa) in dims.items()}
     except (ValueError, RuntimeError) as exc:  # --attention mask below its head dim; FLASH asked for, unusable
         raise UserError(str(exc)) from exc

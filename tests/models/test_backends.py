@@ -159,9 +159,36 @@ def test_describe_names_every_choice_on_one_line() -> None:
         "link_rounds": False,
         "conv": "reference",
         "attention": "gather",
+        "flash_views": False,
         "flex": {},
         "fast_paths": ["fused_qkv_norm", "silu_in_split", *FAST_PATHS[5:]],
     }
+    views = Backends(attention="gather", flash_views=True)
+    assert "attention gather (FlashAttention-2 varlen views);" in views.describe()
+    assert views.to_dict()["flash_views"] is True
+
+
+def test_auto_attention_gathers_where_flash_varlen_runs_every_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" on CUDA takes the gather path (FlashAttention-2 varlen over ancestor views) when
+    that kernel runs every attention kind of the model, and FlexAttention's tree mask otherwise
+    (MLA's unequal q/v head dims, float32); the CPU keeps its own rule; an explicit choice stays."""
+    from harts.models.execution import config as cfg
+    from harts.ops.attention import flash_varlen
+
+    monkeypatch.setattr(flash_varlen.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    gqa256 = {"A": (256, 256, True)}
+    mla = {"M": (192, 128, False)}
+    assert cfg.flash_views_run(gqa256, cuda, torch.bfloat16)
+    assert not cfg.flash_views_run({**gqa256, **mla}, cuda, torch.bfloat16)
+    assert not cfg.flash_views_run(gqa256, cuda, torch.float32)
+    assert not cfg.flash_views_run(gqa256, torch.device("cpu"), torch.bfloat16)
+    assert not cfg.flash_views_run({}, cuda, torch.bfloat16)
+    auto, mask = ExecutionConfig(attention="auto"), ExecutionConfig(attention="mask")
+    assert auto.resolved_attention("cuda", 256, 256, flash_views=True) == "gather"
+    assert auto.resolved_attention("cuda", 128, 192, flash_views=False) == "mask"
+    assert mask.resolved_attention("cuda", 256, 256, flash_views=True) == "mask"
+    assert auto.resolved_attention("cpu", 256, 256, flash_views=True) == "gather"
 
 
 def test_the_model_resolves_once_and_its_contexts_and_layers_run_the_record(monkeypatch: pytest.MonkeyPatch) -> None:

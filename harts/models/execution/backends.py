@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harts.models.execution.config import ExecutionConfig, attention_head_dim_range
+from harts.models.execution.config import ExecutionConfig, attention_head_dim_range, flash_views_run
 from harts.ops.compiled import env_switch
 from harts.ops.registry import FAST_PATHS
 
@@ -74,6 +74,8 @@ class Backends:
     conv: str = "reference"
     #: full attention: "gather" or "mask"
     attention: str = "gather"
+    #: the gather path runs FlashAttention-2's varlen kernel (CUDA, half precision, heads it takes)
+    flash_views: bool = False
     #: FlexAttention's backend per full-attention layer kind; empty off the CUDA mask path
     flex: tuple[FlexChoice, ...] = ()
     #: the layers' fast paths in use (each keeps its reference; a kernel that cannot run the
@@ -103,7 +105,9 @@ class Backends:
         fast = "all" if not off else "none" if len(off) == len(FAST_PATHS) else f"all but {', '.join(off)}"
         return (
             f"linear attention {self.linear_attention}{linked}; conv {self.conv}; "
-            f"attention {self.attention}{f' (FlexAttention {flex})' if flex else ''}; fast paths: {fast}"
+            f"attention {self.attention}{f' (FlexAttention {flex})' if flex else ''}"
+            f"{' (FlashAttention-2 varlen views)' if self.flash_views and self.attention == 'gather' else ''}; "
+            f"fast paths: {fast}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,6 +117,7 @@ class Backends:
             "link_rounds": self.link_rounds,
             "conv": self.conv,
             "attention": self.attention,
+            "flash_views": self.flash_views and self.attention == "gather",
             "flex": {c.kind: c.backend for c in self.flex},
             "fast_paths": [p for p in FAST_PATHS if p in self.fast_paths],
         }
@@ -159,13 +164,15 @@ def resolve_backends(
     if link is None:
         link = execution.linear_attention_backend == "auto"
     dims = config.attention_head_dims
-    attention = execution.resolved_attention(device.type, *attention_head_dim_range(dims))
+    views = flash_views_run(dims, device, dtype)
+    attention = execution.resolved_attention(device.type, *attention_head_dim_range(dims), flash_views=views)
     fast = default_fast_paths(device) if execution.fast_paths is None else frozenset(execution.fast_paths)
     return Backends(
         linear_attention=linear,
         link_rounds=link and linear == "tree",
         conv="fla" if conv_uses_fla(linear, device) else "reference",
         attention=attention,
+        flash_views=views,
         flex=_flex_choices(dims, device, dtype) if attention == "mask" and device.type == "cuda" else (),
         fast_paths=_runnable(fast, device),
     )

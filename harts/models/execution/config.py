@@ -171,10 +171,21 @@ class ExecutionConfig:
         return self.recompute_layers
 
     def resolved_attention(
-        self, device_type: str, min_head_dim: int | None = None, max_head_dim: int | None = None
+        self,
+        device_type: str,
+        min_head_dim: int | None = None,
+        max_head_dim: int | None = None,
+        *,
+        flash_views: bool = False,
     ) -> str:
         """ "gather" or "mask": ``attention`` with "auto" decided for ``device_type`` and the
         model's smallest and largest attention head dims (``attention_head_dim_range``).
+
+        ``flash_views``: every attention kind of the model runs on FlashAttention-2's varlen
+        kernel here (``flash_views_run``). "auto" then gathers: on CUDA the gather path is one
+        varlen call over ancestor views, which visits exactly the visible pairs, and it was
+        measured faster than FlexAttention's tree mask at every head dim that kernel takes
+        (``python -m benchmarks.ops.tree_mask_vs_causal``; docs/gpu.md has the figures).
 
         On CUDA the mask path runs FlexAttention, which takes head dims ``FLEX_MIN_HEAD_DIM`` to
         ``FLEX_MAX_HEAD_DIM`` (16 to 256: below, it does not lower; above, no tile of
@@ -185,9 +196,22 @@ class ExecutionConfig:
             raise UserError(f"attention='mask' {why}: use attention='gather' or 'auto'")
         if self.attention != "auto":
             return self.attention
+        if device_type == "cuda" and flash_views:
+            return "gather"
         # one FlexAttention call per layer on CUDA (launch-bound otherwise); per-branch dense
         # calls on CPU, where the dense tree mask costs more than the loop
         return "mask" if device_type == "cuda" and why is None else "gather"
+
+
+def flash_views_run(head_dims: Mapping[str, tuple[int, int, bool]], device: Any, dtype: Any) -> bool:
+    """Whether every attention kind of ``HybridConfig.attention_head_dims`` ({letter: (qk dim,
+    v dim, grouped)}) runs on FlashAttention-2's varlen kernel (``flash_varlen_refusal``) on
+    ``device`` in ``dtype``; False without full attention."""
+    from harts.ops.attention.flash_varlen import flash_varlen_refusal
+
+    if not head_dims or getattr(device, "type", device) != "cuda":
+        return False
+    return all(flash_varlen_refusal(device, dtype, qk, v) is None for qk, v, _ in head_dims.values())
 
 
 def attention_head_dim_range(head_dims: Mapping[str, tuple[int, int, bool]]) -> tuple[int | None, int | None]:
