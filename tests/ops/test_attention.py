@@ -524,3 +524,22 @@ def test_flash_varlen_refusals_name_the_reason() -> None:
         flash_varlen_attention(
             x, x, x, cu_q=torch.tensor([0, 4]), cu_k=torch.tensor([0, 4]), max_q=4, max_k=4, scale=1.0
         )
+
+
+def test_view_gather_sums_gradients_in_float32() -> None:
+    """The K/V gather of the CUDA views path: index_select forward; its backward sums a row read
+    by many views in float32 (float64 equal to index_select's own; bf16 closer to the float64 sum
+    than bf16 accumulation gets)."""
+    from harts.ops.attention.ancestor_view import _GatherRows
+
+    rows = torch.tensor([0, 1, 0, 2, 0, 1] * 50)
+    x = torch.randn(3, 2, 4, dtype=F64, requires_grad=True)
+    g = torch.randn(rows.numel(), 2, 4, dtype=F64)
+    (ref,) = torch.autograd.grad(x.index_select(0, rows), x, g)
+    (got,) = torch.autograd.grad(_GatherRows.apply(x, rows), x, g)
+    assert torch.equal(got, ref)
+    xb = x.detach().bfloat16().requires_grad_()
+    (got_b,) = torch.autograd.grad(_GatherRows.apply(xb, rows), xb, g.bfloat16())
+    (plain_b,) = torch.autograd.grad(xb.index_select(0, rows), xb, g.bfloat16())
+    assert (got_b.double() - ref).abs().max() <= (plain_b.double() - ref).abs().max()
+    assert (got_b.double() - ref).abs().max() <= 2**-7 * ref.abs().max()

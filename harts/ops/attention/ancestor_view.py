@@ -113,8 +113,8 @@ def _flash_views(q_PHD, k_PGD, v_PGE, q_rows, cu_q, kv_rows, cu_kv, bq, bkv, q_r
     q = q_PHD if own_is_all else q_PHD.index_select(0, q_rows)
     o = flash_varlen_attention(
         q,
-        k_PGD.index_select(0, kv_rows),
-        v_PGE.index_select(0, kv_rows),
+        _GatherRows.apply(k_PGD, kv_rows),
+        _GatherRows.apply(v_PGE, kv_rows),
         cu_q=cu_q.to(torch.int32),
         cu_k=cu_kv.to(torch.int32),
         max_q=int(lq.max(initial=0)),
@@ -124,3 +124,22 @@ def _flash_views(q_PHD, k_PGD, v_PGE, q_rows, cu_q, kv_rows, cu_kv, bq, bkv, q_r
     if own_is_all:
         return o
     return q_PHD.new_zeros(P, q_PHD.shape[1], v_PGE.shape[2]).index_copy(0, q_rows, o)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, rows)`` whose backward sums the gradients of a row read by many views
+    in float32 (a shared ancestor's K/V row is read once per descendant branch; summing those in
+    half precision, as ``index_select``'s own backward does, loses what the per-path reference
+    keeps)."""
+
+    @staticmethod
+    def forward(ctx, x, rows):  # type: ignore[override]
+        ctx.save_for_backward(rows)
+        ctx.rows_of_x = x.shape[0]
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (rows,) = ctx.saved_tensors
+        acc = grad.new_zeros((ctx.rows_of_x, *grad.shape[1:]), dtype=torch.float32)
+        return acc.index_add_(0, rows, grad.float()).to(grad.dtype), None
