@@ -141,5 +141,6 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (rows,) = ctx.saved_tensors
-        acc = grad.new_zeros((ctx.rows_of_x, *grad.shape[1:]), dtype=torch.float32)
-        return acc.index_add_(0, rows, grad.float()).to(grad.dtype), None
+        wide = torch.promote_types(grad.dtype, torch.float32)  # float64 stays float64
+        acc = grad.new_zeros((ctx.rows_of_x, *grad.shape[1:]), dtype=wide)
+        return acc.index_add_(0, rows, grad.to(wide)).to(grad.dtype), None
