@@ -58,10 +58,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
 
 
-def _errors(op, kind: str, dtype: torch.dtype, weights=None, K: int = 64):  # noqa: ANN001, ANN202
+def _errors(op, kind: str, dtype: torch.dtype, weights=None, K: int = 64, H: int = 4):  # noqa: ANN001, ANN202
     from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn  # noqa: F401  (import check)
 
-    x64, h0, cu, req = _inputs(kind, K=K, V=K)
+    x64, h0, cu, req = _inputs(kind, H=H, K=K, V=K)
     leaves64 = [t.clone().requires_grad_() for t in [*x64, h0]]
     leaves = [t.to(dtype).clone().requires_grad_() for t in x64] + [h0.float().clone().requires_grad_()]
     ref = _run(chunk_linear_attn, leaves64[:5], leaves64[5], cu, req)
@@ -88,6 +88,22 @@ def test_tree_kernel_float32_head_dim_128() -> None:
     from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
 
     errs, _ = _errors(tree_chunk_linear_attn, "kda", torch.float32, K=128)
+    for name, e in errs.items():
+        assert e < 5e-3, f"{name}: {e:.2e}"
+
+
+def test_tree_kernel_gdn_at_qwen_heads_without_fallback() -> None:
+    """GDN at Qwen3.5 / Qwen3-Next's linear-attention shape (16 key heads repeated to 32 value
+    heads of 128, as the layer hands them over) through the tree kernel on the GPU, forward and
+    backward with exported states and a replayed consumer round, against the float64 reference;
+    no warning (a fallback to the reference op would warn)."""
+    import warnings
+
+    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        errs, _ = _errors(tree_chunk_linear_attn, "gdn", torch.float32, K=128, H=32)
     for name, e in errs.items():
         assert e < 5e-3, f"{name}: {e:.2e}"
 
