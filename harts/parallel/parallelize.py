@@ -3,7 +3,9 @@
     state = init_parallel(ParallelConfig(dp=2, ep=2), device, model.config.num_experts)
     model = parallelize(model, state)
 
-* expert parallelism first (``apply_expert_parallel``) when ``ep > 1``;
+* context parallelism first (``apply_context_parallel``) when ``cp > 1``: the forward runs on
+  this rank's 1/cp of each microbatch's rows, with all-to-alls around every token mixer;
+* expert parallelism (``apply_expert_parallel``) when ``ep > 1``;
 * FSDP2 ``fully_shard`` on every decoder layer, then on the root (embedding, final norm, head),
   over all ranks (``state.fsdp_mesh``). The expert blocks are left out of FSDP
   (``ignored_params``): they are already split over ``ep``, and their gradients are summed over
@@ -28,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
+from harts.parallel.context_parallel import apply_context_parallel
 from harts.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from harts.parallel.mesh import ParallelState
 
@@ -40,6 +43,8 @@ def parallelize(model: M, state: ParallelState) -> M:
     """Shard ``model`` in place for ``state`` (no-op on one process); returns it."""
     if not state.distributed:
         return model
+    if state.cp > 1:
+        apply_context_parallel(model, state)  # type: ignore[arg-type]
     if state.ep > 1:
         apply_expert_parallel(model, state)
     ignored = set(expert_parameters(model)) or None
@@ -71,20 +76,20 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> None:
 
 
 def finish_gradients(model: nn.Module, state: ParallelState) -> None:
-    """After the step's last backward: sum the expert blocks' gradients over the ``dp`` ranks
-    holding the same block (FSDP has reduced everything else)."""
+    """After the step's last backward: sum the expert blocks' gradients over the ``dp x cp``
+    ranks holding the same block (FSDP has reduced everything else)."""
     experts = expert_parameters(model)
     if not experts:
         return
     for p in experts:
         if p.grad is None:  # no rank sent this block a row in any microbatch
             p.grad = torch.zeros_like(p)
-    if state.dp > 1:
+    if state.dp * state.cp > 1:
         locals_ = [p.grad.to_local() for p in experts]  # type: ignore[union-attr]
         # summed in at least float32, as FSDP reduces the other gradients of a bf16 model
         work = torch.promote_types(locals_[0].dtype, torch.float32)
         flat = torch.cat([g.reshape(-1).to(work) for g in locals_])
-        dist.all_reduce(flat, group=state.group("dp"))
+        dist.all_reduce(flat, group=state.expert_replica_group())
         offset = 0
         for g in locals_:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
