@@ -2,9 +2,10 @@
 
 Single process by default. Several ranks: ``torchrun --nproc-per-node N -m harts.cli train ...``
 (gloo on CPU, NCCL on CUDA; ``-m harts.cli`` works from any install, unlike ``$(which harts)``,
-which may be a shell shim). ``--dp D --ep E`` chooses the mesh (D * E = N; default D = N, E = 1):
-every rank is one replica of the step plan, parameters are FSDP2-sharded, and each MoE layer's
-experts are split E ways (``harts.parallel``). ``--mode trajectory`` runs the baseline: every
+which may be a shell shim). ``--dp D --ep E --cp C`` chooses the mesh (D * E * C = N; default
+D = N / (E C), E = C = 1): every group of C ranks is one replica of the step plan and splits each
+of its microbatches' compact rows C ways (Ulysses context parallelism), parameters are
+FSDP2-sharded, and each MoE layer's experts are split E ways (``harts.parallel``). ``--mode trajectory`` runs the baseline: every
 trajectory whole, in microbatches of at most ``--capacity`` raw tokens
 (``harts.plan.baselines.trajectory_plan``).
 
@@ -113,6 +114,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ep", type=positive_int, default=1, help="expert-parallel degree: ranks each MoE layer is split over"
     )
     p.add_argument(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="Ulysses context-parallel degree: ranks that split each microbatch's compact rows (all-to-all "
+        "around every token mixer); it divides --capacity and the model's heads",
+    )
+    p.add_argument(
         "--moe-stats",
         default="microbatch",
         choices=["microbatch", "step"],
@@ -123,7 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--replicas",
         type=positive_int,
         default=None,
-        help="replicas of the step plan, a multiple of the ranks (default: the ranks); the same value "
+        help="replicas of the step plan, a multiple of ranks / --cp (default: ranks / --cp); the same value "
         "keeps the plan, and so the step's MoE objective, when a run resumes on another number of ranks",
     )
     p.add_argument(
@@ -270,6 +278,7 @@ def config(args: argparse.Namespace) -> RunConfig:
         schedule=schedule,
         dp=args.dp,
         ep=args.ep,
+        cp=args.cp,
         cpu_offload=args.cpu_offload,
         meta_init=args.meta_init,
         run_dir=run_dir,

@@ -34,6 +34,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelState",
     "check_all_to_all",
+    "check_local_devices",
     "init_parallel",
     "launch_world_size",
     "setup_process_group",
@@ -158,6 +159,7 @@ def setup_process_group(device: str) -> str:
     if launch_world_size() <= 1 or dist.is_initialized():
         return device
     if device.startswith("cuda"):
+        check_local_devices(int(os.environ.get("LOCAL_WORLD_SIZE", launch_world_size())))
         if device == "cuda":
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(torch.device(device))
@@ -165,6 +167,17 @@ def setup_process_group(device: str) -> str:
     else:
         dist.init_process_group("gloo")
     return device
+
+
+def check_local_devices(local_ranks: int) -> None:
+    """UserError when this host starts more ranks than it has CUDA devices (one device a rank),
+    before any process group or model exists."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_ranks > have:
+        raise UserError(
+            f"{local_ranks} ranks on this host (torchrun --nproc-per-node {local_ranks}) need {local_ranks} CUDA "
+            f"devices, one a rank; this host has {have} (the mesh --dp x --ep x --cp must fit them)"
+        )
 
 
 def init_parallel(config: ParallelConfig, device: torch.device | str, num_experts: int) -> ParallelState:

@@ -88,9 +88,11 @@ class RunConfig:
     train: TrainConfig
     #: the steps' batches, in order
     schedule: Schedule
-    #: mesh: ranks holding the same experts (None: ranks / ep), expert-parallel degree, offload
+    #: mesh: ranks holding the same experts (None: ranks / (ep cp)), expert-parallel degree,
+    #: context-parallel degree, offload
     dp: int | None = None
     ep: int = 1
+    cp: int = 1
     cpu_offload: bool = False
     #: build on the meta device and initialise after sharding, also on one process
     meta_init: bool = False
@@ -163,7 +165,8 @@ class _Run:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.spec = replace(cfg.model, device=self.device)
-        self.train_cfg = replace(cfg.train, replicas=cfg.train.replicas or self.world)
+        # one plan replica per context-parallel group
+        self.train_cfg = replace(cfg.train, replicas=cfg.train.replicas or max(self.world // cfg.cp, 1))
         self.ckpt = RunCheckpoints(cfg.run_dir, cfg.identity, fallback=cfg.resume_fallback, check=hooks.check_resumed)
         self.logs: list[StepLog] = []
         self.model: Any = None
@@ -189,14 +192,26 @@ class _Run:
 
     def _check_mesh(self) -> ParallelConfig:
         cfg, world = self.cfg, self.world
-        if cfg.ep > world or world % cfg.ep:
-            raise UserError(f"--ep {cfg.ep} does not divide the {world} rank(s) of this launch")
+        for name, v in (("ep", cfg.ep), ("cp", cfg.cp)):
+            if v > world or world % v:
+                raise UserError(f"--{name} {v} does not divide the {world} rank(s) of this launch")
+        if world % (cfg.ep * cfg.cp):
+            raise UserError(f"--ep {cfg.ep} x --cp {cfg.cp} = {cfg.ep * cfg.cp} does not divide the {world} ranks")
+        if cfg.train.capacity % cfg.cp:
+            raise UserError(
+                f"--cp {cfg.cp} does not divide --capacity {cfg.train.capacity} (each rank of a context-parallel "
+                "group holds capacity / cp rows)"
+            )
         replicas = self.train_cfg.replicas
         assert replicas is not None
-        if replicas % world:
-            raise UserError(f"--replicas {replicas} is not a multiple of the {world} rank(s) of this launch")
+        if replicas % (world // cfg.cp):
+            raise UserError(
+                f"--replicas {replicas} is not a multiple of the {world // cfg.cp} data replicas of this launch "
+                f"({world} rank(s) / --cp {cfg.cp})"
+            )
         check_device(self.device)
-        return ParallelConfig(dp=cfg.dp or world // cfg.ep, ep=cfg.ep, cpu_offload=cfg.cpu_offload)
+        dp = cfg.dp or world // (cfg.ep * cfg.cp)
+        return ParallelConfig(dp=dp, ep=cfg.ep, cp=cfg.cp, cpu_offload=cfg.cpu_offload)
 
     def _read_batches(self) -> tuple[list[StepSummary], dict[int, RolloutBatch]]:
         """Every source read and checked once (step 2); the batches kept for training."""
@@ -270,7 +285,8 @@ class _Run:
         if self.rank != 0:
             return
         spec, execution, config = self.spec, self.train_cfg.execution, self.model.config
-        mesh = f"; {self.world} ranks (dp {parallel_cfg.dp} x ep {parallel_cfg.ep})" if self.distributed else ""
+        cp = f" x cp {parallel_cfg.cp}" if parallel_cfg.cp > 1 else ""
+        mesh = f"; {self.world} ranks (dp {parallel_cfg.dp} x ep {parallel_cfg.ep}{cp})" if self.distributed else ""
         print(
             f"model {spec.model}: {config.layer_pattern} x hidden {config.hidden_size}, "
             f"{self.num_parameters:,} parameters, {spec.dtype} on {spec.device}; mode {execution.mode}; "
@@ -299,7 +315,7 @@ class _Run:
         bar = self.hooks.progress(steps, "train", "step", disable=self.rank != 0)
         bar.update(start)
         metrics = self._metrics_writer(start)
-        ahead = StepPrefetcher(self.train_cfg, self.world)
+        ahead = StepPrefetcher(self.train_cfg, self.world // self.cfg.cp)
         if start < steps:
             ahead.submit(start, functools.partial(load, start))
         try:

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harts.errors import CapacityError
+from harts.errors import CapacityError, UserError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM, ModelOutput
 from harts.models.layers.moe import MoE
@@ -579,6 +579,11 @@ def _checked_plan(
 ) -> PlannedStep:
     """``planned``, checked to be ``batch``'s for this step's replicas, or the plan made now."""
     world = state.replicas
+    if state.cp > 1 and cfg.capacity % state.cp:
+        raise UserError(
+            f"cp={state.cp} does not divide capacity={cfg.capacity} (each rank of a context-parallel group "
+            "holds capacity / cp rows)"
+        )
     if planned is None:
         return plan_training_step(batch, cfg, world)
     if planned.source is not batch:

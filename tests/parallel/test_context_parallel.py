@@ -134,3 +134,12 @@ def test_mesh_must_match_the_launch():
         init_parallel(ParallelConfig(cp=2), "cpu", 0)
     with pytest.raises(UserError, match=r"--cp must be a positive integer, got 0"):
         init_parallel(ParallelConfig(cp=0), "cpu", 0)
+
+
+def test_capacity_must_split_evenly_over_the_group():
+    from harts.parallel.mesh import ParallelState
+
+    state = ParallelState(config=ParallelConfig(cp=2), rank=0, world_size=2, device=torch.device("cpu"))
+    cfg = TrainConfig(capacity=CAPACITY + 1, replicas=1)
+    with pytest.raises(UserError, match=rf"cp=2 does not divide capacity={CAPACITY + 1}"):
+        accumulate_step_gradients(_model(), _batch(), cfg, parallel=state)
