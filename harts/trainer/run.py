@@ -248,7 +248,10 @@ class _Run:
         shared_workers(train.planner_workers)
         vocab, where = needed_vocab(summaries)
         if self.hooks.check_memory is not None:
-            self.hooks.check_memory(spec, vocab, where, train, self.world)
+            # a rank of a context-parallel group holds capacity / cp rows between the mixers, and
+            # all rows for 1 / cp of the heads inside them: about capacity / cp rows' activations
+            per_rank = replace(train, capacity=max(train.capacity // cfg.cp, 1))
+            self.hooks.check_memory(spec, vocab, where, per_rank, self.world)
         meta = self.distributed or cfg.meta_init
         if meta:
             model = build_model(spec, vocab, where=where, meta=True)
