@@ -524,9 +524,9 @@ def accumulate_step_gradients(
     assert all(len(plan.for_replica(r)) == plan.num_slots for r in replicas), "a replica's slots are uneven"
     if progress is not None:
         progress(0, len(mine))
-    # the ranks of a context-parallel group compute the same loss: the group's first reports it
+    # the ranks of a row group (cp x tp) compute the same loss: the group's first reports it
     sums = _StepSums(
-        state.device, model.config.router_z_loss_coef, model.config.router_aux_loss_coef, reports=state.cp_rank == 0
+        state.device, model.config.router_z_loss_coef, model.config.router_aux_loss_coef, reports=state.row_rank == 0
     )
     step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
     items: list[MicrobatchItem | None] = [None] * len(mine)
@@ -579,10 +579,11 @@ def _checked_plan(
 ) -> PlannedStep:
     """``planned``, checked to be ``batch``'s for this step's replicas, or the plan made now."""
     world = state.replicas
-    if state.cp > 1 and cfg.capacity % state.cp:
+    rows = state.cp * state.tp
+    if rows > 1 and cfg.capacity % rows:
         raise UserError(
-            f"cp={state.cp} does not divide capacity={cfg.capacity} (each rank of a context-parallel group "
-            "holds capacity / cp rows)"
+            f"cp={state.cp} x tp={state.tp} = {rows} does not divide capacity={cfg.capacity} (each rank of a "
+            "row group holds capacity / (cp tp) rows)"
         )
     if planned is None:
         return plan_training_step(batch, cfg, world)

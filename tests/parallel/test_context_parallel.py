@@ -26,10 +26,18 @@ TOL = 1e-10
 
 
 def _model(moe: bool = True) -> HybridLM:
-    # 4 linear-attention value heads and 4 query heads (CP4 splits them), 2 key-value heads
-    # (CP4 repeats them), 6 layers: every mixer and, with ``moe``, MoE from layer 1 on
+    # 4 linear-attention value heads (2 key heads) and 4 query heads (CP4 splits them), 2
+    # key-value heads (CP4 repeats them), 6 layers: every mixer and, with ``moe``, MoE from
+    # layer 1 on
     over = {} if moe else {"num_experts": 0, "first_k_dense_replace": 6}
-    cfg = HybridConfig.tiny(dtype="float64", vocab_size=256, layer_pattern="KGMAKG", linear_num_value_heads=4, **over)
+    cfg = HybridConfig.tiny(
+        dtype="float64",
+        vocab_size=256,
+        layer_pattern="KGMAKG",
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        **over,
+    )
     return HybridLM(cfg, seed=3)
 
 
@@ -62,12 +70,15 @@ def _step(model: HybridLM, replicas: int, state=None, recompute: bool = False) -
     }
 
 
-def _parallel(dp: int, ep: int, cp: int, moe: bool, recompute: bool) -> dict:
+def _parallel(dp: int, ep: int, cp: int, moe: bool, recompute: bool, tp: int = 1) -> dict:
     import torch.distributed as dist
 
-    state = init_parallel(ParallelConfig(dp=dp, ep=ep, cp=cp), "cpu", 4 if moe else 0)
+    state = init_parallel(ParallelConfig(dp=dp, ep=ep, cp=cp, tp=tp), "cpu", 4 if moe else 0)
     model = parallelize(_model(moe), state)
     got = _step(model, dp * ep, state, recompute)
+    from harts.parallel.tensor_parallel import tensor_parallel_parameters
+
+    got["tp_shards"] = [(tuple(p.to_local().shape), tuple(p.shape)) for p in tensor_parallel_parameters(model)]
     # every rank of a CP group saw all log-probs of its microbatches; rank 0 checks its own
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, sorted(got["logprobs"]))
@@ -141,5 +152,5 @@ def test_capacity_must_split_evenly_over_the_group():
 
     state = ParallelState(config=ParallelConfig(cp=2), rank=0, world_size=2, device=torch.device("cpu"))
     cfg = TrainConfig(capacity=CAPACITY + 1, replicas=1)
-    with pytest.raises(UserError, match=rf"cp=2 does not divide capacity={CAPACITY + 1}"):
+    with pytest.raises(UserError, match=rf"cp=2 x tp=1 = 2 does not divide capacity={CAPACITY + 1}"):
         accumulate_step_gradients(_model(), _batch(), cfg, parallel=state)
