@@ -13,8 +13,9 @@ against one-process run A with tolerances from the difference of two one-process
     tol = max(4 |A - B|, floor * |A|)      (floor: --floor, default 1e-5 for float32's reduction order)
 
 ``scaling``: ``--steps`` steps of the workload at capacity T on the launch's ranks, the model
-FSDP2-sharded (``--ep`` for experts, ``--cp`` for Ulysses context parallelism: each group of
-``cp`` ranks splits every microbatch's T compact rows, so T is per CP group), for each ``--modes`` (``compact`` = harts,
+FSDP2-sharded (``--ep`` for experts, ``--cp`` for Ulysses context parallelism and ``--tp`` for
+tensor parallelism with sequence parallelism: each group of ``cp x tp`` ranks splits every
+microbatch's T compact rows, so T is per group), for each ``--modes`` (``compact`` = harts,
 ``trajectory`` = the baseline, its raw-token microbatches at capacity T), after ``--warmup`` untimed steps. Per step: step time (slowest rank), raw
 tokens/s/GPU, MFU (the model FLOPs the mode executes, counted as ``harts bench`` counts them:
 compact rows and tree-visible pairs for harts; ``harts.models.flops``), effective MFU (the step's
@@ -77,7 +78,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list]:
         seed=args.seed,
         device="meta" if world > 1 else device,
     )
-    config = ParallelConfig(dp=world // (args.ep * args.cp), ep=args.ep, cp=args.cp)
+    config = ParallelConfig(dp=world // (args.ep * args.cp * args.tp), ep=args.ep, cp=args.cp, tp=args.tp)
     state = init_parallel(config, device, moe_experts(model))
     model = parallelize(model, state)
     if world > 1:
@@ -204,6 +205,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         "world_size": world,
         "ep": args.ep,
         "cp": args.cp,
+        "tp": args.tp,
         "capacity": args.capacity,
         "logprobs": args.logprobs,
         "modes": {},
@@ -256,8 +258,9 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
                 raw_plan = plan_trajectory_step(batch.lengths, dp=state.replicas, capacity=args.capacity)
                 work = raw_plan.replica_work().astype(float)
                 model_flops = _raw_flops(batch, flops, args.logprobs)
-            # a replica (a CP group) takes as long as its slowest rank
-            compute = [max(compute[r * state.cp : (r + 1) * state.cp]) for r in range(state.replicas)]
+            # a replica (a row group: cp x tp ranks) takes as long as its slowest rank
+            n = state.row_ranks
+            compute = [max(compute[r * n : (r + 1) * n]) for r in range(state.replicas)]
             predicted = work / work.mean() * float(np.mean(compute))
             raw_flops = _raw_flops(batch, flops, args.logprobs)
             seconds = max(step_time)
@@ -324,6 +327,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--capacity", type=int, default=65_536)
         s.add_argument("--ep", type=int, default=1)
         s.add_argument("--cp", type=int, default=1, help="Ulysses context-parallel degree (T is per CP group)")
+        s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree with sequence parallelism")
         s.add_argument("--recompute", action="store_true")
         s.add_argument(
             "--recompute-skip",

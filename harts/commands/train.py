@@ -2,10 +2,12 @@
 
 Single process by default. Several ranks: ``torchrun --nproc-per-node N -m harts.cli train ...``
 (gloo on CPU, NCCL on CUDA; ``-m harts.cli`` works from any install, unlike ``$(which harts)``,
-which may be a shell shim). ``--dp D --ep E --cp C`` chooses the mesh (D * E * C = N; default
-D = N / (E C), E = C = 1): every group of C ranks is one replica of the step plan and splits each
-of its microbatches' compact rows C ways (Ulysses context parallelism), parameters are
-FSDP2-sharded, and each MoE layer's experts are split E ways (``harts.parallel``). ``--mode trajectory`` runs the baseline: every
+which may be a shell shim). ``--dp D --ep E --cp C --tp P`` chooses the mesh (D * E * C * P = N;
+default D = N / (E C P), E = C = P = 1): every group of C * P ranks is one replica of the step
+plan and splits each of its microbatches' compact rows C * P ways (Ulysses context parallelism
+over C, tensor parallelism with sequence parallelism over P, which also splits the projections
+by heads), parameters are FSDP2-sharded, and each MoE layer's experts are split E ways
+(``harts.parallel``). ``--mode trajectory`` runs the baseline: every
 trajectory whole, in microbatches of at most ``--capacity`` raw tokens
 (``harts.plan.baselines.trajectory_plan``).
 
@@ -121,6 +123,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "around every token mixer); it divides --capacity and the model's heads",
     )
     p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel degree with sequence parallelism: ranks that split the attention, "
+        "linear-attention and MLP projections by heads / columns, and each microbatch's rows between them",
+    )
+    p.add_argument(
         "--moe-stats",
         default="microbatch",
         choices=["microbatch", "step"],
@@ -131,7 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--replicas",
         type=positive_int,
         default=None,
-        help="replicas of the step plan, a multiple of ranks / --cp (default: ranks / --cp); the same value "
+        help="replicas of the step plan, a multiple of ranks / (--cp x --tp) (default: that); the same value "
         "keeps the plan, and so the step's MoE objective, when a run resumes on another number of ranks",
     )
     p.add_argument(
@@ -279,6 +288,7 @@ def config(args: argparse.Namespace) -> RunConfig:
         dp=args.dp,
         ep=args.ep,
         cp=args.cp,
+        tp=args.tp,
         cpu_offload=args.cpu_offload,
         meta_init=args.meta_init,
         run_dir=run_dir,

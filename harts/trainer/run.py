@@ -88,11 +88,12 @@ class RunConfig:
     train: TrainConfig
     #: the steps' batches, in order
     schedule: Schedule
-    #: mesh: ranks holding the same experts (None: ranks / (ep cp)), expert-parallel degree,
-    #: context-parallel degree, offload
+    #: mesh: ranks holding the same experts (None: ranks / (ep cp tp)), expert-parallel degree,
+    #: context-parallel degree, tensor-parallel degree, offload
     dp: int | None = None
     ep: int = 1
     cp: int = 1
+    tp: int = 1
     cpu_offload: bool = False
     #: build on the meta device and initialise after sharding, also on one process
     meta_init: bool = False
@@ -165,8 +166,9 @@ class _Run:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.spec = replace(cfg.model, device=self.device)
-        # one plan replica per context-parallel group
-        self.train_cfg = replace(cfg.train, replicas=cfg.train.replicas or max(self.world // cfg.cp, 1))
+        # one plan replica per row group (cp x tp ranks)
+        self.rows = cfg.cp * cfg.tp
+        self.train_cfg = replace(cfg.train, replicas=cfg.train.replicas or max(self.world // self.rows, 1))
         self.ckpt = RunCheckpoints(cfg.run_dir, cfg.identity, fallback=cfg.resume_fallback, check=hooks.check_resumed)
         self.logs: list[StepLog] = []
         self.model: Any = None
@@ -192,26 +194,29 @@ class _Run:
 
     def _check_mesh(self) -> ParallelConfig:
         cfg, world = self.cfg, self.world
-        for name, v in (("ep", cfg.ep), ("cp", cfg.cp)):
+        for name, v in (("ep", cfg.ep), ("cp", cfg.cp), ("tp", cfg.tp)):
             if v > world or world % v:
                 raise UserError(f"--{name} {v} does not divide the {world} rank(s) of this launch")
-        if world % (cfg.ep * cfg.cp):
-            raise UserError(f"--ep {cfg.ep} x --cp {cfg.cp} = {cfg.ep * cfg.cp} does not divide the {world} ranks")
-        if cfg.train.capacity % cfg.cp:
+        other = cfg.ep * self.rows
+        if world % other:
             raise UserError(
-                f"--cp {cfg.cp} does not divide --capacity {cfg.train.capacity} (each rank of a context-parallel "
-                "group holds capacity / cp rows)"
+                f"--ep {cfg.ep} x --cp {cfg.cp} x --tp {cfg.tp} = {other} does not divide the {world} ranks"
+            )
+        if cfg.train.capacity % self.rows:
+            raise UserError(
+                f"--cp {cfg.cp} x --tp {cfg.tp} = {self.rows} does not divide --capacity {cfg.train.capacity} "
+                "(each rank of a row group holds capacity / (cp tp) rows)"
             )
         replicas = self.train_cfg.replicas
         assert replicas is not None
-        if replicas % (world // cfg.cp):
+        if replicas % (world // self.rows):
             raise UserError(
-                f"--replicas {replicas} is not a multiple of the {world // cfg.cp} data replicas of this launch "
-                f"({world} rank(s) / --cp {cfg.cp})"
+                f"--replicas {replicas} is not a multiple of the {world // self.rows} data replicas of this launch "
+                f"({world} rank(s) / (--cp {cfg.cp} x --tp {cfg.tp}))"
             )
         check_device(self.device)
-        dp = cfg.dp or world // (cfg.ep * cfg.cp)
-        return ParallelConfig(dp=dp, ep=cfg.ep, cp=cfg.cp, cpu_offload=cfg.cpu_offload)
+        dp = cfg.dp or world // other
+        return ParallelConfig(dp=dp, ep=cfg.ep, cp=cfg.cp, tp=cfg.tp, cpu_offload=cfg.cpu_offload)
 
     def _read_batches(self) -> tuple[list[StepSummary], dict[int, RolloutBatch]]:
         """Every source read and checked once (step 2); the batches kept for training."""
@@ -248,9 +253,10 @@ class _Run:
         shared_workers(train.planner_workers)
         vocab, where = needed_vocab(summaries)
         if self.hooks.check_memory is not None:
-            # a rank of a context-parallel group holds capacity / cp rows between the mixers, and
-            # all rows for 1 / cp of the heads inside them: about capacity / cp rows' activations
-            per_rank = replace(train, capacity=max(train.capacity // cfg.cp, 1))
+            # a rank of a row group holds capacity / (cp tp) rows between the mixers, and inside
+            # them cp tp times the rows for 1 / (cp tp) of the heads: about capacity / (cp tp)
+            # rows' activations
+            per_rank = replace(train, capacity=max(train.capacity // self.rows, 1))
             self.hooks.check_memory(spec, vocab, where, per_rank, self.world)
         meta = self.distributed or cfg.meta_init
         if meta:
@@ -289,7 +295,8 @@ class _Run:
             return
         spec, execution, config = self.spec, self.train_cfg.execution, self.model.config
         cp = f" x cp {parallel_cfg.cp}" if parallel_cfg.cp > 1 else ""
-        mesh = f"; {self.world} ranks (dp {parallel_cfg.dp} x ep {parallel_cfg.ep}{cp})" if self.distributed else ""
+        tp = f" x tp {parallel_cfg.tp}" if parallel_cfg.tp > 1 else ""
+        mesh = f"; {self.world} ranks (dp {parallel_cfg.dp} x ep {parallel_cfg.ep}{cp}{tp})" if self.distributed else ""
         print(
             f"model {spec.model}: {config.layer_pattern} x hidden {config.hidden_size}, "
             f"{self.num_parameters:,} parameters, {spec.dtype} on {spec.device}; mode {execution.mode}; "
@@ -318,7 +325,7 @@ class _Run:
         bar = self.hooks.progress(steps, "train", "step", disable=self.rank != 0)
         bar.update(start)
         metrics = self._metrics_writer(start)
-        ahead = StepPrefetcher(self.train_cfg, self.world // self.cfg.cp)
+        ahead = StepPrefetcher(self.train_cfg, self.world // self.rows)
         if start < steps:
             ahead.submit(start, functools.partial(load, start))
         try:
