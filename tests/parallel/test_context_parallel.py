@@ -45,17 +45,19 @@ def _batch():
     return mixed_batch(8, vocab=256, seed=5)
 
 
-def _cfg(replicas: int, recompute: bool = False) -> TrainConfig:
-    execution = ExecutionConfig(recompute=recompute, logprob_positions="all")
-    return TrainConfig(capacity=CAPACITY, replicas=replicas, execution=execution)
+def _cfg(
+    replicas: int, recompute: bool = False, mode: str = "compact", positions: str = "all", stats: str = "microbatch"
+) -> TrainConfig:
+    execution = ExecutionConfig(mode=mode, recompute=recompute, logprob_positions=positions)
+    return TrainConfig(capacity=CAPACITY, replicas=replicas, execution=execution, moe_statistics=stats)
 
 
-def _step(model: HybridLM, replicas: int, state=None, recompute: bool = False) -> dict:  # noqa: ANN001
+def _step(model: HybridLM, replicas: int, state=None, recompute: bool = False, **opts: str) -> dict:  # noqa: ANN001
     logprobs: dict[int, torch.Tensor] = {}
     acc = accumulate_step_gradients(
         model,
         _batch(),
-        _cfg(replicas, recompute),
+        _cfg(replicas, recompute, **opts),
         parallel=state,
         on_logprobs=lambda k, lp: logprobs.__setitem__(k, lp.clone()),
     )
@@ -70,12 +72,12 @@ def _step(model: HybridLM, replicas: int, state=None, recompute: bool = False) -
     }
 
 
-def _parallel(dp: int, ep: int, cp: int, moe: bool, recompute: bool, tp: int = 1) -> dict:
+def _parallel(dp: int, ep: int, cp: int, moe: bool, recompute: bool, tp: int = 1, opts: dict | None = None) -> dict:
     import torch.distributed as dist
 
     state = init_parallel(ParallelConfig(dp=dp, ep=ep, cp=cp, tp=tp), "cpu", 4 if moe else 0)
     model = parallelize(_model(moe), state)
-    got = _step(model, dp * ep, state, recompute)
+    got = _step(model, dp * ep, state, recompute, **(opts or {}))
     from harts.parallel.tensor_parallel import tensor_parallel_parameters
 
     got["tp_shards"] = [(tuple(p.to_local().shape), tuple(p.shape)) for p in tensor_parallel_parameters(model)]
@@ -123,6 +125,47 @@ def test_context_parallel_equals_one_process(tmp_path, dp, ep, cp, moe):
 def test_more_context_parallel_layouts_equal_one_process(tmp_path, dp, ep, cp, moe, recompute):
     got = spawn(dp * ep * cp, _parallel, dp, ep, cp, moe, recompute, tmp=str(tmp_path))
     _check(got, _step(_model(moe), dp * ep), moe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "opts",
+    [{"positions": "actions", "stats": "step"}, {"mode": "trajectory"}],
+    ids=["CP2-action-logprobs-step-statistics", "CP2-trajectory-mode"],
+)
+def test_cp2_under_other_execution_settings(tmp_path, opts):
+    """The head's NaN entries (log-probs at action positions only), step-level MoE statistics
+    (computed by the trainer before the step) and trajectory-wise execution under CP2."""
+    got = spawn(2, _parallel, 1, 1, 2, True, False, 1, opts, tmp=str(tmp_path))
+    _check(got, _step(_model(True), 1, **opts), True)
+
+
+def test_a_backend_without_all_to_all_is_refused(tmp_path):
+    assert "--cp 2 exchanges rows by all-to-all, which the gloo backend" in spawn(1, _no_all_to_all, tmp=str(tmp_path))
+
+
+def _no_all_to_all() -> str:
+    import torch.distributed as dist
+
+    from harts.parallel.mesh import check_all_to_all
+
+    def missing(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("ProcessGroup does not support alltoall_base")
+
+    dist.all_to_all_single = missing  # this process only, as a backend without it
+    try:
+        check_all_to_all(dist.group.WORLD, torch.device("cpu"), 2)
+    except UserError as err:
+        return str(err)
+    return "no error"
+
+
+def test_more_ranks_than_devices_is_refused_before_anything_is_built():
+    from harts.parallel.mesh import check_local_devices
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(UserError, match=rf"{have + 1} ranks on this host .* this host has {have}"):
+        check_local_devices(have + 1)
 
 
 def test_cp_degree_must_divide_heads_and_channels():
