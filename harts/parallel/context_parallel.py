@@ -67,6 +67,7 @@ from harts.models.hybrid_lm import HybridLM
 from harts.models.layers.moe import MoE
 from harts.ops.logprob.mapped import logprob_index
 from harts.ops.row_gather import RowGatherPlan
+from harts.ops.upload import upload
 from harts.parallel.mesh import ParallelState
 
 __all__ = ["RowSplit", "RowSplitLM", "UlyssesContext", "apply_row_split", "check_context_parallel", "is_row_split"]
@@ -163,6 +164,7 @@ class UlyssesContext(RowContext):
         #: the short conv's channel blocks (q, k, v) of the mixer running now, set by the
         #: tensor-parallel hooks: each block is split over tp (None without tensor parallelism)
         self.conv_blocks: tuple[int, int, int] | None = None
+        self._channel_index: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def _slice(self, x_T: torch.Tensor, start: int, n: int) -> torch.Tensor:
         pad = self.split.cp * self.num_rows - x_T.shape[0]
@@ -192,12 +194,14 @@ class UlyssesContext(RowContext):
         ``tp_rank``-th part of each of the (q, k, v) blocks."""
         if self.conv_blocks is None or self.split.tp == 1:
             return (weight_DW,) if bias_D is None else (weight_DW, bias_D)
-        tp, t = self.split.tp, self.split.tp_rank
-        parts, offset = [], 0
-        for n in self.conv_blocks:
-            parts.append(torch.arange(offset + t * n // tp, offset + (t + 1) * n // tp))
-            offset += n
-        index = torch.cat(parts).to(weight_DW.device)
+        index = self._channel_index.get(self.conv_blocks)
+        if index is None:
+            tp, t = self.split.tp, self.split.tp_rank
+            parts, offset = [], 0
+            for n in self.conv_blocks:
+                parts.append(np.arange(offset + t * n // tp, offset + (t + 1) * n // tp))
+                offset += n
+            index = self._channel_index[self.conv_blocks] = upload(np.concatenate(parts), weight_DW.device, torch.int64)
         return tuple(w.index_select(0, index) for w in ((weight_DW,) if bias_D is None else (weight_DW, bias_D)))
 
     def short_conv(
@@ -276,9 +280,9 @@ class RowSplitLM(HybridLM):
         index = logprob_index(rows, targets, p_r, self.config.vocab_size) if head.fused else None
         mine = HeadInputs(head.logprob_positions, head.fused, rows, targets, entries[sel], index)
         logprobs = super()._head(h_TD, dataclasses.replace(inputs, head=mine), cfg, info)
-        here = torch.zeros(batch.num_logprobs, dtype=torch.bool)
-        here[torch.as_tensor(entries[sel])] = True
-        part = torch.where(here.to(logprobs.device), logprobs, 0.0)
+        here = np.zeros(batch.num_logprobs, dtype=bool)
+        here[entries[sel]] = True
+        part = torch.where(upload(here, logprobs.device), logprobs, 0.0)
         if sel.size == 0:
             # a rank without a position still differentiates through its rows: its backward
             # must run every collective of the group's (the term is an exact zero)
@@ -286,9 +290,9 @@ class RowSplitLM(HybridLM):
         full = _SumOverGroup.apply(part, self._row_split.rows_group)
         if head.entries is None:
             return full
-        computed = torch.zeros(batch.num_logprobs, dtype=torch.bool)
-        computed[torch.as_tensor(entries)] = True
-        return torch.where(computed.to(full.device), full, float("nan"))
+        computed = np.zeros(batch.num_logprobs, dtype=bool)
+        computed[entries] = True
+        return torch.where(upload(computed, full.device), full, float("nan"))
 
 
 # ---------------------------------------------------------------------------------- MoE statistics

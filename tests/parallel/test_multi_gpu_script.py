@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -119,7 +120,7 @@ def _context_env(ngpus: int) -> dict:
         os.environ,
         DEVICE="cpu",
         NGPUS=str(ngpus),
-        PYTHON="python",
+        PYTHON=sys.executable,
         OMP_NUM_THREADS="1",
         PARTS="context",
         CP_MODEL="--model tiny",
