@@ -15,6 +15,17 @@
 #                scaling_D<d>.json per D: step time, tokens/s/GPU, MFU and effective MFU, measured vs
 #                predicted per-replica time
 #
+# context     Ulysses context parallelism (--cp C): one CP group of C GPUs against 1 GPU, model
+#              qwen3_next_80b_a3b --layers 8 (CP_MODEL), bf16, T compact rows per microbatch for
+#              each T in CP_TS (131,072 and 262,144), each C in CP_CS (2 and 4, those <= N):
+#                correctness: 1 GPU twice and C GPUs, one step's gradients (--replicas 1: the same
+#                  microbatches), compared as above (cp_corr_T<T>_C<c>.json; within rerun noise);
+#                scaling: one step of CP_WORK on 1 GPU and on C GPUs (cp_scale_T<T>_C<c>.json: step
+#                  time, per-rank peak memory), efficiency t_1 / (C t_C) and peak memory ratio
+#                  (cp_eff_T<T>_C<c>.json; expected: the ratio near 1/C for the activations, the
+#                  efficiency below 1 by the all-to-alls' share). Where 1 GPU does not fit T
+#                  (out of memory: the reason for CP), its runs fail and only the C-GPU figures stand.
+#
 # In device calls of at most 10 minutes (the lent H200 machines) run the parts one at a time. One
 # H200 runs a whole `swe` step of the full model in about 225 s with harts and about 1,200 s
 # trajectory-wise (8 x the replica-0 times of
@@ -44,6 +55,11 @@
 #   SCALE_WORK   default "--workload swe --steps 2"
 #   SCALE_FLAGS  default "--dtype bfloat16 --recompute --capacity 65536 --la-backend auto --attention mask"
 #   SCALE_MODES  default "compact trajectory"
+#   CP_MODEL     default "--model qwen3_next_80b_a3b --layers 8"
+#   CP_TS        compact rows per microbatch (default "131072 262144")
+#   CP_CS        context-parallel degrees (default "2 4", those <= NGPUS)
+#   CP_WORK      default "--workload medium --steps 1"
+#   CP_FLAGS     default "--dtype bfloat16 --recompute --la-backend auto --attention mask"
 #   TIMEOUT      seconds per run (default 1800)
 set -uo pipefail
 # the benchmarks are modules of this repository (python -m benchmarks...), not of the harts package:
@@ -67,6 +83,11 @@ SCALE_MODEL=${SCALE_MODEL:---model ling3_tiny}
 SCALE_WORK=${SCALE_WORK:---workload swe --steps 2}
 SCALE_FLAGS=${SCALE_FLAGS:---dtype bfloat16 --recompute --capacity 65536 --la-backend auto --attention mask}
 SCALE_MODES=${SCALE_MODES:-compact trajectory}
+CP_MODEL=${CP_MODEL:---model qwen3_next_80b_a3b --layers 8}
+CP_TS=${CP_TS:-131072 262144}
+CP_CS=${CP_CS:-2 4}
+CP_WORK=${CP_WORK:---workload medium --steps 1}
+CP_FLAGS=${CP_FLAGS:---dtype bfloat16 --recompute --la-backend auto --attention mask}
 TIMEOUT=${TIMEOUT:-1800}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
@@ -137,5 +158,31 @@ for f in sorted(out.glob("scaling_D*.json"), key=lambda p: int(p.stem[9:])):
             pairs = " ".join(f"{m:.2f}/{p:.2f}" for m, p in zip(s["replica_seconds_measured"], s["replica_seconds_predicted"]))
             print(f"{r['world_size']:>2} {mode:>10} {s['step']:>4} {s['step_seconds']:>8.3f} {s['tokens_per_second_per_gpu']:>10.0f} {mfu:>6} {eff:>8}  {pairs}")
 PYEOF
+fi
+if want context; then
+    for t in $CP_TS; do
+        # shellcheck disable=SC2086
+        corr="correctness --device $DEVICE --replicas 1 --capacity $t $CP_MODEL $CP_WORK $CP_FLAGS"
+        # shellcheck disable=SC2086
+        scale="scaling --device $DEVICE --modes compact --warmup 1 --capacity $t $CP_MODEL $CP_WORK $CP_FLAGS"
+        # shellcheck disable=SC2046,SC2086
+        run "cp_corr_T${t}_one" $(launch 1 $corr --out "$OUT/cp_corr_T${t}_one.json")
+        # shellcheck disable=SC2046,SC2086
+        run "cp_corr_T${t}_rerun" $(launch 1 $corr --out "$OUT/cp_corr_T${t}_rerun.json")
+        # shellcheck disable=SC2046,SC2086
+        run "cp_scale_T${t}_C1" $(launch 1 $scale --out "$OUT/cp_scale_T${t}_C1.json")
+        for c in $CP_CS; do
+            ((c <= NGPUS)) || continue
+            # shellcheck disable=SC2046,SC2086
+            run "cp_corr_T${t}_C$c" $(launch "$c" $corr --cp "$c" --out "$OUT/cp_corr_T${t}_C$c.json")
+            run "cp_compare_T${t}_C$c" "$PY" -m benchmarks.step.multi_gpu compare "$OUT/cp_corr_T${t}_one.json" \
+                "$OUT/cp_corr_T${t}_rerun.json" "$OUT/cp_corr_T${t}_C$c.json" --out "$OUT/cp_correctness_T${t}_C$c.json"
+            # shellcheck disable=SC2046,SC2086
+            run "cp_scale_T${t}_C$c" $(launch "$c" $scale --cp "$c" --out "$OUT/cp_scale_T${t}_C$c.json")
+            run "cp_eff_T${t}_C$c" "$PY" -m benchmarks.step.multi_gpu efficiency "$OUT/cp_scale_T${t}_C1.json" \
+                "$OUT/cp_scale_T${t}_C$c.json" --out "$OUT/cp_eff_T${t}_C$c.json"
+        done
+    done
+    cat "$OUT"/cp_eff_T*_C*.log 2>/dev/null | tee "$OUT/context.txt"
 fi
 exit "$FAILED"

@@ -13,14 +13,19 @@ against one-process run A with tolerances from the difference of two one-process
     tol = max(4 |A - B|, floor * |A|)      (floor: --floor, default 1e-5 for float32's reduction order)
 
 ``scaling``: ``--steps`` steps of the workload at capacity T on the launch's ranks, the model
-FSDP2-sharded (``--ep`` for experts), for each ``--modes`` (``compact`` = harts,
+FSDP2-sharded (``--ep`` for experts, ``--cp`` for Ulysses context parallelism and ``--tp`` for
+tensor parallelism with sequence parallelism: each group of ``cp x tp`` ranks splits every
+microbatch's T compact rows, so T is per group), for each ``--modes`` (``compact`` = harts,
 ``trajectory`` = the baseline, its raw-token microbatches at capacity T), after ``--warmup`` untimed steps. Per step: step time (slowest rank), raw
 tokens/s/GPU, MFU (the model FLOPs the mode executes, counted as ``harts bench`` counts them:
 compact rows and tree-visible pairs for harts; ``harts.models.flops``), effective MFU (the step's
 trajectory-wise model FLOPs over the same time: what harts' prefix sharing is worth), and each
 replica's measured compute time (its microbatches, from the plan to the end of its last
 backward) next to the time predicted from the plan's per-replica work (compact tokens for harts,
-raw tokens for the baseline), scaled to the same mean.
+raw tokens for the baseline), scaled to the same mean; each rank's peak device memory.
+``efficiency ONE MANY``: context-parallel scaling efficiency of two ``scaling`` results at the
+same T and workload, ``t_1 / (C * t_C)`` per step (1.0: C ranks are C times as fast), and the
+per-rank peak memory ratio (1/C: activations split C ways).
 
 Both parts follow ``harts train``: the LM head runs at action positions only unless
 ``--logprobs all`` (``ExecutionConfig.logprob_positions``), and the FLOPs count the logit rows
@@ -73,7 +78,8 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list]:
         seed=args.seed,
         device="meta" if world > 1 else device,
     )
-    state = init_parallel(ParallelConfig(dp=world // args.ep, ep=args.ep), device, moe_experts(model))
+    config = ParallelConfig(dp=world // (args.ep * args.cp * args.tp), ep=args.ep, cp=args.cp, tp=args.tp)
+    state = init_parallel(config, device, moe_experts(model))
     model = parallelize(model, state)
     if world > 1:
         materialize(model, state, spec=args.model, seed=args.seed)
@@ -153,6 +159,33 @@ def compare(a: dict, b: dict, n: dict, floor: float) -> dict[str, Any]:
     return {"world_size": n["world_size"], "floor": floor, "passed": not failed, "failed": failed, "rows": rows}
 
 
+def efficiency(one: dict, many: dict) -> dict[str, Any]:
+    """Context-parallel scaling of ``many`` (C ranks, one CP group) against ``one`` (one rank),
+    per mode and step: ``t_1 / (C t_C)`` and the per-rank peak memory ratio max_C / max_1."""
+    if one["world_size"] != 1 or many["world_size"] != many.get("cp", 1):
+        raise ValueError("efficiency compares one rank with one context-parallel group (world size = --cp)")
+    if one["capacity"] != many["capacity"]:
+        raise ValueError(f"different T: {one['capacity']} and {many['capacity']}")
+    c = many["world_size"]
+    out: dict[str, Any] = {"cp": c, "capacity": one["capacity"], "modes": {}}
+    for mode, steps in many["modes"].items():
+        rows = []
+        for a, b in zip(one["modes"][mode], steps):
+            pa, pb = a.get("peak_gib_per_rank") or [None], b.get("peak_gib_per_rank") or [None]
+            ratio = max(pb) / max(pa) if None not in pa + pb else None
+            rows.append(
+                {
+                    "step": a["step"],
+                    "seconds_one": a["step_seconds"],
+                    "seconds_many": b["step_seconds"],
+                    "efficiency": a["step_seconds"] / (c * b["step_seconds"]),
+                    "peak_ratio": ratio,
+                }
+            )
+        out["modes"][mode] = rows
+    return out
+
+
 def scaling(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -171,6 +204,8 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "world_size": world,
         "ep": args.ep,
+        "cp": args.cp,
+        "tp": args.tp,
         "capacity": args.capacity,
         "logprobs": args.logprobs,
         "modes": {},
@@ -194,6 +229,8 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         steps = []
         for i, batch in enumerate(batches):
             marks: dict[str, float] = {}
+            if state.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(state.device)
 
             def progress(done: int, total: int, marks: dict = marks) -> None:
                 if 0 < done < total:
@@ -205,19 +242,25 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             log = train_step(model, optimizer, batch, cfg, step=i, progress=progress, parallel=state)
             compute = [marks["end"] - marks["start"]]
             step_time = [log.train_seconds]
+            peak_gib = [torch.cuda.max_memory_allocated(state.device) / 2**30 if state.device.type == "cuda" else None]
             if world > 1:
                 gathered: list[Any] = [None] * world
-                dist.all_gather_object(gathered, (compute[0], log.train_seconds))
+                dist.all_gather_object(gathered, (compute[0], log.train_seconds, peak_gib[0]))
                 compute, step_time = [g[0] for g in gathered], [g[1] for g in gathered]
+                peak_gib = [g[2] for g in gathered]
             # the plan train_step ran: harts' step plan, or the baseline's raw-token packing
+            # (one replica per context-parallel group)
             if mode == "compact":
-                plan = plan_step(batch, dp=world, capacity=args.capacity)
+                plan = plan_step(batch, dp=state.replicas, capacity=args.capacity)
                 work = plan.work_matrix().sum(1).astype(float)
                 model_flops = _executed_flops(model, batch, plan, execution, flops)
             else:
-                raw_plan = plan_trajectory_step(batch.lengths, dp=world, capacity=args.capacity)
+                raw_plan = plan_trajectory_step(batch.lengths, dp=state.replicas, capacity=args.capacity)
                 work = raw_plan.replica_work().astype(float)
                 model_flops = _raw_flops(batch, flops, args.logprobs)
+            # a replica (a row group: cp x tp ranks) takes as long as its slowest rank
+            n = state.row_ranks
+            compute = [max(compute[r * n : (r + 1) * n]) for r in range(state.replicas)]
             predicted = work / work.mean() * float(np.mean(compute))
             raw_flops = _raw_flops(batch, flops, args.logprobs)
             seconds = max(step_time)
@@ -233,6 +276,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
                     "effective_mfu": raw_flops / (seconds * world * peak * 1e12) if peak else None,
                     "replica_seconds_measured": compute,
                     "replica_seconds_predicted": predicted.tolist(),
+                    "peak_gib_per_rank": peak_gib,
                     "loss": log.loss,
                 }
             )
@@ -282,6 +326,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--device", default="cpu")
         s.add_argument("--capacity", type=int, default=65_536)
         s.add_argument("--ep", type=int, default=1)
+        s.add_argument("--cp", type=int, default=1, help="Ulysses context-parallel degree (T is per CP group)")
+        s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree with sequence parallelism")
         s.add_argument("--recompute", action="store_true")
         s.add_argument(
             "--recompute-skip",
@@ -303,6 +349,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["correctness"].add_argument("--mode", default="compact", choices=["compact", "trajectory"])
     sub.choices["scaling"].add_argument("--modes", nargs="+", default=["compact", "trajectory"])
     sub.choices["scaling"].add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+    e = sub.add_parser("efficiency")
+    e.add_argument("one", help="scaling result of one rank")
+    e.add_argument("many", help="scaling result of C context-parallel ranks, same T and workload")
+    e.add_argument("--out", dest="json_out", required=True, metavar="FILE", help="JSON file of the efficiencies")
     c = sub.add_parser("compare")
     c.add_argument("one")
     c.add_argument("rerun")
@@ -315,13 +365,21 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = parse(p, argv)
-    if args.part != "compare":
+    if args.part not in ("compare", "efficiency"):
         from harts.models.execution.config import check_recompute_skip
 
         try:
             check_recompute_skip(args.recompute_skip, args.recompute)
         except ValueError as err:
             p.error(f"--recompute-skip: {err}")  # exits 2 with the message, no traceback
+    if args.part == "efficiency":
+        one, many = (json.loads(open(f).read()) for f in (args.one, args.many))
+        result = efficiency(one, many)
+        for mode, rows in result["modes"].items():
+            for r in rows:
+                print(f"{mode} step {r['step']}: efficiency {r['efficiency']:.3f}, peak memory ratio {r['peak_ratio']}")
+        write_json(args, result, quiet=True)
+        return 0
     if args.part == "compare":
         runs = [json.loads(open(f).read()) for f in (args.one, args.rerun, args.many)]
         result = compare(runs[0], runs[1], runs[2], floor=args.floor)

@@ -2,9 +2,12 @@
 
 Single process by default. Several ranks: ``torchrun --nproc-per-node N -m harts.cli train ...``
 (gloo on CPU, NCCL on CUDA; ``-m harts.cli`` works from any install, unlike ``$(which harts)``,
-which may be a shell shim). ``--dp D --ep E`` chooses the mesh (D * E = N; default D = N, E = 1):
-every rank is one replica of the step plan, parameters are FSDP2-sharded, and each MoE layer's
-experts are split E ways (``harts.parallel``). ``--mode trajectory`` runs the baseline: every
+which may be a shell shim). ``--dp D --ep E --cp C --tp P`` chooses the mesh (D * E * C * P = N;
+default D = N / (E C P), E = C = P = 1): every group of C * P ranks is one replica of the step
+plan and splits each of its microbatches' compact rows C * P ways (Ulysses context parallelism
+over C, tensor parallelism with sequence parallelism over P, which also splits the projections
+by heads), parameters are FSDP2-sharded, and each MoE layer's experts are split E ways
+(``harts.parallel``). ``--mode trajectory`` runs the baseline: every
 trajectory whole, in microbatches of at most ``--capacity`` raw tokens
 (``harts.plan.baselines.trajectory_plan``).
 
@@ -113,6 +116,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ep", type=positive_int, default=1, help="expert-parallel degree: ranks each MoE layer is split over"
     )
     p.add_argument(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="Ulysses context-parallel degree: ranks that split each microbatch's compact rows (all-to-all "
+        "around every token mixer); it divides --capacity and the model's heads",
+    )
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel degree with sequence parallelism: ranks that split the attention, "
+        "linear-attention and MLP projections by heads / columns, and each microbatch's rows between them",
+    )
+    p.add_argument(
         "--moe-stats",
         default="microbatch",
         choices=["microbatch", "step"],
@@ -123,7 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--replicas",
         type=positive_int,
         default=None,
-        help="replicas of the step plan, a multiple of the ranks (default: the ranks); the same value "
+        help="replicas of the step plan, a multiple of ranks / (--cp x --tp) (default: that); the same value "
         "keeps the plan, and so the step's MoE objective, when a run resumes on another number of ranks",
     )
     p.add_argument(
@@ -271,6 +288,8 @@ def config(args: argparse.Namespace) -> RunConfig:
         schedule=schedule,
         dp=args.dp,
         ep=args.ep,
+        cp=args.cp,
+        tp=args.tp,
         cpu_offload=args.cpu_offload,
         meta_init=args.meta_init,
         run_dir=run_dir,

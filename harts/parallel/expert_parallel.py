@@ -2,8 +2,8 @@
 
 ``apply_expert_parallel`` replaces every ``MoE.experts`` (an ``Experts``) with an
 ``ExpertParallelExperts`` holding this rank's contiguous block of ``E / ep`` experts. The
-parameter names stay ``gate_up_proj`` / ``down_proj`` and become DTensors on the (dp, ep) mesh
-with placements ``[Replicate(), Shard(0)]``, so state dicts and DCP checkpoints keep the
+parameter names stay ``gate_up_proj`` / ``down_proj`` and become DTensors on the expert mesh
+(``ParallelState.expert_mesh``: [dp x cp, ep]) with placements ``[Replicate(), Shard(0)]``, so state dicts and DCP checkpoints keep the
 one-process names and full shapes. The router, the shared experts and the MoE statistics are
 untouched: routing is computed on the rank's own rows with the replicated router, and the
 architecture file ``models/layers/moe.py`` knows nothing of this.
@@ -24,7 +24,7 @@ Forward of one layer (rows T, top-k K, this rank r of ep, E_l = E / ep local exp
 All ranks of an ep group must call every MoE layer the same number of times in the same order:
 the loop guarantees it (every replica runs the same number of microbatches, slot by slot).
 The expert gradients are complete on each rank for its block after backward, up to the sum
-over the ``dp`` ranks that hold the same block (``finish_gradients``).
+over the ``dp x cp`` ranks that hold the same block (``finish_gradients``).
 """
 
 from __future__ import annotations
@@ -47,18 +47,19 @@ class ExpertParallelExperts(nn.Module):
 
     def __init__(self, full_gate_up: torch.Tensor, full_down: torch.Tensor, state: ParallelState) -> None:
         super().__init__()
-        assert state.mesh is not None
+        mesh = state.expert_mesh
+        assert mesh is not None
         self.num_experts = e = full_gate_up.shape[0]
         self.ep = state.ep
         self.num_local = e // self.ep
-        self.group = state.group("ep")
+        self.group = mesh.get_group("ep")
         r = dist.get_rank(self.group)
         block = slice(r * self.num_local, (r + 1) * self.num_local)
         placements = [Replicate(), Shard(0)]
 
         def local(t: torch.Tensor) -> nn.Parameter:
             shard = t.detach()[block].clone()
-            return nn.Parameter(DTensor.from_local(shard, state.mesh, placements, run_check=False))
+            return nn.Parameter(DTensor.from_local(shard, mesh, placements, run_check=False))
 
         self.gate_up_proj = local(full_gate_up)
         self.down_proj = local(full_down)
@@ -124,5 +125,5 @@ def apply_expert_parallel(model: nn.Module, state: ParallelState) -> None:
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The expert-parallel parameters (DTensors on the (dp, ep) mesh), in module order."""
+    """The expert-parallel parameters (DTensors on the expert mesh), in module order."""
     return [p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()]

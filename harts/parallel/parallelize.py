@@ -3,7 +3,13 @@
     state = init_parallel(ParallelConfig(dp=2, ep=2), device, model.config.num_experts)
     model = parallelize(model, state)
 
-* expert parallelism first (``apply_expert_parallel``) when ``ep > 1``;
+* row splitting first (``apply_row_split``) when ``cp * tp > 1``: the forward runs on this
+  rank's 1/(cp tp) of each microbatch's rows, with all-to-alls over ``cp`` around every token
+  mixer (Ulysses context parallelism);
+* tensor parallelism (``apply_tensor_parallel``) when ``tp > 1``: projections split by heads /
+  columns over ``tp``, rows gathered before and reduce-scattered after every mixer and MLP
+  (sequence parallelism); the shards are left out of FSDP and summed in ``finish_gradients``;
+* expert parallelism (``apply_expert_parallel``) when ``ep > 1``;
 * FSDP2 ``fully_shard`` on every decoder layer, then on the root (embedding, final norm, head),
   over all ranks (``state.fsdp_mesh``). The expert blocks are left out of FSDP
   (``ignored_params``): they are already split over ``ep``, and their gradients are summed over
@@ -28,8 +34,10 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
+from harts.parallel.context_parallel import apply_row_split
 from harts.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from harts.parallel.mesh import ParallelState
+from harts.parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_parameters
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -40,9 +48,14 @@ def parallelize(model: M, state: ParallelState) -> M:
     """Shard ``model`` in place for ``state`` (no-op on one process); returns it."""
     if not state.distributed:
         return model
+    if state.row_ranks > 1:
+        check_tensor_parallel(model.config, state.tp)  # type: ignore[arg-type]
+        apply_row_split(model, state)  # type: ignore[arg-type]
+    if state.tp > 1:
+        apply_tensor_parallel(model, state)  # type: ignore[arg-type]
     if state.ep > 1:
         apply_expert_parallel(model, state)
-    ignored = set(expert_parameters(model)) or None
+    ignored = set(expert_parameters(model)) | set(tensor_parallel_parameters(model)) or None
     dtype = next(p.dtype for p in model.parameters())
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -71,20 +84,26 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> None:
 
 
 def finish_gradients(model: nn.Module, state: ParallelState) -> None:
-    """After the step's last backward: sum the expert blocks' gradients over the ``dp`` ranks
-    holding the same block (FSDP has reduced everything else)."""
+    """After the step's last backward: sum the gradients of the parameters FSDP does not hold
+    over the ranks that hold the same block: expert blocks over ``dp x cp x tp``, tensor-parallel
+    shards over ``dp x ep x cp`` (FSDP has reduced everything else)."""
+    groups = []
     experts = expert_parameters(model)
-    if not experts:
-        return
-    for p in experts:
+    if experts and state.world_size // state.ep > 1:
+        groups.append((experts, state.expert_replica_group()))
+    shards = tensor_parallel_parameters(model)
+    if shards and state.world_size // state.tp > 1:
+        assert state.tp_mesh is not None
+        groups.append((shards, state.tp_mesh.get_group("dp")))
+    for p in experts + shards:
         if p.grad is None:  # no rank sent this block a row in any microbatch
             p.grad = torch.zeros_like(p)
-    if state.dp > 1:
-        locals_ = [p.grad.to_local() for p in experts]  # type: ignore[union-attr]
+    for params, group in groups:
+        locals_ = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
         # summed in at least float32, as FSDP reduces the other gradients of a bf16 model
         work = torch.promote_types(locals_[0].dtype, torch.float32)
         flat = torch.cat([g.reshape(-1).to(work) for g in locals_])
-        dist.all_reduce(flat, group=state.group("dp"))
+        dist.all_reduce(flat, group=group)
         offset = 0
         for g in locals_:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -52,7 +52,7 @@ def train(
                 on_step(logs[-1])
         return logs
     source = iter(batches)
-    with StepPrefetcher(cfg, parallel_state(model, parallel).world_size) as ahead:
+    with StepPrefetcher(cfg, parallel_state(model, parallel).replicas) as ahead:
         ahead.submit(0, lambda: next(source, None))
         for i in itertools.count():
             planned = ahead.take(i)

@@ -89,9 +89,12 @@ class RunConfig:
     train: TrainConfig
     #: the steps' batches, in order
     schedule: Schedule
-    #: mesh: ranks holding the same experts (None: ranks / ep), expert-parallel degree, offload
+    #: mesh: ranks holding the same experts (None: ranks / (ep cp tp)), expert-parallel degree,
+    #: context-parallel degree, tensor-parallel degree, offload
     dp: int | None = None
     ep: int = 1
+    cp: int = 1
+    tp: int = 1
     cpu_offload: bool = False
     #: build on the meta device and initialise after sharding, also on one process
     meta_init: bool = False
@@ -167,7 +170,9 @@ class _Run:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.spec = replace(cfg.model, device=self.device)
-        self.train_cfg = replace(cfg.train, replicas=cfg.train.replicas or self.world)
+        # one plan replica per row group (cp x tp ranks)
+        self.rows = cfg.cp * cfg.tp
+        self.train_cfg = replace(cfg.train, replicas=cfg.train.replicas or max(self.world // self.rows, 1))
         self.ckpt = RunCheckpoints(
             cfg.run_dir,
             dict(cfg.identity),
@@ -199,14 +204,29 @@ class _Run:
 
     def _check_mesh(self) -> ParallelConfig:
         cfg, world = self.cfg, self.world
-        if cfg.ep > world or world % cfg.ep:
-            raise UserError(f"--ep {cfg.ep} does not divide the {world} rank(s) of this launch")
+        for name, v in (("ep", cfg.ep), ("cp", cfg.cp), ("tp", cfg.tp)):
+            if v > world or world % v:
+                raise UserError(f"--{name} {v} does not divide the {world} rank(s) of this launch")
+        other = cfg.ep * self.rows
+        if world % other:
+            raise UserError(
+                f"--ep {cfg.ep} x --cp {cfg.cp} x --tp {cfg.tp} = {other} does not divide the {world} ranks"
+            )
+        if cfg.train.capacity % self.rows:
+            raise UserError(
+                f"--cp {cfg.cp} x --tp {cfg.tp} = {self.rows} does not divide --capacity {cfg.train.capacity} "
+                "(each rank of a row group holds capacity / (cp tp) rows)"
+            )
         replicas = self.train_cfg.replicas
         assert replicas is not None
-        if replicas % world:
-            raise UserError(f"--replicas {replicas} is not a multiple of the {world} rank(s) of this launch")
+        if replicas % (world // self.rows):
+            raise UserError(
+                f"--replicas {replicas} is not a multiple of the {world // self.rows} data replicas of this launch "
+                f"({world} rank(s) / (--cp {cfg.cp} x --tp {cfg.tp}))"
+            )
         check_device(self.device)
-        return ParallelConfig(dp=cfg.dp or world // cfg.ep, ep=cfg.ep, cpu_offload=cfg.cpu_offload)
+        dp = cfg.dp or world // other
+        return ParallelConfig(dp=dp, ep=cfg.ep, cp=cfg.cp, tp=cfg.tp, cpu_offload=cfg.cpu_offload)
 
     def _read_batches(self) -> tuple[list[StepSummary], dict[int, RolloutBatch]]:
         """Every source read and checked once (step 2); the batches kept for training."""
@@ -243,7 +263,11 @@ class _Run:
         shared_workers(train.planner_workers)
         vocab, where = needed_vocab(summaries)
         if self.hooks.check_memory is not None:
-            self.hooks.check_memory(spec, vocab, where, train, self.world, max_compression(summaries))
+            # a rank of a row group holds capacity / (cp tp) rows between the mixers, and inside
+            # them cp tp times the rows for 1 / (cp tp) of the heads: about capacity / (cp tp)
+            # rows' activations
+            per_rank = replace(train, capacity=max(train.capacity // self.rows, 1))
+            self.hooks.check_memory(spec, vocab, where, per_rank, self.world, max_compression(summaries))
         meta = self.distributed or cfg.meta_init
         if meta:
             model = build_model(spec, vocab, where=where, meta=True)
@@ -296,7 +320,9 @@ class _Run:
         if self.rank != 0:
             return
         spec, execution, config = self.spec, self.train_cfg.execution, self.model.config
-        mesh = f"; {self.world} ranks (dp {parallel_cfg.dp} x ep {parallel_cfg.ep})" if self.distributed else ""
+        cp = f" x cp {parallel_cfg.cp}" if parallel_cfg.cp > 1 else ""
+        tp = f" x tp {parallel_cfg.tp}" if parallel_cfg.tp > 1 else ""
+        mesh = f"; {self.world} ranks (dp {parallel_cfg.dp} x ep {parallel_cfg.ep}{cp}{tp})" if self.distributed else ""
         print(
             f"model {spec.model}: {config.layer_pattern} x hidden {config.hidden_size}, "
             f"{self.num_parameters:,} parameters, {spec.dtype} on {spec.device}; mode {execution.mode}; "
@@ -325,7 +351,7 @@ class _Run:
         bar = self.hooks.progress(steps, "train", "step", disable=self.rank != 0)
         bar.update(start)
         metrics = self._metrics_writer(start)
-        ahead = StepPrefetcher(self.train_cfg, self.world)
+        ahead = StepPrefetcher(self.train_cfg, self.world // self.rows)
         if start < steps:
             ahead.submit(start, functools.partial(load, start))
         try:

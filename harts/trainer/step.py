@@ -23,10 +23,11 @@ Per step (one RolloutBatch):
 4. gradient clipping (over the shards), optimizer step, expert-bias update from the summed counts.
 
 Parallelism is torch's own engine, applied from outside: ``harts.parallel.init_parallel`` builds
-the (dp, ep) mesh and ``parallelize`` shards the model (FSDP2, expert parallelism); pass the
-``ParallelState`` as ``parallel=``. Without it the loop runs on one process. ``cfg.replicas``
-makes one process execute a D-replica plan (every replica's microbatches in sequence): the same
-microbatches, hence the same step objective, as D ranks.
+the (dp, ep, cp) mesh and ``parallelize`` shards the model (FSDP2, expert and context
+parallelism); pass the ``ParallelState`` as ``parallel=``. Without it the loop runs on one
+process. ``cfg.replicas`` makes one process execute a D-replica plan (every replica's
+microbatches in sequence): the same microbatches, hence the same step objective, as D ranks
+(or D context-parallel groups).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harts.errors import CapacityError
+from harts.errors import CapacityError, UserError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM, ModelOutput
 from harts.models.layers.moe import MoE
@@ -228,16 +229,18 @@ def parallel_state(model: HybridLM, parallel: ParallelState | None) -> ParallelS
 
 
 def replicas_of(cfg: TrainConfig, state: ParallelState) -> list[int]:
-    """The plan replicas this rank executes: with W ranks and D = ``cfg.replicas`` (default W;
-    a multiple of W), rank r runs replicas r, r + W, ... (one process runs all D in sequence)."""
-    d = cfg.replicas or state.world_size
+    """The plan replicas this rank executes: with R data-replica ranks (the ranks W, or W / C
+    context-parallel groups, whose C ranks run the same microbatches) and D = ``cfg.replicas``
+    (default R; a multiple of R), replica rank r runs replicas r, r + R, ... (one process runs
+    all D in sequence)."""
+    d = cfg.replicas or state.replicas
     if int(d) != d or d < 1:
         raise ValueError(f"replicas must be a positive integer, got {d!r}")
-    if d % state.world_size:
+    if d % state.replicas:
         raise ValueError(
-            f"replicas={d} is not a multiple of the {state.world_size} ranks (every rank runs as many replicas)"
+            f"replicas={d} is not a multiple of the {state.replicas} data replicas (every one runs as many replicas)"
         )
-    return list(range(state.rank, d, state.world_size))
+    return list(range(state.replica_rank, d, state.replicas))
 
 
 @dataclass
@@ -492,7 +495,10 @@ def accumulate_step_gradients(
     on_logprobs: Callable[[int, torch.Tensor], None] | None = None,
 ) -> _Accumulated:
     """Steps 1-3 of the module docstring: afterwards every ``p.grad`` holds the gradient of
-    the whole step's loss (summed over this rank's microbatches and across ranks).
+    the whole step's loss (summed over this rank's microbatches and across ranks). Under
+    context parallelism every rank of a group has the microbatch's log-probs and computes its
+    loss; the gradient sum over the group is that loss's gradient once
+    (``harts.parallel.context_parallel``).
 
     ``objective(logprobs, sub)`` is a microbatch's loss of its log-probs [S_k - N_k] under its
     batch ``sub``, with detached sums that add up over microbatches (``Objective``); default
@@ -518,7 +524,10 @@ def accumulate_step_gradients(
     assert all(len(plan.for_replica(r)) == plan.num_slots for r in replicas), "a replica's slots are uneven"
     if progress is not None:
         progress(0, len(mine))
-    sums = _StepSums(state.device, model.config.router_z_loss_coef, model.config.router_aux_loss_coef)
+    # the ranks of a row group (cp x tp) compute the same loss: the group's first reports it
+    sums = _StepSums(
+        state.device, model.config.router_z_loss_coef, model.config.router_aux_loss_coef, reports=state.row_rank == 0
+    )
     step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
     items: list[MicrobatchItem | None] = [None] * len(mine)
     prepare_seconds = 0.0
@@ -569,7 +578,13 @@ def _checked_plan(
     batch: RolloutBatch, cfg: TrainConfig, state: ParallelState, planned: PlannedStep | None
 ) -> PlannedStep:
     """``planned``, checked to be ``batch``'s for this step's replicas, or the plan made now."""
-    world = state.world_size
+    world = state.replicas
+    rows = state.cp * state.tp
+    if rows > 1 and cfg.capacity % rows:
+        raise UserError(
+            f"cp={state.cp} x tp={state.tp} = {rows} does not divide capacity={cfg.capacity} (each rank of a "
+            "row group holds capacity / (cp tp) rows)"
+        )
     if planned is None:
         return plan_training_step(batch, cfg, world)
     if planned.source is not batch:
@@ -599,10 +614,13 @@ class _StepSums:
     step ends (no host sync between microbatches, so the host prepares microbatch k + 1 while the
     device runs k): the loss, the MoE objective, then the objective's metric sums; and the
     q-weighted expert counts [L_moe, E]. The execution counts (rows, calls, replay rows) are host
-    numbers."""
+    numbers. ``reports``: whether this rank's loss and metrics count in the step's sums (False
+    on the ranks of a context-parallel group but its first, which compute the same loss; their
+    MoE objective and counts are their rows' shares and always count)."""
 
-    def __init__(self, device: torch.device, z_coef: float, aux_coef: float) -> None:
+    def __init__(self, device: torch.device, z_coef: float, aux_coef: float, *, reports: bool = True) -> None:
         self.device = device
+        self.reports = reports
         self.dtype = torch.float32 if device.type == "mps" else torch.float64
         self.z_coef, self.aux_coef = z_coef, aux_coef
         self.sums: torch.Tensor | None = None
@@ -628,6 +646,8 @@ class _StepSums:
             self.names = list(metrics)
             self.sums = torch.zeros(2 + len(metrics), dtype=self.dtype, device=self.device)
         values = [loss.detach().to(self.dtype), moe, *(metrics[name].to(self.dtype) for name in self.names)]
+        if not self.reports:
+            values = [torch.zeros_like(values[0]), moe, *(torch.zeros_like(v) for v in values[2:])]
         self.sums += torch.stack(values)
         self.rows += int(out.info["rows"])
         self.calls += int(out.info["calls"])

@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -110,3 +111,72 @@ def test_bad_recompute_skip_is_an_argument_error(tmp_path, capsys) -> None:
         )
     assert exit_.value.code == 2
     assert "needs recompute=True" in capsys.readouterr().err
+
+
+def _context_env(ngpus: int) -> dict:
+    """The script's context part with the GPU model swapped for the tiny one (its commands
+    otherwise as written for GPUs), gloo processes."""
+    return dict(
+        os.environ,
+        DEVICE="cpu",
+        NGPUS=str(ngpus),
+        PYTHON=sys.executable,
+        OMP_NUM_THREADS="1",
+        PARTS="context",
+        CP_MODEL="--model tiny",
+        CP_TS="400",
+        CP_CS="2",
+        CP_WORK="--workload tiny --steps 1",
+        CP_FLAGS="--dtype float32 --threads 1",
+    )
+
+
+def _script(tmp_path, env: dict) -> subprocess.CompletedProcess:  # noqa: ANN001
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = ["bash", os.path.join(root, "scripts", "multi_gpu.sh"), str(tmp_path)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_context_part_at_world_size_one(tmp_path):
+    """One device: the one-GPU runs of the context part (correctness twice, scaling) run; the
+    CP runs are skipped (C > N)."""
+    r = _script(tmp_path, _context_env(1))
+    assert r.returncode == 0, r.stdout + r.stderr
+    scale = json.loads((tmp_path / "cp_scale_T400_C1.json").read_text())
+    assert scale["cp"] == 1 and scale["modes"]["compact"][0]["step_seconds"] > 0
+    one, rerun = (json.loads((tmp_path / f"cp_corr_T400_{n}.json").read_text()) for n in ("one", "rerun"))
+    assert compare(one, rerun, one, floor=1e-5)["passed"]
+    assert not (tmp_path / "cp_scale_T400_C2.json").exists()
+
+
+@pytest.mark.slow
+def test_context_part_on_two_cpu_processes(tmp_path):
+    r = _script(tmp_path, _context_env(2))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "cp_correctness_T400_C2.json").read_text())["passed"]
+    eff = json.loads((tmp_path / "cp_eff_T400_C2.json").read_text())
+    assert eff["cp"] == 2 and eff["modes"]["compact"][0]["efficiency"] > 0
+
+
+def test_efficiency_of_a_context_parallel_group():
+    from benchmarks.step.multi_gpu import efficiency
+
+    def run(world: int, seconds: float, peak: float) -> dict:
+        step = {"step": 0, "step_seconds": seconds, "peak_gib_per_rank": [peak] * world}
+        return {"world_size": world, "cp": world, "capacity": 131_072, "modes": {"compact": [step]}}
+
+    e = efficiency(run(1, 10.0, 60.0), run(4, 3.125, 16.0))
+    assert e["modes"]["compact"][0]["efficiency"] == pytest.approx(0.8)
+    assert e["modes"]["compact"][0]["peak_ratio"] == pytest.approx(16 / 60)
+    with pytest.raises(ValueError, match="different T"):
+        efficiency(run(1, 10.0, 60.0), {**run(2, 6.0, 30.0), "capacity": 65_536})
+
+
+def test_the_gpu_model_splits_over_cp_4():
+    """qwen3_next_80b_a3b (the context part's GPU model): heads and conv channels divide by 2 and 4."""
+    from harts.models import HybridConfig
+    from harts.parallel.context_parallel import check_context_parallel
+
+    cfg = HybridConfig.preset("qwen3_next_80b_a3b", layers=8)
+    for cp in (2, 4):
+        check_context_parallel(cfg, cp)

@@ -80,6 +80,48 @@ def test_torchrun_two_ranks_and_resume_on_one(tmp_path):
         assert float((a[k] - b[k]).abs().max()) / scale <= 1e-9, k
 
 
+@pytest.mark.slow
+def test_torchrun_context_parallel_and_resume_on_one(tmp_path):
+    """2 ranks of one context-parallel group (cp 2) for 3 steps equal 2 steps there and the
+    third resumed on one process (the same 1-replica plan): a checkpoint moves between layouts."""
+    run, two, one = tmp_path / "run", tmp_path / "two", tmp_path / "one"
+    common = [*BASE, "--capacity", "600"]
+    r = harts(
+        *common, "--steps", "3", "--cp", "2", "--run-dir", str(run), "--save-every", "2", "--save", str(two), ranks=2
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 ranks (dp 1 x ep 1 x cp 2)" in r.stdout
+    shutil.rmtree(run / "checkpoints" / "step-00000003")
+    r = harts(*common, "--steps", "3", "--resume", str(run), "--save", str(one))
+    assert r.returncode == 0, r.stderr
+    assert "step 2:" in r.stdout and "step 1:" not in r.stdout
+    a, b = _weights(two), _weights(one)
+    for k in a:
+        scale = max(float(a[k].abs().max()), 1e-30)
+        assert float((a[k] - b[k]).abs().max()) / scale <= 1e-10, k
+
+
+@pytest.mark.slow
+def test_torchrun_cp2_tp2_and_resume_at_tp2(tmp_path):
+    """4 ranks (cp 2 x tp 2) for 3 steps equal 2 steps there and the third resumed on 2 ranks at
+    tp 2. The tiny preset's GDN has one key head, which tp 2 cannot split: attention layers only."""
+    run, four, two = tmp_path / "run", tmp_path / "four", tmp_path / "two"
+    common = [*BASE, "--capacity", "600", "--pattern", "MAMA", "--steps", "3"]
+    r = harts(
+        *common, "--cp", "2", "--tp", "2", "--run-dir", str(run), "--save-every", "2", "--save", str(four), ranks=4
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "4 ranks (dp 1 x ep 1 x cp 2 x tp 2)" in r.stdout
+    shutil.rmtree(run / "checkpoints" / "step-00000003")
+    r = harts(*common, "--tp", "2", "--resume", str(run), "--save", str(two), ranks=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 2:" in r.stdout and "step 1:" not in r.stdout
+    a, b = _weights(four), _weights(two)
+    for k in a:
+        scale = max(float(a[k].abs().max()), 1e-30)
+        assert float((a[k] - b[k]).abs().max()) / scale <= 1e-10, k
+
+
 def test_mesh_errors():
     with pytest.raises(UserError, match=r"--dp 3 x --ep 1 = 3 ranks, but the launch has 2"):
         ParallelConfig(dp=3).check(2, 4)
@@ -87,6 +129,10 @@ def test_mesh_errors():
         ParallelConfig(ep=3).check(3, 4)
     with pytest.raises(UserError, match=r"no MoE layers"):
         ParallelConfig(ep=2).check(2, 0)
+    with pytest.raises(UserError, match=r"--dp 1 x --ep 1 x --cp 2 x --tp 2 = 4 ranks, but the launch has 2"):
+        ParallelConfig(cp=2, tp=2).check(2, 0)
+    with pytest.raises(UserError, match=r"--tp must be a positive integer"):
+        ParallelConfig(tp=0).check(1, 0)
 
 
 def test_wrong_world_size_on_the_command_line():
@@ -94,6 +140,10 @@ def test_wrong_world_size_on_the_command_line():
     assert r.returncode == 2 and "--dp 2 x --ep 1 = 2 ranks, but the launch has 1" in r.stderr
     r = harts(*BASE, "--steps", "1", "--ep", "2")
     assert r.returncode == 2 and "--ep 2 does not divide the 1 rank(s)" in r.stderr
+    r = harts(*BASE, "--steps", "1", "--cp", "2")
+    assert r.returncode == 2 and "--cp 2 does not divide the 1 rank(s)" in r.stderr
+    r = harts(*BASE, "--steps", "1", "--tp", "2")
+    assert r.returncode == 2 and "--tp 2 does not divide the 1 rank(s)" in r.stderr
     r = harts(*BASE, "--steps", "1", "--cpu-offload")
     assert r.returncode == 2 and "--cpu-offload" in r.stderr and "--device cuda" in r.stderr
 

@@ -1,0 +1,244 @@
+"""Tensor parallelism with sequence parallelism (Megatron-style) over the ``tp`` mesh dimension.
+
+    state = init_parallel(ParallelConfig(tp=2), device, num_experts)
+    model = parallelize(model, state)   # apply_row_split, apply_tensor_parallel, EP, FSDP2
+
+Between the blocks every rank of a ``tp`` group holds ``1/tp`` of its rows (sequence
+parallelism: embedding, norms, residuals, router and routed experts on those rows; the row
+split, the head and the MoE statistics are ``context_parallel.py``'s, whose row group is
+``cp x tp``). Around every token mixer, every dense MLP and every MoE's shared experts:
+
+    x  [P_r, D]  --all-gather rows over tp-->  [tp P_r, D]     (backward: reduce-scatter, a sum)
+    column-parallel projections: this rank's heads / columns; the block's per-head work on them
+    row-parallel output projection: partial sums [tp P_r, D]
+         --reduce-scatter rows over tp-->  [P_r, D]             (backward: all-gather)
+
+Column-parallel (``ShardColumns``): the weight's output features split in ``tp`` contiguous
+blocks, which are whole heads because every projection here lays its outputs out head by head
+(GDN's ``in_proj_qkvz`` / ``in_proj_ba`` key-head group by group). Row-parallel
+(``ShardRows``): the input features split likewise. The shards are DTensors on
+``ParallelState.tp_mesh`` ([world / tp, tp], placements ``[Replicate(), Shard(d)]``), so state
+dicts and DCP checkpoints keep the one-process names and shapes. The per-head vectors of KDA
+and GDN (``A_log``, ``dt_bias``) are split the same way (``ShardHeadVectors``). The mixers' head
+counts are set to this rank's (``num_heads`` ...), so their reshapes see local heads.
+
+The projections compute on the local shard (``weight.to_local()``), not in DTensor's
+semantics. torch's ``ColwiseParallel`` all-reduces the gradient of each projection's input
+over the group; that gradient is then complete on every rank. Inside a mixer, replicated
+parameters sit upstream of sharded projections (MLA's ``q_a_proj`` and latent norms, KDA's
+low-rank gate input) as well as beside them (per-head norms, the conv). With torch's styles,
+the gradients of the first kind would be complete and those of the second kind partial, and
+no one reduction is right for both. Here every gradient inside a block is this rank's heads'
+share. The one sum is the reduce-scatter of the input gather's backward, and the replicated
+parameters' shares are summed by FSDP2 over all ranks like every other partial gradient. The
+sharded parameters' gradients are complete per shard and are summed over the ranks holding
+that shard (``finish_gradients``). So every parameter gets exactly its one-process gradient.
+
+The short conv's weight stays whole (replicated). Its channels are (q, k, v) blocks, each
+split over tp, so a rank's channels are not one contiguous block. The row context picks this
+rank's rows of the weight (``UlyssesContext.conv_blocks``, set by a hook before each mixer).
+The fast paths that concatenate whole weights (``stacked_qkv``, ``stacked_gates``) are off under
+tensor parallelism; the separate projections compute the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from harts.errors import UserError
+from harts.models.config import HybridConfig
+from harts.models.hybrid_lm import DecoderLayer, HybridLM
+from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
+from harts.parallel.mesh import ParallelState
+
+__all__ = [
+    "ShardColumns",
+    "ShardHeadVectors",
+    "ShardRows",
+    "apply_tensor_parallel",
+    "check_tensor_parallel",
+    "tensor_parallel_parameters",
+]
+
+
+def _shard(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> nn.Parameter:
+    """This rank's ``dim``-block of ``t`` as a DTensor parameter ``[Replicate(), Shard(dim)]``."""
+    tp, rank = mesh.size(1), mesh.get_local_rank(1)
+    n = t.shape[dim] // tp
+    local = t.detach().narrow(dim, rank * n, n).clone()
+    return nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(dim)], run_check=False))
+
+
+class _LocalLinear(nn.Linear):
+    """A bias-free linear whose weight is a tensor-parallel shard: it computes on the local block."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to_local())  # type: ignore[attr-defined]
+
+
+class ShardColumns(ParallelStyle):
+    """Column-parallel ``nn.Linear``: output features split in tp blocks, local compute."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert type(module) is nn.Linear and module.bias is None, module
+        module.weight = _shard(module.weight, device_mesh, 0)
+        module.__class__ = _LocalLinear
+        return module
+
+
+class ShardRows(ParallelStyle):
+    """Row-parallel ``nn.Linear``: input features split in tp blocks; outputs are partial sums."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert type(module) is nn.Linear and module.bias is None, module
+        module.weight = _shard(module.weight, device_mesh, 1)
+        module.__class__ = _LocalLinear
+        return module
+
+
+def _local_view(name: str) -> property:
+    def get(self: nn.Module) -> torch.Tensor:
+        return self._parameters[name].to_local()  # type: ignore[union-attr]
+
+    return property(get)
+
+
+class ShardHeadVectors(ParallelStyle):
+    """A mixer's per-head parameter vectors (``names``) split in tp blocks along dim 0; the
+    module reads them through properties that return the local block (the parameters keep
+    their names: ``named_parameters`` and state dicts are unchanged)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            module._parameters[name] = _shard(module._parameters[name], device_mesh, 0)  # type: ignore[arg-type]
+        cls = type(module)
+        module.__class__ = type(f"TensorParallel{cls.__name__}", (cls,), {n: _local_view(n) for n in self.names})
+        module._tp_sharded = self.names  # type: ignore[assignment]
+        return module
+
+
+# ---------------------------------------------------------------------------------- row gathers
+def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = all_gather_single(x.contiguous(), 0, group)
+    return out.wait() if hasattr(out, "wait") else out
+
+
+def _scatter_rows(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = reduce_scatter_single(y.contiguous(), "sum", 0, group)
+    return out.wait() if hasattr(out, "wait") else out
+
+
+def _hook_rows(module: nn.Module, group: dist.ProcessGroup, conv_blocks: tuple[int, int, int] | None = None) -> None:
+    """Gather ``module``'s first input's rows over tp before it runs (and set its conv channel
+    blocks on the row context, its second input), reduce-scatter its output's rows after."""
+
+    def before(m: nn.Module, args: tuple) -> tuple:
+        if conv_blocks is not None:
+            args[1].conv_blocks = conv_blocks
+        return (_gather_rows(args[0], group), *args[1:])
+
+    def after(m: nn.Module, args: tuple, out: Any) -> torch.Tensor:  # noqa: ANN401
+        return _scatter_rows(out, group)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
+# ---------------------------------------------------------------------------------- the plan
+def _mixer_plan(mixer: nn.Module, tp: int) -> tuple[dict[str, ParallelStyle], tuple[int, int, int] | None]:
+    """The styles of one token mixer's submodules (relative names; "" is the mixer itself) and
+    its conv channel blocks; sets its head counts to one rank's."""
+    col, row = ShardColumns(), ShardRows()
+    if isinstance(mixer, GatedAttention):
+        mixer.num_heads //= tp
+        mixer.num_kv_heads //= tp
+        return {"q_proj": col, "k_proj": col, "v_proj": col, "o_proj": row}, None
+    if isinstance(mixer, MultiheadLatentAttention):
+        mixer.num_heads //= tp
+        plan: dict[str, ParallelStyle] = {"kv_b_proj": col, "o_proj": row}
+        plan["q_proj" if hasattr(mixer, "q_proj") else "q_b_proj"] = col
+        if mixer.g_proj is not None:
+            plan["g_proj"] = col
+        return plan, None
+    if isinstance(mixer, KimiDeltaAttention):
+        h, k, v = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim
+        mixer.num_heads //= tp
+        plan = {n: col for n in ("q_proj", "k_proj", "v_proj", "b_proj")}
+        plan |= {"f_b_proj": col, "g_b_proj": col} if mixer.low_rank_gates else {"f_proj": col, "g_proj": col}
+        plan |= {"o_proj": row, "": ShardHeadVectors(("A_log", "dt_bias"))}
+        return plan, (h * k, h * k, h * v)
+    if isinstance(mixer, GatedDeltaNet):
+        blocks = (mixer.key_dim, mixer.key_dim, mixer.value_dim)
+        mixer.num_k_heads //= tp
+        mixer.num_v_heads //= tp
+        plan = {"in_proj_qkvz": col, "in_proj_ba": col, "out_proj": row, "": ShardHeadVectors(("A_log", "dt_bias"))}
+        return plan, blocks
+    raise TypeError(f"no tensor-parallel plan for {type(mixer).__name__}")
+
+
+_MLP_PLAN: dict[str, ParallelStyle] = {"gate_proj": ShardColumns(), "up_proj": ShardColumns(), "down_proj": ShardRows()}
+
+
+def apply_tensor_parallel(model: HybridLM, state: ParallelState) -> None:
+    """Shard ``model``'s projections over ``tp`` (module docstring), in place; call after
+    ``apply_row_split`` (which splits the rows and owns the head) and before FSDP2."""
+    check_tensor_parallel(model.config, state.tp)
+    mesh, group = state.tp_mesh, state.group("tp")
+    assert mesh is not None
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        name = "linear_attn" if hasattr(layer, "linear_attn") else "self_attn"
+        plan, blocks = _mixer_plan(layer.mixer, state.tp)
+        parallelize_module(model, mesh, {f"layers.{i}.{name}{'.' + k if k else ''}": s for k, s in plan.items()})
+        _hook_rows(layer.mixer, group, blocks)
+        mlp = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
+        if isinstance(mlp, MLP):
+            parallelize_module(mlp, mesh, dict(_MLP_PLAN))
+            _hook_rows(mlp, group)
+
+
+def tensor_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The tensor-parallel shards (DTensors on the tp mesh), in module order."""
+    out: list[nn.Parameter] = []
+    for m in model.modules():
+        if isinstance(m, _LocalLinear):
+            out.append(m.weight)  # type: ignore[arg-type]
+        for name in getattr(m, "_tp_sharded", ()):
+            out.append(m._parameters[name])  # type: ignore[arg-type]
+    return out
+
+
+def check_tensor_parallel(config: HybridConfig, tp: int) -> None:
+    """UserError naming both numbers when ``tp`` does not divide the heads or columns it splits."""
+    if tp == 1:
+        return
+    letters = set(config.layer_pattern)
+    need: list[tuple[str, int]] = []
+    if letters & {"A", "M"}:
+        need.append(("attention heads (num_attention_heads)", config.num_attention_heads))
+    if "A" in letters:
+        need.append(("key-value heads (num_key_value_heads)", config.num_key_value_heads))
+    if letters & {"K", "G"}:
+        need.append(("linear-attention heads (linear_num_value_heads)", config.linear_num_value_heads))
+    if "G" in letters:
+        need.append(("linear-attention key heads (linear_num_key_heads)", config.linear_num_key_heads))
+    need.append(("MLP columns (intermediate_size)", config.intermediate_size))
+    if config.num_experts and config.num_shared_experts:
+        per = config.shared_expert_intermediate_size or config.moe_intermediate_size
+        need.append(("shared-expert columns", per * config.num_shared_experts))
+    for what, n in need:
+        if n % tp:
+            raise UserError(f"--tp {tp} does not divide the model's {n} {what}")
