@@ -14,7 +14,8 @@ rank, on the chosen device:
                  rows x the bytes each layer keeps per row (below); a layer under activation
                  checkpointing keeps its input row and what ``recompute_skip`` keeps of its cores
     views        compact attention through gathered ancestor views (``attention="gather"``, which
-                 ``"auto"`` is on the CPU; ``harts.ops.attention.ancestor_view``): each branch's
+                 ``"auto"`` is on the CPU, and on CUDA in half precision where FlashAttention-2's
+                 varlen kernel takes every attention kind; ``harts.ops.attention.ancestor_view``): each branch's
                  K and V gathered over its ancestors and own rows, kept for the backward. The
                  views of a microbatch hold ``view_rows`` rows (about its semantic positions,
                  ``"S-sized"`` in ``harts.plan.layout``), of which ``activations`` counts the
@@ -350,7 +351,8 @@ def _view_bytes(
 ) -> tuple[int, int]:
     """(kept, backward) bytes of the gathered ancestor views beyond each branch's own rows
     (module docstring, ``views``); zero where no view is gathered."""
-    gathers = cfg.mode == "compact" and (cfg.attention == "gather" or (cfg.attention == "auto" and dev == "cpu"))
+    auto_gathers = dev == "cpu" or _flash_views_on_cuda(c, e)
+    gathers = cfg.mode == "compact" and (cfg.attention == "gather" or (cfg.attention == "auto" and auto_gathers))
     extra = max(0, (view_rows or rows) - rows) if rows else 0
     if not (gathers and extra):
         return 0, 0
@@ -370,6 +372,21 @@ def _view_bytes(
         # its backward: d(K), d(V) of the views and their concatenation; recomputed views beside
         backward = max(backward, 2 * layer + (0 if keeps else layer))
     return kept, backward
+
+
+def _flash_views_on_cuda(c: HybridConfig, e: int) -> bool:
+    """Whether ``attention="auto"`` gathers on CUDA for ``c`` in a dtype of ``e`` bytes: where
+    FlashAttention-2's varlen kernel takes every attention kind (``flash_views_run``; the GPU's
+    compute capability, 8.0 or newer on every GPU harts runs on, is not asked here, so the
+    estimate can be made before any CUDA call)."""
+    from harts.ops.attention.flash_varlen import FLASH_VARLEN_MAX_HEAD_DIM
+
+    dims = c.attention_head_dims
+    return (
+        e == 2
+        and bool(dims)
+        and all(qk == v and qk % 8 == 0 and qk <= FLASH_VARLEN_MAX_HEAD_DIM for qk, v, _ in dims.values())
+    )
 
 
 def _head_row_bytes(c: HybridConfig, e: int) -> int:

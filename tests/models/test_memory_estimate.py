@@ -151,7 +151,7 @@ def test_gathered_views_are_counted_where_they_are_made() -> None:
     for cfg, view_rows, device in (
         (ExecutionConfig(mode="trajectory"), 8192 * 5, "cpu"),
         (replace(compact, attention="mask"), 8192 * 5, "cpu"),
-        (compact, 8192 * 5, "cuda"),  # auto is the tree mask on CUDA
+        (compact, 8192 * 5, "cuda"),  # auto is the tree mask on CUDA for MLA's unequal head dims
         (compact, None, "cpu"),
         (compact, 8192, "cpu"),
     ):
@@ -163,6 +163,11 @@ def test_gathered_views_are_counted_where_they_are_made() -> None:
     recomputed = estimate_memory(config, replace(compact, recompute=True), capacity=8192, view_rows=8192 * 5)
     assert recomputed.terms["views"] == 0 and recomputed.terms["backward"] > 0
     assert gathered_view_rows(8192, 4.5) == 36864 and gathered_view_rows(8192, 0.5) == 8192
+    # GQA at one head dim in half precision: auto gathers on CUDA (FlashAttention-2 varlen views)
+    qwen = HybridConfig.preset("qwen3_next_80b_a3b", layers=4)
+    half = dict(capacity=8192, view_rows=8192 * 5, device_type="cuda")
+    assert estimate_memory(replace(qwen, dtype="bfloat16"), compact, **half).terms["views"] > 0
+    assert estimate_memory(replace(qwen, dtype="float32"), compact, **half).terms["views"] == 0
 
 
 def test_estimate_takes_the_execution_of_a_run() -> None:
