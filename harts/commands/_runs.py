@@ -37,12 +37,38 @@ def check_run_dir(args: argparse.Namespace, subdirs: tuple[str, ...] = ("",)) ->
 
 
 def check_same_run(run_dir: str, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
-    """UserError naming the first flag whose value differs between the checkpoint's run (``saved``,
-    the ``extra`` it was saved with) and this command (``wanted``); keys are flag names."""
+    """UserError naming the first setting whose value differs between the checkpoint's run
+    (``saved``, the ``extra`` it was saved with) and this command (``wanted``), in one line.
+
+    A key of ``wanted`` is a flag's name (``capacity`` is ``--capacity``); a dict value is a group
+    of settings that no flag sets (``AdamW``: the optimizer's betas, eps, ...), each compared and
+    named as ``AdamW.eps``. A key the checkpoint does not record (an older harts wrote it) is
+    refused too: the run it would continue is unknown.
+    """
     from harts.errors import UserError
 
     for key, want in wanted.items():
-        had = saved.get(key)
+        if isinstance(want, dict):
+            had_group = saved.get(key)
+            for sub, sub_want in want.items():
+                name = f"{key}.{sub}"
+                if not isinstance(had_group, dict) or sub not in had_group:
+                    raise UserError(
+                        f"--resume {run_dir}: the checkpoint does not record {name} (an older harts wrote it), "
+                        f"this command uses {sub_want}; start a new run"
+                    )
+                if had_group[sub] != sub_want:
+                    raise UserError(
+                        f"--resume {run_dir}: the run used {name} {had_group[sub]}, this command {name} {sub_want}; "
+                        "no flag sets it: only code that uses the run's setting can continue it"
+                    )
+            continue
+        if key not in saved:
+            raise UserError(
+                f"--resume {run_dir}: the checkpoint does not record --{key} (an older harts wrote it), this "
+                f"command --{key} {want}; start a new run"
+            )
+        had = saved[key]
         if had != want:
             raise UserError(
                 f"--resume {run_dir}: the run used --{key} {had}, this command --{key} {want}; "

@@ -194,8 +194,8 @@ def run(args: argparse.Namespace) -> int:
             return 128 + err.signum
         resume = args.resume
 
-        def check(path: Any, saved: dict[str, Any]) -> None:  # noqa: ANN401
-            check_resumed_run(resume, path, saved, "train", cfg.identity)
+        def check(path: Any, saved: dict[str, Any], identity: dict[str, Any]) -> None:  # noqa: ANN401
+            check_resumed_run(resume, path, saved, "train", identity)
 
         hooks = RunHooks(progress=progress, finish=functools.partial(_finish, args), check_resumed=check)
         hooks.check_memory = train_memory_check(args.force)
@@ -263,6 +263,7 @@ def config(args: argparse.Namespace) -> RunConfig:
         "mode": args.mode,
         "capacity": args.capacity,
         "kl-coef": args.kl_coef,
+        "moe-stats": args.moe_stats,
     }
     return RunConfig(
         model=model_spec(args),

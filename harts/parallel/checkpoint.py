@@ -429,7 +429,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
 def _check_fits(tensors: dict[str, Any], metadata: Any, path: Path, extra: dict[str, Any]) -> None:  # noqa: ANN401
     """UserError unless every tensor of this model and optimizer is in the checkpoint, in its shape."""
     saved = metadata.state_dict_metadata
-    flags = ", ".join(f"--{k} {v}" for k, v in extra.items() if k != "command")
+    flags = ", ".join(f"--{k} {v}" for k, v in extra.items() if k != "command" and not isinstance(v, dict))
     run = f"harts {extra['command']}" if isinstance(extra.get("command"), str) else "a run"
     origin = f"it was saved by {run}{' with ' + flags[:200] if flags else ''}"
     for key, t in _flat(tensors).items():

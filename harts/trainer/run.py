@@ -63,7 +63,7 @@ from harts.trainer.step import StepLog, StepPrefetcher, TrainConfig, train_step
 from harts.tree.batch import RolloutBatch
 from harts.tree.dataset import Schedule
 
-__all__ = ["CAPACITY_ADVICE", "KEEP_TOKENS", "RunConfig", "RunHooks", "RunResult", "run_training"]
+__all__ = ["CAPACITY_ADVICE", "KEEP_TOKENS", "RunConfig", "RunHooks", "RunResult", "run_settings", "run_training"]
 
 #: batches read by the checks before step 0 are kept for training up to this many tokens in all
 #: (above it, a step's batch is read again when it runs; a file is read once either way)
@@ -100,7 +100,8 @@ class RunConfig:
     save_every: int | None = None
     #: resume from the newest checkpoint that loads, passing over damaged newer ones
     resume_fallback: bool = False
-    #: what a resumed run must match, saved with every checkpoint
+    #: what a resumed run must match (flag name -> value), saved with every checkpoint;
+    #: ``run_training`` adds the optimizer's settings (``run_settings``) and the plan's replicas
     identity: dict[str, Any] = field(default_factory=dict)
     #: also log the metrics to TensorBoard / this W&B project (``settings`` is W&B's run config)
     tensorboard: bool = False
@@ -131,8 +132,9 @@ class RunHooks:
     progress: Callable[..., Any]
     #: the run's report (table, weights, JSON); every rank calls it (a sharded model is gathered)
     finish: Callable[[RunResult], None]
-    #: ``check(checkpoint_path, saved_identity)`` raises to refuse a checkpoint to resume from
-    check_resumed: Callable[[Any, dict[str, Any]], None] | None = None
+    #: ``check(checkpoint_path, saved_identity, identity)`` raises to refuse a checkpoint to resume
+    #: from (``identity``: ``RunConfig.identity`` with what ``run_training`` adds)
+    check_resumed: Callable[[Any, dict[str, Any], dict[str, Any]], None] | None = None
     #: ``check(spec, vocab_size, where, train, world)`` raises to refuse a model that will not fit
     #: its device (``harts.commands._memory.train_memory_check``), before the model is built
     check_memory: Callable[[ModelSpec, int, str, TrainConfig, int], None] | None = None
@@ -164,7 +166,13 @@ class _Run:
         self.world = dist.get_world_size() if self.distributed else 1
         self.spec = replace(cfg.model, device=self.device)
         self.train_cfg = replace(cfg.train, replicas=cfg.train.replicas or self.world)
-        self.ckpt = RunCheckpoints(cfg.run_dir, cfg.identity, fallback=cfg.resume_fallback, check=hooks.check_resumed)
+        self.ckpt = RunCheckpoints(
+            cfg.run_dir,
+            dict(cfg.identity),
+            fallback=cfg.resume_fallback,
+            check=hooks.check_resumed,
+            replicas=self.train_cfg.replicas,
+        )
         self.logs: list[StepLog] = []
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -250,9 +258,25 @@ class _Run:
             materialize(model, self.parallel, spec=spec.model, seed=spec.seed)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr)
+        self.ckpt.identity.update(run_settings(self.optimizer, train))
         start = self.ckpt.resume(model, self.optimizer, len(cfg.schedule.order))
         self._apply_lr(self.optimizer, train.lr, start)
+        self._note_replicas(start)
         return start
+
+    def _note_replicas(self, start: int) -> None:
+        """A resumed run on another number of ranks (without ``--replicas``) plans its steps for
+        another number of replicas: the same loss up to rounding, but another microbatching, and
+        with ``moe_statistics="microbatch"`` another MoE objective. Allowed (a run may grow onto
+        more ranks), and said."""
+        had, now = self.ckpt.resumed_replicas, self.train_cfg.replicas
+        if had is None or had == now or self.rank != 0:
+            return
+        print(
+            f"--replicas {now} from step {start} on (the checkpoint's run planned {had} replicas; --replicas {had} keeps "
+            "its plan and MoE objective on any number of ranks it divides)",
+            flush=True,
+        )
 
     def _apply_lr(self, optimizer: torch.optim.Optimizer, lr: float, start: int) -> None:
         """A resumed run takes this command's ``--lr`` from its next step on (the checkpoint's
@@ -455,6 +479,26 @@ class _Run:
             self.hooks.finish(self.result(failed={"step": failed_step, "error": f"{type(err).__name__}: {err}"}))
         except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
             print(f"harts: could not keep them either: {save_err}", file=sys.stderr, flush=True)
+
+
+def run_settings(optimizer: torch.optim.Optimizer, train: TrainConfig) -> dict[str, Any]:
+    """The settings no flag of ``harts train`` sets that change what a run computes, for its
+    identity (``RunConfig.identity``): the optimizer's (but the learning rate, which may change on
+    resume) and the step's gradient clipping and loss. JSON data and tuples, as a checkpoint keeps them."""
+    d = optimizer.defaults
+    adamw = {k: d[k] for k in ("betas", "eps", "weight_decay", "amsgrad") if k in d}
+    if "betas" in adamw:
+        adamw["betas"] = tuple(float(b) for b in adamw["betas"])
+    return {
+        type(optimizer).__name__: adamw,
+        "TrainConfig": {
+            "max_grad_norm": train.max_grad_norm,
+            "clip_eps": train.clip_eps,
+            "reduction": train.reduction,
+            "expert_bias_rate": train.expert_bias_rate,
+            "on_policy": train.on_policy,
+        },
+    }
 
 
 def _agree_on_signal(signals: Signals) -> None:
