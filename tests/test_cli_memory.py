@@ -105,3 +105,29 @@ def test_a_too_big_model_stops_within_seconds_in_a_subprocess() -> None:
     assert out.returncode == 2, out.stderr
     assert one_error_line(out.stderr).startswith("harts: error: not enough memory on cpu")
     assert time.perf_counter() - started < 120
+
+
+def test_serve_counts_every_model_it_can_hold(capsys, monkeypatch) -> None:  # noqa: ANN001
+    """``harts serve`` holds up to --max-models training engines (a model copy each) and its
+    sampling engines at once: the check counts them all and names the --max-models that fits."""
+    from harts.models.config import HybridConfig
+    from harts.models.execution.config import ExecutionConfig
+    from harts.models.memory import estimate_memory
+    from harts.serve.sampling import SAMPLER_ENGINES
+    from harts.trainer.build import ModelSpec
+
+    config = HybridConfig.preset("ling3_tiny").first_layers(1)
+    head = ExecutionConfig(fused_logprobs=True)
+    one = estimate_memory(config, head, capacity=1024, dtype="float32", optimizer=False, frozen_base=True)
+    # room for 3 training engines and the sampling engines: 3 + SAMPLER_ENGINES copies of the model
+    have = one.total + (3 + SAMPLER_ENGINES - 1) * one.terms["parameters"]
+    monkeypatch.setattr(memory, "available_bytes", lambda device: have)
+    argv = ["serve", "--model", "ling3_tiny", "--layers", "1", "--capacity", "1024", "--port", "1"]
+    code, _, err = run(capsys, *argv, "--max-models", "8")
+    line = one_error_line(err)
+    assert code == 2 and "not enough memory on cpu" in line and "use --max-models 3" in line, line
+    assert "parameters" in line
+    spec = ModelSpec(model="ling3_tiny", layers=1, dtype="float32", device="cpu")
+    kw = dict(capacity=1024, optimizer=False, frozen_base=True, models_option="--max-models")
+    est = memory.check_memory(spec, None, models=3, models_beside=SAMPLER_ENGINES, **kw)
+    assert est is not None and est.terms["parameters"] == (3 + SAMPLER_ENGINES) * one.terms["parameters"]

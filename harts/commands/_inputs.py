@@ -44,6 +44,7 @@ from harts.trainer.checks import StepSummary as StepSummary
 from harts.trainer.checks import check_capacity as check_capacity
 from harts.trainer.checks import check_plannable as check_plannable
 from harts.trainer.checks import check_recompute_layers as check_recompute_layers
+from harts.trainer.checks import max_compression as max_compression
 from harts.trainer.checks import needed_vocab as needed_vocab
 from harts.trainer.checks import summarize as summarize
 from harts.tree.dataset import Schedule

@@ -49,6 +49,10 @@ def check_memory(
     rows_option: str | None = "--capacity",
     where: str | None = None,
     frozen_base: bool = False,
+    compression: float = 1.0,
+    models: int = 1,
+    models_option: str | None = None,
+    models_beside: int = 0,
 ) -> MemoryEstimate | None:
     """Raise a one-line ``UserError`` (the estimate, what is available, the largest term, the
     knob) unless the model ``spec`` names, with ``vocab_size`` (None: its own), fits one training step of
@@ -57,12 +61,16 @@ def check_memory(
     skips it. ``rows_option``: the flag that sets ``capacity`` (None: the batch's size does,
     as in ``harts compare``); ``where``: the largest token id's place, for the vocabulary check
     (``build_model``'s, made first: its message names the token); ``frozen_base``: LoRA
-    training, no gradients or optimizer state for the base weights. Returns the estimate (None when skipped or the device's memory is
+    training, no gradients or optimizer state for the base weights; ``compression``: the batches'
+    largest semantic / compact positions, which sizes compact attention's gathered ancestor views
+    (``gathered_view_rows``); ``models``: copies of the model held at once (``harts serve``:
+    ``--max-models``, the flag ``models_option``, training engines, and ``models_beside`` sampling
+    engines more), one microbatch running at a time. Returns the estimate (None when skipped or the device's memory is
     unknown)."""
     if force:
         return None
     from harts.models.execution.config import ExecutionConfig
-    from harts.models.memory import estimate_memory, format_bytes
+    from harts.models.memory import estimate_memory, format_bytes, gathered_view_rows
     from harts.trainer.build import check_device, check_vocab
 
     check_device(spec.device)  # before asking it how much memory it has
@@ -84,29 +92,44 @@ def check_memory(
             shards=shards,
             device_total_bytes=total,
             frozen_base=frozen_base,
+            models=models + models_beside,
         )
         kw.update(changes)
+        kw["view_rows"] = gathered_view_rows(kw["capacity"], compression)
         return estimate_memory(kw.pop("config", config), kw.pop("execution", cfg), device_type=dev, **kw)
 
     est = estimate()
     if est.total <= have:
         return est
+    models_hint = None
+    if models_option and models > 1:
+        fits = _largest_fitting(lambda n: estimate(models=n + models_beside).total, have, models)
+        models_hint = f"{models_option} {fits}" if fits else None
     name, size = est.largest
     raise UserError(
         f"not enough memory on {spec.device}: one step is estimated at {format_bytes(est.total)}, "
         f"{format_bytes(have)} available; the largest term is {name} {format_bytes(size)} "
-        f"(then {est.summary(skip=1, top=3)}); {_knob(spec, cfg, est, have, estimate, config, rows_option)}; --force runs anyway"
+        f"(then {est.summary(skip=1, top=3)}); {_knob(spec, cfg, est, have, estimate, config, rows_option, models_hint)}; "
+        "--force runs anyway"
     )
 
 
-def train_memory_check(force: bool) -> Callable[[ModelSpec, int, str, TrainConfig, int], None]:
+def train_memory_check(force: bool) -> Callable[[ModelSpec, int, str, TrainConfig, int, float], None]:
     """``check_memory`` as ``harts train``'s runtime calls it before building the model: with
-    the run's capacity and execution (the chunked head), AdamW state, and FSDP over the ranks."""
+    the run's capacity and execution (the chunked head), AdamW state, FSDP over the ranks, and
+    the batches' largest compression."""
 
-    def check(spec: ModelSpec, vocab_size: int, where: str, train: TrainConfig, world: int) -> None:
+    def check(spec: ModelSpec, vocab_size: int, where: str, train: TrainConfig, world: int, compression: float) -> None:
         execution = replace(train.execution, fused_logprobs=True)
         check_memory(
-            spec, vocab_size, capacity=train.capacity, execution=execution, shards=world, force=force, where=where
+            spec,
+            vocab_size,
+            capacity=train.capacity,
+            execution=execution,
+            shards=world,
+            force=force,
+            where=where,
+            compression=compression,
         )
 
     return check
@@ -120,12 +143,14 @@ def _knob(  # noqa: ANN001
     estimate,
     config: HybridConfig,
     rows_option: str | None,
+    models_hint: str | None = None,
 ) -> str:
-    """What fixes it: when the model's state alone (no rows) does not fit, fewer layers, a
-    smaller vocabulary, a GPU or more ranks; otherwise a capacity that fits, or recomputation."""
+    """What fixes it: fewer model copies (``models_hint``: ``--max-models N``, that fits); when
+    the model's state alone (no rows) does not fit, fewer layers, a smaller vocabulary, a GPU or
+    more ranks; otherwise a capacity that fits, or recomputation."""
     from harts.models.memory import format_bytes
 
-    hints = []
+    hints = [models_hint] if models_hint else []
     if estimate(capacity=0).total > have:
         depth = config.num_hidden_layers
         if not os.path.isdir(spec.model):

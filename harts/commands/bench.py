@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.commands._inputs import (
         build_model_and_attention,
         check_recompute_layers,
+        max_compression,
         model_spec,
         needed_vocab,
         planner_workers,
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         force=args.force,
         where=where,
+        compression=max_compression(summaries),
     )
     built = build_model_and_attention(args, vocab, execution, where=where)
     model, flex = built.model, built.flex

@@ -156,7 +156,15 @@ def run(args: argparse.Namespace) -> int:
     check_capacity([summary], args.capacity)
     vocab, where = needed_vocab([summary])
     vocab = max(vocab, args.vocab_size or 0)
-    check_memory(model_spec(args), vocab, capacity=args.capacity, optimizer=False, force=args.force, where=where)
+    check_memory(
+        model_spec(args),
+        vocab,
+        capacity=args.capacity,
+        optimizer=False,
+        force=args.force,
+        where=where,
+        compression=summary.tokens / max(1, summary.compact_tokens),
+    )
     model = build_model(args, vocab, where=where, training=False)
     base = ExecutionConfig(attention=args.attention, linear_attention_backend=args.la_backend)
     reference = None

@@ -102,13 +102,27 @@ def run(args: argparse.Namespace) -> int:
     from harts.commands._inputs import recompute_fields
     from harts.commands._memory import check_memory
     from harts.serve.config import API_KEY_ENV, ServeConfig
+    from harts.serve.sampling import SAMPLER_ENGINES
     from harts.serve.server import serve
     from harts.trainer.build import ModelSpec
 
     execution = {**recompute_fields(args), "attention": args.attention, "linear_attention_backend": args.la_backend}
-    # one engine's model, trained through LoRA adapters (its weights frozen), at --capacity
+    # what the server can hold at once: --max-models training engines, each its own copy of the
+    # model trained through LoRA adapters (its weights frozen), the sampling engines beside them
+    # (the base model, checkpoints read from disk), and one microbatch at --capacity (the worker
+    # runs one request at a time)
     spec = ModelSpec(model=args.model, layers=args.layers, dtype=args.dtype, device=args.device)
-    check_memory(spec, None, capacity=args.capacity, optimizer=False, frozen_base=True, force=args.force)
+    check_memory(
+        spec,
+        None,
+        capacity=args.capacity,
+        optimizer=False,
+        frozen_base=True,
+        force=args.force,
+        models=args.max_models,
+        models_option="--max-models",
+        models_beside=SAMPLER_ENGINES,
+    )
 
     config = ServeConfig(
         model=args.model,

@@ -13,13 +13,22 @@ rank, on the chosen device:
     activations  what autograd keeps from the forward for the backward, summed over the layers:
                  rows x the bytes each layer keeps per row (below); a layer under activation
                  checkpointing keeps its input row and what ``recompute_skip`` keeps of its cores
+    views        compact attention through gathered ancestor views (``attention="gather"``, which
+                 ``"auto"`` is on the CPU; ``harts.ops.attention.ancestor_view``): each branch's
+                 K and V gathered over its ancestors and own rows, kept for the backward. The
+                 views of a microbatch hold ``view_rows`` rows (about its semantic positions,
+                 ``"S-sized"`` in ``harts.plan.layout``), of which ``activations`` counts the
+                 ``capacity`` own rows; this term is the rest, in every attention layer that
+                 keeps its core
     allocator    on the CPU, what the C allocator keeps of the forward's freed temporaries
                  (glibc's heap below its mmap threshold): ``CPU_ALLOCATOR_SLACK`` of the
                  activations
     backward     the backward's working set above the activations: the gradients a layer makes
                  while its saved tensors still live (``BACKWARD_FRACTION`` of them), its
                  recomputed forward too when it is checkpointed, at the layer where that peaks
-                 (the layers after it in the model have freed theirs by then)
+                 (the layers after it in the model have freed theirs by then), and the gradients
+                 of one attention layer's gathered views (their K and V, and their
+                 concatenation), its recomputed views too when it is checkpointed
     lm_head      the LM head's logits: the chunked head (``mapped_logprobs``) holds two
                  [row_chunk, V] chunks in its compute dtype (a chunk and its exp in the forward;
                  the backward's chunk and, on CUDA, its half-precision gradient), the kept softmax [rows, V] when it keeps it, and its float32
@@ -58,6 +67,7 @@ __all__ = [
     "MemoryEstimate",
     "estimate_memory",
     "format_bytes",
+    "gathered_view_rows",
     "parameter_count",
 ]
 
@@ -70,7 +80,17 @@ CPU_ALLOCATOR_SLACK = 0.2
 #: a layer's backward makes gradients of about this fraction of its saved tensors before they go
 BACKWARD_FRACTION = 0.75
 #: every term ``MemoryEstimate.terms`` holds, in this order
-TERMS = ("runtime", "parameters", "gradients", "optimizer", "activations", "allocator", "backward", "lm_head")
+TERMS = (
+    "runtime",
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "views",
+    "allocator",
+    "backward",
+    "lm_head",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,6 +146,8 @@ def estimate_memory(
     logit_rows: int | None = None,
     device_total_bytes: int | None = None,
     frozen_base: bool = False,
+    view_rows: int | None = None,
+    models: int = 1,
 ) -> MemoryEstimate:
     """One rank's peak memory for a forward + backward of ``capacity`` rows (module docstring).
 
@@ -144,6 +166,13 @@ def estimate_memory(
             softmax under ``keep_lm_head_probs=None`` (CUDA, half precision); None: not kept.
         frozen_base: the model's weights are frozen (LoRA training): no gradient and no
             optimizer state for them (the adapters' own are left out: a small fraction).
+        view_rows: K/V rows the gathered ancestor views of one compact microbatch hold (the
+            sum over its branches of ancestor and own rows; ``gathered_view_rows`` estimates it
+            from a step's compression); None: ``capacity`` (no shared ancestors). Counts only
+            where those views are made (compact mode, attention "gather", or "auto" on the CPU).
+        models: copies of the model held at once, each with its own parameters, gradients and
+            optimizer state (a server's training engines; ``harts serve --max-models``); the
+            microbatch's activations are counted once (one step runs at a time).
 
     Returns:
         ``MemoryEstimate`` with every term of ``TERMS``.
@@ -176,14 +205,16 @@ def estimate_memory(
     for i, b in enumerate(layer_rows):
         before += kept_rows[i]
         reach = max(reach, before + b * BACKWARD_FRACTION + (b if i < n_ckpt else 0) - sum(kept_rows))
+    views, views_backward = _view_bytes(config, cfg, dev, e, n_ckpt, rows, view_rows)
     terms = {
         "runtime": CPU_RUNTIME_BYTES if dev == "cpu" else 0,
-        "parameters": share * e,
-        "gradients": (share + largest_param // max(1, shards)) * e if training and not frozen_base else 0,
-        "optimizer": 2 * share * e if optimizer and not frozen_base else 0,
+        "parameters": models * share * e,
+        "gradients": models * (share + largest_param // max(1, shards)) * e if training and not frozen_base else 0,
+        "optimizer": models * 2 * share * e if optimizer and not frozen_base else 0,
         "activations": rows * kept,
-        "allocator": int(rows * kept * CPU_ALLOCATOR_SLACK) if dev == "cpu" else 0,
-        "backward": int(rows * max(0.0, reach)),
+        "views": views,
+        "allocator": int((rows * kept + views) * CPU_ALLOCATOR_SLACK) if dev == "cpu" else 0,
+        "backward": int(rows * max(0.0, reach)) + views_backward,
         "lm_head": _lm_head_bytes(
             config, cfg, capacity if logit_rows is None else logit_rows, dev, e, device_total_bytes
         ),
@@ -304,6 +335,41 @@ def _ffn_row_elements(c: HybridConfig, i: int) -> float:
     k, shared_i = c.num_experts_per_tok, c.shared_expert_intermediate_size or c.moe_intermediate_size
     routed = k * d + 5 * k * c.moe_intermediate_size + 6 * k
     return routed + d + 4 * c.num_shared_experts * shared_i + 2 * c.num_experts + 8
+
+
+def gathered_view_rows(capacity: int, compression: float) -> int:
+    """The K/V rows of a compact microbatch's gathered ancestor views (``view_rows``) at
+    ``capacity`` compact rows and ``compression`` semantic / compact positions of its step: a
+    branch's view is its trajectory's positions up to its last row, so the views together hold
+    about the microbatch's semantic positions."""
+    return int(capacity * max(1.0, compression))
+
+
+def _view_bytes(
+    c: HybridConfig, cfg: ExecutionConfig, dev: str, e: int, n_ckpt: int, rows: int, view_rows: int | None
+) -> tuple[int, int]:
+    """(kept, backward) bytes of the gathered ancestor views beyond each branch's own rows
+    (module docstring, ``views``); zero where no view is gathered."""
+    gathers = cfg.mode == "compact" and (cfg.attention == "gather" or (cfg.attention == "auto" and dev == "cpu"))
+    extra = max(0, (view_rows or rows) - rows) if rows else 0
+    if not (gathers and extra):
+        return 0, 0
+    cdt = max(e, 4) if dev == "cpu" else e
+    kept, backward = 0, 0
+    for i, letter in enumerate(c.layer_pattern):
+        if LAYER_TYPES[letter][0] == "linear":
+            continue
+        if letter == "M":  # MLA: a K and V per head; the CPU kernel pads both to one head dim
+            qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+            per_row = c.num_attention_heads * (2 * max(qk, v) if dev == "cpu" else qk + v)
+        else:
+            per_row = 2 * c.num_key_value_heads * c.head_dim
+        layer = extra * per_row * cdt
+        keeps = i >= n_ckpt or "attention" in cfg.recompute_skip
+        kept += layer if keeps else 0
+        # its backward: d(K), d(V) of the views and their concatenation; recomputed views beside
+        backward = max(backward, 2 * layer + (0 if keeps else layer))
+    return kept, backward
 
 
 def _head_row_bytes(c: HybridConfig, e: int) -> int:

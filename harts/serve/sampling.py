@@ -39,7 +39,16 @@ from harts.serve.wire import PROTO_MEDIA_TYPE, WireError, encode_sample_response
 if TYPE_CHECKING:
     from harts.trainer.engine import Engine
 
-__all__ = ["SampleJob", "SamplerEngines", "Snapshot", "Snapshots", "run_sample", "sample_job", "take_snapshot"]
+__all__ = [
+    "SAMPLER_ENGINES",
+    "SampleJob",
+    "SamplerEngines",
+    "Snapshot",
+    "Snapshots",
+    "run_sample",
+    "sample_job",
+    "take_snapshot",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +96,15 @@ class Snapshots:
                 del self._items[key]
 
 
+#: engines ``SamplerEngines`` keeps by default (``harts serve``'s memory check counts them)
+SAMPLER_ENGINES = 2
+
+
 class SamplerEngines:
     """Engines loaded for sampling only (the base model, checkpoints read from disk), the most
     recently used ``limit`` kept; used by the worker thread only."""
 
-    def __init__(self, limit: int = 2) -> None:
+    def __init__(self, limit: int = SAMPLER_ENGINES) -> None:
         self._limit = max(1, limit)
         self._items: OrderedDict[str, Engine] = OrderedDict()
 

@@ -18,7 +18,15 @@ from harts.errors import CapacityError, UserError
 if TYPE_CHECKING:
     from harts.tree.batch import RolloutBatch
 
-__all__ = ["StepSummary", "check_capacity", "check_plannable", "check_recompute_layers", "needed_vocab", "summarize"]
+__all__ = [
+    "StepSummary",
+    "check_capacity",
+    "check_plannable",
+    "check_recompute_layers",
+    "max_compression",
+    "needed_vocab",
+    "summarize",
+]
 
 
 @dataclass
@@ -37,6 +45,9 @@ class StepSummary:
     max_token_at: tuple[int, int]
     #: the batch's declared vocabulary (file header), if any
     vocab_size: int | None
+    #: positions after prefix sharing (``harts.tree.compact``); ``tokens / compact_tokens`` is
+    #: the step's compression, which sizes compact attention's gathered views
+    compact_tokens: int = 0
 
     def where(self) -> str:
         return f"step {self.step} ({self.label})"
@@ -44,6 +55,8 @@ class StepSummary:
 
 def summarize(step: int, label: str, batch: RolloutBatch) -> StepSummary:
     import numpy as np
+
+    from harts.tree.compact import prefix_index
 
     lengths = batch.lengths
     j = int(np.argmax(lengths))
@@ -59,7 +72,13 @@ def summarize(step: int, label: str, batch: RolloutBatch) -> StepSummary:
         max_token=int(batch.tokens[k]),
         max_token_at=(jt, int(k - batch.offsets[jt])),
         vocab_size=batch.vocab_size,
+        compact_tokens=prefix_index(batch).num_compact_tokens,
     )
+
+
+def max_compression(summaries: list[StepSummary]) -> float:
+    """The largest semantic / compact positions of the steps (1.0 without prefix sharing)."""
+    return max([s.tokens / s.compact_tokens for s in summaries if s.compact_tokens] or [1.0])
 
 
 def check_capacity(

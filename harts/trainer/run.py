@@ -55,6 +55,7 @@ from harts.trainer.checks import (
     check_capacity,
     check_plannable,
     check_recompute_layers,
+    max_compression,
     needed_vocab,
     summarize,
 )
@@ -135,9 +136,10 @@ class RunHooks:
     #: ``check(checkpoint_path, saved_identity, identity)`` raises to refuse a checkpoint to resume
     #: from (``identity``: ``RunConfig.identity`` with what ``run_training`` adds)
     check_resumed: Callable[[Any, dict[str, Any], dict[str, Any]], None] | None = None
-    #: ``check(spec, vocab_size, where, train, world)`` raises to refuse a model that will not fit
-    #: its device (``harts.commands._memory.train_memory_check``), before the model is built
-    check_memory: Callable[[ModelSpec, int, str, TrainConfig, int], None] | None = None
+    #: ``check(spec, vocab_size, where, train, world, compression)`` raises to refuse a model that
+    #: will not fit its device (``harts.commands._memory.train_memory_check``), before the model is
+    #: built; ``compression``: the steps' largest semantic / compact positions
+    check_memory: Callable[[ModelSpec, int, str, TrainConfig, int, float], None] | None = None
 
 
 def run_training(cfg: RunConfig, signals: Signals, hooks: RunHooks) -> int:
@@ -241,7 +243,7 @@ class _Run:
         shared_workers(train.planner_workers)
         vocab, where = needed_vocab(summaries)
         if self.hooks.check_memory is not None:
-            self.hooks.check_memory(spec, vocab, where, train, self.world)
+            self.hooks.check_memory(spec, vocab, where, train, self.world, max_compression(summaries))
         meta = self.distributed or cfg.meta_init
         if meta:
             model = build_model(spec, vocab, where=where, meta=True)

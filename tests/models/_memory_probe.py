@@ -31,7 +31,7 @@ def main(spec: dict) -> dict:
 
     from harts.models import HybridConfig, HybridLM
     from harts.models.execution.config import ExecutionConfig
-    from harts.models.memory import estimate_memory
+    from harts.models.memory import estimate_memory, gathered_view_rows
     from harts.tree.batch import RolloutBatch
     from harts.tree.compact import compact
 
@@ -61,7 +61,11 @@ def main(spec: dict) -> dict:
             optimizer.zero_grad(set_to_none=True)
     capacity = compact(batch).num_compact_tokens if mode == "compact" else batch.num_tokens
     logit_rows = capacity if mode == "compact" else batch.num_tokens - n
-    est = estimate_memory(cfg, execution, capacity=capacity, optimizer=optimizer is not None, logit_rows=logit_rows)
+    # the views as the commands size them: from the step's compression (semantic / compact)
+    views = gathered_view_rows(capacity, batch.num_tokens / capacity) if mode == "compact" else None
+    est = estimate_memory(
+        cfg, execution, capacity=capacity, optimizer=optimizer is not None, logit_rows=logit_rows, view_rows=views
+    )
     return {"measured": _vm_hwm(), "estimate": est.total, "terms": est.terms}
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from harts.models import HybridConfig, HybridLM
 from harts.models.config import PRESET_NAMES
 from harts.models.execution.config import ExecutionConfig
-from harts.models.memory import TERMS, estimate_memory, parameter_count
+from harts.models.memory import TERMS, estimate_memory, gathered_view_rows, parameter_count
 from harts.ops.logprob.mapped import CPU_CHUNK_BYTES
 
 PROBE = Path(__file__).with_name("_memory_probe.py")
@@ -106,6 +107,14 @@ CASES = {
     "vocab-300k-adamw-T1024": {"rows": 1024, "optimizer": True, "config": {"vocab_size": 300_000}},
     "plain-head-V30000-T4096": {"rows": 4096, "fused": False, "config": {"vocab_size": 30_000}},
     "compact-T16384": {"rows": 16384, "mode": "compact", "trajectories": 8, "config": {"vocab_size": 2000}},
+    # 32 paths share half the rows and three of four layers attend: the gathered ancestor views
+    # (16.5 x the compact rows) are a fifth of the peak
+    "compact-views-KMAM-T16384": {
+        "rows": 16384,
+        "mode": "compact",
+        "trajectories": 32,
+        "config": {"vocab_size": 2000, "layer_pattern": "KMAM"},
+    },
 }
 
 
@@ -119,6 +128,41 @@ def test_estimate_within_25_percent_of_the_measured_cpu_peak(case: str) -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     ratio = result["estimate"] / result["measured"]
     assert 0.75 <= ratio <= 1.25, (case, ratio, result)
+
+
+def test_gathered_views_are_counted_where_they_are_made() -> None:
+    """Compact attention through ancestor views ("gather", and "auto" on the CPU) keeps each
+    branch's K/V over its ancestors: a term linear in the view rows beyond the compact rows and
+    in the attention layers; none in trajectory mode, with the tree mask, or without sharing."""
+    config = HybridConfig.tiny(vocab_size=512, layer_pattern="KMAM")
+    compact = ExecutionConfig(mode="compact")
+
+    def views(cfg: ExecutionConfig = compact, view_rows: int | None = 8192 * 5, device: str = "cpu", **kw: Any) -> int:
+        return estimate_memory(
+            kw.pop("config", config), cfg, capacity=8192, view_rows=view_rows, device_type=device
+        ).terms["views"]
+
+    base = views()
+    assert base > 0
+    assert views(view_rows=8192 * 9) == 2 * base  # (9 - 1) / (5 - 1): the rows beyond the own ones
+    one, two = (views(config=HybridConfig.tiny(vocab_size=512, layer_pattern=p)) for p in ("KMKK", "KMKM"))
+    assert 0 < one < base and two == 2 * one  # per attention layer
+    assert views(replace(compact, attention="gather"), device="cuda") > 0
+    for cfg, view_rows, device in (
+        (ExecutionConfig(mode="trajectory"), 8192 * 5, "cpu"),
+        (replace(compact, attention="mask"), 8192 * 5, "cpu"),
+        (compact, 8192 * 5, "cuda"),  # auto is the tree mask on CUDA
+        (compact, None, "cpu"),
+        (compact, 8192, "cpu"),
+    ):
+        assert views(cfg, view_rows, device) == 0, (cfg, view_rows, device)
+    # kept for the backward unless the layer is recomputed; its backward counts them either way
+    with_views = estimate_memory(config, compact, capacity=8192, view_rows=8192 * 5)
+    without = estimate_memory(config, compact, capacity=8192)
+    assert with_views.total - without.total >= base
+    recomputed = estimate_memory(config, replace(compact, recompute=True), capacity=8192, view_rows=8192 * 5)
+    assert recomputed.terms["views"] == 0 and recomputed.terms["backward"] > 0
+    assert gathered_view_rows(8192, 4.5) == 36864 and gathered_view_rows(8192, 0.5) == 8192
 
 
 def test_estimate_takes_the_execution_of_a_run() -> None:
