@@ -90,7 +90,7 @@ def test_signal_writes_a_resumable_checkpoint(tmp_path):
     model = replay(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = load_checkpoint(ckpt, model=model, optimizer=opt)
-    assert state.step >= 2 and state.data_state == {"next_step": state.step}
+    assert state.step >= 2 and state.data_state == {"next_step": state.step, "replicas": 1}
     expected = replay(state.step).state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-7, msg=name)
