@@ -169,7 +169,7 @@ def test_describe_names_every_choice_on_one_line() -> None:
 
 
 def test_auto_attention_gathers_where_flash_varlen_runs_every_kind(monkeypatch: pytest.MonkeyPatch) -> None:
-    """"auto" on CUDA takes the gather path (FlashAttention-2 varlen over ancestor views) when
+    """ "auto" on CUDA takes the gather path (FlashAttention-2 varlen over ancestor views) when
     that kernel runs every attention kind of the model, and FlexAttention's tree mask otherwise
     (MLA's unequal q/v head dims, float32); the CPU keeps its own rule; an explicit choice stays."""
     from harts.models.execution import config as cfg
