@@ -10,6 +10,8 @@ relative, alone and composed with FSDP2 data parallelism and expert parallelism.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -46,13 +48,18 @@ def _batch():
 
 
 def _cfg(
-    replicas: int, recompute: bool = False, mode: str = "compact", positions: str = "all", stats: str = "microbatch"
+    replicas: int,
+    recompute: bool = False,
+    mode: str = "compact",
+    positions: str = "all",
+    stats: str = "microbatch",
+    skip: tuple[str, ...] = (),
 ) -> TrainConfig:
-    execution = ExecutionConfig(mode=mode, recompute=recompute, logprob_positions=positions)
+    execution = ExecutionConfig(mode=mode, recompute=recompute, logprob_positions=positions, recompute_skip=skip)
     return TrainConfig(capacity=CAPACITY, replicas=replicas, execution=execution, moe_statistics=stats)
 
 
-def _step(model: HybridLM, replicas: int, state=None, recompute: bool = False, **opts: str) -> dict:  # noqa: ANN001
+def _step(model: HybridLM, replicas: int, state=None, recompute: bool = False, **opts: Any) -> dict:  # noqa: ANN001, ANN401
     logprobs: dict[int, torch.Tensor] = {}
     acc = accumulate_step_gradients(
         model,

@@ -44,7 +44,7 @@ def test_script_on_two_cpu_processes(tmp_path):
         os.environ,
         DEVICE="cpu",
         NGPUS="2",
-        PYTHON="python",
+        PYTHON=sys.executable,
         OMP_NUM_THREADS="1",
         CORR_MODEL="--model tiny",
         CORR_WORK="--workload tiny --capacity 400",

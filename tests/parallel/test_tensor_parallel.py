@@ -35,6 +35,15 @@ def test_more_tensor_parallel_layouts_equal_one_process(tmp_path, dp, ep, cp, tp
     _check(got, _step(_model(True), dp * ep), True)
 
 
+@pytest.mark.slow
+def test_tp2_cp2_with_kept_cores_equals_one_process(tmp_path):
+    """Recomputation that keeps the attention, linear-attention and MoE forwards (their
+    collectives run once, in the forward) under TP2 x CP2."""
+    opts = {"skip": ("attention", "linear_attention", "moe")}
+    got = spawn(4, _parallel, 1, 1, 2, True, True, 2, opts, tmp=str(tmp_path))
+    _check(got, _step(_model(True), 1, recompute=True, **opts), True)
+
+
 def test_tp_degree_must_divide_heads_and_columns():
     cfg = HybridConfig.tiny(vocab_size=256, linear_num_value_heads=4, linear_num_key_heads=2)
     check_tensor_parallel(cfg, 2)
