@@ -116,3 +116,22 @@ def test_resume_with_other_replicas_runs_and_says_so(
     assert main(_train("--steps", "3", "--resume", str(run))) == 0
     out = capsys.readouterr().out
     assert "--replicas 1 from step 2 on (the checkpoint's run planned 2 replicas" in out, out
+
+
+def test_resume_refuses_another_model_configuration(
+    saved_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run records a digest of its whole model configuration: a checkpoint whose model's
+    config changed under the same flags (a --model DIR whose config.json was edited, same tensor
+    shapes) is refused in one line, not continued as another model."""
+    from harts.models.config import HybridConfig
+    from harts.trainer.run import config_digest
+
+    tiny = HybridConfig.preset("tiny")
+    assert config_digest(tiny) == config_digest(HybridConfig.preset("tiny"))
+    assert config_digest(tiny) != config_digest(tiny.replace(rms_norm_eps=tiny.rms_norm_eps * 2))
+    run = _copy_with_extra(saved_run, tmp_path, lambda extra: extra.__setitem__("model-config", "0123456789abcdef"))
+    capsys.readouterr()
+    assert main(_train("--steps", "3", "--resume", str(run), "--replicas", "2")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model configuration (digest 0123456789abcdef) differs" in err, err

@@ -69,6 +69,12 @@ def check_same_run(run_dir: str, saved: dict[str, Any], wanted: dict[str, Any]) 
                 f"command --{key} {want}; start a new run"
             )
         had = saved[key]
+        if had != want and key == "model-config":
+            raise UserError(
+                f"--resume {run_dir}: the run's model configuration (digest {had}) differs from this command's "
+                f"(digest {want}): the --model checkpoint's config.json or the preset changed; restore it or "
+                "start a new run"
+            )
         if had != want:
             raise UserError(
                 f"--resume {run_dir}: the run used --{key} {had}, this command --{key} {want}; "

@@ -279,12 +279,14 @@ class _Run:
         )
         self.parallel = init_parallel(parallel_cfg, self.device, moe_experts(model))
         self.num_parameters = model.num_parameters()
+        digest = config_digest(model.config)
         model = parallelize(model, self.parallel)
         if meta:
             materialize(model, self.parallel, spec=spec.model, seed=spec.seed)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr)
         self.ckpt.identity.update(run_settings(self.optimizer, train))
+        self.ckpt.identity["model-config"] = digest
         start = self.ckpt.resume(model, self.optimizer, len(cfg.schedule.order))
         self._apply_lr(self.optimizer, train.lr, start)
         self._note_replicas(start)
@@ -507,6 +509,17 @@ class _Run:
             self.hooks.finish(self.result(failed={"step": failed_step, "error": f"{type(err).__name__}: {err}"}))
         except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
             print(f"harts: could not keep them either: {save_err}", file=sys.stderr, flush=True)
+
+
+def config_digest(config: Any) -> str:  # noqa: ANN401 - a HybridConfig
+    """A short sha256 of the model's whole configuration (``HybridConfig.to_dict``, keys sorted),
+    for a run's identity: a checkpoint directory whose config.json changed since the run began
+    (same flags, same tensor shapes) is then refused on resume rather than continued."""
+    import hashlib
+    import json
+
+    text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def run_settings(optimizer: torch.optim.Optimizer, train: TrainConfig) -> dict[str, Any]:
