@@ -135,3 +135,8 @@ def test_resume_refuses_another_model_configuration(
     assert main(_train("--steps", "3", "--resume", str(run), "--replicas", "2")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model configuration (digest 0123456789abcdef) differs" in err, err
+
+    older = _copy_with_extra(saved_run, tmp_path / "older", lambda extra: extra.pop("model-config"))
+    assert main(_train("--steps", "3", "--resume", str(older), "--replicas", "2")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not record its model configuration's digest" in err, err

@@ -63,6 +63,11 @@ def check_same_run(run_dir: str, saved: dict[str, Any], wanted: dict[str, Any]) 
                         "no flag sets it: only code that uses the run's setting can continue it"
                     )
             continue
+        if key not in saved and key == "model-config":
+            raise UserError(
+                f"--resume {run_dir}: the checkpoint does not record its model configuration's digest (an older "
+                "harts wrote it); start a new run"
+            )
         if key not in saved:
             raise UserError(
                 f"--resume {run_dir}: the checkpoint does not record --{key} (an older harts wrote it), this "
