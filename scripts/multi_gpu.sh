@@ -108,14 +108,16 @@ run() {
     return $rc
 }
 
-# ranks N: torchrun for N > 1, plain python for 1 (the one-process path has no process group)
-launch() {
-    local n=$1
-    shift
+# run_launch NAME N ARGS...: benchmarks.step.multi_gpu ARGS as N ranks (torchrun for N > 1, plain
+# python for 1: the one-process path has no process group), through run; the interpreter and the
+# output paths stay single words, spaces in them included
+run_launch() {
+    local name=$1 n=$2
+    shift 2
     if [[ $n == 1 ]]; then
-        echo "$PY" -m benchmarks.step.multi_gpu "$@"
+        run "$name" "$PY" -m benchmarks.step.multi_gpu "$@"
     else
-        echo "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" -m benchmarks.step.multi_gpu "$@"
+        run "$name" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" -m benchmarks.step.multi_gpu "$@"
     fi
 }
 
@@ -128,12 +130,12 @@ fi
 if want correctness; then
     # shellcheck disable=SC2086
     common="correctness --device $DEVICE --dtype $CORR_DTYPE --replicas $NGPUS $CORR_MODEL $CORR_WORK"
-    # shellcheck disable=SC2046,SC2086
-    run corr_one $(launch 1 $common --out "$OUT/corr_one.json")
-    # shellcheck disable=SC2046,SC2086
-    run corr_rerun $(launch 1 $common --out "$OUT/corr_rerun.json")
-    # shellcheck disable=SC2046,SC2086
-    run corr_many $(launch "$NGPUS" $common --ep "$CORR_EP" --out "$OUT/corr_many.json")
+    # shellcheck disable=SC2086
+    run_launch corr_one 1 $common --out "$OUT/corr_one.json"
+    # shellcheck disable=SC2086
+    run_launch corr_rerun 1 $common --out "$OUT/corr_rerun.json"
+    # shellcheck disable=SC2086
+    run_launch corr_many "$NGPUS" $common --ep "$CORR_EP" --out "$OUT/corr_many.json"
     run corr_compare "$PY" -m benchmarks.step.multi_gpu compare "$OUT/corr_one.json" "$OUT/corr_rerun.json" \
         "$OUT/corr_many.json" --out "$OUT/correctness.json"
 fi
@@ -141,9 +143,9 @@ fi
 if want scaling; then
     for d in $SCALE_DS; do
         ((d <= NGPUS)) || continue
-        # shellcheck disable=SC2046,SC2086
-        run "scaling_D$d" $(launch "$d" scaling --device $DEVICE $SCALE_MODEL $SCALE_WORK $SCALE_FLAGS \
-            --modes $SCALE_MODES --out "$OUT/scaling_D$d.json")
+        # shellcheck disable=SC2086
+        run_launch "scaling_D$d" "$d" scaling --device $DEVICE $SCALE_MODEL $SCALE_WORK $SCALE_FLAGS \
+            --modes $SCALE_MODES --out "$OUT/scaling_D$d.json"
     done
     "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/scaling.txt"
 import json, pathlib, sys
@@ -165,20 +167,20 @@ if want context; then
         corr="correctness --device $DEVICE --replicas 1 --capacity $t $CP_MODEL $CP_WORK $CP_FLAGS"
         # shellcheck disable=SC2086
         scale="scaling --device $DEVICE --modes compact --warmup 1 --capacity $t $CP_MODEL $CP_WORK $CP_FLAGS"
-        # shellcheck disable=SC2046,SC2086
-        run "cp_corr_T${t}_one" $(launch 1 $corr --out "$OUT/cp_corr_T${t}_one.json")
-        # shellcheck disable=SC2046,SC2086
-        run "cp_corr_T${t}_rerun" $(launch 1 $corr --out "$OUT/cp_corr_T${t}_rerun.json")
-        # shellcheck disable=SC2046,SC2086
-        run "cp_scale_T${t}_C1" $(launch 1 $scale --out "$OUT/cp_scale_T${t}_C1.json")
+        # shellcheck disable=SC2086
+        run_launch "cp_corr_T${t}_one" 1 $corr --out "$OUT/cp_corr_T${t}_one.json"
+        # shellcheck disable=SC2086
+        run_launch "cp_corr_T${t}_rerun" 1 $corr --out "$OUT/cp_corr_T${t}_rerun.json"
+        # shellcheck disable=SC2086
+        run_launch "cp_scale_T${t}_C1" 1 $scale --out "$OUT/cp_scale_T${t}_C1.json"
         for c in $CP_CS; do
             ((c <= NGPUS)) || continue
-            # shellcheck disable=SC2046,SC2086
-            run "cp_corr_T${t}_C$c" $(launch "$c" $corr --cp "$c" --out "$OUT/cp_corr_T${t}_C$c.json")
+            # shellcheck disable=SC2086
+            run_launch "cp_corr_T${t}_C$c" "$c" $corr --cp "$c" --out "$OUT/cp_corr_T${t}_C$c.json"
             run "cp_compare_T${t}_C$c" "$PY" -m benchmarks.step.multi_gpu compare "$OUT/cp_corr_T${t}_one.json" \
                 "$OUT/cp_corr_T${t}_rerun.json" "$OUT/cp_corr_T${t}_C$c.json" --out "$OUT/cp_correctness_T${t}_C$c.json"
-            # shellcheck disable=SC2046,SC2086
-            run "cp_scale_T${t}_C$c" $(launch "$c" $scale --cp "$c" --out "$OUT/cp_scale_T${t}_C$c.json")
+            # shellcheck disable=SC2086
+            run_launch "cp_scale_T${t}_C$c" "$c" $scale --cp "$c" --out "$OUT/cp_scale_T${t}_C$c.json"
             run "cp_eff_T${t}_C$c" "$PY" -m benchmarks.step.multi_gpu efficiency "$OUT/cp_scale_T${t}_C1.json" \
                 "$OUT/cp_scale_T${t}_C$c.json" --out "$OUT/cp_eff_T${t}_C$c.json"
         done
