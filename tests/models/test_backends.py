@@ -189,6 +189,12 @@ def test_auto_attention_gathers_where_flash_varlen_runs_every_kind(monkeypatch: 
     assert auto.resolved_attention("cuda", 128, 192, flash_views=False) == "mask"
     assert mask.resolved_attention("cuda", 256, 256, flash_views=True) == "mask"
     assert auto.resolved_attention("cpu", 256, 256, flash_views=True) == "gather"
+    torch.use_deterministic_algorithms(True)
+    try:  # FlexAttention's Triton kernel is the reproducible path then
+        assert "deterministic" in flash_varlen.flash_varlen_refusal(cuda, torch.bfloat16, 256, 256)
+        assert not cfg.flash_views_run(gqa256, cuda, torch.bfloat16)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_the_model_resolves_once_and_its_contexts_and_layers_run_the_record(monkeypatch: pytest.MonkeyPatch) -> None:

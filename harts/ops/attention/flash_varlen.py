@@ -56,6 +56,8 @@ def flash_varlen_refusal(
         return (
             f"FlashAttention-2 takes head dims that are multiples of 8 up to {FLASH_VARLEN_MAX_HEAD_DIM}, not {qk_dim}"
         )
+    if torch.are_deterministic_algorithms_enabled():
+        return "deterministic algorithms are on: FlashAttention-2's backward and the views' gradient sums use atomics"
     if kv_heads < 1 or heads % kv_heads:
         return f"kv heads {kv_heads} must divide query heads {heads}"
     major, _ = torch.cuda.get_device_capability(torch.device(device))
