@@ -183,9 +183,10 @@ class ExecutionConfig:
 
         ``flash_views``: every attention kind of the model runs on FlashAttention-2's varlen
         kernel here (``flash_views_run``). "auto" then gathers: on CUDA the gather path is one
-        varlen call over ancestor views, which visits exactly the visible pairs, and it was
-        measured faster than FlexAttention's tree mask at every head dim that kernel takes
-        (``python -m benchmarks.ops.tree_mask_vs_causal``; docs/gpu.md has the figures).
+        varlen call over ancestor views, which visits exactly the visible pairs; on Hopper it
+        ran trees' forward + backward 1.8-2.0x faster than FlexAttention's tree mask at head dims
+        128 and 256 (16 query over 2 KV heads; ``python -m benchmarks.ops.tree_mask_vs_causal``,
+        docs/gpu.md has the figures; other head dims and head counts were not timed).
 
         On CUDA the mask path runs FlexAttention, which takes head dims ``FLEX_MIN_HEAD_DIM`` to
         ``FLEX_MAX_HEAD_DIM`` (16 to 256: below, it does not lower; above, no tile of
