@@ -144,5 +144,11 @@ def run(args: argparse.Namespace) -> int:
         poll_seconds=args.poll_seconds,
         threads=args.threads,
     )
-    serve(config, log_level=args.log_level, json_out=args.json_out)
+
+    def check_full_weights() -> None:
+        # a run without LoRA: every weight trained, its gradients and AdamW state beside the
+        # engines already held (what the device has free now), one microbatch at --capacity
+        check_memory(spec, None, capacity=args.capacity, optimizer=True, force=args.force, rows_option=None)
+
+    serve(config, log_level=args.log_level, json_out=args.json_out, check_full_weights=check_full_weights)
     return 0

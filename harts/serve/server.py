@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,8 +95,10 @@ def model_info(config: ServeConfig) -> ModelInfo:
     )
 
 
-def make_service(config: ServeConfig) -> Service:
-    """The ``Service`` for ``config``: model facts checked now, engines made per training run."""
+def make_service(config: ServeConfig, *, check_full_weights: Callable[[], None] | None = None) -> Service:
+    """The ``Service`` for ``config``: model facts checked now, engines made per training run.
+    ``check_full_weights``: raises a ``UserError`` when a run without LoRA (every weight trained,
+    with AdamW state) would not fit the device now; called before such a run is created."""
     import torch
 
     from harts.trainer.build import check_device
@@ -120,12 +123,19 @@ def make_service(config: ServeConfig) -> Service:
             execution=ExecutionConfig(**config.execution),
         )
 
-    return Service(config, info, make_engine)
+    return Service(config, info, make_engine, check_full_weights=check_full_weights)
 
 
-def serve(config: ServeConfig, *, log_level: str = "info", json_out: str | None = None) -> None:
+def serve(
+    config: ServeConfig,
+    *,
+    log_level: str = "info",
+    json_out: str | None = None,
+    check_full_weights: Callable[[], None] | None = None,
+) -> None:
     """Serve until SIGINT / SIGTERM (uvicorn's handlers: the running request finishes first).
-    ``json_out``: where to write the base URL, served model and state directory once listening."""
+    ``json_out``: where to write the base URL, served model and state directory once listening;
+    ``check_full_weights``: as ``make_service`` takes it."""
     import threading
 
     import uvicorn
@@ -133,7 +143,7 @@ def serve(config: ServeConfig, *, log_level: str = "info", json_out: str | None 
     from harts.serve.app import build_app
 
     _check_port(config.host, config.port)
-    service = make_service(config)
+    service = make_service(config, check_full_weights=check_full_weights)
     app = build_app(service)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="harts serve: %(message)s")
     log.info(

@@ -107,10 +107,20 @@ class _Sampler:
 class Service:
     """Tinker's endpoints over harts engines (module docstring)."""
 
-    def __init__(self, config: ServeConfig, info: ModelInfo, make_engine: EngineFactory) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        info: ModelInfo,
+        make_engine: EngineFactory,
+        *,
+        check_full_weights: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
         self.info = info
         self.make_engine = make_engine
+        #: raises a UserError when a run without LoRA would not fit the device now (``harts serve``
+        #: checks its LoRA engines at start; a full-weight run adds gradients and AdamW state)
+        self.check_full_weights = check_full_weights
         self.futures = FutureStore()
         self.worker = Worker(self.futures)
         self.checkpoints = CheckpointDir(config.state_dir)
@@ -302,6 +312,13 @@ class Service:
                 "train_unembed": lc.train_unembed,
             }
             _lora_config(lora)  # checked now, not in the job
+        elif self.check_full_weights is not None:
+            try:
+                self.check_full_weights()
+            except UserError as err:
+                raise WireError(
+                    f"lora_config: none given, so every weight would train, and {err}; pass a lora_config"
+                ) from None
         run = self._new_run(session, req.model_seq_id, base, lora, req.user_metadata)
 
         def create() -> Done:
