@@ -30,6 +30,9 @@
 #   medium_keep N  `medium` step 0 as `medium` with the MoE block kept and --moe-keep-gate-up N
 #   medium_full N  `medium` step 0 on the full ling3_tiny (24 layers, no --pattern), the MoE block kept
 #             and its first N MoE layers keeping their gate/up output
+#   qwen NAME [L]  `medium` step 3 (2.05 M raw tokens, 5.55x over the whole trie) on preset NAME's first L
+#             layers (default 8; qwen3_next_80b_a3b, qwen3_5_35b_a3b, qwen3_5_9b, kimi_linear_48b_a3b),
+#             --attention auto (FlashAttention-2 varlen views for the GQA models), everything recomputed
 #   silu_ab N  `medium_full N` twice in one call: HARTS_KDA_SILU_IN_SPLIT=0 (the short conv's SiLU in
 #             fla-core's conv, the older arrangement), then =1 (in the split kernel, the default)
 #   env_ab NAME N  `medium_full N` twice in one call, with the environment switch NAME=0, then =1
@@ -198,6 +201,13 @@ gpu_tests)
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/gpu_tests.log" | head -30
     grep -A16 "slowest .*durations" "$OUT/gpu_tests.log"
     tail -3 "$OUT/gpu_tests.log"
+    ;;
+qwen)
+    name=$2
+    layers=${3:-8}
+    timeout 560 "${B[@]}" --attention auto --model "$name" --layers "$layers" --workload medium --first-step 3 \
+        --steps 1 --json "$OUT/qwen_${name}_L$layers.json" >"$OUT/qwen_${name}_L$layers.log" 2>&1
+    show "$OUT/qwen_${name}_L$layers.log"
     ;;
 medium_full)
     n=$2
