@@ -50,7 +50,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single
+
+# the autograd forms exist since torch 2.4 (the *_single ones are newer than the GPU image's 2.11)
+from torch.distributed._functional_collectives import all_gather_tensor_autograd, reduce_scatter_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -132,12 +134,12 @@ class ShardHeadVectors(ParallelStyle):
 
 # ---------------------------------------------------------------------------------- row gathers
 def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = all_gather_single(x.contiguous(), 0, group)
+    out = all_gather_tensor_autograd(x.contiguous(), 0, group)
     return out.wait() if hasattr(out, "wait") else out
 
 
 def _scatter_rows(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = reduce_scatter_single(y.contiguous(), "sum", 0, group)
+    out = reduce_scatter_tensor_autograd(y.contiguous(), "sum", 0, group)
     return out.wait() if hasattr(out, "wait") else out
 
 
