@@ -76,7 +76,7 @@ def test_resume_names_a_changed_moe_stats(saved_run: Path, capsys: pytest.Captur
 
 @pytest.mark.parametrize(
     "group, key, saved, now",
-    [("AdamW", "weight_decay", 0.1, 0.01), ("AdamW", "eps", 1e-6, 1e-08), ("TrainConfig", "max_grad_norm", 0.5, 1.0)],
+    [("AdamW", "weight_decay", 0.1, 0.0), ("AdamW", "eps", 1e-6, 1e-08), ("TrainConfig", "max_grad_norm", 0.5, 1.0)],
 )
 def test_resume_names_a_changed_setting_without_a_flag(
     saved_run: Path,

@@ -284,7 +284,7 @@ class _Run:
         if meta:
             materialize(model, self.parallel, spec=spec.model, seed=spec.seed)
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
         self.ckpt.identity.update(run_settings(self.optimizer, train))
         self.ckpt.identity["model-config"] = digest
         start = self.ckpt.resume(model, self.optimizer, len(cfg.schedule.order))
