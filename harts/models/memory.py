@@ -55,8 +55,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from harts.models.config import LAYER_TYPES, HybridConfig
-from harts.models.execution.config import ExecutionConfig
+from harts.models.execution.config import ExecutionConfig, flash_views_run
 from harts.ops.logprob.mapped import KEEP_PROBS_MEMORY_FRACTION, ROW_CHUNK, cpu_row_chunk
 
 __all__ = [
@@ -351,7 +353,10 @@ def _view_bytes(
 ) -> tuple[int, int]:
     """(kept, backward) bytes of the gathered ancestor views beyond each branch's own rows
     (module docstring, ``views``); zero where no view is gathered."""
-    auto_gathers = dev == "cpu" or _flash_views_on_cuda(c, e)
+    # "auto" gathers on CUDA where FlashAttention-2 takes every attention kind (half precision here)
+    auto_gathers = dev == "cpu" or flash_views_run(
+        c.attention_head_dims, torch.device("cuda"), torch.bfloat16 if e == 2 else torch.float32
+    )
     gathers = cfg.mode == "compact" and (cfg.attention == "gather" or (cfg.attention == "auto" and auto_gathers))
     extra = max(0, (view_rows or rows) - rows) if rows else 0
     if not (gathers and extra):
@@ -372,21 +377,6 @@ def _view_bytes(
         # its backward: d(K), d(V) of the views and their concatenation; recomputed views beside
         backward = max(backward, 2 * layer + (0 if keeps else layer))
     return kept, backward
-
-
-def _flash_views_on_cuda(c: HybridConfig, e: int) -> bool:
-    """Whether ``attention="auto"`` gathers on CUDA for ``c`` in a dtype of ``e`` bytes: where
-    FlashAttention-2's varlen kernel takes every attention kind (``flash_views_run``; the GPU's
-    compute capability, 8.0 or newer on every GPU harts runs on, is not asked here, so the
-    estimate can be made before any CUDA call)."""
-    from harts.ops.attention.flash_varlen import FLASH_VARLEN_MAX_HEAD_DIM
-
-    dims = c.attention_head_dims
-    return (
-        e == 2
-        and bool(dims)
-        and all(qk == v and qk % 8 == 0 and qk <= FLASH_VARLEN_MAX_HEAD_DIM for qk, v, _ in dims.values())
-    )
 
 
 def _head_row_bytes(c: HybridConfig, e: int) -> int:

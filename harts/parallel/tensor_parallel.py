@@ -88,24 +88,28 @@ class _LocalLinear(nn.Linear):
         return F.linear(x, self.weight.to_local())  # type: ignore[attr-defined]
 
 
-class ShardColumns(ParallelStyle):
+class _ShardLinear(ParallelStyle):
+    """A bias-free ``nn.Linear`` whose weight is split in tp blocks along ``weight_dim``, local compute."""
+
+    weight_dim = 0
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert type(module) is nn.Linear and module.bias is None, module
+        module.weight = _shard(module.weight, device_mesh, self.weight_dim)
+        module.__class__ = _LocalLinear
+        return module
+
+
+class ShardColumns(_ShardLinear):
     """Column-parallel ``nn.Linear``: output features split in tp blocks, local compute."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        assert type(module) is nn.Linear and module.bias is None, module
-        module.weight = _shard(module.weight, device_mesh, 0)
-        module.__class__ = _LocalLinear
-        return module
+    weight_dim = 0
 
 
-class ShardRows(ParallelStyle):
+class ShardRows(_ShardLinear):
     """Row-parallel ``nn.Linear``: input features split in tp blocks; outputs are partial sums."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        assert type(module) is nn.Linear and module.bias is None, module
-        module.weight = _shard(module.weight, device_mesh, 1)
-        module.__class__ = _LocalLinear
-        return module
+    weight_dim = 1
 
 
 def _local_view(name: str) -> property:

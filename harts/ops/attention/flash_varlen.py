@@ -60,6 +60,8 @@ def flash_varlen_refusal(
         return "deterministic algorithms are on: FlashAttention-2's backward and the views' gradient sums use atomics"
     if kv_heads < 1 or heads % kv_heads:
         return f"kv heads {kv_heads} must divide query heads {heads}"
+    if not torch.cuda.is_available():  # a plan for a CUDA device made elsewhere (a memory estimate)
+        return None
     major, _ = torch.cuda.get_device_capability(torch.device(device))
     if major < 8:
         return f"FlashAttention-2 needs compute capability 8.0 or newer; this GPU has {major}.x"
