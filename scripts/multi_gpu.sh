@@ -19,12 +19,14 @@
 #              qwen3_next_80b_a3b --layers 8 (CP_MODEL), bf16, T compact rows per microbatch for
 #              each T in CP_TS (131,072 and 262,144), each C in CP_CS (2 and 4, those <= N):
 #                correctness: 1 GPU twice and C GPUs, one step's gradients (--replicas 1: the same
-#                  microbatches), compared as above (cp_corr_T<T>_C<c>.json; within rerun noise);
-#                scaling: one step of CP_WORK on 1 GPU and on C GPUs (cp_scale_T<T>_C<c>.json: step
-#                  time, per-rank peak memory), efficiency t_1 / (C t_C) and peak memory ratio
-#                  (cp_eff_T<T>_C<c>.json; expected: the ratio near 1/C for the activations, the
+#                  microbatches), compared as above (cp_corr_T<T>_cp<c>.json; within rerun noise);
+#                scaling: one step of CP_WORK on 1 GPU (cp_scale_T<T>_C1.json) and on C GPUs
+#                  (cp_scale_T<T>_cp<c>.json: step time, per-rank peak memory), efficiency t_1 / (C t_C) and peak memory ratio
+#                  (cp_eff_T<T>_cp<c>.json; expected: the ratio near 1/C for the activations, the
 #                  efficiency below 1 by the all-to-alls' share). Where 1 GPU does not fit T
 #                  (out of memory: the reason for CP), its runs fail and only the C-GPU figures stand.
+#              The C-GPU runs always start through torchrun: CP_CS="1" on one GPU runs the
+#              process-group and mesh path at world size 1 (the check a one-GPU machine can make).
 #
 # In device calls of at most 10 minutes (the lent H200 machines) run the parts one at a time. One
 # H200 runs a whole `swe` step of the full model in about 225 s with harts and about 1,200 s
@@ -59,7 +61,7 @@
 #   CP_TS        compact rows per microbatch (default "131072 262144")
 #   CP_CS        context-parallel degrees (default "2 4", those <= NGPUS)
 #   CP_WORK      default "--workload medium --steps 1"
-#   CP_FLAGS     default "--dtype bfloat16 --recompute --la-backend auto --attention mask"
+#   CP_FLAGS     default "--dtype bfloat16 --recompute --la-backend auto --attention auto"
 #   TIMEOUT      seconds per run (default 1800)
 set -uo pipefail
 # the benchmarks are modules of this repository (python -m benchmarks...), not of the harts package:
@@ -87,7 +89,7 @@ CP_MODEL=${CP_MODEL:---model qwen3_next_80b_a3b --layers 8}
 CP_TS=${CP_TS:-131072 262144}
 CP_CS=${CP_CS:-2 4}
 CP_WORK=${CP_WORK:---workload medium --steps 1}
-CP_FLAGS=${CP_FLAGS:---dtype bfloat16 --recompute --la-backend auto --attention mask}
+CP_FLAGS=${CP_FLAGS:---dtype bfloat16 --recompute --la-backend auto --attention auto}
 TIMEOUT=${TIMEOUT:-1800}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
@@ -119,6 +121,14 @@ run_launch() {
     else
         run "$name" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" -m benchmarks.step.multi_gpu "$@"
     fi
+}
+
+# run_torchrun NAME N ARGS...: as run_launch, always through torchrun (N = 1 included: the
+# process-group and mesh path at world size 1, the check this script gets on a one-GPU machine)
+run_torchrun() {
+    local name=$1 n=$2
+    shift 2
+    run "$name" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" -m benchmarks.step.multi_gpu "$@"
 }
 
 want() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -176,15 +186,15 @@ if want context; then
         for c in $CP_CS; do
             ((c <= NGPUS)) || continue
             # shellcheck disable=SC2086
-            run_launch "cp_corr_T${t}_C$c" "$c" $corr --cp "$c" --out "$OUT/cp_corr_T${t}_C$c.json"
-            run "cp_compare_T${t}_C$c" "$PY" -m benchmarks.step.multi_gpu compare "$OUT/cp_corr_T${t}_one.json" \
-                "$OUT/cp_corr_T${t}_rerun.json" "$OUT/cp_corr_T${t}_C$c.json" --out "$OUT/cp_correctness_T${t}_C$c.json"
+            run_torchrun "cp_corr_T${t}_cp$c" "$c" $corr --cp "$c" --out "$OUT/cp_corr_T${t}_cp$c.json"
+            run "cp_compare_T${t}_cp$c" "$PY" -m benchmarks.step.multi_gpu compare "$OUT/cp_corr_T${t}_one.json" \
+                "$OUT/cp_corr_T${t}_rerun.json" "$OUT/cp_corr_T${t}_cp$c.json" --out "$OUT/cp_correctness_T${t}_cp$c.json"
             # shellcheck disable=SC2086
-            run_launch "cp_scale_T${t}_C$c" "$c" $scale --cp "$c" --out "$OUT/cp_scale_T${t}_C$c.json"
-            run "cp_eff_T${t}_C$c" "$PY" -m benchmarks.step.multi_gpu efficiency "$OUT/cp_scale_T${t}_C1.json" \
-                "$OUT/cp_scale_T${t}_C$c.json" --out "$OUT/cp_eff_T${t}_C$c.json"
+            run_torchrun "cp_scale_T${t}_cp$c" "$c" $scale --cp "$c" --out "$OUT/cp_scale_T${t}_cp$c.json"
+            run "cp_eff_T${t}_cp$c" "$PY" -m benchmarks.step.multi_gpu efficiency "$OUT/cp_scale_T${t}_C1.json" \
+                "$OUT/cp_scale_T${t}_cp$c.json" --out "$OUT/cp_eff_T${t}_cp$c.json"
         done
     done
-    cat "$OUT"/cp_eff_T*_C*.log 2>/dev/null | tee "$OUT/context.txt"
+    cat "$OUT"/cp_eff_T*_cp*.log 2>/dev/null | tee "$OUT/context.txt"
 fi
 exit "$FAILED"

@@ -138,23 +138,27 @@ def _script(tmp_path, env: dict) -> subprocess.CompletedProcess:  # noqa: ANN001
 
 
 def test_context_part_at_world_size_one(tmp_path):
-    """One device: the one-GPU runs of the context part (correctness twice, scaling) run; the
-    CP runs are skipped (C > N)."""
-    r = _script(tmp_path, _context_env(1))
+    """One device: the one-GPU runs of the context part (correctness twice, scaling) run, C = 1
+    runs through torchrun, and C = 2 is skipped (C > N)."""
+    r = _script(tmp_path, {**_context_env(1), "CP_CS": "1 2"})
     assert r.returncode == 0, r.stdout + r.stderr
     scale = json.loads((tmp_path / "cp_scale_T400_C1.json").read_text())
     assert scale["cp"] == 1 and scale["modes"]["compact"][0]["step_seconds"] > 0
     one, rerun = (json.loads((tmp_path / f"cp_corr_T400_{n}.json").read_text()) for n in ("one", "rerun"))
     assert compare(one, rerun, one, floor=1e-5)["passed"]
-    assert not (tmp_path / "cp_scale_T400_C2.json").exists()
+    # CP_CS="1": the same runs through torchrun at world size 1 (process group, mesh), equal to
+    # one process within the reruns' noise
+    assert json.loads((tmp_path / "cp_correctness_T400_cp1.json").read_text())["passed"]
+    assert json.loads((tmp_path / "cp_scale_T400_cp1.json").read_text())["world_size"] == 1
+    assert not (tmp_path / "cp_scale_T400_cp2.json").exists()
 
 
 @pytest.mark.slow
 def test_context_part_on_two_cpu_processes(tmp_path):
     r = _script(tmp_path, _context_env(2))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert json.loads((tmp_path / "cp_correctness_T400_C2.json").read_text())["passed"]
-    eff = json.loads((tmp_path / "cp_eff_T400_C2.json").read_text())
+    assert json.loads((tmp_path / "cp_correctness_T400_cp2.json").read_text())["passed"]
+    eff = json.loads((tmp_path / "cp_eff_T400_cp2.json").read_text())
     assert eff["cp"] == 2 and eff["modes"]["compact"][0]["efficiency"] > 0
 
 
