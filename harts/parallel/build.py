@@ -111,13 +111,18 @@ def build_parallel_model(
     vocab_size: int | None = None,
     dtype: str | None = None,
     layer_pattern: str | None = None,
+    layers: int | None = None,
     seed: int = 0,
 ) -> tuple[HybridLM, ParallelState]:
     """``load_model`` on the meta device, ``init_parallel``, ``parallelize``, ``materialize``
-    (module docstring): the sharded model and its mesh."""
+    (module docstring): the sharded model and its mesh. ``layers`` keeps a preset's first
+    decoder layers (their values do not depend on how many are kept: each tensor is drawn by
+    its name)."""
     from harts.integrations.loading import load_model
 
-    model = load_model(spec, vocab_size=vocab_size, dtype=dtype, layer_pattern=layer_pattern, seed=seed, device="meta")
+    model = load_model(
+        spec, vocab_size=vocab_size, dtype=dtype, layer_pattern=layer_pattern, layers=layers, seed=seed, device="meta"
+    )
     state = init_parallel(config, device, moe_experts(model))
     model = parallelize(model, state)
     materialize(model, state, spec=spec, seed=seed)

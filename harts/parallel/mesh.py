@@ -39,6 +39,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelState",
     "check_all_to_all",
+    "check_layout",
     "check_local_devices",
     "init_parallel",
     "launch_world_size",
@@ -180,6 +181,27 @@ class ParallelState:
         """The ranks holding the same expert block (dp x cp x tp), whose expert gradients are summed."""
         assert self.expert_mesh is not None, "no mesh on one process"
         return self.expert_mesh.get_group("dp")
+
+
+def check_layout(world: int, *, ep: int = 1, cp: int = 1, tp: int = 1, capacity: int | None = None) -> None:
+    """One-line UserErrors, before any model is built, for degrees that cannot split ``world``
+    ranks (each of ``ep``, ``cp``, ``tp`` and their product must divide it) or a microbatch
+    ``capacity`` that the ``cp * tp`` ranks of a row group cannot split evenly (each holds
+    ``capacity / (cp tp)`` rows). The data-parallel degree is what remains: ``world / (ep cp tp)``."""
+    for name, v in (("ep", ep), ("cp", cp), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"--{name} must be a positive integer, got {v!r}")
+        if v > world or world % v:
+            raise UserError(f"--{name} {v} does not divide the {world} rank(s) of this launch")
+    other = ep * cp * tp
+    if world % other:
+        raise UserError(f"--ep {ep} x --cp {cp} x --tp {tp} = {other} does not divide the {world} ranks")
+    rows = cp * tp
+    if capacity is not None and capacity % rows:
+        raise UserError(
+            f"--cp {cp} x --tp {tp} = {rows} does not divide --capacity {capacity} "
+            "(each rank of a row group holds capacity / (cp tp) rows)"
+        )
 
 
 def launch_world_size() -> int:

@@ -44,7 +44,7 @@ from tqdm import tqdm
 from harts.errors import CapacityError, UserError
 from harts.models.hybrid_lm import HybridLM
 from harts.parallel.build import materialize, moe_experts
-from harts.parallel.mesh import ParallelConfig, ParallelState, init_parallel, setup_process_group
+from harts.parallel.mesh import ParallelConfig, ParallelState, check_layout, init_parallel, setup_process_group
 from harts.parallel.parallelize import parallelize
 from harts.plan.step.workers import shared_workers
 from harts.rl.metrics import MetricsWriter, truncate_metrics
@@ -204,19 +204,8 @@ class _Run:
 
     def _check_mesh(self) -> ParallelConfig:
         cfg, world = self.cfg, self.world
-        for name, v in (("ep", cfg.ep), ("cp", cfg.cp), ("tp", cfg.tp)):
-            if v > world or world % v:
-                raise UserError(f"--{name} {v} does not divide the {world} rank(s) of this launch")
+        check_layout(world, ep=cfg.ep, cp=cfg.cp, tp=cfg.tp, capacity=cfg.train.capacity)
         other = cfg.ep * self.rows
-        if world % other:
-            raise UserError(
-                f"--ep {cfg.ep} x --cp {cfg.cp} x --tp {cfg.tp} = {other} does not divide the {world} ranks"
-            )
-        if cfg.train.capacity % self.rows:
-            raise UserError(
-                f"--cp {cfg.cp} x --tp {cfg.tp} = {self.rows} does not divide --capacity {cfg.train.capacity} "
-                "(each rank of a row group holds capacity / (cp tp) rows)"
-            )
         replicas = self.train_cfg.replicas
         assert replicas is not None
         if replicas % (world // self.rows):
