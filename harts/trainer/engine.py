@@ -40,12 +40,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from harts.errors import CapacityError, UserError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
+from harts.parallel.expert_parallel import expert_parameters
 from harts.parallel.mesh import ParallelConfig, ParallelState
-from harts.parallel.parallelize import clip_grad_norm
+from harts.parallel.parallelize import clip_grad_norm, is_parallelized
+from harts.parallel.tensor_parallel import tensor_parallel_parameters
 from harts.rl.losses import LOSSES, check_loss, tinker_loss
 from harts.trainer.state import load_optimizer, read_state, restore_rng, write_state
 from harts.trainer.step import PlannedStep, TrainConfig, accumulate_step_gradients, forward_step, plan_training_step
@@ -202,9 +205,11 @@ class Engine:
         grad_clip: float | None = None,
         expert_bias_rate: float = 1e-3,
         planner_workers: int = 0,
+        parallel: ParallelState | None = None,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise UserError(f"capacity must be a positive integer, got {capacity!r}")
+        self._parallel = _engine_state(model, parallel, capacity)
         self.model = model
         # the fused LM head on both sides: exact, and the baseline gets every optimization harts gets
         execution = ExecutionConfig.of(execution)
@@ -228,9 +233,6 @@ class Engine:
         )
         self.step = 0
         self._counts: torch.Tensor | None = None
-        self._parallel = ParallelState(
-            config=ParallelConfig(), rank=0, world_size=1, device=model.embed_tokens.weight.device
-        )
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -243,12 +245,25 @@ class Engine:
         device: str | torch.device = "cpu",
         lora: Any = None,
         seed: int = 0,
+        parallel: ParallelConfig | None = None,
         **engine_options: Any,
     ) -> Engine:
         """An engine over the model ``spec`` names: a preset (``HybridConfig.preset``), a
         transformers checkpoint directory or a harts weights directory (``harts.integrations``).
         ``layers`` keeps the first N layers (presets); ``lora``: a ``LoraConfig`` to train
-        adapters only; ``engine_options`` go to ``Engine``."""
+        adapters only; ``engine_options`` go to ``Engine``.
+
+        ``parallel``: run on the (dp, ep, cp, tp) mesh it describes, over the ranks of this
+        torchrun launch (every rank calls this and every later method with the same arguments).
+        The process group is joined (gloo on CPU, NCCL on CUDA, where ``device="cuda"`` becomes
+        ``cuda:LOCAL_RANK``), the layout is checked against the ranks, the capacity and the model
+        (one-line ``UserError``s, before any weight is made), and the model is built on the meta
+        device, sharded and given its values per shard as ``harts train`` does
+        (``harts.parallel.build.build_parallel_model``): the same values as on one process."""
+        if parallel is not None:
+            return cls._from_spec_parallel(
+                spec, parallel, layers=layers, dtype=dtype, device=device, lora=lora, seed=seed, **engine_options
+            )
         from harts.integrations.loading import load_model
 
         try:
@@ -263,6 +278,48 @@ class Engine:
             apply_lora(model, lora)
         return cls(model, **engine_options)
 
+    @classmethod
+    def _from_spec_parallel(
+        cls,
+        spec: str,
+        parallel: ParallelConfig,
+        *,
+        layers: int | None,
+        dtype: str | None,
+        device: str | torch.device,
+        lora: Any,
+        seed: int,
+        **engine_options: Any,
+    ) -> Engine:
+        """``from_spec`` on a mesh (its docstring)."""
+        from harts.parallel.build import build_parallel_model
+        from harts.parallel.mesh import check_layout, setup_process_group
+
+        if not isinstance(parallel, ParallelConfig):
+            raise UserError(f"parallel must be a harts.parallel.mesh.ParallelConfig, got {type(parallel).__name__}")
+        if lora is not None:
+            raise UserError(
+                "LoRA adapters cannot be trained on a mesh (harts.parallel shards the base model's layers, "
+                "not adapters): use parallel=None"
+            )
+        where = setup_process_group(str(device))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        capacity = engine_options.get("capacity", 65_536)
+        check_layout(
+            world,
+            ep=parallel.ep,
+            cp=parallel.cp,
+            tp=parallel.tp,
+            capacity=capacity if isinstance(capacity, int) and capacity > 0 else None,
+        )
+        try:
+            model, state = build_parallel_model(spec, parallel, where, dtype=dtype, layers=layers, seed=seed)
+        except (ValueError, OSError) as err:
+            if isinstance(err, UserError):
+                raise
+            raise UserError(f"model {spec!r}: {err}") from None
+        return cls(model, parallel=state, **engine_options)
+
     # ------------------------------------------------------------------ inputs
     def _batch(
         self, trajectories: Sequence[Mapping[str, Any]] | RolloutBatch, require: Sequence[str] = ()
@@ -273,7 +330,7 @@ class Engine:
 
     def _plan(self, batch: RolloutBatch) -> PlannedStep:
         try:
-            return plan_training_step(batch, self.train_config)
+            return plan_training_step(batch, self.train_config, self._parallel.replicas)
         except CapacityError:
             raise
         except ValueError as err:
@@ -283,8 +340,9 @@ class Engine:
 
     def _collector(
         self, batch: RolloutBatch, planned: PlannedStep
-    ) -> tuple[Callable[[int, torch.Tensor], None], Callable[[], np.ndarray]]:
-        """(``on_logprobs`` hook, ``result()``: the step's log-probs [S - N] in batch order)."""
+    ) -> tuple[Callable[[int, torch.Tensor], None], Callable[..., np.ndarray]]:
+        """(``on_logprobs`` hook, ``result(*extra)``: the step's log-probs [S - N] in batch order,
+        then ``extra``, summed over the row groups on a mesh; the same on every rank)."""
         first = batch.offsets[:-1] - np.arange(batch.num_trajectories)
         got: list[tuple[np.ndarray, torch.Tensor]] = []
 
@@ -295,14 +353,34 @@ class Engine:
             start = np.repeat(first[mb] - np.cumsum(np.concatenate([[0], n[:-1]])), n)
             got.append((start + np.arange(int(n.sum())), lp))
 
-        def result() -> np.ndarray:
-            out = np.full(batch.num_logprobs, np.nan)
+        def result(*extra: float) -> np.ndarray:
+            if self._parallel.distributed:
+                return self._gather(batch.num_logprobs, got, *extra)
+            out = np.full(batch.num_logprobs + len(extra), np.nan)
             if got:
                 flat = torch.cat([lp for _, lp in got]).to(torch.float64).cpu().numpy()
                 out[np.concatenate([idx for idx, _ in got])] = flat
+            out[batch.num_logprobs :] = extra
             return out
 
         return on_logprobs, result
+
+    def _gather(self, size: int, got: list[tuple[np.ndarray, torch.Tensor]], *extra: float) -> np.ndarray:
+        """On a mesh: the whole call's log-probs [size] in batch order (then ``extra``, summed over
+        the row groups), the same on every rank. Each row group runs its own microbatches, and
+        every rank of a group holds all their log-probs; the first rank of each group contributes
+        its entries, the others zeros, so one sum over all ranks adds each value to zeros only
+        (exact) and leaves every rank with the same array."""
+        state = self._parallel
+        out = torch.zeros(size + len(extra), dtype=torch.float64, device=state.device)
+        if state.row_rank == 0:
+            if got:
+                idx = torch.as_tensor(np.concatenate([i for i, _ in got]), device=state.device)
+                out[idx] = torch.cat([lp.reshape(-1) for _, lp in got]).to(torch.float64)
+            if extra:
+                out[size:] = torch.tensor(extra, dtype=torch.float64)
+        dist.all_reduce(out)
+        return out.cpu().numpy()
 
     # ------------------------------------------------------------------ calls
     def forward(self, trajectories: Sequence[Mapping[str, Any]] | RolloutBatch) -> list[np.ndarray]:
@@ -348,6 +426,10 @@ class Engine:
     ) -> ForwardBackwardOutput:
         planned = self._plan(batch)
         on_logprobs, result = self._collector(batch, planned)
+        # the gradients of expert blocks and tensor-parallel shards are summed over their
+        # replicas at the end of each call (``finish_gradients``), all of ``.grad``: what earlier
+        # calls accumulated is set aside so that it is not summed again
+        held = self._hold_summed_gradients()
         acc = accumulate_step_gradients(
             self.model,
             batch,
@@ -357,6 +439,8 @@ class Engine:
             objective=objective,
             on_logprobs=on_logprobs,
         )
+        for p, g in held:
+            p.grad = g if p.grad is None else p.grad + g
         if acc.expert_counts is not None:
             self._counts = acc.expert_counts if self._counts is None else self._counts + acc.expert_counts
         d = acc.diagnostics
@@ -368,8 +452,22 @@ class Engine:
         if acc.expert_counts is not None:
             metrics["moe_objective:sum"] = acc.moe_objective
         metrics["microbatches:sum"] = float(acc.microbatches)
-        metrics["rows:sum"] = float(acc.rows)
-        return ForwardBackwardOutput(logprobs=_split(result(), batch), loss=acc.loss, metrics=metrics)
+        # the log-probs and the rows of every row group's microbatches (one exchange on a mesh)
+        flat = result(float(acc.rows))
+        metrics["rows:sum"] = float(flat[-1])
+        return ForwardBackwardOutput(logprobs=_split(flat[:-1], batch), loss=acc.loss, metrics=metrics)
+
+    def _hold_summed_gradients(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """On a mesh: the expert-block and tensor-parallel gradients accumulated so far, taken
+        out of ``.grad`` (None there), to be added back after the call's own sum."""
+        if not self._parallel.distributed:
+            return []
+        held = []
+        for p in [*expert_parameters(self.model), *tensor_parallel_parameters(self.model)]:
+            if p.grad is not None:
+                held.append((p, p.grad))
+                p.grad = None
+        return held
 
     def _custom(
         self, trajectories: Sequence[Mapping[str, Any]] | RolloutBatch, fn: CustomLoss
@@ -444,23 +542,68 @@ class Engine:
         }
 
     def save_state(self, path: str | Path) -> None:
-        """Weights, optimizer state and RNG to directory ``path`` (``harts.trainer.state``; no pickle,
-        atomic). Gradients accumulated since the last ``optim_step`` are not saved."""
+        """Weights, optimizer state and RNG to directory ``path``. Gradients accumulated since the
+        last ``optim_step`` are not saved.
+
+        One process: ``harts.trainer.state``'s layout (no pickle, atomic). On a mesh: a sharded
+        ``torch.distributed.checkpoint`` under ``path/checkpoints/step-<step>/``
+        (``harts.parallel.checkpoint``: every rank writes its shards, no rank gathers the model);
+        ``load_state`` reads it on any layout, one process included."""
         fields = {**self._identity(), "step": self.step, "adamw": self._adamw}
         if self._counts is not None:
             fields["pending_expert_counts"] = self._counts.tolist()
+        if self._parallel.distributed:
+            from harts.parallel.checkpoint import save_checkpoint
+
+            save_checkpoint(
+                path, step=self.step, model=self.model, optimizer=self.optimizer, data_state={}, extra=fields
+            )
+            return
         write_state(path, self.model, self.optimizer, fields)
 
     def load_state(self, path: str | Path) -> None:
         """Restore what ``save_state`` wrote; ``UserError`` naming the first difference if it
-        was written for another model or adapter, or naming a damaged file."""
-        meta, model_sd, opt_tensors, rng = read_state(path)
+        was written for another model or adapter, or naming a damaged file. A state saved on a
+        mesh (its newest checkpoint under ``path``) loads on any mesh or on one process; one
+        saved by a one-process engine loads on one process only."""
+        from harts.parallel.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(path) is not None:
+            meta = self._load_sharded(path)
+        elif self._parallel.distributed:
+            raise UserError(
+                f"{path}: a one-process engine's state (harts.trainer.state), which loads on one process only; "
+                "a state saved on a mesh loads on any layout"
+            )
+        else:
+            meta = self._load_whole(path)
+        self._adamw = _adamw_settings(**meta["adamw"])
+        self.step = int(meta["step"])
+        pending = meta.get("pending_expert_counts")
+        self._counts = None if pending is None else torch.tensor(pending, device=self._parallel.device)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _check_identity(self, path: str | Path, meta: Mapping[str, Any]) -> None:
         mine = self._identity()
         for key in ("model_config", "lora"):
             saved, here = meta.get(key), mine[key]
             if saved != here:
                 diff = _first_difference(saved, here)
                 raise UserError(f"{path}: the state was saved for another {key.replace('_', ' ')} ({diff})")
+
+    def _load_sharded(self, path: str | Path) -> dict[str, Any]:
+        """``load_state`` of a mesh's checkpoint (DCP reshards it onto this layout); its fields."""
+        from harts.parallel.checkpoint import CheckpointState, load_checkpoint
+
+        def check(state: CheckpointState) -> None:
+            self._check_identity(state.path, state.extra)
+
+        return load_checkpoint(path, model=self.model, optimizer=self.optimizer, check=check).extra
+
+    def _load_whole(self, path: str | Path) -> dict[str, Any]:
+        """``load_state`` of a one-process engine's state; its fields."""
+        meta, model_sd, opt_tensors, rng = read_state(path)
+        self._check_identity(path, meta)
         expected = self.model.state_dict()
         bad = sorted(set(expected) ^ set(model_sd))
         if bad:
@@ -475,18 +618,21 @@ class Engine:
                 expected[name].copy_(t)
         load_optimizer(self.model, self.optimizer, meta["param_groups"], opt_tensors, f"{path}/optimizer.safetensors")
         restore_rng(rng)
-        self._adamw = _adamw_settings(**meta["adamw"])
-        self.step = int(meta["step"])
-        pending = meta.get("pending_expert_counts")
-        self._counts = None if pending is None else torch.tensor(pending, device=self._parallel.device)
-        self.optimizer.zero_grad(set_to_none=True)
+        return meta
 
     def save_weights_for_sampler(self, path: str | Path) -> str:
         """The current weights, adapters merged, as a directory an inference engine loads:
         transformers' layout (``save_hf_checkpoint``) for a model loaded from transformers, harts'
-        own (``harts.integrations.native``, ``--model DIR``) otherwise. Returns the path."""
+        own (``harts.integrations.native``, ``--model DIR``) otherwise. Returns the path. On a
+        mesh every rank calls it: the shards are gathered and rank 0 writes
+        (``harts.trainer.weights.save_weights``)."""
         from harts.trainer.lora import merged_model
 
+        if self._parallel.distributed:
+            from harts.trainer.weights import save_weights
+
+            save_weights(self.model, str(path))
+            return str(path)
         model = merged_model(self.model) if _has_adapters(self.model) else self.model
         if getattr(model, "hf_source", None):
             from harts.integrations.hf import save_hf_checkpoint
@@ -497,6 +643,38 @@ class Engine:
 
             save_native(model, path)
         return str(path)
+
+
+def _engine_state(model: HybridLM, parallel: ParallelState | None, capacity: int) -> ParallelState:
+    """The engine's mesh: ``parallel``, checked against the model, or one process."""
+    if parallel is None:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1:
+            raise UserError(
+                f"a process group of {world} ranks is running: pass parallel= (the ParallelState the model was "
+                "parallelized for), or build with Engine.from_spec(..., parallel=ParallelConfig(...))"
+            )
+        return ParallelState(config=ParallelConfig(), rank=0, world_size=1, device=model.embed_tokens.weight.device)
+    if not isinstance(parallel, ParallelState):
+        raise UserError(f"parallel must be a harts.parallel.mesh.ParallelState, got {type(parallel).__name__}")
+    if not parallel.distributed:
+        return parallel
+    if not is_parallelized(model):
+        raise UserError(
+            "parallel= is a mesh of several ranks but the model is not sharded: apply harts.parallel.parallelize "
+            "(or build with Engine.from_spec(..., parallel=ParallelConfig(...)))"
+        )
+    if _has_adapters(model):
+        raise UserError(
+            "LoRA adapters cannot be trained on a mesh (harts.parallel shards the base model's layers, not "
+            "adapters): use one process"
+        )
+    if capacity % parallel.row_ranks:
+        raise UserError(
+            f"--cp {parallel.cp} x --tp {parallel.tp} = {parallel.row_ranks} does not divide --capacity {capacity} "
+            "(each rank of a row group holds capacity / (cp tp) rows)"
+        )
+    return parallel
 
 
 def _adamw_settings(
