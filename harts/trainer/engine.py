@@ -28,6 +28,17 @@ with LoRA adapters: the base model stays frozen).
 
 ``forward_backward`` accumulates gradients until ``optim_step``; ``save_state`` holds weights,
 optimizer and RNG (``harts.trainer.state``), not gradients pending between the two.
+
+On a (dp, ep, cp, tp) mesh (``Engine.from_spec(..., parallel=ParallelConfig(...))`` under
+torchrun, or ``Engine(model, parallel=state)`` for a model ``harts.parallel.parallelize``d for
+``state``) every call is SPMD: every rank makes it with the same trajectories. Each row group
+(cp x tp ranks) runs its replica's microbatches of the call's plan (which has world / (cp tp)
+replicas, so a call needs at least that many trajectories), as ``harts train`` runs a step;
+every rank gets the whole call's log-probs in the caller's order, and the same loss and
+metrics. ``save_state`` then writes a sharded DCP checkpoint (``harts.parallel.checkpoint``)
+that ``load_state`` reads on any layout, one process included; ``save_weights_for_sampler``
+gathers the shards and rank 0 writes. LoRA adapters on a mesh are refused (``parallelize``
+does not shard them), as is loading a one-process state on a mesh. ``docs/parallel.md``.
 """
 
 from __future__ import annotations
@@ -190,6 +201,11 @@ class Engine:
         grad_clip: gradient-norm clipping at ``optim_step`` (None: no clipping).
         expert_bias_rate: the MoE expert-bias balancing rate (0: off; always off with adapters).
         planner_workers: processes that build the step planner's candidates (0: this process).
+        parallel: the mesh ``model`` was parallelized for (``harts.parallel.mesh.init_parallel``,
+            ``harts.parallel.parallelize.parallelize``): every call is then SPMD over its ranks
+            (module docstring). None: one process (refused while a process group of several
+            ranks runs). ``UserError`` for an unsharded model, adapters, or a capacity that the
+            cp x tp ranks of a row group cannot split.
     """
 
     def __init__(
