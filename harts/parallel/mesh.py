@@ -41,6 +41,7 @@ __all__ = [
     "check_all_to_all",
     "check_local_devices",
     "init_parallel",
+    "launch_mesh",
     "launch_world_size",
     "setup_process_group",
 ]
@@ -77,6 +78,12 @@ class ParallelConfig:
 
     def check(self, world_size: int, num_experts: int) -> None:
         """Clear errors for a mesh that does not match the launch or does not divide the experts."""
+        self.check_world(world_size)
+        self.check_experts(num_experts)
+
+    def check_world(self, world_size: int) -> None:
+        """A one-line error unless every degree is a positive integer and the mesh has the
+        launch's ``world_size`` ranks (it names both numbers); no model is needed."""
         for name, v in (("dp", self.dp), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp)):
             if int(v) != v or v < 1:
                 raise UserError(f"--{name} must be a positive integer, got {v!r}")
@@ -90,6 +97,10 @@ class ParallelConfig:
                 f"{self.world_size}); --ep {self.ep} x --cp {self.cp} x --tp {self.tp} = {other} does not "
                 f"divide {world_size}"
             )
+
+    def check_experts(self, num_experts: int) -> None:
+        """A one-line error unless ``ep`` divides the model's ``num_experts`` experts per MoE
+        layer (0: a dense model, which only ``ep`` 1 fits)."""
         if self.ep > 1:
             if num_experts == 0:
                 raise UserError(f"--ep {self.ep}: the model has no MoE layers to split; use --ep 1")
@@ -180,6 +191,39 @@ class ParallelState:
         """The ranks holding the same expert block (dp x cp x tp), whose expert gradients are summed."""
         assert self.expert_mesh is not None, "no mesh on one process"
         return self.expert_mesh.get_group("dp")
+
+
+def launch_mesh(
+    world: int,
+    *,
+    dp: int | None = None,
+    ep: int = 1,
+    cp: int = 1,
+    tp: int = 1,
+    capacity: int | None = None,
+    cpu_offload: bool = False,
+) -> ParallelConfig:
+    """The mesh that ``--dp/--ep/--cp/--tp`` ask of a launch of ``world`` ranks (``dp`` None:
+    ``world / (ep cp tp)``), checked before any model is built so that a bad layout costs one
+    line naming both numbers rather than a model: each degree divides the ranks, their product
+    does, the mesh has ``world`` ranks, and a row group (cp x tp ranks, each holding
+    ``capacity / (cp tp)`` rows) divides ``capacity``. The model's heads and experts are checked
+    once its structure is known (``check_context_parallel``, ``check_tensor_parallel``,
+    ``ParallelConfig.check_experts``)."""
+    for name, v in (("ep", ep), ("cp", cp), ("tp", tp)):
+        if v > world or world % v:
+            raise UserError(f"--{name} {v} does not divide the {world} rank(s) of this launch")
+    other = ep * cp * tp
+    if world % other:
+        raise UserError(f"--ep {ep} x --cp {cp} x --tp {tp} = {other} does not divide the {world} ranks")
+    if capacity is not None and capacity % (cp * tp):
+        raise UserError(
+            f"--cp {cp} x --tp {tp} = {cp * tp} does not divide --capacity {capacity} "
+            "(each rank of a row group holds capacity / (cp tp) rows)"
+        )
+    config = ParallelConfig(dp=dp or world // other, ep=ep, cp=cp, tp=tp, cpu_offload=cpu_offload)
+    config.check_world(world)
+    return config
 
 
 def launch_world_size() -> int:

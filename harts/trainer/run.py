@@ -44,7 +44,7 @@ from tqdm import tqdm
 from harts.errors import CapacityError, UserError
 from harts.models.hybrid_lm import HybridLM
 from harts.parallel.build import materialize, moe_experts
-from harts.parallel.mesh import ParallelConfig, ParallelState, init_parallel, setup_process_group
+from harts.parallel.mesh import ParallelConfig, ParallelState, init_parallel, launch_mesh, setup_process_group
 from harts.parallel.parallelize import parallelize
 from harts.plan.step.workers import shared_workers
 from harts.rl.metrics import MetricsWriter, truncate_metrics
@@ -204,19 +204,15 @@ class _Run:
 
     def _check_mesh(self) -> ParallelConfig:
         cfg, world = self.cfg, self.world
-        for name, v in (("ep", cfg.ep), ("cp", cfg.cp), ("tp", cfg.tp)):
-            if v > world or world % v:
-                raise UserError(f"--{name} {v} does not divide the {world} rank(s) of this launch")
-        other = cfg.ep * self.rows
-        if world % other:
-            raise UserError(
-                f"--ep {cfg.ep} x --cp {cfg.cp} x --tp {cfg.tp} = {other} does not divide the {world} ranks"
-            )
-        if cfg.train.capacity % self.rows:
-            raise UserError(
-                f"--cp {cfg.cp} x --tp {cfg.tp} = {self.rows} does not divide --capacity {cfg.train.capacity} "
-                "(each rank of a row group holds capacity / (cp tp) rows)"
-            )
+        config = launch_mesh(
+            world,
+            dp=cfg.dp,
+            ep=cfg.ep,
+            cp=cfg.cp,
+            tp=cfg.tp,
+            capacity=cfg.train.capacity,
+            cpu_offload=cfg.cpu_offload,
+        )
         replicas = self.train_cfg.replicas
         assert replicas is not None
         if replicas % (world // self.rows):
@@ -225,8 +221,7 @@ class _Run:
                 f"({world} rank(s) / (--cp {cfg.cp} x --tp {cfg.tp}))"
             )
         check_device(self.device)
-        dp = cfg.dp or world // other
-        return ParallelConfig(dp=dp, ep=cfg.ep, cp=cfg.cp, tp=cfg.tp, cpu_offload=cfg.cpu_offload)
+        return config
 
     def _read_batches(self) -> tuple[list[StepSummary], dict[int, RolloutBatch]]:
         """Every source read and checked once (step 2); the batches kept for training."""
