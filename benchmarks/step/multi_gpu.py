@@ -37,17 +37,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from benchmarks._runner import add_dtype_argument, parse, parser, run, write_json
-
-if TYPE_CHECKING:
-    from harts.models.execution.config import ExecutionConfig
-    from harts.models.flops import FlopModel
-    from harts.models.hybrid_lm import HybridLM
-    from harts.plan.step.step_plan import StepPlan
-    from harts.tree.batch import RolloutBatch
 
 __all__ = ["main"]
 
@@ -58,9 +50,8 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list]:
     import torch.distributed as dist
 
     from harts.integrations.loading import load_model
-    from harts.parallel.build import materialize, moe_experts
-    from harts.parallel.mesh import ParallelConfig, init_parallel, setup_process_group
-    from harts.parallel.parallelize import parallelize
+    from harts.parallel.mesh import ParallelConfig, setup_process_group
+    from harts.trainer.mesh_bench import shard_model
     from harts.tree.workloads import workload_steps
 
     device = setup_process_group(args.device)
@@ -79,10 +70,13 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list]:
         device="meta" if world > 1 else device,
     )
     config = ParallelConfig(dp=world // (args.ep * args.cp * args.tp), ep=args.ep, cp=args.cp, tp=args.tp)
-    state = init_parallel(config, device, moe_experts(model))
-    model = parallelize(model, state)
     if world > 1:
-        materialize(model, state, spec=args.model, seed=args.seed)
+        state = shard_model(model, config, device, spec=args.model, seed=args.seed)
+    else:
+        from harts.parallel.build import moe_experts
+        from harts.parallel.mesh import init_parallel
+
+        state = init_parallel(config, device, moe_experts(model))
     return model, state, batches, [device]
 
 
@@ -187,22 +181,18 @@ def efficiency(one: dict, many: dict) -> dict[str, Any]:
 
 
 def scaling(args: argparse.Namespace) -> dict[str, Any]:
-    import numpy as np
     import torch
-    import torch.distributed as dist
 
     from harts.models.execution.config import ExecutionConfig
     from harts.models.flops import FlopModel, peak_tflops
-    from harts.plan.baselines.trajectory_plan import plan_trajectory_step
-    from harts.plan.step import plan_step
+    from harts.trainer.mesh_bench import time_mesh_step
     from harts.trainer.step import TrainConfig, train_step
 
     model, state, batches, _ = _setup(args)
     flops = FlopModel.from_model(model)
     peak = peak_tflops(torch.device(state.device))
-    world = state.world_size
     result: dict[str, Any] = {
-        "world_size": world,
+        "world_size": state.world_size,
         "ep": args.ep,
         "cp": args.cp,
         "tp": args.tp,
@@ -226,88 +216,26 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         for _ in range(args.warmup):  # untimed: kernel autotuning, allocator warm-up
             train_step(model, optimizer, batches[0], cfg, parallel=state)
-        steps = []
-        for i, batch in enumerate(batches):
-            marks: dict[str, float] = {}
-            if state.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(state.device)
-
-            def progress(done: int, total: int, marks: dict = marks) -> None:
-                if 0 < done < total:
-                    return  # the loop keeps the device busy between microbatches: no sync there
-                if state.device.type == "cuda":
-                    torch.cuda.synchronize(state.device)
-                marks["start" if done == 0 else "end"] = time.perf_counter()
-
-            log = train_step(model, optimizer, batch, cfg, step=i, progress=progress, parallel=state)
-            compute = [marks["end"] - marks["start"]]
-            step_time = [log.train_seconds]
-            peak_gib = [torch.cuda.max_memory_allocated(state.device) / 2**30 if state.device.type == "cuda" else None]
-            if world > 1:
-                gathered: list[Any] = [None] * world
-                dist.all_gather_object(gathered, (compute[0], log.train_seconds, peak_gib[0]))
-                compute, step_time = [g[0] for g in gathered], [g[1] for g in gathered]
-                peak_gib = [g[2] for g in gathered]
-            # the plan train_step ran: harts' step plan, or the baseline's raw-token packing
-            # (one replica per context-parallel group)
-            if mode == "compact":
-                plan = plan_step(batch, dp=state.replicas, capacity=args.capacity)
-                work = plan.work_matrix().sum(1).astype(float)
-                model_flops = _executed_flops(model, batch, plan, execution, flops)
-            else:
-                raw_plan = plan_trajectory_step(batch.lengths, dp=state.replicas, capacity=args.capacity)
-                work = raw_plan.replica_work().astype(float)
-                model_flops = _raw_flops(batch, flops, args.logprobs)
-            # a replica (a row group: cp x tp ranks) takes as long as its slowest rank
-            n = state.row_ranks
-            compute = [max(compute[r * n : (r + 1) * n]) for r in range(state.replicas)]
-            predicted = work / work.mean() * float(np.mean(compute))
-            raw_flops = _raw_flops(batch, flops, args.logprobs)
-            seconds = max(step_time)
-            steps.append(
-                {
-                    "step": i,
-                    "raw_tokens": batch.num_tokens,
-                    "microbatches": log.microbatches,
-                    "step_seconds": seconds,
-                    "tokens_per_second_per_gpu": batch.num_tokens / seconds / world,
-                    "model_tflops": model_flops / 1e12,
-                    "mfu": model_flops / (seconds * world * peak * 1e12) if peak else None,
-                    "effective_mfu": raw_flops / (seconds * world * peak * 1e12) if peak else None,
-                    "replica_seconds_measured": compute,
-                    "replica_seconds_predicted": predicted.tolist(),
-                    "peak_gib_per_rank": peak_gib,
-                    "loss": log.loss,
-                }
-            )
-        result["modes"][mode] = steps
+        result["modes"][mode] = [
+            time_mesh_step(model, optimizer, batch, cfg, state, step=i, peak_tflops=peak, flops=flops).to_dict()
+            for i, batch in enumerate(batches)
+        ]
     return result
 
 
-def _raw_flops(batch: RolloutBatch, flops: FlopModel, logprob_positions: str = "all") -> float:
-    """The step's trajectory-wise model FLOPs: every raw row, its logit row (action positions
-    only with ``logprob_positions="actions"``), causal pairs (what the baseline executes,
-    whatever its microbatching)."""
-    from harts.trainer.step_bench import microbatch_counts
+def _raw_flops(*args: Any, **kwargs: Any) -> float:
+    """``harts.trainer.mesh_bench.raw_step_flops`` (imported when called: ``compare`` and
+    ``efficiency`` run without torch)."""
+    from harts.trainer.mesh_bench import raw_step_flops
 
-    return flops.training_flops(*microbatch_counts(batch, None, "trajectory", logprob_positions))
+    return raw_step_flops(*args, **kwargs)
 
 
-def _executed_flops(
-    model: HybridLM, batch: RolloutBatch, plan: StepPlan, execution: ExecutionConfig, flops: FlopModel
-) -> float:
-    """harts' step FLOPs as compact execution runs them, over every replica: compact rows, their
-    logit rows and tree-visible pairs (the same count as ``harts bench``, so MFU means the same
-    thing in both reports)."""
-    from harts.trainer.step_bench import microbatch_counts
+def _executed_flops(*args: Any, **kwargs: Any) -> float:
+    """``harts.trainer.mesh_bench.executed_step_flops`` (imported when called)."""
+    from harts.trainer.mesh_bench import executed_step_flops
 
-    rows = logit_rows = pairs = 0
-    for d in range(plan.dp):
-        for cb, cp in plan.prepare_replica(d, model.config.chunk_size):
-            inputs = model.prepare_compact(cb, execution, plan=cp)
-            r, lr, pr = microbatch_counts(cb.batch, inputs, "compact", execution.logprob_positions)
-            rows, logit_rows, pairs = rows + r, logit_rows + lr, pairs + pr
-    return flops.training_flops(rows, logit_rows, pairs)
+    return executed_step_flops(*args, **kwargs)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,6 +7,11 @@ Table 4 metrics (non-replay compact-row compression, F/B/Grad and Core speedup) 
 side's time, tokens/s, model TFLOP/s, MFU and peak memory; a per-component time breakdown;
 the warm-up time; every replica's predicted work. ``--json`` writes it all, ``--profile DIR``
 writes a Chrome trace of one microbatch per side.
+
+On a mesh (``harts.commands._bench_mesh``): ``torchrun --nproc-per-node N -m harts.cli bench
+--ep E --cp C --tp P ...`` runs both sides as ``harts train`` runs its step on the same
+(N / (E C P), E, C, P) mesh and reports the slowest rank's step time, MFU and every rank's peak
+memory.
 """
 
 from __future__ import annotations
@@ -34,7 +39,16 @@ TYPED_ERRORS = True
 HELP = "Time training steps compactly vs trajectory-wise (F/B/Grad, Core, tokens/s, MFU, breakdown, memory)."
 
 
+#: the --help text's word on benching a layout
+MESH_HELP = (
+    "A layout: torchrun --nproc-per-node 4 -m harts.cli bench --cp 2 --tp 2 ... times both sides on the "
+    "(dp, ep, cp, tp) mesh harts train builds from the same flags (dp = ranks / (ep x cp x tp)): the "
+    "slowest rank's step time, MFU over all ranks and every rank's peak memory, in the output and --json."
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = MESH_HELP
     add_workload_arguments(p, default="small")
     p.add_argument(
         "--first-step",
@@ -46,9 +60,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (tokens)")
     add_execution_arguments(p)
     add_logprobs_argument(p, default="all", why="the paper-comparable figure; both sides always use the same setting")
-    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas the step is planned for")
     p.add_argument(
-        "--replica", type=nonneg_int, default=0, help="which replica's share of the step to time (0 .. dp-1)"
+        "--dp",
+        type=positive_int,
+        default=None,
+        help="one process: data-parallel replicas the step is planned for (default 1; --replica's share is "
+        "timed, nothing is launched); under torchrun: the mesh's data-parallel degree, which must be ranks / "
+        "(--ep x --cp x --tp), the default",
+    )
+    p.add_argument(
+        "--replica",
+        type=nonneg_int,
+        default=None,
+        help="one process: which replica's share of the step to time (0 .. dp-1; default 0)",
+    )
+    p.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="under torchrun: expert-parallel degree, ranks each MoE layer's experts are split over",
+    )
+    p.add_argument(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="under torchrun: Ulysses context-parallel degree, ranks that split each microbatch's compact rows "
+        "(--capacity is per group of cp x tp ranks); it divides --capacity and the model's heads",
+    )
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="under torchrun: tensor-parallel degree with sequence parallelism, ranks that split the projections "
+        "by heads / columns",
     )
     p.add_argument("--optimizer", action="store_true", help="also time one AdamW step (same for both sides)")
     p.add_argument(
@@ -107,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from harts.commands._bench_mesh import mesh_asked, run_mesh, settings_record
     from harts.commands._inputs import (
         build_model_and_attention,
         check_recompute_layers,
@@ -119,13 +164,18 @@ def run(args: argparse.Namespace) -> int:
     from harts.commands._memory import check_memory
     from harts.models.execution.config import ExecutionConfig
     from harts.models.flops import peak_tflops
+    from harts.parallel.mesh import launch_world_size
     from harts.plan.step.workers import shared_workers
 
+    world = launch_world_size()
+    if mesh_asked(args, world):
+        return run_mesh(args, world, _read_steps)
+    args.dp, args.replica = args.dp or 1, args.replica or 0
     # the cold start's phases, seconds from ``started`` (the first step's are added below)
     cold = {"imports": time.perf_counter() - started}
     _check_flags(args)
     recompute = recompute_fields(args)
-    sources, summaries = _read_steps(args)
+    sources, summaries = _read_steps(args, args.dp)
     cold["inputs_checked"] = time.perf_counter() - started
     # started now, so that spawning them overlaps building the model
     workers = shared_workers(planner_workers(args.planner_workers))
@@ -171,16 +221,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(
             args.json_out,
             {
-                "model": args.model,
-                "pattern": model.config.layer_pattern,
-                "device": args.device,
-                "dtype": args.dtype,
-                "capacity": args.capacity,
-                "recompute": args.recompute,
-                "recompute_skip": list(recompute["recompute_skip"]),
-                "recompute_layers": recompute["recompute_layers"],
-                "moe_keep_gate_up": recompute["moe_keep_gate_up"],
-                "attention": args.attention,
+                **settings_record(args, model, recompute),
                 "flex_backend": flex,
                 "la_backend": args.la_backend,
                 "kernels": kernels.to_dict(),
@@ -219,9 +260,9 @@ def _check_flags(args: argparse.Namespace) -> None:
                 raise UserError(f"--profile-only times nothing, so {flag} has nothing to act on; drop one of them")
 
 
-def _read_steps(args: argparse.Namespace) -> tuple[list, list]:
+def _read_steps(args: argparse.Namespace, replicas: int) -> tuple[list, list]:
     """The steps to bench (``--first-step``, ``--steps``) and their summaries, every one read and
-    checked before the first runs."""
+    checked (for a plan of ``replicas`` replicas) before the first runs."""
     from harts.commands._inputs import check_capacity, check_plannable, step_sources, summarize
     from harts.commands._progress import progress
     from harts.errors import UserError
@@ -239,12 +280,12 @@ def _read_steps(args: argparse.Namespace) -> tuple[list, list]:
         for i, (label, make) in enumerate(sources, start=args.first_step):
             batch = make()
             st = summarize(i, label, batch)
-            if args.dp > 1 and st.longest_len <= args.capacity and st.trajectories >= args.dp:
-                check_plannable(batch, st, args.capacity, args.dp, ("compact", "trajectory"))
+            if replicas > 1 and st.longest_len <= args.capacity and st.trajectories >= replicas:
+                check_plannable(batch, st, args.capacity, replicas, ("compact", "trajectory"))
             summaries.append(st)
             del batch  # steps are made again when they run: a paper-scale step is ~0.5 GB of ids
             bar.update()
-    check_capacity(summaries, args.capacity, args.dp, dp_name="replicas (--dp)")
+    check_capacity(summaries, args.capacity, replicas, dp_name="replicas (--dp)")
     return sources, summaries
 
 

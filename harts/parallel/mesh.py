@@ -42,6 +42,7 @@ __all__ = [
     "check_layout",
     "check_local_devices",
     "init_parallel",
+    "launch_mesh",
     "launch_world_size",
     "setup_process_group",
 ]
@@ -78,6 +79,12 @@ class ParallelConfig:
 
     def check(self, world_size: int, num_experts: int) -> None:
         """Clear errors for a mesh that does not match the launch or does not divide the experts."""
+        self.check_world(world_size)
+        self.check_experts(num_experts)
+
+    def check_world(self, world_size: int) -> None:
+        """A one-line error unless every degree is a positive integer and the mesh has the
+        launch's ``world_size`` ranks (it names both numbers); no model is needed."""
         for name, v in (("dp", self.dp), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp)):
             if int(v) != v or v < 1:
                 raise UserError(f"--{name} must be a positive integer, got {v!r}")
@@ -91,6 +98,10 @@ class ParallelConfig:
                 f"{self.world_size}); --ep {self.ep} x --cp {self.cp} x --tp {self.tp} = {other} does not "
                 f"divide {world_size}"
             )
+
+    def check_experts(self, num_experts: int) -> None:
+        """A one-line error unless ``ep`` divides the model's ``num_experts`` experts per MoE
+        layer (0: a dense model, which only ``ep`` 1 fits)."""
         if self.ep > 1:
             if num_experts == 0:
                 raise UserError(f"--ep {self.ep}: the model has no MoE layers to split; use --ep 1")
@@ -202,6 +213,27 @@ def check_layout(world: int, *, ep: int = 1, cp: int = 1, tp: int = 1, capacity:
             f"--cp {cp} x --tp {tp} = {rows} does not divide --capacity {capacity} "
             "(each rank of a row group holds capacity / (cp tp) rows)"
         )
+
+
+def launch_mesh(
+    world: int,
+    *,
+    dp: int | None = None,
+    ep: int = 1,
+    cp: int = 1,
+    tp: int = 1,
+    capacity: int | None = None,
+    cpu_offload: bool = False,
+) -> ParallelConfig:
+    """The mesh that ``--dp/--ep/--cp/--tp`` ask of a launch of ``world`` ranks (``dp`` None:
+    ``world / (ep cp tp)``), checked before any model is built so that a bad layout costs one
+    line naming both numbers rather than a model (``check_layout``, then the mesh has ``world``
+    ranks). The model's heads and experts are checked once its structure is known
+    (``check_context_parallel``, ``check_tensor_parallel``, ``ParallelConfig.check_experts``)."""
+    check_layout(world, ep=ep, cp=cp, tp=tp, capacity=capacity)
+    config = ParallelConfig(dp=dp or world // (ep * cp * tp), ep=ep, cp=cp, tp=tp, cpu_offload=cpu_offload)
+    config.check_world(world)
+    return config
 
 
 def launch_world_size() -> int:

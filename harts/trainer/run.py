@@ -44,7 +44,7 @@ from tqdm import tqdm
 from harts.errors import CapacityError, UserError
 from harts.models.hybrid_lm import HybridLM
 from harts.parallel.build import materialize, moe_experts
-from harts.parallel.mesh import ParallelConfig, ParallelState, check_layout, init_parallel, setup_process_group
+from harts.parallel.mesh import ParallelConfig, ParallelState, init_parallel, launch_mesh, setup_process_group
 from harts.parallel.parallelize import parallelize
 from harts.plan.step.workers import shared_workers
 from harts.rl.metrics import MetricsWriter, truncate_metrics
@@ -204,8 +204,15 @@ class _Run:
 
     def _check_mesh(self) -> ParallelConfig:
         cfg, world = self.cfg, self.world
-        check_layout(world, ep=cfg.ep, cp=cfg.cp, tp=cfg.tp, capacity=cfg.train.capacity)
-        other = cfg.ep * self.rows
+        config = launch_mesh(
+            world,
+            dp=cfg.dp,
+            ep=cfg.ep,
+            cp=cfg.cp,
+            tp=cfg.tp,
+            capacity=cfg.train.capacity,
+            cpu_offload=cfg.cpu_offload,
+        )
         replicas = self.train_cfg.replicas
         assert replicas is not None
         if replicas % (world // self.rows):
@@ -214,8 +221,7 @@ class _Run:
                 f"({world} rank(s) / (--cp {cfg.cp} x --tp {cfg.tp}))"
             )
         check_device(self.device)
-        dp = cfg.dp or world // other
-        return ParallelConfig(dp=dp, ep=cfg.ep, cp=cfg.cp, tp=cfg.tp, cpu_offload=cfg.cpu_offload)
+        return config
 
     def _read_batches(self) -> tuple[list[StepSummary], dict[int, RolloutBatch]]:
         """Every source read and checked once (step 2); the batches kept for training."""
