@@ -32,7 +32,8 @@
 #             and its first N MoE layers keeping their gate/up output
 #   qwen NAME [L]  `medium` step 3 (2.05 M raw tokens, 5.55x over the whole trie) on preset NAME's first L
 #             layers (default 8; qwen3_next_80b_a3b, qwen3_5_35b_a3b, qwen3_5_9b, kimi_linear_48b_a3b),
-#             --attention auto (FlashAttention-2 varlen views for the GQA models), everything recomputed
+#             --attention auto (FlashAttention-2 varlen views for the GQA models), everything recomputed;
+#             TIMEOUT=S stops it after S seconds (default 560), so that several fit one call
 #   silu_ab N  `medium_full N` twice in one call: HARTS_KDA_SILU_IN_SPLIT=0 (the short conv's SiLU in
 #             fla-core's conv, the older arrangement), then =1 (in the split kernel, the default)
 #   env_ab NAME N  `medium_full N` twice in one call, with the environment switch NAME=0, then =1
@@ -205,7 +206,7 @@ gpu_tests)
 qwen)
     name=$2
     layers=${3:-8}
-    timeout 560 "${B[@]}" --attention auto --model "$name" --layers "$layers" --workload medium --first-step 3 \
+    timeout "${TIMEOUT:-560}" "${B[@]}" --attention auto --model "$name" --layers "$layers" --workload medium --first-step 3 \
         --steps 1 --json "$OUT/qwen_${name}_L$layers.json" >"$OUT/qwen_${name}_L$layers.log" 2>&1
     show "$OUT/qwen_${name}_L$layers.log"
     ;;
