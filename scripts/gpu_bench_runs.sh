@@ -68,6 +68,7 @@ part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe
 case "$part" in
 tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | profile_la | tune | qkv_norm | sweep) ;;
 layers | medium_layers | moe_keep | medium_keep | medium_full | silu_ab) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
+qwen) [[ "${2:-}" =~ ^[a-z0-9_]+$ ]] || { echo "qwen needs a preset name" >&2; exit 2; } ;;
 env_ab)
     [[ "${2:-}" =~ ^HARTS_[A-Z0-9_]+$ ]] || { echo "env_ab needs a HARTS_* switch name, e.g. HARTS_KDA_FLA_GATE" >&2; exit 2; }
     [[ "${3:-}" =~ ^[0-9]+$ ]] || { echo "env_ab needs a layer count N after the name" >&2; exit 2; } ;;
