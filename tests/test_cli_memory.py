@@ -131,3 +131,29 @@ def test_serve_counts_every_model_it_can_hold(capsys, monkeypatch) -> None:  # n
     kw = dict(capacity=1024, optimizer=False, frozen_base=True, models_option="--max-models")
     est = memory.check_memory(spec, None, models=3, models_beside=SAMPLER_ENGINES, **kw)
     assert est is not None and est.terms["parameters"] == (3 + SAMPLER_ENGINES) * one.terms["parameters"]
+
+
+def test_serve_checks_its_engines_execution(capsys, monkeypatch) -> None:  # noqa: ANN001
+    """The serve check sizes activations as its engines run them: ``--recompute`` keeps one
+    layer's at a time, so a device that cannot hold the stored activations of every layer
+    serves with it (and is refused without it)."""
+    from harts.models.config import HybridConfig
+    from harts.models.execution.config import ExecutionConfig
+    from harts.models.memory import estimate_memory
+    from harts.serve.sampling import SAMPLER_ENGINES
+
+    config = HybridConfig.preset("ling3_tiny").first_layers(4)
+    kw = dict(capacity=4096, dtype="float32", optimizer=False, frozen_base=True, models=1 + SAMPLER_ENGINES)
+    stored = estimate_memory(config, ExecutionConfig(fused_logprobs=True), **kw).total
+    recomputed = estimate_memory(config, ExecutionConfig(fused_logprobs=True, recompute=True), **kw).total
+    assert recomputed < stored
+    have = (recomputed + stored) // 2
+    monkeypatch.setattr(memory, "available_bytes", lambda device: have)
+    started: list[object] = []
+    monkeypatch.setattr("harts.serve.server.serve", lambda config, **kw: started.append(config))
+    argv = ["serve", "--model", "ling3_tiny", "--layers", "4", "--capacity", "4096", "--max-models", "1", "--port", "1"]
+    argv += ["--api-key", "tml-test"]
+    code, _, err = run(capsys, *argv)
+    line = one_error_line(err)
+    assert code == 2 and "not enough memory on cpu" in line and "activations" in line, line
+    assert run(capsys, *argv, "--recompute")[0] == 0 and len(started) == 1

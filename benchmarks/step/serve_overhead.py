@@ -28,6 +28,7 @@ every per-call time and the settings. Needs the ``serve`` extra.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import statistics
@@ -132,6 +133,10 @@ def in_process(args: argparse.Namespace, trajs: list[list[int]]) -> dict[str, An
             times.append(time.perf_counter() - start)
         engine.optimizer.zero_grad(set_to_none=True)
     del engine
+    # compiled graphs keep references to the weights they were traced with: drop them too, so
+    # the server (another process, which checks the device's free memory) has the whole device
+    torch._dynamo.reset()
+    gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return {"seconds": times}
@@ -207,7 +212,9 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
     port, key = _free_port(), f"tml-bench-{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "harts.cli", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--api-key", key, "--state-dir", str(workdir / "state"), "--device", args.device, "--dtype", args.dtype]
-    cmd += ["--capacity", str(args.tokens), "--seed", str(args.seed), "--log-level", "warning"]
+    # one training run is all this script creates: the memory check counts one engine (and the
+    # sampling engines), not the default --max-models
+    cmd += ["--capacity", str(args.tokens), "--seed", str(args.seed), "--log-level", "warning", "--max-models", "1"]
     cmd += execution_options(args)
     if args.layers:
         cmd += ["--layers", str(args.layers)]

@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     from harts.commands._inputs import recompute_fields
     from harts.commands._memory import check_memory
+    from harts.models.execution.config import ExecutionConfig
     from harts.serve.config import API_KEY_ENV, ServeConfig
     from harts.serve.sampling import SAMPLER_ENGINES
     from harts.serve.server import serve
@@ -112,10 +113,13 @@ def run(args: argparse.Namespace) -> int:
     # (the base model, checkpoints read from disk), and one microbatch at --capacity (the worker
     # runs one request at a time)
     spec = ModelSpec(model=args.model, layers=args.layers, dtype=args.dtype, device=args.device)
+    # the engines' own execution (recomputation sizes the activations), with their fused LM head
+    engine_execution = ExecutionConfig(**execution, fused_logprobs=True)
     check_memory(
         spec,
         None,
         capacity=args.capacity,
+        execution=engine_execution,
         optimizer=False,
         frozen_base=True,
         force=args.force,
@@ -148,7 +152,15 @@ def run(args: argparse.Namespace) -> int:
     def check_full_weights() -> None:
         # a run without LoRA: every weight trained, its gradients and AdamW state beside the
         # engines already held (what the device has free now), one microbatch at --capacity
-        check_memory(spec, None, capacity=args.capacity, optimizer=True, force=args.force, rows_option=None)
+        check_memory(
+            spec,
+            None,
+            capacity=args.capacity,
+            execution=engine_execution,
+            optimizer=True,
+            force=args.force,
+            rows_option=None,
+        )
 
     serve(config, log_level=args.log_level, json_out=args.json_out, check_full_weights=check_full_weights)
     return 0
