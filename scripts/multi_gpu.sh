@@ -25,8 +25,13 @@
 #                  (cp_eff_T<T>_cp<c>.json; expected: the ratio near 1/C for the activations, the
 #                  efficiency below 1 by the all-to-alls' share). Where 1 GPU does not fit T
 #                  (out of memory: the reason for CP), its runs fail and only the C-GPU figures stand.
-#              The C-GPU runs always start through torchrun: CP_CS="1" on one GPU runs the
-#              process-group and mesh path at world size 1 (the check a one-GPU machine can make).
+#              The C-GPU runs always start through torchrun, so CP_CS="1" on one GPU runs every
+#              command of this part as written, torchrun included (the check a one-GPU machine
+#              can make; one rank joins no process group, so NCCL's all-to-alls wait for C >= 2).
+#
+# tensor      tensor parallelism with sequence parallelism (--tp P): the context part's runs with
+#              --tp for --cp (TP_* settings, files tp_*), P in TP_PS, T in TP_TS; the same
+#              correctness tolerance, per-rank peak memory and efficiency t_1 / (P t_P).
 #
 # In device calls of at most 10 minutes (the lent H200 machines) run the parts one at a time. One
 # H200 runs a whole `swe` step of the full model in about 225 s with harts and about 1,200 s
@@ -45,7 +50,7 @@
 #
 # Environment:
 #   PYTHON       interpreter (default python3)
-#   PARTS        which parts to run (default "correctness scaling")
+#   PARTS        which parts to run (default "correctness scaling"; also "context", "tensor")
 #   NGPUS        GPUs to use (default: all visible, from nvidia-smi)
 #   DEVICE       cuda (default) or cpu (gloo processes: how the tests run this script)
 #   CORR_MODEL   correctness model flags (default "--model ling3_tiny --pattern KGMA")
@@ -62,6 +67,9 @@
 #   CP_CS        context-parallel degrees (default "2 4", those <= NGPUS)
 #   CP_WORK      default "--workload medium --steps 1"
 #   CP_FLAGS     default "--dtype bfloat16 --recompute --la-backend auto --attention auto"
+#   TP_MODEL, TP_WORK, TP_FLAGS  the tensor part's (defaults: the CP_ ones)
+#   TP_TS        compact rows per microbatch of the tensor part (default "65536 131072")
+#   TP_PS        tensor-parallel degrees (default "2 4", those <= NGPUS)
 #   TIMEOUT      seconds per run (default 1800)
 set -uo pipefail
 # the benchmarks are modules of this repository (python -m benchmarks...), not of the harts package:
@@ -90,6 +98,11 @@ CP_TS=${CP_TS:-131072 262144}
 CP_CS=${CP_CS:-2 4}
 CP_WORK=${CP_WORK:---workload medium --steps 1}
 CP_FLAGS=${CP_FLAGS:---dtype bfloat16 --recompute --la-backend auto --attention auto}
+TP_MODEL=${TP_MODEL:-$CP_MODEL}
+TP_TS=${TP_TS:-65536 131072}
+TP_PS=${TP_PS:-2 4}
+TP_WORK=${TP_WORK:-$CP_WORK}
+TP_FLAGS=${TP_FLAGS:-$CP_FLAGS}
 TIMEOUT=${TIMEOUT:-1800}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
@@ -124,7 +137,7 @@ run_launch() {
 }
 
 # run_torchrun NAME N ARGS...: as run_launch, always through torchrun (N = 1 included: the
-# process-group and mesh path at world size 1, the check this script gets on a one-GPU machine)
+# launch as written for C ranks, checked on a one-GPU machine)
 run_torchrun() {
     local name=$1 n=$2
     shift 2
@@ -171,30 +184,41 @@ for f in sorted(out.glob("scaling_D*.json"), key=lambda p: int(p.stem[9:])):
             print(f"{r['world_size']:>2} {mode:>10} {s['step']:>4} {s['step_seconds']:>8.3f} {s['tokens_per_second_per_gpu']:>10.0f} {mfu:>6} {eff:>8}  {pairs}")
 PYEOF
 fi
-if want context; then
-    for t in $CP_TS; do
+# rows_part PREFIX FLAG DEGREES TS MODEL WORK FLAGS: one row group of C ranks (--cp C or --tp C)
+# against one GPU, for each T in TS and C in DEGREES (those <= N): correctness and scaling, files
+# OUT/PREFIX_{corr,scale,correctness,eff}_T<T>_<PREFIX><C>.json beside the one-GPU runs
+rows_part() {
+    local p=$1 flag=$2 degrees=$3 ts=$4 model=$5 work=$6 flags=$7 t c corr scale
+    for t in $ts; do
+        corr="correctness --device $DEVICE --replicas 1 --capacity $t $model $work $flags"
+        scale="scaling --device $DEVICE --modes compact --warmup 1 --capacity $t $model $work $flags"
         # shellcheck disable=SC2086
-        corr="correctness --device $DEVICE --replicas 1 --capacity $t $CP_MODEL $CP_WORK $CP_FLAGS"
+        run_launch "${p}_corr_T${t}_one" 1 $corr --out "$OUT/${p}_corr_T${t}_one.json"
         # shellcheck disable=SC2086
-        scale="scaling --device $DEVICE --modes compact --warmup 1 --capacity $t $CP_MODEL $CP_WORK $CP_FLAGS"
+        run_launch "${p}_corr_T${t}_rerun" 1 $corr --out "$OUT/${p}_corr_T${t}_rerun.json"
         # shellcheck disable=SC2086
-        run_launch "cp_corr_T${t}_one" 1 $corr --out "$OUT/cp_corr_T${t}_one.json"
-        # shellcheck disable=SC2086
-        run_launch "cp_corr_T${t}_rerun" 1 $corr --out "$OUT/cp_corr_T${t}_rerun.json"
-        # shellcheck disable=SC2086
-        run_launch "cp_scale_T${t}_C1" 1 $scale --out "$OUT/cp_scale_T${t}_C1.json"
-        for c in $CP_CS; do
+        run_launch "${p}_scale_T${t}_C1" 1 $scale --out "$OUT/${p}_scale_T${t}_C1.json"
+        for c in $degrees; do
             ((c <= NGPUS)) || continue
             # shellcheck disable=SC2086
-            run_torchrun "cp_corr_T${t}_cp$c" "$c" $corr --cp "$c" --out "$OUT/cp_corr_T${t}_cp$c.json"
-            run "cp_compare_T${t}_cp$c" "$PY" -m benchmarks.step.multi_gpu compare "$OUT/cp_corr_T${t}_one.json" \
-                "$OUT/cp_corr_T${t}_rerun.json" "$OUT/cp_corr_T${t}_cp$c.json" --out "$OUT/cp_correctness_T${t}_cp$c.json"
+            run_torchrun "${p}_corr_T${t}_$p$c" "$c" $corr "$flag" "$c" --out "$OUT/${p}_corr_T${t}_$p$c.json"
+            run "${p}_compare_T${t}_$p$c" "$PY" -m benchmarks.step.multi_gpu compare "$OUT/${p}_corr_T${t}_one.json" \
+                "$OUT/${p}_corr_T${t}_rerun.json" "$OUT/${p}_corr_T${t}_$p$c.json" \
+                --out "$OUT/${p}_correctness_T${t}_$p$c.json"
             # shellcheck disable=SC2086
-            run_torchrun "cp_scale_T${t}_cp$c" "$c" $scale --cp "$c" --out "$OUT/cp_scale_T${t}_cp$c.json"
-            run "cp_eff_T${t}_cp$c" "$PY" -m benchmarks.step.multi_gpu efficiency "$OUT/cp_scale_T${t}_C1.json" \
-                "$OUT/cp_scale_T${t}_cp$c.json" --out "$OUT/cp_eff_T${t}_cp$c.json"
+            run_torchrun "${p}_scale_T${t}_$p$c" "$c" $scale "$flag" "$c" --out "$OUT/${p}_scale_T${t}_$p$c.json"
+            run "${p}_eff_T${t}_$p$c" "$PY" -m benchmarks.step.multi_gpu efficiency "$OUT/${p}_scale_T${t}_C1.json" \
+                "$OUT/${p}_scale_T${t}_$p$c.json" --out "$OUT/${p}_eff_T${t}_$p$c.json"
         done
     done
+}
+
+if want context; then
+    rows_part cp --cp "$CP_CS" "$CP_TS" "$CP_MODEL" "$CP_WORK" "$CP_FLAGS"
     cat "$OUT"/cp_eff_T*_cp*.log 2>/dev/null | tee "$OUT/context.txt"
+fi
+if want tensor; then
+    rows_part tp --tp "$TP_PS" "$TP_TS" "$TP_MODEL" "$TP_WORK" "$TP_FLAGS"
+    cat "$OUT"/tp_eff_T*_tp*.log 2>/dev/null | tee "$OUT/tensor.txt"
 fi
 exit "$FAILED"

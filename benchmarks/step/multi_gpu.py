@@ -154,14 +154,22 @@ def compare(a: dict, b: dict, n: dict, floor: float) -> dict[str, Any]:
 
 
 def efficiency(one: dict, many: dict) -> dict[str, Any]:
-    """Context-parallel scaling of ``many`` (C ranks, one CP group) against ``one`` (one rank),
-    per mode and step: ``t_1 / (C t_C)`` and the per-rank peak memory ratio max_C / max_1."""
-    if one["world_size"] != 1 or many["world_size"] != many.get("cp", 1):
-        raise ValueError("efficiency compares one rank with one context-parallel group (world size = --cp)")
+    """Scaling of ``many`` (one row group: C = cp x tp ranks that split every microbatch's rows)
+    against ``one`` (one rank), per mode and step: ``t_1 / (C t_C)`` and the per-rank peak
+    memory ratio max_C / max_1."""
+    group = many.get("cp", 1) * many.get("tp", 1)
+    if one["world_size"] != 1 or many["world_size"] != group:
+        raise ValueError("efficiency compares one rank with one row group (world size = --cp x --tp)")
     if one["capacity"] != many["capacity"]:
         raise ValueError(f"different T: {one['capacity']} and {many['capacity']}")
     c = many["world_size"]
-    out: dict[str, Any] = {"cp": c, "capacity": one["capacity"], "modes": {}}
+    out: dict[str, Any] = {
+        "cp": many.get("cp", 1),
+        "tp": many.get("tp", 1),
+        "ranks": c,
+        "capacity": one["capacity"],
+        "modes": {},
+    }
     for mode, steps in many["modes"].items():
         rows = []
         for a, b in zip(one["modes"][mode], steps):
@@ -279,7 +287,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["scaling"].add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
     e = sub.add_parser("efficiency")
     e.add_argument("one", help="scaling result of one rank")
-    e.add_argument("many", help="scaling result of C context-parallel ranks, same T and workload")
+    e.add_argument("many", help="scaling result of one row group (cp x tp ranks), same T and workload")
     e.add_argument("--out", dest="json_out", required=True, metavar="FILE", help="JSON file of the efficiencies")
     c = sub.add_parser("compare")
     c.add_argument("one")

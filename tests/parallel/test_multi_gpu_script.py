@@ -139,18 +139,22 @@ def _script(tmp_path, env: dict) -> subprocess.CompletedProcess:  # noqa: ANN001
 
 def test_context_part_at_world_size_one(tmp_path):
     """One device: the one-GPU runs of the context part (correctness twice, scaling) run, C = 1
-    runs through torchrun, and C = 2 is skipped (C > N)."""
-    r = _script(tmp_path, {**_context_env(1), "CP_CS": "1 2"})
+    runs through torchrun, and C = 2 is skipped (C > N); the tensor part runs the same with --tp."""
+    r = _script(tmp_path, {**_context_env(1), "CP_CS": "1 2", "PARTS": "context tensor", "TP_TS": "400", "TP_PS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     scale = json.loads((tmp_path / "cp_scale_T400_C1.json").read_text())
     assert scale["cp"] == 1 and scale["modes"]["compact"][0]["step_seconds"] > 0
     one, rerun = (json.loads((tmp_path / f"cp_corr_T400_{n}.json").read_text()) for n in ("one", "rerun"))
     assert compare(one, rerun, one, floor=1e-5)["passed"]
-    # CP_CS="1": the same runs through torchrun at world size 1 (process group, mesh), equal to
+    # CP_CS="1": the C-rank commands as written (through torchrun) at world size 1, equal to
     # one process within the reruns' noise
     assert json.loads((tmp_path / "cp_correctness_T400_cp1.json").read_text())["passed"]
     assert json.loads((tmp_path / "cp_scale_T400_cp1.json").read_text())["world_size"] == 1
     assert not (tmp_path / "cp_scale_T400_cp2.json").exists()
+    # the tensor part: the same runs with --tp (files tp_*)
+    assert json.loads((tmp_path / "tp_correctness_T400_tp1.json").read_text())["passed"]
+    eff = json.loads((tmp_path / "tp_eff_T400_tp1.json").read_text())
+    assert eff["tp"] == 1 and eff["ranks"] == 1
 
 
 @pytest.mark.slow
