@@ -123,11 +123,14 @@ def test_context_parallel_equals_one_process(tmp_path, dp, ep, cp, moe):
     _check(got, ref, moe)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "dp, ep, cp, moe, recompute",
-    [(1, 1, 4, True, False), (2, 1, 2, True, False), (1, 2, 2, True, False), (1, 1, 2, True, True)],
-    ids=["CP4", "FSDP2xCP2", "EP2xCP2", "CP2-recompute"],
+    [
+        pytest.param(1, 1, 4, True, False, id="CP4"),
+        pytest.param(2, 1, 2, True, False, id="FSDP2xCP2"),
+        pytest.param(1, 2, 2, True, False, id="EP2xCP2"),
+        pytest.param(1, 1, 2, True, True, id="CP2-recompute", marks=pytest.mark.slow),
+    ],
 )
 def test_more_context_parallel_layouts_equal_one_process(tmp_path, dp, ep, cp, moe, recompute):
     got = spawn(dp * ep * cp, _parallel, dp, ep, cp, moe, recompute, tmp=str(tmp_path))

@@ -101,7 +101,6 @@ def test_torchrun_context_parallel_and_resume_on_one(tmp_path):
         assert float((a[k] - b[k]).abs().max()) / scale <= 1e-10, k
 
 
-@pytest.mark.slow
 def test_torchrun_cp2_tp2_and_resume_at_tp2(tmp_path):
     """4 ranks (cp 2 x tp 2) for 3 steps equal 2 steps there and the third resumed on 2 ranks at
     tp 2. The tiny preset's GDN has one key head, which tp 2 cannot split: attention layers only."""
