@@ -107,30 +107,32 @@ def test_a_too_big_model_stops_within_seconds_in_a_subprocess() -> None:
     assert time.perf_counter() - started < 120
 
 
-def test_serve_counts_every_model_it_can_hold(capsys, monkeypatch) -> None:  # noqa: ANN001
-    """``harts serve`` holds up to --max-models training engines (a model copy each) and its
-    sampling engines at once: the check counts them all and names the --max-models that fits."""
+def test_serve_counts_the_served_weights_once(capsys, monkeypatch) -> None:  # noqa: ANN001
+    """LoRA runs share the served weights, so the check at start counts them once beside the
+    sampling engines, whatever --max-models is: a device with room for that serves 8 runs, and
+    one without it is refused by the parameters term."""
     from harts.models.config import HybridConfig
     from harts.models.execution.config import ExecutionConfig
     from harts.models.memory import estimate_memory
     from harts.serve.sampling import SAMPLER_ENGINES
-    from harts.trainer.build import ModelSpec
 
     config = HybridConfig.preset("ling3_tiny").first_layers(1)
     head = ExecutionConfig(fused_logprobs=True)
-    one = estimate_memory(config, head, capacity=1024, dtype="float32", optimizer=False, frozen_base=True)
-    # room for 3 training engines and the sampling engines: 3 + SAMPLER_ENGINES copies of the model
-    have = one.total + (3 + SAMPLER_ENGINES - 1) * one.terms["parameters"]
-    monkeypatch.setattr(memory, "available_bytes", lambda device: have)
+    kw = dict(capacity=1024, dtype="float32", optimizer=False, frozen_base=True)
+    held = estimate_memory(config, head, models=1 + SAMPLER_ENGINES, **kw)
+    one = estimate_memory(config, head, **kw)
+    assert held.terms["parameters"] == (1 + SAMPLER_ENGINES) * one.terms["parameters"]
+    started: list[object] = []
+    monkeypatch.setattr("harts.serve.server.serve", lambda config, **kw: started.append(config))
     argv = ["serve", "--model", "ling3_tiny", "--layers", "1", "--capacity", "1024", "--port", "1"]
-    code, _, err = run(capsys, *argv, "--max-models", "8")
+    argv += ["--api-key", "tml-test", "--max-models", "8"]
+    monkeypatch.setattr(memory, "available_bytes", lambda device: held.total)
+    assert run(capsys, *argv)[0] == 0 and len(started) == 1
+    monkeypatch.setattr(memory, "available_bytes", lambda device: held.total - one.terms["parameters"])
+    code, _, err = run(capsys, *argv)
     line = one_error_line(err)
-    assert code == 2 and "not enough memory on cpu" in line and "use --max-models 3" in line, line
-    assert "parameters" in line
-    spec = ModelSpec(model="ling3_tiny", layers=1, dtype="float32", device="cpu")
-    kw = dict(capacity=1024, optimizer=False, frozen_base=True, models_option="--max-models")
-    est = memory.check_memory(spec, None, models=3, models_beside=SAMPLER_ENGINES, **kw)
-    assert est is not None and est.terms["parameters"] == (3 + SAMPLER_ENGINES) * one.terms["parameters"]
+    assert code == 2 and "not enough memory on cpu" in line and "parameters" in line, line
+    assert "--max-models" not in line
 
 
 def test_serve_checks_its_engines_execution(capsys, monkeypatch) -> None:  # noqa: ANN001

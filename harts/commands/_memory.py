@@ -50,8 +50,6 @@ def check_memory(
     where: str | None = None,
     frozen_base: bool = False,
     compression: float = 1.0,
-    models: int = 1,
-    models_option: str | None = None,
     models_beside: int = 0,
 ) -> MemoryEstimate | None:
     """Raise a one-line ``UserError`` (the estimate, what is available, the largest term, the
@@ -63,10 +61,9 @@ def check_memory(
     (``build_model``'s, made first: its message names the token); ``frozen_base``: LoRA
     training, no gradients or optimizer state for the base weights; ``compression``: the batches'
     largest semantic / compact positions, which sizes compact attention's gathered ancestor views
-    (``gathered_view_rows``); ``models``: copies of the model held at once (``harts serve``:
-    ``--max-models``, the flag ``models_option``, training engines, and ``models_beside`` sampling
-    engines more), one microbatch running at a time. Returns the estimate (None when skipped or the device's memory is
-    unknown)."""
+    (``gathered_view_rows``); ``models_beside``: more copies of the model's weights held beside
+    the one that trains (``harts serve``'s sampling engines), one microbatch running at a time.
+    Returns the estimate (None when skipped or the device's memory is unknown)."""
     if force:
         return None
     from harts.models.execution.config import ExecutionConfig
@@ -92,7 +89,7 @@ def check_memory(
             shards=shards,
             device_total_bytes=total,
             frozen_base=frozen_base,
-            models=models + models_beside,
+            models=1 + models_beside,
         )
         kw.update(changes)
         kw["view_rows"] = gathered_view_rows(kw["capacity"], compression)
@@ -101,15 +98,11 @@ def check_memory(
     est = estimate()
     if est.total <= have:
         return est
-    models_hint = None
-    if models_option and models > 1:
-        fits = _largest_fitting(lambda n: estimate(models=n + models_beside).total, have, models)
-        models_hint = f"{models_option} {fits}" if fits else None
     name, size = est.largest
     raise UserError(
         f"not enough memory on {spec.device}: one step is estimated at {format_bytes(est.total)}, "
         f"{format_bytes(have)} available; the largest term is {name} {format_bytes(size)} "
-        f"(then {est.summary(skip=1, top=3)}); {_knob(spec, cfg, est, have, estimate, config, rows_option, models_hint)}; "
+        f"(then {est.summary(skip=1, top=3)}); {_knob(spec, cfg, est, have, estimate, config, rows_option)}; "
         "--force runs anyway"
     )
 
@@ -143,14 +136,12 @@ def _knob(  # noqa: ANN001
     estimate,
     config: HybridConfig,
     rows_option: str | None,
-    models_hint: str | None = None,
 ) -> str:
-    """What fixes it: fewer model copies (``models_hint``: ``--max-models N``, that fits); when
-    the model's state alone (no rows) does not fit, fewer layers, a smaller vocabulary, a GPU or
+    """What fixes it: when the model's state alone (no rows) does not fit, fewer layers, a smaller vocabulary, a GPU or
     more ranks; otherwise a capacity that fits, or recomputation."""
     from harts.models.memory import format_bytes
 
-    hints = [models_hint] if models_hint else []
+    hints: list[str] = []
     if estimate(capacity=0).total > have:
         depth = config.num_hidden_layers
         if not os.path.isdir(spec.model):

@@ -75,7 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=65_536,
         help="engine microbatch capacity in tokens; also the longest datum and prompt + completion",
     )
-    p.add_argument("--max-models", type=positive_int, default=8, help="training runs held in memory at once")
+    p.add_argument(
+        "--max-models",
+        type=positive_int,
+        default=8,
+        help="training runs held in memory at once (LoRA runs share the served weights; each adds its adapters)",
+    )
     p.add_argument("--max-samples", type=positive_int, default=256, help="largest num_samples of one sample request")
     p.add_argument(
         "--max-snapshots",
@@ -108,10 +113,10 @@ def run(args: argparse.Namespace) -> int:
     from harts.trainer.build import ModelSpec
 
     execution = {**recompute_fields(args), "attention": args.attention, "linear_attention_backend": args.la_backend}
-    # what the server can hold at once: --max-models training engines, each its own copy of the
-    # model trained through LoRA adapters (its weights frozen), the sampling engines beside them
-    # (the base model, checkpoints read from disk), and one microbatch at --capacity (the worker
-    # runs one request at a time)
+    # what the server holds at once: the served weights once (every LoRA run trains its adapters
+    # over them, harts.trainer.lora.adapted_view), the sampling engines beside them (the base
+    # model, exported weights read from disk), and one microbatch at --capacity (the worker runs
+    # one request at a time); a run without LoRA is checked when it is asked for
     spec = ModelSpec(model=args.model, layers=args.layers, dtype=args.dtype, device=args.device)
     # the engines' own execution (recomputation sizes the activations), with their fused LM head
     engine_execution = ExecutionConfig(**execution, fused_logprobs=True)
@@ -123,8 +128,6 @@ def run(args: argparse.Namespace) -> int:
         optimizer=False,
         frozen_base=True,
         force=args.force,
-        models=args.max_models,
-        models_option="--max-models",
         models_beside=SAMPLER_ENGINES,
     )
 

@@ -107,11 +107,24 @@ def make_service(config: ServeConfig, *, check_full_weights: Callable[[], None] 
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     info = model_info(config)
+    # the served model's weights, built once on the first LoRA run: every LoRA run (and every
+    # sampler over a LoRA checkpoint) trains its adapters over these same tensors
+    shared: list[HybridLM] = []
 
     def make_engine(lora: LoraConfig | None, spec: str | None) -> Engine:
         from harts.models.execution.config import ExecutionConfig
         from harts.trainer.engine import Engine
 
+        if lora is not None and spec is None:
+            if not shared:
+                shared.append(
+                    Engine.load_model(
+                        config.model, layers=config.layers, dtype=config.dtype, device=config.device, seed=config.seed
+                    )
+                )
+            return Engine.over_base(
+                shared[0], lora, capacity=config.capacity, execution=ExecutionConfig(**config.execution)
+            )
         return Engine.from_spec(
             spec or config.model,
             layers=None if spec else config.layers,

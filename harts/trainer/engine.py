@@ -249,8 +249,48 @@ class Engine:
         )
         self.step = 0
         self._counts: torch.Tensor | None = None
+        #: the frozen base weights are shared with other engines (``over_base``): never written
+        self._shared_base = False
 
     # ------------------------------------------------------------------ building
+    @classmethod
+    def over_base(cls, base: HybridLM, lora: Any, **engine_options: Any) -> Engine:
+        """An engine that trains ``lora`` adapters (a ``LoraConfig``) over ``base``'s weights,
+        shared with every other engine made over the same ``base`` (``harts.trainer.lora.
+        adapted_view``): N runs hold the base once, and each adds only its adapters, their
+        gradients and AdamW state. ``load_state`` then checks a state's base weights against the
+        shared ones (a ``UserError`` naming the first that differs) rather than writing them.
+        ``engine_options`` go to ``Engine`` (one process: no ``parallel``)."""
+        from harts.trainer.lora import LoraConfig, adapted_view
+
+        if not isinstance(lora, LoraConfig):
+            raise UserError(f"lora must be a harts.trainer.lora.LoraConfig, got {type(lora).__name__}")
+        if engine_options.get("parallel") is not None:
+            raise UserError("an engine over a shared base runs on one process: use parallel=None")
+        engine = cls(adapted_view(base, lora), **engine_options)
+        engine._shared_base = True
+        return engine
+
+    @staticmethod
+    def load_model(
+        spec: str,
+        *,
+        layers: int | None = None,
+        dtype: str | None = None,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ) -> HybridLM:
+        """The model ``spec`` names (``from_spec``'s), without adapters or optimizer; loading
+        errors as one-line ``UserError``s naming ``spec``."""
+        from harts.integrations.loading import load_model
+
+        try:
+            return load_model(spec, dtype=dtype, layers=layers, seed=seed, device=device)
+        except (ValueError, OSError) as err:
+            if isinstance(err, UserError):
+                raise
+            raise UserError(f"model {spec!r}: {err}") from None
+
     @classmethod
     def from_spec(
         cls,
@@ -280,14 +320,7 @@ class Engine:
             return cls._from_spec_parallel(
                 spec, parallel, layers=layers, dtype=dtype, device=device, lora=lora, seed=seed, **engine_options
             )
-        from harts.integrations.loading import load_model
-
-        try:
-            model = load_model(spec, dtype=dtype, layers=layers, seed=seed, device=device)
-        except (ValueError, OSError) as err:
-            if isinstance(err, UserError):
-                raise
-            raise UserError(f"model {spec!r}: {err}") from None
+        model = cls.load_model(spec, layers=layers, dtype=dtype, device=device, seed=seed)
         if lora is not None:
             from harts.trainer.lora import apply_lora
 
@@ -585,6 +618,10 @@ class Engine:
         from harts.parallel.checkpoint import latest_checkpoint
 
         if latest_checkpoint(path) is not None:
+            if self._shared_base:
+                raise UserError(
+                    f"{path}: a state saved on a mesh (full weights) cannot load into LoRA adapters over a shared base"
+                )
             meta = self._load_sharded(path)
         elif self._parallel.distributed:
             raise UserError(
@@ -629,9 +666,19 @@ class Engine:
                 raise UserError(
                     f"{path}/model.safetensors: {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}"
                 )
+        # over a shared base (``over_base``) the frozen weights are other engines' too: the
+        # state must hold the same values, which are then left as they are
+        shared = {n for n, p in self.model.named_parameters() if not p.requires_grad} if self._shared_base else set()
+        for name in sorted(shared):
+            if not torch.equal(model_sd[name].to(expected[name].device, expected[name].dtype), expected[name]):
+                raise UserError(
+                    f"{path}/model.safetensors: {name} differs from the shared base model's "
+                    "(the state was saved over other base weights)"
+                )
         with torch.no_grad():
             for name, t in model_sd.items():
-                expected[name].copy_(t)
+                if name not in shared:
+                    expected[name].copy_(t)
         load_optimizer(self.model, self.optimizer, meta["param_groups"], opt_tensors, f"{path}/optimizer.safetensors")
         restore_rng(rng)
         return meta

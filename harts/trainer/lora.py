@@ -87,6 +87,7 @@ from harts.models.layers.moe import Experts
 __all__ = [
     "LoraConfig",
     "LoraDelta",
+    "adapted_view",
     "apply_lora",
     "lora_config_of",
     "lora_targets",
@@ -258,6 +259,27 @@ def apply_lora(model: HybridLM, cfg: LoraConfig) -> list[torch.nn.Parameter]:
         params += [adapter.lora_A, adapter.lora_B]
     setattr(model, _CONFIG_ATTR, cfg)
     return params
+
+
+def adapted_view(base: HybridLM, cfg: LoraConfig) -> HybridLM:
+    """A new model over ``base``'s parameter tensors (the same storage, not copies) with fresh
+    adapters ``cfg`` on it: the modules and buffers are its own, the base weights are shared, so
+    any number of LoRA runs over one served model hold its weights once (``harts serve``).
+
+    ``base`` keeps no adapters, and its parameters end frozen (``requires_grad`` False: they are
+    the view's frozen base). Nothing may write the shared tensors while views use them: adapted
+    training never does, and ``Engine.load_state`` of a view compares them instead of copying.
+
+    Raises ``UserError`` as ``apply_lora`` does, for ``base`` (adapters already on it, meta
+    device, sharded) and for ``cfg``, before anything is built.
+    """
+    cfg.validate()
+    _check_model(base)
+    # deepcopy makes new modules and buffers; each parameter maps to itself through the memo
+    memo: dict[int, Any] = {id(p): p for p in base.parameters()}
+    view = copy.deepcopy(base, memo)
+    apply_lora(view, cfg)
+    return view
 
 
 def lora_config_of(model: HybridLM) -> LoraConfig | None:
