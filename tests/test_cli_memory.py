@@ -159,3 +159,43 @@ def test_serve_checks_its_engines_execution(capsys, monkeypatch) -> None:  # noq
     line = one_error_line(err)
     assert code == 2 and "not enough memory on cpu" in line and "activations" in line, line
     assert run(capsys, *argv, "--recompute")[0] == 0 and len(started) == 1
+
+
+def test_serve_checks_each_lora_run_by_its_adapters(monkeypatch) -> None:  # noqa: ANN001
+    """A LoRA run needs its adapters with their gradients and AdamW state (4 float32 tensors of
+    the adapters' size) beside one step: the check passes the rank that fits, refuses the next
+    one naming the rank that fits, and a run without LoRA is the whole model's check."""
+    import torch
+
+    from harts.models.config import HybridConfig
+    from harts.models.execution.config import ExecutionConfig
+    from harts.models.hybrid_lm import HybridLM
+    from harts.models.memory import estimate_memory, gathered_view_rows
+    from harts.trainer.build import ModelSpec
+    from harts.trainer.lora import LoraConfig, adapter_parameters
+
+    spec = ModelSpec(model="ling3_tiny", layers=2, dtype="bfloat16", device="cpu")
+    execution = ExecutionConfig(fused_logprobs=True, recompute=True)
+    config = HybridConfig.preset("ling3_tiny", layers=2)
+    est = estimate_memory(
+        config,
+        execution,
+        capacity=2048,
+        dtype="bfloat16",
+        optimizer=False,
+        frozen_base=True,
+        device_type="cpu",
+        view_rows=gathered_view_rows(2048, 1.0),
+    )
+    step = est.total - est.terms["parameters"]
+    with torch.device("meta"):
+        per_rank = 16 * adapter_parameters(HybridLM(config, seed=0), LoraConfig(rank=1))
+    monkeypatch.setattr(memory, "available_bytes", lambda device: step + 8 * per_rank)
+    check = memory.run_memory_check(spec, capacity=2048, execution=execution, force=False)
+    check(LoraConfig(rank=8))
+    with pytest.raises(memory.UserError, match=r"rank-9 adapters: .*; rank 8 fits") as err:
+        check(LoraConfig(rank=9))
+    assert "\n" not in str(err.value)
+    with pytest.raises(memory.UserError, match=r"one step is estimated at"):
+        check(None)
+    memory.run_memory_check(spec, capacity=2048, execution=execution, force=True)(LoraConfig(rank=512))

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from harts.models.execution.config import ExecutionConfig
     from harts.models.memory import MemoryEstimate
     from harts.trainer.build import ModelSpec
+    from harts.trainer.lora import LoraConfig
     from harts.trainer.step import TrainConfig
 
 __all__ = ["add_force_argument", "available_bytes", "check_memory", "train_memory_check"]
@@ -105,6 +106,73 @@ def check_memory(
         f"(then {est.summary(skip=1, top=3)}); {_knob(spec, cfg, est, have, estimate, config, rows_option)}; "
         "--force runs anyway"
     )
+
+
+def run_memory_check(
+    spec: ModelSpec, *, capacity: int, execution: ExecutionConfig, force: bool
+) -> Callable[[LoraConfig | None], None]:
+    """``harts serve``'s check of one more training run against the memory free now (the served
+    weights, the runs already held and the sampling engines are in memory then): a ``UserError``
+    naming the knob unless it fits with one step at ``capacity`` under ``execution``.
+
+    A LoRA run adds its adapters, their gradients and AdamW state (four tensors of the adapters'
+    size, float32 or wider; ``adapter_parameters`` counts them from the model's structure); a run
+    without LoRA (``None``) adds a whole model with gradients and AdamW state."""
+    from harts.models.memory import estimate_memory, format_bytes, gathered_view_rows
+
+    structure: list[Any] = []
+
+    def check(lora: LoraConfig | None) -> None:
+        if lora is None:
+            check_memory(
+                spec, None, capacity=capacity, execution=execution, optimizer=True, force=force, rows_option=None
+            )
+            return
+        if force:
+            return
+        have, config = available_bytes(spec.device), _model_config(spec, None)
+        if have is None or config is None:
+            return
+        if not structure:
+            import torch
+
+            from harts.models.hybrid_lm import HybridLM
+
+            with torch.device("meta"):
+                structure.append(HybridLM(config, seed=0))
+        from harts.trainer.lora import adapter_parameters
+
+        dev = "cpu" if spec.device.split(":")[0] == "cpu" else "cuda"
+        est = estimate_memory(
+            config,
+            execution,
+            capacity=capacity,
+            dtype=spec.dtype,
+            optimizer=False,
+            frozen_base=True,
+            device_type=dev,
+            device_total_bytes=_device_total(spec.device),
+            view_rows=gathered_view_rows(capacity, 1.0),
+        )
+        step = est.total - est.terms["parameters"]
+        width = 8 if (spec.dtype or config.dtype) == "float64" else 4
+        per_rank = 4 * width * adapter_parameters(structure[0], replace(lora, rank=1))
+        need = per_rank * lora.rank
+        if need + step <= have:
+            return
+        fits = (have - step) // per_rank if have > step else 0
+        knob = (
+            f"rank {fits} fits, or fewer targets (train_mlp / train_attn / train_unembed)"
+            if fits >= 1
+            else "no rank fits beside one step: release runs (close a ServiceClient) or restart with a smaller --capacity"
+        )
+        raise UserError(
+            f"not enough memory on {spec.device} for rank-{lora.rank} adapters: with their gradients and AdamW "
+            f"state they need {format_bytes(need)}, one step {format_bytes(step)} beside them, and "
+            f"{format_bytes(have)} is free now; {knob}"
+        )
+
+    return check
 
 
 def train_memory_check(force: bool) -> Callable[[ModelSpec, int, str, TrainConfig, int, float], None]:
@@ -210,14 +278,18 @@ def _model_config(spec: ModelSpec, vocab_size: int | None) -> HybridConfig | Non
 
 def available_bytes(device: str) -> int | None:
     """Memory a new allocation can use now: on the CPU the kernel's ``MemAvailable`` (within a
-    cgroup's limit, where one is set), on CUDA the device's free memory; None when unknown."""
+    cgroup's limit, where one is set), on CUDA the device's free memory and what this process's
+    caching allocator holds unused; None when unknown."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return None
-        return int(torch.cuda.mem_get_info(dev.index or 0)[0])
+        index = dev.index or 0
+        # what torch's caching allocator holds but no tensor uses is free to this process too
+        cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return int(torch.cuda.mem_get_info(index)[0]) + int(cached)
     if dev.type != "cpu":
         return None
     have = _meminfo_available()

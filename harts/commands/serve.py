@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from harts.commands._inputs import recompute_fields
-    from harts.commands._memory import check_memory
+    from harts.commands._memory import check_memory, run_memory_check
     from harts.models.execution.config import ExecutionConfig
     from harts.serve.config import API_KEY_ENV, ServeConfig
     from harts.serve.sampling import SAMPLER_ENGINES
@@ -152,18 +152,8 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
 
-    def check_full_weights() -> None:
-        # a run without LoRA: every weight trained, its gradients and AdamW state beside the
-        # engines already held (what the device has free now), one microbatch at --capacity
-        check_memory(
-            spec,
-            None,
-            capacity=args.capacity,
-            execution=engine_execution,
-            optimizer=True,
-            force=args.force,
-            rows_option=None,
-        )
-
-    serve(config, log_level=args.log_level, json_out=args.json_out, check_full_weights=check_full_weights)
+    # each new run against what the device has free then: its adapters, their gradients and
+    # AdamW state (or, without LoRA, a whole model with them) beside one microbatch
+    check_run_memory = run_memory_check(spec, capacity=args.capacity, execution=engine_execution, force=args.force)
+    serve(config, log_level=args.log_level, json_out=args.json_out, check_run_memory=check_run_memory)
     return 0

@@ -95,10 +95,13 @@ def model_info(config: ServeConfig) -> ModelInfo:
     )
 
 
-def make_service(config: ServeConfig, *, check_full_weights: Callable[[], None] | None = None) -> Service:
+def make_service(
+    config: ServeConfig, *, check_run_memory: Callable[[LoraConfig | None], None] | None = None
+) -> Service:
     """The ``Service`` for ``config``: model facts checked now, engines made per training run.
-    ``check_full_weights``: raises a ``UserError`` when a run without LoRA (every weight trained,
-    with AdamW state) would not fit the device now; called before such a run is created."""
+    ``check_run_memory(lora)``: raises a ``UserError`` when one more run with these adapters
+    (None: every weight trained, with AdamW state) would not fit the device now; called before
+    such a run is built."""
     import torch
 
     from harts.trainer.build import check_device
@@ -136,7 +139,7 @@ def make_service(config: ServeConfig, *, check_full_weights: Callable[[], None] 
             execution=ExecutionConfig(**config.execution),
         )
 
-    return Service(config, info, make_engine, check_full_weights=check_full_weights)
+    return Service(config, info, make_engine, check_run_memory=check_run_memory)
 
 
 def serve(
@@ -144,11 +147,11 @@ def serve(
     *,
     log_level: str = "info",
     json_out: str | None = None,
-    check_full_weights: Callable[[], None] | None = None,
+    check_run_memory: Callable[[LoraConfig | None], None] | None = None,
 ) -> None:
     """Serve until SIGINT / SIGTERM (uvicorn's handlers: the running request finishes first).
     ``json_out``: where to write the base URL, served model and state directory once listening;
-    ``check_full_weights``: as ``make_service`` takes it."""
+    ``check_run_memory``: as ``make_service`` takes it."""
     import threading
 
     import uvicorn
@@ -156,7 +159,7 @@ def serve(
     from harts.serve.app import build_app
 
     _check_port(config.host, config.port)
-    service = make_service(config, check_full_weights=check_full_weights)
+    service = make_service(config, check_run_memory=check_run_memory)
     app = build_app(service)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="harts serve: %(message)s")
     log.info(

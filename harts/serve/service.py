@@ -113,14 +113,14 @@ class Service:
         info: ModelInfo,
         make_engine: EngineFactory,
         *,
-        check_full_weights: Callable[[], None] | None = None,
+        check_run_memory: Callable[[LoraConfig | None], None] | None = None,
     ) -> None:
         self.config = config
         self.info = info
         self.make_engine = make_engine
-        #: raises a UserError when a run without LoRA would not fit the device now (``harts serve``
-        #: checks its LoRA engines at start; a full-weight run adds gradients and AdamW state)
-        self.check_full_weights = check_full_weights
+        #: raises a UserError when one more run with these adapters (None: every weight trained,
+        #: a whole model with gradients and AdamW state) would not fit the device now
+        self.check_run_memory = check_run_memory
         self.futures = FutureStore()
         self.worker = Worker(self.futures)
         self.checkpoints = CheckpointDir(config.state_dir)
@@ -312,17 +312,13 @@ class Service:
                 "train_unembed": lc.train_unembed,
             }
             _lora_config(lora)  # checked now, not in the job
-        elif self.check_full_weights is not None:
-            try:
-                self.check_full_weights()
-            except UserError as err:
-                raise WireError(
-                    f"lora_config: none given, so every weight would train, and {err}; pass a lora_config"
-                ) from None
+        else:
+            self._check_full_weights()
         run = self._new_run(session, req.model_seq_id, base, lora, req.user_metadata)
 
         def create() -> Done:
             with self._creating(run):
+                self._check_adapters(run.lora)
                 run.engine = self.make_engine(_lora_config(run.lora), None)
                 self.checkpoints.write_run(run.model_id, run.record())
             log.info("training run %s created (%s)", run.model_id, _describe_lora(run.lora))
@@ -511,6 +507,29 @@ class Service:
 
         return self._future(self._queue("LoadWeights", work, key=run.model_id, seq_id=seq), run.model_id)
 
+    def _check_full_weights(self) -> None:
+        """A 4xx naming ``lora_config`` when a run without LoRA (a whole model with gradients and
+        AdamW state) would not fit the device now, before anything of it is built."""
+        if self.check_run_memory is None:
+            return
+        try:
+            self.check_run_memory(None)
+        except UserError as err:
+            raise WireError(
+                f"lora_config: none given, so every weight would train, and {err}; pass a lora_config"
+            ) from None
+
+    def _check_adapters(self, lora: dict[str, Any] | None) -> None:
+        """In the run's creation job (no step runs beside it, so the device's free memory is what
+        the run can have): a ``UserError`` naming ``lora_config`` when its adapters, their
+        gradients and AdamW state and one step would not fit."""
+        if lora is None or self.check_run_memory is None:
+            return
+        try:
+            self.check_run_memory(_lora_config(lora))
+        except UserError as err:
+            raise UserError(f"lora_config: {err}") from None
+
     def _create_from_state(self, req: Any, tp: TinkerPath, source: dict[str, Any]) -> dict[str, Any]:
         """``create_training_client_from_state[_with_optimizer]``: a new run from a saved state."""
         session = self._session(req.session_id)
@@ -528,6 +547,7 @@ class Service:
 
         def create() -> Done:
             with self._creating(run):
+                self._check_adapters(run.lora)
                 engine = self.make_engine(_lora_config(run.lora), None)
                 engine.load_state(path)
                 if not optimizer:

@@ -88,6 +88,7 @@ __all__ = [
     "LoraConfig",
     "LoraDelta",
     "adapted_view",
+    "adapter_parameters",
     "apply_lora",
     "lora_config_of",
     "lora_targets",
@@ -202,6 +203,18 @@ def lora_targets(model: HybridLM, cfg: LoraConfig) -> list[tuple[str, nn.Module,
     if cfg.train_unembed:
         out.append(("lm_head.weight", model.lm_head if model.lm_head is not None else model.embed_tokens, "weight"))
     return out
+
+
+def adapter_parameters(model: HybridLM, cfg: LoraConfig) -> int:
+    """The number of adapter entries ``apply_lora(model, cfg)`` would add (``A`` [.., r, in] and
+    ``B`` [.., out, r] of every target), counted from the weights' shapes alone: ``model`` may be
+    on the meta device (``harts serve`` checks a run's memory before building it)."""
+    cfg.validate()
+    total = 0
+    for _, module, attr in lora_targets(model, cfg):
+        *lead, n_out, n_in = getattr(module, attr).shape
+        total += math.prod(lead) * cfg.rank * (n_in + n_out)
+    return total
 
 
 def _linears(module: nn.Module) -> list[tuple[str, nn.Linear]]:

@@ -1,9 +1,12 @@
-"""``harts serve``: a training run without LoRA (every weight trained, its gradients and AdamW
-state beside the engines already held) is checked against the device's memory when it is asked
-for; one that does not fit is a 4xx naming ``lora_config``, and the server stays up."""
+"""``harts serve``: each new training run is checked against the device's memory. A run without
+LoRA (every weight trained, its gradients and AdamW state beside the engines already held) is
+checked when it is asked for: one that does not fit is a 4xx naming ``lora_config``. A LoRA run's
+adapters are checked in its creation job (no step runs beside it then): one that does not fit
+fails as a user error naming ``lora_config``, is not registered, and the server stays up."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -27,27 +30,59 @@ def _create(client: TestClient, lora: dict | None) -> tuple[int, str]:
     return r.status_code, r.text
 
 
-def test_full_weight_run_that_does_not_fit_is_refused_by_field(tmp_path: Path) -> None:
-    calls: list[int] = []
+def _result(client: TestClient, request_id: str) -> dict:
+    while True:
+        r = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        if body.get("type") != "try_again":
+            return body
 
-    def too_big() -> None:
-        calls.append(1)
-        raise UserError("not enough memory on cpu: one step is estimated at 9.0 GiB, 1.0 GiB available")
+
+def test_full_weight_run_that_does_not_fit_is_refused_by_field(tmp_path: Path) -> None:
+    calls: list[object] = []
+
+    def too_big(lora: object) -> None:
+        calls.append(lora)
+        if lora is None:
+            raise UserError("not enough memory on cpu: one step is estimated at 9.0 GiB, 1.0 GiB available")
 
     config = ServeConfig(model="tiny", api_key=KEY, state_dir=tmp_path, poll_seconds=0.2, max_models=2, capacity=512)
-    with TestClient(build_app(make_service(config, check_full_weights=too_big)), raise_server_exceptions=False) as c:
+    with TestClient(build_app(make_service(config, check_run_memory=too_big)), raise_server_exceptions=False) as c:
         c.headers["X-API-Key"] = KEY
         status, text = _create(c, None)
         assert 400 <= status < 500 and "lora_config" in text and "9.0 GiB" in text, (status, text)
-        assert calls == [1]
-        status, _ = _create(c, {"rank": 4, "seed": 0, "train_mlp": True, "train_attn": True, "train_unembed": False})
-        assert status == 200 and calls == [1]  # a LoRA run is counted at start, not here
+        assert calls == [None]
+        status, text = _create(c, {"rank": 4, "seed": 0, "train_mlp": True, "train_attn": True, "train_unembed": False})
+        assert status == 200
+        assert _result(c, json.loads(text)["request_id"])["type"] == "create_model"
+        assert len(calls) == 2 and calls[1].rank == 4  # the LoRA run checked in its job
+        assert c.get("/api/v1/healthz").status_code == 200
+
+
+def test_lora_run_whose_adapters_do_not_fit_fails_by_field(tmp_path: Path) -> None:
+    def adapters_too_big(lora: object) -> None:
+        raise UserError("not enough memory on cpu for rank-64 adapters: ...; rank 8 fits")
+
+    config = ServeConfig(model="tiny", api_key=KEY, state_dir=tmp_path, poll_seconds=0.2, max_models=2, capacity=512)
+    with TestClient(build_app(make_service(config, check_run_memory=adapters_too_big))) as c:
+        c.headers["X-API-Key"] = KEY
+        status, text = _create(
+            c, {"rank": 64, "seed": 0, "train_mlp": True, "train_attn": True, "train_unembed": False}
+        )
+        assert status == 200, text
+        fut = json.loads(text)
+        body = _result(c, fut["request_id"])
+        assert body.get("category") == "user" and "lora_config: not enough memory" in body["error"], body
+        # the run was not registered; the server goes on
+        info = c.post("/api/v1/get_info", json={"model_id": fut["model_id"]})
+        assert info.status_code == 404, info.text
         assert c.get("/api/v1/healthz").status_code == 200
 
 
 def test_full_weight_run_that_fits_is_created(tmp_path: Path) -> None:
     config = ServeConfig(model="tiny", api_key=KEY, state_dir=tmp_path, poll_seconds=0.2, max_models=2, capacity=512)
-    with TestClient(build_app(make_service(config, check_full_weights=lambda: None))) as c:
+    with TestClient(build_app(make_service(config, check_run_memory=lambda lora: None))) as c:
         c.headers["X-API-Key"] = KEY
         status, text = _create(c, None)
         assert status == 200, text

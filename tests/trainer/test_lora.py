@@ -276,3 +276,15 @@ def test_peft_adapter_loads_in_peft(tmp_path) -> None:
     theirs = hf_logprobs(peft_model, trajs)
     assert rel(ours, theirs) <= 1e-4
     assert rel(hf_logprobs(hf, trajs), theirs) > 1e-3
+
+
+@pytest.mark.parametrize("flags", [{}, {"train_mlp": False}, {"train_unembed": True}])
+def test_adapter_parameters_counts_what_apply_lora_adds(flags: dict) -> None:
+    from harts.trainer.lora import adapter_parameters
+
+    cfg = LoraConfig(rank=3, **flags)
+    model = make_model()
+    with torch.device("meta"):
+        meta = HybridLM(model.config, seed=0)
+    counted = adapter_parameters(meta, cfg)
+    assert counted == sum(p.numel() for p in apply_lora(model, cfg)) > 0
