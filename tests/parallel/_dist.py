@@ -20,9 +20,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: seconds a rank may run before it prints every thread's stack and exits (a rank stuck in a
+#: collective fails its test with the stacks instead of holding the suite until CI's limit)
+RANK_TIMEOUT = 600
+
+
 def _entry(rank: int, world: int, store: str, fn: Callable[..., Any], args: tuple, out: str) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.dump_traceback_later(RANK_TIMEOUT, exit=True)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     # a file store, not a TCP port: a port picked free can be taken by another test process
