@@ -542,6 +542,8 @@ class Service:
         base = self._check_base_model(req.base_model or source["base_model"])
         if req.optimizer_config is not None:
             _check_optimizer(req.optimizer_config, "optimizer_config")
+        if source.get("lora") is None:
+            self._check_full_weights()
         run = self._new_run(session, req.model_seq_id, base, source.get("lora"), req.user_metadata)
         path, optimizer = self.checkpoints.path(tp), req.optimizer
 

@@ -86,3 +86,28 @@ def test_full_weight_run_that_fits_is_created(tmp_path: Path) -> None:
         c.headers["X-API-Key"] = KEY
         status, text = _create(c, None)
         assert status == 200, text
+
+
+def test_full_weight_run_from_a_saved_state_is_checked_too(tmp_path: Path) -> None:
+    allow = [True]
+
+    def check(lora: object) -> None:
+        if lora is None and not allow[0]:
+            raise UserError("not enough memory on cpu: one step is estimated at 9.0 GiB, 1.0 GiB available")
+
+    config = ServeConfig(model="tiny", api_key=KEY, state_dir=tmp_path, poll_seconds=0.2, max_models=3, capacity=512)
+    with TestClient(build_app(make_service(config, check_run_memory=check)), raise_server_exceptions=False) as c:
+        c.headers["X-API-Key"] = KEY
+        status, text = _create(c, None)
+        assert status == 200, text
+        fut = json.loads(text)
+        assert _result(c, fut["request_id"])["type"] == "create_model"
+        saved = c.post("/api/v1/save_weights", json={"model_id": fut["model_id"], "path": "s1", "seq_id": 1})
+        assert saved.status_code == 200, saved.text
+        path = _result(c, saved.json()["request_id"])["path"]
+        allow[0] = False
+        sid = c.post("/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "t"})
+        body = {"session_id": sid.json()["session_id"], "model_seq_id": 0, "path": path, "optimizer": True}
+        r = c.post("/api/v1/load_weights", json=body)
+        assert 400 <= r.status_code < 500 and "lora_config" in r.text and "9.0 GiB" in r.text, (r.status_code, r.text)
+        assert c.get("/api/v1/healthz").status_code == 200
