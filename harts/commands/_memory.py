@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from harts.trainer.lora import LoraConfig
     from harts.trainer.step import TrainConfig
 
-__all__ = ["add_force_argument", "available_bytes", "check_memory", "train_memory_check"]
+__all__ = ["add_force_argument", "available_bytes", "check_memory", "run_memory_check", "train_memory_check"]
 
 
 def add_force_argument(p: argparse.ArgumentParser) -> None:
@@ -120,7 +120,8 @@ def run_memory_check(
     without LoRA (``None``) adds a whole model with gradients and AdamW state."""
     from harts.models.memory import estimate_memory, format_bytes, gathered_view_rows
 
-    structure: list[Any] = []
+    # the served model's config and its structure on the meta device, made once, on first use
+    served: list[tuple[HybridConfig, Any]] = []
 
     def check(lora: LoraConfig | None) -> None:
         if lora is None:
@@ -130,16 +131,20 @@ def run_memory_check(
             return
         if force:
             return
-        have, config = available_bytes(spec.device), _model_config(spec, None)
-        if have is None or config is None:
+        have = available_bytes(spec.device)
+        if have is None:
             return
-        if not structure:
+        if not served:
+            config = _model_config(spec, None)
+            if config is None:
+                return
             import torch
 
             from harts.models.hybrid_lm import HybridLM
 
             with torch.device("meta"):
-                structure.append(HybridLM(config, seed=0))
+                served.append((config, HybridLM(config, seed=0)))
+        config, structure = served[0]
         from harts.trainer.lora import adapter_parameters
 
         dev = "cpu" if spec.device.split(":")[0] == "cpu" else "cuda"
@@ -156,7 +161,7 @@ def run_memory_check(
         )
         step = est.total - est.terms["parameters"]
         width = 8 if (spec.dtype or config.dtype) == "float64" else 4
-        per_rank = 4 * width * adapter_parameters(structure[0], replace(lora, rank=1))
+        per_rank = 4 * width * adapter_parameters(structure, replace(lora, rank=1))
         need = per_rank * lora.rank
         if need + step <= have:
             return
@@ -205,8 +210,8 @@ def _knob(  # noqa: ANN001
     config: HybridConfig,
     rows_option: str | None,
 ) -> str:
-    """What fixes it: when the model's state alone (no rows) does not fit, fewer layers, a smaller vocabulary, a GPU or
-    more ranks; otherwise a capacity that fits, or recomputation."""
+    """What fixes it: when the model's state alone (no rows) does not fit, fewer layers, a smaller
+    vocabulary, a GPU or more ranks; otherwise a capacity that fits, or recomputation."""
     from harts.models.memory import format_bytes
 
     hints: list[str] = []
