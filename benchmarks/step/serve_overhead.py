@@ -15,6 +15,10 @@ datums of ``--tokens`` tokens in all, side by side in one run:
   the request's protobuf encoding and transfer, validation and decoding into trajectories, the
   queue, the result's encoding, the poll that fetches it, and its decoding by the SDK.
 
+``--sides server`` runs the server alone: the headline needs only its numbers, and a fresh GPU
+machine then compiles the model once instead of twice. Progress lines go to stderr as the calls
+finish; ``--server-log FILE`` keeps the server's own log.
+
 The headline is ``overhead / engine time`` (median over ``--repeats`` calls, after
 ``--warmup``). The serialization steps are also timed alone on this process (``serialization``
 in the JSON): SDK encode, server decode + validation, response encode, SDK decode. The in-process
@@ -70,6 +74,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first, per side")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, both sides")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sides",
+        choices=["both", "server"],
+        default="both",
+        help="both (default): the in-process engine and the server; server: the server alone (its own "
+        "engine time is the overhead's reference, so the headline needs only this side; one cold "
+        "compilation instead of two on a fresh GPU machine)",
+    )
+    p.add_argument("--server-log", type=Path, default=None, help="keep the server's log in FILE")
     add_la_backend_argument(p, default="auto")
     add_execution_arguments(p)
     add_json_argument(p)
@@ -77,6 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tokens < 2 * args.datums:
         p.error("--tokens: need at least 2 tokens per datum")
     return args
+
+
+def progress(line: str) -> None:
+    """One progress line on stderr, at once: a run cut off by a time limit still says how far it got."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def trajectories(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
@@ -129,8 +147,10 @@ def in_process(args: argparse.Namespace, trajs: list[list[int]]) -> dict[str, An
         start = time.perf_counter()
         engine.forward_backward(batch, "cross_entropy")
         sync(device)
+        elapsed = time.perf_counter() - start
         if i >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
+        progress(f"in process: call {i + 1} of {args.warmup + args.repeats}: {elapsed:.3f} s")
         engine.optimizer.zero_grad(set_to_none=True)
     del engine
     # compiled graphs keep references to the weights they were traced with: drop them too, so
@@ -214,7 +234,8 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
     cmd += ["--api-key", key, "--state-dir", str(workdir / "state"), "--device", args.device, "--dtype", args.dtype]
     # one training run is all this script creates: the memory check counts one engine (and the
     # sampling engines), not the default --max-models
-    cmd += ["--capacity", str(args.tokens), "--seed", str(args.seed), "--log-level", "warning", "--max-models", "1"]
+    cmd += ["--capacity", str(args.tokens), "--seed", str(args.seed), "--max-models", "1"]
+    cmd += ["--log-level", "info" if args.server_log is not None else "warning"]
     cmd += execution_options(args)
     if args.layers:
         cmd += ["--layers", str(args.layers)]
@@ -237,6 +258,7 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
             if time.monotonic() > deadline:
                 raise SystemExit("harts serve did not come up in 600 s")
             time.sleep(0.5)
+        progress(f"server: up after {time.monotonic() - deadline + 600:.1f} s")
         service = tinker.ServiceClient(base_url=url, api_key=key)
         tc = service.create_lora_training_client(base_model=args.model, rank=args.rank, seed=args.seed).result()
         wall, engine = [], []
@@ -244,9 +266,13 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
             start = time.perf_counter()
             out = tc.forward_backward(data, "cross_entropy").result()
             elapsed = time.perf_counter() - start
+            seconds = out.metrics["harts/engine_seconds:sum"]
             if i >= args.warmup:
                 wall.append(elapsed)
-                engine.append(out.metrics["harts/engine_seconds:sum"])
+                engine.append(seconds)
+            progress(
+                f"server: call {i + 1} of {args.warmup + args.repeats}: client {elapsed:.3f} s, engine {seconds:.3f} s"
+            )
             tc.optim_step(types.AdamParams(learning_rate=0.0)).result()  # clears the gradients, changes nothing
         service.close("success").result()
         return {"wall_seconds": wall, "engine_seconds": engine}
@@ -254,6 +280,9 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
+        if args.server_log is not None:
+            args.server_log.parent.mkdir(parents=True, exist_ok=True)
+            args.server_log.write_bytes((workdir / "server.log").read_bytes())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,39 +296,41 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = load_model(args.model, device="meta").config.vocab_size
     trajs = trajectories(args, vocab)
-    local = in_process(args, trajs)
+    local = in_process(args, trajs) if args.sides == "both" else None
     data = datums(trajs)
     ser = serialization(data, vocab, args.tokens, max(args.repeats, 3))
     with tempfile.TemporaryDirectory(prefix="serve-overhead ") as tmp:
         served = through_server(args, data, Path(tmp))
     overhead = [w - e for w, e in zip(served["wall_seconds"], served["engine_seconds"])]
     med = {
-        "in_process_engine_s": statistics.median(local["seconds"]),
         "server_engine_s": statistics.median(served["engine_seconds"]),
         "client_wall_s": statistics.median(served["wall_seconds"]),
         "overhead_s": statistics.median(overhead),
     }
     med["overhead_fraction"] = med["overhead_s"] / med["server_engine_s"]
-    med["overhead_vs_in_process"] = (med["client_wall_s"] - med["in_process_engine_s"]) / med["in_process_engine_s"]
     print(
         f"forward_backward of {args.model} ({args.dtype}, {args.device}), T = {args.tokens} in {args.datums} datum(s)"
     )
-    print(f"  in-process engine     {med['in_process_engine_s'] * 1e3:10.1f} ms")
+    if local is not None:
+        med["in_process_engine_s"] = statistics.median(local["seconds"])
+        med["overhead_vs_in_process"] = (med["client_wall_s"] - med["in_process_engine_s"]) / med["in_process_engine_s"]
+        print(f"  in-process engine     {med['in_process_engine_s'] * 1e3:10.1f} ms")
     print(f"  server engine         {med['server_engine_s'] * 1e3:10.1f} ms")
     print(f"  client wall (SDK)     {med['client_wall_s'] * 1e3:10.1f} ms")
     print(
         f"  overhead              {med['overhead_s'] * 1e3:10.1f} ms = {100 * med['overhead_fraction']:.2f} % of the engine"
     )
-    print(f"  wall vs in-process    {100 * med['overhead_vs_in_process']:+.2f} %")
+    if local is not None:
+        print(f"  wall vs in-process    {100 * med['overhead_vs_in_process']:+.2f} %")
     print(
         "  serialization (ms):   " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in ser.items() if not k.endswith("bytes"))
     )
     print(f"  request {ser['request_bytes'] / 1e6:.2f} MB, response {ser['response_bytes'] / 1e6:.2f} MB")
     result = {
-        "settings": {k: v for k, v in vars(args).items() if k != "command_line"},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "command_line"},
         "median": med,
         "serialization_s": ser,
-        "in_process_s": local["seconds"],
+        "in_process_s": None if local is None else local["seconds"],
         "server": served,
         "torch": torch.__version__,
     }
