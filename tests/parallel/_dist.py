@@ -70,22 +70,62 @@ def moe_model(seed: int = 0, **over: Any) -> HybridLM:
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter gradient, gathered to its full shape (collective under a mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        if g is None:
-            continue
-        out[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-    return out
+    """Every parameter gradient at its full shape (one collective on every rank under a mesh)."""
+    return gather_full({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
+    """Every parameter at its full shape (one collective on every rank under a mesh)."""
+    return gather_full(dict(model.named_parameters()))
 
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+def gather_full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every DTensor assembled to its full shape from all ranks' local shards.
+
+    One ``all_gather_object`` of every rank's shards and their global offsets (the offsets DCP
+    writes with), then each rank places them: replicas of a region (TP-, EP- or CP-replicated
+    dims) must agree to 1e-12 relative, and every element must come from some rank. Not
+    ``DTensor.full_tensor``: that is one functional-collective all-gather per mesh dim and tensor,
+    and a 4-rank gloo run once stalled in one of those waits after its step under full-suite load
+    (never reproduced); one plain c10d collective per call keeps the check off that path.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out: dict[str, torch.Tensor] = {}
+    mine: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if not isinstance(t, DTensor):
+            out[name] = t.detach().clone()
+            continue
+        assert not any(p.is_partial() for p in t.placements), (name, t.placements)
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local().detach().clone()
+        assert tuple(local.shape) == tuple(shape), (name, tuple(local.shape), tuple(shape))
+        mine[name] = (tuple(t.shape), tuple(offset), local)
+    if not mine:
+        return out
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for name, (shape, _, first) in mine.items():
+        full = torch.zeros(shape, dtype=first.dtype)
+        seen = torch.zeros(shape, dtype=torch.bool)
+        for rank, pieces in enumerate(every):
+            if name not in pieces:
+                continue
+            _, offset, local = pieces[name]
+            region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+            old, known = full[region], seen[region]
+            if known.any():
+                scale = max(float(local.abs().max()), 1e-30)
+                err = float((old[known] - local[known]).abs().max()) / scale
+                assert err <= 1e-12, (name, "replica of rank", rank, "differs", err)
+            full[region] = local
+            seen[region] = True
+        assert bool(seen.all()), (name, "elements no rank holds", int((~seen).sum()))
+        out[name] = full
+    return out
 
 
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-9) -> None:
