@@ -58,7 +58,12 @@ from benchmarks._runner import (
     sync,
     write_json,
 )
-from harts.commands._inputs import add_execution_arguments, add_la_backend_argument, recompute_fields
+from harts.commands._inputs import (
+    add_execution_arguments,
+    add_la_backend_argument,
+    check_output_file,
+    recompute_fields,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse(p, argv)
     if args.tokens < 2 * args.datums:
         p.error("--tokens: need at least 2 tokens per datum")
+    if args.server_log is not None:
+        check_output_file(str(args.server_log), "--server-log", overwrite=True)
     return args
 
 
@@ -246,7 +253,8 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
+        started = time.monotonic()
+        deadline = started + 600
         while True:
             if proc.poll() is not None:
                 raise SystemExit(f"harts serve exited:\n{(workdir / 'server.log').read_text()}")
@@ -258,7 +266,7 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
             if time.monotonic() > deadline:
                 raise SystemExit("harts serve did not come up in 600 s")
             time.sleep(0.5)
-        progress(f"server: up after {time.monotonic() - deadline + 600:.1f} s")
+        progress(f"server: up after {time.monotonic() - started:.1f} s")
         service = tinker.ServiceClient(base_url=url, api_key=key)
         tc = service.create_lora_training_client(base_model=args.model, rank=args.rank, seed=args.seed).result()
         wall, engine = [], []
