@@ -34,6 +34,8 @@
 #             layers (default 8; qwen3_next_80b_a3b, qwen3_5_35b_a3b, qwen3_5_9b, kimi_linear_48b_a3b),
 #             --attention auto (FlashAttention-2 varlen views for the GQA models), everything recomputed;
 #             TIMEOUT=S stops it after S seconds (default 560), so that several fit one call
+#   qwen_profile NAME [L]  `qwen NAME L` with --profile-only: the first microbatch of each side, after
+#             one untimed run of it (the step is not timed): device busy time by region and by kernel
 #   silu_ab N  `medium_full N` twice in one call: HARTS_KDA_SILU_IN_SPLIT=0 (the short conv's SiLU in
 #             fla-core's conv, the older arrangement), then =1 (in the split kernel, the default)
 #   env_ab NAME N  `medium_full N` twice in one call, with the environment switch NAME=0, then =1
@@ -64,11 +66,11 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N|medium_full N|silu_ab N|env_ab NAME N|gpu_tests PATH...}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N|medium_full N|silu_ab N|env_ab NAME N|qwen NAME [L]|qwen_profile NAME [L]|gpu_tests PATH...}
 case "$part" in
 tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | profile_la | tune | qkv_norm | sweep) ;;
 layers | medium_layers | moe_keep | medium_keep | medium_full | silu_ab) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
-qwen) [[ "${2:-}" =~ ^[a-z0-9_]+$ ]] || { echo "qwen needs a preset name" >&2; exit 2; } ;;
+qwen | qwen_profile) [[ "${2:-}" =~ ^[a-z0-9_]+$ ]] || { echo "$part needs a preset name" >&2; exit 2; } ;;
 env_ab)
     [[ "${2:-}" =~ ^HARTS_[A-Z0-9_]+$ ]] || { echo "env_ab needs a HARTS_* switch name, e.g. HARTS_KDA_FLA_GATE" >&2; exit 2; }
     [[ "${3:-}" =~ ^[0-9]+$ ]] || { echo "env_ab needs a layer count N after the name" >&2; exit 2; } ;;
@@ -79,7 +81,7 @@ gpu_tests)
         [[ "$f" == */* || "$f" == *.py* ]] || continue
         [ -e "${f%%::*}" ] || { echo "gpu_tests: no test file '${f%%::*}'" >&2; exit 2; }
     done ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, silu_ab N, env_ab NAME N, gpu_tests PATH...)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, silu_ab N, env_ab NAME N, qwen NAME [L], qwen_profile NAME [L], gpu_tests PATH...)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -210,6 +212,15 @@ qwen)
     timeout "${TIMEOUT:-560}" "${B[@]}" --attention auto --model "$name" --layers "$layers" --workload medium --first-step 3 \
         --steps 1 --json "$OUT/qwen_${name}_L$layers.json" >"$OUT/qwen_${name}_L$layers.log" 2>&1
     show "$OUT/qwen_${name}_L$layers.log"
+    ;;
+qwen_profile)
+    name=$2
+    layers=${3:-8}
+    dir="$OUT/qwen_profile_${name}_L$layers"
+    timeout "${TIMEOUT:-560}" "${B[@]}" --attention auto --model "$name" --layers "$layers" --workload medium \
+        --first-step 3 --steps 1 --profile "$dir" --profile-only >"$dir.log" 2>&1
+    grep -vE "^ +[0-9.]+ +[0-9]+  " "$dir.log" | tail -40
+    rm -f "$dir"/step3/*.json  # the traces: too large to come back
     ;;
 medium_full)
     n=$2

@@ -18,6 +18,8 @@ def test_script_parses_and_refuses_a_bad_part(tmp_path) -> None:  # noqa: ANN001
         (["moe_keep"], "moe_keep needs a layer count"),
         (["medium_full", "x"], "medium_full needs a layer count"),
         (["silu_ab"], "silu_ab needs a layer count"),
+        (["qwen"], "qwen needs a preset name"),
+        (["qwen_profile", "Bad Name"], "qwen_profile needs a preset name"),
         (["gpu_tests"], "gpu_tests needs test paths"),
         (["gpu_tests", "tests/nope.py"], "gpu_tests: no test file 'tests/nope.py'"),
     ]:
