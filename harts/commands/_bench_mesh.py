@@ -15,6 +15,7 @@ so a ``--dp`` that disagrees with N / (E C P) is refused, as are the one-device-
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -109,12 +110,14 @@ def _checked_structure(
     checked against the mesh (heads, conv channels, experts) and the memory of one rank."""
     from dataclasses import replace
 
+    from harts.commands._inputs import batch_vocab
     from harts.commands._memory import check_memory
     from harts.trainer.build import build_model
-    from harts.trainer.checks import check_recompute_layers, max_compression, needed_vocab
+    from harts.trainer.checks import check_recompute_layers, max_compression
     from harts.trainer.mesh_bench import check_mesh_model
 
-    vocab, where = needed_vocab(summaries)
+    # before the process group: torchrun's RANK says which rank prints the vocabulary's note
+    vocab, where = batch_vocab(summaries, spec.model, quiet=os.environ.get("RANK", "0") != "0")
     model = build_model(spec, vocab, where=where, meta=True)
     check_mesh_model(model, config)
     check_recompute_layers(recompute, model)
@@ -138,6 +141,7 @@ def _print_start(args: argparse.Namespace, model: Any, config: Any, peak: float 
     tp = f" x tp {config.tp}" if config.tp > 1 else ""
     print(
         f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
+        f"vocabulary {model.config.vocab_size:,}, "
         f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,} per row "
         f"group; log-probs {args.logprobs}; {config.world_size} ranks (dp {config.dp} x ep {config.ep}{cp}{tp}), "
         f"{config.replicas} replica(s); peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}",
@@ -205,6 +209,7 @@ def settings_record(args: argparse.Namespace, model: Any, recompute: dict[str, A
     return {
         "model": args.model,
         "pattern": model.config.layer_pattern,
+        "vocab_size": model.config.vocab_size,
         "device": args.device,
         "dtype": args.dtype,
         "capacity": args.capacity,

@@ -69,9 +69,10 @@ def check_memory(
         return None
     from harts.models.execution.config import ExecutionConfig
     from harts.models.memory import estimate_memory, format_bytes, gathered_view_rows
-    from harts.trainer.build import check_device, check_vocab
+    from harts.trainer.build import check_device, check_model, check_vocab
 
     check_device(spec.device)  # before asking it how much memory it has
+    check_model(spec)  # --model and --layers first: the vocabulary's check reads the preset
     if vocab_size is not None:
         check_vocab(spec, vocab_size, where, training=optimizer)
     have = available_bytes(spec.device)

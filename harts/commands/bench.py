@@ -153,11 +153,11 @@ def run(args: argparse.Namespace) -> int:
 
     from harts.commands._bench_mesh import mesh_asked, run_mesh, settings_record
     from harts.commands._inputs import (
+        batch_vocab,
         build_model_and_attention,
         check_recompute_layers,
         max_compression,
         model_spec,
-        needed_vocab,
         planner_workers,
         write_json,
     )
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     cold["inputs_checked"] = time.perf_counter() - started
     # started now, so that spawning them overlaps building the model
     workers = shared_workers(planner_workers(args.planner_workers))
-    vocab, where = needed_vocab(summaries)
+    vocab, where = batch_vocab(summaries, args.model)
     execution = ExecutionConfig(
         **recompute,
         attention=args.attention,
@@ -204,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     peak = args.peak_tflops or peak_tflops(torch.device(args.device))
     print(
         f"model {args.model}: {model.config.layer_pattern}, hidden {model.config.hidden_size}, "
+        f"vocabulary {model.config.vocab_size:,}, "
         f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
         f"recompute {_recompute_words(recompute)}; log-probs {args.logprobs}; dp {args.dp}, replica {args.replica}; "
         f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}",

@@ -65,12 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from harts.commands._inputs import (
+        batch_vocab,
         build_model,
         check_device,
         check_output_file,
         check_recompute_layers,
         model_spec,
-        needed_vocab,
         summarize,
     )
     from harts.commands._memory import check_memory
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from harts.tree.workloads import load_workload
 
     batch, source = load_workload(args.workload, step=args.step, seed=args.seed), args.workload
-    vocab, where = needed_vocab([summarize(args.step, source, batch)])
+    vocab, where = batch_vocab([summarize(args.step, source, batch)], args.model)
     # the trajectory-wise side is the larger one: every path's rows, the plain log-softmax head
     oracle = ExecutionConfig(mode="trajectory", **recompute_fields(args))
     spec = model_spec(args)

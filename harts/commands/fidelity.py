@@ -133,10 +133,10 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from harts.commands._inputs import (
+        batch_vocab,
         build_model,
         check_capacity,
         model_spec,
-        needed_vocab,
         summarize,
     )
     from harts.commands._memory import check_memory
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     batch = load_workload(args.workload, step=args.step, seed=args.seed)
     summary = summarize(args.step, args.workload, batch)
     check_capacity([summary], args.capacity)
-    vocab, where = needed_vocab([summary])
+    vocab, where = batch_vocab([summary], args.model)
     vocab = max(vocab, args.vocab_size or 0)
     check_memory(
         model_spec(args),

@@ -178,6 +178,7 @@ def check_vocab(spec: ModelSpec, vocab_size: int, where: str | None = None, *, t
             )
         return
     from harts.models.config import HybridConfig
+    from harts.trainer.checks import published_vocab
 
     try:
         cfg = HybridConfig.preset(spec.model)
@@ -187,6 +188,14 @@ def check_vocab(spec: ModelSpec, vocab_size: int, where: str | None = None, *, t
     copies = (1 if cfg.tie_word_embeddings else 2) * (4 if training else 2)
     need = vocab_size * cfg.hidden_size * _DTYPE_BYTES.get(dtype, 4) * copies
     have = _memory_bytes(spec.device)
+    if have is not None and need > have and vocab_size == published_vocab(spec.model):
+        # the preset's own vocabulary, not one the batch asked for (harts.trainer.checks.needed_vocab)
+        raise UserError(
+            f"--model {spec.model}: the preset's embedding and output layers (vocabulary {vocab_size:,}, "
+            f"hidden {cfg.hidden_size:,}) would take {need / 2**30:,.1f} GiB "
+            f"({'training' if training else 'forward + backward'}), more than the {have / 2**30:,.1f} GiB "
+            f"of {spec.device}: use a device with more memory, or a smaller model"
+        )
     if have is not None and need > have:
         raise UserError(
             f"the batch needs vocab_size >= {vocab_size:,}{origin}: the {spec.model} preset's "

@@ -25,7 +25,9 @@ __all__ = [
     "check_recompute_layers",
     "max_compression",
     "needed_vocab",
+    "published_vocab",
     "summarize",
+    "vocab_note",
 ]
 
 
@@ -126,12 +128,46 @@ def check_plannable(
             raise CapacityError(f"{summary.where()}: {err}; raise --capacity") from None
 
 
-def needed_vocab(summaries: list[StepSummary]) -> tuple[int, str]:
-    """The vocabulary every step fits, and where the largest token id sits."""
+def needed_vocab(summaries: list[StepSummary], model: str | None = None) -> tuple[int, str]:
+    """The vocabulary to build the model with for every step, and where the largest token id sits.
+
+    The steps need their declared vocabulary, or their largest token id + 1. ``model`` (the
+    ``--model`` they train): a published model's preset (``harts.models.presets.MODEL_FIELDS``)
+    keeps its own vocabulary where that covers the steps (its LM head is part of the shape
+    being trained and measured), and grows to theirs otherwise (``vocab_note`` says so). The
+    small presets (``tiny``, ``ling3_tiny``) are sized to the steps; a checkpoint keeps its own
+    and is checked against this (``harts.trainer.build.check_vocab``)."""
     top = max(summaries, key=lambda s: s.max_token)
     vocab = max(top.max_token + 1, *(s.vocab_size or 0 for s in summaries))
+    if model is not None:
+        vocab = max(vocab, published_vocab(model) or 0)
     j, t = top.max_token_at
     return vocab, f"token id {top.max_token:,} ({top.where()}, trajectory {j}, position {t})"
+
+
+def published_vocab(model: str) -> int | None:
+    """The vocabulary of a published model's preset ``model``; None for a checkpoint, a small
+    preset or an unknown name (reported where the model is built)."""
+    from harts.integrations.loading import is_checkpoint
+
+    if is_checkpoint(model):
+        return None
+    from harts.models.config import HybridConfig, preset_key
+    from harts.models.presets import MODEL_FIELDS
+
+    try:
+        key = preset_key(model)
+    except UserError:
+        return None
+    return HybridConfig.preset(key).vocab_size if key in MODEL_FIELDS else None
+
+
+def vocab_note(model: str, vocab: int) -> str | None:
+    """One line when ``needed_vocab`` grew a published preset's vocabulary to fit the steps."""
+    own = published_vocab(model)
+    if own is None or vocab == own:
+        return None
+    return f"--model {model}: its vocabulary of {own:,} grown to {vocab:,} to fit the batch's tokens"
 
 
 def check_recompute_layers(fields: dict[str, Any], model: Any) -> None:
