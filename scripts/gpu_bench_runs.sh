@@ -33,7 +33,10 @@
 #   qwen NAME [L]  `medium` step 3 (2.05 M raw tokens, 5.55x over the whole trie) on preset NAME's first L
 #             layers (default 8; qwen3_next_80b_a3b, qwen3_5_35b_a3b, qwen3_5_9b, kimi_linear_48b_a3b),
 #             --attention auto (FlashAttention-2 varlen views for the GQA models), everything recomputed;
-#             TIMEOUT=S stops it after S seconds (default 560), so that several fit one call
+#             TIMEOUT=S stops it after S seconds (default 560), so that several fit one call;
+#             QWEN_FLAGS="..." adds bench flags (e.g. "--recompute-skip attention,linear_attention --force"),
+#             TAG=NAME names that run's files; PROFILE=1 also profiles one microbatch per side of the
+#             timed step (--profile: device time by region and kernel, printed)
 #   qwen_profile NAME [L]  `qwen NAME L` with --profile-only: the first microbatch of each side, after
 #             one untimed run of it (the step is not timed): device busy time by region and by kernel
 #   silu_ab N  `medium_full N` twice in one call: HARTS_KDA_SILU_IN_SPLIT=0 (the short conv's SiLU in
@@ -209,9 +212,16 @@ gpu_tests)
 qwen)
     name=$2
     layers=${3:-8}
+    tag="qwen_${name}_L$layers${TAG:+_$TAG}"
+    prof=(); [ "${PROFILE:-0}" = 1 ] && prof=(--profile "$OUT/$tag.profile")
+    # shellcheck disable=SC2086  # QWEN_FLAGS: extra bench flags, word-split on purpose
     timeout "${TIMEOUT:-560}" "${B[@]}" --attention auto --model "$name" --layers "$layers" --workload medium --first-step 3 \
-        --steps 1 --json "$OUT/qwen_${name}_L$layers.json" >"$OUT/qwen_${name}_L$layers.log" 2>&1
-    show "$OUT/qwen_${name}_L$layers.log"
+        --steps 1 ${QWEN_FLAGS:-} "${prof[@]}" --json "$OUT/$tag.json" >"$OUT/$tag.log" 2>&1
+    show "$OUT/$tag.log"
+    if [ "${PROFILE:-0}" = 1 ]; then
+        cat "$OUT/$tag.profile"/step3/*.txt 2>/dev/null | grep -vE "^ +[0-9.]+ +[0-9]+  " | head -120
+        rm -f "$OUT/$tag.profile"/step3/*.json  # the traces: too large to come back
+    fi
     ;;
 qwen_profile)
     name=$2
