@@ -108,6 +108,36 @@ def test_tree_kernel_gdn_at_qwen_heads_without_fallback() -> None:
         assert e < 5e-3, f"{name}: {e:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gdn_runs_on_fla_gdn_kernels(dtype: torch.dtype) -> None:
+    """At Qwen's linear-attention shape (32 heads of 128) GDN takes fla-core's own GDN kernels:
+    their first-call check against the KDA kernels passes, without a warning (on Hopper with
+    Triton < 3.7.1 this is the check that fla #640's miscompile would fail)."""
+    import warnings
+
+    from harts.ops.linear_attn.tree_kernel import _gdn_checked, gdn_native
+
+    q = torch.zeros(1, 32, 128, device="cuda", dtype=dtype)
+    _gdn_checked.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gdn_native(q, q)
+
+
+def test_gdn_kernels_bf16_within_the_kda_kernels_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 GDN on fla's GDN kernels: every output and gradient within 1.5x the error of the KDA
+    kernels with the decay broadcast (``HARTS_GDN_NATIVE=0``) plus the float32 error, on the
+    same rows and weights, at Qwen's head dim."""
+    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+    f32, _ = _errors(tree_chunk_linear_attn, "gdn", torch.float32, K=128)
+    native, w = _errors(tree_chunk_linear_attn, "gdn", torch.bfloat16, K=128)
+    monkeypatch.setenv("HARTS_GDN_NATIVE", "0")
+    kda, _ = _errors(tree_chunk_linear_attn, "gdn", torch.bfloat16, weights=w, K=128)
+    for name in native:
+        assert native[name] <= 1.5 * kda[name] + f32[name], f"{name}: GDN {native[name]:.2e}, KDA {kda[name]:.2e}"
+
+
 def test_tree_kernel_bf16_within_fla_split_error() -> None:
     """bf16: every output and gradient within 1.5x the fla split path's error (+ the float32
     kernel's own error), on the same rows and weights."""
@@ -188,14 +218,14 @@ LINKED = [
 ]
 
 
-def _linked_inputs(dtype: torch.dtype):  # noqa: ANN202
+def _linked_inputs(dtype: torch.dtype, kind: str = "kda"):  # noqa: ANN202
     torch.manual_seed(3)
     T, H, K, dev = sum(sum(r[0]) for r in LINKED), 4, 64, "cuda"
     x = [
         torch.randn(T, H, K, device=dev, dtype=torch.float64),
         F.normalize(torch.randn(T, H, K, device=dev, dtype=torch.float64), dim=-1),
         torch.randn(T, H, K, device=dev, dtype=torch.float64),
-        -F.softplus(torch.randn(T, H, K, device=dev, dtype=torch.float64)) * 0.2,
+        -F.softplus(torch.randn(*(T, H, K) if kind == "kda" else (T, H), device=dev, dtype=torch.float64)) * 0.2,
         torch.rand(T, H, device=dev, dtype=torch.float64).clamp(0.05, 0.95),
     ]
     return [t.to(dtype).clone().requires_grad_() for t in x]
@@ -238,21 +268,22 @@ def _linked_plan():  # noqa: ANN202
     return plan
 
 
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_linked_rounds_equal_the_rounds_one_call_each(dtype: torch.dtype) -> None:
+def test_linked_rounds_equal_the_rounds_one_call_each(dtype: torch.dtype, kind: str) -> None:
     """All rounds in one op (``linked_tree_linear_attn``) against the float64 reference run
     round by round with the states handed over: outputs and every input's gradient; bf16 within
     1.5x the per-round tree kernel's own bf16 error plus its float32 error."""
     from harts.ops.linear_attn.tree_kernel import linked_tree_linear_attn, tree_chunk_linear_attn
 
     plan = _linked_plan()
-    ref_x = _linked_inputs(torch.float64)
+    ref_x = _linked_inputs(torch.float64, kind)
     ref = _per_round(ref_x)
     w = torch.randn_like(ref)
     g_ref = torch.autograd.grad((ref * w).sum(), ref_x)
 
     def errors(run, dt: torch.dtype) -> list[float]:  # noqa: ANN001
-        x = _linked_inputs(dt)
+        x = _linked_inputs(dt, kind)
         o = run(x)
         grads = torch.autograd.grad((o.double() * w).sum(), x)
         return [_rel(a, b) for a, b in zip([o, *grads], [ref, *g_ref])]

@@ -85,18 +85,22 @@ def _reference(kg, w, u, gk, qg, S0, lengths, B, scale):  # noqa: ANN001, ANN202
     return start_states, end_states, torch.stack(finals), v_new, out
 
 
+@pytest.mark.parametrize("scalar", [False, True], ids=["per-channel", "scalar"])
 @pytest.mark.parametrize("lengths", [[1, 15, 16, 17, 40, 0, 33], [64, 1]], ids=["ragged", "aligned"])
-def test_scans_export_and_inject_like_the_recurrence(lengths):
+def test_scans_export_and_inject_like_the_recurrence(lengths, scalar):
     """On CUDA in this process; on CPU in a fresh interpreter with TRITON_INTERPRET=1 (Triton reads
-    it when first imported, and other tests of this process may have imported it already)."""
+    it when first imported, and other tests of this process may have imported it already).
+    ``scalar``: GDN's decay, one per row and head, with the raw keys and queries."""
     check_here_or_interpreted(
-        lambda: check_scans(lengths),
-        f"from tests.ops.test_tree_scan import check_scans; check_scans({lengths!r})",
+        lambda: check_scans(lengths, scalar),
+        f"from tests.ops.test_tree_scan import check_scans; check_scans({lengths!r}, {scalar!r})",
     )
 
 
-def check_scans(lengths: list[int]) -> None:
-    """The scans against the float64 recurrence: states, exports, and every gradient."""
+def check_scans(lengths: list[int], scalar: bool = False) -> None:
+    """The scans against the float64 recurrence: states, exports, and every gradient. With
+    ``scalar`` the kernels get the raw keys / queries and a [1, T, H] decay, the recurrence the
+    decayed ones (``kg = k exp2(g_last - g)``, ``qg = q exp2(g)``) and the decay per channel."""
     scan = _scan_module()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     B, H, K, V, scale = 16, 2, 16, 48, 0.25
@@ -106,6 +110,16 @@ def check_scans(lengths: list[int]) -> None:
     kg, w, qg = (torch.randn(1, T, H, K, dtype=dt) * 0.3 for _ in range(3))
     u = torch.randn(1, T, H, V, dtype=dt, requires_grad=True)
     gk = -torch.rand(1, T, H, K, dtype=dt) * 0.5
+    k_in, q_in, g_in = kg, qg, gk
+    if scalar:  # the kernels' inputs raw, the recurrence's decayed by the same [1, T, H] decay
+        g_in = -torch.rand(1, T, H, dtype=dt) * 0.5
+        last = torch.tensor(
+            [s + min((r // B + 1) * B, n) - 1 for s, n in zip(np.cumsum([0, *lengths]), lengths) for r in range(n)],
+            dtype=torch.long,
+        )
+        kg = k_in * torch.exp2(g_in[:, last] - g_in)[..., None]
+        qg = q_in * torch.exp2(g_in)[..., None]
+        gk = g_in[..., None].expand(1, T, H, K)
     S0 = torch.randn(N, H, K, V, dtype=dt, requires_grad=True)
     chunks = [(n + B - 1) // B for n in lengths]
     offs = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
@@ -124,10 +138,10 @@ def check_scans(lengths: list[int]) -> None:
 
     starts, ends, finals, v_new, out = _reference(kg, w, u, gk, qg, S0, lengths, B, scale)
     h, vn, fin, exported = scan.tree_scan_fwd(
-        f32(kg),
+        f32(k_in),
         f32(w),
         f32(u),
-        f32(gk),
+        f32(g_in),
         cu_seqlens=cu,
         chunk_offsets=co,
         num_chunks=nt,
@@ -158,10 +172,10 @@ def check_scans(lengths: list[int]) -> None:
         ref = torch.autograd.grad(loss, [S0, u, *ends], retain_graph=True, allow_unused=True)
         zeros = torch.zeros(1, T, H, V)
         dh, dh0, dv2 = scan.tree_scan_bwd(
-            f32(qg),
-            f32(kg),
+            f32(q_in),
+            f32(k_in),
             f32(w),
-            f32(gk),
+            f32(g_in),
             f32(do) if use_out else zeros.to(dev),
             f32(dv) if use_out else zeros.to(dev),
             scale=scale,

@@ -15,10 +15,17 @@ fla-core's intra-chunk kernels and harts' own state scans (``tree_scan``):
 So a round runs as one packed call whatever it exports, with no split and no second scan
 (fla's own chunk_kda returns only final states and takes a gradient only for them).
 
-* GDN (scalar decay g [T, H]) runs through the same kernels with the decay broadcast over the
-  key channels (a per-channel decay equal on every channel is the scalar-decay rule); its
-  gradient is summed back over the channels. This is also how GDN trains on Hopper with
-  Triton < 3.7.1, where fla refuses its own GDN backward (fla #640).
+* GDN (scalar decay g [T, H]) runs fla-core's own GDN kernels around the same scans
+  (``_GDN``): chunk_gated_delta_rule_fwd_intra (w, u, A) and chunk_fwd_o forward;
+  recompute_w_u_fwd, chunk_bwd_dv_local, chunk_bwd_dqkwg and prepare_wy_repr_bwd backward; the
+  scans decay the raw keys and queries per row themselves (``tree_scan``'s scalar decay). Its
+  intra-chunk work has no per-channel decay, so it is lighter than KDA's. fla refuses
+  chunk_bwd_dqkwg with a decay on Hopper with Triton in [3.4, 3.7.1) (fla #640: a miscompile at
+  a 64-wide key block); harts launches that kernel itself and checks the whole GDN op once per
+  (device, dtype, heads, dims) against the KDA kernels with the decay broadcast over the key
+  channels (a per-channel decay equal on every channel is the scalar-decay rule; ``_KDA``), on a
+  small packed problem, forward and every gradient. Where it differs (or
+  ``HARTS_GDN_NATIVE=0``) GDN runs through the KDA kernels, as it always may.
 * Requests must be chunk-aligned (count % B == 0), or a sequence's full length, or 0: what
   replay plans produce. A non-aligned request (the ``no_replay`` ablation) is served by the
   split path (``fla_chunk_linear_attn``) instead.
@@ -31,17 +38,20 @@ size, NT chunks of all sequences, E distinct exported states.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from harts.ops.fla_index import fla_chunk_indices
+from harts.ops.kernel_check import kernel_passes
 from harts.ops.linear_attn.utils import check_linear_attn_inputs
 from harts.ops.upload import upload
 
-__all__ = ["StateIO", "plan_state_io", "tree_chunk_linear_attn"]
+__all__ = ["StateIO", "gdn_native", "plan_state_io", "tree_chunk_linear_attn"]
 
 
 @dataclass(frozen=True)
@@ -161,7 +171,7 @@ def _fwd_intra(q, k, v, g, beta, scale: float, cu, ci, B: int):  # noqa: ANN001,
     return gc, w, u, kg, Aqk, Akk
 
 
-def _fwd_output(q, v_new, gc, Aqk, h, scale: float, cu, ci, B: int):  # noqa: ANN001, ANN202
+def _fwd_output(q, k, v_new, gc, Aqk, h, scale: float, cu, ci, B: int):  # noqa: ANN001, ANN202
     """fla's output kernel from the scan's per-chunk states h and v_new."""
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 
@@ -176,9 +186,18 @@ def _bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale: float, cu, ci, co, nt:
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
     from fla.ops.kda.wy_fast import recompute_w_u_fwd
 
+    w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gc, q=q, cu_seqlens=cu, chunk_indices=ci)
+    h, v_new = _rescan(kg, w, u, gc, h0, cu, co, nt, B)
+    dAqk, dv = chunk_kda_bwd_dAv(
+        q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
+    )
+    return w, qg, kg, h, v_new, dAqk, dv
+
+
+def _rescan(kg, w, u, gc, h0, cu, co, nt: int, B: int):  # noqa: ANN001, ANN202
+    """The backward's forward scan again (states h and v_new), over every sequence at once."""
     from harts.ops.linear_attn.tree_scan import tree_scan_fwd
 
-    w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gc, q=q, cu_seqlens=cu, chunk_indices=ci)
     h, v_new, _, _ = tree_scan_fwd(
         kg,
         w,
@@ -193,13 +212,10 @@ def _bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale: float, cu, ci, co, nt:
         num_exported=0,
         output_final_state=False,
     )
-    dAqk, dv = chunk_kda_bwd_dAv(
-        q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci
-    )
-    return w, qg, kg, h, v_new, dAqk, dv
+    return h, v_new
 
 
-def _bwd_tail(q, k, v, v_new, gc, beta, Akk, h, do, dh, dv2, dAqk, scale: float, cu, chunks, co, B: int):  # noqa: ANN001, ANN202
+def _bwd_tail(q, k, v, v_new, w, gc, beta, Akk, h, do, dh, dv2, dAqk, scale: float, cu, chunks, co, B: int):  # noqa: ANN001, ANN202
     """The backward after the state-gradient scan, on the chunks ``chunks`` (fla's chunk index
     rows): [dq, dk, dv, dg, db] (float32 but dv), valid on those chunks' rows. ``h`` / ``dh``
     [1, len(chunks), H, K, V] are those chunks' states and state gradients, in ``chunks``' order:
@@ -246,15 +262,222 @@ def _bwd_tail(q, k, v, v_new, gc, beta, Akk, h, do, dh, dv2, dAqk, scale: float,
     return [dq, dk, dv, dg, db]
 
 
+# ------------------------------------------------------------- GDN: fla-core's own GDN kernels
+
+
+def _gdn_fwd_intra(q, k, v, g, beta, scale: float, cu, ci, B: int):  # noqa: ANN001, ANN202
+    """GDN's chunk-local forward: the cumulated log2 decay gc [1, T, H], fla's fused
+    kk^T + triangular solve + w / u (A = the solved matrix, in the Akk slot), the raw keys for
+    the scans (they decay them per row), no Aqk (fla's GDN output kernel forms q k^T itself)."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    gc = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
+    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_size=B, chunk_indices=ci)
+    return gc, w, u, k, None, A
+
+
+def _gdn_fwd_output(q, k, v_new, gc, Aqk, h, scale: float, cu, ci, B: int):  # noqa: ANN001, ANN202
+    """fla's GDN output kernel (the intra-chunk q k^T with its decay, plus the states' part)."""
+    from fla.ops.common.chunk_o import chunk_fwd_o
+
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci)
+
+
+def _gdn_bwd_head(q, k, v, gc, beta, Aqk, A, h0, do, scale: float, cu, ci, co, nt: int, B: int):  # noqa: ANN001, ANN202
+    """GDN's backward up to the state-gradient scan: w, u recomputed from A, the states rescanned
+    from ``h0``, fla's intra-chunk dv of v_new; the raw q and k for the scan."""
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=gc, cu_seqlens=cu, chunk_indices=ci)
+    h, v_new = _rescan(k, w, u, gc, h0, cu, co, nt, B)
+    dv = chunk_bwd_dv_local(q=q, k=k, do=do, g=gc, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci)
+    return w, q, k, h, v_new, None, dv
+
+
+def _gdn_bwd_tail(q, k, v, v_new, w, gc, beta, A, h, do, dh, dv2, dAqk, scale: float, cu, chunks, co, B: int):  # noqa: ANN001, ANN202
+    """GDN's backward after the scan, on the chunks ``chunks`` (``_bwd_tail``'s contract; h /
+    dh in ``chunks``' order, as fla's dqkwg kernel addresses them by program id): dq, dk, dw,
+    dg of the output and state terms (``_gdn_dqkwg``), then the WY representation's backward,
+    the two parts of dk and dg added, dg summed back over each chunk (reverse cumsum)."""
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    dq, dk, dw, dg = _gdn_dqkwg(q, k, v_new, w, gc, h, dv2, do, dh, scale, cu, chunks, B)
+    dk2, dv, db, dg2 = prepare_wy_repr_bwd(
+        k=k, v=v, beta=beta, A=A, dw=dw, du=dv2, g=gc, cu_seqlens=cu, chunk_indices=chunks
+    )
+    dk = dk.add_(dk2)
+    dg = dg.add_(dg2)
+    dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=chunks)
+    return [dq, dk, dv, dg, db]
+
+
+def _gdn_dqkwg(q, k, v_new, w, gc, h, dv2, do, dh, scale: float, cu, chunks, B: int):  # noqa: ANN001, ANN202
+    """fla's ``chunk_bwd_kernel_dqkwg`` with a decay, launched here: fla's own wrapper refuses
+    it on Hopper with Triton in [3.4, 3.7.1) (fla #640), where harts checks the result instead
+    (``gdn_native``). Block sizes as fla's wrapper picks them: 128 on GPUs with Hopper's shared
+    memory (K = 128 there: one key block, not the 64-wide block that miscompiles), else 64 or 32."""
+    import triton
+    from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
+    from fla.utils import check_shared_mem
+
+    _, T, H, K = k.shape
+    V, HV = v_new.shape[-1], v_new.shape[2]
+    if check_shared_mem("hopper", k.device.index):
+        tiling = 128
+    elif check_shared_mem("ampere", k.device.index):
+        tiling = 128 if all(x.element_size() == 2 for x in (q, k, v_new, do, h, dh, w, dv2)) else 64
+    elif check_shared_mem("ada", k.device.index):
+        tiling = 64
+    else:
+        tiling = 32
+    BK = min(max(triton.next_power_of_2(K), 16), tiling)
+    BV = min(max(triton.next_power_of_2(V), 16), tiling)
+    NK, NT = triton.cdiv(K, BK), len(chunks)
+    dq = q.new_empty(1, T, HV, K)
+    dk = k.new_empty(1, T, HV, K)
+    dg = torch.empty(NK, *gc.shape, dtype=torch.float32, device=gc.device)
+    dw = torch.empty_like(w)
+    chunk_bwd_kernel_dqkwg[(NK * NT, HV)](
+        q=q,
+        k=k,
+        v=v_new,
+        g=gc,
+        g_gamma=None,
+        h=h,
+        do=do,
+        dh=dh,
+        dq=dq,
+        dk=dk,
+        dw=dw,
+        dv=dv2,
+        dg=dg,
+        cu_seqlens=cu,
+        chunk_indices=chunks,
+        scale=scale,
+        B=1,
+        T=T,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        BT=B,
+        BK=BK,
+        BV=BV,
+        STATE_V_FIRST=False,
+    )
+    return dq, dk, dw, dg.sum(0)
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    """One rule's fla kernels around harts' scans (``_TreeKDA`` / ``_LinkedKDA`` run either)."""
+
+    name: str
+    fwd_intra: Callable
+    fwd_output: Callable
+    bwd_head: Callable
+    bwd_tail: Callable
+
+
+_KDA = _Kernels("kda", _fwd_intra, _fwd_output, _bwd_head, _bwd_tail)
+_GDN = _Kernels("gdn", _gdn_fwd_intra, _gdn_fwd_output, _gdn_bwd_head, _gdn_bwd_tail)
+
+#: per (device, dtype, H, K, V): whether fla's GDN kernels matched the KDA kernels' result
+_gdn_checked: dict[tuple, bool] = {}
+
+#: the check's packed problem: sequence lengths (a partial chunk, an aligned one, a single row,
+#: several chunks) and its requested states (sequence, position count)
+_CHECK_LENGTHS = (130, 64, 1, 200)
+_CHECK_REQUESTS = ((0, 64), (0, 128), (0, 130), (1, 64), (2, 0), (3, 64), (3, 192))
+
+
+def gdn_native(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether GDN (scalar decay) runs on fla-core's own GDN kernels (``_GDN``) for inputs like
+    ``q`` [T, H, K] and ``v`` [T, H, V] (module docstring); else the KDA kernels with the decay
+    broadcast (``_KDA``). Checked once per (device, dtype, H, K, V): both on a small packed
+    problem (``_CHECK_LENGTHS``, states requested and handed in), output, states and every
+    gradient; a difference beyond either side's rounding warns once and keeps the KDA kernels.
+    ``HARTS_GDN_NATIVE=0`` keeps them without a check."""
+    if os.environ.get("HARTS_GDN_NATIVE", "1") == "0" or not q.is_cuda:
+        return False
+    H, K, V = q.shape[-2], q.shape[-1], v.shape[-1]
+    key = (str(q.device), q.dtype, H, K, V)
+
+    def run(kernels: _Kernels) -> list[torch.Tensor]:
+        return _check_problem(kernels, q.device, q.dtype, H, K, V)
+
+    return kernel_passes(
+        _gdn_checked,
+        key,
+        lambda: run(_KDA),
+        lambda: run(_GDN),
+        lambda got, want: _check_close(got, want, q.dtype),
+        name="GDN (fla-core's GDN kernels)",
+        differs="its output or a gradient differed from the KDA kernels' with the decay broadcast (fla #640)",
+        fallback="GDN runs through the KDA kernels",
+    )
+
+
+def _check_problem(
+    kernels: _Kernels, device: torch.device, dtype: torch.dtype, H: int, K: int, V: int
+) -> list[torch.Tensor]:
+    """``gdn_native``'s problem through ``kernels``: [o, final, requested, dq, dk, dv, dg, dbeta,
+    dh0] in float32 (the KDA kernels' dg summed over the key channels)."""
+    B = 64
+    gen = torch.Generator().manual_seed(0)
+    T, N = sum(_CHECK_LENGTHS), len(_CHECK_LENGTHS)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q = torch.nn.functional.normalize(rand(1, T, H, K), dim=-1)
+    k = torch.nn.functional.normalize(rand(1, T, H, K), dim=-1)
+    v, g = rand(1, T, H, V), -torch.nn.functional.softplus(rand(1, T, H)) * 0.5
+    beta, h0 = torch.sigmoid(rand(1, T, H)), rand(N, H, K, V) * 0.1
+    grads = [rand(1, T, H, V), rand(N, H, K, V), rand(len(_CHECK_REQUESTS), H, K, V)]
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v, g, beta)]
+        h0d = h0.to(device).requires_grad_()
+        lengths = list(_CHECK_LENGTHS)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+        meta = _device_meta(starts, lengths, list(_CHECK_REQUESTS), B, device)
+        gk = leaves[3] if kernels is _GDN else leaves[3][..., None].expand(1, T, H, K).contiguous()
+        o, final, exported = _TreeKDA.apply(*leaves[:3], gk, leaves[4], h0d, meta, K**-0.5, B, kernels)
+        requested = torch.cat([exported, final, h0d])[meta.source]
+        outs = [o, final, requested]
+        loss = sum((x.float() * gr.to(device)).sum() for x, gr in zip(outs, grads))
+        d = torch.autograd.grad(loss, [*leaves, h0d])
+    return [t.detach().float() for t in (*outs, *d)]
+
+
+def _check_close(got: list[torch.Tensor], want: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Every tensor within a few of its dtype's rounding steps of the other side's, relative to
+    its largest entry (the two sides round their intermediates differently); fla #640's
+    miscompile was off by about half of that scale."""
+    tol = 2e-2 if dtype == torch.float32 else 1e-1
+    for g, w in zip(got, want, strict=True):
+        if g.shape != w.shape or not bool(torch.isfinite(g).all()):
+            return False
+        scale = max(float(w.abs().max()), 1e-6)
+        if float((g - w).abs().max()) > tol * scale:
+            return False
+    return True
+
+
 class _TreeKDA(torch.autograd.Function):
-    """KDA chunk op over [1, T, H, *] with export / injection (module docstring)."""
+    """Chunk op over [1, T, H, *] with export / injection (module docstring), on the kernels of
+    ``kernels`` (``_KDA``, or ``_GDN`` with g [1, T, H])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, meta: _DeviceMeta, scale: float, chunk_size: int):  # type: ignore[override]
+    def forward(ctx, q, k, v, g, beta, h0, meta: _DeviceMeta, scale: float, chunk_size: int, kernels: _Kernels = _KDA):  # type: ignore[override]
         from harts.ops.linear_attn.tree_scan import tree_scan_fwd
 
         B, cu, ci = chunk_size, meta.cu_seqlens, meta.chunk_indices
-        gc, w, u, kg, Aqk, Akk = _fwd_intra(q, k, v, g, beta, scale, cu, ci, B)
+        gc, w, u, kg, Aqk, Akk = kernels.fwd_intra(q, k, v, g, beta, scale, cu, ci, B)
         h, v_new, final, exported = tree_scan_fwd(
             kg,
             w,
@@ -268,9 +491,10 @@ class _TreeKDA(torch.autograd.Function):
             export_index=meta.export_index,
             num_exported=meta.io.num_exported,
         )
-        o = _fwd_output(q, v_new, gc, Aqk, h, scale, cu, ci, B)
+        o = kernels.fwd_output(q, k, v_new, gc, Aqk, h, scale, cu, ci, B)
         ctx.save_for_backward(q, k, v, gc, beta, Aqk, Akk, h0)
         ctx.meta, ctx.scale, ctx.chunk_size, ctx.has_h0, ctx.g_dtype = meta, scale, chunk_size, h0 is not None, g.dtype
+        ctx.kernels = kernels
         return o.to(q.dtype), final, exported
 
     @staticmethod
@@ -278,10 +502,10 @@ class _TreeKDA(torch.autograd.Function):
         from harts.ops.linear_attn.tree_scan import tree_scan_bwd
 
         q, k, v, gc, beta, Aqk, Akk, h0 = ctx.saved_tensors
-        meta, scale, B = ctx.meta, ctx.scale, ctx.chunk_size
+        meta, scale, B, kernels = ctx.meta, ctx.scale, ctx.chunk_size, ctx.kernels
         cu, ci, co, nt = meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets, meta.io.num_chunks
         do = do.contiguous()
-        w, qg, kg, h, v_new, dAqk, dv = _bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale, cu, ci, co, nt, B)
+        w, qg, kg, h, v_new, dAqk, dv = kernels.bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale, cu, ci, co, nt, B)
         dh, dh0, dv = tree_scan_bwd(
             qg,
             kg,
@@ -299,7 +523,9 @@ class _TreeKDA(torch.autograd.Function):
             inject_index=meta.inject_index,
             want_initial_state_grad=ctx.has_h0,
         )
-        dq, dk, dv, dg, db = _bwd_tail(q, k, v, v_new, gc, beta, Akk, h, do, dh, dv, dAqk, scale, cu, ci, co, B)
+        dq, dk, dv, dg, db = kernels.bwd_tail(
+            q, k, v, v_new, w, gc, beta, Akk, h, do, dh, dv, dAqk, scale, cu, ci, co, B
+        )
         return (
             dq.to(q.dtype),
             dk.to(k.dtype),
@@ -310,7 +536,21 @@ class _TreeKDA(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _decay_and_kernels(
+    g: torch.Tensor, q: torch.Tensor, v: torch.Tensor, scalar: bool
+) -> tuple[torch.Tensor, _Kernels]:
+    """The decay as the kernels take it and the kernels: KDA's g [T, H, K] as it is; GDN's g
+    [T, H] as it is on fla's GDN kernels (``gdn_native``), else broadcast over the key channels
+    for the KDA kernels."""
+    if not scalar:
+        return g, _KDA
+    if gdn_native(q, v):
+        return g, _GDN
+    return g[..., None].expand(*g.shape, q.shape[-1]), _KDA
 
 
 def tree_chunk_linear_attn(
@@ -365,7 +605,7 @@ def tree_chunk_linear_attn(
         req = initial[[s for s, _ in spec.requests]] if spec.requests else initial.new_zeros(0, H, K, V)
         return v.new_zeros(0, H, V), initial, req
     meta = _device_meta(spec.starts, spec.lengths, spec.requests, chunk_size, q.device)
-    gk = g[..., None].expand(spec.T, H, K) if spec.scalar_decay else g
+    gk, kernels = _decay_and_kernels(g, q, v, spec.scalar_decay)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     o, final, exported = _TreeKDA.apply(
         q.unsqueeze(0).contiguous(),
@@ -377,6 +617,7 @@ def tree_chunk_linear_attn(
         meta,
         spec.scale,
         chunk_size,
+        kernels,
     )
     initial = h0 if h0 is not None else final.new_zeros(N, H, K, V)
     requested = torch.cat([exported, final, initial])[meta.source] if spec.requests else final.new_zeros(0, H, K, V)
@@ -554,14 +795,14 @@ class _LinkedKDA(torch.autograd.Function):
     halves in the copy that casts it to its input's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, meta: _LinkedDevice, scale: float, chunk_size: int):  # type: ignore[override]
+    def forward(ctx, q, k, v, g, beta, meta: _LinkedDevice, scale: float, chunk_size: int, kernels: _Kernels = _KDA):  # type: ignore[override]
         from harts.ops.linear_attn.tree_scan import tree_scan_fwd
 
         B, cu, ci, co = chunk_size, meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets
         plan = meta.plan
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
         nt, e = plan.io.num_chunks, plan.export_slots
-        gc, w, u, kg, Aqk, Akk = _fwd_intra(q, k, v, g, beta, scale, cu, ci, B)
+        gc, w, u, kg, Aqk, Akk = kernels.fwd_intra(q, k, v, g, beta, scale, cu, ci, B)
         pool = q.new_zeros(plan.pool_size, H, K, V, dtype=torch.float32)
         h = kg.new_empty(1, nt, H, K, V)
         v_new = torch.empty_like(u)
@@ -581,9 +822,9 @@ class _LinkedKDA(torch.autograd.Function):
                 output_final_state=True,
                 out=(h, v_new, pool[e + a : e + b], pool[:e]),
             )
-        o = _fwd_output(q, v_new, gc, Aqk, h, scale, cu, ci, B)
+        o = kernels.fwd_output(q, k, v_new, gc, Aqk, h, scale, cu, ci, B)
         ctx.save_for_backward(q, k, v, gc, beta, Aqk, Akk, pool)
-        ctx.meta, ctx.scale, ctx.chunk_size, ctx.g_dtype = meta, scale, chunk_size, g.dtype
+        ctx.meta, ctx.scale, ctx.chunk_size, ctx.g_dtype, ctx.kernels = meta, scale, chunk_size, g.dtype, kernels
         return o.to(q.dtype)
 
     @staticmethod
@@ -591,7 +832,7 @@ class _LinkedKDA(torch.autograd.Function):
         from harts.ops.linear_attn.tree_scan import tree_scan_bwd
 
         q, k, v, gc, beta, Aqk, Akk, pool = ctx.saved_tensors
-        meta, scale, B = ctx.meta, ctx.scale, ctx.chunk_size
+        meta, scale, B, kernels = ctx.meta, ctx.scale, ctx.chunk_size, ctx.kernels
         plan = meta.plan
         cu, ci, co, nt, e = (
             meta.cu_seqlens,
@@ -603,7 +844,7 @@ class _LinkedKDA(torch.autograd.Function):
         do = do.contiguous()
         # every sequence's initial state is in the pool now: one rescan over all of them
         h0 = pool.index_select(0, meta.init_pool)
-        w, qg, kg, h, v_new, dAqk, dv = _bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale, cu, ci, co, nt, B)
+        w, qg, kg, h, v_new, dAqk, dv = kernels.bwd_head(q, k, v, gc, beta, Aqk, Akk, h0, do, scale, cu, ci, co, nt, B)
         dpool = torch.zeros_like(pool)
         dh = qg.new_empty(1, nt, *pool.shape[1:])
         dv2 = torch.empty_like(dv)
@@ -633,7 +874,9 @@ class _LinkedKDA(torch.autograd.Function):
 
         def tail(lo: int, hi: int) -> list[torch.Tensor]:  # chunks [lo, hi) of the packed sequences
             hs, dhs = h[:, lo:hi], dh[:, lo:hi]
-            return _bwd_tail(q, k, v, v_new, gc, beta, Akk, hs, do, dhs, dv2, dAqk, scale, cu, ci[lo:hi], co, B)
+            return kernels.bwd_tail(
+                q, k, v, v_new, w, gc, beta, Akk, hs, do, dhs, dv2, dAqk, scale, cu, ci[lo:hi], co, B
+            )
 
         dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype)
         for a, b in reversed(bounds[1:]):
@@ -641,7 +884,7 @@ class _LinkedKDA(torch.autograd.Function):
         nt0 = int(plan.io.chunk_offsets[bounds[0][1]])  # the first round's chunks
         if not (OVERLAP_FIRST_ROUND and q.is_cuda and 0 < nt0 < nt):
             scan(*bounds[0])
-            return (*(t.to(d) for t, d in zip(tail(0, nt), dtypes)), None, None, None)
+            return (*(t.to(d) for t, d in zip(tail(0, nt), dtypes)), None, None, None, None)
         # the first round's scan (often one long shared prefix: the GPU mostly idle) on a
         # high-priority stream, beside the later rounds' chunk-parallel tail, which needs only
         # their own dh / dv2 (written above); then the first round's tail
@@ -661,7 +904,7 @@ class _LinkedKDA(torch.autograd.Function):
             m[:, t0:].copy_(b_[:, t0:])
             out.append(m)
             del a_, b_
-        return (*out, None, None, None)
+        return (*out, None, None, None, None)
 
 
 def linked_tree_linear_attn(
@@ -698,7 +941,7 @@ def linked_tree_linear_attn(
     if spec.T == 0:
         return v.new_zeros(0, spec.H, spec.V)
     meta = _linked_device(plan, q.device)
-    gk = g[..., None].expand(spec.T, spec.H, spec.K) if spec.scalar_decay else g
+    gk, kernels = _decay_and_kernels(g, q, v, spec.scalar_decay)
     o = _LinkedKDA.apply(
         q.unsqueeze(0).contiguous(),
         k.unsqueeze(0).contiguous(),
@@ -708,5 +951,6 @@ def linked_tree_linear_attn(
         meta,
         spec.scale,
         chunk_size,
+        kernels,
     )
     return o[0].to(v.dtype)  # type: ignore[no-any-return]

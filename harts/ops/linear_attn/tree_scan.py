@@ -23,8 +23,14 @@ only for it. These kernels add what a tree round needs (paper §3.3-§3.4):
   top of that chunk's backward step, i.e. to the gradient of the state at the END of the chunk
   (= the exported state at the start of the next chunk), as the recurrence passes it.
 
+Scalar decay (GDN): with ``gk`` [1, T, H] (one log2 decay per row and head, cumulated within
+each chunk) the scans take the raw keys and queries and form the decayed ones per chunk
+themselves, ``kg = k * exp2(g_last - g)`` and ``qg = q * exp2(g)`` row by row (fla's GDN
+kernels' form: no [T, H, K] decay tensor and no decayed copies of q and k in memory), and
+``exp2(gk_last)`` decays the whole state.
+
 Layouts follow fla's (batch 1, packed rows): k/w/qg [1, T, H, K]; u/v_new/do/dv [1, T, H, V];
-gk [1, T, H, K] (log2 units, cumulated within each chunk); h/dh [1, NT, H, K, V] with NT the
+gk [1, T, H, K] or [1, T, H] (log2 units, cumulated within each chunk); h/dh [1, NT, H, K, V] with NT the
 chunks of all sequences (``chunk_offsets`` [N + 1]); states [N, H, K, V] float32. One program
 per (value block, sequence x head); K must be a power of two <= 256.
 
@@ -122,6 +128,7 @@ def _tree_scan_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
     EXPORT: tl.constexpr,
+    SCALAR_G: tl.constexpr,
 ):
     i_nh, i_h, bos, T, n_chunks, first_chunk, o_k, o_v, m_v, state_off, m_state = _program(
         cu_seqlens, chunk_offsets, H, K, V, BT, BV
@@ -148,9 +155,15 @@ def _tree_scan_fwd_kernel(
         b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_s.to(b_w.dtype))
         tl.store(v_new + (rows[:, None] * H + i_h) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_tv)
         last = bos + tl.minimum((i_t + 1) * BT, T) - 1
-        b_gl = tl.load(gk + (last * H + i_h) * K + o_k).to(tl.float32)
         b_kg = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_s = b_s * tl.exp2(b_gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype))
+        if SCALAR_G:  # k is the raw keys: decay each row to the chunk's end here
+            b_gl = tl.load(gk + last * H + i_h).to(tl.float32)
+            b_g = tl.load(gk + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+            b_kg = (b_kg.to(tl.float32) * tl.exp2(b_gl - b_g)[:, None]).to(b_kg.dtype)
+            b_s = b_s * tl.exp2(b_gl) + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype))
+        else:
+            b_gl = tl.load(gk + (last * H + i_h) * K + o_k).to(tl.float32)
+            b_s = b_s * tl.exp2(b_gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype))
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + state_off, b_s, mask=m_state)
 
@@ -180,6 +193,7 @@ def _tree_scan_bwd_kernel(
     USE_FINAL_STATE_GRADIENT: tl.constexpr,
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
     INJECT: tl.constexpr,
+    SCALAR_G: tl.constexpr,
 ):
     i_nh, i_h, bos, T, n_chunks, first_chunk, o_k, o_v, m_v, state_off, m_state = _program(
         cu_seqlens, chunk_offsets, H, K, V, BT, BV
@@ -201,22 +215,36 @@ def _tree_scan_bwd_kernel(
         rows = bos + o_t
         m_tk = m_t[:, None] & (o_k[None, :] < K)
         m_tv = m_t[:, None] & m_v[None, :]
+        last = bos + tl.minimum((i_t + 1) * BT, T) - 1
         b_kg = tl.load(kg + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_qg = tl.load(qg + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        if SCALAR_G:  # kg and qg are the raw keys and queries: their row decays here
+            b_gl = tl.load(gk + last * H + i_h).to(tl.float32)
+            b_g = tl.load(gk + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+            b_kg = (b_kg.to(tl.float32) * tl.exp2(b_gl - b_g)[:, None]).to(b_kg.dtype)
+            b_qg = (b_qg.to(tl.float32) * tl.exp2(b_g)[:, None]).to(b_qg.dtype)
         b_dv = tl.load(dv + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
         b_dv2 = b_dv.to(tl.float32) + tl.dot(b_kg, b_ds.to(b_kg.dtype))
         tl.store(dv2 + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
-        last = bos + tl.minimum((i_t + 1) * BT, T) - 1
-        b_gl = tl.load(gk + (last * H + i_h) * K + o_k).to(tl.float32)
-        b_qg = tl.load(qg + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_do = tl.load(do + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
         b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_ds = (
-            b_ds * tl.exp2(b_gl)[:, None]
-            + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype)) * scale
-            - tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype))
-        )
+        b_upd = tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype)) * scale - tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype))
+        if SCALAR_G:
+            b_ds = b_ds * tl.exp2(tl.load(gk + last * H + i_h).to(tl.float32)) + b_upd
+        else:
+            b_ds = b_ds * tl.exp2(tl.load(gk + (last * H + i_h) * K + o_k).to(tl.float32))[:, None] + b_upd
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh * K * V + state_off, b_ds, mask=m_state)
+
+
+def _scalar_decay(gk: torch.Tensor, kg: torch.Tensor) -> bool:
+    """Whether ``gk`` is a scalar decay per row and head ([1, T, H]) or per key channel
+    ([1, T, H, K], the shape of ``kg``); anything else is an error."""
+    if gk.shape == kg.shape:
+        return False
+    if gk.shape == kg.shape[:3]:
+        return True
+    raise ValueError(f"tree scans need gk [1, T, H, K] or [1, T, H] beside keys {list(kg.shape)}; got {list(gk.shape)}")
 
 
 def _check(K: int) -> None:
@@ -244,7 +272,8 @@ def tree_scan_fwd(
     """Forward state scan (module docstring).
 
     Args:
-        kg, w: [1, T, H, K]; u: [1, T, H, V]; gk: [1, T, H, K] chunk-cumulated log2 decay.
+        kg, w: [1, T, H, K]; u: [1, T, H, V]; gk: [1, T, H, K] chunk-cumulated log2 decay, or
+            [1, T, H] (scalar decay: ``kg`` the raw keys, module docstring).
         cu_seqlens: int [N + 1] (device); chunk_offsets: int [N + 1] first chunk of each sequence.
         num_chunks: NT, chunks of all sequences; chunk_size: B.
         initial_state: [N, H, K, V] float32 or None (zeros).
@@ -295,6 +324,7 @@ def tree_scan_fwd(
         USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final is not None,
         EXPORT=export_index is not None and num_exported > 0,
+        SCALAR_G=_scalar_decay(gk, kg),
         num_warps=warps,
         num_stages=stages,
     )
@@ -324,8 +354,9 @@ def tree_scan_bwd(
     """Backward state scan with injected state gradients (module docstring).
 
     Args:
-        qg, kg, w: [1, T, H, K]; gk: [1, T, H, K]; do, dv: [1, T, H, V] (dv: the gradient of
-            v_new from the output side).
+        qg, kg, w: [1, T, H, K]; gk: [1, T, H, K], or [1, T, H] (scalar decay: ``qg`` and
+            ``kg`` the raw queries and keys, module docstring); do, dv: [1, T, H, V] (dv: the
+            gradient of v_new from the output side).
         dht: [N, H, K, V] final-state gradients or None; inject: [E, H, K, V] float32 and
             inject_index: int32 [NT] (slot whose gradient joins at the end of each chunk; -1
             none), or None.
@@ -370,6 +401,7 @@ def tree_scan_bwd(
         USE_FINAL_STATE_GRADIENT=dht is not None,
         STORE_INITIAL_STATE_GRADIENT=want_initial_state_grad,
         INJECT=use_inject,
+        SCALAR_G=_scalar_decay(gk, kg),
         num_warps=warps,
         num_stages=stages,
     )
