@@ -439,7 +439,13 @@ def _check_problem(
     v, g = rand(1, T, H, V), -torch.nn.functional.softplus(rand(1, T, H)) * 0.5
     beta, h0 = torch.sigmoid(rand(1, T, H)), rand(N, H, K, V) * 0.1
     grads = [rand(1, T, H, V), rand(N, H, K, V), rand(len(_CHECK_REQUESTS), H, K, V)]
-    with torch.inference_mode(False), torch.enable_grad():
+    # its own autograd graph, whatever encloses the first call: identity saved-tensor hooks
+    # innermost (a checkpoint's forward or recomputation must not pack or count its tensors)
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+    ):
         leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v, g, beta)]
         h0d = h0.to(device).requires_grad_()
         lengths = list(_CHECK_LENGTHS)
