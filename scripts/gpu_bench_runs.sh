@@ -37,6 +37,9 @@
 #             QWEN_FLAGS="..." adds bench flags (e.g. "--recompute-skip attention,linear_attention --force"),
 #             TAG=NAME names that run's files; PROFILE=1 also profiles one microbatch per side of the
 #             timed step (--profile: device time by region and kernel, printed)
+#   gdn_ab NAME [L]  `qwen NAME L` twice in one call: HARTS_GDN_NATIVE=0 (GDN on the KDA kernels with the
+#             decay broadcast, the default), then =1 (fla-core's own GDN kernels); TIMEOUT=S per run
+#             (default 280); files tagged gdn0 / gdn1
 #   qwen_profile NAME [L]  `qwen NAME L` with --profile-only: the first microbatch of each side, after
 #             one untimed run of it (the step is not timed): device busy time by region and by kernel
 #   silu_ab N  `medium_full N` twice in one call: HARTS_KDA_SILU_IN_SPLIT=0 (the short conv's SiLU in
@@ -69,11 +72,11 @@
 # USE_TUNED_FLA=1 runs any part with the configs a `tune` call left on this machine (it stops if
 # there are none); the part's log says so.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N|medium_full N|silu_ab N|env_ab NAME N|qwen NAME [L]|qwen_profile NAME [L]|gpu_tests PATH...}
+part=${1:?usage: scripts/gpu_bench_runs.sh tests|flash_tests|moe|medium|swe5|swe0|plan|profile|profile_swe|profile_la|tune|qkv_norm|sweep|layers N|medium_layers N|moe_keep N [S]|medium_keep N|medium_full N|silu_ab N|env_ab NAME N|qwen NAME [L]|qwen_profile NAME [L]|gdn_ab NAME [L]|gpu_tests PATH...}
 case "$part" in
 tests | flash_tests | moe | medium | swe5 | swe0 | plan | profile | profile_swe | profile_la | tune | qkv_norm | sweep) ;;
 layers | medium_layers | moe_keep | medium_keep | medium_full | silu_ab) [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "$part needs a layer count N" >&2; exit 2; } ;;
-qwen | qwen_profile) [[ "${2:-}" =~ ^[a-z0-9_]+$ ]] || { echo "$part needs a preset name" >&2; exit 2; } ;;
+qwen | qwen_profile | gdn_ab) [[ "${2:-}" =~ ^[a-z0-9_]+$ ]] || { echo "$part needs a preset name" >&2; exit 2; } ;;
 env_ab)
     [[ "${2:-}" =~ ^HARTS_[A-Z0-9_]+$ ]] || { echo "env_ab needs a HARTS_* switch name, e.g. HARTS_KDA_FLA_GATE" >&2; exit 2; }
     [[ "${3:-}" =~ ^[0-9]+$ ]] || { echo "env_ab needs a layer count N after the name" >&2; exit 2; } ;;
@@ -84,7 +87,7 @@ gpu_tests)
         [[ "$f" == */* || "$f" == *.py* ]] || continue
         [ -e "${f%%::*}" ] || { echo "gpu_tests: no test file '${f%%::*}'" >&2; exit 2; }
     done ;;
-*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, silu_ab N, env_ab NAME N, qwen NAME [L], qwen_profile NAME [L], gpu_tests PATH...)" >&2; exit 2 ;;
+*) echo "unknown part '$part' (tests, flash_tests, moe, medium, swe5, swe0, plan, profile, profile_swe, profile_la, tune, qkv_norm, sweep, layers N, medium_layers N, moe_keep N [S], medium_keep N, medium_full N, silu_ab N, env_ab NAME N, qwen NAME [L], qwen_profile NAME [L], gdn_ab NAME [L], gpu_tests PATH...)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-gpu_bench_out}
 mkdir -p "$OUT"
@@ -222,6 +225,12 @@ qwen)
         cat "$OUT/$tag.profile"/step3/*.txt 2>/dev/null | grep -vE "^ +[0-9.]+ +[0-9]+  " | head -120
         rm -f "$OUT/$tag.profile"/step3/*.json  # the traces: too large to come back
     fi
+    ;;
+gdn_ab)
+    for v in 0 1; do
+        echo "== HARTS_GDN_NATIVE=$v"
+        HARTS_GDN_NATIVE=$v TAG=gdn$v TIMEOUT=${TIMEOUT:-280} bash "$0" qwen "$2" "${3:-8}"
+    done
     ;;
 qwen_profile)
     name=$2

@@ -216,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
     if args.profile_only:
         return _profile_only(args, model, sources, execution, workers)
     results, cold_start = _bench_steps(args, model, sources, execution, workers, peak, started, cold, cold_beside)
+    gdn = _gdn_kernels(model, kernels)
+    if gdn is not None:
+        print(f"GDN linear attention ran on: {gdn}", flush=True)
     _print_tables(results)
     _print_ratios(results)
     if args.json_out:
@@ -225,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
                 **settings_record(args, model, recompute),
                 "flex_backend": flex,
                 "la_backend": args.la_backend,
-                "kernels": kernels.to_dict(),
+                "kernels": {**kernels.to_dict(), "gdn_kernels": gdn},
                 "logprobs": args.logprobs,
                 "dp": args.dp,
                 "replica": args.replica,
@@ -238,6 +241,17 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _gdn_kernels(model: Any, kernels: Any) -> str | None:  # noqa: ANN401
+    """For a model with GDN layers on the tree kernel: which kernels its GDN calls ran on
+    (``harts.ops.linear_attn.tree_kernel.gdn_kernels``: "gdn" fla-core's GDN kernels, "kda" the
+    KDA kernels with the decay broadcast, "mixed"); None otherwise."""
+    if "G" not in model.config.layer_pattern or kernels.linear_attention != "tree":
+        return None
+    from harts.ops.linear_attn.tree_kernel import gdn_kernels
+
+    return gdn_kernels()
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -6,10 +6,13 @@ the reference runs for that key from then on."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
-__all__ = ["kernel_passes"]
+import torch
+
+__all__ = ["kernel_passes", "own_autograd"]
 
 R = TypeVar("R")
 
@@ -41,3 +44,18 @@ def kernel_passes(
         if why is not None:
             warnings.warn(f"harts' {name} kernel is off for {key}: {why}; {fallback}", stacklevel=3)
     return checked[key]
+
+
+@contextmanager
+def own_autograd() -> Iterator[None]:
+    """A graph of the check's own, built and differentiated inside whatever runs around it: grad
+    on, inference mode off, and identity saved-tensor hooks innermost, so that a non-reentrant
+    checkpoint's forward or recomputation around a first call neither packs nor counts the
+    check's tensors (it would see a different number of saved tensors in its recomputation, or
+    stop the check's backward as its own)."""
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+    ):
+        yield

@@ -108,26 +108,48 @@ def test_tree_kernel_gdn_at_qwen_heads_without_fallback() -> None:
         assert e < 5e-3, f"{name}: {e:.2e}"
 
 
+@pytest.fixture
+def gdn_native_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GDN on fla-core's GDN kernels (``HARTS_GDN_NATIVE=1``), its check run afresh."""
+    from harts.ops.linear_attn.tree_kernel import _gdn_checked
+
+    monkeypatch.setenv("HARTS_GDN_NATIVE", "1")
+    _gdn_checked.clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_gdn_runs_on_fla_gdn_kernels(dtype: torch.dtype) -> None:
+def test_gdn_runs_on_fla_gdn_kernels(dtype: torch.dtype, gdn_native_on: None) -> None:
     """At Qwen's linear-attention shape (32 heads of 128) GDN takes fla-core's own GDN kernels:
     their first-call check against the KDA kernels passes, without a warning (on Hopper with
     Triton < 3.7.1 this is the check that fla #640's miscompile would fail)."""
     import warnings
 
-    from harts.ops.linear_attn.tree_kernel import _gdn_checked, gdn_native
+    from harts.ops.linear_attn.tree_kernel import gdn_native
 
     q = torch.zeros(1, 32, 128, device="cuda", dtype=dtype)
-    _gdn_checked.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert gdn_native(q, q)
 
 
-def test_gdn_kernels_bf16_within_the_kda_kernels_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gdn_kernels_match_the_reference(gdn_native_on: None) -> None:
+    """float32 GDN on fla's GDN kernels against the float64 reference, every output and
+    gradient, at Qwen's head dim; no warning (the check passed, the GDN kernels ran)."""
+    import warnings
+
+    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        errs, _ = _errors(tree_chunk_linear_attn, "gdn", torch.float32, K=128)
+    for name, e in errs.items():
+        assert e < 5e-3, f"{name}: {e:.2e}"
+
+
+def test_gdn_kernels_bf16_within_the_kda_kernels_error(monkeypatch: pytest.MonkeyPatch, gdn_native_on: None) -> None:
     """bf16 GDN on fla's GDN kernels: every output and gradient within 1.5x the error of the KDA
-    kernels with the decay broadcast (``HARTS_GDN_NATIVE=0``) plus the float32 error, on the
-    same rows and weights, at Qwen's head dim."""
+    kernels with the decay broadcast (the default) plus the float32 error, on the same rows and
+    weights, at Qwen's head dim."""
     from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
 
     f32, _ = _errors(tree_chunk_linear_attn, "gdn", torch.float32, K=128)
@@ -268,14 +290,19 @@ def _linked_plan():  # noqa: ANN202
     return plan
 
 
-@pytest.mark.parametrize("kind", ["kda", "gdn"])
+@pytest.mark.parametrize("kind", ["kda", "gdn", "gdn_native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_linked_rounds_equal_the_rounds_one_call_each(dtype: torch.dtype, kind: str) -> None:
+def test_linked_rounds_equal_the_rounds_one_call_each(
+    dtype: torch.dtype, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """All rounds in one op (``linked_tree_linear_attn``) against the float64 reference run
     round by round with the states handed over: outputs and every input's gradient; bf16 within
     1.5x the per-round tree kernel's own bf16 error plus its float32 error."""
     from harts.ops.linear_attn.tree_kernel import linked_tree_linear_attn, tree_chunk_linear_attn
 
+    if kind == "gdn_native":  # GDN on fla's GDN kernels (``HARTS_GDN_NATIVE=1``)
+        monkeypatch.setenv("HARTS_GDN_NATIVE", "1")
+        kind = "gdn"
     plan = _linked_plan()
     ref_x = _linked_inputs(torch.float64, kind)
     ref = _per_round(ref_x)

@@ -15,17 +15,21 @@ fla-core's intra-chunk kernels and harts' own state scans (``tree_scan``):
 So a round runs as one packed call whatever it exports, with no split and no second scan
 (fla's own chunk_kda returns only final states and takes a gradient only for them).
 
-* GDN (scalar decay g [T, H]) runs fla-core's own GDN kernels around the same scans
+* GDN (scalar decay g [T, H]) runs, by default, through the KDA kernels with the decay
+  broadcast over the key channels (a per-channel decay equal on every channel is the
+  scalar-decay rule; ``_KDA``); its gradient is summed back over the channels. This is the path
+  every GDN figure in ``benchmarks/results`` was measured on.
+* ``HARTS_GDN_NATIVE=1`` runs GDN on fla-core's own GDN kernels around the same scans
   (``_GDN``): chunk_gated_delta_rule_fwd_intra (w, u, A) and chunk_fwd_o forward;
   recompute_w_u_fwd, chunk_bwd_dv_local, chunk_bwd_dqkwg and prepare_wy_repr_bwd backward; the
   scans decay the raw keys and queries per row themselves (``tree_scan``'s scalar decay). Its
   intra-chunk work has no per-channel decay, so it is lighter than KDA's. fla refuses
   chunk_bwd_dqkwg with a decay on Hopper with Triton in [3.4, 3.7.1) (fla #640: a miscompile at
   a 64-wide key block); harts launches that kernel itself and checks the whole GDN op once per
-  (device, dtype, heads, dims) against the KDA kernels with the decay broadcast over the key
-  channels (a per-channel decay equal on every channel is the scalar-decay rule; ``_KDA``), on a
-  small packed problem, forward and every gradient. Where it differs (or
-  ``HARTS_GDN_NATIVE=0``) GDN runs through the KDA kernels, as it always may.
+  (device, dtype, heads, dims) against the KDA kernels on a small packed problem, forward and
+  every gradient; where it differs, GDN runs through the KDA kernels. It is a switch, not the
+  default, until a GPU run has timed it against the KDA kernels on the Qwen presets
+  (``scripts/gpu_bench_runs.sh gdn_ab``).
 * Requests must be chunk-aligned (count % B == 0), or a sequence's full length, or 0: what
   replay plans produce. A non-aligned request (the ``no_replay`` ablation) is served by the
   split path (``fla_chunk_linear_attn``) instead.
@@ -47,11 +51,11 @@ import numpy as np
 import torch
 
 from harts.ops.fla_index import fla_chunk_indices
-from harts.ops.kernel_check import kernel_passes
+from harts.ops.kernel_check import kernel_passes, own_autograd
 from harts.ops.linear_attn.utils import check_linear_attn_inputs
 from harts.ops.upload import upload
 
-__all__ = ["StateIO", "gdn_native", "plan_state_io", "tree_chunk_linear_attn"]
+__all__ = ["StateIO", "gdn_kernels", "gdn_native", "plan_state_io", "tree_chunk_linear_attn"]
 
 
 @dataclass(frozen=True)
@@ -395,14 +399,19 @@ _CHECK_LENGTHS = (130, 64, 1, 200)
 _CHECK_REQUESTS = ((0, 64), (0, 128), (0, 130), (1, 64), (2, 0), (3, 64), (3, 192))
 
 
+def _gdn_native_asked() -> bool:
+    """``HARTS_GDN_NATIVE=1`` (read at each call, for A/B timing of one process against another)."""
+    return os.environ.get("HARTS_GDN_NATIVE", "0") == "1"
+
+
 def gdn_native(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether GDN (scalar decay) runs on fla-core's own GDN kernels (``_GDN``) for inputs like
     ``q`` [T, H, K] and ``v`` [T, H, V] (module docstring); else the KDA kernels with the decay
     broadcast (``_KDA``). Checked once per (device, dtype, H, K, V): both on a small packed
     problem (``_CHECK_LENGTHS``, states requested and handed in), output, states and every
     gradient; a difference beyond either side's rounding warns once and keeps the KDA kernels.
-    ``HARTS_GDN_NATIVE=0`` keeps them without a check."""
-    if os.environ.get("HARTS_GDN_NATIVE", "1") == "0" or not q.is_cuda:
+    Only with ``HARTS_GDN_NATIVE=1`` (module docstring); otherwise the KDA kernels, unchecked."""
+    if not _gdn_native_asked() or not q.is_cuda:
         return False
     H, K, V = q.shape[-2], q.shape[-1], v.shape[-1]
     key = (str(q.device), q.dtype, H, K, V)
@@ -422,6 +431,14 @@ def gdn_native(q: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+def gdn_kernels() -> str:
+    """Which kernels GDN's tree calls ran on in this process, for a report: "gdn" (fla-core's
+    GDN kernels, every checked shape), "kda" (the KDA kernels with the decay broadcast: the
+    default, or every check differed) or "mixed" (some shapes each way)."""
+    ran = set(_gdn_checked.values()) if _gdn_native_asked() else set()
+    return "mixed" if len(ran) == 2 else "gdn" if ran == {True} else "kda"
+
+
 def _check_problem(
     kernels: _Kernels, device: torch.device, dtype: torch.dtype, H: int, K: int, V: int
 ) -> list[torch.Tensor]:
@@ -439,13 +456,7 @@ def _check_problem(
     v, g = rand(1, T, H, V), -torch.nn.functional.softplus(rand(1, T, H)) * 0.5
     beta, h0 = torch.sigmoid(rand(1, T, H)), rand(N, H, K, V) * 0.1
     grads = [rand(1, T, H, V), rand(N, H, K, V), rand(len(_CHECK_REQUESTS), H, K, V)]
-    # its own autograd graph, whatever encloses the first call: identity saved-tensor hooks
-    # innermost (a checkpoint's forward or recomputation must not pack or count its tensors)
-    with (
-        torch.inference_mode(False),
-        torch.enable_grad(),
-        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
-    ):
+    with own_autograd():  # the first call may sit in a checkpoint's forward or recomputation
         leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v, g, beta)]
         h0d = h0.to(device).requires_grad_()
         lengths = list(_CHECK_LENGTHS)
