@@ -142,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"harts: {args.command} interrupted", file=sys.stderr)
         return 130
     except Exception as err:
+        if _is_out_of_memory(err):
+            if debug_enabled():
+                traceback.print_exc()
+            print(f"harts: error: {out_of_memory_line(args.command, err)}", file=sys.stderr)
+            return 2
         if not _is_user_error(err, args):
             raise  # a bug of ours: keep the traceback (exit status 1)
         # user-facing errors (bad files, bad options) are one clear line, not a traceback
@@ -149,6 +154,27 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"harts: error: {err}", file=sys.stderr)
         return 2
+
+
+def _is_out_of_memory(err: Exception) -> bool:
+    """torch's device out-of-memory error (torch imported by the command that raised it)."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom is not None and isinstance(err, oom)
+
+
+def out_of_memory_line(command: str, err: Exception) -> str:
+    """One line for a device that ran out of memory mid-run: torch's first three sentences (what
+    it tried to allocate; the device's capacity and what was free) and what to change. The commands
+    estimate memory before any work and refuse a run that does not fit, so this is a run whose
+    estimate was overridden (``--force``) or fell short."""
+    sentences = [p.strip() for p in str(err).split(". ") if p.strip()]
+    said = ". ".join(sentences[:3]).rstrip(".")
+    return (
+        f"{command}: the device ran out of memory ({said}): the run does not fit; lower --capacity, "
+        "use fewer --layers, or recompute more (--recompute); without --force the memory check "
+        "refuses runs it estimates over the device (HARTS_DEBUG=1 shows where it ran out)"
+    )
 
 
 def _is_user_error(err: Exception, args: argparse.Namespace) -> bool:

@@ -263,6 +263,32 @@ def test_user_error_one_line_debug_traceback_and_bugs_keep_theirs(tmp_path, monk
         main(["stats"])
 
 
+def test_device_out_of_memory_is_one_line(monkeypatch, capsys):
+    """A run that ran out of device memory (its estimate overridden with --force, or short):
+    torch's first three sentences and what to change, exit 2; the traceback only with HARTS_DEBUG."""
+    import harts.commands.stats as stats
+
+    def oom(args):  # noqa: ANN001
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 1.20 GiB. GPU 0 has a total capacity of 79.18 GiB of "
+            "which 454.19 MiB is free. Including non-PyTorch memory, this process has 78.73 GiB in use."
+        )
+
+    monkeypatch.setattr(stats, "run", oom)
+    monkeypatch.delenv("HARTS_DEBUG", raising=False)
+    assert main(["stats"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(
+        "harts: error: stats: the device ran out of memory (CUDA out of memory. Tried to allocate 1.20 GiB. "
+        "GPU 0 has a total capacity of 79.18 GiB of which 454.19 MiB is free): "
+    )
+    assert "--capacity" in err and "--force" in err
+    monkeypatch.setenv("HARTS_DEBUG", "1")
+    assert main(["stats"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
 def test_console_script_exit_codes(tmp_path):
     """Through the real entry point: exit 2 and one line for a user error."""
     code = "import sys; from harts.cli import main; sys.exit(main())"
