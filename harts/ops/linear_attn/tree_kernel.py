@@ -394,9 +394,12 @@ _GDN = _Kernels("gdn", _gdn_fwd_intra, _gdn_fwd_output, _gdn_bwd_head, _gdn_bwd_
 _gdn_checked: dict[tuple, bool] = {}
 
 #: the check's packed problem: sequence lengths (a partial chunk, an aligned one, a single row,
-#: several chunks) and its requested states (sequence, position count)
-_CHECK_LENGTHS = (130, 64, 1, 200)
-_CHECK_REQUESTS = ((0, 64), (0, 128), (0, 130), (1, 64), (2, 0), (3, 64), (3, 192))
+#: several chunks, and one long sequence: fla-core autotunes its GDN kernels on their first
+#: call, which is this check's, and its autotuner keys on heads and dims, not rows, so the
+#: configurations are chosen on a problem of some size) and its requested states (sequence,
+#: position count)
+_CHECK_LENGTHS = (130, 64, 1, 200, 8192)
+_CHECK_REQUESTS = ((0, 64), (0, 128), (0, 130), (1, 64), (2, 0), (3, 64), (3, 192), (4, 4096))
 
 
 def _gdn_native_asked() -> bool:
@@ -440,13 +443,21 @@ def gdn_kernels() -> str:
 
 
 def _check_problem(
-    kernels: _Kernels, device: torch.device, dtype: torch.dtype, H: int, K: int, V: int
+    kernels: _Kernels,
+    device: torch.device,
+    dtype: torch.dtype,
+    H: int,
+    K: int,
+    V: int,
+    lengths: tuple[int, ...] = _CHECK_LENGTHS,
+    requests: tuple[tuple[int, int], ...] = _CHECK_REQUESTS,
 ) -> list[torch.Tensor]:
-    """``gdn_native``'s problem through ``kernels``: [o, final, requested, dq, dk, dv, dg, dbeta,
-    dh0] in float32 (the KDA kernels' dg summed over the key channels)."""
+    """``gdn_native``'s problem (``lengths``, ``requests``) through ``kernels``: [o, final,
+    requested, dq, dk, dv, dg, dbeta, dh0] in float32 (the KDA kernels' dg summed over the key
+    channels)."""
     B = 64
     gen = torch.Generator().manual_seed(0)
-    T, N = sum(_CHECK_LENGTHS), len(_CHECK_LENGTHS)
+    T, N = sum(lengths), len(lengths)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
@@ -455,13 +466,12 @@ def _check_problem(
     k = torch.nn.functional.normalize(rand(1, T, H, K), dim=-1)
     v, g = rand(1, T, H, V), -torch.nn.functional.softplus(rand(1, T, H)) * 0.5
     beta, h0 = torch.sigmoid(rand(1, T, H)), rand(N, H, K, V) * 0.1
-    grads = [rand(1, T, H, V), rand(N, H, K, V), rand(len(_CHECK_REQUESTS), H, K, V)]
+    grads = [rand(1, T, H, V), rand(N, H, K, V), rand(len(requests), H, K, V)]
     with own_autograd():  # the first call may sit in a checkpoint's forward or recomputation
         leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v, g, beta)]
         h0d = h0.to(device).requires_grad_()
-        lengths = list(_CHECK_LENGTHS)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-        meta = _device_meta(starts, lengths, list(_CHECK_REQUESTS), B, device)
+        meta = _device_meta(starts, list(lengths), list(requests), B, device)
         gk = leaves[3] if kernels is _GDN else leaves[3][..., None].expand(1, T, H, K).contiguous()
         o, final, exported = _TreeKDA.apply(*leaves[:3], gk, leaves[4], h0d, meta, K**-0.5, B, kernels)
         requested = torch.cat([exported, final, h0d])[meta.source]
