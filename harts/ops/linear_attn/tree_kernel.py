@@ -26,7 +26,7 @@ So a round runs as one packed call whatever it exports, with no split and no sec
   intra-chunk work has no per-channel decay, so it is lighter than KDA's. fla refuses
   chunk_bwd_dqkwg with a decay on Hopper with Triton in [3.4, 3.7.1) (fla #640: a miscompile at
   a 64-wide key block); harts launches that kernel itself and checks the whole GDN op once per
-  (device, dtype, heads, dims) against the KDA kernels on a small packed problem, forward and
+  (device, dtype, heads, dims) against the KDA kernels on a packed problem of 8.6 k rows, forward and
   every gradient; where it differs, GDN runs through the KDA kernels. It is a switch, not the
   default, until a GPU run has timed it against the KDA kernels on the Qwen presets
   (``scripts/gpu_bench_runs.sh gdn_ab``).
@@ -410,7 +410,7 @@ def _gdn_native_asked() -> bool:
 def gdn_native(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether GDN (scalar decay) runs on fla-core's own GDN kernels (``_GDN``) for inputs like
     ``q`` [T, H, K] and ``v`` [T, H, V] (module docstring); else the KDA kernels with the decay
-    broadcast (``_KDA``). Checked once per (device, dtype, H, K, V): both on a small packed
+    broadcast (``_KDA``). Checked once per (device, dtype, H, K, V): both on one packed
     problem (``_CHECK_LENGTHS``, states requested and handed in), output, states and every
     gradient; a difference beyond either side's rounding warns once and keeps the KDA kernels.
     Only with ``HARTS_GDN_NATIVE=1`` (module docstring); otherwise the KDA kernels, unchecked."""
