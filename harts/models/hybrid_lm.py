@@ -145,6 +145,18 @@ class DecoderLayer(nn.Module):
         return self.mlp(x_TD, w_T, routing=routing, lean=kept, keep_gate_up=keep_gate_up, fast=fast)
 
 
+def _recompute_timed(layer: DecoderLayer) -> Any:  # noqa: ANN401
+    """``layer`` as checkpoint's function: its recomputation, when a region timer runs, inside
+    ``regions.recompute_span`` (the layer's recomputed work outside its core regions timed as
+    its own, not inside the backward region that triggered it); the forward unchanged."""
+
+    def run(h_TD: torch.Tensor, ctx: Any) -> Any:  # noqa: ANN401
+        with regions.recompute_span():
+            return layer(h_TD, ctx)
+
+    return run
+
+
 class HybridLM(nn.Module):
     #: the transformers model type and config a converted model came from (``integrations.hf``)
     hf_source: dict[str, Any] | None = None
@@ -310,7 +322,7 @@ class HybridLM(nn.Module):
                 # a kept MoE block (the layer's last saving op) must still be reached by the
                 # recomputation, which takes its stored output: no early stop then
                 with set_checkpoint_early_stop("moe" not in cfg.recompute_skip):
-                    outs = checkpoint(layer, h_TD, ctx, use_reentrant=False)
+                    outs = checkpoint(_recompute_timed(layer), h_TD, ctx, use_reentrant=False)
             else:
                 outs = layer(h_TD, ctx)
             h_TD = outs[0]

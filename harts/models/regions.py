@@ -10,7 +10,11 @@ is active (``with RegionTimer(device) as timer:``), every region records its tim
   (the start of the region's backward) and the input node's backward once every input
   gradient exists (its end), so the pair brackets the region's backward kernels;
 * recomputation (``torch.utils.checkpoint`` re-running a layer inside backward) is recorded
-  under its own phase, so a reader can see what recompute costs.
+  under its own phase, so a reader can see what recompute costs. The whole recomputed layer
+  also runs in region ``LAYER`` (``recompute_span``): the layer's work outside every core
+  region (projections, norms, the short conv) is timed there, as a child of whichever region's
+  backward asked for the recomputation, instead of inside that region's backward (the last
+  block of a layer, usually the MoE, would otherwise carry its whole layer's recomputation).
 
 On CUDA the marks are ``torch.cuda.Event``s (recorded on the current stream, read after the
 step's final synchronization: no host sync inside the step); on CPU they are host clocks.
@@ -31,13 +35,18 @@ Usage in a module::
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["ANNOTATION_PREFIX", "RegionTimer", "enter", "exit", "PHASES", "recomputing"]
+__all__ = ["ANNOTATION_PREFIX", "LAYER", "RegionTimer", "enter", "exit", "PHASES", "recompute_span", "recomputing"]
 
 PHASES = ("forward", "backward", "recompute")
+#: the region of a checkpointed layer's recomputation as a whole (``recompute_span``); its
+#: exclusive time is the recomputed work outside every core region, reported with "other"
+LAYER = "layer"
 #: profiler ranges of an annotating timer are named f"{ANNOTATION_PREFIX}{region}/{phase}"
 ANNOTATION_PREFIX = "harts/"
 
@@ -92,7 +101,10 @@ class RegionTimer:
             span.__enter__()
         self._stack.append((name, phase, self._mark(), [], span))
 
-    def stop(self, name: str, phase: str) -> None:
+    def stop(self, name: str, phase: str, *, keep_inner: bool = False) -> None:
+        """Close region ``name`` / ``phase``. Regions still open inside it are dropped (their
+        time stays with it), or with ``keep_inner`` recorded as ending now (a recomputation that
+        checkpoint stopped early: the work they ran is theirs)."""
         if not any(n == name and p == phase for n, p, _, _, _ in self._stack):
             return  # a backward end whose start never ran (no gradient reached the outputs)
         end = self._mark()
@@ -102,6 +114,9 @@ class RegionTimer:
                 span.__exit__(None, None, None)
             if n == name and p == phase:
                 break
+            if keep_inner:
+                self._closed.append((n, p, start, end, children))
+                self._stack[-1][3].append((start, end))
         self._closed.append((name, phase, start, end, children))
         if self._stack:
             self._stack[-1][3].append((start, end))
@@ -124,6 +139,23 @@ class RegionTimer:
 def recomputing() -> bool:
     """Whether a forward runs as checkpoint's recomputation (inside a running backward graph task)."""
     return torch._C._current_graph_task_id() != -1
+
+
+@contextmanager
+def recompute_span(name: str = LAYER) -> Iterator[None]:
+    """Region ``name``, phase "recompute", around a checkpointed layer's recomputation (module
+    docstring); closed when it ends or when checkpoint stops it early (its exception passes
+    through), the core regions it had open then recorded up to that point. Nothing outside a
+    recomputation or without an active timer."""
+    timer = _ACTIVE
+    if timer is None or not recomputing():
+        yield
+        return
+    timer.start(name, "recompute")
+    try:
+        yield
+    finally:
+        timer.stop(name, "recompute", keep_inner=True)
 
 
 def _phase() -> str:

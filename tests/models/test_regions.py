@@ -33,6 +33,11 @@ def test_timer_changes_nothing_and_times_every_region(recompute: bool) -> None:
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     totals = timer.totals()
+    # a recomputed layer's work outside its core regions is timed as the layer region's own
+    layer = totals.pop(regions.LAYER, None)
+    assert (layer is not None) == recompute
+    if layer is not None:
+        assert layer["recompute"] > 0 and layer["forward"] == layer["backward"] == 0
     assert set(totals) == {"linear_attention", "attention", "moe", "lm_head"}
     for name, phases in totals.items():
         assert phases["forward"] > 0 and phases["backward"] > 0, name
@@ -40,10 +45,38 @@ def test_timer_changes_nothing_and_times_every_region(recompute: bool) -> None:
     assert (totals["linear_attention"]["recompute"] > 0) == recompute
     assert (totals["attention"]["recompute"] > 0) == recompute
     # exclusive times never add up to more than the wall time
-    assert sum(sum(p.values()) for p in totals.values()) <= elapsed
+    assert sum(sum(p.values()) for p in [*totals.values(), layer or {}]) <= elapsed
     # inactive again: regions are pass-through
     x = torch.ones(2, requires_grad=True)
     assert regions.enter("attention", x)[0] is x
+
+
+def test_layer_recompute_is_its_own_and_an_early_stop_keeps_inner_regions(monkeypatch) -> None:  # noqa: ANN001
+    """On a clock that ticks once per mark: a layer recomputation inside the MoE's backward is
+    the MoE backward's child (subtracted from it), and when checkpoint stops it early (its
+    exception passing through ``recompute_span``) the core region it had open is recorded up to
+    that point, not dropped into the layer's time."""
+    ticks = iter(range(100))
+    monkeypatch.setattr(regions.RegionTimer, "_mark", lambda self: float(next(ticks)))
+    monkeypatch.setattr(regions, "recomputing", lambda: True)
+
+    class Stop(Exception):
+        pass
+
+    with regions.RegionTimer("cpu") as timer:
+        timer.start("moe", "backward")  # 0
+        with pytest.raises(Stop):
+            with regions.recompute_span():  # 1
+                timer.start("attention", "recompute")  # 2
+                timer.stop("attention", "recompute")  # 3
+                timer.start("moe", "recompute")  # 4
+                raise Stop  # checkpoint's early stop; the layer closes at 5
+        timer.stop("moe", "backward")  # 6
+    totals = timer.totals()
+    assert totals["attention"]["recompute"] == 1.0
+    assert totals["moe"]["recompute"] == 1.0  # 4 -> 5, kept
+    assert totals[regions.LAYER]["recompute"] == 4.0 - 1.0 - 1.0  # 1 -> 5 less its two children
+    assert totals["moe"]["backward"] == 6.0 - 4.0  # 0 -> 6 less the layer (1 -> 5)
 
 
 def test_only_one_timer_at_a_time() -> None:
