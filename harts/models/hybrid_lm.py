@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x_TD, w_T, routing=routing, lean=kept, keep_gate_up=keep_gate_up, fast=fast)
 
 
-def _recompute_timed(layer: DecoderLayer) -> Any:  # noqa: ANN401
+def _recompute_timed(layer: nn.Module) -> Any:  # noqa: ANN401
     """``layer`` as checkpoint's function: its recomputation, when a region timer runs, inside
     ``regions.recompute_span`` (the layer's recomputed work outside its core regions timed as
     its own, not inside the backward region that triggered it); the forward unchanged."""
