@@ -380,15 +380,14 @@ def _gdn_dqkwg(q, k, v_new, w, gc, h, dv2, do, dh, scale: float, cu, chunks, B: 
 class _Kernels:
     """One rule's fla kernels around harts' scans (``_TreeKDA`` / ``_LinkedKDA`` run either)."""
 
-    name: str
     fwd_intra: Callable
     fwd_output: Callable
     bwd_head: Callable
     bwd_tail: Callable
 
 
-_KDA = _Kernels("kda", _fwd_intra, _fwd_output, _bwd_head, _bwd_tail)
-_GDN = _Kernels("gdn", _gdn_fwd_intra, _gdn_fwd_output, _gdn_bwd_head, _gdn_bwd_tail)
+_KDA = _Kernels(_fwd_intra, _fwd_output, _bwd_head, _bwd_tail)
+_GDN = _Kernels(_gdn_fwd_intra, _gdn_fwd_output, _gdn_bwd_head, _gdn_bwd_tail)
 
 #: per (device, dtype, H, K, V): whether fla's GDN kernels matched the KDA kernels' result
 _gdn_checked: dict[tuple, bool] = {}
