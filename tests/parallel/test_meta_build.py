@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harts.integrations.loading import load_model
+from harts.models.init import init_specs, init_value
 from harts.parallel.build import build_parallel_model, materialize, moe_experts
 from harts.parallel.mesh import ParallelConfig, init_parallel
 from harts.parallel.parallelize import parallelize
@@ -41,16 +42,27 @@ def _step(model: torch.nn.Module, state: Any) -> dict[str, Any]:
 def _both(spec: str, dp: int, ep: int) -> dict[str, Any]:
     """On every rank: today's path (whole model, then sharded) and the meta path, same mesh."""
     whole = load_model(spec, vocab_size=VOCAB, dtype="float64", seed=SEED)
+    unsharded = load_model(spec, vocab_size=VOCAB, dtype="float64", seed=SEED, device="meta")
     state = init_parallel(ParallelConfig(dp=dp, ep=ep), "cpu", moe_experts(whole))
     whole = parallelize(whole, state)
     meta = load_model(spec, vocab_size=VOCAB, dtype="float64", seed=SEED, device="meta")
     assert all(p.is_meta for p in meta.parameters())
     meta = materialize(parallelize(meta, state), state, spec=spec, seed=SEED)
+    # each tensor's seeded value drawn alone on this thread: on a mismatch, the failure says
+    # which build left it (a checkpoint's values are not seeded: no reference)
+    reference = {} if spec != "tiny" else {n: init_value(s, SEED) for n, s in init_specs(unsharded).items()}
     return {
+        "reference": reference,
         "params": (full_params(whole), full_params(meta)),
         "buffers": (_buffers(whole), _buffers(meta)),
         "step": (_step(whole, state), _step(meta, state)),
     }
+
+
+def _off(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How far ``a`` is from ``b``: the largest absolute difference and how many entries differ."""
+    diff = (a - b).abs()
+    return f"max |diff| {float(diff.max()):.3e} in {int((diff != 0).sum())} of {diff.numel()} entries"
 
 
 def _check_equal(got: dict[str, Any]) -> None:
@@ -59,7 +71,9 @@ def _check_equal(got: dict[str, Any]) -> None:
         assert a.keys() == b.keys() and a, kind
         for name in a:
             assert a[name].dtype == b[name].dtype == torch.float64, name
-            assert torch.equal(a[name], b[name]), (kind, name)
+            ref = got["reference"].get(name)
+            off = "" if ref is None else f"; from the lone draw: whole {_off(a[name], ref)}, meta {_off(b[name], ref)}"
+            assert torch.equal(a[name], b[name]), f"{kind} {name}: {_off(a[name], b[name])} apart{off}"
     s, t = got["step"]
     assert s["loss"] == t["loss"] and s["moe"] == t["moe"]
     assert s["grads"].keys() == t["grads"].keys() and s["grads"]
