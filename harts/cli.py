@@ -95,10 +95,14 @@ def _check_environment() -> None:
     from harts.errors import UserError
     from harts.ops.attention.tree_mask import flex_backend_setting
     from harts.ops.compiled import dynamic_setting
+    from harts.ops.linear_attn.fla_configs import fla_autotune_asked
+    from harts.ops.linear_attn.tree_kernel import gdn_native_asked
 
     try:
         flex_backend_setting()
         dynamic_setting()
+        gdn_native_asked()
+        fla_autotune_asked()
     except ValueError as err:
         raise UserError(str(err)) from None
 

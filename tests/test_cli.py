@@ -59,3 +59,36 @@ def test_version(capsys):
         main(["--version"])
     assert exit.value.code == 0
     assert capsys.readouterr().out.strip() == f"harts {harts.__version__}"
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("HARTS_GDN_NATIVE", "true"),
+        ("HARTS_FLA_AUTOTUNE", "yes"),
+        ("HARTS_FLEX_BACKEND", "cutlass"),
+        ("HARTS_COMPILE_DYNAMIC", "some"),
+    ],
+)
+def test_a_misspelt_setting_is_one_line_before_any_work(monkeypatch, capsys, tmp_path, name, value):
+    """A checked ``HARTS_*`` setting with a value it does not take is refused by name before the
+    command does anything (no output file written), never read as its default."""
+    monkeypatch.setenv(name, value)
+    out = tmp_path / "s.json"
+    assert main(["stats", "--workload", "tiny", "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harts: error:") and name in err[0] and repr(value) in err[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value, on", [("", False), ("0", False), (" 1 ", True), ("1", True)])
+def test_opt_in_switches_read_0_1_or_unset(monkeypatch, value, on):
+    from harts.ops.linear_attn.fla_configs import fla_autotune_asked
+    from harts.ops.linear_attn.tree_kernel import gdn_native_asked
+
+    for name in ("HARTS_GDN_NATIVE", "HARTS_FLA_AUTOTUNE"):
+        monkeypatch.delenv(name, raising=False)
+    assert gdn_native_asked() is False and fla_autotune_asked() is False
+    monkeypatch.setenv("HARTS_GDN_NATIVE", value)
+    monkeypatch.setenv("HARTS_FLA_AUTOTUNE", value)
+    assert gdn_native_asked() is on and fla_autotune_asked() is on

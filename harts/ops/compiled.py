@@ -68,6 +68,7 @@ __all__ = [
     "compiles_dtypes",
     "cuda_compiled",
     "dynamic_setting",
+    "env_opt_in",
     "env_switch",
     "mark_row_dynamic",
     "run_row_bounded",
@@ -95,6 +96,17 @@ def env_switch(name: str) -> bool:
     """An on-by-default switch from the environment: False when ``name`` is set to
     0/false/no/off (any case), True otherwise (unset included)."""
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def env_opt_in(name: str) -> bool:
+    """An off-by-default switch from the environment: True for 1, False for 0 or unset (or empty);
+    raises ``ValueError`` naming the variable for any other value, so a misspelt choice
+    (``true``, ``on``) is an error rather than silently the default (``harts.cli`` checks these
+    before a command runs)."""
+    want = os.environ.get(name, "").strip()
+    if want not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1; got {want!r}")
+    return want == "1"
 
 
 def compile_enabled() -> bool:

@@ -33,7 +33,16 @@ import re
 from collections import Counter
 from pathlib import Path
 
-__all__ = ["CONFIG_ROOT", "config_changes", "configure_fla_cache", "dump_fla_autotune", "gpu_dir_name"]
+from harts.ops.compiled import env_opt_in
+
+__all__ = [
+    "CONFIG_ROOT",
+    "config_changes",
+    "configure_fla_cache",
+    "dump_fla_autotune",
+    "fla_autotune_asked",
+    "gpu_dir_name",
+]
 
 CONFIG_ROOT = Path(__file__).with_name("fla_configs")
 
@@ -43,13 +52,19 @@ def gpu_dir_name(device_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
 
 
+def fla_autotune_asked() -> bool:
+    """``HARTS_FLA_AUTOTUNE=1``: leave fla-core's autotuning on; raises ``ValueError`` for a value
+    other than 0, 1 or unset (``env_opt_in``)."""
+    return env_opt_in("HARTS_FLA_AUTOTUNE")
+
+
 def configure_fla_cache() -> str | None:
     """Point fla at harts' pinned configs for this GPU; call before fla is first imported.
 
     Returns the directory used, or None when the user's settings, ``HARTS_FLA_AUTOTUNE=1``,
     a missing GPU or a GPU without shipped configs leave fla's autotuning on.
     """
-    if os.environ.get("HARTS_FLA_AUTOTUNE") == "1":
+    if fla_autotune_asked():
         return None
     if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ:
         return None

@@ -42,7 +42,6 @@ size, NT chunks of all sequences, E distinct exported states.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,12 +49,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harts.ops.compiled import env_opt_in
 from harts.ops.fla_index import fla_chunk_indices
 from harts.ops.kernel_check import kernel_passes, own_autograd
 from harts.ops.linear_attn.utils import check_linear_attn_inputs
 from harts.ops.upload import upload
 
-__all__ = ["StateIO", "gdn_kernels", "gdn_native", "plan_state_io", "tree_chunk_linear_attn"]
+__all__ = ["StateIO", "gdn_kernels", "gdn_native", "gdn_native_asked", "plan_state_io", "tree_chunk_linear_attn"]
 
 
 @dataclass(frozen=True)
@@ -401,9 +401,10 @@ _CHECK_LENGTHS = (130, 64, 1, 200, 8192)
 _CHECK_REQUESTS = ((0, 64), (0, 128), (0, 130), (1, 64), (2, 0), (3, 64), (3, 192), (4, 4096))
 
 
-def _gdn_native_asked() -> bool:
-    """``HARTS_GDN_NATIVE=1`` (read at each call, for A/B timing of one process against another)."""
-    return os.environ.get("HARTS_GDN_NATIVE", "0") == "1"
+def gdn_native_asked() -> bool:
+    """``HARTS_GDN_NATIVE=1`` (read at each call, for A/B timing of one process against another);
+    raises ``ValueError`` for a value other than 0, 1 or unset (``env_opt_in``)."""
+    return env_opt_in("HARTS_GDN_NATIVE")
 
 
 def gdn_native(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -413,7 +414,7 @@ def gdn_native(q: torch.Tensor, v: torch.Tensor) -> bool:
     problem (``_CHECK_LENGTHS``, states requested and handed in), output, states and every
     gradient; a difference beyond either side's rounding warns once and keeps the KDA kernels.
     Only with ``HARTS_GDN_NATIVE=1`` (module docstring); otherwise the KDA kernels, unchecked."""
-    if not _gdn_native_asked() or not q.is_cuda:
+    if not gdn_native_asked() or not q.is_cuda:
         return False
     H, K, V = q.shape[-2], q.shape[-1], v.shape[-1]
     key = (str(q.device), q.dtype, H, K, V)
@@ -437,7 +438,7 @@ def gdn_kernels() -> str:
     """Which kernels GDN's tree calls ran on in this process, for a report: "gdn" (fla-core's
     GDN kernels, every checked shape), "kda" (the KDA kernels with the decay broadcast: the
     default, or every check differed) or "mixed" (some shapes each way)."""
-    ran = set(_gdn_checked.values()) if _gdn_native_asked() else set()
+    ran = set(_gdn_checked.values()) if gdn_native_asked() else set()
     return "mixed" if len(ran) == 2 else "gdn" if ran == {True} else "kda"
 
 
