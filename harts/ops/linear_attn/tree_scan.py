@@ -217,22 +217,34 @@ def _tree_scan_bwd_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         last = bos + tl.minimum((i_t + 1) * BT, T) - 1
         b_kg = tl.load(kg + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_qg = tl.load(qg + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        if SCALAR_G:  # kg and qg are the raw keys and queries: their row decays here
+        if SCALAR_G:  # kg is the raw keys: each row decays to the chunk's end here
             b_gl = tl.load(gk + last * H + i_h).to(tl.float32)
             b_g = tl.load(gk + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
             b_kg = (b_kg.to(tl.float32) * tl.exp2(b_gl - b_g)[:, None]).to(b_kg.dtype)
-            b_qg = (b_qg.to(tl.float32) * tl.exp2(b_g)[:, None]).to(b_qg.dtype)
         b_dv = tl.load(dv + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
         b_dv2 = b_dv.to(tl.float32) + tl.dot(b_kg, b_ds.to(b_kg.dtype))
         tl.store(dv2 + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
         b_do = tl.load(do + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
         b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_upd = tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype)) * scale - tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype))
-        if SCALAR_G:
-            b_ds = b_ds * tl.exp2(tl.load(gk + last * H + i_h).to(tl.float32)) + b_upd
+        b_qg = tl.load(qg + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        # each branch reads its own decay (no name crosses from one compile-time branch to the
+        # other); the per-channel one keeps its sum in the order it always had, so the KDA
+        # scans' results are bit for bit what they were before the scalar mode existed
+        if SCALAR_G:  # qg is the raw queries: each row decays from the chunk's start here
+            b_gs = tl.load(gk + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+            b_qg = (b_qg.to(tl.float32) * tl.exp2(b_gs)[:, None]).to(b_qg.dtype)
+            b_ds = (
+                b_ds * tl.exp2(tl.load(gk + last * H + i_h).to(tl.float32))
+                + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype)) * scale
+                - tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype))
+            )
         else:
-            b_ds = b_ds * tl.exp2(tl.load(gk + (last * H + i_h) * K + o_k).to(tl.float32))[:, None] + b_upd
+            b_gk = tl.load(gk + (last * H + i_h) * K + o_k).to(tl.float32)
+            b_ds = (
+                b_ds * tl.exp2(b_gk)[:, None]
+                + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype)) * scale
+                - tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype))
+            )
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh * K * V + state_off, b_ds, mask=m_state)
 
