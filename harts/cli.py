@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if _is_out_of_memory(err):
             if debug_enabled():
                 traceback.print_exc()
-            print(f"harts: error: {out_of_memory_line(args.command, err)}", file=sys.stderr)
+            line = out_of_memory_line(args.command, err, _command_options(parser, args.command))
+            print(f"harts: error: {line}", file=sys.stderr)
             return 2
         if not _is_user_error(err, args):
             raise  # a bug of ours: keep the traceback (exit status 1)
@@ -167,18 +168,35 @@ def _is_out_of_memory(err: Exception) -> bool:
     return oom is not None and isinstance(err, oom)
 
 
-def out_of_memory_line(command: str, err: Exception) -> str:
+def out_of_memory_line(command: str, err: Exception, options: frozenset[str] = frozenset()) -> str:
     """One line for a device that ran out of memory mid-run: torch's first three sentences (what
-    it tried to allocate; the device's capacity and what was free) and what to change. The commands
-    estimate memory before any work and refuse a run that does not fit, so this is a run whose
-    estimate was overridden (``--force``) or fell short."""
+    it tried to allocate; the device's capacity and what was free) and what to change, naming
+    only the flags ``command`` has (``options``: its option strings). The commands that can size
+    a run estimate its memory before any work and refuse one that does not fit, so this is a run
+    whose estimate was overridden (``--force``) or fell short."""
     sentences = [p.strip() for p in str(err).split(". ") if p.strip()]
     said = ". ".join(sentences[:3]).rstrip(".")
-    return (
-        f"{command}: the device ran out of memory ({said}): the run does not fit; lower --capacity, "
-        "use fewer --layers, or recompute more (--recompute); without --force the memory check "
-        "refuses runs it estimates over the device (HARTS_DEBUG=1 shows where it ran out)"
-    )
+    changes = [
+        text
+        for flag, text in (
+            ("--capacity", "lower --capacity"),
+            ("--layers", "use fewer --layers"),
+            ("--recompute", "recompute more (--recompute)"),
+        )
+        if flag in options
+    ]
+    advice = "the run does not fit" + (f"; {', or '.join(changes)}" if changes else " on this device")
+    if "--force" in options:
+        advice += "; without --force the memory check refuses runs it estimates over the device"
+    return f"{command}: the device ran out of memory ({said}): {advice} (HARTS_DEBUG=1 shows where it ran out)"
+
+
+def _command_options(parser: argparse.ArgumentParser, command: str) -> frozenset[str]:
+    """The option strings of subcommand ``command`` (empty for an unknown one)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return frozenset(s for a in action.choices[command]._actions for s in a.option_strings)
+    return frozenset()
 
 
 def _is_user_error(err: Exception, args: argparse.Namespace) -> bool:

@@ -283,10 +283,31 @@ def test_device_out_of_memory_is_one_line(monkeypatch, capsys):
         "harts: error: stats: the device ran out of memory (CUDA out of memory. Tried to allocate 1.20 GiB. "
         "GPU 0 has a total capacity of 79.18 GiB of which 454.19 MiB is free): "
     )
-    assert "--capacity" in err and "--force" in err
+    # stats sizes nothing: no flag to change is named, only that it does not fit
+    assert "the run does not fit on this device" in err
+    assert not any(flag in err for flag in ("--capacity", "--layers", "--recompute", "--force"))
     monkeypatch.setenv("HARTS_DEBUG", "1")
     assert main(["stats"]) == 2
     assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command, named, absent",
+    [
+        ("train", ["--capacity", "--layers", "--recompute", "--force"], []),
+        ("compare", ["--layers", "--recompute", "--force"], ["--capacity"]),
+        ("demo", ["--force"], ["--capacity", "--layers", "--recompute"]),
+        ("plan", ["--capacity"], ["--layers", "--recompute", "--force"]),
+    ],
+)
+def test_out_of_memory_advice_names_only_the_commands_own_flags(command, named, absent):
+    from harts.cli import _command_options, build_parser, out_of_memory_line
+
+    err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.20 GiB.")
+    line = out_of_memory_line(command, err, _command_options(build_parser(), command))
+    assert line.startswith(f"{command}: the device ran out of memory (CUDA out of memory. Tried to allocate 1.20 GiB)")
+    assert all(flag in line for flag in named), line
+    assert not any(flag in line for flag in absent), line
 
 
 def test_console_script_exit_codes(tmp_path):
