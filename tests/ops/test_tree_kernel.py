@@ -150,10 +150,15 @@ def test_gdn_kernels_bf16_within_the_kda_kernels_error(monkeypatch: pytest.Monke
     """bf16 GDN on fla's GDN kernels: every output and gradient within 1.5x the error of the KDA
     kernels with the decay broadcast (the default) plus the float32 error, on the same rows and
     weights, at Qwen's head dim."""
-    from harts.ops.linear_attn.tree_kernel import tree_chunk_linear_attn
+    import warnings
 
-    f32, _ = _errors(tree_chunk_linear_attn, "gdn", torch.float32, K=128)
-    native, w = _errors(tree_chunk_linear_attn, "gdn", torch.bfloat16, K=128)
+    from harts.ops.linear_attn.tree_kernel import gdn_kernels, tree_chunk_linear_attn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed check warns: the GDN kernels must have run
+        f32, _ = _errors(tree_chunk_linear_attn, "gdn", torch.float32, K=128)
+        native, w = _errors(tree_chunk_linear_attn, "gdn", torch.bfloat16, K=128)
+    assert gdn_kernels() == "gdn"
     monkeypatch.setenv("HARTS_GDN_NATIVE", "0")
     kda, _ = _errors(tree_chunk_linear_attn, "gdn", torch.bfloat16, weights=w, K=128)
     for name in native:
@@ -240,9 +245,9 @@ LINKED = [
 ]
 
 
-def _linked_inputs(dtype: torch.dtype, kind: str = "kda"):  # noqa: ANN202
+def _linked_inputs(dtype: torch.dtype, kind: str = "kda", K: int = 64):  # noqa: ANN202
     torch.manual_seed(3)
-    T, H, K, dev = sum(sum(r[0]) for r in LINKED), 4, 64, "cuda"
+    T, H, dev = sum(sum(r[0]) for r in LINKED), 4, "cuda"
     x = [
         torch.randn(T, H, K, device=dev, dtype=torch.float64),
         F.normalize(torch.randn(T, H, K, device=dev, dtype=torch.float64), dim=-1),
@@ -298,24 +303,36 @@ def test_linked_rounds_equal_the_rounds_one_call_each(
     """All rounds in one op (``linked_tree_linear_attn``) against the float64 reference run
     round by round with the states handed over: outputs and every input's gradient; bf16 within
     1.5x the per-round tree kernel's own bf16 error plus its float32 error."""
-    from harts.ops.linear_attn.tree_kernel import linked_tree_linear_attn, tree_chunk_linear_attn
+    import warnings
 
-    if kind == "gdn_native":  # GDN on fla's GDN kernels (``HARTS_GDN_NATIVE=1``)
+    from harts.ops.linear_attn.tree_kernel import (
+        _gdn_checked,
+        gdn_kernels,
+        linked_tree_linear_attn,
+        tree_chunk_linear_attn,
+    )
+
+    native, K = kind == "gdn_native", 64
+    if native:  # GDN on fla's GDN kernels (``HARTS_GDN_NATIVE=1``), at Qwen's head dim, checked afresh
         monkeypatch.setenv("HARTS_GDN_NATIVE", "1")
-        kind = "gdn"
+        _gdn_checked.clear()
+        kind, K = "gdn", 128
+        # a failed check warns and runs the KDA kernels: that must not pass for this test
+        warnings.simplefilter("error")
     plan = _linked_plan()
-    ref_x = _linked_inputs(torch.float64, kind)
+    ref_x = _linked_inputs(torch.float64, kind, K)
     ref = _per_round(ref_x)
     w = torch.randn_like(ref)
     g_ref = torch.autograd.grad((ref * w).sum(), ref_x)
 
     def errors(run, dt: torch.dtype) -> list[float]:  # noqa: ANN001
-        x = _linked_inputs(dt, kind)
+        x = _linked_inputs(dt, kind, K)
         o = run(x)
         grads = torch.autograd.grad((o.double() * w).sum(), x)
         return [_rel(a, b) for a, b in zip([o, *grads], [ref, *g_ref])]
 
     linked = errors(lambda x: linked_tree_linear_attn(*x, plan=plan), dtype)
+    assert not native or gdn_kernels() == "gdn"
     names = ["o", "dq", "dk", "dv", "dg", "dbeta"]
     if dtype == torch.float32:
         for name, e in zip(names, linked):

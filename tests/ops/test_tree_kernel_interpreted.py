@@ -201,7 +201,8 @@ def check_gdn_tail_on_chunk_subsets() -> None:
 
 def check_gdn_check() -> None:
     """``gdn_native``'s check problem: the GDN and KDA kernel sets agree within its tolerance,
-    and a result off by fla #640's order (a gradient scaled by 1.5) does not."""
+    and a result off by fla #640's order (a gradient scaled by 1.5) does not, nor one beside a
+    reference holding a NaN."""
     _interpreter_single_config()
     from harts.ops.linear_attn.tree_kernel import _GDN, _KDA, _check_close, _check_problem
 
@@ -213,6 +214,10 @@ def check_gdn_check() -> None:
     bad = [t.clone() for t in gdn]
     bad[4] = bad[4] * 1.5  # dk
     assert not _check_close(bad, kda, torch.float32)
+    # a NaN on the reference's side fails it too (max(NaN, ...) would compare as no difference)
+    nan_ref = [t.clone() for t in kda]
+    nan_ref[0].view(-1)[0] = float("nan")
+    assert not _check_close(gdn, nan_ref, torch.float32)
 
 
 @pytest.mark.parametrize(

@@ -484,10 +484,11 @@ def _check_problem(
 def _check_close(got: list[torch.Tensor], want: list[torch.Tensor], dtype: torch.dtype) -> bool:
     """Every tensor within a few of its dtype's rounding steps of the other side's, relative to
     its largest entry (the two sides round their intermediates differently); fla #640's
-    miscompile was off by about half of that scale."""
+    miscompile was off by about half of that scale. A non-finite entry on either side fails it (a
+    NaN in the reference would otherwise compare as no difference)."""
     tol = 2e-2 if dtype == torch.float32 else 1e-1
     for g, w in zip(got, want, strict=True):
-        if g.shape != w.shape or not bool(torch.isfinite(g).all()):
+        if g.shape != w.shape or not bool(torch.isfinite(g).all()) or not bool(torch.isfinite(w).all()):
             return False
         scale = max(float(w.abs().max()), 1e-6)
         if float((g - w).abs().max()) > tol * scale:
