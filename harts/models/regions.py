@@ -60,7 +60,10 @@ class RegionTimer:
     layer runs inside the backward of the region that first unpacks a recomputed tensor) is
     subtracted from its parent, so the regions' times add up to at most the step's time.
     A region left open by an aborted recomputation (checkpoint stops recomputing once it has
-    every tensor it needs) is dropped, and its time stays with its parent.
+    every tensor it needs) is recorded as ending where the recomputation stopped when that
+    recomputation runs in a ``recompute_span`` (every checkpointed layer of ``HybridLM``: the
+    work it ran is its own); a region closed by ``stop`` without ``keep_inner`` drops those
+    still open inside it, and their time stays with it.
     """
 
     def __init__(self, device: torch.device | str, *, annotate: bool = False) -> None:

@@ -302,8 +302,10 @@ def _gdn_bwd_head(q, k, v, gc, beta, Aqk, A, h0, do, scale: float, cu, ci, co, n
 
 
 def _gdn_bwd_tail(q, k, v, v_new, w, gc, beta, A, h, do, dh, dv2, dAqk, scale: float, cu, chunks, co, B: int):  # noqa: ANN001, ANN202
-    """GDN's backward after the scan, on the chunks ``chunks`` (``_bwd_tail``'s contract; h /
-    dh in ``chunks``' order, as fla's dqkwg kernel addresses them by program id): dq, dk, dw,
+    """GDN's backward after the scan, on the chunks ``chunks`` (``_bwd_tail``'s contract, but dq
+    and dk in q's dtype, as fla's own GDN backward leaves them: its dqkwg kernel writes them so
+    and the WY part of dk is added in that dtype; h / dh in ``chunks``' order, as fla's dqkwg
+    kernel addresses them by program id): dq, dk, dw,
     dg of the output and state terms (``_gdn_dqkwg``), then the WY representation's backward,
     the two parts of dk and dg added, dg summed back over each chunk (reverse cumsum)."""
     from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
@@ -322,8 +324,10 @@ def _gdn_bwd_tail(q, k, v, v_new, w, gc, beta, A, h, do, dh, dv2, dAqk, scale: f
 def _gdn_dqkwg(q, k, v_new, w, gc, h, dv2, do, dh, scale: float, cu, chunks, B: int):  # noqa: ANN001, ANN202
     """fla's ``chunk_bwd_kernel_dqkwg`` with a decay, launched here: fla's own wrapper refuses
     it on Hopper with Triton in [3.4, 3.7.1) (fla #640), where harts checks the result instead
-    (``gdn_native``). Block sizes as fla's wrapper picks them: 128 on GPUs with Hopper's shared
-    memory (K = 128 there: one key block, not the 64-wide block that miscompiles), else 64 or 32."""
+    (``gdn_native``). Block sizes as fla's wrapper picks them: up to 128 on GPUs with Hopper's
+    shared memory, else 64 or 32. At the Qwen models' K = 128 that is one 128-wide key block,
+    not the 64-wide one the miscompile was reported at; a K of 64 or less does get a 64-wide (or
+    narrower) block, and the check decides there."""
     import triton
     from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
     from fla.utils import check_shared_mem
