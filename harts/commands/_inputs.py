@@ -41,11 +41,12 @@ from harts.trainer.build import check_la_backend as check_la_backend
 from harts.trainer.build import checkpoint_errors as checkpoint_errors
 from harts.trainer.build import flex_backends as flex_backends
 from harts.trainer.checks import StepSummary as StepSummary
+from harts.trainer.checks import batch_vocab as batch_vocab
 from harts.trainer.checks import check_capacity as check_capacity
 from harts.trainer.checks import check_plannable as check_plannable
 from harts.trainer.checks import check_recompute_layers as check_recompute_layers
 from harts.trainer.checks import max_compression as max_compression
-from harts.trainer.checks import needed_vocab, vocab_note
+from harts.trainer.checks import needed_vocab as needed_vocab
 from harts.trainer.checks import summarize as summarize
 from harts.tree.dataset import Schedule
 
@@ -84,19 +85,6 @@ def workers_int(text: str) -> int | str:
     if text.strip().lower() == "auto":
         return "auto"
     return nonneg_int(text)
-
-
-def batch_vocab(summaries: list[StepSummary], model: str, *, quiet: bool = False) -> tuple[int, str]:
-    """``needed_vocab(summaries, model)``: the vocabulary ``--model`` is built with for the
-    steps, and where their largest token id sits; a published preset's vocabulary grown to fit
-    them is said in one line on stderr (unless ``quiet``: the ranks but the first)."""
-    import sys
-
-    vocab, where = needed_vocab(summaries, model)
-    note = vocab_note(model, vocab)
-    if note and not quiet:
-        print(f"harts: note: {note}", file=sys.stderr, flush=True)
-    return vocab, where
 
 
 def add_planner_workers_argument(p: argparse.ArgumentParser) -> None:

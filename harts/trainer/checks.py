@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StepSummary",
+    "batch_vocab",
     "check_capacity",
     "check_plannable",
     "check_recompute_layers",
@@ -143,6 +144,19 @@ def needed_vocab(summaries: list[StepSummary], model: str | None = None) -> tupl
         vocab = max(vocab, published_vocab(model) or 0)
     j, t = top.max_token_at
     return vocab, f"token id {top.max_token:,} ({top.where()}, trajectory {j}, position {t})"
+
+
+def batch_vocab(summaries: list[StepSummary], model: str, *, quiet: bool = False) -> tuple[int, str]:
+    """``needed_vocab(summaries, model)``: the vocabulary ``--model`` is built with for the
+    steps, and where their largest token id sits; a published preset's vocabulary grown to fit
+    them is said in one line on stderr (unless ``quiet``: the ranks but the first)."""
+    import sys
+
+    vocab, where = needed_vocab(summaries, model)
+    note = vocab_note(model, vocab)
+    if note and not quiet:
+        print(f"harts: note: {note}", file=sys.stderr, flush=True)
+    return vocab, where
 
 
 def published_vocab(model: str) -> int | None:

@@ -52,13 +52,12 @@ from harts.trainer.build import ModelSpec, build_model, build_model_and_attentio
 from harts.trainer.checkpoints import RunCheckpoints
 from harts.trainer.checks import (
     StepSummary,
+    batch_vocab,
     check_capacity,
     check_plannable,
     check_recompute_layers,
     max_compression,
-    needed_vocab,
     summarize,
-    vocab_note,
 )
 from harts.trainer.signals import Interrupted, Signals
 from harts.trainer.step import StepLog, StepPrefetcher, TrainConfig, train_step
@@ -257,10 +256,7 @@ class _Run:
         cfg, spec, train = self.cfg, self.spec, self.train_cfg
         # the step planner's processes start now, so that spawning them overlaps building the model
         shared_workers(train.planner_workers)
-        vocab, where = needed_vocab(summaries, spec.model)
-        note = vocab_note(spec.model, vocab)
-        if note and self.rank == 0:
-            print(f"harts: note: {note}", file=sys.stderr, flush=True)
+        vocab, where = batch_vocab(summaries, spec.model, quiet=self.rank != 0)
         if self.hooks.check_memory is not None:
             # a rank of a row group holds capacity / (cp tp) rows between the mixers, and inside
             # them cp tp times the rows for 1 / (cp tp) of the heads: about capacity / (cp tp)
