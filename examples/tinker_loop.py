@@ -1,7 +1,8 @@
 """A tinker-cookbook-style SFT loop, then an RL loop, against ``harts serve``, with the real tinker SDK.
 
-    harts serve --model tiny --api-key tml-local &                  # one terminal
-    python examples/tinker_loop.py --base-url http://127.0.0.1:8000 --api-key tml-local
+    export KEY=tml-$(python -c 'import secrets; print(secrets.token_hex(16))')
+    harts serve --model tiny --api-key "$KEY" &                     # one terminal
+    python examples/tinker_loop.py --base-url http://127.0.0.1:8000 --api-key "$KEY"
 
     python examples/tinker_loop.py                                  # or: it starts its own server
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -185,7 +187,11 @@ def running_at(url: str) -> Iterator[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description="SFT then RL through harts serve with the tinker SDK")
     p.add_argument("--base-url", default=None, help="a running harts serve (default: start one with --model)")
-    p.add_argument("--api-key", default=os.environ.get("TINKER_API_KEY", "tml-harts-example"))
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TINKER_API_KEY") or f"tml-{secrets.token_hex(16)}",
+        help="the server's key (default: $TINKER_API_KEY, else a fresh one for the server it starts)",
+    )
     p.add_argument("--model", default="tiny", help="base_model (and harts serve --model when starting one)")
     p.add_argument("--state-dir", default=None, help="the started server's checkpoints (default: a temporary dir)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")

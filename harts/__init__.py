@@ -22,6 +22,7 @@ _EXPORTS = {
     "TreeFileError": "harts.errors",
     "CapacityError": "harts.errors",
     "OutputPathError": "harts.errors",
+    "DivergenceError": "harts.errors",
     "RolloutTree": "harts.tree.rollout_tree",
     "CompactBatch": "harts.tree.compact",
     "compact": "harts.tree.compact",

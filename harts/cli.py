@@ -11,9 +11,10 @@ works from any install (``torchrun $(which harts)`` fails where ``harts`` is a s
 
 Errors: every user error is a ``harts.errors.UserError``; ``main`` prints it as
 ``harts: error: <message>`` on stderr and returns 2, without a traceback unless the environment
-sets ``HARTS_DEBUG=1``. Bad options are argparse's (usage, the option named, exit 2). Ctrl-C
-returns 130 (``harts train`` saves what it finished first, see ``harts.commands.train``). Any
-other exception is a bug: it keeps its traceback (exit status 1).
+sets ``HARTS_DEBUG=1``; under torchrun, an error every rank raised alike (``UserError.every_rank``:
+the ranks agreed on it) is printed by rank 0 alone. Bad options are argparse's (usage, the option
+named, exit 2). Ctrl-C returns 130 (``harts train`` saves what it finished first, see
+``harts.commands.train``). Any other exception is a bug: it keeps its traceback (exit status 1).
 """
 
 from __future__ import annotations
@@ -157,8 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         # user-facing errors (bad files, bad options) are one clear line, not a traceback
         if debug_enabled():
             traceback.print_exc()
-        print(f"harts: error: {err}", file=sys.stderr)
+        if not (getattr(err, "every_rank", False) and _rank() > 0):
+            print(f"harts: error: {err}", file=sys.stderr)
         return 2
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 without it)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def _is_out_of_memory(err: Exception) -> bool:

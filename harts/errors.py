@@ -20,7 +20,8 @@ Hierarchy::
           ├── TreeFileError           a TREE.json segment file is malformed
           ├── CapacityError           a trajectory does not fit the microbatch capacity
           ├── OutputPathError         an output path cannot be written, or would be overwritten
-          └── DamagedCheckpoint       a checkpoint file is missing, truncated or garbled
+          ├── DamagedCheckpoint       a checkpoint file is missing, truncated or garbled
+          └── DivergenceError         a training step's loss or gradient norm is not finite
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "CapacityError",
     "OutputPathError",
     "DamagedCheckpoint",
+    "DivergenceError",
 ]
 
 
@@ -45,7 +47,12 @@ class UserError(HartsError, ValueError):
 
     Its text is one line: a message that quotes another library's error (which may span several
     lines) is joined into one, so that the CLI's ``harts: error: ...`` stays a single line.
+
+    ``every_rank``: under torchrun, every rank raised this same error (the ranks agreed on it, as
+    a checkpoint's loading does), so the CLI prints it from rank 0 alone: one line, not one a rank.
     """
+
+    every_rank: bool = False
 
     def __str__(self) -> str:
         text = super().__str__()
@@ -73,3 +80,9 @@ class OutputPathError(UserError):
 class DamagedCheckpoint(UserError):
     """A checkpoint file is missing, truncated, garbled or holds something harts never writes (a
     pickle); the message names the file and the checkpoint to use instead."""
+
+
+class DivergenceError(UserError):
+    """A training step's loss or gradient norm is not finite (a learning rate too high, data
+    with huge advantages or weights). The step is refused before its update: the weights and the
+    optimizer state stay as they were before it, and the message names the step."""

@@ -12,7 +12,16 @@ and exports) goes through here:
   never leaves half a file. A character device or FIFO (``/dev/stdout``, ``/dev/null``, a pipe)
   is written in place instead: renaming onto it would replace the device node with a regular
   file. Sockets and block devices are refused;
-* ``write_json`` and ``save_figure`` are the two writers on top of it.
+* ``write_json`` and ``save_figure`` are the two writers on top of it;
+* ``replace_dir`` puts a finished directory (a checkpoint, a trainer state) in place of an older
+  one so that a process killed at any point leaves one of them whole, and ``restore_dir`` repairs
+  what such a kill left (every saver of directories uses the pair);
+* ``writing(path)`` turns a write that fails on the way (a disk that fills, a directory made
+  read-only, a quota) into ``write_failed``'s one line, ``<path>: cannot write: No space left on
+  device (errno 28)``: every writer of a command's outputs (checkpoints, saved weights, metrics,
+  JSON) runs inside it, so that the CLI prints that line instead of a traceback. ``os_error_of``
+  finds the operating system's error also where a writer reports it as its own exception
+  (safetensors' ``SafetensorError`` carries it only in its text).
 
 Every problem is an ``OutputPathError`` (a ``UserError``) naming the option and the path. At the
 bottom of the package beside ``harts.errors``: only the standard library and ``harts.errors`` are
@@ -21,24 +30,35 @@ imported (matplotlib by the figure's own ``savefig``), so every layer can write 
 
 from __future__ import annotations
 
+import contextlib
+import errno as errno_mod
 import json
 import os
+import re
+import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from harts.errors import OutputPathError
+from harts.errors import HartsError, OutputPathError
 
 __all__ = [
     "PLOT_FORMATS",
     "check_output_dir",
     "check_output_file",
+    "moved_aside",
+    "remove_path",
+    "replace_dir",
+    "restore_dir",
     "save_figure",
+    "os_error_of",
     "special_file",
     "write_atomic",
+    "write_failed",
     "write_json",
+    "writing",
 ]
 
 #: the figure formats every command that draws accepts (matplotlib's own writers, no PIL)
@@ -178,6 +198,48 @@ def write_atomic(path: str | Path, write: Callable[[Path], None], *, option: str
         raise
 
 
+def moved_aside(path: Path) -> Path:
+    """Where ``replace_dir`` keeps the directory it replaces until the new one is in place."""
+    return path.with_name(f".{path.name}.old")
+
+
+def replace_dir(tmp: Path, path: Path, aside: Path | None = None) -> None:
+    """Rename the finished directory ``tmp`` to ``path``. One already at ``path`` is renamed to
+    ``aside`` (``moved_aside(path)`` unless given) first and removed once the new one is in place,
+    so a process killed at any point leaves one whole copy: under ``path`` (old or new) or, between
+    the two renames, under ``aside``, which ``restore_dir`` puts back."""
+    aside = moved_aside(path) if aside is None else aside
+    if os.path.lexists(path):
+        remove_path(aside)  # stale: ``path`` is whole
+        os.replace(path, aside)
+    os.replace(tmp, path)
+    remove_path(aside)
+
+
+def restore_dir(path: Path, aside: Path | None = None) -> str | None:
+    """Repair what a killed ``replace_dir`` left of ``path``: with nothing at ``path``, the copy
+    moved aside goes back ("restored"); beside a ``path`` it is stale and goes ("removed"); None
+    when there is no such copy."""
+    aside = moved_aside(path) if aside is None else aside
+    if not os.path.lexists(aside):
+        return None
+    if os.path.lexists(path):
+        remove_path(aside)
+        return "removed"
+    os.replace(aside, path)
+    return "restored"
+
+
+def remove_path(path: Path) -> None:
+    """Remove ``path`` whatever it is (a directory tree, a file, a symlink: the link, never its
+    target); nothing there, or a part that cannot be removed, is no error."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def write_json(
     path: str,
     obj: Any,  # noqa: ANN401
@@ -195,10 +257,8 @@ def write_json(
         with tmp.open("w") as fh:
             json.dump(obj, fh, indent=indent, default=default)
 
-    try:
+    with writing(path, option):
         write_atomic(path, write, option=option)
-    except OSError as err:
-        raise OutputPathError(f"{option} {path}: cannot write ({err.strerror or err})") from None
 
 
 def save_figure(fig: Any, path: str | Path, *, option: str, dpi: int = 110) -> None:  # noqa: ANN401
@@ -208,7 +268,54 @@ def save_figure(fig: Any, path: str | Path, *, option: str, dpi: int = 110) -> N
     if not _written_in_place(p):
         _check_format(p, option, PLOT_FORMATS)
     fmt = p.suffix.lower().lstrip(".") or "png"  # /dev/stdout has no suffix
-    try:
+    with writing(p, option):
         write_atomic(p, lambda target: fig.savefig(str(target), format=fmt, dpi=dpi), option=option)
-    except OSError as err:
-        raise OutputPathError(f"{option} {p}: cannot write ({err.strerror or err})") from None
+
+
+#: how Rust's ``std::io::Error`` ends its text (safetensors' ``SafetensorError`` quotes it)
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_of(err: BaseException) -> OSError | None:
+    """The operating system's error behind ``err``: ``err`` itself, one it was raised from (or
+    while handling), or one a writer quotes in its text, as safetensors does (its I/O failures are
+    a ``SafetensorError`` whose text ends in ``(os error 28)``); None for any other failure. Of a
+    harts error, only ``write_failed``'s has one (its cause): a ``writing`` block around another
+    names its own path, the one its caller was asked to write, not a temporary one inside it."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, HartsError):
+            cause = cur.__cause__
+            return cause if isinstance(cur, OutputPathError) and isinstance(cause, OSError) else None
+        if isinstance(cur, OSError):
+            return cur
+        quoted = _RUST_OS_ERROR.search(str(cur)) if type(cur).__name__ == "SafetensorError" else None
+        if quoted is not None:
+            code = int(quoted[1])
+            return OSError(code, os.strerror(code))
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return None
+
+
+def write_failed(path: str | Path, err: OSError, option: str | None = None) -> OutputPathError:
+    """The one line for output ``path`` (given by ``option``, if any) that could not be written:
+    ``[option ]path: cannot write: <the system's words> (errno N)``."""
+    why = err.strerror or str(err) or type(err).__name__
+    code = f" (errno {err.errno})" if err.errno is not None and err.errno in errno_mod.errorcode else ""
+    return OutputPathError(f"{option + ' ' if option else ''}{path}: cannot write: {why}{code}")
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, option: str | None = None) -> Iterator[None]:
+    """Writes into output ``path``: a failure of the operating system's (``os_error_of``) inside
+    becomes ``write_failed``'s ``OutputPathError``; any other exception passes unchanged. Nested,
+    the outermost names the path (the one the caller was asked for, not a temporary one inside)."""
+    try:
+        yield
+    except Exception as err:
+        found = os_error_of(err)
+        if found is None:
+            raise
+        raise write_failed(path, found, option) from found

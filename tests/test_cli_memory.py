@@ -4,6 +4,7 @@ model is built; ``--force`` goes on."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -125,7 +126,7 @@ def test_serve_counts_the_served_weights_once(capsys, monkeypatch) -> None:  # n
     started: list[object] = []
     monkeypatch.setattr("harts.serve.server.serve", lambda config, **kw: started.append(config))
     argv = ["serve", "--model", "ling3_tiny", "--layers", "1", "--capacity", "1024", "--port", "1"]
-    argv += ["--api-key", "tml-test", "--max-models", "8"]
+    argv += ["--api-key", "tml-test-0123456789abcdef", "--max-models", "8"]
     monkeypatch.setattr(memory, "available_bytes", lambda device: held.total)
     assert run(capsys, *argv)[0] == 0 and len(started) == 1
     monkeypatch.setattr(memory, "available_bytes", lambda device: held.total - one.terms["parameters"])
@@ -154,7 +155,7 @@ def test_serve_checks_its_engines_execution(capsys, monkeypatch) -> None:  # noq
     started: list[object] = []
     monkeypatch.setattr("harts.serve.server.serve", lambda config, **kw: started.append(config))
     argv = ["serve", "--model", "ling3_tiny", "--layers", "4", "--capacity", "4096", "--max-models", "1", "--port", "1"]
-    argv += ["--api-key", "tml-test"]
+    argv += ["--api-key", "tml-test-0123456789abcdef"]
     code, _, err = run(capsys, *argv)
     line = one_error_line(err)
     assert code == 2 and "not enough memory on cpu" in line and "activations" in line, line
@@ -199,3 +200,75 @@ def test_serve_checks_each_lora_run_by_its_adapters(monkeypatch) -> None:  # noq
     with pytest.raises(memory.UserError, match=r"one step is estimated at"):
         check(None)
     memory.run_memory_check(spec, capacity=2048, execution=execution, force=True)(LoraConfig(rank=512))
+
+
+# ------------------------------------------------------------------ the address-space limit
+@pytest.fixture
+def address_space_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ulimit -v`` of 12 GiB on a process that maps 3 GiB already; 64 GiB free, no cgroup limit."""
+    import resource
+
+    real = resource.getrlimit
+    monkeypatch.setattr(
+        resource,
+        "getrlimit",
+        lambda which: (12 * GIB, resource.RLIM_INFINITY) if which == resource.RLIMIT_AS else real(which),
+    )
+    monkeypatch.setattr(memory, "_virtual_size", lambda: 3 * GIB)
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: 64 * GIB)
+    monkeypatch.setattr(memory, "_cgroup_room", lambda: None)
+
+
+def test_the_address_space_limit_bounds_what_is_available(address_space_limit) -> None:  # noqa: ANN001
+    have = memory.available_bytes("cpu")
+    assert have == 9 * GIB  # the limit less what is mapped, not the limit
+    assert have.limit == "the address-space limit, ulimit -v 12.0 GiB, less the 3.0 GiB this process maps already"
+
+
+def test_no_address_space_limit_leaves_the_free_memory(monkeypatch) -> None:  # noqa: ANN001
+    import resource
+
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: 64 * GIB)
+    monkeypatch.setattr(memory, "_cgroup_room", lambda: None)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    have = memory.available_bytes("cpu")
+    assert have == 64 * GIB and not getattr(have, "limit", "")
+
+
+def test_the_check_names_the_address_space_limit(capsys, address_space_limit) -> None:  # noqa: ANN001
+    code, _, err = run(capsys, "train", "--workload", "tiny", "--steps", "1", "--capacity", "2000000")
+    line = one_error_line(err)
+    assert code == 2 and line.startswith("harts: error: not enough memory on cpu"), line
+    assert "9.0 GiB available (the address-space limit, ulimit -v 12.0 GiB, less the 3.0 GiB" in line
+
+
+def _virtual_size_after_import() -> int:
+    """A fresh interpreter's virtual size once torch and the trainer are imported."""
+    code = "import os, torch, harts.trainer.run; print(int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return int(out.stdout)
+
+
+def test_a_run_over_the_address_space_limit_is_one_line_not_the_allocator_s_traceback() -> None:
+    """The whole command under a real ``ulimit -v`` of 1 GiB more than it maps after its imports:
+    one layer of ling3_tiny at --capacity 1024 is estimated at about 3 GiB, so the check refuses
+    it, naming the limit; without the check the step died in torch's allocator ("can't allocate
+    memory", a traceback)."""
+    import resource
+
+    if (memory._meminfo_available() or 0) < 6 * GIB:
+        pytest.skip("needs 6 GiB free, so that the address-space limit is the one that binds")
+    cap = _virtual_size_after_import() + GIB
+    argv = ["train", "--workload", "tiny", "--steps", "1", "--model", "ling3_tiny", "--layers", "1"]
+    out = subprocess.run(
+        [sys.executable, "-m", "harts.cli", *argv, "--capacity", "1024", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1])),
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = one_error_line(out.stderr)
+    assert line.startswith("harts: error: not enough memory on cpu"), line
+    assert "available (the address-space limit, ulimit -v" in line, line

@@ -153,7 +153,7 @@ def test_a_device_is_written_in_place_never_replaced(capsys, tree):
 def test_a_full_device_is_one_line_and_stays_a_device(capsys, tree):
     code, _, err = run(capsys, "calls", tree, "--json", "/dev/full", "--overwrite")
     assert code == 2 and err.count("\n") == 1
-    assert "--json /dev/full: cannot write (No space left on device)" in err
+    assert "--json /dev/full: cannot write: No space left on device (errno 28)" in err
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 

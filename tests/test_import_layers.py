@@ -5,7 +5,7 @@ dependency) and those made through ``importlib.import_module`` / ``__import__``:
 name is one edge, an f-string an edge to every module under its literal prefix, and a name
 computed at run time an edge to every harts module named by a string in that file (the lazy
 public API's table). Layers, lowest first: errors / outputs -> tree / envs -> plan -> ops -> models ->
-rl / rollout / parallel / integrations -> trainer -> serve -> commands -> cli. A module may
+rl / rollout / parallel / integrations -> trainer -> experiments / serve -> commands -> cli. A module may
 import its own layer or lower ones; ``import harts`` (the lazy public API) is allowed from
 commands and cli. Nothing in the package imports what lives beside it in the repository
 (``benchmarks``, ``tests``, ``scripts``, ``examples``): ``pip install harts`` ships none of it.
@@ -23,7 +23,11 @@ import harts
 KNOWN_UP: set[tuple[str, str]] = set()
 
 RANK = {"errors": 0, "outputs": 0, "tree": 1, "envs": 1, "plan": 2, "ops": 3, "models": 4, "rl": 5, "rollout": 5,
-        "parallel": 5, "integrations": 5, "trainer": 6, "serve": 7, "commands": 8, "cli": 9}  # fmt: skip
+        "parallel": 5, "integrations": 5, "trainer": 6, "experiments": 7, "serve": 7, "commands": 8,
+        "cli": 9}  # fmt: skip
+
+#: the runtime: what training, serving and their inputs run on; none of it imports the measurement room
+RUNTIME = {"tree", "plan", "ops", "models", "rl", "rollout", "parallel", "integrations", "trainer", "serve"}
 
 #: top-level names of the repository's other folders, which the package must not import
 OUTSIDE = {"benchmarks", "tests", "scripts", "examples"}
@@ -116,6 +120,14 @@ def test_layers_point_one_way() -> None:
             elif a != "harts" and RANK[b] > RANK[a] and (v, w) not in KNOWN_UP:
                 up.append((v, w))
     assert not up, up
+
+
+def test_the_runtime_never_imports_the_experiments() -> None:
+    """Benches time the runtime from outside (``harts.experiments``): no runtime module imports
+    one, not even beside it (``serve`` shares its rank), so measurement never ships in a step."""
+    into = [(v, w) for v, ws in _graph().items() for w in ws if _layer(v) in RUNTIME and _layer(w) == "experiments"]
+    assert not into, into
+    assert "experiments" in {_layer(m) for m in _modules()}
 
 
 def test_the_package_imports_nothing_beside_it() -> None:

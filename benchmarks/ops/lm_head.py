@@ -8,8 +8,10 @@ of width ``--dim`` against a ``--vocab`` x ``--dim`` head, in ``--dtype``, with 
 CUDA events (host clocks on CPU), median of ``--repeat`` after one untimed warm-up (which
 compiles the fused passes). Variants, on the same inputs:
 
-* ``kept``   the default on CUDA with half inputs where it fits (``keep_probs``): the forward keeps
-             each chunk's bf16 softmax, the backward recomputes no logits (three GEMMs per chunk);
+* ``kept``   ``keep_probs=True``: the forward keeps every chunk's bf16 softmax, the backward
+             recomputes no logits (three GEMMs per chunk);
+* ``default`` ``keep_probs=None`` under the device's default budget (``head_budget``): the first
+             chunks whose softmax fits in it kept, the others recomputed;
 * ``fused``  ``keep_probs=False``: compiled one-read passes over each logits chunk, the backward
              recomputes the logits (four GEMMs per chunk);
 * ``eager``  ``keep_probs=False, fused=False``: torch's logsumexp, then sub_/exp_/mul_ and a cast
@@ -81,8 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     targets = torch.randint(0, V, (rows.numel(),), generator=gen)
     upstream = torch.randn(rows.numel(), generator=gen).to(device)
 
-    def head(fused: bool, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = mapped_logprobs(hidden, weight, rows, targets, row_chunk=args.row_chunk, fused=fused, keep_probs=keep)
+    def head(fused: bool, keep: bool | None = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # chunks of exactly --row-chunk rows: a budget of one such chunk's float32 logits, but
+        # the default budget where the default keeps what fits in it
+        budget = None if keep is None else args.row_chunk * V * 4
+        out = mapped_logprobs(
+            hidden, weight, rows, targets, row_chunk=args.row_chunk, budget=budget, fused=fused, keep_probs=keep
+        )
         dh, dw = torch.autograd.grad((out * upstream).sum(), (hidden, weight))
         return out, dh, dw
 
@@ -100,12 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, float] = {}
     variants: list[tuple[str, Callable[[], object]]] = [
         ("kept", lambda: head(True, keep=True)),
+        ("default", lambda: head(True, keep=None)),
         ("fused", lambda: head(True)),
         ("eager", lambda: head(False)),
         ("gemms", gemms),
     ]
+    peaks: dict[str, float] = {}  # GiB above what was allocated before, CUDA only
     for name, fn in variants:
+        base = _reset_peak(device)
         results[name] = median_seconds(fn, device, args.repeat)
+        if device.type == "cuda":
+            peaks[name] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -129,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     flops = 3 * 2 * R * V * D
     print(f"rows {R:,} (+{rows.numel() - R:,} fork positions), D {D}, V {V:,}, {args.dtype}, {device}")
-    print(f"{'variant':<8} {'ms':>10} {'TFLOP/s':>9} {'over floor':>11}")
+    print(f"{'variant':<8} {'ms':>10} {'TFLOP/s':>9} {'over floor':>11} {'peak GiB':>9}")
     for name, s in results.items():
-        print(f"{name:<8} {s * 1e3:>10.2f} {flops / s / 1e12:>9.1f} {s / results['gemms']:>10.2f}x")
+        peak = f"{peaks[name]:>9.2f}" if name in peaks else f"{'n/a':>9}"
+        print(f"{name:<8} {s * 1e3:>10.2f} {flops / s / 1e12:>9.1f} {s / results['gemms']:>10.2f}x {peak}")
     print(
         f"eager / fused: {results['eager'] / results['fused']:.2f}x; fused / kept: {results['fused'] / results['kept']:.2f}x"
     )
@@ -148,11 +161,21 @@ def main(argv: list[str] | None = None) -> int:
             device=str(device),
             seconds=results,
             tflops={k: flops / s / 1e12 for k, s in results.items()},
+            peak_gib=peaks,
             vs_eager=diffs,
         ),
         indent=1,
     )
     return 0
+
+
+def _reset_peak(device: torch.device) -> int:
+    """Bytes allocated on a CUDA ``device`` now, its peak counter reset to them (0 elsewhere)."""
+    if device.type != "cuda":
+        return 0
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 if __name__ == "__main__":

@@ -49,9 +49,9 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list]:
     import torch
     import torch.distributed as dist
 
+    from harts.experiments.mesh_bench import shard_model
     from harts.integrations.loading import load_model
     from harts.parallel.mesh import ParallelConfig, setup_process_group
-    from harts.trainer.mesh_bench import shard_model
     from harts.tree.workloads import workload_steps
 
     device = setup_process_group(args.device)
@@ -191,9 +191,9 @@ def efficiency(one: dict, many: dict) -> dict[str, Any]:
 def scaling(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from harts.experiments.mesh_bench import time_mesh_step
     from harts.models.execution.config import ExecutionConfig
     from harts.models.flops import FlopModel, peak_tflops
-    from harts.trainer.mesh_bench import time_mesh_step
     from harts.trainer.step import TrainConfig, train_step
 
     model, state, batches, _ = _setup(args)
@@ -232,16 +232,16 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _raw_flops(*args: Any, **kwargs: Any) -> float:
-    """``harts.trainer.mesh_bench.raw_step_flops`` (imported when called: ``compare`` and
+    """``harts.experiments.mesh_bench.raw_step_flops`` (imported when called: ``compare`` and
     ``efficiency`` run without torch)."""
-    from harts.trainer.mesh_bench import raw_step_flops
+    from harts.experiments.mesh_bench import raw_step_flops
 
     return raw_step_flops(*args, **kwargs)
 
 
 def _executed_flops(*args: Any, **kwargs: Any) -> float:
-    """``harts.trainer.mesh_bench.executed_step_flops`` (imported when called)."""
-    from harts.trainer.mesh_bench import executed_step_flops
+    """``harts.experiments.mesh_bench.executed_step_flops`` (imported when called)."""
+    from harts.experiments.mesh_bench import executed_step_flops
 
     return executed_step_flops(*args, **kwargs)
 

@@ -17,13 +17,8 @@ from dataclasses import fields
 from typing import Any
 
 from benchmarks._runner import add_json_argument, parse, parser, run, write_json
-from harts.trainer.step_bench import (
-    BenchSide,
-    StepBench,
-    layout_chunk_steps,
-    recurrence_words,
-    trajectory_chunk_steps,
-)
+from harts.experiments.bench_result import BenchSide, StepBench, recurrence_words
+from harts.experiments.counts import layout_chunk_steps, trajectory_chunk_steps
 
 __all__ = ["chains_of_step", "fit_result", "main"]
 

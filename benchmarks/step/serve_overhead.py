@@ -236,7 +236,7 @@ def through_server(args: argparse.Namespace, data: list[Any], workdir: Path) -> 
     import tinker
     from tinker import types
 
-    port, key = _free_port(), f"tml-bench-{uuid.uuid4().hex[:8]}"
+    port, key = _free_port(), f"tml-bench-{uuid.uuid4().hex[:16]}"
     cmd = [sys.executable, "-m", "harts.cli", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--api-key", key, "--state-dir", str(workdir / "state"), "--device", args.device, "--dtype", args.dtype]
     # one training run is all this script creates: the memory check counts one engine (and the

@@ -1,5 +1,5 @@
 """``harts bench`` on a (dp, ep, cp, tp) mesh: ``torchrun --nproc-per-node N -m harts.cli bench
---ep E --cp C --tp P ...`` (``harts.trainer.mesh_bench``).
+--ep E --cp C --tp P ...`` (``harts.experiments.mesh_bench``).
 
 The mesh is the one ``harts train`` builds from the same flags (``launch_mesh``): its
 data-parallel degree is N / (E C P), each group of C P ranks splits every microbatch's compact
@@ -46,6 +46,11 @@ def check_mesh_flags(args: argparse.Namespace, world: int) -> Any:  # noqa: ANN4
             raise UserError(f"{flag} times one device; on a mesh {why} (drop {flag}, or run without torchrun)")
     if args.repeats != 1:
         raise UserError("--repeats times one device's step; on a mesh each side runs once (drop --repeats)")
+    if getattr(args, "lora", None) is not None:
+        raise UserError(
+            "--lora is timed on one device; on a mesh the adapters would have to be added before sharding "
+            "(drop --lora, or run without torchrun and without --ep / --cp / --tp)"
+        )
     other = args.ep * args.cp * args.tp
     if args.dp is not None and world % other == 0 and args.dp * other != world:
         raise UserError(
@@ -63,10 +68,10 @@ def run_mesh(args: argparse.Namespace, world: int, read_steps: Any) -> int:  # n
     import torch.distributed as dist
 
     from harts.commands._inputs import check_output_file, model_spec, recompute_fields
+    from harts.experiments.mesh_bench import shard_model
     from harts.models.execution.config import ExecutionConfig
     from harts.models.flops import peak_tflops
     from harts.parallel.mesh import setup_process_group
-    from harts.trainer.mesh_bench import shard_model
 
     config = check_mesh_flags(args, world)
     check_output_file(args.json_out, "--json", args.overwrite)
@@ -112,9 +117,9 @@ def _checked_structure(
 
     from harts.commands._inputs import batch_vocab
     from harts.commands._memory import check_memory
+    from harts.experiments.mesh_bench import check_mesh_model
     from harts.trainer.build import build_model
     from harts.trainer.checks import check_recompute_layers, max_compression
-    from harts.trainer.mesh_bench import check_mesh_model
 
     # before the process group: torchrun's RANK says which rank prints the vocabulary's note
     vocab, where = batch_vocab(summaries, spec.model, quiet=os.environ.get("RANK", "0") != "0")
@@ -160,7 +165,7 @@ def _bench(
 ) -> list:
     """Every step both ways (``bench_mesh_step``), its lines printed by rank 0 as it ends."""
     from harts.commands._inputs import planner_workers
-    from harts.trainer.mesh_bench import bench_mesh_step
+    from harts.experiments.mesh_bench import bench_mesh_step
 
     results = []
     for step, (_, make) in enumerate(sources, start=args.first_step):
@@ -223,6 +228,7 @@ def settings_record(args: argparse.Namespace, model: Any, recompute: dict[str, A
 
 def _write(args: argparse.Namespace, model: Any, config: Any, peak: float | None, results: list) -> None:  # noqa: ANN401
     from harts.commands._inputs import recompute_fields, write_json
+    from harts.models.flops import FlopModel
 
     write_json(
         args.json_out,
@@ -239,6 +245,7 @@ def _write(args: argparse.Namespace, model: Any, config: Any, peak: float | None
                 "replicas": config.replicas,
             },
             "peak_tflops": peak,
+            "mfu_formula": FlopModel.from_model(model).formula,
             "steps": [r.to_dict() for r in results],
         },
     )

@@ -53,6 +53,7 @@ from harts.tree.dataset import Schedule
 if TYPE_CHECKING:  # heavy imports stay after argument parsing
     from harts.models.execution.config import ExecutionConfig
     from harts.models.hybrid_lm import HybridLM
+    from harts.trainer.lora import LoraConfig
     from harts.tree.batch import RolloutBatch
 
 
@@ -123,6 +124,21 @@ def positive_float(text: str) -> float:
     if not (v > 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return v
+
+
+def learning_rate(text: str) -> float:
+    """argparse type: a learning rate in (0, 1] (``harts.trainer.checks.check_lr``: AdamW moves
+    every weight by about the learning rate per step, so a larger one diverges)."""
+    from harts.trainer.checks import check_lr
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    try:
+        return check_lr(v, "--lr", zero=False)
+    except UserError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--lr: ")) from None
 
 
 def nonneg_float(text: str) -> float:
@@ -305,6 +321,74 @@ def add_logprobs_argument(p: argparse.ArgumentParser, *, default: str, why: str)
         help="where the LM head runs: only at positions whose target is an action token (actions; "
         f"the other log-probs are not computed) or at every position (all). Default {default}: {why}",
     )
+
+
+#: ``LoraConfig``'s target flags by name (``harts.trainer.lora.LORA_TARGETS``: this module imports
+#: no torch, so the names are spelled out here and a test keeps the two equal)
+LORA_TARGETS = ("attn", "mlp", "unembed")
+
+
+def lora_targets(text: str) -> tuple[str, ...]:
+    """argparse type: a comma-separated list of ``LORA_TARGETS`` names, in their order."""
+    names = _names(text)
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown or not names:
+        what = f"unknown target {unknown[0]!r}" if unknown else "no target"
+        raise argparse.ArgumentTypeError(f"{what} in {text!r}; the targets, comma-separated: {', '.join(LORA_TARGETS)}")
+    return tuple(t for t in LORA_TARGETS if t in names)
+
+
+def add_lora_arguments(p: argparse.ArgumentParser, *, rank_help: str = "") -> None:
+    """``--lora RANK``, ``--lora-alpha`` and ``--lora-targets``: ``harts.trainer.lora.LoraConfig``'s
+    rank, alpha and target flags, with its defaults; ``lora_config`` makes the config of them.
+    ``rank_help``: what ``--lora`` means to this command, after what it always means."""
+    p.add_argument(
+        "--lora",
+        type=positive_int,
+        default=None,
+        metavar="RANK",
+        help="train rank-RANK LoRA adapters (float32) on every projection of --lora-targets, each routed expert "
+        "its own, with the base weights frozen in --dtype: only the adapters get gradients and AdamW state; "
+        "default: train every weight" + (f". {rank_help}" if rank_help else ""),
+    )
+    p.add_argument(
+        "--lora-alpha",
+        type=positive_float,
+        default=None,
+        metavar="ALPHA",
+        help="with --lora: the adapters' scale is ALPHA / RANK (default 32 at every rank, as Tinker's LoRA)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        type=lora_targets,
+        default=None,
+        metavar="NAMES",
+        help="with --lora: the projections that get adapters, comma-separated: attn (attention and linear "
+        "attention), mlp (dense MLP, shared and routed experts; not the router), unembed (the LM head); default "
+        "all three",
+    )
+
+
+def lora_config(args: argparse.Namespace) -> LoraConfig | None:
+    """The ``LoraConfig`` of ``--lora``, ``--lora-alpha`` and ``--lora-targets`` (its adapters'
+    seed is ``--seed``), None without ``--lora``. UserError naming the flag: ``--lora-alpha`` or
+    ``--lora-targets`` without ``--lora``, or a value ``LoraConfig`` refuses."""
+    from harts.trainer.lora import LoraConfig
+
+    rank = getattr(args, "lora", None)
+    alpha, targets = getattr(args, "lora_alpha", None), getattr(args, "lora_targets", None)
+    if rank is None:
+        for flag, value in (("--lora-alpha", alpha), ("--lora-targets", targets)):
+            if value is not None:
+                raise UserError(f"{flag} sets up LoRA adapters, which --lora RANK turns on: give --lora RANK too")
+        return None
+    fields: dict[str, Any] = {} if alpha is None else {"alpha": alpha}
+    if targets is not None:
+        fields.update({f"train_{t}": t in targets for t in LORA_TARGETS})
+    try:
+        return LoraConfig(rank=rank, seed=getattr(args, "seed", 0), **fields)
+    except UserError as err:
+        raise UserError(f"--lora {rank}: {err}") from None
 
 
 def add_output_arguments(p: argparse.ArgumentParser, *, what: str = "the figures") -> None:

@@ -4,6 +4,12 @@ of the peak against what the device has now, and one line naming the knob when i
 ``add_force_argument`` gives a command ``--force`` (run anyway); each command that builds a model
 calls ``check_memory`` with its capacity before ``build_model``, and ``harts train`` hands
 ``train_memory_check`` to its runtime, which calls it once the batches fixed the vocabulary.
+
+What the host has (``available_bytes``) is the least of the kernel's ``MemAvailable``, the room
+under a cgroup's memory limit, and the room under the process's address-space limit (``ulimit -v``,
+``RLIMIT_AS``): that limit counts every mapping, so its room is the limit less the process's
+virtual size now (``VmSize``), not less what it holds in memory. The check's line names the limit
+that set the number, if one did.
 """
 
 from __future__ import annotations
@@ -25,7 +31,14 @@ if TYPE_CHECKING:
     from harts.trainer.lora import LoraConfig
     from harts.trainer.step import TrainConfig
 
-__all__ = ["add_force_argument", "available_bytes", "check_memory", "run_memory_check", "train_memory_check"]
+__all__ = [
+    "Available",
+    "add_force_argument",
+    "available_bytes",
+    "check_memory",
+    "run_memory_check",
+    "train_memory_check",
+]
 
 
 def add_force_argument(p: argparse.ArgumentParser) -> None:
@@ -103,7 +116,7 @@ def check_memory(
     name, size = est.largest
     raise UserError(
         f"not enough memory on {spec.device}: one step is estimated at {format_bytes(est.total)}, "
-        f"{format_bytes(have)} available; the largest term is {name} {format_bytes(size)} "
+        f"{format_bytes(have)} available{_limited_by(have)}; the largest term is {name} {format_bytes(size)} "
         f"(then {est.summary(skip=1, top=3)}); {_knob(spec, cfg, est, have, estimate, config, rows_option)}; "
         "--force runs anyway"
     )
@@ -175,16 +188,19 @@ def run_memory_check(
         raise UserError(
             f"not enough memory on {spec.device} for rank-{lora.rank} adapters: with their gradients and AdamW "
             f"state they need {format_bytes(need)}, one step {format_bytes(step)} beside them, and "
-            f"{format_bytes(have)} is free now; {knob}"
+            f"{format_bytes(have)} is free now{_limited_by(have)}; {knob}"
         )
 
     return check
 
 
-def train_memory_check(force: bool) -> Callable[[ModelSpec, int, str, TrainConfig, int, float], None]:
+def train_memory_check(
+    force: bool, *, frozen_base: bool = False
+) -> Callable[[ModelSpec, int, str, TrainConfig, int, float], None]:
     """``check_memory`` as ``harts train``'s runtime calls it before building the model: with
     the run's capacity and execution (the chunked head), AdamW state, FSDP over the ranks, and
-    the batches' largest compression."""
+    the batches' largest compression; ``frozen_base``: LoRA (``--lora``), no gradient or AdamW
+    state for the base weights."""
 
     def check(spec: ModelSpec, vocab_size: int, where: str, train: TrainConfig, world: int, compression: float) -> None:
         execution = replace(train.execution, fused_logprobs=True)
@@ -197,6 +213,7 @@ def train_memory_check(force: bool) -> Callable[[ModelSpec, int, str, TrainConfi
             force=force,
             where=where,
             compression=compression,
+            frozen_base=frozen_base,
         )
 
     return check
@@ -282,10 +299,29 @@ def _model_config(spec: ModelSpec, vocab_size: int | None) -> HybridConfig | Non
     return HybridConfig.preset(spec.model, layers=spec.layers, **fields)
 
 
+class Available(int):
+    """A number of bytes ``available_bytes`` found, and the limit that set it (``limit``, a few
+    words for the check's line; "" when it is simply what the machine has free)."""
+
+    limit: str
+
+    def __new__(cls, value: int, limit: str = "") -> Available:
+        self = super().__new__(cls, value)
+        self.limit = limit
+        return self
+
+
+def _limited_by(have: int) -> str:
+    """`` (<the limit>)`` for the check's line when a limit set ``have`` (module docstring)."""
+    limit = getattr(have, "limit", "")
+    return f" ({limit})" if limit else ""
+
+
 def available_bytes(device: str) -> int | None:
-    """Memory a new allocation can use now: on the CPU the kernel's ``MemAvailable`` (within a
-    cgroup's limit, where one is set), on CUDA the device's free memory and what this process's
-    caching allocator holds unused; None when unknown."""
+    """Memory a new allocation can use now: on the CPU the least of the kernel's
+    ``MemAvailable``, a cgroup's limit and the address-space limit (module docstring), as an
+    ``Available`` naming the limit that set it; on CUDA the device's free memory and what this
+    process's caching allocator holds unused; None when unknown."""
     import torch
 
     dev = torch.device(device)
@@ -298,11 +334,10 @@ def available_bytes(device: str) -> int | None:
         return int(torch.cuda.mem_get_info(index)[0]) + int(cached)
     if dev.type != "cpu":
         return None
-    have = _meminfo_available()
-    limit = _cgroup_room()
-    if have is None:
-        return limit
-    return have if limit is None else min(have, limit)
+    free = _meminfo_available()
+    found = [Available(free)] if free is not None else []
+    found += [room for room in (_cgroup_room(), _address_space_room()) if room is not None]
+    return min(found) if found else None
 
 
 def _meminfo_available() -> int | None:
@@ -318,7 +353,34 @@ def _meminfo_available() -> int | None:
         return None
 
 
-def _cgroup_room() -> int | None:
+def _address_space_room() -> Available | None:
+    """The soft address-space limit (``RLIMIT_AS``) less this process's virtual size now, or None
+    without a limit: every mapping counts against it, reserved or touched."""
+    import resource
+
+    from harts.models.memory import format_bytes
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY or limit < 0:
+        return None
+    mapped = _virtual_size()
+    return Available(
+        max(0, limit - mapped),
+        f"the address-space limit, ulimit -v {format_bytes(limit)}, less the {format_bytes(mapped)} this process "
+        "maps already",
+    )
+
+
+def _virtual_size() -> int:
+    """This process's virtual size in bytes (``/proc/self/statm``'s first field, in pages); 0 when
+    unknown, which overstates the room under an address-space limit by that much."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _cgroup_room() -> Available | None:
     """The cgroup's memory limit minus what it holds that cannot be reclaimed (its usage less
     its inactive page cache; cgroup v2, then v1), or None without a limit."""
     for folder, limit_name, usage_name, cache_key in (
@@ -342,7 +404,13 @@ def _cgroup_room() -> int | None:
                     cache = int(value)
         except (OSError, ValueError):
             pass
-        return max(0, limit - usage + cache)
+        from harts.models.memory import format_bytes
+
+        held = max(0, usage - cache)
+        return Available(
+            max(0, limit - held),
+            f"the cgroup's memory limit {format_bytes(limit)} less the {format_bytes(held)} it holds",
+        )
     return None
 
 

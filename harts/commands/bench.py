@@ -1,6 +1,6 @@
 """``harts bench``: training-step speed of harts against the trajectory-wise baseline.
 
-See ``harts.trainer.step_bench``: whole steps (or one data-parallel replica's share with
+See ``harts.experiments.step_bench``: whole steps (or one data-parallel replica's share with
 ``--dp D --replica R``), same weights, baseline microbatches packed by raw tokens, harts
 microbatches from the prefix-aware planner, both at capacity T. Prints per step the paper's
 Table 4 metrics (non-replay compact-row compression, F/B/Grad and Core speedup) beside each
@@ -24,10 +24,12 @@ import numpy as np
 from harts.commands._inputs import (
     add_execution_arguments,
     add_logprobs_argument,
+    add_lora_arguments,
     add_model_arguments,
     add_output_arguments,
     add_planner_workers_argument,
     add_workload_arguments,
+    lora_config,
     nonneg_int,
     positive_float,
     positive_int,
@@ -95,11 +97,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "by heads / columns",
     )
     p.add_argument("--optimizer", action="store_true", help="also time one AdamW step (same for both sides)")
+    add_lora_arguments(
+        p,
+        rank_help="Both sides train the same adapted model; MFU then counts only the work a frozen base needs: "
+        "each frozen matmul [m rows, n in, k out] 2 m n k forward + 2 m n k input gradient (no weight gradient), "
+        "each rank-r adapter 3 x 2 m r (n + k), attention and linear-attention cores 3 x forward (--json: "
+        "mfu_formula)",
+    )
     p.add_argument(
         "--peak-tflops",
         type=positive_float,
         default=None,
-        help="device peak for MFU (TFLOP/s); default: dense bf16 peak of known GPUs (H100/H200 989.4)",
+        help="device peak for MFU (TFLOP/s); default: dense bf16 peak of known GPUs (H100/H200 989.4). MFU = "
+        "training FLOPs / seconds / peak, training = 3 x forward of the rows each side computes (recomputation "
+        "not counted); with --lora only the work a frozen base needs (see --lora)",
     )
     p.add_argument(
         "--profile",
@@ -163,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from harts.commands._memory import check_memory
     from harts.models.execution.config import ExecutionConfig
-    from harts.models.flops import peak_tflops
+    from harts.models.flops import FlopModel, peak_tflops
     from harts.parallel.mesh import launch_world_size
     from harts.plan.step.workers import shared_workers
 
@@ -174,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     # the cold start's phases, seconds from ``started`` (the first step's are added below)
     cold = {"imports": time.perf_counter() - started}
     _check_flags(args)
+    lora_cfg = lora_config(args)  # its flags checked before any work
     recompute = recompute_fields(args)
     sources, summaries = _read_steps(args, args.dp)
     cold["inputs_checked"] = time.perf_counter() - started
@@ -186,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
         linear_attention_backend=args.la_backend,
         logprob_positions=args.logprobs,
     )
-    check_memory(
+    # the step's estimate (harts.models.memory), printed and written beside the measured peaks
+    estimate = check_memory(
         model_spec(args),
         vocab,
         capacity=args.capacity,
@@ -194,10 +207,12 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         force=args.force,
         where=where,
+        frozen_base=lora_cfg is not None,
         compression=max_compression(summaries),
     )
     built = build_model_and_attention(args, vocab, execution, where=where)
     model, flex = built.model, built.flex
+    lora = _adapt(model, lora_cfg)
     cold["model_built"] = time.perf_counter() - started
     cold_beside = {"model": round(built.model_seconds, 2), "attention_probe": round(built.attention_seconds, 2)}
     check_recompute_layers(recompute, model)
@@ -207,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         f"vocabulary {model.config.vocab_size:,}, "
         f"{model.num_parameters():,} parameters, {args.dtype} on {args.device}; capacity {args.capacity:,}; "
         f"recompute {_recompute_words(recompute)}; log-probs {args.logprobs}; dp {args.dp}, replica {args.replica}; "
-        f"peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}",
+        f"{_lora_words(lora)}peak {'n/a' if peak is None else f'{peak:g} TFLOP/s'}",
         flush=True,
     )
     # the kernel record both sides run (FlexAttention's backend per layer kind among its choices)
@@ -221,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"GDN linear attention ran on: {gdn}", flush=True)
     _print_tables(results)
     _print_ratios(results)
+    if estimate is not None:
+        print(f"memory estimate of one step (harts.models.memory): {estimate.total / 2**30:.2f} GiB", flush=True)
     if args.json_out:
         write_json(
             args.json_out,
@@ -233,6 +250,9 @@ def run(args: argparse.Namespace) -> int:
                 "dp": args.dp,
                 "replica": args.replica,
                 "peak_tflops": peak,
+                "lora": lora,
+                "mfu_formula": FlopModel.from_model(model).formula,
+                "memory_estimate_gib": None if estimate is None else estimate.total / 2**30,
                 "cold_start": cold_start if results else None,
                 # the "model" phase's two halves, which ran side by side (build_model_and_attention)
                 "cold_start_model_beside_attention": cold_beside,
@@ -241,6 +261,30 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _adapt(model: Any, lora: Any) -> dict[str, Any] | None:  # noqa: ANN401
+    """``--lora``: the adapters on ``model`` (``apply_lora``: every base tensor frozen, in its
+    dtype), and the record ``--json`` keeps of them; None without."""
+    if lora is None:
+        return None
+    from dataclasses import asdict
+
+    from harts.trainer.lora import apply_lora
+
+    params = apply_lora(model, lora)
+    return {**asdict(lora), "adapter_parameters": sum(p.numel() for p in params)}
+
+
+def _lora_words(lora: dict[str, Any] | None) -> str:
+    """The run header's word on ``--lora`` (nothing without it)."""
+    if lora is None:
+        return ""
+    targets = ", ".join(k.removeprefix("train_") for k in ("train_attn", "train_mlp", "train_unembed") if lora[k])
+    return (
+        f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g} on {targets} ({lora['adapter_parameters']:,} adapter "
+        "parameters train, the base frozen); "
+    )
 
 
 def _gdn_kernels(model: Any, kernels: Any) -> str | None:  # noqa: ANN401
@@ -308,7 +352,7 @@ def _profile_only(args: argparse.Namespace, model: Any, sources: list, execution
     """``--profile-only``: a Chrome trace of one microbatch per side and step, and its summary."""
     import os
 
-    from harts.trainer.step_bench import profile_step
+    from harts.experiments.step_bench import profile_step
 
     for step, (_, make) in enumerate(sources, start=args.first_step):
         paths = profile_step(
@@ -345,7 +389,7 @@ def _bench_steps(
     import time
 
     from harts.commands._progress import progress
-    from harts.trainer.step_bench import bench_step
+    from harts.experiments.step_bench import bench_step
 
     cold_start = None
     results: list = []
@@ -480,7 +524,7 @@ def _print_step_notes(step: int, r: Any) -> None:  # noqa: ANN401
 def _print_tables(results: list) -> None:
     """The steps' table, the rows and rates by side, and the time by component."""
     from harts.commands._table import format_table
-    from harts.trainer.step_bench import COMPONENTS
+    from harts.experiments.bench_result import COMPONENTS
 
     def mem(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f}"
@@ -577,7 +621,7 @@ def _print_tables(results: list) -> None:
 def _print_ratios(results: list) -> None:
     """Against the baseline's time per unit of work, the recurrence fit, the microbatches, the
     optimizer, the predicted work per replica, and all steps together."""
-    from harts.trainer.step_bench import recurrence_words
+    from harts.experiments.bench_result import recurrence_words
 
     labels = {
         "linear_attention": "lin. attn",
@@ -686,7 +730,7 @@ def _recompute_words(fields: dict) -> str:
     return f"on ({'; '.join(parts)})" if parts else "on"
 
 
-def _microbatch_words(side) -> str:  # noqa: ANN001 - a harts.trainer.step_bench.BenchSide
+def _microbatch_words(side) -> str:  # noqa: ANN001 - a harts.experiments.bench_result.BenchSide
     """Spread of the timed microbatches' seconds and rows, and the fixed / per-row cost fit."""
     import numpy as np
 

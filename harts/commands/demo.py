@@ -46,7 +46,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harts.commands._inputs import add_output_arguments, nonneg_float, positive_float, positive_int, seed_int
+from harts.commands._inputs import (
+    add_output_arguments,
+    learning_rate,
+    nonneg_float,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 from harts.commands._memory import add_force_argument
 from harts.commands._runs import Interrupted, Signals, check_run_dir
 
@@ -93,7 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fork-width", type=positive_int, default=2, help="branches at each later turn boundary")
     p.add_argument("--max-leaves", type=positive_int, default=8, help="paths per task at most")
     p.add_argument("--updates", type=positive_int, default=2, help="optimizer updates per step")
-    p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate")
+    p.add_argument(
+        "--lr",
+        type=learning_rate,
+        default=3e-3,
+        help="AdamW learning rate, in (0, 1]: AdamW moves every weight by about this much per step, so a larger "
+        "one diverges",
+    )
     p.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="k3 KL penalty to the initial weights")
     p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"], help="model dtype")

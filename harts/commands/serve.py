@@ -1,14 +1,15 @@
 """``harts serve``: a Tinker-compatible training server for one model (``harts.serve``).
 
-    harts serve --model tiny --port 8000 --api-key tml-local
-    # then, in Python:  tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-local")
+    harts serve --model tiny --port 8000 --api-key tml-local-0123456789abcdef
+    # then:  tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-local-0123456789abcdef")
 
 The real ``tinker`` SDK (0.38) trains through it: LoRA training clients (``forward``,
 ``forward_backward`` with cross_entropy / importance_sampling / ppo / cispo, custom losses,
 ``optim_step``), checkpoints (``save_state``, ``create_training_client_from_state[_with_optimizer]``,
 ``save_weights_for_sampler``), sampling clients (harts' sampler, with the prompt's state forked
-per sample) and the RestClient's listings. Every request needs the API key (``--api-key`` or the
-``HARTS_SERVE_API_KEY`` environment variable; the SDK wants the ``tml-`` prefix); checkpoints go
+per sample) and the RestClient's listings. Every request needs an API key: ``--api-key`` (or the
+``HARTS_SERVE_API_KEY`` environment variable) for one tenant, ``--keys-file`` for several, each of
+which sees only its own sessions, runs and checkpoints (``harts.serve.tenants``); checkpoints go
 under ``--state-dir``. ``docs/SERVE.md`` is the user guide.
 
 Ctrl-C / SIGTERM stop the server after the running request; results of finished requests that
@@ -50,12 +51,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the name clients pass as base_model (default: the preset name, or the directory's name)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (any other than a loopback one is logged as a warning: keys travel over plain HTTP)",
+    )
     p.add_argument("--port", type=positive_int, default=8000, help="TCP port")
     p.add_argument(
         "--api-key",
         default=None,
-        help="the key every request must carry (default: $HARTS_SERVE_API_KEY); starts with 'tml-'",
+        help="the one tenant's key every request must carry (default: $HARTS_SERVE_API_KEY): 'tml-' and at least "
+        "16 more printable characters",
+    )
+    p.add_argument(
+        "--keys-file",
+        default=None,
+        metavar="PATH",
+        help='several tenants, instead of --api-key: a TOML file of [tenants.NAME] tables with key = "tml-..." '
+        "(distinct keys, each as --api-key takes it); a tenant sees, trains, samples and deletes only its own "
+        "sessions, runs and checkpoints (docs/SERVE.md)",
     )
     p.add_argument(
         "--state-dir",
@@ -82,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="training runs held in memory at once (LoRA runs share the served weights; each adds its adapters)",
     )
     p.add_argument("--max-samples", type=positive_int, default=256, help="largest num_samples of one sample request")
+    _add_limit_arguments(p)
     p.add_argument(
         "--max-snapshots",
         type=positive_int,
@@ -100,6 +115,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_arguments(p, what="the server's base URL, served model and state directory, once it listens,")
 
 
+def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """What one request or connection may take, so that one client cannot stall the others:
+    each request past a limit is refused with a 400 naming the field and the flag, before any
+    of its work is queued (the worker also takes runs in turns, and samples in slices)."""
+    p.add_argument(
+        "--max-datums",
+        type=positive_int,
+        default=16_384,
+        help="most datums in one forward / forward_backward request",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=positive_int,
+        default=1 << 21,
+        help="most tokens in one forward / forward_backward request, each datum's model_input + 1",
+    )
+    p.add_argument(
+        "--max-sample-tokens",
+        type=positive_int,
+        default=1 << 20,
+        help="most tokens one sample request costs: its prompt + num_samples x max_tokens",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds a connection has to send a request's line and headers; slower ones are closed",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a request body may stall before the answer is 408 and the connection closes",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=positive_int,
+        default=5,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=512,
+        help="connections and requests in progress at once; past it requests are answered 503",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
@@ -110,8 +173,14 @@ def run(args: argparse.Namespace) -> int:
     from harts.serve.config import API_KEY_ENV, ServeConfig
     from harts.serve.sampling import SAMPLER_ENGINES
     from harts.serve.server import serve
+    from harts.serve.tenants import DEFAULT_TENANT, check_keys, load_keys_file
     from harts.trainer.build import ModelSpec
 
+    # the keys first: a bad keys file is one line before anything is loaded
+    tenants = None if args.keys_file is None else load_keys_file(args.keys_file)
+    api_key = args.api_key or ("" if tenants is not None else os.environ.get(API_KEY_ENV, ""))
+    if tenants is None and api_key:  # a key without a secret part is one line before any estimate
+        check_keys({DEFAULT_TENANT: api_key}, source="--api-key")
     execution = {**recompute_fields(args), "attention": args.attention, "linear_attention_backend": args.la_backend}
     # what the server holds at once: the served weights once (every LoRA run trains its adapters
     # over them, harts.trainer.lora.adapted_view), the sampling engines beside them (the base
@@ -134,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(
         model=args.model,
         model_name=args.model_name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV, ""),
+        api_key=api_key,
+        tenants=tenants,
         host=args.host,
         port=args.port,
         state_dir=Path(args.state_dir),
@@ -147,6 +217,13 @@ def run(args: argparse.Namespace) -> int:
         max_models=args.max_models,
         max_request_bytes=int(args.max_request_mb * (1 << 20)),
         max_samples=args.max_samples,
+        max_datums=args.max_datums,
+        max_batch_tokens=args.max_batch_tokens,
+        max_sample_tokens=args.max_sample_tokens,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=args.max_connections,
         max_snapshots=args.max_snapshots,
         poll_seconds=args.poll_seconds,
         threads=args.threads,

@@ -39,7 +39,21 @@ ranks agree at each step's end (a signal only recorded until then), so they stop
 step and save together (every rank writes its shards; rank 0 the rest).
 
 Failures: if a step fails before changing the weights (out of memory, a bug), the completed steps
-are kept the same way (``--json`` gets a ``failed`` entry) before the error is reported.
+are kept the same way (``--json`` gets a ``failed`` entry) before the error is reported. A step
+whose loss or gradient norm is not finite is refused before its update with one line naming it
+(exit 2) and nothing is saved (no ``--save``, ``--json`` or checkpoint; the run directory keeps
+its earlier ones); ``--lr`` is limited to (0, 1] for that reason (``harts.trainer.checks.check_lr``).
+An output that cannot be written on the way (a full disk, a file system gone read-only: a
+checkpoint, ``--save``, ``metrics.jsonl``, ``--json``) stops the run with one line naming it and
+the system's reason (exit 2); the previous checkpoint stays whole, and nothing half-written is
+left under the output's name (``harts.outputs.writing``).
+
+LoRA: ``--lora RANK`` (with ``--lora-alpha``, ``--lora-targets``: ``harts.commands._inputs.
+add_lora_arguments``) trains adapters alone over the frozen base, on one process (the flags of
+several ranks and FSDP's are refused by name); ``--save`` writes the adapters alone
+(``harts.trainer.weights.save_adapter``: PEFT's layout for a transformers ``--model``, harts'
+own otherwise), ``--export-hf`` the weights with the adapters merged, and the run directory's
+checkpoints the adapters and their optimizer state (``harts.trainer.run``).
 
 This module is argparse -> ``harts.trainer.run.RunConfig`` -> ``run_training``, plus the report
 (the table, ``--save`` / ``--export-hf``, ``--json``); the runtime is ``harts.trainer.run``.
@@ -54,12 +68,13 @@ from typing import TYPE_CHECKING, Any
 from harts.commands._inputs import (
     add_execution_arguments,
     add_logprobs_argument,
+    add_lora_arguments,
     add_model_arguments,
     add_output_arguments,
     add_planner_workers_argument,
     add_workload_arguments,
+    learning_rate,
     nonneg_float,
-    positive_float,
     positive_int,
     recompute_fields,
 )
@@ -90,8 +105,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=65_536,
         help="microbatch capacity T (compact tokens; raw tokens with --mode trajectory)",
     )
-    p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
+    p.add_argument(
+        "--lr",
+        type=learning_rate,
+        default=1e-4,
+        help="AdamW learning rate, in (0, 1]: AdamW moves every weight by about this much per step, so a larger "
+        "one diverges",
+    )
     p.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="KL penalty coefficient (needs ref_logprobs)")
+    add_lora_arguments(p)
     add_execution_arguments(p)
     add_logprobs_argument(p, default="actions", why="the GRPO loss and the step logs read no other log-prob")
     p.add_argument(
@@ -99,15 +121,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="save the trained weights here, in a directory --model DIR loads (a transformers checkpoint when "
-        "--model was one, else harts' own: config.json + model.safetensors); also on Ctrl-C / SIGTERM, after the "
-        "last completed step",
+        "--model was one, else harts' own: config.json + model.safetensors); with --lora the adapters alone "
+        "(adapter_config.json + adapter_model.safetensors: PEFT's layout for a transformers --model, harts' "
+        "own for a preset); also on Ctrl-C / SIGTERM, after the last completed step",
     )
     p.add_argument(
         "--export-hf",
         default=None,
         metavar="DIR",
         help="also save the trained weights as a transformers checkpoint (config.json + safetensors) here, "
-        "whenever --save would; for a --model that is a transformers checkpoint",
+        "whenever --save would; for a --model that is a transformers checkpoint; with --lora the adapters merged "
+        "into the weights (W + alpha / RANK * B A)",
     )
     p.add_argument(
         "--dp", type=positive_int, default=None, help="ranks that hold the same experts (default: ranks / --ep)"
@@ -162,6 +186,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="build the model on the meta device and initialise it after sharding, also on one process "
         "(always so on several ranks: no rank holds the whole model)",
     )
+    _add_run_arguments(p)
+    add_planner_workers_argument(p)
+    add_force_argument(p)
+    add_output_arguments(p, what="the step logs")
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """``--run-dir``, ``--save-every``, ``--resume`` and the loggers beside the run's metrics."""
     p.add_argument(
         "--run-dir",
         default=None,
@@ -186,9 +218,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PROJECT",
         help="also log the metrics to this Weights & Biases project (needs wandb and a run directory)",
     )
-    add_planner_workers_argument(p)
-    add_force_argument(p)
-    add_output_arguments(p, what="the step logs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,10 +241,11 @@ def run(args: argparse.Namespace) -> int:
         resume = args.resume
 
         def check(path: Any, saved: dict[str, Any], identity: dict[str, Any]) -> None:  # noqa: ANN401
+            _check_resumed_lora(resume, saved, identity)
             check_resumed_run(resume, path, saved, "train", identity)
 
         hooks = RunHooks(progress=progress, finish=functools.partial(_finish, args), check_resumed=check)
-        hooks.check_memory = train_memory_check(args.force)
+        hooks.check_memory = train_memory_check(args.force, frozen_base=cfg.lora is not None)
         return run_training(cfg, signals, hooks)
     finally:
         signals.restore()
@@ -228,6 +258,7 @@ def config(args: argparse.Namespace) -> RunConfig:
     from harts.commands._inputs import (
         check_output_dir,
         check_output_file,
+        lora_config,
         model_spec,
         planner_workers,
         workload_schedule,
@@ -238,6 +269,9 @@ def config(args: argparse.Namespace) -> RunConfig:
     from harts.trainer.step import TrainConfig
 
     recompute = recompute_fields(args)  # a bad --recompute-skip fails before any work
+    lora = lora_config(args)
+    if lora is not None:
+        _check_lora(args)
     resolve_resume(args)  # --resume auto: a run to continue, or one to start
     run_dir = args.resume or args.run_dir
     check_output_dir(args.save, "--save", args.overwrite)
@@ -282,6 +316,8 @@ def config(args: argparse.Namespace) -> RunConfig:
         "kl-coef": args.kl_coef,
         "moe-stats": args.moe_stats,
     }
+    if lora is not None:  # flag names, so that a resume with other adapters names the flag (seed: --seed)
+        identity.update({"lora": lora.rank, "lora-alpha": lora.alpha, "lora-targets": ",".join(lora.targets)})
     return RunConfig(
         model=model_spec(args),
         train=train,
@@ -292,6 +328,7 @@ def config(args: argparse.Namespace) -> RunConfig:
         tp=args.tp,
         cpu_offload=args.cpu_offload,
         meta_init=args.meta_init,
+        lora=lora,
         run_dir=run_dir,
         save_every=args.save_every,
         resume_fallback=getattr(args, "resume_auto", False),
@@ -299,6 +336,51 @@ def config(args: argparse.Namespace) -> RunConfig:
         tensorboard=args.tensorboard,
         wandb=args.wandb,
         settings={k: v for k, v in vars(args).items() if not k.startswith("_")},
+    )
+
+
+def _check_lora(args: argparse.Namespace) -> None:
+    """``--lora`` runs on one process without FSDP (``harts.parallel`` shards the base model's
+    layers, not adapters): a flag or a launch that asks for more is refused by name. ``--save``
+    of a transformers ``--model`` writes PEFT's layout through ``peft``, which must import."""
+    import importlib.util
+    import os
+
+    from harts.errors import UserError
+    from harts.integrations.loading import is_checkpoint
+    from harts.integrations.native import is_native
+
+    why = "LoRA adapters train on one process (harts.parallel shards the base model's layers, not adapters)"
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        raise UserError(f"--lora under torchrun ({world} ranks): {why}; launch one process")
+    for flag in ("dp", "ep", "cp", "tp"):
+        value = getattr(args, flag)
+        if value is not None and value > 1:
+            raise UserError(f"--{flag} {value} with --lora: {why}; drop --{flag}, or drop --lora to train every weight")
+    for flag in ("cpu_offload", "reduce_every_microbatch"):
+        if getattr(args, flag):
+            raise UserError(f"--{flag.replace('_', '-')} with --lora: it is FSDP's, and {why}")
+    if args.save and is_checkpoint(args.model) and not is_native(args.model):
+        if importlib.util.find_spec("peft") is None:
+            raise UserError(
+                f"--save {args.save} with --lora of a transformers --model writes PEFT's adapter layout through "
+                "the peft package, which does not import here (pip install peft)"
+            )
+
+
+def _check_resumed_lora(resume: str, saved: dict[str, Any], identity: dict[str, Any]) -> None:
+    """A run of LoRA adapters resumes with ``--lora``, a run of every weight without it (said in
+    one line, before the flags are compared one by one)."""
+    from harts.errors import UserError
+
+    had, want = saved.get("lora"), identity.get("lora")
+    if (had is None) == (want is None):
+        return
+    if had is None:
+        raise UserError(f"--resume {resume}: the run trained every weight, this command --lora {want}; drop --lora")
+    raise UserError(
+        f"--resume {resume}: the run trained LoRA adapters (--lora {had}); pass --lora {had} to continue it"
     )
 
 
@@ -368,14 +450,19 @@ def _finish(args: argparse.Namespace, result: RunResult) -> None:
     from harts.commands._inputs import write_json
     from harts.commands._table import format_table
     from harts.errors import OutputPathError
-    from harts.trainer.weights import export_hf, save_weights
+    from harts.trainer.weights import export_hf, save_adapter, save_weights
 
     logs, rank = result.logs, result.rank
     if logs and rank == 0:
         rows = [[cell(l) for _, cell in _COLUMNS] for l in logs]
         print(format_table([name for name, _ in _COLUMNS], rows), flush=True)
     save_error = None
-    for option, out, save in (("--save", args.save, save_weights), ("--export-hf", args.export_hf, export_hf)):
+    lora = result.lora is not None
+    savers = (
+        ("--save", args.save, save_adapter if lora else save_weights),
+        ("--export-hf", args.export_hf, _export_merged if lora else export_hf),
+    )
+    for option, out, save in savers:
         if not out:
             continue
         if result.model is None:
@@ -387,8 +474,8 @@ def _finish(args: argparse.Namespace, result: RunResult) -> None:
             partial = result.interrupted or result.failed
             if rank == 0:
                 print(f"saved to {out}" + (f" (weights after step {logs[-1].step})" if partial else ""))
-        except OSError as err:
-            save_error = OutputPathError(f"{option} {out}: cannot write the weights ({err.strerror or err})")
+        except OutputPathError as err:  # its text names the directory (harts.outputs.writing)
+            save_error = OutputPathError(f"{option} {err}")
     if args.json_out and rank == 0:
         record: dict[str, Any] = {
             "mode": args.mode,
@@ -397,6 +484,8 @@ def _finish(args: argparse.Namespace, result: RunResult) -> None:
             "logprobs": args.logprobs,
             "steps": [l.to_dict() for l in logs],
         }
+        if result.lora is not None:
+            record["lora"] = result.lora
         if result.interrupted:
             record["interrupted"] = {"signal": result.interrupted, "completed_steps": len(logs)}
         if result.failed:
@@ -405,3 +494,13 @@ def _finish(args: argparse.Namespace, result: RunResult) -> None:
         print(f"wrote {args.json_out}")
     if save_error is not None:
         raise save_error
+
+
+def _export_merged(model: Any, out: str) -> None:  # noqa: ANN401 - a HybridLM with adapters
+    """``--export-hf`` of a LoRA run: the adapters merged into the weights (``merged_model``, as
+    ``Engine.save_weights_for_sampler`` does), merged on the host one tensor at a time, so the
+    device needs no room for a second copy of the model."""
+    from harts.trainer.lora import merged_model
+    from harts.trainer.weights import export_hf
+
+    export_hf(merged_model(model, device="cpu"), out)

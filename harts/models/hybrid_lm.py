@@ -25,8 +25,9 @@ only the entries whose target is an action token are computed; the others are Na
 router z-loss and load-balancing aux loss ([L_moe] each), ``out.expert_counts`` the
 q-weighted top-k assignment counts [L_moe, E] (None without MoE layers).
 
-Shapes: h_TD hidden rows (T = S or P); logits never exceed [S - N, V] (trajectory) or
-[row_chunk, V] (compact).
+Shapes: h_TD hidden rows (T = S or P); logits never exceed [S - N, V] (the plain head,
+trajectory mode's oracle) or one chunk of ``ExecutionConfig.lm_head_budget`` bytes (the chunked
+head, ``mapped_logprobs``).
 """
 
 from __future__ import annotations
@@ -355,7 +356,13 @@ class HybridLM(nn.Module):
             from harts.ops.logprob import mapped_logprobs
 
             logprobs = mapped_logprobs(
-                h_TD, head_weight, rows, targets, keep_probs=cfg.keep_lm_head_probs, index=head.index
+                h_TD,
+                head_weight,
+                rows,
+                targets,
+                budget=cfg.lm_head_budget,
+                keep_probs=cfg.keep_lm_head_probs,
+                index=head.index,
             )
         else:
             device = h_TD.device

@@ -50,6 +50,23 @@ __all__ = ["DRAW_CHUNK", "InitSpec", "init_specs", "init_value", "init_weights",
 DRAW_CHUNK = 1 << 24
 
 
+def _settle_vml_dispatch() -> None:
+    """Make the process's first MKL VML call (torch's CPU ``log_``, ``exp_``, ... where torch is
+    built with MKL) here, on the importing thread, before any pool of this module runs.
+
+    MKL detects the CPU type for VML on the first call and caches it without synchronisation:
+    the detecting thread stores the raw type it read, then the type VML indexes its kernel
+    tables by. Another thread's first VML call that reads the cache in between takes a kernel
+    from the wrong row (on an AVX-512 Intel host, a low-accuracy one). The ``log_`` of the
+    ``A_log`` draws were the first VML calls of a freshly spawned process, two of them side by
+    side on the pool's threads, and one came back a few 1e-6 off. Once settled, the cache never
+    changes again, so every later call, on any thread, takes the kernel a lone call would."""
+    torch.ones(1, device="cpu").log_()
+
+
+_settle_vml_dispatch()
+
+
 @dataclass(frozen=True, slots=True)
 class InitSpec:
     """How one parameter or buffer is drawn."""

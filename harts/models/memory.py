@@ -30,11 +30,15 @@ rank, on the chosen device:
                  (the layers after it in the model have freed theirs by then), and the gradients
                  of one attention layer's gathered views (their K and V, and their
                  concatenation), its recomputed views too when it is checkpointed
-    lm_head      the LM head's logits: the chunked head (``mapped_logprobs``) holds two
-                 [row_chunk, V] chunks in its compute dtype (a chunk and its exp in the forward;
-                 the backward's chunk and, on CUDA, its half-precision gradient), the kept softmax [rows, V] when it keeps it, and its float32
-                 [V, D] weight-gradient accumulator for half weights; the plain head (trajectory
-                 mode's oracle) holds three [rows, V] tensors
+    lm_head      the LM head's logits: the chunked head (``mapped_logprobs``) holds one chunk of
+                 R rows x V at a time (R from its budget, ``ExecutionConfig.lm_head_budget``),
+                 in its compute dtype: a chunk and its exp in the eager forward, and in the
+                 backward the recomputed chunk turned into d(logits) in place; on CUDA in half
+                 precision the fused passes hold a chunk and its half-precision softmax or
+                 gradient instead. Beside it the softmax of the chunks it keeps (the first ones
+                 within the budget under ``keep_lm_head_probs=None``, all under True), the
+                 float32 [V, D] weight-gradient accumulator and [rows, D] d(hidden) for half
+                 weights. The plain head (trajectory mode's oracle) holds three [rows, V] tensors
 
 ``total`` is the peak: the other terms plus the larger of the two transient terms (``backward`` and ``lm_head`` never hold memory at the same time: the head's
 backward ends before the layers' begins).
@@ -59,7 +63,7 @@ import torch
 
 from harts.models.config import LAYER_TYPES, HybridConfig
 from harts.models.execution.config import ExecutionConfig, flash_views_run
-from harts.ops.logprob.mapped import KEEP_PROBS_MEMORY_FRACTION, ROW_CHUNK, cpu_row_chunk
+from harts.ops.logprob.mapped import ROW_CHUNK, chunk_rows, head_budget
 
 __all__ = [
     "BACKWARD_FRACTION",
@@ -165,8 +169,10 @@ def estimate_memory(
         optimizer: AdamW state is held (training runs; ``harts bench --optimizer``).
         shards: ranks the parameters, gradients and optimizer state are split over (FSDP).
         logit_rows: positions the LM head computes per microbatch; None: ``capacity``.
-        device_total_bytes: the device's total memory, which decides whether the head keeps its
-            softmax under ``keep_lm_head_probs=None`` (CUDA, half precision); None: not kept.
+        device_total_bytes: the device's total memory, which sets the LM head's default budget on
+            CUDA (``harts.ops.logprob.mapped.head_budget``: its chunk rows, and the chunks whose
+            softmax it keeps in half precision under ``keep_lm_head_probs=None``); None: chunks
+            of ``ROW_CHUNK`` rows, none kept unless ``lm_head_budget`` gives the budget.
         frozen_base: the model's weights are frozen (LoRA training): no gradient and no
             optimizer state for them (the adapters' own are left out: a small fraction).
         view_rows: K/V rows the gathered ancestor views of one compact microbatch hold (the
@@ -391,16 +397,21 @@ def _lm_head_bytes(c: HybridConfig, cfg: ExecutionConfig, n: int, dev: str, e: i
     cdt = 8 if e == 8 else 4
     if not cfg.use_fused_logprobs:  # logits, their log_softmax and its gradient
         return 3 * n * v * cdt
-    chunk = min(cpu_row_chunk(v, cdt) if dev == "cpu" else ROW_CHUNK, max(n, 1))
+    budget = head_budget(dev, device_total) if cfg.lm_head_budget is None else cfg.lm_head_budget
+    chunk = min(ROW_CHUNK if budget is None else chunk_rows(v, cdt, budget, ROW_CHUNK), max(n, 1))
     half = dev == "cuda" and e == 2
-    # forward: a logits chunk and logsumexp's exp of it; backward: the recomputed chunk (turned
-    # into d(logits) in place; on CUDA half d(logits) is written beside it) and d(hidden)
-    held = chunk * v * max(2 * cdt, cdt + (e if half else 0)) + (n * d * cdt if half else 0)
+    # a chunk of float32 logits and, on CUDA in half precision, its half softmax (forward) or
+    # d(logits) (backward) from the fused passes; elsewhere logsumexp's exp of it (eager forward)
+    held = chunk * v * (cdt + e if half else 2 * cdt)
     if half:
-        held += v * d * 4  # the float32 weight-gradient accumulator beside the half gradient
-    keep = cfg.keep_lm_head_probs
-    if keep is None:
-        keep = half and device_total is not None and n * v * e <= KEEP_PROBS_MEMORY_FRACTION * device_total
-    if keep and dev == "cuda":
-        held += n * v * e
-    return int(held)
+        # the float32 weight-gradient accumulator beside the half gradient, and d(hidden)
+        held += v * d * 4 + n * d * cdt
+    # the kept softmax, in the GEMM dtype: the first chunks whose softmax fits in the budget
+    # (``kept_chunks``; by default only in half precision on CUDA), or all of them
+    kept_item = e if half else cdt
+    if cfg.keep_lm_head_probs is None:
+        fit = budget // (v * kept_item) if half and budget is not None else 0
+        kept_rows = n if fit >= n else fit // chunk * chunk
+    else:
+        kept_rows = n if cfg.keep_lm_head_probs else 0
+    return int(held + kept_rows * v * kept_item)

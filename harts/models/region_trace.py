@@ -5,7 +5,7 @@ The trace is recorded under ``harts.models.regions.RegionTimer(annotate=True)``,
 ``user_annotation`` range named ``ANNOTATION_PREFIX + "<region>/<phase>"`` around each region. A
 kernel, copy or memset is matched to the host call that launched it (``args.correlation``) and
 charged to the innermost such range open on that thread at the launch. ``harts bench --profile``
-writes these tables beside each trace (``harts.trainer.step_bench.profile_step``).
+writes these tables beside each trace (``harts.experiments.step_bench.profile_step``).
 
 Trace events are the dicts of the export's ``traceEvents`` (``ts`` / ``dur`` in microseconds);
 every seconds figure returned is device (or host) seconds.

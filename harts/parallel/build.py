@@ -11,10 +11,14 @@
   generator, seeded by (seed, tensor name) (``harts.models.init``), and the rank keeps its
   shard. Values do not depend on the number of ranks: the model equals the one built whole
   with the same seed and then sharded. Host memory: one full tensor at a time.
-* a transformers checkpoint: rank 0 reads it into a full host state dict (harts names and
-  layouts, ``read_pretrained``) and torch's ``set_model_state_dict(..., full_state_dict=True,
-  broadcast_from_rank0=True)`` broadcasts it one tensor at a time; every rank keeps its shard.
-  Host memory: the whole checkpoint on rank 0, one tensor on the other ranks.
+* a checkpoint (transformers', or harts' own weights directory that ``harts train --save``
+  writes): rank 0 reads it into a full host state dict (harts names and layouts, in the dtypes
+  ``load_model`` gives them: ``read_pretrained``, ``read_native``) and torch's
+  ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`` broadcasts it one
+  tensor at a time; every rank keeps its shard, so the sharded model holds the values the one
+  loaded whole does, bit for bit. Host memory: the whole checkpoint on rank 0, one tensor on the
+  other ranks. A checkpoint rank 0 cannot read (damaged, another model's) is the same
+  ``UserError`` on every rank, before any rank waits for the broadcast.
 
 On one process (no mesh) the same path builds the whole model, without the round trip through
 host memory of the unsharded construction (``harts train --meta-init``).
@@ -28,8 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from harts.errors import UserError
 from harts.models.hybrid_lm import HybridLM
 from harts.models.init import init_specs, init_value
+from harts.parallel.agree import agree
 from harts.parallel.mesh import ParallelConfig, ParallelState, init_parallel
 from harts.parallel.parallelize import parallelize
 
@@ -75,25 +81,40 @@ def materialize(model: HybridLM, state: ParallelState, *, spec: str, seed: int) 
         return _buffers_to(model, state.device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from harts.integrations.hf import read_pretrained
-
     # buffers outside the state dict (a correction bias the architecture does not load) start as
     # the unsharded model's do
     persistent = set(model.state_dict())
     for name in dict(model.named_buffers()):
         if name not in persistent:
             _fill(tensors[name], init_value(specs[name], seed))
-    cfg = model.config
     full_sd: dict[str, Any] = {}
-    rank0 = not state.distributed or dist.get_rank() == 0
-    if rank0:
-        _, full_sd, _ = read_pretrained(spec, dtype=cfg.dtype, chunk_size=cfg.chunk_size)
+    problem: UserError | None = None
+    if not state.distributed or dist.get_rank() == 0:
+        try:
+            full_sd = _full_state(spec, model.config)
+        except UserError as err:
+            problem = err
+    problem = agree(problem)  # the other ranks would wait for a broadcast that never comes
+    if problem is not None:
+        raise problem
     if not state.distributed:
         model.load_state_dict(full_sd, strict=True)
     else:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, full_sd, options=options)
     return _buffers_to(model, state.device)
+
+
+def _full_state(spec: str, config: Any) -> dict[str, torch.Tensor]:  # noqa: ANN401 - a HybridConfig
+    """Checkpoint ``spec``'s full state dict on the host, as ``load_model(spec)`` loads it into a
+    model of ``config`` (its dtype and chunk size)."""
+    from harts.integrations.native import is_native, read_native
+
+    if is_native(spec):
+        return read_native(spec, dtype=config.dtype)[1]
+    from harts.integrations.hf import read_pretrained
+
+    return read_pretrained(spec, dtype=config.dtype, chunk_size=config.chunk_size)[1]
 
 
 def _buffers_to(model: HybridLM, device: torch.device) -> HybridLM:

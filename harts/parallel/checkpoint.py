@@ -36,7 +36,9 @@ checkpoint that loads instead.
 
 A checkpoint is written into ``checkpoints/.tmp-step-…`` and renamed when every rank has
 finished, so a save killed at any point leaves the previous checkpoints as they were (rank 0
-renames; the run directory must be on a file system every rank sees). Replacing a checkpoint of
+renames; the run directory must be on a file system every rank sees). A write that fails (a full
+disk) fails the save on every rank alike, as an ``OutputPathError`` naming the checkpoint; what
+was written of it is removed. Replacing a checkpoint of
 the same step moves the old one to ``.old-step-…`` first; should the process die between the two
 renames, that copy is what ``latest_checkpoint`` finds. ``step`` is the number of completed
 optimizer steps. RNG states restore on the ranks that saved them (a rank with no saved state,
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import shutil
 import warnings
@@ -64,7 +65,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from harts.errors import UserError
+from harts.errors import OutputPathError, UserError
+from harts.outputs import os_error_of, replace_dir, writing
+from harts.parallel.agree import agree
 from harts.parallel.dcp_json import DamagedCheckpoint, JsonReader, JsonWriter, TensorLoadPlanner, read_metadata
 
 __all__ = [
@@ -113,11 +116,6 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def _barrier() -> None:
-    if _rank_world()[1] > 1:
-        dist.barrier()
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
@@ -315,41 +313,70 @@ def save_checkpoint(
 
     Every rank must call it. An existing checkpoint of the same step is replaced. ``data_state``,
     ``extra`` and the scheduler's state hold JSON data (str keys; tuples kept) and tensors.
+
+    Raises:
+        OutputPathError: a file could not be written (a full disk, a read-only directory), on
+            every rank alike; the message names the checkpoint, and the checkpoints before it are
+            as they were (what was written of this one is removed).
     """
     rank, world = _rank_world()
     final = checkpoint_path(run_dir, step)
     tmp = final.parent / f".tmp-{final.name}"
-    if rank == 0:
-        _remove_leftovers(final.parent)
-        (tmp / "rng").mkdir(parents=True)
-    _barrier()
-    tensors, plain, _, _ = _halves(model, optimizer)
-    with _quiet_single_process():
-        dcp.save(tensors, storage_writer=JsonWriter(tmp / "dcp"))
-    rng, rng_header = _rng_state()
-    _save_tensors(rng, tmp / "rng" / f"rank{rank}.safetensors", rng_header)
-    if getattr(model, "hf_source", None):
-        from harts.integrations.hf import save_hf_checkpoint
 
-        save_hf_checkpoint(model, str(tmp / "hf"))  # collective gather, rank 0 writes
-    if rank == 0:
-        data: dict[str, torch.Tensor] = {}
-        meta = {
-            "format": CHECKPOINT_FORMAT,
-            "step": step,
-            "world_size": world,
-            "data_state": _to_json(dict(data_state), data, "data_state"),
-            "extra": _to_json(dict(extra or {}), data, "extra"),
-            "scheduler": _to_json(scheduler.state_dict() if scheduler is not None else None, data, "scheduler"),
-            "state": _to_json(plain, data, "optimizer"),
-        }
-        _save_tensors(data, tmp / DATA)
-        (tmp / META).write_text(json.dumps(meta, indent=1))  # last: the checkpoint is complete
-    _barrier()
-    if rank == 0:
-        _publish(tmp, final)
-    _barrier()
+    def prepare() -> None:
+        if rank == 0:
+            _remove_leftovers(final.parent)
+            (tmp / "rng").mkdir(parents=True)
+
+    def write() -> None:
+        tensors, plain, _, _ = _halves(model, optimizer)
+        with _quiet_single_process():
+            dcp.save(tensors, storage_writer=JsonWriter(tmp / "dcp"))
+        rng, rng_header = _rng_state()
+        _save_tensors(rng, tmp / "rng" / f"rank{rank}.safetensors", rng_header)
+        if getattr(model, "hf_source", None):
+            from harts.integrations.hf import save_hf_checkpoint
+
+            save_hf_checkpoint(model, str(tmp / "hf"))  # collective gather, rank 0 writes
+        if rank == 0:
+            data: dict[str, torch.Tensor] = {}
+            meta = {
+                "format": CHECKPOINT_FORMAT,
+                "step": step,
+                "world_size": world,
+                "data_state": _to_json(dict(data_state), data, "data_state"),
+                "extra": _to_json(dict(extra or {}), data, "extra"),
+                "scheduler": _to_json(scheduler.state_dict() if scheduler is not None else None, data, "scheduler"),
+                "state": _to_json(plain, data, "optimizer"),
+            }
+            _save_tensors(data, tmp / DATA)
+            (tmp / META).write_text(json.dumps(meta, indent=1))  # last: the checkpoint is complete
+
+    for phase in (prepare, write, lambda: _publish(tmp, final) if rank == 0 else None):
+        # the barrier between the phases tells every rank of another's failed write
+        problem = agree(_written(final, phase))
+        if problem is not None:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise problem
     return final
+
+
+def _written(final: Path, phase: Callable[[], None]) -> UserError | None:
+    """Run ``phase`` of writing checkpoint ``final``; its failed write as an ``OutputPathError``
+    naming the checkpoint and the one before it (None when it wrote all it had to)."""
+    try:
+        with writing(final):
+            try:
+                phase()
+            except CheckpointException as err:
+                inner = _unwrap(err)  # DCP's wrapper of a rank's failed write
+                raise (inner if os_error_of(inner) is not None else err) from None
+    except OutputPathError as err:
+        done = [p for p in checkpoints(final.parent.parent) if p != final]
+        before = f"; the previous checkpoint {done[0]} is whole" if done else ""
+        return OutputPathError(f"checkpoint {err}{before}")
+    return None
 
 
 def _remove_leftovers(root: Path) -> None:
@@ -365,15 +392,10 @@ def _remove_leftovers(root: Path) -> None:
 
 
 def _publish(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside first and removed after."""
-    old = final.parent / f".old-{final.name}"
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)  # stale: ``final`` is whole
-        os.replace(final, old)
-    # without ``final``, an ``old`` is the checkpoint (a replacement died between the renames):
-    # it goes only once the new one is in place
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside to ``.old-…`` first and
+    removed after. Without ``final``, an ``.old-…`` copy is the checkpoint (a replacement died
+    between the renames): ``checkpoints`` lists it, and it goes only once the new one is in place."""
+    replace_dir(tmp, final, final.parent / f".old-{final.name}")
 
 
 def _resolve(ckpt_or_run_dir: str | Path) -> list[Path]:
@@ -442,20 +464,6 @@ def _check_fits(tensors: dict[str, Any], metadata: Any, path: Path, extra: dict[
             )
 
 
-def _agree(problem: UserError | None) -> UserError | None:
-    """The first rank's problem, on every rank (None when every rank has none)."""
-    if _rank_world()[1] == 1:
-        return problem
-    mine = None if problem is None else (isinstance(problem, DamagedCheckpoint), str(problem))
-    every: list[Any] = [None] * _rank_world()[1]
-    dist.all_gather_object(every, mine)
-    for found in every:
-        if found is not None:
-            damaged, text = found
-            return DamagedCheckpoint(text) if damaged else UserError(text)
-    return None
-
-
 def _unwrap(err: CheckpointException) -> BaseException:
     """The first rank's own exception inside DCP's wrapper."""
     for _rank, (exc, _trace) in sorted(err.failures.items()):
@@ -493,7 +501,7 @@ def _load_one(
         _check_fits(tensors, metadata, path, state.extra)
     except UserError as err:
         problem = err
-    problem = _agree(problem)
+    problem = agree(problem)
     if problem is not None:
         raise problem
     try:

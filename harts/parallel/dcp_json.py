@@ -19,16 +19,19 @@ the file; resharding on load (N ranks saved, M load) works as with DCP's own rea
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -170,8 +173,65 @@ def read_metadata(dcp_dir: str | Path) -> Metadata:
     return metadata
 
 
+class _NotedWrites(io.BufferedWriter):
+    """A file whose failed writes are noted in ``errors`` before they propagate."""
+
+    def __init__(self, raw: io.FileIO, errors: list[OSError]) -> None:
+        super().__init__(raw)
+        self._errors = errors
+
+    def write(self, data: Any) -> int:  # noqa: ANN401 - any buffer
+        try:
+            return super().write(data)
+        except OSError as err:
+            self._errors.append(err)
+            raise
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as err:
+            self._errors.append(err)
+            raise
+
+
+class _NotingFileSystem(FileSystem):
+    """DCP's local file system, its binary files noting their failed writes (``_NotedWrites``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[OSError] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with _NotedWrites(io.FileIO(path, "wb"), self.errors) as stream:
+            yield stream
+
+
 class JsonWriter(FileSystemWriter):
-    """DCP's file system writer with the metadata written as ``metadata.json`` instead of a pickle."""
+    """DCP's file system writer with the metadata written as ``metadata.json`` instead of a pickle.
+
+    A write that fails in the operating system (a full disk) is raised as its ``OSError``: torch's
+    own serializer, which writes the tensors, reports it only as "unexpected pos" (a
+    ``RuntimeError``), so the files note their failed writes and ``write_data`` raises the first."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:  # noqa: ANN401 - DCP's options
+        super().__init__(path, **kwargs)
+        self._noting = _NotingFileSystem()
+        self.fs = self._noting
+
+    def write_data(self, plan: Any, planner: Any) -> Any:  # noqa: ANN401 - DCP's signature
+        try:
+            return super().write_data(plan, planner)
+        except Exception:
+            errors = self._noting.errors
+            if errors:
+                raise errors[0] from None
+            raise
 
     def finish(self, metadata: Metadata, results: list) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}

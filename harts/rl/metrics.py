@@ -7,15 +7,20 @@ once, so a crash or Ctrl-C keeps every finished step) and, with ``tensorboard=Tr
 Weights & Biases project as well.
 ``read_metrics(run_dir)`` reads a run back (``harts plot``); ``truncate_metrics(run_dir, n)``
 drops the records of steps ``>= n`` (a resumed run continues after its checkpoint's step).
+
+A write that fails (a full disk) is an ``OutputPathError`` naming ``metrics.jsonl``
+(``harts.outputs.writing``): the command stops with that line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
 
 from harts.errors import UserError
+from harts.outputs import writing
 
 __all__ = [
     "METRICS_FILE",
@@ -59,9 +64,12 @@ class MetricsWriter:
         wandb: str | None = None,
         config: dict[str, Any] | None = None,
     ) -> None:
-        os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        with writing(self.path):
+            os.makedirs(run_dir, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        #: a write failed: what is left in the file's buffer cannot be written either
+        self._failed = False
         self._tb: Any = None
         self._wandb: Any = None
         if tensorboard and tensorboard_available():
@@ -79,8 +87,13 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         """One step's record; ``record["step"]`` is the x axis."""
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with writing(self.path):
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError:
+                self._failed = True
+                raise
         scalars = {
             key: value
             for key, value in record.items()
@@ -94,7 +107,9 @@ class MetricsWriter:
             self._wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
-        self._file.close()
+        # after a failed write, closing fails on the same buffer: that error was raised already
+        with contextlib.suppress(OSError) if self._failed else writing(self.path):
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
@@ -149,7 +164,13 @@ def truncate_metrics(run_dir: str, steps: int) -> int:
     if len(keep) == len(lines):
         return 0
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    with writing(path):
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(keep)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     return len(lines) - len(keep)

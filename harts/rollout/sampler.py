@@ -27,7 +27,7 @@ import torch
 from harts.models.hybrid_lm import HybridLM
 from harts.rollout.decode import Branch, extend
 
-__all__ = ["SamplingConfig", "Turn", "generate", "sample_tokens"]
+__all__ = ["Decoding", "SamplingConfig", "Turn", "generate", "sample_tokens"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,26 +86,52 @@ def generate(
 
     Every branch must have ``logits`` (it has consumed its prompt) and no pending tokens.
     """
-    branches = list(branches)
-    for i, b in enumerate(branches):
-        if b.logits is None or b.pending:
-            raise ValueError(f"branch {i} must have consumed its context before a turn is sampled")
-    turns = [Turn([], []) for _ in branches]
-    live = list(range(len(branches)))
-    stop = set(cfg.stop_tokens)
-    while live:
+    decoding = Decoding(branches, cfg)
+    while not decoding.done:
+        decoding.step(model, generator)
+    return decoding.branches, decoding.turns
+
+
+class Decoding:
+    """``generate`` one decoding step at a time, for callers that interleave other work between
+    steps (a server's scheduler): ``step`` until ``done``, then read ``branches`` and ``turns``.
+    The steps are ``generate``'s own, so the same generator samples the same tokens either way,
+    however the steps are spread out, as long as the model's weights are the same at each step."""
+
+    def __init__(self, branches: Sequence[Branch], cfg: SamplingConfig) -> None:
+        self.branches = list(branches)
+        for i, b in enumerate(self.branches):
+            if b.logits is None or b.pending:
+                raise ValueError(f"branch {i} must have consumed its context before a turn is sampled")
+        self.cfg = cfg
+        self.turns = [Turn([], []) for _ in self.branches]
+        self._live = list(range(len(self.branches)))
+        self._stop = set(cfg.stop_tokens)
+
+    @property
+    def done(self) -> bool:
+        """Every branch has stopped."""
+        return not self._live
+
+    @property
+    def live(self) -> int:
+        """Branches still sampling."""
+        return len(self._live)
+
+    def step(self, model: HybridLM, generator: torch.Generator) -> None:
+        """Run the pending tokens of the live branches and sample one more token for each."""
+        branches, live = self.branches, self._live
         need = [i for i in live if branches[i].pending]
         if need:
             for i, b in zip(need, extend(model, [branches[i] for i in need], [[] for _ in need])):
                 branches[i] = b
         logits = torch.stack([branches[i].logits for i in live])  # type: ignore[misc]
-        tokens, logprobs = sample_tokens(logits, cfg, generator)
+        tokens, logprobs = sample_tokens(logits, self.cfg, generator)
         still = []
         for i, tok, lp in zip(live, tokens.tolist(), logprobs.tolist()):
-            turns[i].tokens.append(tok)
-            turns[i].logprobs.append(lp)
+            self.turns[i].tokens.append(tok)
+            self.turns[i].logprobs.append(lp)
             branches[i] = replace(branches[i], pending=(tok,))
-            if tok not in stop and len(turns[i].tokens) < cfg.max_tokens:
+            if tok not in self._stop and len(self.turns[i].tokens) < self.cfg.max_tokens:
                 still.append(i)
-        live = still
-    return branches, turns
+        self._live = still

@@ -1,16 +1,23 @@
 """The HTTP layer of ``harts serve``: the FastAPI app with Tinker's routes over a ``Service``.
 
-Every request must carry the server's key in ``X-API-Key`` (the header the tinker SDK sends);
-without it the answer is 401 and nothing else happens. Bodies are read up to
-``--max-request-bytes`` (413 past it, before the rest is read). Every route is a thin call into
-``Service``: a ``WireError`` becomes its status with ``{"detail": message}``; any other error is
-a 500 with a one-line message while the traceback goes to the server log, and the server keeps
-serving. Routes are under ``/api/v1`` as the SDK calls them.
+Every request must carry one of the server's keys in ``X-API-Key`` (the header the tinker SDK
+sends); without one the answer is 401 and nothing else happens. The key's tenant is passed to
+every ``Service`` method that touches a session, run, sampling client, request or checkpoint,
+and the service answers 404 for another tenant's (``harts.serve.tenants``). Bodies are read up to
+``--max-request-bytes`` (413 past it, before the rest is read); JSON bodies (every route but
+``forward_backward``) only up to ``ServeConfig.max_json_bytes``, and a body that stalls for
+``--body-timeout`` seconds gets 408 (both close the connection). Every route is a thin call into
+``Service``, made on the thread pool once the body is read: parsing and checking a large request
+takes its time there while the event loop goes on answering everyone else (``/healthz``, other
+clients' polls). A ``WireError`` becomes its status with ``{"detail": message}``; any other error
+is a 500 with a one-line message while the traceback goes to the server log, and the server keeps
+serving. Routes are under ``/api/v1`` as the SDK calls them; ``cancel_future`` is the SDK's
+cancel of an abandoned sampling future (``client/dynamic_config`` turns it on).
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import logging
 import traceback
@@ -19,10 +26,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from harts.errors import UserError
 from harts.serve.service import Service
+from harts.serve.tenants import Keys
 from harts.serve.wire import WireError
 
 __all__ = ["build_app"]
@@ -31,13 +40,17 @@ log = logging.getLogger("harts.serve")
 
 Handler = Callable[[Request], Awaitable[Any]]
 
+#: the ASGI scope entry holding the tenant of the request's key (set by ``_Guard``)
+TENANT = "harts.tenant"
+
 
 class _Guard:
-    """ASGI middleware: the API key check and the request size limit, before any route runs."""
+    """ASGI middleware: the API key check and the request size limit, before any route runs. The
+    key's tenant goes into the scope (``TENANT``), where every route reads whose request it is."""
 
-    def __init__(self, app: ASGIApp, api_key: str, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, keys: Keys, max_bytes: int) -> None:
         self.app = app
-        self.key = api_key.encode()
+        self.keys = keys
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,10 +58,12 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if not hmac.compare_digest(headers.get("x-api-key", b""), self.key):
+        tenant = self.keys.tenant(headers.get("x-api-key", b""))
+        if tenant is None:
             detail = "missing or wrong API key: send the server's key in the X-API-Key header"
             await _send(send, 401, {"detail": detail})
             return
+        scope[TENANT] = tenant
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             await _send(send, 413, {"detail": f"the request body is over {self.max_bytes} bytes (--max-request-bytes)"})
@@ -63,15 +78,28 @@ async def _send(send: Send, status: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-async def _body(request: Request, limit: int) -> bytes:
-    """The request body, refused past ``limit`` bytes (for bodies sent without a length)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
+#: statuses answered with ``Connection: close``: the client may still be sending a body nobody reads
+_CLOSING = (408, 413)
+
+
+async def _body(request: Request, limit: int, timeout: float, what: str = "--max-request-bytes") -> bytes:
+    """The request body, refused past ``limit`` bytes (for bodies sent without a length; ``what``
+    names the limit), and when nothing of it arrives for ``timeout`` seconds (a half-sent body
+    would otherwise hold its connection and task for good)."""
+    chunks: list[bytes] = []
+    size = 0
+    stream = request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), timeout)
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except asyncio.TimeoutError:
+            raise WireError(f"the request body stalled: nothing came for {timeout:g} s (--body-timeout)", 408) from None
         size += len(chunk)
         if size > limit:
-            raise WireError(f"the request body is over {limit} bytes (--max-request-bytes)", 413)
+            raise WireError(f"the request body is over {limit} bytes ({what})", 413)
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _answer(result: Any) -> Response:
@@ -96,6 +124,11 @@ def _int_query(request: Request, name: str, default: int, lo: int, hi: int) -> i
     return value
 
 
+def _tenant(request: Request) -> str:
+    """The tenant of the request's key (``_Guard`` put it in the scope)."""
+    return str(request.scope[TENANT])
+
+
 def _no_args(fn: Callable[[], Any]) -> Handler:
     """A route handler that needs nothing from the request."""
 
@@ -109,14 +142,15 @@ def build_app(service: Service) -> FastAPI:
     """The FastAPI app serving ``service`` (module docstring)."""
     config = service.config
     app = FastAPI(title="harts serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_Guard, api_key=config.api_key, max_bytes=config.max_request_bytes)
+    app.add_middleware(_Guard, keys=Keys(config.keys), max_bytes=config.max_request_bytes)
 
     def route(method: str, path: str, fn: Handler) -> None:
         async def endpoint(request: Request) -> Response:
             try:
                 return _answer(await fn(request))
             except WireError as err:
-                return JSONResponse({"detail": str(err)}, status_code=err.status)
+                close = {"connection": "close"} if err.status in _CLOSING else None
+                return JSONResponse({"detail": str(err)}, status_code=err.status, headers=close)
             except UserError as err:
                 return JSONResponse({"detail": str(err)}, status_code=400)
             except Exception as err:  # a bug of ours: one line to the client, the traceback to the log
@@ -127,52 +161,58 @@ def build_app(service: Service) -> FastAPI:
         app.add_api_route(f"/api/v1/{path}", endpoint, methods=[method], include_in_schema=False)
 
     async def body(request: Request) -> bytes:
-        return await _body(request, config.max_request_bytes)
+        return await _body(request, config.max_request_bytes, config.body_timeout)
+
+    async def json_body(request: Request) -> bytes:
+        what = "the most a JSON request takes here, a sampling prompt of --capacity tokens and more"
+        return await _body(request, config.max_json_bytes, config.body_timeout, what)
 
     async def ok(request: Request) -> Any:
         return {"status": "ok"}
 
     async def dynamic_config(request: Request) -> Any:
-        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": True, "sample_cancel_max_batch_size": 64}
 
     async def telemetry(request: Request) -> Any:
-        await body(request)  # read and dropped: the server keeps no client telemetry
+        await json_body(request)  # read and dropped: the server keeps no client telemetry
         return {"status": "accepted"}
 
     async def forward_backward(request: Request) -> Any:
-        return service.forward_backward(await body(request), request.headers.get("content-encoding"))
+        data, encoding = await body(request), request.headers.get("content-encoding")
+        return await run_in_threadpool(service.forward_backward, _tenant(request), data, encoding)
 
     async def retrieve(request: Request) -> Any:
-        return await service.retrieve(await body(request))
+        return await service.retrieve(_tenant(request), await json_body(request))
 
-    def post(fn: Callable[[bytes], Any]) -> Handler:
+    def post(fn: Callable[[str, bytes], Any]) -> Handler:
         async def handler(request: Request) -> Any:
-            return fn(await body(request))
+            data = await json_body(request)
+            return await run_in_threadpool(fn, _tenant(request), data)
 
         return handler
 
     def path_arg(fn: Callable[..., Any], *names: str) -> Handler:
         async def handler(request: Request) -> Any:
-            return fn(*(request.path_params[n] for n in names))
+            return await run_in_threadpool(fn, _tenant(request), *(request.path_params[n] for n in names))
 
         return handler
 
-    def paged(fn: Callable[[int, int], Any]) -> Handler:
+    def paged(fn: Callable[[str, int, int], Any]) -> Handler:
         async def handler(request: Request) -> Any:
             limit = _int_query(request, "limit", 20, 1, 10_000)
-            return fn(limit, _int_query(request, "offset", 0, 0, 1 << 31))
+            return await run_in_threadpool(fn, _tenant(request), limit, _int_query(request, "offset", 0, 0, 1 << 31))
 
         return handler
 
     route("GET", "healthz", ok)
-    route("POST", "client/config", post(lambda _: service.client_config()))
+    route("POST", "client/config", post(lambda _tenant, _body: service.client_config()))
     route("POST", "client/dynamic_config", dynamic_config)
     route("GET", "get_server_capabilities", _no_args(service.capabilities))
     route("POST", "create_session", post(service.create_session))
     route("POST", "session_heartbeat", post(service.heartbeat))
     route("POST", "sessions/{session_id}/finish", path_arg(service.finish_session, "session_id"))
     route("GET", "sessions/{session_id}", path_arg(service.get_session, "session_id"))
-    route("GET", "sessions", _no_args(service.list_sessions))
+    route("GET", "sessions", path_arg(service.list_sessions))
     route("POST", "telemetry", telemetry)
     route("POST", "create_model", post(service.create_model))
     route("POST", "get_info", post(service.get_info))
@@ -185,6 +225,7 @@ def build_app(service: Service) -> FastAPI:
     route("GET", "samplers/{sampler_id}", path_arg(service.get_sampler, "sampler_id"))
     route("POST", "asample", post(service.asample))
     route("POST", "retrieve_future", retrieve)
+    route("POST", "cancel_future", post(service.cancel_future))
     route("GET", "training_runs", paged(service.training_runs))
     route("GET", "training_runs/{model_id}", path_arg(service.training_run, "model_id"))
     route("GET", "training_runs/{model_id}/checkpoints", path_arg(service.list_checkpoints, "model_id"))

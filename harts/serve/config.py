@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from harts.errors import UserError
+from harts.serve.tenants import DEFAULT_TENANT, check_keys
 
 __all__ = ["API_KEY_ENV", "ServeConfig"]
 
@@ -23,8 +24,12 @@ class ServeConfig:
     model: str
     #: the name clients pass as ``base_model``; None: the preset's name or the directory's name
     model_name: str | None = None
-    #: every request must carry this key in ``X-API-Key`` (the tinker SDK wants a ``tml-`` prefix)
-    api_key: str
+    #: the one tenant's key (``default``) when ``tenants`` is None: every request carries a key in
+    #: ``X-API-Key``; ``harts.serve.tenants`` says what a key must be
+    api_key: str = ""
+    #: tenant name -> its key (``--keys-file``); each tenant sees only its own sessions, runs and
+    #: checkpoints. None: the one tenant of ``api_key``
+    tenants: dict[str, str] | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     #: checkpoints live under ``<state_dir>/runs/<model_id>/``; client paths never leave it
@@ -44,6 +49,22 @@ class ServeConfig:
     max_request_bytes: int = 256 << 20
     #: largest ``num_samples`` of one sampling request
     max_samples: int = 256
+    #: most datums in one ``forward`` / ``forward_backward`` request
+    max_datums: int = 16384
+    #: most tokens in one ``forward`` / ``forward_backward`` request (each datum's model_input + 1)
+    max_batch_tokens: int = 1 << 21
+    #: most tokens one sampling request costs: its prompt + ``num_samples`` x ``max_tokens``
+    max_sample_tokens: int = 1 << 20
+    #: seconds a connection has to send a request's line and headers, from its first byte (or from
+    #: connecting); slower connections are closed, so half-sent requests do not pile up
+    header_timeout: float = 10.0
+    #: seconds a request body may stall between two pieces before the answer is 408 and the
+    #: connection closes
+    body_timeout: float = 30.0
+    #: seconds an idle keep-alive connection stays open
+    keep_alive_timeout: int = 5
+    #: connections (and requests in progress) at once; past it new requests are answered 503
+    max_connections: int = 512
     #: in-memory weight snapshots for sampling clients, across all runs (oldest dropped first)
     max_snapshots: int = 32
     #: how long one ``retrieve_future`` waits for its result before answering "try again"
@@ -52,17 +73,46 @@ class ServeConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.api_key:
-            raise UserError(f"--api-key: no API key; pass --api-key tml-... or set {API_KEY_ENV}")
-        if not self.api_key.startswith("tml-"):
-            raise UserError("--api-key: must start with 'tml-' (the tinker SDK refuses any other key)")
+        if self.tenants is not None:
+            if self.api_key:
+                raise UserError("--api-key: give --api-key (one tenant) or --keys-file (several), not both")
+            check_keys(self.tenants, source="--keys-file")
+        elif not self.api_key:
+            raise UserError(f"--api-key: no API key; pass --api-key tml-..., set {API_KEY_ENV} or give --keys-file")
+        else:
+            check_keys({DEFAULT_TENANT: self.api_key}, source="--api-key")
         if not 0 < self.port < 65536:
             raise UserError(f"--port: {self.port} is not a TCP port (1-65535)")
         if self.capacity < 2:
             raise UserError(f"--capacity: {self.capacity}; at least 2 tokens")
+        for name in ("max_datums", "max_batch_tokens", "max_sample_tokens", "max_connections", "keep_alive_timeout"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')}: {getattr(self, name)}; at least 1")
+        for name in ("header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"--{name.replace('_', '-')}: {getattr(self, name)}; must be > 0 seconds")
         self.state_dir = Path(self.state_dir)
         if self.state_dir.exists() and not self.state_dir.is_dir():
             raise UserError(f"--state-dir: {self.state_dir} exists and is not a directory")
+
+    @property
+    def keys(self) -> dict[str, str]:
+        """Tenant name -> key: the keys file's tenants, or ``default`` with ``api_key``."""
+        return dict(self.tenants) if self.tenants is not None else {DEFAULT_TENANT: self.api_key}
+
+    @property
+    def legacy_owner(self) -> str | None:
+        """The tenant of a run whose ``run.json`` names none (written before runs recorded their
+        tenant): the one tenant of ``--api-key``; with a keys file, nobody (a tenant adopts such a
+        run by adding ``"tenant": "<name>"`` to its ``run.json``)."""
+        return DEFAULT_TENANT if self.tenants is None else None
+
+    @property
+    def max_json_bytes(self) -> int:
+        """Largest JSON request body. Every endpoint but ``forward_backward`` (protobuf) takes JSON,
+        the largest a sampling prompt of at most ``capacity`` tokens; a JSON body is parsed in one
+        call that holds the interpreter, so it is kept to what such a request needs."""
+        return min(self.max_request_bytes, (4 << 20) + 16 * self.capacity)
 
     @property
     def served_name(self) -> str:

@@ -50,6 +50,8 @@ Outcome = Done | Failed
 class _Record:
     kind: str
     created: float
+    #: the tenant whose request it is (None: anyone's)
+    tenant: str | None = None
     future: concurrent.futures.Future[Outcome] = field(default_factory=concurrent.futures.Future)
     retrieved_at: float | None = None
 
@@ -64,12 +66,13 @@ class FutureStore:
         self._keep_seconds = keep_seconds
         self._max_records = max_records
 
-    def create(self, kind: str) -> str:
-        """A new pending record for a request of ``kind`` (e.g. ``"ForwardBackward"``); its id."""
+    def create(self, kind: str, tenant: str | None = None) -> str:
+        """A new pending record for a request of ``kind`` (e.g. ``"ForwardBackward"``) of
+        ``tenant``; its id."""
         request_id = uuid.uuid4().hex
         with self._lock:
             self._prune_locked()
-            self._records[request_id] = _Record(kind=kind, created=time.monotonic())
+            self._records[request_id] = _Record(kind=kind, created=time.monotonic(), tenant=tenant)
         return request_id
 
     def resolve(self, request_id: str, outcome: Outcome) -> None:
@@ -80,18 +83,23 @@ class FutureStore:
             return
         record.future.set_result(outcome)
 
-    def kind(self, request_id: str) -> str | None:
-        """The kind of a known request, else None."""
+    def kind(self, request_id: str, tenant: str | None = None) -> str | None:
+        """The kind of a known request, else None (also for another tenant's when ``tenant`` is given)."""
         with self._lock:
             record = self._records.get(request_id)
-        return None if record is None else record.kind
+        if record is None or (tenant is not None and record.tenant is not None and record.tenant != tenant):
+            return None
+        return record.kind
 
-    async def wait(self, request_id: str, timeout: float) -> Outcome | None:
+    async def wait(self, request_id: str, timeout: float, tenant: str | None = None) -> Outcome | None:
         """The outcome of a known request once it is resolved, or None after ``timeout`` seconds.
 
-        Raises ``KeyError`` for an unknown (or long-retrieved) request id."""
+        Raises ``KeyError`` for an unknown (or long-retrieved) request id, and for another
+        tenant's when ``tenant`` is given (as unknown: its ids do not leak)."""
         with self._lock:
             record = self._records[request_id]
+        if tenant is not None and record.tenant is not None and record.tenant != tenant:
+            raise KeyError(request_id)
         if not record.future.done() and timeout > 0:
             await asyncio.wait([asyncio.wrap_future(record.future)], timeout=timeout)
         if not record.future.done():

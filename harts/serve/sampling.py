@@ -5,6 +5,9 @@ A request's prompt runs once through the model (``extend``); the branch is forke
 (temperature, top-p, max tokens, stop tokens), so a group of samples costs one prompt. Each
 sampled token carries its log-prob under the distribution it was drawn from; at temperature 1
 and top-p 1 that is the model's own log-prob, which a ``forward`` of the same tokens reproduces.
+The worker runs a request in slices of decoding steps (``SampleRun``), so other runs' steps go
+between them; a request's tokens (prompt + ``num_samples`` x ``max_tokens``) are bounded by
+``--max-sample-tokens`` before it is queued.
 
 Which weights: a sampling client made by ``save_weights_for_sampler`` samples the adapter
 weights saved then. The server keeps those as a ``Snapshot`` of the run's trainable tensors (the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,20 +36,22 @@ import numpy as np
 import torch
 
 from harts.rollout.decode import extend, new_branch
-from harts.rollout.sampler import SamplingConfig, generate
+from harts.rollout.sampler import Decoding, SamplingConfig
 from harts.serve.futures import Done
 from harts.serve.wire import PROTO_MEDIA_TYPE, WireError, encode_sample_response, finite, prompt_tokens
+from harts.serve.worker import Later, Step
 
 if TYPE_CHECKING:
     from harts.trainer.engine import Engine
 
 __all__ = [
     "SAMPLER_ENGINES",
+    "SLICE_SECONDS",
     "SampleJob",
+    "SampleRun",
     "SamplerEngines",
     "Snapshot",
     "Snapshots",
-    "run_sample",
     "sample_job",
     "take_snapshot",
 ]
@@ -151,18 +157,52 @@ class SampleJob:
     prompt_logprobs_last_n: int | None = None
 
 
-def run_sample(engine: Engine, tensors: dict[str, torch.Tensor] | None, job: SampleJob) -> Done:
-    """Sample ``job`` from ``engine``'s model with ``tensors`` swapped in (module docstring);
-    the encoded ``SampleResponse``."""
-    model = engine.model
-    stop = set(job.config.stop_tokens)
-    with swapped(model, tensors):
-        branch = extend(model, [new_branch(model)], [job.prompt])[0]
-        generator = torch.Generator().manual_seed(job.seed)
-        _, turns = generate(model, branch.fork(job.num_samples), job.config, generator)
-        prompt_lp = _prompt_logprobs(engine, job) if job.prompt_logprobs else None
-    sequences = [(t.tokens, t.logprobs, bool(t.tokens) and t.tokens[-1] in stop) for t in turns]
-    return Done(encode_sample_response(sequences, prompt_lp), PROTO_MEDIA_TYPE)
+#: how long one turn of a sampling job decodes before the worker lets the other lanes take theirs
+SLICE_SECONDS = 0.05
+
+#: ``weights()``: (engine, tensors to swap in) a sampling job samples with, looked up afresh for
+#: every slice (the run may have trained, or the engine been reloaded, in between)
+Weights = Callable[[], "tuple[Engine, dict[str, torch.Tensor] | None]"]
+
+
+class SampleRun:
+    """One sampling request as the worker runs it, in slices (``harts.serve.worker.Later``): the
+    prompt in the first, then decoding steps until ``slice_seconds`` have passed (or ten times
+    the swap, when that is longer), the rest at the job's next turn. Every slice swaps the
+    sampled weights in and back out, so whatever other lanes run in between sees its own
+    weights; the caches of the prompt and of every sample stay here, and the decoding is
+    ``generate``'s (``Decoding``), so the tokens and log-probs are the same however the work is
+    sliced."""
+
+    def __init__(self, job: SampleJob, weights: Weights, *, slice_seconds: float = SLICE_SECONDS) -> None:
+        self.job = job
+        self.weights = weights
+        self.slice_seconds = slice_seconds
+        self._generator = torch.Generator().manual_seed(job.seed)
+        self._decoding: Decoding | None = None
+
+    def step(self) -> Step:
+        """One slice: the result once every sample has stopped, else ``Later(self.step)``."""
+        engine, tensors = self.weights()
+        model = engine.model
+        started = time.monotonic()
+        with swapped(model, tensors):
+            # a slice outlasts its swap tenfold (a run without LoRA swaps every weight)
+            deadline = time.monotonic() + max(self.slice_seconds, 10 * (time.monotonic() - started))
+            if self._decoding is None:
+                branch = extend(model, [new_branch(model)], [self.job.prompt])[0]
+                self._decoding = Decoding(branch.fork(self.job.num_samples), self.job.config)
+            decoding = self._decoding
+            while not decoding.done:  # one step at least, however short the slice
+                decoding.step(model, self._generator)
+                if time.monotonic() >= deadline:
+                    break
+            if not decoding.done:
+                return Later(self.step)
+            prompt_lp = _prompt_logprobs(engine, self.job) if self.job.prompt_logprobs else None
+        stop = set(self.job.config.stop_tokens)
+        sequences = [(t.tokens, t.logprobs, bool(t.tokens) and t.tokens[-1] in stop) for t in decoding.turns]
+        return Done(encode_sample_response(sequences, prompt_lp), PROTO_MEDIA_TYPE)
 
 
 def _prompt_logprobs(engine: Engine, job: SampleJob) -> np.ndarray:
@@ -175,10 +215,18 @@ def _prompt_logprobs(engine: Engine, job: SampleJob) -> np.ndarray:
 
 
 def sample_job(
-    req: Any, *, vocab_size: int, eos_tokens: tuple[int, ...], capacity: int, max_samples: int, default_seed: int
+    req: Any,
+    *,
+    vocab_size: int,
+    eos_tokens: tuple[int, ...],
+    capacity: int,
+    max_samples: int,
+    default_seed: int,
+    max_sample_tokens: int | None = None,
 ) -> SampleJob:
     """A ``SampleJob`` from tinker's validated ``SampleRequest``; every unsupported option refused by
-    name (``WireError``). ``eos_tokens`` stop a sample when the request names no ``stop``."""
+    name (``WireError``). ``eos_tokens`` stop a sample when the request names no ``stop``;
+    ``max_sample_tokens`` bounds the prompt plus ``num_samples`` x ``max_tokens``."""
     if not 1 <= req.num_samples <= max_samples:
         raise WireError(f"num_samples: {req.num_samples}; between 1 and {max_samples} (--max-samples)")
     for name, value in (
@@ -202,6 +250,13 @@ def sample_job(
         raise WireError(
             f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({p.max_tokens}) is over "
             f"the server's {capacity} tokens (--capacity)"
+        )
+    budget = len(prompt) + p.max_tokens * req.num_samples
+    if max_sample_tokens is not None and budget > max_sample_tokens:
+        raise WireError(
+            f"num_samples x sampling_params.max_tokens: prompt ({len(prompt)}) + {req.num_samples} x "
+            f"{p.max_tokens} = {budget} tokens; this server samples at most {max_sample_tokens} tokens per "
+            "request (--max-sample-tokens): ask for fewer samples or fewer tokens, or split the request"
         )
     if not finite(float(p.temperature), "sampling_params.temperature") > 0:
         raise WireError(f"sampling_params.temperature: {p.temperature}; must be > 0 (harts samples, no greedy)")

@@ -3,7 +3,7 @@
 ``make_service`` reads what clients are told about the model (vocabulary, architecture,
 tokenizer, end-of-sequence tokens) from its structure alone (the meta device: no weights are
 loaded until a client creates a training run) and returns the ``Service``; ``serve`` runs it
-with uvicorn until SIGINT / SIGTERM.
+with uvicorn until SIGINT / SIGTERM, within the connection limits of ``harts.serve.connections``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from harts.trainer.engine import Engine
     from harts.trainer.lora import LoraConfig
 
-__all__ = ["make_service", "model_info", "serve"]
+__all__ = ["exposure_warning", "make_service", "model_info", "serve"]
 
 log = logging.getLogger("harts.serve")
 
@@ -53,6 +53,26 @@ def _check_port(host: str, port: int) -> None:
             pass
     except OSError as err:
         raise UserError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err})") from None
+
+
+def exposure_warning(host: str) -> str | None:
+    """The warning ``serve`` logs when ``host`` is not a loopback address (None when it is):
+    anyone who can reach the port can try keys, and keys, data and weights cross the network
+    in plain HTTP."""
+    import ipaddress
+    import socket
+
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        addresses = set()
+    if addresses and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addresses):
+        return None
+    return (
+        f"--host {host} is not a loopback address: the server is reachable from other machines, and API keys, "
+        "data and weights travel over plain HTTP; bind 127.0.0.1 (reach it over an SSH tunnel) or serve it "
+        "behind a TLS proxy"
+    )
 
 
 def check_execution(config: ServeConfig, model: HybridLM) -> None:
@@ -157,11 +177,16 @@ def serve(
     import uvicorn
 
     from harts.serve.app import build_app
+    from harts.serve.connections import uvicorn_limits
 
     _check_port(config.host, config.port)
     service = make_service(config, check_run_memory=check_run_memory)
     app = build_app(service)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="harts serve: %(message)s")
+    warning = exposure_warning(config.host)
+    if warning is not None:
+        log.warning(warning)
+    log.info("tenants (each sees only its own runs and checkpoints): %s", ", ".join(config.keys))
     log.info(
         "serving %r (%s) on http://%s:%d, state in %s",
         config.served_name,
@@ -171,7 +196,15 @@ def serve(
         Path(config.state_dir).resolve(),
     )
     server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="off")
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            **uvicorn_limits(config),
+        )
     )
     if json_out:
         record = {

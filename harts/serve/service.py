@@ -4,8 +4,12 @@
 and one method per endpoint. A method validates its request completely (``WireError`` naming the
 field, before any work is queued), then either answers at once (sessions, info, listings) or
 queues a job on the ``Worker`` and answers with Tinker's ``UntypedAPIFuture``; the client then
-polls ``retrieve`` for the result. Methods run on the event loop and never touch an engine;
-the jobs they queue do, on the worker thread (``harts.serve.training``, ``harts.serve.sampling``).
+polls ``retrieve`` for the result. Methods never touch an engine; the jobs they queue do, on
+the worker thread (``harts.serve.training``, ``harts.serve.sampling``). The HTTP layer calls them
+on its thread pool, off the event loop (parsing a large body would otherwise stall every other
+client), so several may run at once: what they share is under ``_lock`` or is itself thread-safe
+(the worker, the futures, the snapshots). Limits on what one request may ask for (datums and
+tokens of a batch, tokens of a sample) are checked here, before anything is queued.
 
 Identities follow the SDK: a session id is ours; a training run is ``<session>:train:<n>`` and a
 sampling client ``<session>:sample:<n>`` for the client's own counters ``n`` (the SDK derives the
@@ -36,23 +40,25 @@ from harts.serve import training
 from harts.serve.checkpoints import CheckpointDir, now
 from harts.serve.config import ServeConfig
 from harts.serve.futures import Done, Failed, FutureStore
-from harts.serve.sampling import SamplerEngines, Snapshots, run_sample, sample_job, take_snapshot
+from harts.serve.sampling import SamplerEngines, SampleRun, Snapshots, sample_job, take_snapshot
 from harts.serve.training import TrainingRun, json_done
 from harts.serve.wire import (
     TinkerPath,
     WireError,
+    batch_tokens,
     check_loss_fn,
     check_name,
-    decode_forward_backward,
     describe_validation,
     finite,
     json_body,
     loss_config,
+    parse_datums,
     parse_tinker_path,
+    split_forward_backward,
     trajectories,
     validate_json,
 )
-from harts.serve.worker import Job, Worker
+from harts.serve.worker import Job, Step, Worker
 
 if TYPE_CHECKING:
     from harts.trainer.engine import Engine
@@ -87,6 +93,8 @@ class _Session:
     session_id: str
     user_metadata: dict[str, Any] | None
     display_name: str | None
+    #: the tenant whose key created it
+    tenant: str
     finished: bool = False
     model_ids: list[str] = field(default_factory=list)
     sampler_ids: list[str] = field(default_factory=list)
@@ -97,11 +105,15 @@ class _Sampler:
     sampler_id: str
     session_id: str
     base_model: str
+    #: the tenant whose key created it
+    tenant: str
     #: the snapshot it samples (a key of ``Service.snapshots``), or None
     snapshot: str | None = None
     #: the checkpoint it samples when the snapshot is gone (or it has none)
     path: TinkerPath | None = None
     model_path: str | None = None
+    #: the training run whose snapshot it samples, when it was made by that run's save
+    model_id: str | None = None
 
 
 class Service:
@@ -131,6 +143,8 @@ class Service:
         self._runs: dict[str, TrainingRun] = {}
         self._samplers: dict[str, _Sampler] = {}
         self._seeds = np.random.default_rng(config.seed)
+        #: deletes of checkpoints one at a time (two of one checkpoint at once: one 404, not a race)
+        self._deleting = threading.Lock()
 
     # ------------------------------------------------------------------ client configuration
     def client_config(self) -> dict[str, Any]:
@@ -168,34 +182,38 @@ class Service:
         return self.config.served_name
 
     # ------------------------------------------------------------------ sessions
-    def create_session(self, body: bytes) -> dict[str, Any]:
+    def create_session(self, tenant: str, body: bytes) -> dict[str, Any]:
         req = validate_json(body, types.CreateSessionRequest, "create_session")
         sid = uuid.uuid4().hex
         with self._lock:
-            self._sessions[sid] = _Session(sid, req.user_metadata, req.display_name)
+            self._sessions[sid] = _Session(sid, req.user_metadata, req.display_name, tenant)
         log.info("session %s created (%s)", sid, req.display_name or "no name")
         return types.CreateSessionResponse(session_id=sid).model_dump(mode="json")
 
-    def _session(self, session_id: str, field: str = "session_id") -> _Session:
+    def _own_session(self, tenant: str, session_id: str, field: str = "session_id") -> _Session:
+        """Session ``session_id`` of ``tenant``, finished or not (404 for another tenant's, as for
+        an unknown one: a tenant learns nothing of another's ids)."""
         with self._lock:
             s = self._sessions.get(session_id)
-        if s is None:
+        if s is None or s.tenant != tenant:
             raise WireError(f"{field}: unknown session {session_id!r}", 404)
+        return s
+
+    def _session(self, tenant: str, session_id: str, field: str = "session_id") -> _Session:
+        s = self._own_session(tenant, session_id, field)
         if s.finished:
             raise WireError(f"{field}: session {session_id} is finished", 410)
         return s
 
-    def heartbeat(self, body: bytes) -> dict[str, Any]:
+    def heartbeat(self, tenant: str, body: bytes) -> dict[str, Any]:
         req = validate_json(body, types.SessionHeartbeatRequest, "session_heartbeat")
-        self._session(req.session_id)
+        self._session(tenant, req.session_id)
         return types.SessionHeartbeatResponse().model_dump(mode="json")
 
-    def finish_session(self, session_id: str) -> dict[str, Any]:
+    def finish_session(self, tenant: str, session_id: str) -> dict[str, Any]:
         """End a session: its runs and sampling clients are released (checkpoints stay)."""
+        s = self._own_session(tenant, session_id)
         with self._lock:
-            s = self._sessions.get(session_id)
-            if s is None:
-                raise WireError(f"session_id: unknown session {session_id!r}", 404)
             s.finished = True
             runs = [self._runs.pop(m) for m in s.model_ids if m in self._runs]
             for sid in s.sampler_ids:
@@ -203,14 +221,13 @@ class Service:
         for run in runs:
             self.worker.forget(run.model_id)
             self.snapshots.drop_run(run.model_id)
+        # nobody retrieves the rest of its requests: its queued samples are dropped unrun
+        self.worker.drop_owner(session_id, f"session {session_id} finished")
         log.info("session %s finished; released %d training runs", session_id, len(runs))
         return {}
 
-    def get_session(self, session_id: str) -> dict[str, Any]:
-        with self._lock:
-            s = self._sessions.get(session_id)
-        if s is None:
-            raise WireError(f"session_id: unknown session {session_id!r}", 404)
+    def get_session(self, tenant: str, session_id: str) -> dict[str, Any]:
+        s = self._own_session(tenant, session_id)
         return types.GetSessionResponse(
             training_run_ids=list(s.model_ids),
             sampler_ids=list(s.sampler_ids),
@@ -218,9 +235,10 @@ class Service:
             display_name=s.display_name,
         ).model_dump(mode="json")
 
-    def list_sessions(self) -> dict[str, Any]:
+    def list_sessions(self, tenant: str) -> dict[str, Any]:
         with self._lock:
-            return types.ListSessionsResponse(sessions=list(self._sessions)).model_dump(mode="json")
+            own = [sid for sid, s in self._sessions.items() if s.tenant == tenant]
+        return types.ListSessionsResponse(sessions=own).model_dump(mode="json")
 
     # ------------------------------------------------------------------ futures
     def _future(self, request_id: str, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -228,19 +246,37 @@ class Service:
             mode="json", exclude_none=True
         )
 
-    def _queue(self, kind: str, run: Callable[[], Done], *, key: str | None = None, seq_id: int | None = None) -> str:
+    def _queue(
+        self,
+        kind: str,
+        run: Callable[[], Step],
+        *,
+        tenant: str,
+        key: str | None = None,
+        seq_id: int | None = None,
+        lane: str | None = None,
+        owner: str | None = None,
+    ) -> str:
+        """Queue a job (``harts.serve.worker``): ``key`` / ``seq_id`` order it within a training run,
+        ``lane`` is where it takes turns (None: its key's), ``owner`` the session (the client) it takes
+        turns as and is dropped with (None: the session of the run ``key`` names)."""
         if key is not None and seq_id is not None:
             first = self.worker.taken(key, seq_id)
             if first is not None:
                 return first
-        request_id = self.futures.create(kind)
-        return self.worker.submit(Job(request_id=request_id, kind=kind, run=run, key=key, seq_id=seq_id))
+        if owner is None and key is not None:
+            with self._lock:
+                run_of_key = self._runs.get(key)
+            owner = None if run_of_key is None else run_of_key.session_id
+        request_id = self.futures.create(kind, tenant)
+        job = Job(request_id=request_id, kind=kind, run=run, key=key, seq_id=seq_id, lane=lane, owner=owner)
+        return self.worker.submit(job)
 
-    async def retrieve(self, body: bytes) -> tuple[bytes, str]:
+    async def retrieve(self, tenant: str, body: bytes) -> tuple[bytes, str]:
         """One long poll of ``retrieve_future``: the result, a failure, or "try again"."""
         req = validate_json(body, types.FutureRetrieveRequest, "retrieve_future")
         try:
-            outcome = await self.futures.wait(req.request_id, self.config.poll_seconds)
+            outcome = await self.futures.wait(req.request_id, self.config.poll_seconds, tenant)
         except KeyError:
             raise WireError(f"request_id: unknown request {req.request_id!r}", 404) from None
         if outcome is None:
@@ -251,10 +287,10 @@ class Service:
         return outcome.body, outcome.media_type
 
     # ------------------------------------------------------------------ training runs
-    def _run(self, model_id: str, field: str = "model_id") -> TrainingRun:
+    def _run(self, tenant: str, model_id: str, field: str = "model_id") -> TrainingRun:
         with self._lock:
             run = self._runs.get(model_id)
-        if run is None:
+        if run is None or run.tenant != tenant:
             raise WireError(f"{field}: no training run {model_id!r} is loaded on this server", 404)
         run.last_request = now()
         return run
@@ -276,7 +312,9 @@ class Service:
                     f"model_seq_id: the server holds {len(self._runs)} training runs (--max-models "
                     f"{self.config.max_models}); close() a ServiceClient to release its runs, or restart with more"
                 )
-            run = TrainingRun(model_id, session.session_id, base_model, lora, now(), user_metadata)
+            run = TrainingRun(
+                model_id, session.session_id, base_model, lora, now(), user_metadata, tenant=session.tenant
+            )
             self._runs[model_id] = run
             session.model_ids.append(model_id)
         return run
@@ -292,9 +330,9 @@ class Service:
             self.worker.forget(run.model_id)
             raise
 
-    def create_model(self, body: bytes) -> dict[str, Any]:
+    def create_model(self, tenant: str, body: bytes) -> dict[str, Any]:
         req = validate_json(body, types.CreateModelRequest, "create_model")
-        session = self._session(req.session_id)
+        session = self._session(tenant, req.session_id)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         first = self.worker.taken(model_id, 0)
         if first is not None:
@@ -324,11 +362,11 @@ class Service:
             log.info("training run %s created (%s)", run.model_id, _describe_lora(run.lora))
             return json_done(types.CreateModelResponse(model_id=run.model_id))
 
-        return self._future(self._queue("CreateModel", create, key=model_id, seq_id=0), model_id)
+        return self._future(self._queue("CreateModel", create, tenant=tenant, key=model_id, seq_id=0), model_id)
 
-    def get_info(self, body: bytes) -> dict[str, Any]:
+    def get_info(self, tenant: str, body: bytes) -> dict[str, Any]:
         req = validate_json(body, types.GetInfoRequest, "get_info")
-        run = self._run(req.model_id)
+        run = self._run(tenant, req.model_id)
         return types.GetInfoResponse(
             type="get_info",
             model_data=types.ModelData(
@@ -350,7 +388,9 @@ class Service:
             raise WireError(f"{field}: request {seq_id} of {model_id} was refused before; it cannot run now")
         return seq_id
 
-    def _ordered_request(self, body: bytes, model: type[M], what: str) -> tuple[M, TrainingRun, int | None]:
+    def _ordered_request(
+        self, tenant: str, body: bytes, model: type[M], what: str
+    ) -> tuple[M, TrainingRun, int | None]:
         """(request, its run, its sequence number) of a training client's JSON request; a request
         refused for a bad field still frees its sequence number when it names one."""
         data = json_body(body, what)
@@ -359,10 +399,10 @@ class Service:
         except pydantic.ValidationError as err:
             error = WireError(f"{what}: {describe_validation(err)}")
             model_id, seq_id = data.get("model_id"), data.get("seq_id")
-            if isinstance(model_id, str) and isinstance(seq_id, int) and model_id in self._runs:
+            if isinstance(model_id, str) and isinstance(seq_id, int) and self._holds(tenant, model_id):
                 raise self._refuse(model_id, seq_id, error) from None
             raise error from None
-        run = self._run(req.model_id)  # type: ignore[attr-defined]
+        run = self._run(tenant, req.model_id)  # type: ignore[attr-defined]
         return req, run, self._ordered(run.model_id, req.seq_id)  # type: ignore[attr-defined]
 
     def _refuse(self, model_id: str, seq_id: int | None, err: WireError) -> WireError:
@@ -371,13 +411,22 @@ class Service:
             self.worker.skip(model_id, seq_id)
         return err
 
-    def forward_backward(self, body: bytes, content_encoding: str | None) -> dict[str, Any]:
-        msg = decode_forward_backward(body, content_encoding, max_bytes=self.config.max_request_bytes)
-        run = self._run(msg.model_id)
+    def forward_backward(self, tenant: str, body: bytes, content_encoding: str | None) -> dict[str, Any]:
+        limits = self.config
+        msg, datums = split_forward_backward(
+            body, content_encoding, max_bytes=limits.max_request_bytes, max_datums=limits.max_datums
+        )
+        run = self._run(tenant, msg.model_id)
         seq = self._ordered(run.model_id, msg.seq_id)
         if seq is not None and (first := self.worker.taken(run.model_id, seq)) is not None:
             return self._future(first, run.model_id)
         try:
+            parse_datums(msg, datums, max_datums=limits.max_datums, max_tokens=limits.capacity)
+            if (tokens := batch_tokens(msg)) > limits.max_batch_tokens:
+                raise WireError(
+                    f"forward_backward_input.data: {tokens} tokens in {len(msg.data)} datums; this server takes at "
+                    f"most {limits.max_batch_tokens} per request (--max-batch-tokens): split the batch"
+                )
             cfg = loss_config(msg)
             loss_fn = check_loss_fn(msg.loss_fn)
             try:
@@ -393,10 +442,10 @@ class Service:
             return training.forward_backward(run.live_engine(), trajs, loss_fn, cfg, forward_only=forward_only)
 
         kind = "Forward" if forward_only else "ForwardBackward"
-        return self._future(self._queue(kind, work, key=run.model_id, seq_id=seq), run.model_id)
+        return self._future(self._queue(kind, work, tenant=tenant, key=run.model_id, seq_id=seq), run.model_id)
 
-    def optim_step(self, body: bytes) -> dict[str, Any]:
-        req, run, seq = self._ordered_request(body, types.OptimStepRequest, "optim_step")
+    def optim_step(self, tenant: str, body: bytes) -> dict[str, Any]:
+        req, run, seq = self._ordered_request(tenant, body, types.OptimStepRequest, "optim_step")
         try:
             params = _adam_params(req.optim_params)
         except WireError as err:
@@ -407,11 +456,11 @@ class Service:
             run.version += 1
             return json_done(types.OptimStepResponse(metrics=metrics))
 
-        return self._future(self._queue("OptimStep", work, key=run.model_id, seq_id=seq), run.model_id)
+        return self._future(self._queue("OptimStep", work, tenant=tenant, key=run.model_id, seq_id=seq), run.model_id)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_weights(self, body: bytes) -> dict[str, Any]:
-        req, run, seq = self._ordered_request(body, types.SaveWeightsRequest, "save_weights")
+    def save_weights(self, tenant: str, body: bytes) -> dict[str, Any]:
+        req, run, seq = self._ordered_request(tenant, body, types.SaveWeightsRequest, "save_weights")
         try:
             name = check_name(req.path or f"state-{uuid.uuid4().hex[:8]}", "path")
             tp = TinkerPath(run.model_id, "weights", name)
@@ -431,10 +480,12 @@ class Service:
             )
             return json_done(types.SaveWeightsResponse(path=str(tp), type="save_weights"))
 
-        return self._future(self._queue("SaveWeights", work, key=run.model_id, seq_id=seq), run.model_id)
+        return self._future(self._queue("SaveWeights", work, tenant=tenant, key=run.model_id, seq_id=seq), run.model_id)
 
-    def save_weights_for_sampler(self, body: bytes) -> dict[str, Any]:
-        req, run, seq = self._ordered_request(body, types.SaveWeightsForSamplerRequest, "save_weights_for_sampler")
+    def save_weights_for_sampler(self, tenant: str, body: bytes) -> dict[str, Any]:
+        req, run, seq = self._ordered_request(
+            tenant, body, types.SaveWeightsForSamplerRequest, "save_weights_for_sampler"
+        )
         try:
             tp, sampler_id = self._sampler_target(run, req)
         except WireError as err:
@@ -442,7 +493,9 @@ class Service:
         key = sampler_id or str(tp)
         if sampler_id is not None:
             with self._lock:
-                self._samplers[sampler_id] = _Sampler(sampler_id, run.session_id, run.base_model, snapshot=key)
+                self._samplers[sampler_id] = _Sampler(
+                    sampler_id, run.session_id, run.base_model, tenant, snapshot=key, model_id=run.model_id
+                )
                 self._sessions[run.session_id].sampler_ids.append(sampler_id)
 
         def work() -> Done:
@@ -465,7 +518,8 @@ class Service:
                 )
             )
 
-        return self._future(self._queue("SaveWeightsForSampler", work, key=run.model_id, seq_id=seq), run.model_id)
+        job = self._queue("SaveWeightsForSampler", work, tenant=tenant, key=run.model_id, seq_id=seq)
+        return self._future(job, run.model_id)
 
     def _sampler_target(self, run: TrainingRun, req: Any) -> tuple[TinkerPath | None, str | None]:
         """(the named checkpoint to write, the new sampling client's id) of a sampler save."""
@@ -475,24 +529,25 @@ class Service:
             raise WireError("path: give a checkpoint name, or sampling_session_seq_id for an unnamed snapshot")
         return None, f"{run.session_id}:sample:{req.sampling_session_seq_id}"
 
-    def _saved_state(self, path: str) -> tuple[TinkerPath, dict[str, Any]]:
-        """(the training checkpoint ``path`` names, its run's record); 404 when it is not on disk."""
+    def _saved_state(self, tenant: str, path: str) -> tuple[TinkerPath, dict[str, Any]]:
+        """(the training checkpoint ``path`` names, its run's record); 404 when it is not on disk
+        or not ``tenant``'s."""
         tp = parse_tinker_path(path, "path", kinds=("weights",))
         source = self.checkpoints.read_run(tp.model_id)
-        if source is None or not self.checkpoints.exists(tp):
+        if source is None or not self._owns(tenant, tp.model_id, source) or not self.checkpoints.exists(tp):
             raise WireError(f"path: no checkpoint {tp} on this server", 404)
         return tp, source
 
-    def load_weights(self, body: bytes) -> dict[str, Any]:
+    def load_weights(self, tenant: str, body: bytes) -> dict[str, Any]:
         req = validate_json(body, types.LoadWeightsRequest, "load_weights")
         if req.session_id is not None:
-            return self._create_from_state(req, *self._saved_state(req.path))
+            return self._create_from_state(tenant, req, *self._saved_state(tenant, req.path))
         if req.model_id is None:
             raise WireError("model_id: give model_id (load into a run) or session_id and model_seq_id (a new run)")
-        run = self._run(req.model_id)
+        run = self._run(tenant, req.model_id)
         seq = self._ordered(run.model_id, req.seq_id)
         try:
-            tp, _ = self._saved_state(req.path)
+            tp, _ = self._saved_state(tenant, req.path)
         except WireError as err:
             raise self._refuse(run.model_id, seq, err) from None
         path, optimizer = self.checkpoints.path(tp), req.optimizer
@@ -505,7 +560,7 @@ class Service:
             run.version += 1
             return json_done(types.LoadWeightsResponse(path=str(tp), model_id=run.model_id, type="load_weights"))
 
-        return self._future(self._queue("LoadWeights", work, key=run.model_id, seq_id=seq), run.model_id)
+        return self._future(self._queue("LoadWeights", work, tenant=tenant, key=run.model_id, seq_id=seq), run.model_id)
 
     def _check_full_weights(self) -> None:
         """A 4xx naming ``lora_config`` when a run without LoRA (a whole model with gradients and
@@ -530,9 +585,9 @@ class Service:
         except UserError as err:
             raise UserError(f"lora_config: {err}") from None
 
-    def _create_from_state(self, req: Any, tp: TinkerPath, source: dict[str, Any]) -> dict[str, Any]:
+    def _create_from_state(self, tenant: str, req: Any, tp: TinkerPath, source: dict[str, Any]) -> dict[str, Any]:
         """``create_training_client_from_state[_with_optimizer]``: a new run from a saved state."""
-        session = self._session(req.session_id)
+        session = self._session(tenant, req.session_id)
         if req.model_seq_id is None:
             raise WireError("model_seq_id: required with session_id (the new run's number in the session)")
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
@@ -559,14 +614,14 @@ class Service:
             log.info("training run %s created from %s", run.model_id, tp)
             return json_done(types.LoadWeightsResponse(path=str(tp), model_id=run.model_id, type="load_weights"))
 
-        return self._future(self._queue("LoadWeights", create, key=model_id, seq_id=0), model_id)
+        return self._future(self._queue("LoadWeights", create, tenant=tenant, key=model_id, seq_id=0), model_id)
 
     # ------------------------------------------------------------------ sampling
-    def create_sampling_session(self, body: bytes) -> dict[str, Any]:
+    def create_sampling_session(self, tenant: str, body: bytes) -> dict[str, Any]:
         req = validate_json(body, types.CreateSamplingSessionRequest, "create_sampling_session")
-        session = self._session(req.session_id)
+        session = self._session(tenant, req.session_id)
         sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
-        sampler = self._sampler_for(sampler_id, session.session_id, req.base_model, req.model_path)
+        sampler = self._sampler_for(tenant, sampler_id, session.session_id, req.base_model, req.model_path)
         with self._lock:
             if sampler_id not in self._samplers:
                 session.sampler_ids.append(sampler_id)
@@ -574,56 +629,83 @@ class Service:
         return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id).model_dump(mode="json")
 
     def _sampler_for(
-        self, sampler_id: str, session_id: str, base_model: str | None, model_path: str | None
+        self, tenant: str, sampler_id: str, session_id: str, base_model: str | None, model_path: str | None
     ) -> _Sampler:
         if model_path is None:
             if base_model is None:
                 raise WireError("base_model: give base_model or model_path")
-            return _Sampler(sampler_id, session_id, self._check_base_model(base_model))
+            return _Sampler(sampler_id, session_id, self._check_base_model(base_model), tenant)
         tp = parse_tinker_path(model_path, "model_path")
         source = self.checkpoints.read_run(tp.model_id)
         in_memory = self.snapshots.get(str(tp)) is not None
-        if source is None or not (in_memory or self.checkpoints.exists(tp)):
+        if not (source is not None and self._owns(tenant, tp.model_id, source)) or not (
+            in_memory or self.checkpoints.exists(tp)
+        ):
             raise WireError(f"model_path: no checkpoint {tp} on this server", 404)
         if base_model is not None:
             self._check_base_model(base_model)
         key = str(tp) if tp.kind == "sampler_weights" else None
-        return _Sampler(sampler_id, session_id, source["base_model"], snapshot=key, path=tp, model_path=model_path)
+        return _Sampler(
+            sampler_id, session_id, source["base_model"], tenant, snapshot=key, path=tp, model_path=model_path
+        )
 
-    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+    def get_sampler(self, tenant: str, sampler_id: str) -> dict[str, Any]:
         with self._lock:
             s = self._samplers.get(sampler_id)
-        if s is None:
+        if s is None or s.tenant != tenant:
             raise WireError(f"sampler_id: unknown sampling client {sampler_id!r}", 404)
         return types.GetSamplerResponse(
             sampler_id=s.sampler_id, base_model=s.base_model, model_path=s.model_path
         ).model_dump(mode="json", exclude_none=True)
 
-    def asample(self, body: bytes) -> dict[str, Any]:
+    def asample(self, tenant: str, body: bytes) -> dict[str, Any]:
         req = validate_json(body, types.SampleRequest, "asample")
         if req.sampling_session_id is not None:
             with self._lock:
                 sampler = self._samplers.get(req.sampling_session_id)
-            if sampler is None:
+            if sampler is None or sampler.tenant != tenant:
                 raise WireError(f"sampling_session_id: unknown sampling client {req.sampling_session_id!r}", 404)
         else:
-            sampler = self._sampler_for("direct", "", req.base_model, req.model_path)
+            sampler = self._sampler_for(tenant, "direct", "", req.base_model, req.model_path)
         job = sample_job(
             req,
             vocab_size=self.info.vocab_size,
             eos_tokens=self.info.eos_tokens,
             capacity=self.config.capacity,
             max_samples=self.config.max_samples,
-            default_seed=int(self._seeds.integers(2**62)),
+            default_seed=self._seed(),
+            max_sample_tokens=self.config.max_sample_tokens,
         )
-
-        def work() -> Done:
-            engine, tensors = self._sampling_weights(sampler)
-            return run_sample(engine, tensors, job)
-
-        request_id = self._queue("Sample", work)
+        sampling = SampleRun(job, lambda: self._sampling_weights(sampler))
+        # its turns are those of the run whose weights it samples (after that run's save), else its own
+        lane = sampler.model_id or (sampler.path.model_id if sampler.path is not None else None)
+        lane = lane or f"sampler:{tenant}:{sampler.sampler_id}"
+        request_id = self._queue("Sample", sampling.step, tenant=tenant, lane=lane, owner=sampler.session_id or None)
         ids = [f"{request_id}:{i}" for i in range(job.num_samples)]
         return self._future(request_id, sample_sequence_ids=ids)
+
+    def _seed(self) -> int:
+        """The seed of a sampling request that names none (the generator is shared by threads)."""
+        with self._lock:
+            return int(self._seeds.integers(2**62))
+
+    def cancel_future(self, tenant: str, body: bytes) -> dict[str, Any]:
+        """``cancel_future``: the SDK sends it for a sampling future it stopped waiting for. The
+        request is dropped if it has not run, or stops after its current slice; its future fails
+        with "cancelled". A finished request stays as it is; only sampling requests cancel (a
+        training client's requests are numbered, and the ones after a step depend on it)."""
+        data = json_body(body, "cancel_future")
+        request_id = data.get("request_id")
+        if not isinstance(request_id, str):
+            raise WireError("request_id: required (the id of the sampling request to cancel)")
+        kind = self.futures.kind(request_id, tenant)
+        if kind is None:
+            raise WireError(f"request_id: unknown request {request_id!r}", 404)
+        if kind != "Sample":
+            raise WireError(f"request_id: {request_id} is a {kind} request; only sampling requests can be cancelled")
+        if self.worker.cancel(request_id, "cancelled by the client"):
+            log.info("sampling request %s cancelled", request_id)
+        return {}
 
     def _sampling_weights(self, sampler: _Sampler) -> tuple[Engine, dict[str, Any] | None]:
         """(engine, tensors to swap in) a sampler samples with -- on the worker thread."""
@@ -653,12 +735,39 @@ class Service:
 
         return self.sampler_engines.get(directory, load), None
 
+    # ------------------------------------------------------------------ ownership
+    def _record_owner(self, record: dict[str, Any]) -> str | None:
+        """The tenant of a run by its ``run.json``: the one it names; for one written before runs
+        recorded their tenant, ``ServeConfig.legacy_owner`` (None: nobody's)."""
+        if "tenant" not in record:
+            return self.config.legacy_owner
+        tenant = record["tenant"]
+        return tenant if isinstance(tenant, str) else None
+
+    def _owns(self, tenant: str, model_id: str, record: dict[str, Any] | None = None) -> bool:
+        """True when training run ``model_id`` is ``tenant``'s: the loaded run's tenant, else the
+        one its ``run.json`` (``record`` when already read) names. Callers answer 404 otherwise,
+        as for a run that does not exist, so a tenant learns nothing of another's ids."""
+        with self._lock:
+            run = self._runs.get(model_id)
+        if run is not None:
+            return run.tenant == tenant
+        if record is None:
+            record = self.checkpoints.read_run(model_id)
+        return record is not None and self._record_owner(record) == tenant
+
+    def _holds(self, tenant: str, model_id: str) -> bool:
+        """True when ``tenant``'s training run ``model_id`` is loaded."""
+        with self._lock:
+            run = self._runs.get(model_id)
+        return run is not None and run.tenant == tenant
+
     # ------------------------------------------------------------------ listings (RestClient)
-    def _run_record(self, model_id: str) -> dict[str, Any]:
+    def _run_record(self, tenant: str, model_id: str) -> dict[str, Any]:
         with self._lock:
             run = self._runs.get(model_id)
         record = run.record() if run is not None else self.checkpoints.read_run(model_id)
-        if record is None:
+        if record is None or not self._owns(tenant, model_id, record):
             raise WireError(f"training_run_id: no training run {model_id!r} on this server", 404)
         checkpoints = [types.Checkpoint.model_validate(c) for c in self.checkpoints.listing(model_id)]
         last = {kind: [c for c in checkpoints if c.checkpoint_type == kind] for kind in ("training", "sampler")}
@@ -672,51 +781,57 @@ class Service:
             last_request_time=(run.last_request or run.created) if run is not None else record["created"],
             last_checkpoint=last["training"][-1] if last["training"] else None,
             last_sampler_checkpoint=last["sampler"][-1] if last["sampler"] else None,
-            user_metadata=record.get("user_metadata"),
+            user_metadata=_string_metadata(record.get("user_metadata")),
         ).model_dump(mode="json", exclude_none=True)
 
-    def training_run(self, model_id: str) -> dict[str, Any]:
-        return self._run_record(model_id)
+    def training_run(self, tenant: str, model_id: str) -> dict[str, Any]:
+        return self._run_record(tenant, model_id)
 
-    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+    def _own_run_ids(self, tenant: str) -> list[str]:
+        """``tenant``'s training runs: those on disk (oldest first), then those only in memory."""
         ids = self.checkpoints.run_ids()
         with self._lock:
             ids += [m for m in self._runs if m not in ids]
+        return [m for m in ids if self._owns(tenant, m)]
+
+    def training_runs(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
+        ids = self._own_run_ids(tenant)
         page = ids[offset : offset + limit]
         return {
-            "training_runs": [self._run_record(m) for m in page],
+            "training_runs": [self._run_record(tenant, m) for m in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
         }
 
-    def list_checkpoints(self, model_id: str) -> dict[str, Any]:
-        with self._lock:
-            loaded = model_id in self._runs
-        if not loaded and self.checkpoints.read_run(model_id) is None:
+    def list_checkpoints(self, tenant: str, model_id: str) -> dict[str, Any]:
+        if not self._owns(tenant, model_id):
             raise WireError(f"training_run_id: no training run {model_id!r} on this server", 404)
         listing = [types.Checkpoint.model_validate(c) for c in self.checkpoints.listing(model_id)]
         return types.CheckpointsListResponse(checkpoints=listing).model_dump(mode="json")
 
-    def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
-        every = [c for m in self.checkpoints.run_ids() for c in self.checkpoints.listing(m)]
+    def user_checkpoints(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
+        every = [c for m in self._own_run_ids(tenant) for c in self.checkpoints.listing(m)]
         every.sort(key=lambda c: c["time"], reverse=True)
         return {
             "checkpoints": every[offset : offset + limit],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(every)},
         }
 
-    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> dict[str, Any]:
+    def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> dict[str, Any]:
         tp = parse_tinker_path(f"tinker://{model_id}/{checkpoint_id}", "checkpoint_id")
-        self.checkpoints.delete(tp)
+        if not self._owns(tenant, tp.model_id):
+            raise WireError(f"checkpoint {tp} does not exist", 404)
+        with self._deleting:
+            self.checkpoints.delete(tp)
         return {}
 
-    def weights_info(self, body: bytes) -> dict[str, Any]:
+    def weights_info(self, tenant: str, body: bytes) -> dict[str, Any]:
         data = json_body(body, "weights_info")
         path = data.get("tinker_path")
         if not isinstance(path, str):
             raise WireError("tinker_path: required (a tinker:// path)")
         tp = parse_tinker_path(path, "tinker_path")
         record = self.checkpoints.read_run(tp.model_id)
-        if record is None or not self.checkpoints.exists(tp):
+        if record is None or not self._owns(tenant, tp.model_id, record) or not self.checkpoints.exists(tp):
             raise WireError(f"tinker_path: no checkpoint {tp} on this server", 404)
         lora = record.get("lora")
         return types.WeightsInfoResponse(
@@ -753,6 +868,14 @@ def _lora_config(lora: dict[str, Any] | None) -> LoraConfig | None:
     return cfg
 
 
+def _string_metadata(meta: Any) -> dict[str, str] | None:
+    """A run's user metadata as Tinker's ``TrainingRun`` carries it: a value that is no string
+    (``create_model`` takes any JSON) as its JSON text."""
+    if not isinstance(meta, dict):
+        return None
+    return {str(k): v if isinstance(v, str) else json.dumps(v, default=str) for k, v in meta.items()}
+
+
 def _describe_lora(lora: dict[str, Any] | None) -> str:
     if lora is None:
         return "full weights"
@@ -771,7 +894,6 @@ def _adam_params(params: Any) -> Any:
     if not isinstance(params, types.AdamParams):
         raise WireError(f"optim_params.type: {getattr(params, 'type', '?')!r}; harts serve takes AdamParams only")
     checks = (
-        ("learning_rate", params.learning_rate >= 0),
         ("beta1", 0 <= params.beta1 < 1),
         ("beta2", 0 <= params.beta2 < 1),
         ("eps", params.eps > 0),
@@ -782,4 +904,5 @@ def _adam_params(params: Any) -> Any:
         value = finite(float(getattr(params, name)), f"optim_params.{name}")
         if not ok:
             raise WireError(f"optim_params.{name}: {value} is out of range")
+    training.check_adam_params(params)  # the learning rate's range, lr x weight_decay
     return params

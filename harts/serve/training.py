@@ -22,12 +22,20 @@ import numpy as np
 
 from harts.errors import UserError
 from harts.serve.futures import Done
-from harts.serve.wire import PROTO_MEDIA_TYPE, encode_forward_backward_output
+from harts.serve.wire import PROTO_MEDIA_TYPE, WireError, encode_forward_backward_output
 
 if TYPE_CHECKING:
     from harts.trainer.engine import Engine
 
-__all__ = ["TrainingRun", "forward_backward", "json_done", "optim_step", "reset_optimizer", "tinker_metrics"]
+__all__ = [
+    "TrainingRun",
+    "check_adam_params",
+    "forward_backward",
+    "json_done",
+    "optim_step",
+    "reset_optimizer",
+    "tinker_metrics",
+]
 
 
 @dataclass(slots=True)
@@ -41,6 +49,9 @@ class TrainingRun:
     lora: dict[str, Any] | None
     created: datetime
     user_metadata: dict[str, Any] | None = None
+    #: the tenant whose key created it (``harts.serve.tenants``); written into ``run.json`` so
+    #: that ownership survives a restart
+    tenant: str | None = None
     engine: Engine | None = None
     #: bumped by every weight update (``optim_step``, a load), so a sampler snapshot knows if it is current
     version: int = 0
@@ -55,6 +66,7 @@ class TrainingRun:
             "lora": self.lora,
             "created": self.created.isoformat(),
             "user_metadata": self.user_metadata,
+            "tenant": self.tenant,
         }
 
     def live_engine(self) -> Engine:
@@ -120,6 +132,21 @@ def _loss_only(
     lp = torch.from_numpy(np.concatenate(logprobs))
     loss, _ = tinker_loss(lp, batch, loss_fn, check_loss(loss_fn, cfg))
     return float(loss)
+
+
+def check_adam_params(params: Any) -> None:
+    """The ranges of Tinker's ``AdamParams`` that keep a run from diverging, checked when the
+    request arrives (a 400 naming the field, no work queued): ``learning_rate`` in [0, 1] (AdamW
+    moves every weight by about the learning rate per step; ``harts.trainer.checks.check_lr``)
+    and ``learning_rate * weight_decay`` <= 1. Tinker's own types take any float; the other
+    fields' finiteness and signs are the service's checks."""
+    from harts.trainer.checks import check_lr, check_weight_decay
+
+    try:
+        lr = check_lr(params.learning_rate, "optim_params.learning_rate")
+        check_weight_decay(float(params.weight_decay), lr, "optim_params.weight_decay")
+    except UserError as err:
+        raise WireError(str(err)) from None
 
 
 def optim_step(engine: Engine, params: Any) -> dict[str, float]:

@@ -41,9 +41,11 @@ from harts.errors import UserError
 __all__ = [
     "CHECKPOINT_KINDS",
     "LOSS_INPUTS",
+    "MAX_JSON_DEPTH",
     "PROTO_MEDIA_TYPE",
     "TinkerPath",
     "WireError",
+    "batch_tokens",
     "check_loss_fn",
     "check_name",
     "decode_forward_backward",
@@ -51,8 +53,11 @@ __all__ = [
     "encode_forward_backward_output",
     "encode_sample_response",
     "json_body",
+    "parse_datums",
     "parse_tinker_path",
+    "split_forward_backward",
     "finite",
+    "is_model_id",
     "loss_config",
     "prompt_tokens",
     "trajectories",
@@ -76,6 +81,10 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}")
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,199}")
 #: the media type of the SDK's protobuf bodies
 PROTO_MEDIA_TYPE = "application/x-protobuf"
+#: how deeply a JSON request may nest: Tinker's requests nest a few levels, and the cap keeps what
+#: later walks a body's values (validation, ``json.dumps`` of user metadata into ``run.json``, the
+#: response echoing it) far from Python's recursion limit
+MAX_JSON_DEPTH = 100
 
 
 class WireError(UserError):
@@ -88,14 +97,34 @@ class WireError(UserError):
 
 # ------------------------------------------------------------------ JSON requests
 def json_body(body: bytes, what: str) -> dict[str, Any]:
-    """The JSON object in ``body``; ``what`` names the endpoint in the error."""
+    """The JSON object in ``body``; ``what`` names the endpoint in the error. Whatever the parser
+    refuses is a ``WireError``: bad syntax or encoding, an integer of more digits than Python
+    converts, and nesting deeper than ``MAX_JSON_DEPTH`` (the parser itself stops at Python's
+    recursion limit, with a ``RecursionError``, so a deep body never reaches the C stack's end)."""
+    too_deep = f"{what}: the request body nests deeper than {MAX_JSON_DEPTH} levels"
     try:
         data = json.loads(body) if body else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except RecursionError:
+        raise WireError(too_deep) from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, too many digits
         raise WireError(f"{what}: the request body is not JSON ({err})") from None
     if not isinstance(data, dict):
         raise WireError(f"{what}: the request body must be a JSON object, got {type(data).__name__}")
+    if _nests_deeper(data, MAX_JSON_DEPTH):
+        raise WireError(too_deep)
     return data
+
+
+def _nests_deeper(data: dict[str, Any], limit: int) -> bool:
+    """Whether JSON value ``data`` has containers nested more than ``limit`` deep (no recursion)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in items if isinstance(v, (dict, list)))
+    return False
 
 
 def validate_json(body: bytes, model: type[M], what: str) -> M:
@@ -127,6 +156,12 @@ def check_name(name: str, field: str) -> str:
     return name
 
 
+def is_model_id(text: str) -> bool:
+    """Whether ``text`` can be a training run's id (``<session>:train:<n>``, or any name of the
+    same characters), as ``parse_tinker_path`` accepts it."""
+    return bool(_MODEL_ID.fullmatch(text)) and ".." not in text
+
+
 @dataclass(frozen=True, slots=True)
 class TinkerPath:
     """``tinker://<model_id>/<kind>/<name>``; ``kind`` is ``weights`` or ``sampler_weights``."""
@@ -147,7 +182,7 @@ def parse_tinker_path(path: str, field: str, kinds: Sequence[str] = tuple(CHECKP
     if len(parts) != 3:
         raise WireError(f"{field}: {path!r} must have three parts, tinker://<model_id>/<kind>/<name>")
     model_id, kind, name = parts
-    if not _MODEL_ID.fullmatch(model_id) or ".." in model_id:
+    if not is_model_id(model_id):
         raise WireError(f"{field}: {path!r} does not name a training run of this server")
     if kind not in kinds:
         raise WireError(f"{field}: {path!r} has kind {kind!r}; expected {' or '.join(map(repr, kinds))}")
@@ -158,6 +193,105 @@ def parse_tinker_path(path: str, field: str, kinds: Sequence[str] = tuple(CHECKP
 # ------------------------------------------------------------------ forward_backward in
 def decode_forward_backward(body: bytes, content_encoding: str | None, *, max_bytes: int) -> pb.ForwardBackwardRequest:
     """The protobuf ``ForwardBackwardRequest`` in ``body`` (zstd when ``content_encoding`` says so)."""
+    body = _decompressed(body, content_encoding, max_bytes)
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as err:  # google.protobuf.message.DecodeError
+        raise WireError(f"forward_backward: the body is not a tinker ForwardBackwardRequest protobuf ({err})") from None
+    return msg
+
+
+#: the field number of ``ForwardBackwardRequest.data`` (the datums)
+_DATA_FIELD = pb.ForwardBackwardRequest.DESCRIPTOR.fields_by_name["data"].number
+
+
+def split_forward_backward(
+    body: bytes, content_encoding: str | None, *, max_bytes: int, max_datums: int
+) -> tuple[pb.ForwardBackwardRequest, list[memoryview]]:
+    """``decode_forward_backward`` in two parts: the request without its datums, and each datum's
+    encoded bytes, for ``parse_datums``. One protobuf parse of a whole body of many small
+    messages holds the interpreter for as long as it takes (seconds for a million datums); here
+    each datum is its own short parse, and the reading stops after ``max_datums`` + 1 datums, so
+    an oversized batch is refused (by ``parse_datums``, knowing its model_id and seq_id) without
+    reading the rest."""
+    body = _decompressed(body, content_encoding, max_bytes)
+    view = memoryview(body)
+    rest: list[memoryview] = []
+    datums: list[memoryview] = []
+    pos, end = 0, len(body)
+    try:
+        while pos < end and len(datums) <= max_datums:
+            start = pos
+            tag, pos = _varint(body, pos)
+            wire_type = tag & 7
+            if wire_type == 0:
+                _, pos = _varint(body, pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                size, pos = _varint(body, pos)
+                pos += size
+            else:
+                raise ValueError(f"wire type {wire_type} of field {tag >> 3} is not one of a tinker request")
+            if pos > end:
+                raise ValueError(f"field {tag >> 3} runs past the end of the body")
+            if wire_type == 2 and tag >> 3 == _DATA_FIELD:
+                datums.append(view[pos - size : pos])
+            else:
+                rest.append(view[start:pos])
+        msg = pb.ForwardBackwardRequest()
+        msg.ParseFromString(b"".join(rest))
+    except Exception as err:  # ValueError, google.protobuf.message.DecodeError
+        raise WireError(f"forward_backward: the body is not a tinker ForwardBackwardRequest protobuf ({err})") from None
+    return msg, datums
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """The protobuf varint at ``buf[pos:]`` and the position after it."""
+    value = shift = 0
+    while pos < len(buf) and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("a varint is cut off or too long")
+
+
+def parse_datums(
+    msg: pb.ForwardBackwardRequest, datums: Sequence[memoryview], *, max_datums: int, max_tokens: int
+) -> None:
+    """Parse ``split_forward_backward``'s datums into ``msg.data``: at most ``max_datums`` of
+    them (``--max-datums``), each no larger than one of ``max_tokens`` tokens can be (64 bytes a
+    token is past any dense encoding of its input and loss inputs)."""
+    if len(datums) > max_datums:
+        raise WireError(
+            f"forward_backward_input.data: more than {max_datums} datums; this server takes at most "
+            f"{max_datums} per request (--max-datums): split the batch into several requests"
+        )
+    limit = 64 * max_tokens + (64 << 10)
+    for i, raw in enumerate(datums):
+        if len(raw) > limit:
+            raise WireError(
+                f"forward_backward_input.data[{i}]: {len(raw)} bytes; a datum of at most {max_tokens} tokens "
+                f"(--capacity) takes at most {limit}"
+            )
+        try:
+            msg.data.add().MergeFromString(raw)
+        except Exception as err:  # google.protobuf.message.DecodeError
+            raise WireError(f"forward_backward_input.data[{i}]: not a tinker Datum protobuf ({err})") from None
+
+
+def batch_tokens(msg: pb.ForwardBackwardRequest) -> int:
+    """The tokens of the trajectories a request's datums make (each datum's model_input + 1),
+    counted from the encoded chunks' sizes, before any datum is checked."""
+    return sum(1 + sum(len(c.encoded_text.tokens) // 4 for c in d.model_input) for d in msg.data)
+
+
+def _decompressed(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
+    """``body`` decompressed as ``content_encoding`` says (zstd or none), at most ``max_bytes``."""
     if content_encoding and content_encoding.strip().lower() == "zstd":
         import zstandard
 
@@ -169,12 +303,7 @@ def decode_forward_backward(body: bytes, content_encoding: str | None, *, max_by
             raise WireError(f"forward_backward: the request is over {max_bytes} bytes uncompressed", 413)
     elif content_encoding and content_encoding.strip().lower() not in ("identity", ""):
         raise WireError(f"forward_backward: Content-Encoding {content_encoding!r} is not supported (zstd is)", 415)
-    msg = pb.ForwardBackwardRequest()
-    try:
-        msg.ParseFromString(body)
-    except Exception as err:  # google.protobuf.message.DecodeError
-        raise WireError(f"forward_backward: the body is not a tinker ForwardBackwardRequest protobuf ({err})") from None
-    return msg
+    return body
 
 
 def loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:

@@ -5,11 +5,15 @@ vocabulary it needs is found (``needed_vocab``), so that a problem in step k is 
 seconds, not after k steps. Errors are ``UserError`` / ``CapacityError`` naming the step, its
 source and the command-line option to change.
 
+The optimizer's settings are checked here too (``check_lr``, ``check_weight_decay``): the range
+of learning rates harts takes, the same for ``harts train``, the ``Engine`` and the server.
+
 Module level imports only the standard library (the command line's ``--help`` stays instant).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,12 +22,21 @@ from harts.errors import CapacityError, UserError
 if TYPE_CHECKING:
     from harts.tree.batch import RolloutBatch
 
+#: the largest learning rate taken. AdamW moves every weight by about the learning rate at each
+#: step whatever the gradient's scale, so a rate above 1 moves weights further than their own
+#: size (initialized at ~0.02) in one step: such a run diverges, and a rate like 1e30 overflows
+#: the weights at its first step. Refusing it before any work beats finding NaN weights later.
+MAX_LR = 1.0
+
 __all__ = [
+    "MAX_LR",
     "StepSummary",
     "batch_vocab",
     "check_capacity",
+    "check_lr",
     "check_plannable",
     "check_recompute_layers",
+    "check_weight_decay",
     "max_compression",
     "needed_vocab",
     "published_vocab",
@@ -196,3 +209,31 @@ def check_recompute_layers(fields: dict[str, Any], model: Any) -> None:
     if keep > moe_layers:
         noun = "MoE layer" if moe_layers == 1 else "MoE layers"
         raise UserError(f"--moe-keep-gate-up {keep}: the model has {moe_layers} {noun} (use 0 .. {moe_layers})")
+
+
+def check_lr(lr: Any, name: str = "lr", *, zero: bool = True) -> float:  # noqa: ANN401 - any input
+    """``lr`` as a float if it is a finite number in [0, ``MAX_LR``] (``(0, MAX_LR]`` without
+    ``zero``), else a one-line ``UserError`` naming ``name`` and the range. Zero is a learning
+    rate for Tinker's clients (a schedule's warmup may start there: the step then changes only
+    AdamW's moments), not for ``harts train``, which has no schedule."""
+    lo = "[0" if zero else "(0"
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise UserError(f"{name}: expected a number in {lo}, {MAX_LR:g}], got {lr!r}")
+    value = float(lr)
+    if not (math.isfinite(value) and (0.0 <= value if zero else 0.0 < value) and value <= MAX_LR):
+        raise UserError(
+            f"{name}: {lr!r} is outside {lo}, {MAX_LR:g}] (AdamW moves every weight by about the learning rate "
+            "per step; larger rates diverge)"
+        )
+    return value
+
+
+def check_weight_decay(weight_decay: float, lr: float, name: str = "weight_decay") -> None:
+    """``UserError`` naming ``name`` unless ``lr * weight_decay <= 1``: AdamW multiplies every
+    weight by ``1 - lr * weight_decay`` at each step, which beyond 1 flips its sign and grows it
+    step after step until it overflows (``weight_decay`` itself is already a finite number >= 0)."""
+    if lr * weight_decay > 1.0:
+        raise UserError(
+            f"{name}: {weight_decay:g} times the learning rate {lr:g} is over 1 (AdamW multiplies every weight "
+            "by 1 - lr x weight_decay per step; beyond 1 the weights grow until they overflow)"
+        )

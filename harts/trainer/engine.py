@@ -29,6 +29,13 @@ with LoRA adapters: the base model stays frozen).
 ``forward_backward`` accumulates gradients until ``optim_step``; ``save_state`` holds weights,
 optimizer and RNG (``harts.trainer.state``), not gradients pending between the two.
 
+No silent divergence: a ``forward_backward`` whose loss is not finite, or an ``optim_step``
+whose gradient norm is not finite, raises ``DivergenceError`` (a ``UserError``) naming the step,
+and the weights and AdamW's state stay those before it (no update ran); the gradients and expert
+counts accumulated since the last ``optim_step`` are dropped, so the engine goes on from there
+(a later ``save_state`` saves the weights of before the step). The checks read the loss and the
+norm, which are on the host anyway: no device sync is added.
+
 On a (dp, ep, cp, tp) mesh (``Engine.from_spec(..., parallel=ParallelConfig(...))`` under
 torchrun, or ``Engine(model, parallel=state)`` for a model ``harts.parallel.parallelize``d for
 ``state``) every call is SPMD: every rank makes it with the same trajectories. Each row group
@@ -53,7 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harts.errors import CapacityError, UserError
+from harts.errors import CapacityError, DivergenceError, UserError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.parallel.expert_parallel import expert_parameters
@@ -61,8 +68,16 @@ from harts.parallel.mesh import ParallelConfig, ParallelState
 from harts.parallel.parallelize import clip_grad_norm, is_parallelized
 from harts.parallel.tensor_parallel import tensor_parallel_parameters
 from harts.rl.losses import LOSSES, check_loss, tinker_loss
+from harts.trainer.checks import check_lr, check_weight_decay
 from harts.trainer.state import load_optimizer, read_state, restore_rng, write_state
-from harts.trainer.step import PlannedStep, TrainConfig, accumulate_step_gradients, forward_step, plan_training_step
+from harts.trainer.step import (
+    PlannedStep,
+    TrainConfig,
+    accumulate_step_gradients,
+    forward_step,
+    not_finite,
+    plan_training_step,
+)
 from harts.tree.batch import RolloutBatch
 
 __all__ = [
@@ -197,7 +212,9 @@ class Engine:
         capacity: microbatch capacity in compact tokens (raw tokens trajectory-wise); a trajectory
             longer than it is a ``CapacityError``.
         lr, betas, eps, weight_decay: AdamW's (Tinker's defaults but the learning rate);
-            ``optim_step`` may change them.
+            ``optim_step`` may change them. Each a finite number; ``lr`` in [0, 1] (AdamW moves
+            every weight by about ``lr`` per step: larger rates diverge), betas in [0, 1),
+            ``eps`` > 0, ``weight_decay`` >= 0 with ``lr * weight_decay`` <= 1.
         grad_clip: gradient-norm clipping at ``optim_step`` (None: no clipping).
         expert_bias_rate: the MoE expert-bias balancing rate (0: off; always off with adapters).
         planner_workers: processes that build the step planner's candidates (0: this process).
@@ -490,6 +507,8 @@ class Engine:
         )
         for p, g in held:
             p.grad = g if p.grad is None else p.grad + g
+        # acc.loss is on the host already (the call's one sync) and the same on every rank
+        self._check_finite({"the loss": acc.loss, "the MoE router objective": acc.moe_objective})
         if acc.expert_counts is not None:
             self._counts = acc.expert_counts if self._counts is None else self._counts + acc.expert_counts
         d = acc.diagnostics
@@ -505,6 +524,21 @@ class Engine:
         flat = result(float(acc.rows))
         metrics["rows:sum"] = float(flat[-1])
         return ForwardBackwardOutput(logprobs=_split(flat[:-1], batch), loss=acc.loss, metrics=metrics)
+
+    def _check_finite(self, values: dict[str, float]) -> None:
+        """``DivergenceError`` naming the step if one of ``values`` is not finite, after dropping
+        what the calls since the last ``optim_step`` accumulated (gradients, expert counts): the
+        weights and AdamW's state are those before the step, and the engine takes the next call
+        as if those calls had not been made."""
+        what = not_finite(values)
+        if what is None:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self._counts = None
+        raise DivergenceError(
+            f"step {self.step + 1}: {what}; the weights and the optimizer state are left as they were before this "
+            "step and the gradients accumulated since the last optim_step are dropped"
+        )
 
     def _hold_summed_gradients(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """On a mesh: the expert-block and tensor-parallel gradients accumulated so far, taken
@@ -533,6 +567,7 @@ class Engine:
             raise UserError(
                 "a callable loss must return a differentiable scalar tensor of the log-probs (or (loss, metrics))"
             )
+        self._check_finite({"the loss": float(value.detach())})
         grads = torch.autograd.grad(value, lps, allow_unused=True)
         g = np.concatenate(
             [
@@ -544,6 +579,7 @@ class Engine:
         weights = np.zeros(batch.num_tokens)
         keep = np.ones(batch.num_tokens, dtype=bool)
         keep[batch.offsets[:-1]] = False
+        self._check_finite({"the loss's largest gradient in the log-probs": float(np.abs(g).max(initial=0.0))})
         weights[keep] = -g
         linear = dataclasses.replace(batch, loss_weights=weights, old_logprobs=None)
         res = self._run(linear, lambda lp, sub: tinker_loss(lp, sub, "cross_entropy", {}))
@@ -564,14 +600,21 @@ class Engine:
         grad_clip: float | None = None,
     ) -> OptimStepOutput:
         """One AdamW update from the accumulated gradients, then zero them. Arguments given here
-        replace the engine's settings from this step on (``grad_clip`` 0 or None: no clipping).
-        Returns the gradient norm before clipping."""
+        replace the engine's settings from this step on (``grad_clip`` 0 or None: no clipping;
+        ``lr`` in [0, 1]). Returns the gradient norm before clipping.
+
+        A gradient norm that is not finite raises ``DivergenceError`` naming the step (counted
+        from 1, as ``OptimStepOutput.step``) instead of updating: the weights, AdamW's state and
+        settings stay as they were, and the gradients are dropped."""
         given = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "grad_clip": grad_clip}
-        self._adamw = _adamw_settings(**{**self._adamw, **{k: v for k, v in given.items() if v is not None}})
+        adamw = _adamw_settings(**{**self._adamw, **{k: v for k, v in given.items() if v is not None}})
+        clip = adamw["grad_clip"]
+        # the norm is on the host for clipping anyway: checking it costs no device sync
+        norm = clip_grad_norm(self.model, float("inf") if clip is None else clip, self._parallel)
+        self._check_finite({"the gradient norm": float(norm)})
+        self._adamw = adamw
         for group in self.optimizer.param_groups:
             group.update({k: v for k, v in self._adamw.items() if k != "grad_clip"})
-        clip = self._adamw["grad_clip"]
-        norm = clip_grad_norm(self.model, float("inf") if clip is None else clip, self._parallel)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self._counts is not None and self.train_config.expert_bias_rate and not _has_adapters(self.model):
@@ -743,7 +786,9 @@ def _engine_state(model: HybridLM, parallel: ParallelState | None, capacity: int
 def _adamw_settings(
     *, lr: float, betas: tuple[float, float] | list[float], eps: float, weight_decay: float, grad_clip: float | None
 ) -> dict[str, Any]:
-    """The AdamW settings checked (``UserError`` naming the first bad one)."""
+    """The AdamW settings checked (``UserError`` naming the first bad one): every one a finite
+    number, the learning rate in [0, 1] (``harts.trainer.checks.check_lr``) and
+    ``lr * weight_decay <= 1``."""
 
     def number(name: str, v: Any, lo: float, *, open_lo: bool = False) -> float:
         if (
@@ -761,11 +806,13 @@ def _adamw_settings(
     b1, b2 = (number("betas", b, 0.0) for b in betas)
     if b1 >= 1 or b2 >= 1:
         raise UserError(f"betas must be in [0, 1), got {tuple(betas)}")
+    rate, decay = check_lr(lr), number("weight_decay", weight_decay, 0.0)
+    check_weight_decay(decay, rate)
     return {
-        "lr": number("lr", lr, 0.0),
+        "lr": rate,
         "betas": (b1, b2),
         "eps": number("eps", eps, 0.0, open_lo=True),
-        "weight_decay": number("weight_decay", weight_decay, 0.0),
+        "weight_decay": decay,
         "grad_clip": None if grad_clip is None else number("grad_clip", grad_clip, 0.0) or None,
     }
 

@@ -54,13 +54,15 @@ copy of its weights.
 **Export.** The export is ``merged_model`` -> ``save_hf_checkpoint``: full weights transformers
 loads without PEFT. ``save_peft_adapter`` also writes the adapters alone in PEFT's layout
 (``adapter_config.json`` + ``adapter_model.safetensors``) for a model with an HF source, through
-PEFT itself on the transformers model's structure (see its docstring for what PEFT can express).
+PEFT itself on the transformers model's structure (see its docstring for what PEFT can express);
+``load_peft_adapter`` puts them back onto that base, bit for bit.
 
 **State.** ``model.state_dict()`` of an adapted model names a base weight
 ``<module>.parametrizations.<name>.original`` and its adapter ``<module>.parametrizations.<name>.0
 .lora_A`` / ``.lora_B`` (a tied head's: ``lm_head.adapter.lora_A`` / ``.lora_B``); it holds no
 shared tensors, so it saves with safetensors and loads into a model given the same
-``apply_lora``. The model's ``LoraConfig`` is ``lora_config_of(model)``.
+``apply_lora``. ``adapter_module(model)`` holds the adapters alone under those names (a checkpoint
+of the adapters without the frozen base). The model's ``LoraConfig`` is ``lora_config_of(model)``.
 
 Not supported: adapters on a model already sharded (FSDP2 DTensors) or with expert parallelism
 applied: apply LoRA to the whole model first.
@@ -85,11 +87,14 @@ from harts.models.layers import MLP, MoE
 from harts.models.layers.moe import Experts
 
 __all__ = [
+    "LORA_TARGETS",
     "LoraConfig",
     "LoraDelta",
     "adapted_view",
+    "adapter_module",
     "adapter_parameters",
     "apply_lora",
+    "load_peft_adapter",
     "lora_config_of",
     "lora_targets",
     "merged_model",
@@ -98,6 +103,9 @@ __all__ = [
 
 #: the instance attribute of an adapted model that holds its ``LoraConfig``
 _CONFIG_ATTR = "lora_config"
+
+#: the names of ``LoraConfig``'s three target flags (``train_<name>``), as ``--lora-targets`` takes them
+LORA_TARGETS = ("attn", "mlp", "unembed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +131,11 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The target flags set, by ``LORA_TARGETS``' names (``("attn", "mlp", "unembed")`` by default)."""
+        return tuple(t for t in LORA_TARGETS if getattr(self, f"train_{t}"))
 
     def validate(self) -> None:
         """``UserError`` naming the first bad field."""
@@ -301,6 +314,30 @@ def lora_config_of(model: HybridLM) -> LoraConfig | None:
     return cfg if isinstance(cfg, LoraConfig) else None
 
 
+def adapter_module(model: HybridLM) -> nn.Module:
+    """A module whose parameters are exactly ``model``'s adapters (the same tensors, not copies),
+    each under its name in ``model.state_dict()`` (``layers.0.self_attn.q_proj.parametrizations.
+    weight.0.lora_A``; a tied head's ``lm_head.adapter.lora_A``): what a checkpoint of the
+    adapters alone saves and loads in place (``harts train --lora``'s run directory), without the
+    frozen base, which the run rebuilds from its ``--model`` and ``--seed``."""
+    if lora_config_of(model) is None:
+        raise UserError("adapter_module: the model has no LoRA adapters (apply_lora adds them)")
+    root = nn.Module()
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraDelta):
+            continue
+        *path, leaf = name.split(".")
+        parent = root
+        for part in path:
+            child = parent._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                parent.add_module(part, child)
+            parent = child
+        parent.add_module(leaf, module)
+    return root
+
+
 def _adapters(model: HybridLM) -> list[tuple[str, LoraDelta]]:
     """(plain weight name, adapter) of every adapter of ``model``, in model order."""
     out: list[tuple[str, LoraDelta]] = []
@@ -314,11 +351,13 @@ def _adapters(model: HybridLM) -> list[tuple[str, LoraDelta]]:
     return out
 
 
-def merged_model(model: HybridLM) -> HybridLM:
+def merged_model(model: HybridLM, *, device: str | torch.device | None = None) -> HybridLM:
     """A plain ``HybridLM`` (no adapters) with ``W + scale * B @ A`` in every adapted weight.
 
     A new model: ``model`` is unchanged and shares no tensor with the result (which holds a full
-    copy of the weights, on ``model``'s devices). ``hf_source`` is carried over; its parameters
+    copy of the weights, on ``model``'s devices, or all on ``device``: each merged tensor is made
+    where ``model``'s is and moved there at once, so ``device="cpu"`` merges a model that fills its
+    GPU, which needs room for one merged tensor at a time). ``hf_source`` is carried over; its parameters
     require grad, as a fresh model's do. With tied embeddings and an adapted head the result is
     untied (``config.tie_word_embeddings`` and ``hf_source``'s ``tie_word_embeddings`` False): its
     head is ``E + scale * B @ A`` and its embedding ``E``, which one tied matrix cannot hold. Its
@@ -332,13 +371,13 @@ def merged_model(model: HybridLM) -> HybridLM:
     config = model.config.replace(tie_word_embeddings=False) if tied_head else model.config
     with torch.device("meta"):  # the structure only; every tensor comes from ``model``
         merged = HybridLM(config, seed=0)
-    merged.load_state_dict(_merged_state_dict(model), strict=True, assign=True)
+    merged.load_state_dict(_merged_state_dict(model, device), strict=True, assign=True)
     with torch.no_grad():  # buffers outside the state dict (a router bias that is not persistent)
         for mod_name, module in model.named_modules():
             for name in module._non_persistent_buffers_set:
                 buf = module._buffers.get(name)
                 if buf is not None:
-                    merged.get_submodule(mod_name)._buffers[name] = buf.detach().clone()
+                    merged.get_submodule(mod_name)._buffers[name] = _copy(buf, device)
     if model.hf_source is not None:
         source = copy.deepcopy(model.hf_source)
         if tied_head:
@@ -349,9 +388,14 @@ def merged_model(model: HybridLM) -> HybridLM:
     return merged
 
 
-def _merged_state_dict(model: HybridLM) -> dict[str, torch.Tensor]:
+def _copy(t: torch.Tensor, device: str | torch.device | None) -> torch.Tensor:
+    """A copy of ``t`` of its own, on ``device`` (None: ``t``'s)."""
+    return t.detach().clone() if device is None else t.detach().to(device, copy=True)
+
+
+def _merged_state_dict(model: HybridLM, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
     """The plain model's state dict of an adapted ``model``: each adapted weight merged (as the
-    model reads it), every other tensor copied."""
+    model reads it), every other tensor copied, onto ``device`` (None: where it is)."""
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, t in model.state_dict().items():
@@ -359,13 +403,13 @@ def _merged_state_dict(model: HybridLM) -> dict[str, torch.Tensor]:
                 continue
             module_name, sep, rest = name.partition(".parametrizations.")
             if not sep:
-                out[name] = t.detach().clone()
+                out[name] = _copy(t, device)
                 continue
             attr, _, leaf = rest.partition(".")
             if leaf == "original":  # the adapters ("0.lora_A", "0.lora_B") are in the merged value
-                out[f"{module_name}.{attr}"] = getattr(model.get_submodule(module_name), attr).detach().clone()
+                out[f"{module_name}.{attr}"] = _copy(getattr(model.get_submodule(module_name), attr), device)
         if isinstance(model.lm_head, _TiedHead):
-            out["lm_head.weight"] = model.lm_head.weight.detach().clone()
+            out["lm_head.weight"] = _copy(model.lm_head.weight, device)
     return out
 
 
@@ -404,17 +448,103 @@ def save_peft_adapter(model: HybridLM, path: str) -> None:
     peft_model.save_pretrained(path, save_embedding_layers=False)
 
 
-def _hf_names(model: HybridLM, model_type: str) -> dict[str, str]:
-    """harts name -> transformers name of every adapted weight (one-to-one tensor groups only)."""
+def load_peft_adapter(model: HybridLM, path: str) -> list[nn.Parameter]:
+    """The adapters ``save_peft_adapter`` wrote to directory ``path``, put on ``model``: a plain
+    model of the same transformers source (the base they were trained over). ``apply_lora`` with
+    the saved ``r`` and ``lora_alpha`` and the targets its modules name, then every factor read
+    from PEFT's file (``_peft_factors`` undone), so the adapters are the saved ones bit for bit.
+    Returns ``apply_lora``'s parameters.
+
+    Raises ``UserError`` naming ``path``: a model without an HF source, a directory without a
+    PEFT LoRA adapter, adapters on weights harts cannot adapt or a selection of them that no
+    ``LoraConfig`` makes (attention projections but not all of them, say), before ``model``
+    changes; a factor missing or of another shape, after (``model`` then has fresh adapters).
+    """
+    import json
+
+    from safetensors.torch import load_file
+
+    source = model.hf_source
+    if not source or not source.get("config"):
+        raise UserError(
+            f"{path}: a PEFT adapter loads onto a model loaded from transformers (this one has no HF source)"
+        )
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as fh:
+            saved = json.load(fh)
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: not a readable PEFT adapter ({err})") from None
+    if not isinstance(saved, dict) or saved.get("peft_type") != "LORA":
+        raise UserError(f"{path}/adapter_config.json: not a PEFT LoRA adapter's config")
+    cfg = _saved_lora_config(model, saved, source["model_type"], path)
+    params = apply_lora(model, cfg)
+    peft_model, factors = _peft_model_for(model, cfg, source["config"], _hf_names(model, source["model_type"]))
+    # PEFT's file names each factor after its LoRA layer's module, without the adapter's name
+    key = {id(m): name for name, m in peft_model.named_modules()}
+    with torch.no_grad():
+        for (name, delta), (module, a, b) in zip(_adapters(model), factors):
+            got_a, got_b = (tensors.get(f"{key[id(module)]}.lora_{x}.weight") for x in "AB")
+            if got_a is None or got_b is None or got_a.shape != a.shape or got_b.shape != b.shape:
+                raise UserError(f"{path}/adapter_model.safetensors: no rank-{cfg.rank} factors for {name}")
+            if delta.lora_A.dim() == 3:  # PEFT's [E r, in] and [out, r E]: _peft_factors undone
+                e, r, n_in = delta.lora_A.shape
+                got_a = got_a.reshape(e, r, n_in)
+                got_b = got_b.reshape(got_b.shape[0], r, e).permute(2, 0, 1)
+            delta.lora_A.copy_(got_a)
+            delta.lora_B.copy_(got_b)
+    return params
+
+
+def _saved_lora_config(model: HybridLM, saved: dict[str, Any], model_type: str, path: str) -> LoraConfig:
+    """The ``LoraConfig`` of a PEFT adapter's config: its rank and alpha, and the target flags
+    whose weights its ``target_modules`` / ``target_parameters`` name (all of them, or refused)."""
+    hf = {f"{m}.weight" for m in saved.get("target_modules") or ()} | set(saved.get("target_parameters") or ())
+    to_harts = {v: k for k, v in _one_to_one(model, model_type, path).items()}
+    unknown = sorted(hf - set(to_harts))
+    if unknown:
+        raise UserError(f"{path}: the adapter targets {unknown[0]}, which harts does not adapt")
+    names = {to_harts[h] for h in hf}
+    flags = {f"train_{t}": False for t in LORA_TARGETS}
+    for name in names:
+        target = "unembed" if name == "lm_head.weight" else "mlp" if ".mlp." in name else "attn"
+        flags[f"train_{target}"] = True
+    try:
+        rank: Any = saved.get("r")
+        alpha: Any = saved.get("lora_alpha")
+        cfg = LoraConfig(rank=rank, alpha=alpha, **flags)
+    except UserError as err:
+        raise UserError(f"{path}/adapter_config.json: {err}") from None
+    adapted = {n for n, _, _ in lora_targets(model, cfg)}
+    if names - adapted:
+        raise UserError(f"{path}: the adapter targets {min(names - adapted)}, which harts does not adapt")
+    missing = sorted(adapted - names)
+    if missing:
+        raise UserError(
+            f"{path}: the adapter leaves {missing[0]} without an adapter, which LoRA on {', '.join(cfg.targets)} "
+            "adapts; harts adapts every projection of a target"
+        )
+    return cfg
+
+
+def _one_to_one(model: HybridLM, model_type: str, where: str) -> dict[str, str]:
+    """harts name -> transformers name of every weight stored the same way in both (one-to-one
+    tensor groups, no layout change), the head included."""
     from harts.integrations.hf import adapter_for
 
     try:
         groups = adapter_for(model_type).tensor_groups(model.config)
     except ValueError as e:
-        raise UserError(f"save_peft_adapter: {e}") from None
+        raise UserError(f"{where}: {e}") from None
     one_to_one = {g.harts[0]: g.hf[0] for g in groups if len(g.harts) == 1 and len(g.hf) == 1 and g.to_hf is None}
     if model.config.tie_word_embeddings:
         one_to_one["lm_head.weight"] = "lm_head.weight"
+    return one_to_one
+
+
+def _hf_names(model: HybridLM, model_type: str) -> dict[str, str]:
+    """harts name -> transformers name of every adapted weight (one-to-one tensor groups only)."""
+    one_to_one = _one_to_one(model, model_type, "save_peft_adapter")
     names = {}
     for name, _ in _adapters(model):
         if name not in one_to_one:

@@ -23,6 +23,20 @@ each step's end, so they stop after the same step. The completed steps are check
 finished (``result.interrupted``), and the exit status is 128 + the signal's number. A step that
 fails before changing the weights (one process) keeps the completed steps the same way
 (``result.failed``) before its error propagates.
+
+Divergence: a step whose loss or gradient norm is not finite stops the run with a
+``DivergenceError`` naming it (``harts.trainer.step``), before its update, and nothing is
+saved -- no checkpoint, no ``--save``: the steps before it led there (a learning rate too high,
+huge advantages), so their weights are not worth keeping either. The run directory keeps the
+checkpoints written before, to resume from with another ``--lr``.
+
+LoRA (``RunConfig.lora``, one process): once the model holds its values, ``apply_lora`` freezes
+every base weight in the model's dtype and adds the adapters (``harts.trainer.lora``); AdamW gets
+the adapters alone, the MoE expert-bias balancing is off (it writes a base buffer), and the
+checkpoints hold the adapters and their optimizer state, not the base (``adapter_module``): a
+resumed run builds the base again from its model and seed, which the run's identity pins (the
+model configuration's digest among them), and goes on bit for bit. ``harts.parallel`` shards the
+base's layers, not adapters: several ranks are refused.
 """
 
 from __future__ import annotations
@@ -41,8 +55,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from harts.errors import CapacityError, UserError
+from harts.errors import CapacityError, DivergenceError, OutputPathError, UserError
 from harts.models.hybrid_lm import HybridLM
+from harts.parallel.agree import agree
 from harts.parallel.build import materialize, moe_experts
 from harts.parallel.mesh import ParallelConfig, ParallelState, init_parallel, launch_mesh, setup_process_group
 from harts.parallel.parallelize import parallelize
@@ -59,6 +74,7 @@ from harts.trainer.checks import (
     max_compression,
     summarize,
 )
+from harts.trainer.lora import LoraConfig, adapter_module, apply_lora
 from harts.trainer.signals import Interrupted, Signals
 from harts.trainer.step import StepLog, StepPrefetcher, TrainConfig, train_step
 from harts.tree.batch import RolloutBatch
@@ -98,6 +114,8 @@ class RunConfig:
     cpu_offload: bool = False
     #: build on the meta device and initialise after sharding, also on one process
     meta_init: bool = False
+    #: train LoRA adapters over the frozen base (one process; module docstring); None: every weight
+    lora: LoraConfig | None = None
     #: checkpoints and ``metrics.jsonl`` go here (None: neither)
     run_dir: str | None = None
     #: checkpoint every N steps (besides at the end and on a stop)
@@ -126,6 +144,8 @@ class RunResult:
     rank: int
     interrupted: str | None = None
     failed: dict[str, Any] | None = None
+    #: a LoRA run's rank, alpha, targets and trainable (adapter) parameters; None: every weight trained
+    lora: dict[str, Any] | None = None
 
 
 @dataclass
@@ -152,6 +172,10 @@ def run_training(cfg: RunConfig, signals: Signals, hooks: RunHooks) -> int:
         run.train()
     except (Interrupted, Exception) as err:
         signum = run.signal_of(err)
+        if isinstance(err, DivergenceError):
+            raise DivergenceError(
+                f"{err} and nothing was saved (the checkpoints of earlier steps stay; a lower --lr?)"
+            ) from None
         if signum is None:
             run.keep_after_failure(err)
             raise
@@ -173,6 +197,8 @@ class _Run:
         # one plan replica per row group (cp x tp ranks)
         self.rows = cfg.cp * cfg.tp
         self.train_cfg = replace(cfg.train, replicas=cfg.train.replicas or max(self.world // self.rows, 1))
+        if cfg.lora is not None:  # the expert-bias balancing writes a base buffer: the base stays as it is
+            self.train_cfg = replace(self.train_cfg, expert_bias_rate=0.0)
         self.ckpt = RunCheckpoints(
             cfg.run_dir,
             dict(cfg.identity),
@@ -182,6 +208,9 @@ class _Run:
         )
         self.logs: list[StepLog] = []
         self.model: Any = None
+        #: what checkpoints hold: the model, or a LoRA run's adapters alone (``adapter_module``)
+        self.state: Any = None
+        self.lora: dict[str, Any] | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.parallel: ParallelState | None = None
         #: True from the moment a step starts changing the weights until it has returned its log
@@ -215,6 +244,11 @@ class _Run:
         )
         replicas = self.train_cfg.replicas
         assert replicas is not None
+        if cfg.lora is not None and world > 1:
+            raise UserError(
+                f"--lora on {world} ranks: LoRA adapters train on one process (harts.parallel shards the base "
+                "model's layers, not adapters); launch without torchrun"
+            )
         if replicas % (world // self.rows):
             raise UserError(
                 f"--replicas {replicas} is not a multiple of the {world // self.rows} data replicas of this launch "
@@ -256,18 +290,25 @@ class _Run:
         cfg, spec, train = self.cfg, self.spec, self.train_cfg
         # the step planner's processes start now, so that spawning them overlaps building the model
         shared_workers(train.planner_workers)
-        vocab, where = batch_vocab(summaries, spec.model, quiet=self.rank != 0)
-        if self.hooks.check_memory is not None:
-            # a rank of a row group holds capacity / (cp tp) rows between the mixers, and inside
-            # them cp tp times the rows for 1 / (cp tp) of the heads: about capacity / (cp tp)
-            # rows' activations
-            per_rank = replace(train, capacity=max(train.capacity // self.rows, 1))
-            self.hooks.check_memory(spec, vocab, where, per_rank, self.world, max_compression(summaries))
         meta = self.distributed or cfg.meta_init
-        if meta:
-            model = build_model(spec, vocab, where=where, meta=True)
-        else:  # FlexAttention's backend probe (FA4's compile) runs while the model's values are drawn
-            model = build_model_and_attention(spec, vocab, train.execution, where=where).model
+        problem: UserError | None = None
+        try:  # no collective in here: a refusal (a --model that does not load) stops every rank at once
+            vocab, where = batch_vocab(summaries, spec.model, quiet=self.rank != 0)
+            if self.hooks.check_memory is not None:
+                # a rank of a row group holds capacity / (cp tp) rows between the mixers, and inside
+                # them cp tp times the rows for 1 / (cp tp) of the heads: about capacity / (cp tp)
+                # rows' activations
+                per_rank = replace(train, capacity=max(train.capacity // self.rows, 1))
+                self.hooks.check_memory(spec, vocab, where, per_rank, self.world, max_compression(summaries))
+            if meta:
+                model = build_model(spec, vocab, where=where, meta=True)
+            else:  # FlexAttention's backend probe (FA4's compile) runs while the model's values are drawn
+                model = build_model_and_attention(spec, vocab, train.execution, where=where).model
+        except UserError as err:
+            problem = err
+        problem = agree(problem)
+        if problem is not None:
+            raise problem
         execution = train.execution
         check_recompute_layers(
             {"recompute_layers": execution.recompute_layers, "moe_keep_gate_up": execution.moe_keep_gate_up}, model
@@ -278,11 +319,21 @@ class _Run:
         model = parallelize(model, self.parallel)
         if meta:
             materialize(model, self.parallel, spec=spec.model, seed=spec.seed)
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+        self.model = self.state = model
+        params = list(model.parameters())
+        if cfg.lora is not None:  # after materialize: adapters go on the base's values
+            params = apply_lora(model, cfg.lora)
+            self.state = adapter_module(model)
+            self.lora = {
+                "rank": cfg.lora.rank,
+                "alpha": cfg.lora.alpha,
+                "targets": list(cfg.lora.targets),
+                "trainable_parameters": sum(p.numel() for p in params),
+            }
+        self.optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
         self.ckpt.identity.update(run_settings(self.optimizer, train))
         self.ckpt.identity["model-config"] = digest
-        start = self.ckpt.resume(model, self.optimizer, len(cfg.schedule.order))
+        start = self.ckpt.resume(self.state, self.optimizer, len(cfg.schedule.order))
         self._apply_lr(self.optimizer, train.lr, start)
         self._note_replicas(start)
         return start
@@ -326,6 +377,13 @@ class _Run:
             f"log-probs {execution.logprob_positions}{mesh}",
             flush=True,
         )
+        if self.lora is not None:
+            lora = self.lora
+            print(
+                f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g}, targets {','.join(lora['targets'])}: "
+                f"{lora['trainable_parameters']:,} trainable parameters (float32 or wider), the base frozen",
+                flush=True,
+            )
         if start:
             steps = len(self.cfg.schedule.order)
             left = f"; steps {start}..{steps - 1} to go" if start < steps else "; no step left"
@@ -358,7 +416,7 @@ class _Run:
                 self._after_step(log, time.perf_counter() - began, metrics)
                 bar.update()
                 if self.cfg.save_every and (i + 1) % self.cfg.save_every == 0 and i + 1 < steps:
-                    self.ckpt.save(self.model, self._optimizer(), i + 1)
+                    self.ckpt.save(self.state, self._optimizer(), i + 1)
                 if self.distributed:
                     _agree_on_signal(self.signals)
             with self.signals.window():
@@ -455,12 +513,12 @@ class _Run:
     # ------------------------------------------------------------------ endings
     def result(self, **what: Any) -> RunResult:
         model = self.model if self.logs else None
-        return RunResult(logs=self.logs, model=model, world=self.world, rank=self.rank, **what)
+        return RunResult(logs=self.logs, model=model, world=self.world, rank=self.rank, lora=self.lora, **what)
 
     def finish(self) -> None:
         """The end of a run that completed its steps: last checkpoint, the report."""
         if self.logs:
-            self.ckpt.save(self.model, self._optimizer(), self.logs[-1].step + 1)
+            self.ckpt.save(self.state, self._optimizer(), self.logs[-1].step + 1)
         self.hooks.finish(self.result())
         if self.distributed:
             dist.destroy_process_group()
@@ -481,7 +539,7 @@ class _Run:
             done = f"after step {self.logs[-1].step}" if self.logs else "before the first step completed"
             print(f"harts: interrupted by {name} {done}", file=sys.stderr, flush=True)
         if self.logs:
-            self.ckpt.save(self.model, self._optimizer(), self.logs[-1].step + 1)
+            self.ckpt.save(self.state, self._optimizer(), self.logs[-1].step + 1)
         self.hooks.finish(self.result(interrupted=name))
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -490,8 +548,10 @@ class _Run:
     def keep_after_failure(self, err: BaseException) -> None:
         """A step failed (out of memory, a bug, ...) before changing the weights: keep the
         completed steps (checkpoint, report with a ``failed`` entry); the error propagates after
-        (one process only: with several ranks the others may be stuck in a collective)."""
-        if self.distributed or not self.logs or self.in_update:
+        (one process only: with several ranks the others may be stuck in a collective). A write
+        that failed (a full disk: a checkpoint, ``metrics.jsonl``) is not retried: writing more
+        there would fail the same way, and the previous checkpoint is whole to resume from."""
+        if self.distributed or not self.logs or self.in_update or isinstance(err, OutputPathError):
             return
         failed_step = self.logs[-1].step + 1
         print(
@@ -500,7 +560,7 @@ class _Run:
             flush=True,
         )
         try:
-            self.ckpt.save(self.model, self._optimizer(), failed_step)
+            self.ckpt.save(self.state, self._optimizer(), failed_step)
             self.hooks.finish(self.result(failed={"step": failed_step, "error": f"{type(err).__name__}: {err}"}))
         except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
             print(f"harts: could not keep them either: {save_err}", file=sys.stderr, flush=True)

@@ -18,7 +18,6 @@ A missing, truncated or garbled file is a ``UserError`` naming it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from harts.errors import UserError
+from harts.outputs import moved_aside, replace_dir, restore_dir, writing
 
 __all__ = ["STATE_FORMAT", "load_optimizer", "read_state", "restore_rng", "write_state"]
 
@@ -68,14 +68,18 @@ def write_state(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, fields: dict[str, Any]
 ) -> None:
     """Write ``model``, ``optimizer``, torch's RNG state and ``fields`` (JSON data) to directory
-    ``path``, atomically: a previous state at ``path`` is replaced only once the new one is whole."""
+    ``path``, atomically: a previous state at ``path`` is replaced only once the new one is whole.
+    A write that fails (a full disk) is an ``OutputPathError`` naming ``path``; the previous state
+    stays."""
+    with writing(path):
+        _write_state(Path(path), model, optimizer, fields)
+
+
+def _write_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, fields: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    moved = _moved_aside(path)
-    if not path.exists() and moved.is_dir():
-        os.replace(moved, path)  # a replacement died between its two renames: the old state is whole
+    restore_dir(path)  # a replacement that died between its two renames left the old state aside
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         model_sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -85,22 +89,10 @@ def write_state(
         save_file(_rng_tensors(), str(tmp / "rng.safetensors"))
         meta = {"format": STATE_FORMAT, "param_groups": groups, **fields}
         (tmp / "state.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        old = None
-        if path.exists():
-            old = moved
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _moved_aside(path: Path) -> Path:
-    """Where ``write_state`` moves the state it replaces until the new one is in place."""
-    return path.with_name(f".{path.name}.old")
 
 
 def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
@@ -118,8 +110,8 @@ def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
 def read_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """(``state.json``'s fields, model tensors, optimizer tensors, RNG tensors) of directory ``path``."""
     path = Path(path)
-    if not path.is_dir() and _moved_aside(path).is_dir():
-        path = _moved_aside(path)  # a replacing write_state was killed between its two renames
+    if not path.is_dir() and moved_aside(path).is_dir():
+        path = moved_aside(path)  # a replacing write_state was killed between its two renames
     if not path.is_dir():
         raise UserError(f"{path}: no trainer state directory there")
     meta_file = path / "state.json"

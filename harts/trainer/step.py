@@ -21,6 +21,10 @@ Per step (one RolloutBatch):
    because every microbatch loss is already divided by the global denominator, the sum is
    exactly the gradient of the step's loss — identical for any D and any microbatching;
 4. gradient clipping (over the shards), optimizer step, expert-bias update from the summed counts.
+   A step whose loss or gradient norm is not finite stops there (``DivergenceError`` naming the
+   step), before the optimizer step: the weights and AdamW's state stay those before it. The
+   loss is checked once it is on the host anyway (step 3's one sync) and the norm where
+   clipping computes it, so the check adds no device sync.
 
 Parallelism is torch's own engine, applied from outside: ``harts.parallel.init_parallel`` builds
 the (dp, ep, cp) mesh and ``parallelize`` shards the model (FSDP2, expert and context
@@ -33,19 +37,20 @@ microbatches in sequence): the same microbatches, hence the same step objective,
 from __future__ import annotations
 
 import functools
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from harts.errors import CapacityError, UserError
+from harts.errors import CapacityError, DivergenceError, UserError
 from harts.models.execution.config import ExecutionConfig
-from harts.models.hybrid_lm import HybridLM, ModelOutput
+from harts.models.hybrid_lm import HybridLM
 from harts.models.layers.moe import MoE
 from harts.parallel.mesh import ParallelConfig, ParallelState
 from harts.parallel.parallelize import clip_grad_norm, finish_gradients, set_gradient_sync
@@ -55,12 +60,15 @@ from harts.plan.prefetch import Prefetched
 from harts.plan.step import StepPlan, plan_step
 from harts.plan.step.workers import shared_workers
 from harts.rl.grpo import grpo_loss, grpo_normalizer
+from harts.trainer.checks import check_lr, check_weight_decay
+from harts.trainer.step_sums import StepSums
 from harts.tree.batch import RolloutBatch
 from harts.tree.compact import CompactBatch
 
 __all__ = [
     "Objective",
     "PlannedStep",
+    "StepObserver",
     "StepPrefetcher",
     "TrainConfig",
     "StepLog",
@@ -72,6 +80,7 @@ __all__ = [
     "prepared_microbatches",
     "check_capacity",
     "grpo_objective",
+    "not_finite",
     "plan_training_step",
     "parallel_state",
     "replicas_of",
@@ -92,7 +101,9 @@ class TrainConfig:
     #: every diagnostic of ``StepLog`` read nothing else, and the LM head is a step's largest cost
     #: (an ``ExecutionConfig`` given here keeps its own setting, ``"all"`` unless it says otherwise)
     execution: ExecutionConfig = field(default_factory=lambda: ExecutionConfig(logprob_positions="actions"))
+    #: AdamW's learning rate, in [0, 1] (``harts.trainer.checks.check_lr``: above 1 a run diverges)
     lr: float = 1e-4
+    #: AdamW's decoupled weight decay: finite, >= 0, and lr * weight_decay <= 1
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     clip_eps: float = 0.2
@@ -129,6 +140,11 @@ class TrainConfig:
     prepare_ahead: bool = True
 
     def __post_init__(self) -> None:
+        lr = check_lr(self.lr)
+        wd = self.weight_decay
+        if isinstance(wd, bool) or not isinstance(wd, (int, float)) or not math.isfinite(wd) or wd < 0:
+            raise UserError(f"weight_decay must be a finite number >= 0, got {wd!r}")
+        check_weight_decay(float(wd), lr)
         if self.moe_statistics not in ("microbatch", "step"):
             raise ValueError(f"moe_statistics must be 'microbatch' or 'step', got {self.moe_statistics!r}")
         if (
@@ -483,6 +499,25 @@ def forward_step(
         on_logprobs(k, model(inputs, cfg.execution).logprobs)
 
 
+class StepObserver(Protocol):
+    """What watches ``accumulate_step_gradients`` run its microbatches (a benchmark's timers:
+    ``harts.experiments.step_bench``), so that what is timed is the step training runs, not a copy
+    of it.
+
+    Both methods are called on the training thread, for each microbatch in the order they run:
+    ``microbatch_started`` once its inputs are in hand, right before its forward is launched;
+    ``microbatch_ended`` once its backward is launched (the device may still be running it), with
+    its forward's ``ModelOutput.info`` (host numbers: rows, calls, replay rows). ``index`` counts
+    this call's microbatches from 0. An observer must not synchronize the device (recording a CUDA
+    event does not): the step never waits for the device between microbatches, and a sync would
+    change what is observed. Without an observer the step makes none of these calls.
+    """
+
+    def microbatch_started(self, index: int, sub: RolloutBatch) -> None: ...
+
+    def microbatch_ended(self, index: int, info: Mapping[str, Any]) -> None: ...
+
+
 def accumulate_step_gradients(
     model: HybridLM,
     batch: RolloutBatch,
@@ -493,6 +528,9 @@ def accumulate_step_gradients(
     planned: PlannedStep | None = None,
     objective: Objective | None = None,
     on_logprobs: Callable[[int, torch.Tensor], None] | None = None,
+    microbatches: Sequence[int] | None = None,
+    prepared: Sequence[tuple[RolloutBatch, Any]] | None = None,
+    observer: StepObserver | None = None,
 ) -> _Accumulated:
     """Steps 1-3 of the module docstring: afterwards every ``p.grad`` holds the gradient of
     the whole step's loss (summed over this rank's microbatches and across ranks). Under
@@ -512,33 +550,39 @@ def accumulate_step_gradients(
     the weights and the optimizer state as they were (the next ``zero_grad`` discards the rest).
     ``planned``: ``plan_training_step(batch, cfg, world)``, made ahead (else it is made here);
     ValueError if it was made for another batch or replica count.
+
+    ``microbatches``: the ids (into ``plan.microbatches``) of the microbatches to run, in order,
+    on one process (default this rank's replicas', ``replicas_of``); a subset accumulates its
+    share of the step's gradient (one replica of a D-replica plan, a benchmark's warm-up).
+    ``prepared``: their ``(sub, inputs)`` made ahead (``microbatch_item``, ``microbatch_inputs``),
+    none prepared inside the step (default: each on a host thread while the one before it runs,
+    ``cfg.prepare_ahead``). ``observer``: told as each microbatch starts and ends (``StepObserver``).
     """
     state = parallel_state(model, parallel)
     planned = _checked_plan(batch, cfg, state, planned)
     batch, plan = planned.batch, planned.plan
     if objective is None:
         objective = grpo_objective(batch, cfg)
-    replicas = replicas_of(cfg, state)
-    mine = [k for r in replicas for k in plan.for_replica(r)]
-    # every rank must run as many microbatches (FSDP's last-backward sync, expert all-to-alls)
-    assert all(len(plan.for_replica(r)) == plan.num_slots for r in replicas), "a replica's slots are uneven"
+    mine = _microbatches_to_run(plan, cfg, state, microbatches, prepared)
     if progress is not None:
         progress(0, len(mine))
     # the ranks of a row group (cp x tp) compute the same loss: the group's first reports it
-    sums = _StepSums(
+    sums = StepSums(
         state.device, model.config.router_z_loss_coef, model.config.router_aux_loss_coef, reports=state.row_rank == 0
     )
     step_level = cfg.moe_statistics == "step" and any(isinstance(m, MoE) for m in model.modules())
     items: list[MicrobatchItem | None] = [None] * len(mine)
     prepare_seconds = 0.0
     if step_level:
-        items, prepare_seconds = _set_step_level_statistics(model, planned, mine, cfg, state)
+        items, prepare_seconds = _set_step_level_statistics(model, planned, mine, cfg, state, prepared)
 
     # each microbatch is prepared on a background thread while the one before it is launched (no
     # device sync between them): the training thread waits only for what that does not hide
-    ahead = prepared_microbatches(model, planned, mine, cfg.execution, ahead=cfg.prepare_ahead, made=items)
+    ahead = _in_order(model, planned, mine, cfg, items, prepared)
     try:
         for done, (k, (sub, inputs)) in enumerate(zip(mine, ahead), start=1):
+            if observer is not None:
+                observer.microbatch_started(done - 1, sub)
             out = model(inputs, cfg.execution)
             if on_logprobs is not None:
                 on_logprobs(k, out.logprobs.detach())
@@ -548,6 +592,8 @@ def accumulate_step_gradients(
             # FSDP reduces the gradients once, in the step's last backward (or after each one)
             set_gradient_sync(model, cfg.reduce_every_microbatch or done == len(mine))
             total.backward()
+            if observer is not None:
+                observer.microbatch_ended(done - 1, out.info)
             del out, total  # nothing of this microbatch outlives its backward
             if progress is not None:
                 progress(done, len(mine))
@@ -594,77 +640,97 @@ def _checked_plan(
     return planned
 
 
+def _microbatches_to_run(
+    plan: StepPlan | TrajectoryPlan,
+    cfg: TrainConfig,
+    state: ParallelState,
+    chosen: Sequence[int] | None,
+    prepared: Sequence[tuple[RolloutBatch, Any]] | None,
+) -> list[int]:
+    """The ids of the microbatches this call runs, in order: ``chosen``, checked, or this rank's
+    replicas' in slot order; ValueError if ``prepared`` does not hold as many."""
+    if chosen is None:
+        replicas = replicas_of(cfg, state)
+        # every rank must run as many microbatches (FSDP's last-backward sync, expert all-to-alls)
+        assert all(len(plan.for_replica(r)) == plan.num_slots for r in replicas), "a replica's slots are uneven"
+        mine = [k for r in replicas for k in plan.for_replica(r)]
+    elif state.world_size > 1:
+        raise ValueError("microbatches= is for one process; under a process group each rank runs its replicas'")
+    else:
+        mine = list(chosen)
+        bad = [k for k in mine if not 0 <= k < len(plan.microbatches)]
+        if bad:
+            raise ValueError(f"microbatches= names {bad}, not among the plan's {len(plan.microbatches)} microbatches")
+    if prepared is not None and len(prepared) != len(mine):
+        raise ValueError(f"prepared= holds {len(prepared)} microbatches; this step runs {len(mine)}")
+    return mine
+
+
+def _in_order(
+    model: HybridLM,
+    planned: PlannedStep,
+    mine: list[int],
+    cfg: TrainConfig,
+    items: list[MicrobatchItem | None],
+    prepared: Sequence[tuple[RolloutBatch, Any]] | None,
+) -> Prefetched[tuple[RolloutBatch, Any]]:
+    """``(sub, inputs)`` of microbatches ``mine`` in order: ``prepared_microbatches`` (each
+    prepared while the one before it runs), or those ``prepared`` before the step, handed out the
+    same way (``waited`` is then the host's time taking them: nothing to wait for)."""
+    if prepared is None:
+        return prepared_microbatches(model, planned, mine, cfg.execution, ahead=cfg.prepare_ahead, made=items)
+    return Prefetched([functools.partial(_itself, item) for item in prepared], ahead=False)
+
+
+def _itself(item: tuple[RolloutBatch, Any]) -> tuple[RolloutBatch, Any]:
+    return item
+
+
 def _set_step_level_statistics(
-    model: HybridLM, planned: PlannedStep, mine: list[int], cfg: TrainConfig, state: ParallelState
+    model: HybridLM,
+    planned: PlannedStep,
+    mine: list[int],
+    cfg: TrainConfig,
+    state: ParallelState,
+    prepared: Sequence[tuple[RolloutBatch, Any]] | None = None,
 ) -> tuple[list[MicrobatchItem | None], float]:
     """``moe_statistics="step"``: count the step's expert assignments (a first, no-grad pass)
     and give them to every MoE layer; returns the microbatches' slices, made once for both
-    passes, and the seconds slicing them took."""
+    passes, and the seconds slicing them took (none with ``prepared``: their inputs, made ahead)."""
     began = time.perf_counter()
-    items: list[MicrobatchItem | None] = [microbatch_item(model, planned, k) for k in mine]
+    items: list[MicrobatchItem | None] = (
+        [microbatch_item(model, planned, k) for k in mine] if prepared is None else [None] * len(mine)
+    )
     seconds = time.perf_counter() - began
-    inputs = (microbatch_inputs(model, it, cfg.execution) for it in items if it is not None)
+    inputs = (
+        (microbatch_inputs(model, it, cfg.execution) for it in items if it is not None)
+        if prepared is None
+        else (x for _, x in prepared)
+    )
     counts = _step_expert_counts(model, inputs, cfg, state)
     _set_step_statistics(model, (counts, float(planned.batch.num_tokens)))
     return items, seconds
 
 
-class _StepSums:
-    """A step's sums over this rank's microbatches. The scalars stay on the device until the
-    step ends (no host sync between microbatches, so the host prepares microbatch k + 1 while the
-    device runs k): the loss, the MoE objective, then the objective's metric sums; and the
-    q-weighted expert counts [L_moe, E]. The execution counts (rows, calls, replay rows) are host
-    numbers. ``reports``: whether this rank's loss and metrics count in the step's sums (False
-    on the ranks of a context-parallel group but its first, which compute the same loss; their
-    MoE objective and counts are their rows' shares and always count)."""
+def not_finite(values: dict[str, float]) -> str | None:
+    """``"<name> is <value>"`` of the first of ``values`` (name -> number) that is not finite,
+    None when all are: a step's divergence, in the words of its error."""
+    for name, value in values.items():
+        if not math.isfinite(value):
+            return f"{name} is {value}"
+    return None
 
-    def __init__(self, device: torch.device, z_coef: float, aux_coef: float, *, reports: bool = True) -> None:
-        self.device = device
-        self.reports = reports
-        self.dtype = torch.float32 if device.type == "mps" else torch.float64
-        self.z_coef, self.aux_coef = z_coef, aux_coef
-        self.sums: torch.Tensor | None = None
-        self.names: list[str] = []
-        self.counts: torch.Tensor | None = None
-        self.rows = self.calls = self.replay_rows = 0
 
-    def add(
-        self, out: ModelOutput, loss: torch.Tensor, metrics: dict[str, torch.Tensor], *, router_share: float
-    ) -> torch.Tensor:
-        """Add one microbatch's forward ``out`` and its objective's ``loss`` and ``metrics``;
-        returns the loss to differentiate: ``loss`` plus ``router_share`` of the MoE objective."""
-        total = loss
-        moe = torch.zeros((), dtype=self.dtype, device=self.device)
-        if out.moe_losses is not None:
-            router = router_share * out.moe_objective(self.z_coef, self.aux_coef)
-            total = total + router
-            moe = torch.as_tensor(router, device=self.device).detach().to(self.dtype)
-            assert out.expert_counts is not None, "MoE losses come with expert counts"
-            c = out.expert_counts.detach()
-            self.counts = c.clone() if self.counts is None else self.counts + c
-        if self.sums is None:
-            self.names = list(metrics)
-            self.sums = torch.zeros(2 + len(metrics), dtype=self.dtype, device=self.device)
-        values = [loss.detach().to(self.dtype), moe, *(metrics[name].to(self.dtype) for name in self.names)]
-        if not self.reports:
-            values = [torch.zeros_like(values[0]), moe, *(torch.zeros_like(v) for v in values[2:])]
-        self.sums += torch.stack(values)
-        self.rows += int(out.info["rows"])
-        self.calls += int(out.info["calls"])
-        self.replay_rows += int(out.info["replay_rows"])
-        return total
-
-    def reduce(self, world: int) -> tuple[float, float, dict[str, float]]:
-        """The step's loss, MoE objective and metric sums, summed over ``world`` ranks (the
-        expert counts in place): the step's one host sync."""
-        if self.sums is None:  # no microbatch ran here: the objective's metrics are unknown, hence 0
-            self.sums = torch.zeros(2, dtype=self.dtype, device=self.device)
-        if world > 1:
-            dist.all_reduce(self.sums)
-            if self.counts is not None:
-                dist.all_reduce(self.counts)
-        loss_sum, moe_sum, *metric_sums = self.sums.tolist()
-        return loss_sum, moe_sum, dict(zip(self.names, metric_sums))
+def _check_finite(optimizer: torch.optim.Optimizer, step: int, values: dict[str, float]) -> None:
+    """``DivergenceError`` naming ``step`` if one of ``values`` is not finite, the gradients
+    dropped first (the optimizer has not stepped: the weights are those before the step)."""
+    what = not_finite(values)
+    if what is None:
+        return
+    optimizer.zero_grad(set_to_none=True)
+    raise DivergenceError(
+        f"step {step}: {what}; the weights and the optimizer state are left as they were before this step"
+    )
 
 
 def train_step(
@@ -687,6 +753,10 @@ def train_step(
     right before the weights change (clipping, optimizer step, expert-bias update): until then
     the step can be abandoned with the model and optimizer untouched; from then on it should
     run to the end (``harts train`` stops taking interrupts there).
+
+    A loss or gradient norm that is not finite raises ``DivergenceError`` naming ``step``
+    before the optimizer step (the weights and the optimizer state stay those before it; the
+    loss is checked before ``on_update``, the norm after).
     """
     state = parallel_state(model, parallel)
     world = state.world_size
@@ -694,9 +764,11 @@ def train_step(
     t0 = time.perf_counter()
     acc = accumulate_step_gradients(model, batch, cfg, progress=progress, parallel=state, planned=planned)
     planned_here = planned is None
+    _check_finite(optimizer, step, {"the loss": acc.loss, "the MoE router objective": acc.moe_objective})
     if on_update is not None:
         on_update()
     grad_norm = clip_grad_norm(model, cfg.max_grad_norm, state)
+    _check_finite(optimizer, step, {"the gradient norm": grad_norm})
     optimizer.step()
     if acc.expert_counts is not None and cfg.expert_bias_rate:
         model.update_expert_bias(acc.expert_counts, rate=cfg.expert_bias_rate)

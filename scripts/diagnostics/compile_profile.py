@@ -16,19 +16,19 @@ import sys
 
 import torch
 
-import harts.trainer.step_bench as SB
+import harts.experiments.probes as probes
 from harts.cli import main
 
 OUT = os.environ.get("OUT", ".")
 tag = os.environ.get("TAG", "run")
 
 
-def _profile(one, item, device, path):
+def _profile(run, device, path):
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        one(*item)
+        run()
         torch.cuda.synchronize()
     ka = prof.key_averages()
     with open(os.path.splitext(path)[0] + ".txt", "w") as f:
@@ -45,7 +45,7 @@ def _profile(one, item, device, path):
         )
 
 
-SB._profile = _profile
+probes.profile_microbatch = _profile
 rc = main(sys.argv[1:])
 from torch._dynamo.utils import compile_times, counters  # noqa: E402
 

@@ -123,3 +123,70 @@ def test_threaded_in_place_init_equals_init_value_chunked_and_cast(monkeypatch):
             assert any(t.numel() > 700 for t in tensors.values())
             for name, spec in specs.items():
                 assert torch.equal(tensors[name], I.init_value(spec, 9)), (dtype, threads, name)
+
+
+#: run by ``test_the_pool_never_makes_the_first_vml_call`` in a fresh interpreter: MKL settles its
+#: VML dispatch once per process. Prints one JSON line.
+_FIRST_VML_CALL = r"""
+import ctypes, json, os
+import torch
+
+def vml_cpu_type():
+    # the static that MKL's mkl_vml_serv_cpu_detect reads first (-1 until detected): its first
+    # instruction is `mov disp32(%rip), %eax`, then `cmp $-1, %eax`
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        entry = ctypes.cast(lib.mkl_vml_serv_cpu_detect, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    code = ctypes.string_at(entry, 9)
+    if code[:2] != b"\x8b\x05" or code[6:] != b"\x83\xf8\xff":
+        return None
+    return ctypes.c_int.from_address(entry + 6 + int.from_bytes(code[2:6], "little", signed=True))
+
+cell = vml_cpu_type()
+if cell is None or cell.value != -1:
+    print(json.dumps({"skip": "no MKL VML dispatch left to settle (torch without MKL, or settled on import)"}))
+    raise SystemExit
+import harts.models.init as I
+settled = cell.value != -1
+# Not settled: the pool's first log_ calls detect the CPU type concurrently, and a thread that
+# reads it between the detecting thread's two stores gets the raw type. That window, held open:
+# 9, what an AVX-512 Intel host detects (VML maps it to 5); it indexes the low-accuracy kernels.
+window = not settled and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+if window:
+    cell.value = 9
+from harts.integrations.loading import load_model
+model = load_model("tiny", vocab_size=256, dtype="float64", seed=5)
+if window:
+    cell.value = -1  # the detecting thread goes on; the next call detects afresh
+tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+differ = [n for n, s in I.init_specs(model).items() if not torch.equal(tensors[n], I.init_value(s, 5))]
+print(json.dumps({"settled": settled, "window": window, "differ": differ}))
+"""
+
+
+def test_the_pool_never_makes_the_first_vml_call():
+    """MKL detects the CPU type for its vector math (VML: torch's ``log_``, ``exp_``, ...) on the
+    process's first VML call and caches it, unsynchronised: the detecting thread stores the raw
+    type and only then the type VML indexes its kernels by. A thread whose first VML call reads
+    the cache in between indexes the wrong row: on an AVX-512 Intel host, low-accuracy kernels,
+    and ``log_`` a few 1e-6 off. ``init_weights``' two ``A_log`` draws, the smallest jobs, run
+    last and side by side, and were the process's first VML calls: once, under load, a spawned
+    rank built ``layers.1.linear_attn.A_log`` as 2.2095485 instead of 2.2095540.
+
+    Deterministic: with the window held open (the raw type in the cache while the pool draws),
+    the whole model must still equal the lone draws, because importing ``harts.models.init``
+    has settled the dispatch on the importing thread."""
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+
+    run = subprocess.run([sys.executable, "-c", _FIRST_VML_CALL], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    assert got["settled"] and not got["differ"], got

@@ -74,12 +74,34 @@ def test_largest_term_and_summary_name_the_biggest_first() -> None:
     assert est.summary(skip=1, top=2).count(",") == 1
 
 
-def test_cuda_counts_no_runtime_and_keeps_the_head_softmax_when_it_fits() -> None:
-    config = HybridConfig.preset("ling3_tiny")
-    kept = estimate_memory(config, capacity=65536, device_type="cuda", device_total_bytes=150 * 2**30)
-    recomputed = estimate_memory(config, ExecutionConfig(keep_lm_head_probs=False), capacity=65536, device_type="cuda")
-    assert kept.terms["runtime"] == 0 and kept.terms["allocator"] == 0
-    assert kept.terms["lm_head"] - recomputed.terms["lm_head"] == 65536 * 157_184 * 2
+def test_cuda_counts_no_runtime_and_keeps_the_head_softmax_within_its_budget() -> None:
+    """On CUDA in half precision the head keeps the softmax of the first chunks that fit in its
+    budget (a sixteenth of the device), whole where all fit; never more than the budget unless
+    ``keep_lm_head_probs=True``; its chunks follow the budget too."""
+    config = HybridConfig.preset("ling3_tiny")  # V = 157,184, bf16
+    v, total = config.vocab_size, 150 * 2**30
+    chunk = 4096 * v * 2  # a 4,096-row chunk's bf16 softmax
+
+    def head(capacity: int = 65536, device_total: int | None = total, **fields: Any) -> int:
+        est = estimate_memory(
+            config, ExecutionConfig(**fields), capacity=capacity, device_type="cuda", device_total_bytes=device_total
+        )
+        assert est.terms["runtime"] == 0 and est.terms["allocator"] == 0
+        return est.terms["lm_head"]
+
+    recomputed = head(keep_lm_head_probs=False)
+    budget = total // 16
+    assert head() - recomputed == budget // chunk * chunk <= budget  # the first chunks that fit
+    assert head(keep_lm_head_probs=True) - recomputed == 65536 * v * 2  # every row, when asked
+    # a microbatch whose whole softmax fits keeps it whole
+    assert head(capacity=5000) - head(capacity=5000, keep_lm_head_probs=False) == 5000 * v * 2
+    # unknown device memory: nothing kept by default, unless a budget is given
+    assert head(device_total=None) == recomputed
+    assert head(device_total=None, lm_head_budget=budget) == head()
+    # a budget below one 4,096-row chunk of float32 logits cuts the chunk rows
+    small = head(lm_head_budget=2**30, keep_lm_head_probs=False)
+    rows = 2**30 // (v * 4)
+    assert small == recomputed - (4096 - rows) * v * 6
 
 
 _BIG = dict(

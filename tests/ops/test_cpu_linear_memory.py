@@ -117,7 +117,7 @@ def test_cpu_head_recut_chunks_match_the_reference(monkeypatch: pytest.MonkeyPat
 
 def test_cpu_head_holds_at_most_one_recut_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mapped, "CPU_CHUNK_BYTES", 16 * 97 * 4)
-    assert mapped.cpu_row_chunk(97) == 16
+    assert mapped.chunk_rows(97, 4, mapped.head_budget("cpu")) == 16
     hidden = torch.randn(300, 8, requires_grad=True)
     weight = torch.randn(97, 8, requires_grad=True)
     rows, targets = torch.arange(300), torch.randint(0, 97, (300,))
@@ -128,9 +128,11 @@ def test_cpu_head_holds_at_most_one_recut_chunk(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_cpu_row_chunk_bounds_and_index_recut() -> None:
-    assert mapped.cpu_row_chunk(157_184) == mapped.CPU_CHUNK_BYTES // (157_184 * 4)
-    assert mapped.cpu_row_chunk(64) == mapped.ROW_CHUNK  # never above row_chunk
-    assert mapped.cpu_row_chunk(10**12) == 1
+    budget = mapped.head_budget("cpu")
+    assert budget == mapped.CPU_CHUNK_BYTES
+    assert mapped.chunk_rows(157_184, 4, budget) == mapped.CPU_CHUNK_BYTES // (157_184 * 4)
+    assert mapped.chunk_rows(64, 4, budget) == mapped.ROW_CHUNK  # never above row_chunk
+    assert mapped.chunk_rows(10**12, 4, budget) == 1
     import numpy as np
 
     rows, targets = np.array([3, 1, 3, 0, 2, 2, 4]), np.array([1, 0, 2, 1, 1, 1, 0])

@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import harts.ops.logprob.mapped as mapped
 from harts.ops.logprob import mapped_logprobs, naive_mapped_logprobs
 from harts.ops.logprob.mapped import _stable_argsort, logprob_index
 
@@ -136,6 +137,11 @@ def test_half_gemms_on_cuda_within_plain_bf16_error():
     eager = run(h16, w16, lambda h, w: mapped_logprobs(h, w, rows, targets, row_chunk=256, fused=False))
     # the kept bf16 softmax instead of recomputed logits (one more rounding per d(logits) entry)
     kept = run(h16, w16, lambda h, w: mapped_logprobs(h, w, rows, targets, row_chunk=256, keep_probs=True))
+    # the default under a budget of one 256-row chunk of float32 logits: the bf16 softmax of the
+    # first two of the three chunks kept, the last one's logits recomputed
+    budget = 256 * V * 4
+    assert mapped.kept_chunks(mapped.logprob_index(rows, targets, P, V, 256).bounds, V, 2, budget) == 2
+    partial = run(h16, w16, lambda h, w: mapped_logprobs(h, w, rows, targets, row_chunk=256, budget=budget))
     plain = run(
         h16.detach().clone().requires_grad_(),
         w16.detach().clone().requires_grad_(),
@@ -144,6 +150,7 @@ def test_half_gemms_on_cuda_within_plain_bf16_error():
     err = [(a - r).abs().max().item() / r.abs().max().item() for a, r in zip(ours, ref)]
     err_eager = [(a - r).abs().max().item() / r.abs().max().item() for a, r in zip(eager, ref)]
     err_kept = [(a - r).abs().max().item() / r.abs().max().item() for a, r in zip(kept, ref)]
+    err_partial = [(a - r).abs().max().item() / r.abs().max().item() for a, r in zip(partial, ref)]
     err_plain = [(a - r).abs().max().item() / r.abs().max().item() for a, r in zip(plain, ref)]
     assert err[0] < 1e-5, err
     for name, e, ee, ep in zip(["logprobs", "d_hidden", "d_weight"], err, err_eager, err_plain):
@@ -153,8 +160,9 @@ def test_half_gemms_on_cuda_within_plain_bf16_error():
     # kept probabilities: the same forward (the same online max and sum, compiled in another
     # kernel: float32 summation order aside); gradients within plain bf16's error (2x, as above)
     assert abs(err_kept[0] - err[0]) <= 1e-6, (err_kept, err)
-    for name, ek, ep in zip(["logprobs", "d_hidden", "d_weight"], err_kept, err_plain):
+    for name, ek, epart, ep in zip(["logprobs", "d_hidden", "d_weight"], err_kept, err_partial, err_plain):
         assert ek <= 2 * ep + 1e-6, f"{name}: kept probs {ek:.2e} vs plain bf16 {ep:.2e}"
+        assert epart <= 2 * ep + 1e-6, f"{name}: partly kept probs {epart:.2e} vs plain bf16 {ep:.2e}"
 
 
 @pytest.mark.parametrize(

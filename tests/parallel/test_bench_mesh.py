@@ -92,6 +92,7 @@ def _error(capsys, monkeypatch, world: int, *argv: str) -> str:
         (2, ["--cp", "2", "--replica", "1"], "--replica times one device"),
         (2, ["--profile", "prof"], "--profile times one device"),
         (2, ["--repeats", "3"], "--repeats times one device's step"),
+        (2, ["--lora", "4"], "--lora is timed on one device"),
     ],
 )
 def test_a_layout_that_does_not_fit_is_one_line(capsys, monkeypatch, world, argv, match) -> None:

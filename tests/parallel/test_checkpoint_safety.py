@@ -252,3 +252,46 @@ def test_one_rank_s_damaged_file_stops_every_rank_together(tmp_path):
     got = spawn(2, _two_ranks_load, str(run), tmp=str(tmp_path))
     assert got["errors"][0] == got["errors"][1] and got["errors"][0].startswith(f"{rng1}: ")
     assert got["fallback"] == 1
+
+
+def _one_rank_cannot_write(run: str) -> dict:
+    """Checkpoint 1 on both ranks, then checkpoint 2 with rank 1's files capped below its RNG
+    state's size (a full disk on its side alone); every rank's error."""
+    import resource
+
+    import torch.distributed as dist
+
+    from harts.errors import OutputPathError
+
+    save(Path(run), 1)
+    cap = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if dist.get_rank() == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, cap[1]))
+    try:
+        save(Path(run), 2)
+        got = None
+    except OutputPathError as err:
+        got = str(err)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, cap)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, got)
+    return {"errors": errors}
+
+
+def test_one_rank_s_failed_write_fails_every_rank_s_save(tmp_path):
+    """Rank 1 cannot write its part of a checkpoint: every rank raises the same one line (none
+    waits at the barrier for it), what was written of that checkpoint is removed, and the previous
+    one is the newest."""
+    from tests.parallel._dist import spawn
+
+    run = tmp_path / "run"
+    got = spawn(2, _one_rank_cannot_write, str(run), tmp=str(tmp_path))
+    first, second = checkpoint_path(run, 1), checkpoint_path(run, 2)
+    assert (
+        got["errors"][0]
+        == got["errors"][1]
+        == (f"checkpoint {second}: cannot write: File too large (errno 27); the previous checkpoint {first} is whole")
+    )
+    assert latest_checkpoint(run) == first
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [first.name]

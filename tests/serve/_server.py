@@ -49,15 +49,20 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model: str, workdir: Path, *extra: str) -> Iterator[Server]:
-    """Start ``harts serve --model MODEL`` and wait for its health check; stop it afterwards."""
+def running_server(
+    model: str, workdir: Path, *extra: str, keys_file: Path | None = None, key: str | None = None
+) -> Iterator[Server]:
+    """Start ``harts serve --model MODEL`` and wait for its health check; stop it afterwards.
+    With ``keys_file`` it serves that file's tenants, and ``key`` (one of them) is the one the
+    health check and ``Server.get`` / ``post`` send."""
     port = free_port()
-    key = f"tml-test-{uuid.uuid4().hex[:12]}"
+    key = key or f"tml-test-{uuid.uuid4().hex[:12]}"
+    keys = ["--keys-file", str(keys_file)] if keys_file is not None else ["--api-key", key]
     state = workdir / "state dir"
     log = workdir / "server.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = [sys.executable, "-m", "harts.cli", "serve", "--model", model, "--port", str(port), "--api-key", key]
+    cmd = [sys.executable, "-m", "harts.cli", "serve", "--model", model, "--port", str(port), *keys]
     cmd += ["--state-dir", str(state), "--threads", "1", "--poll-seconds", "5", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)

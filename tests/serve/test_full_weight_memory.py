@@ -19,7 +19,7 @@ from harts.serve.app import build_app  # noqa: E402
 from harts.serve.config import ServeConfig  # noqa: E402
 from harts.serve.server import make_service  # noqa: E402
 
-KEY = "tml-memory"
+KEY = "tml-memory-0123456789abcdef"
 
 
 def _create(client: TestClient, lora: dict | None) -> tuple[int, str]:

@@ -24,7 +24,7 @@ from harts.serve.config import ServeConfig  # noqa: E402
 from harts.serve.server import make_service  # noqa: E402
 from tests.serve.test_serve_tiny import POSTS  # noqa: E402
 
-KEY = "tml-fuzz"
+KEY = "tml-fuzz-0123456789abcdef"
 POST_JSON = [*POSTS, "telemetry", "client/dynamic_config"]
 #: field names the routes read, so that random bodies reach past the first missing field
 FIELDS = [

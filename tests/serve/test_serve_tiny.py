@@ -328,6 +328,49 @@ def test_malformed_datums_get_4xx_naming_the_field_and_the_client_carries_on(ser
     assert tc.optim_step(ADAM).result().metrics["grad_norm"] > 0 and out.metrics["loss:sum"] > 0
 
 
+def _scaled(data: list[types.Datum], weight: float) -> list[types.Datum]:
+    """``data`` with every loss weight set to ``weight``."""
+    return [
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"],
+                "weights": [weight] * len(d.loss_fn_inputs["weights"].tolist()),
+            },
+        )
+        for d in data
+    ]
+
+
+def test_divergence_is_a_user_error_and_the_run_keeps_its_weights(service):
+    """A forward_backward whose loss overflows, an optim_step whose gradient norm does: each
+    fails with one line naming the step, the run keeps its weights (a save holds them, finite)
+    and trains on; a learning rate outside [0, 1] is a 400 naming the field."""
+    tc = new_client(service)
+    good = sft_batch()
+    tc.forward_backward(good, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    before = logprobs(tc.forward(good, "cross_entropy").result())
+    with pytest.raises(tinker.RequestFailedError) as excinfo:
+        tc.forward_backward(_scaled(good, 3e38), "cross_entropy").result()  # inf in the float32 loss sum
+    assert excinfo.value.category == types.RequestErrorCategory.User
+    assert "step 2: the loss is inf; the weights and the optimizer state are left as they were" in str(excinfo.value)
+    assert math.isfinite(tc.forward_backward(_scaled(good, 1e30), "cross_entropy").result().metrics["loss:sum"])
+    with pytest.raises(tinker.RequestFailedError, match=r"step 2: the gradient norm is (inf|nan)"):
+        tc.optim_step(ADAM).result()
+    with pytest.raises(tinker.APIStatusError) as excinfo:
+        tc.optim_step(types.AdamParams(learning_rate=1e308)).result()
+    _bad_request(excinfo, "optim_params.learning_rate: 1e+308 is outside [0, 1]")
+    after = logprobs(tc.forward(good, "cross_entropy").result())
+    assert all(np.array_equal(a, b) for a, b in zip(after, before))
+    saved = tc.save_state("after-divergence").result()
+    reloaded = service.create_training_client_from_state(saved.path).result()
+    again = logprobs(reloaded.forward(good, "cross_entropy").result())
+    assert all(np.isfinite(a).all() and np.array_equal(a, b) for a, b in zip(again, before))
+    tc.forward_backward(good, "cross_entropy").result()
+    assert tc.optim_step(ADAM).result().metrics["step"] == 2.0
+
+
 def test_malformed_requests_get_4xx_and_the_server_stays_up(service, server):
     with pytest.raises(tinker.APIStatusError) as excinfo:
         service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=RANK).result()

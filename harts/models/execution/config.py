@@ -95,11 +95,17 @@ class ExecutionConfig:
     #: whose target is an action token, ``RolloutBatch.action_logprob_entries``: what an RL
     #: loss reads; the other log-prob entries are NaN). Both modes honour it.
     logprob_positions: str = "all"
-    #: the LM head's backward: True keeps each logits chunk's softmax from the forward (one GEMM
+    #: the LM head's backward: True keeps every logits chunk's softmax from the forward (one GEMM
     #: fewer per chunk; rows x V half-precision entries of memory until the backward), False
-    #: recomputes the logits, None: keep on CUDA with half precision when they take at most a
-    #: quarter of the device's memory (``harts.ops.logprob.mapped_logprobs``'s ``keep_probs``)
+    #: recomputes the logits, None: on CUDA with half precision the first chunks whose softmax
+    #: fits in ``lm_head_budget`` are kept, the others recomputed (``harts.ops.logprob.
+    #: mapped_logprobs``' ``keep_probs``)
     keep_lm_head_probs: bool | None = None
+    #: the chunked LM head's memory budget in bytes: one chunk's logits fit in it, and under
+    #: ``keep_lm_head_probs=None`` so does the kept softmax; the head then never holds a
+    #: whole-vocabulary softmax for all rows. None: ``harts.ops.logprob.mapped.head_budget`` (256
+    #: MiB on the CPU, a sixteenth of the device's total memory on CUDA)
+    lm_head_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -130,6 +136,10 @@ class ExecutionConfig:
                 f"moe_keep_gate_up={self.moe_keep_gate_up} needs recompute=True with 'moe' in recompute_skip "
                 "(only the lean routed experts of a kept MoE block recompute their gate/up output)"
             )
+        if self.lm_head_budget is not None and (
+            isinstance(self.lm_head_budget, bool) or not isinstance(self.lm_head_budget, int) or self.lm_head_budget < 1
+        ):
+            raise UserError(f"lm_head_budget must be a positive number of bytes or None, got {self.lm_head_budget!r}")
         if self.logprob_positions not in LOGPROB_POSITIONS:
             raise UserError(f"logprob_positions must be 'all' or 'actions', got {self.logprob_positions!r}")
 

@@ -29,7 +29,7 @@ So a round runs as one packed call whatever it exports, with no split and no sec
   (device, dtype, heads, dims) against the KDA kernels on a packed problem of 8.6 k rows, forward and
   every gradient; where it differs, GDN runs through the KDA kernels. It is a switch, not the
   default, until a GPU run has timed it against the KDA kernels on the Qwen presets
-  (``scripts/gpu_bench_runs.sh gdn_ab``).
+  (``benchmarks/step/gpu_runs.py``: ``q35_L8_gdn_kda``, ``q35_L8_gdn_native``).
 * Requests must be chunk-aligned (count % B == 0), or a sequence's full length, or 0: what
   replay plans produce. A non-aligned request (the ``no_replay`` ablation) is served by the
   split path (``fla_chunk_linear_attn``) instead.

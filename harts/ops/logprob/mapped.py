@@ -6,9 +6,9 @@ Several positions may read the same compact row with different targets (a fork).
 computes logits only for the unique rows, chunk by chunk, takes logsumexp once per unique row and
 gathers each position's target logit from its row's chunk. The backward recomputes each chunk's
 logits and forms d(logits) = onehot-scatter(grad) - (sum of the row's position grads) * softmax,
-then accumulates d(hidden) and d(weight). Peak extra memory is a few row_chunk x V buffers; no
-n x V (or S x V) tensor is ever allocated (Eq. 19-20: backward sums every position's gradient
-into its compact row).
+then accumulates d(hidden) and d(weight). A chunk's rows are chosen to fit a memory budget
+(below); no n x V (or S x V) tensor is ever allocated (Eq. 19-20: backward sums every position's
+gradient into its compact row).
 
 Precision: log-softmax, logsumexp and the gradient accumulators are float32 (or float64 for
 float64 inputs). With bf16/fp16 inputs on CUDA the two big GEMMs per chunk stay in the input dtype
@@ -29,26 +29,40 @@ position's target adds to are then set to their float32 totals, rounded once, as
 does. ``fused=False`` keeps the eager passes (the reference the GPU test compares against).
 
 Kept probabilities (``keep_probs``): the backward above recomputes every chunk's logits, one of
-the LM head's four [rows x V x D] GEMMs (a quarter of its GEMM time at V = 157 k). With
-``keep_probs`` the forward writes each chunk's softmax in the GEMM dtype (bf16 for half inputs on
-CUDA) beside its logsumexp and keeps it for the backward, which then needs no logits at all:
-d(logits) = -grad_row * p, the target entries set to their float32 totals from the kept target
-logits as above. This is how Megatron's cross entropy keeps its softmax; the cost is U x V kept
-entries from forward to backward (20.6 GB at 65,536 rows x 157,184 in bf16). Precision: the kept
-bf16 p is rounded once more before the product (relative error <= 2^-8 per d(logits) entry instead
-of 2^-9; the GEMMs read d(logits) in bf16 either way); in float32 / float64 nothing changes beyond
-rounding. ``keep_probs=None`` keeps them on CUDA with half inputs when they take at most
-``KEEP_PROBS_MEMORY_FRACTION`` of the device's memory.
+the LM head's four [rows x V x D] GEMMs (a quarter of its GEMM time at V = 157 k). A kept chunk's
+forward writes its softmax in the GEMM dtype (bf16 for half inputs on CUDA) beside its logsumexp
+and keeps it for the backward, which then needs no logits at all: d(logits) = -grad_row * p, the
+target entries set to their float32 totals from the kept target logits as above. This is how
+Megatron's cross entropy keeps its softmax, for every row: U x V kept entries from forward to
+backward (32.5 GB at 65,536 rows x 248,320 in bf16). Here it is chunk by chunk: the first chunks
+are kept while their softmax fits the budget (below), the others recompute their logits.
+Precision: the kept bf16 p is rounded once more before the product (relative error <= 2^-8 per
+d(logits) entry instead of 2^-9; the GEMMs read d(logits) in bf16 either way); in float32 /
+float64 nothing changes beyond rounding.
+
+Memory budget (``budget``, bytes; ``head_budget``): one chunk's logits in the compute dtype take
+at most the budget (``chunk_rows``: R = min(``row_chunk``, budget // (V x itemsize)) unique rows,
+at least one), and by default (``keep_probs=None``, CUDA with half inputs) the kept softmax takes
+at most the budget too (``kept_chunks``). So the head's [rows, V] tensors never take more than
+about 2.5 budgets on CUDA in half precision (the kept softmax, one chunk's float32 logits and its
+bf16 gradient) or 3 elsewhere (the eager passes' exp of a chunk), however many rows it serves;
+beside them it holds O(P x D + V x D): the float32 d(hidden) and d(weight) accumulators. Peak
+memory is O(R x V + P x D), not O(U x V). Where U x V is small the whole softmax fits and every
+chunk is kept (the fastest head); where it is large only the first chunks are, and the head
+never holds a whole-vocabulary softmax for all rows. ``keep_probs=True`` keeps every chunk
+whatever it takes (all U x V: an explicit choice), False none. The default budget is
+``CPU_CHUNK_BYTES`` on the CPU (426 rows at V = 157,184 in float32: a 4,096-row chunk, 2.6 GB,
+and its logsumexp temporary dominated a small model's whole step) and ``HEAD_MEMORY_FRACTION``
+of the device's total memory on CUDA: 4.9 GiB on an 80 GB H100, which holds 4,096-row chunks of
+float32 logits up to V = 324 k and at V = 248,320 keeps the softmax of two of them, a fixed
+share beside the model's own state whatever the rows. Of the total memory, not of what is free
+now, so that the choice, and so the rounding, does not depend on what else happens to be
+allocated. The index's chunk bounds are recut for R (``LogprobIndex.with_row_chunk``, O(U + n)
+on the host); the result is the same up to the order of the weight-gradient sums.
 
 Weight gradient: each chunk's d(weight) GEMM adds into the float32 accumulator in place (cuBLAS
 with beta = 1, ``torch.addmm(..., out_dtype=float32, out=acc)``) instead of writing a [V, D]
 float32 product and adding it in a second pass (about 1 ms per chunk at V = 157 k, D = 1,536).
-
-CPU chunks: on the CPU a chunk holds at most ``CPU_CHUNK_BYTES`` of logits (``cpu_row_chunk``:
-426 rows at V = 157,184 in float32, against the default 4,096, whose 2.6 GB chunk and its
-logsumexp temporary would dominate a small model's whole step). The index's chunk bounds are
-recut for it (``LogprobIndex.with_row_chunk``, O(U + n) on the host); the result is the same
-up to the order of the weight-gradient sums.
 
 Shapes: P hidden rows, D model dim, V vocabulary, n positions, U unique rows among rows_n.
 """
@@ -67,27 +81,45 @@ from harts.ops.upload import upload
 
 __all__ = [
     "CPU_CHUNK_BYTES",
-    "KEEP_PROBS_MEMORY_FRACTION",
+    "HEAD_MEMORY_FRACTION",
     "ROW_CHUNK",
     "LogprobIndex",
-    "cpu_row_chunk",
+    "chunk_rows",
+    "head_budget",
+    "kept_chunks",
     "logprob_index",
     "mapped_logprobs",
 ]
 
-#: ``keep_probs=None`` keeps the softmax when it takes at most this fraction of the device memory
-KEEP_PROBS_MEMORY_FRACTION = 0.25
-#: unique rows per logits chunk by default (``mapped_logprobs``' ``row_chunk``)
+#: unique rows per logits chunk at most (``mapped_logprobs``' ``row_chunk``): the budget may cut it
 ROW_CHUNK = 4096
-#: on the CPU, the most bytes one chunk of logits may take (``cpu_row_chunk``)
+#: the LM head's memory budget on the CPU (``head_budget``)
 CPU_CHUNK_BYTES = 256 * 2**20
+#: the LM head's memory budget on CUDA, as a fraction of the device's total memory (``head_budget``)
+HEAD_MEMORY_FRACTION = 1 / 16
 
 
-def cpu_row_chunk(vocab_size: int, itemsize: int = 4, row_chunk: int = ROW_CHUNK) -> int:
-    """Unique rows per logits chunk on the CPU: ``row_chunk``, cut so that one [rows, V] chunk of
+def head_budget(device_type: str, total_bytes: int | None = None) -> int | None:
+    """The LM head's default memory budget in bytes (module docstring): ``CPU_CHUNK_BYTES`` on
+    the CPU, ``HEAD_MEMORY_FRACTION`` of ``total_bytes`` (the device's total memory) elsewhere;
+    None where that total is unknown."""
+    if device_type == "cpu":
+        return CPU_CHUNK_BYTES
+    return None if total_bytes is None else int(HEAD_MEMORY_FRACTION * total_bytes)
+
+
+def chunk_rows(vocab_size: int, itemsize: int, budget: int, row_chunk: int = ROW_CHUNK) -> int:
+    """Unique rows per logits chunk: ``row_chunk``, cut so that one [rows, V] chunk of
     ``itemsize``-byte logits (the compute dtype: 4 for float32 and half inputs, 8 for float64)
-    takes at most ``CPU_CHUNK_BYTES`` (at least one row)."""
-    return max(1, min(row_chunk, CPU_CHUNK_BYTES // (vocab_size * itemsize)))
+    takes at most ``budget`` bytes (at least one row)."""
+    return max(1, min(row_chunk, budget // (vocab_size * itemsize)))
+
+
+def kept_chunks(bounds: list[int], vocab_size: int, itemsize: int, budget: int) -> int:
+    """How many chunks, the first ones of ``bounds`` (unique-row bounds, [C + 1]), keep their
+    softmax of ``itemsize``-byte entries within ``budget`` bytes altogether."""
+    rows = budget // (vocab_size * itemsize)
+    return int(np.searchsorted(np.asarray(bounds[1:]), rows, side="right"))
 
 
 def mapped_logprobs(
@@ -97,6 +129,7 @@ def mapped_logprobs(
     targets_n: torch.Tensor,
     *,
     row_chunk: int = ROW_CHUNK,
+    budget: int | None = None,
     fused: bool | None = None,
     keep_probs: bool | None = None,
     index: LogprobIndex | None = None,
@@ -109,18 +142,20 @@ def mapped_logprobs(
         rows_n: int [n] hidden row of each position (rows may repeat); on the host (CPU), the
             index plan costs no device synchronization (a device tensor is copied back once).
         targets_n: int [n] target token of each position (host or device, as rows_n).
-        row_chunk: unique rows per logits chunk (bounds memory at row_chunk x V: 2.6 GB of float32
-            logits at 4,096 x 157,184; larger chunks make fewer [V, D] weight-gradient updates,
-            ``python -m harts.bench.lm_head_bench --row-chunk N`` times the choice). On the CPU
-            at most ``cpu_row_chunk(V)`` (module docstring).
+        row_chunk: unique rows per logits chunk at most (larger chunks make fewer [V, D]
+            weight-gradient updates; ``python -m benchmarks.ops.lm_head --row-chunk N`` times
+            the choice); the budget may cut it (``chunk_rows``).
+        budget: the head's memory budget in bytes (module docstring): one chunk's logits, and by
+            default the kept softmax, each fit in it; None: ``head_budget`` of the device (on a
+            device of unknown memory: chunks of ``row_chunk`` rows, nothing kept by default).
         fused: the fused element-wise passes around the GEMMs; None: on CUDA with half inputs
             (where the GEMMs run in the half dtype), False: eager passes. They are compiled on
             CUDA only; elsewhere ``fused=True`` runs the same arithmetic eagerly (how the CPU
             tests check the target-entry bookkeeping).
-        keep_probs: keep each chunk's softmax [rows, V] from the forward for the backward
-            instead of recomputing its logits (module docstring: one GEMM fewer per chunk, U x V
-            entries of memory); None: on CUDA with half inputs when U x V entries fit in
-            ``KEEP_PROBS_MEMORY_FRACTION`` of the device memory, else False.
+        keep_probs: keep chunks' softmax [rows, V] from the forward for the backward instead of
+            recomputing their logits (module docstring: one GEMM fewer per kept chunk, its rows x
+            V entries of memory): True every chunk, False none; None: on CUDA with half inputs
+            the first chunks whose softmax fits in the budget (``kept_chunks``), else none.
         index: ``logprob_index(rows_n, targets_n, P, V, row_chunk)`` made ahead (the host
             bookkeeping); None: made here. Checked against P, V, row_chunk and n, not entry by
             entry: it must come from these rows and targets.
@@ -138,6 +173,8 @@ def mapped_logprobs(
         )
     if row_chunk < 1:
         raise ValueError(f"row_chunk must be positive; got {row_chunk}")
+    if budget is not None and budget < 1:
+        raise ValueError(f"budget must be a positive number of bytes; got {budget}")
     # the index plan (unique rows, their positions, chunk bounds) is made where rows_n lives:
     # host tensors (what HybridLM passes) cost the device no synchronization at all
     targets_h = targets_n.detach().cpu()
@@ -148,27 +185,30 @@ def mapped_logprobs(
             f"index was made for P={index.P}, V={index.V}, row_chunk={index.row_chunk}, n={index.num_positions}; "
             f"these are P={P}, V={V}, row_chunk={row_chunk}, n={rows_n.numel()}"
         )
-    if hidden_PD.device.type == "cpu":
-        itemsize = 8 if hidden_PD.dtype == torch.float64 else 4
-        index = index.with_row_chunk(cpu_row_chunk(V, itemsize, row_chunk))
+    device = hidden_PD.device
+    if budget is None:
+        budget = head_budget(device.type, _device_total(device))
     half = _half_gemms(hidden_PD)
-    plan = _IndexPlan(index, hidden_PD.device)
-    targets = targets_h.to(hidden_PD.device, non_blocking=True)
+    if budget is not None:
+        itemsize = 8 if hidden_PD.dtype == torch.float64 else 4
+        index = index.with_row_chunk(chunk_rows(V, itemsize, budget, row_chunk))
+    chunks = len(index.bounds) - 1
     if keep_probs is None:
-        keep_probs = half and _probs_fit(plan.num_unique * V * hidden_PD.element_size(), hidden_PD.device)
+        keep = kept_chunks(index.bounds, V, hidden_PD.element_size(), budget) if half and budget is not None else 0
+    else:
+        keep = chunks if keep_probs else 0
     # nothing to keep them for without a backward
-    keep_probs = keep_probs and torch.is_grad_enabled() and (hidden_PD.requires_grad or lm_head_weight_VD.requires_grad)
-    return _MappedLogprobs.apply(
-        hidden_PD, lm_head_weight_VD, targets, plan, half if fused is None else fused, keep_probs
-    )
+    if not (torch.is_grad_enabled() and (hidden_PD.requires_grad or lm_head_weight_VD.requires_grad)):
+        keep = 0
+    plan = _IndexPlan(index, device)
+    targets = targets_h.to(device, non_blocking=True)
+    return _MappedLogprobs.apply(hidden_PD, lm_head_weight_VD, targets, plan, half if fused is None else fused, keep)
 
 
-def _probs_fit(nbytes: int, device: torch.device) -> bool:
-    """Whether ``nbytes`` of kept probabilities stay within ``KEEP_PROBS_MEMORY_FRACTION`` of the
-    device's total memory (a property of the device, not of what is free now: the choice, and so
-    the rounding, does not depend on what else happens to be allocated)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    return nbytes <= KEEP_PROBS_MEMORY_FRACTION * total
+def _device_total(device: torch.device) -> int | None:
+    """The total memory of a CUDA ``device`` (a property of the device, read once by torch and
+    kept: no synchronization); None elsewhere."""
+    return int(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
 
 
 @dataclass(frozen=True)
@@ -335,24 +375,27 @@ def _mm(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 
 
 class _MappedLogprobs(torch.autograd.Function):
+    """The head over ``plan``'s chunks; the first ``keep`` chunks keep their softmax."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, targets, plan: _IndexPlan, fused: bool, keep: bool):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, plan: _IndexPlan, fused: bool, keep: int):  # type: ignore[override]
         cdt = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
         uniq, inv, order, bounds, pos_bounds = plan.uniq, plan.inv, plan.order, plan.bounds, plan.pos_bounds
         half = _half_gemms(hidden)
         w = weight if half else weight.to(cdt)
         lse = hidden.new_empty(plan.num_unique, dtype=cdt)
         target_logit = hidden.new_empty(targets.numel(), dtype=cdt)
-        # kept: each chunk's softmax in the GEMM dtype and each (row, target) pair's logit
+        # kept: each kept chunk's softmax in the GEMM dtype and its (row, target) pairs' logits
         probs: list[torch.Tensor] = []
-        pair_logit = hidden.new_empty(plan.num_pairs if keep else 0, dtype=cdt)
+        pair_logit = hidden.new_empty(plan.pair_bounds[keep], dtype=cdt)
         for c in range(len(bounds) - 1):
             lo, hi = bounds[c], bounds[c + 1]
             if hi == lo:
-                probs.append(hidden.new_empty(0))
+                if c < keep:
+                    probs.append(hidden.new_empty(0))
                 continue
             logits = _mm(hidden[uniq[lo:hi]], w.T, cdt)  # [c, V]
-            if keep:
+            if c < keep:
                 lse[lo:hi], p = (_fused_lse_softmax if fused else _fused_lse_softmax.eager)(
                     logits, hidden.dtype if half else cdt
                 )
@@ -379,9 +422,9 @@ class _MappedLogprobs(torch.autograd.Function):
         w = weight if half else weight.to(cdt)
         # each unique row's softmax term is weighted by the sum of its positions' gradients
         grad_row = grad_n.new_zeros(plan.num_unique).index_add_(0, inv, grad_n)
-        kept = ctx.keep
-        by_pair = ctx.fused or kept
-        grad_pair = grad_n.new_zeros(plan.num_pairs).index_add_(0, plan.pair_inv, grad_n) if by_pair else None
+        grad_pair = (
+            grad_n.new_zeros(plan.num_pairs).index_add_(0, plan.pair_inv, grad_n) if ctx.fused or ctx.keep else None
+        )
         d_hidden = torch.zeros_like(hidden, dtype=cdt) if ctx.needs_input_grad[0] else None
         d_weight = torch.zeros_like(weight, dtype=cdt) if ctx.needs_input_grad[1] else None
         for c in range(len(plan.bounds) - 1):
@@ -389,6 +432,8 @@ class _MappedLogprobs(torch.autograd.Function):
             if hi == lo:
                 continue
             h = hidden[uniq[lo:hi]]
+            kept = c < ctx.keep
+            by_pair = ctx.fused or kept
             if by_pair:
                 p_lo, p_hi = plan.pair_bounds[c], plan.pair_bounds[c + 1]
                 pr, pt = plan.pair_row[p_lo:p_hi], plan.pair_target[p_lo:p_hi]
@@ -413,6 +458,7 @@ class _MappedLogprobs(torch.autograd.Function):
             if by_pair:
                 # each target entry gets its float32 total (softmax term + its positions'
                 # gradients), rounded once
+                assert grad_pair is not None
                 total = grad_pair[p_lo:p_hi] - grad_row[pr] * (pair_logit - lse[pr]).exp()
                 d_logits[pr - lo, pt] = total.to(d_logits.dtype)
             if d_hidden is not None:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harts.experiments.counts import microbatch_counts
 from harts.models.execution.config import ExecutionConfig
 from harts.models.flops import FlopModel
 from harts.models.hybrid_lm import HybridLM
@@ -47,7 +48,6 @@ from harts.parallel.tensor_parallel import check_tensor_parallel
 from harts.plan.baselines.trajectory_plan import plan_trajectory_step
 from harts.plan.step import StepPlan, plan_step
 from harts.trainer.step import TrainConfig, train_step
-from harts.trainer.step_bench import microbatch_counts
 from harts.tree.batch import RolloutBatch
 
 __all__ = [

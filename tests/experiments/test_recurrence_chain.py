@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import harts
-from harts.trainer.step_bench import BenchSide, StepBench, bench_step, recurrence_chunk_steps
+from harts.experiments.bench_result import BenchSide, StepBench
+from harts.experiments.counts import recurrence_chunk_steps
+from harts.experiments.step_bench import bench_step
 from harts.tree.batch import RolloutBatch
 from harts.tree.workloads import generate
 

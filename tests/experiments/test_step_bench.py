@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import harts
-from harts.trainer.step_bench import bench_step
+from harts.experiments.step_bench import bench_step
 from harts.tree.workloads import generate
 
 
@@ -34,7 +34,7 @@ def test_bench_step_counts():
 
 
 def test_microbatch_fit_recovers_fixed_and_per_row_cost() -> None:
-    from harts.trainer.step_bench import BenchSide
+    from harts.experiments.bench_result import BenchSide
 
     side = BenchSide(
         microbatches=4, rows=0, calls=0, replay_rows=0, plan_seconds=0, train_seconds=1, peak_memory_gb=None
@@ -101,7 +101,7 @@ def test_bench_reports_compilations_inside_the_timed_step(tmp_path, capsys, monk
     import itertools
     import json
 
-    import harts.trainer.step_bench as SB
+    import harts.experiments.probes as SB
     from harts.cli import main
 
     out = tmp_path / "b.json"
@@ -112,7 +112,7 @@ def test_bench_reports_compilations_inside_the_timed_step(tmp_path, capsys, monk
     assert steps["baseline"]["compiles_in_timed_step"] == steps["harts"]["compiles_in_timed_step"] == 0
     # every read of the counter finds one more graph: one compilation inside each timed step
     counter = itertools.count()
-    monkeypatch.setattr(SB, "_compiled_graphs", lambda: next(counter))
+    monkeypatch.setattr(SB, "compiled_graphs", lambda: next(counter))
     assert main([*argv, "--json", str(out), "--overwrite"]) == 0
     text = capsys.readouterr().out
     assert "built 1 graph(s) inside baseline's timed step" in text and "inside harts's timed step" in text
@@ -122,7 +122,7 @@ def test_bench_reports_compilations_inside_the_timed_step(tmp_path, capsys, monk
     assert "caching allocator" not in text
     # the allocator's synchronizing events are counted per run the same way, and named in a note
     syncs = itertools.count()
-    monkeypatch.setattr(SB, "_allocator_syncs", lambda device: next(syncs))
+    monkeypatch.setattr(SB, "allocator_syncs", lambda device: next(syncs))
     assert main([*argv, "--json", str(out), "--overwrite"]) == 0
     text = capsys.readouterr().out
     for run in ("baseline's timed step", "harts' timed step", "harts' Core run"):
@@ -325,7 +325,7 @@ def test_device_time_by_region_attributes_each_kernel_to_its_launching_range() -
 
 def test_ideal_takes_each_component_at_the_baseline_s_cost_per_unit() -> None:
     """Rows for LA / MoE / other, LM-head rows for the head, pairs for attention."""
-    from harts.trainer.step_bench import BenchSide, StepBench
+    from harts.experiments.bench_result import BenchSide, StepBench
 
     def side(rows, logit_rows, pairs, raw, times):  # noqa: ANN001, ANN202
         names = ("linear_attention", "attention", "moe", "lm_head", "other")
@@ -365,7 +365,7 @@ def test_ideal_takes_each_component_at_the_baseline_s_cost_per_unit() -> None:
 
 
 def test_warmup_covers_the_first_the_smallest_and_both_divisibility_classes() -> None:
-    from harts.trainer.step_bench import warmup_microbatches
+    from harts.experiments.counts import warmup_microbatches
 
     # executed rows 101 (not a multiple of 16), ..., 160 (a multiple): index 3 joins
     assert warmup_microbatches([101, 99, 90, 160, 32], [100, 98, 80, 150, 30]) == [0, 4, 3]
@@ -471,12 +471,12 @@ def test_bench_cli_reports_the_core_run_and_can_skip_it(tmp_path, capsys, monkey
 def test_compilations_inside_the_core_run_are_counted_and_reported(monkeypatch, capsys) -> None:
     import itertools
 
-    import harts.trainer.step_bench as step_bench
+    import harts.experiments.probes as probes
     from harts.cli import main
 
     ticks = itertools.count()
     # every read of Dynamo's counter sees one more graph: each counted run built one
-    monkeypatch.setattr(step_bench, "_compiled_graphs", lambda: next(ticks))
+    monkeypatch.setattr(probes, "compiled_graphs", lambda: next(ticks))
     argv = ["bench", "--workload", "tiny", "--model", "tiny", "--pattern", "KM", "--steps", "1", "--no-warmup"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -492,16 +492,16 @@ def test_triton_variants_are_counted_through_the_jit_hook(monkeypatch) -> None:
 
     from triton import knobs
 
-    import harts.trainer.step_bench as sb
+    import harts.experiments.probes as sb
 
     seen = []
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw["fn"].name))
     monkeypatch.setattr(sb, "TRITON_VARIANTS", [])
-    monkeypatch.setattr(sb, "_TRITON_HOOKED", [False])
-    before = sb._triton_variants()
+    monkeypatch.setattr(sb, "TRITON_HOOKED", [False])
+    before = sb.triton_variants()
     for name in ("_tree_scan_fwd_kernel", "_tree_scan_bwd_kernel", "_tree_scan_fwd_kernel"):
         knobs.runtime.jit_post_compile_hook(key=None, fn=SimpleNamespace(name=name))
-    assert sb._triton_variants() - before == 3 == len(seen)
+    assert sb.triton_variants() - before == 3 == len(seen)
     assert sb.TRITON_VARIANTS[before:] == ["_tree_scan_fwd_kernel", "_tree_scan_bwd_kernel", "_tree_scan_fwd_kernel"]
     from harts.commands.bench import _variant_words
 

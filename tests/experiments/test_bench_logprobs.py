@@ -11,8 +11,9 @@ import torch
 
 import harts
 import harts.ops.logprob as logprob_ops
+from harts.experiments.counts import microbatch_counts
+from harts.experiments.step_bench import bench_step
 from harts.models.execution.config import ExecutionConfig
-from harts.trainer.step_bench import bench_step, microbatch_counts
 from harts.tree.workloads import generate
 
 
