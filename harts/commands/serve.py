@@ -156,6 +156,13 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds an idle keep-alive connection stays open",
     )
     p.add_argument(
+        "--session-timeout",
+        type=positive_float,
+        default=120.0,
+        help="seconds a session may go without a request or heartbeat (the tinker SDK sends one every 10 s while "
+        "its client lives) before it is finished: its runs released, its queued work dropped (at least 30)",
+    )
+    p.add_argument(
         "--max-connections",
         type=positive_int,
         default=512,
@@ -224,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections,
+        session_timeout=args.session_timeout,
         max_snapshots=args.max_snapshots,
         poll_seconds=args.poll_seconds,
         threads=args.threads,

@@ -65,6 +65,9 @@ class ServeConfig:
     keep_alive_timeout: int = 5
     #: connections (and requests in progress) at once; past it new requests are answered 503
     max_connections: int = 512
+    #: seconds a session may go without a request or heartbeat before it is finished and its
+    #: runs released (the tinker SDK heartbeats every 10 s while its client lives)
+    session_timeout: float = 120.0
     #: in-memory weight snapshots for sampling clients, across all runs (oldest dropped first)
     max_snapshots: int = 32
     #: how long one ``retrieve_future`` waits for its result before answering "try again"
@@ -91,6 +94,10 @@ class ServeConfig:
         for name in ("header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise UserError(f"--{name.replace('_', '-')}: {getattr(self, name)}; must be > 0 seconds")
+        if not self.session_timeout >= 30:  # NaN too
+            raise UserError(
+                f"--session-timeout: {self.session_timeout}; at least 30 seconds (the tinker SDK heartbeats every 10 s)"
+            )
         self.state_dir = Path(self.state_dir)
         if self.state_dir.exists() and not self.state_dir.is_dir():
             raise UserError(f"--state-dir: {self.state_dir} exists and is not a directory")

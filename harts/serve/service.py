@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -98,6 +99,8 @@ class _Session:
     finished: bool = False
     model_ids: list[str] = field(default_factory=list)
     sampler_ids: list[str] = field(default_factory=list)
+    #: ``time.monotonic()`` of its last request or heartbeat (``Service.expire_idle_sessions``)
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +148,9 @@ class Service:
         self._seeds = np.random.default_rng(config.seed)
         #: deletes of checkpoints one at a time (two of one checkpoint at once: one 404, not a race)
         self._deleting = threading.Lock()
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="harts-serve-sessions", daemon=True)
+        self._reaper.start()
 
     # ------------------------------------------------------------------ client configuration
     def client_config(self) -> dict[str, Any]:
@@ -203,6 +209,7 @@ class Service:
         s = self._own_session(tenant, session_id, field)
         if s.finished:
             raise WireError(f"{field}: session {session_id} is finished", 410)
+        s.last_seen = time.monotonic()
         return s
 
     def heartbeat(self, tenant: str, body: bytes) -> dict[str, Any]:
@@ -212,8 +219,14 @@ class Service:
 
     def finish_session(self, tenant: str, session_id: str) -> dict[str, Any]:
         """End a session: its runs and sampling clients are released (checkpoints stay)."""
-        s = self._own_session(tenant, session_id)
+        self._finish(self._own_session(tenant, session_id), "finished")
+        return {}
+
+    def _finish(self, s: _Session, why: str) -> None:
+        """Mark ``s`` finished and release its runs, sampling clients and queued work."""
         with self._lock:
+            if s.finished:
+                return
             s.finished = True
             runs = [self._runs.pop(m) for m in s.model_ids if m in self._runs]
             for sid in s.sampler_ids:
@@ -222,9 +235,30 @@ class Service:
             self.worker.forget(run.model_id)
             self.snapshots.drop_run(run.model_id)
         # nobody retrieves the rest of its requests: its queued samples are dropped unrun
-        self.worker.drop_owner(session_id, f"session {session_id} finished")
-        log.info("session %s finished; released %d training runs", session_id, len(runs))
-        return {}
+        self.worker.drop_owner(s.session_id, f"session {s.session_id} {why}")
+        log.info("session %s %s; released %d training runs", s.session_id, why, len(runs))
+
+    def expire_idle_sessions(self, now: float | None = None) -> list[str]:
+        """Finish every session that sent no request and no heartbeat for ``--session-timeout``
+        seconds (the SDK heartbeats every 10 s while its client lives): a client that crashed or
+        lost its network never calls ``close()``, and its runs would hold their memory and their
+        ``--max-models`` slots, and its queued samples the worker, until a restart. Returns the
+        ids finished. ``now``: ``time.monotonic()``'s reading to judge by."""
+        now = time.monotonic() if now is None else now
+        limit = self.config.session_timeout
+        with self._lock:
+            idle = [s for s in self._sessions.values() if not s.finished and now - s.last_seen > limit]
+        for s in idle:
+            self._finish(s, f"expired ({limit:g} s without a request or heartbeat)")
+        return [s.session_id for s in idle]
+
+    def _reap(self) -> None:
+        """The sessions' reaper thread: ``expire_idle_sessions`` a few times per timeout."""
+        while not self._closed.wait(max(1.0, self.config.session_timeout / 4)):
+            try:
+                self.expire_idle_sessions()
+            except Exception:  # a bug of ours: logged, and the server keeps serving
+                log.exception("expiring idle sessions failed")
 
     def get_session(self, tenant: str, session_id: str) -> dict[str, Any]:
         s = self._own_session(tenant, session_id)
@@ -310,7 +344,7 @@ class Service:
             if len(self._runs) >= self.config.max_models:
                 raise WireError(
                     f"model_seq_id: the server holds {len(self._runs)} training runs (--max-models "
-                    f"{self.config.max_models}); close() a ServiceClient to release its runs, or restart with more"
+                    f"{self.config.max_models}); close() a ServiceClient to release its runs (a silent session releases them after --session-timeout), or restart with more"
                 )
             run = TrainingRun(
                 model_id, session.session_id, base_model, lora, now(), user_metadata, tenant=session.tenant
@@ -844,7 +878,8 @@ class Service:
         ).model_dump(mode="json", exclude_none=True)
 
     def close(self) -> None:
-        """Stop the worker after the running job (queued work is dropped)."""
+        """Stop the worker after the running job (queued work is dropped), and the reaper."""
+        self._closed.set()
         self.worker.stop()
 
 
