@@ -72,8 +72,11 @@ class _Guard:
 
 
 async def _send(send: Send, status: int, body: dict[str, Any]) -> None:
+    """Answer ``status`` with the JSON ``body``, closing the connection after a status of ``_CLOSING``."""
     data = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    if status in _CLOSING:  # uvicorn closes it then, instead of reading a body nobody wants
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 

@@ -239,3 +239,21 @@ def test_half_sent_requests_are_closed_and_the_server_keeps_answering(server):
     for s in silent + half_head + half_body:
         s.close()
     assert server.get("healthz").status_code == 200
+
+
+def test_a_body_declared_too_large_is_refused_and_its_connection_closed(server):
+    """A Content-Length past --max-request-mb is a 413 before the body is read, and the server
+    closes the connection rather than read (and drop) a body nobody wants."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        head = (
+            f"POST /api/v1/asample HTTP/1.1\r\nHost: x\r\nX-API-Key: {server.api_key}\r\n"
+            f"Content-Length: {1 << 40}\r\n\r\n"
+        )
+        s.sendall(head.encode() + b"{")
+        s.settimeout(30)
+        answer = b""
+        while chunk := s.recv(4096):  # ends: the server closed the connection
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower(), answer
+    assert server.get("healthz").status_code == 200
