@@ -282,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--list", action="store_true", help="print the table")
     p.add_argument("--bench-flags", default="", help="appended to every harts bench row, e.g. '--repeats 3'")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # its value starts with "--", which argparse would take for an option: glue it on
+    for i, a in enumerate(argv[:-1]):
+        if a == "--bench-flags":
+            argv[i : i + 2] = [f"--bench-flags={argv[i + 1]}"]
+            break
     args = p.parse_args(argv)
     if args.list:
         for r in RUNS:

@@ -97,6 +97,15 @@ def test_dry_run_prints_every_command_and_runs_nothing(tmp_path: pathlib.Path, c
     assert "python3 -m benchmarks.step.long_batches --out /tmp/harts_batches && " in lines[-1]
 
 
+def test_bench_flags_take_a_value_that_starts_with_dashes(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``--bench-flags "--no-core-run --force"`` (a value argparse alone takes for an option)."""
+    for given in (["--bench-flags", "--no-core-run --force"], ["--bench-flags=--no-core-run --force"]):
+        assert main(["cpu_smoke", "--dry-run", "--out", str(tmp_path), *given]) == 0
+        assert capsys.readouterr().out.rstrip().endswith("--no-core-run --force")
+
+
 def test_unknown_names_are_refused_before_anything_runs(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
     assert main(["medium", "nope", "--out", str(out)]) == 2
