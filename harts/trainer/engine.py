@@ -119,7 +119,16 @@ class OptimStepOutput:
 
 
 def _per_target(values: Any, n: int, j: int, name: str) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float64) if not isinstance(values, np.ndarray) else values.astype(np.float64)
+    """``values`` as float64, one per predicted token of trajectory ``j``; a one-line
+    ``UserError`` naming ``name`` for anything else (numpy would read ``"1.5"`` as a number)."""
+    what = f"trajectory {j}: {name} must be a list of numbers, one per predicted token"
+    try:
+        raw = values if isinstance(values, np.ndarray) else np.asarray(values)
+    except (ValueError, TypeError):  # ragged nesting
+        raise UserError(f"{what}, got a ragged {type(values).__name__}") from None
+    if raw.dtype.kind not in "biuf":
+        raise UserError(f"{what}, got {type(values).__name__} {_shown(values)}")
+    arr = raw.astype(np.float64)
     if arr.ndim != 1 or arr.size != n - 1:
         got = arr.size if arr.ndim == 1 else f"shape {arr.shape}"
         raise UserError(f"trajectory {j}: {name} has {got} values for {n} tokens (need len(tokens) - 1 = {n - 1})")
@@ -127,6 +136,12 @@ def _per_target(values: Any, n: int, j: int, name: str) -> np.ndarray:
     if bad.size:
         raise UserError(f"trajectory {j}: {name}[{int(bad[0])}] is {arr[bad[0]]} (must be finite)")
     return arr
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to 40 characters for an error line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _tokens(traj: Any, j: int, vocab_size: int) -> np.ndarray:

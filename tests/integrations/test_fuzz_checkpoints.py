@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from harts import UserError
@@ -187,6 +187,10 @@ def engine() -> Any:
     trajs=st.one_of(st.lists(trajectory, max_size=4), st.none(), st.text(max_size=4), st.integers()),
     loss=st.sampled_from(["cross_entropy", "importance_sampling", "ppo", "cispo", "dpo", 3]),
 )
+# per-target fields that numpy reads as numbers or fails on: strings, a list of strings, ragged lists
+@example(trajs=[{"tokens": [0], "weights": ""}], loss="cross_entropy")
+@example(trajs=[{"tokens": [0, 1, 2], "advantages": ["1", "2"]}], loss="importance_sampling")
+@example(trajs=[{"tokens": [0, 1, 2], "logprobs": [[1.0], [2.0, 3.0]]}], loss="ppo")
 def test_fuzz_engine_trajectories(engine: Any, trajs: Any, loss: Any) -> None:
     try:
         out = engine.forward_backward(trajs, loss)
