@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,3 +90,24 @@ def running_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def serving(model: str, workdir: Path, *extra: str, **keys: Any) -> Iterator[Server]:
+    """``running_server`` for a test module: the SDK's telemetry off in this process while it
+    runs, and the server's log free of tracebacks when it stops. ``keys``: ``keys_file``, ``key``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TINKER_TELEMETRY", "0")
+        with running_server(model, workdir, *extra, **keys) as srv:
+            yield srv
+        assert "Traceback" not in srv.log_text(), srv.log_text()
+
+
+@contextmanager
+def service_client(server: Server) -> Iterator[Any]:
+    """A ``tinker.ServiceClient`` of ``server``'s key, closed (its session finished) afterwards."""
+    import tinker
+
+    sc = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+    yield sc
+    sc.close("success").result()

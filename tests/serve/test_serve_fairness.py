@@ -24,7 +24,7 @@ pytest.importorskip("fastapi")
 from tinker import types  # noqa: E402
 from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 
-from tests.serve._server import Server, running_server  # noqa: E402
+from tests.serve._server import Server, service_client, serving  # noqa: E402
 
 CAPACITY = 512
 MAX_DATUMS = 20_000
@@ -50,18 +50,14 @@ LIMITS = (
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        with running_server("tiny", tmp_path_factory.mktemp("serve fairness"), *LIMITS) as srv:
-            yield srv
-        assert "Traceback" not in srv.log_text(), srv.log_text()
+    with serving("tiny", tmp_path_factory.mktemp("serve fairness"), *LIMITS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def service(server: Server) -> Iterator[tinker.ServiceClient]:
-    sc = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
-    yield sc
-    sc.close("success").result()
+    with service_client(server) as sc:
+        yield sc
 
 
 # ------------------------------------------------------------------ the raw protocol

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from tinker import types  # noqa: E402
 
 from tests.integrations._hf import VOCAB, make_hf_model  # noqa: E402
-from tests.serve._server import Server, running_server  # noqa: E402
+from tests.serve._server import Server, service_client, serving  # noqa: E402
 
 CAPACITY = 256
 NAME = "test/qwen3-next-tiny"
@@ -33,20 +33,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        workdir = tmp_path_factory.mktemp("serve hf")
-        args = ("--model-name", NAME, "--capacity", str(CAPACITY), "--max-models", "16")
-        with running_server(str(checkpoint), workdir, *args) as srv:
-            yield srv
-        assert "Traceback" not in srv.log_text(), srv.log_text()
+    args = ("--model-name", NAME, "--capacity", str(CAPACITY), "--max-models", "16")
+    with serving(str(checkpoint), tmp_path_factory.mktemp("serve hf"), *args) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def service(server: Server) -> Iterator[tinker.ServiceClient]:
-    sc = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
-    yield sc
-    sc.close("success").result()
+    with service_client(server) as sc:
+        yield sc
 
 
 def batch(seed: int) -> tuple[list[types.Datum], list[dict]]:

@@ -30,7 +30,7 @@ pytest.importorskip("fastapi")
 
 from tinker import types  # noqa: E402
 
-from tests.serve._server import REPO, Server, running_server  # noqa: E402
+from tests.serve._server import REPO, Server, serving  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -62,11 +62,8 @@ ADAM = types.AdamParams(learning_rate=1e-3)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        with running_server("tiny", tmp_path_factory.mktemp("serve load"), *ARGS) as srv:
-            yield srv
-        assert "Traceback" not in srv.log_text(), srv.log_text()
+    with serving("tiny", tmp_path_factory.mktemp("serve load"), *ARGS) as srv:
+        yield srv
 
 
 def batch(seed: int, datums: int = 8, tokens: int = 64) -> list[types.Datum]:

@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 
 from tinker import types  # noqa: E402
 
-from tests.serve._server import Server, running_server  # noqa: E402
+from tests.serve._server import Server, service_client, serving  # noqa: E402
 
 CAPACITY = 512
 VOCAB = 64
@@ -26,21 +26,15 @@ RANK = 4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        workdir = tmp_path_factory.mktemp("serve tiny")
-        with running_server(
-            "tiny", workdir, "--capacity", str(CAPACITY), "--max-request-mb", "1", "--max-models", "32"
-        ) as srv:
-            yield srv
-        assert "Traceback" not in srv.log_text(), srv.log_text()
+    args = ("--capacity", str(CAPACITY), "--max-request-mb", "1", "--max-models", "32")
+    with serving("tiny", tmp_path_factory.mktemp("serve tiny"), *args) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def service(server: Server) -> Iterator[tinker.ServiceClient]:
-    sc = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
-    yield sc
-    sc.close("success").result()
+    with service_client(server) as sc:
+        yield sc
 
 
 def datum(tokens: list[int], n_prompt: int) -> types.Datum:

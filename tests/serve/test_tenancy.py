@@ -30,7 +30,7 @@ from harts.errors import UserError  # noqa: E402
 from harts.serve.app import build_app  # noqa: E402
 from harts.serve.config import ServeConfig  # noqa: E402
 from harts.serve.server import make_service  # noqa: E402
-from tests.serve._server import Server, running_server  # noqa: E402
+from tests.serve._server import Server, serving  # noqa: E402
 
 ALICE = "tml-alice-0123456789abcdef"
 BOB = "tml-bob-fedcba9876543210"
@@ -76,15 +76,12 @@ class Alice:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        workdir = tmp_path_factory.mktemp("serve tenants")
-        keys = workdir / "keys.toml"
-        keys.write_text(KEYS_TOML)
-        extra = ("--capacity", "256", "--host", "0.0.0.0", "--max-models", "8")
-        with running_server("tiny", workdir, *extra, keys_file=keys, key=ALICE) as srv:
-            yield srv
-        assert "Traceback" not in srv.log_text(), srv.log_text()
+    workdir = tmp_path_factory.mktemp("serve tenants")
+    keys = workdir / "keys.toml"
+    keys.write_text(KEYS_TOML)
+    extra = ("--capacity", "256", "--host", "0.0.0.0", "--max-models", "8")
+    with serving("tiny", workdir, *extra, keys_file=keys, key=ALICE) as srv:
+        yield srv
 
 
 def _post(server: Server, key: str, path: str, body: dict[str, Any]) -> Any:
