@@ -162,6 +162,12 @@ RUNS = (
         qwen(Q35, *L8, *STEP3, "--no-core-run"), 320, {"HARTS_GDN_NATIVE": "0"}),
     Run("q35_L8_gdn_native", "the same, GDN on fla-core's own GDN kernels",
         qwen(Q35, *L8, *STEP3, "--no-core-run"), 250, {"HARTS_GDN_NATIVE": "1"}),
+    Run("layer_memory_q9", "saved bytes per row of each qwen3_5_9b layer kind at 16,384 rows, full training and "
+        "rank-32 LoRA, against harts.models.memory's count", ("benchmarks.modules.layer_memory", "--model", Q9,
+        "--device", "cuda", "--rows", "16384", *JSON), 200, setup=("benchmarks.modules.layer_memory", "--model", Q9,
+        "--device", "cuda", "--rows", "16384", "--lora", "32")),
+    Run("layer_memory_q35", "the same for qwen3_5_35b_a3b's layer kinds, rank-32 LoRA", ("benchmarks.modules"
+        ".layer_memory", "--model", Q35, "--device", "cuda", "--rows", "16384", "--lora", "32", *JSON), 200),
     Run("qnext_L8", "`medium` step 3 on qwen3_next_80b_a3b's first 8 layers (estimated 94.8 GiB)",
         qwen("qwen3_next_80b_a3b", *L8, *STEP3), card="h200"),
     Run("q35_lora_full", "all 40 layers of qwen3_5_35b_a3b, rank-32 LoRA, 1/8 of `medium` step 3 (estimated 113 GiB)",
