@@ -14,8 +14,13 @@ __version__ = "0.1.0"
 #: names that are modules themselves
 _MODULES = {"workloads": "harts.tree.workloads"}
 
+#: what users call: the batch types, the model and its configs, training (the ``Engine`` and the
+#: loop), Hugging Face checkpoints in and out, the errors. The planner's internals (compaction,
+#: step and call plans, layouts) stay importable from their modules, ``harts.tree.compact``,
+#: ``harts.plan.step``, ``harts.plan.calls`` and ``harts.plan.layout``.
 _EXPORTS = {
     "RolloutBatch": "harts.tree.batch",
+    "RolloutTree": "harts.tree.rollout_tree",
     "BatchValidationError": "harts.errors",
     "HartsError": "harts.errors",
     "UserError": "harts.errors",
@@ -23,26 +28,18 @@ _EXPORTS = {
     "CapacityError": "harts.errors",
     "OutputPathError": "harts.errors",
     "DivergenceError": "harts.errors",
-    "RolloutTree": "harts.tree.rollout_tree",
-    "CompactBatch": "harts.tree.compact",
-    "compact": "harts.tree.compact",
-    "PrefixIndex": "harts.tree.compact",
-    "prefix_index": "harts.tree.compact",
-    "SegmentForest": "harts.tree.segments",
-    "LCPIndex": "harts.tree.lcp",
-    "plan_step": "harts.plan.step.planner",
-    "StepPlan": "harts.plan.step.planner",
-    "plan_calls": "harts.plan.calls",
-    "plan_calls_many": "harts.plan.calls",
-    "CallPlan": "harts.plan.calls",
-    "build_layout": "harts.plan.layout",
-    "Layout": "harts.plan.layout",
     "HybridConfig": "harts.models.config",
     "HybridLM": "harts.models.hybrid_lm",
     "ExecutionConfig": "harts.models.execution.config",
     "ModelOutput": "harts.models.hybrid_lm",
     "Engine": "harts.trainer.engine",
     "LoraConfig": "harts.trainer.lora",
+    "TrainConfig": "harts.trainer.step",
+    "train": "harts.trainer.loop",
+    "RunOptions": "harts.trainer.options",
+    "ParallelConfig": "harts.parallel.mesh",
+    "from_pretrained": "harts.integrations",
+    "save_hf_checkpoint": "harts.integrations",
 }
 
 __all__ = sorted([*_EXPORTS, *_MODULES])

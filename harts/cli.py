@@ -12,20 +12,27 @@ works from any install (``torchrun $(which harts)`` fails where ``harts`` is a s
 Errors: every user error is a ``harts.errors.UserError``; ``main`` prints it as
 ``harts: error: <message>`` on stderr and returns 2, without a traceback unless the environment
 sets ``HARTS_DEBUG=1``; under torchrun, an error every rank raised alike (``UserError.every_rank``:
-the ranks agreed on it) is printed by rank 0 alone. Bad options are argparse's (usage, the option
-named, exit 2). Ctrl-C returns 130 (``harts train`` saves what it finished first, see
-``harts.commands.train``). Any other exception is a bug: it keeps its traceback (exit status 1).
+the ranks agreed on it) is printed by rank 0 alone. A bad option, value or command is one line
+naming it (exit 2; ``harts COMMAND --help`` has the usage). Without torch installed, a command that
+needs it says how to install it, in one line. Ctrl-C returns 130 (``harts train`` saves what it
+finished first, see ``harts.commands.train``). Any other exception is a bug: it keeps its
+traceback (exit status 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import importlib.util
 import os
 import pkgutil
 import sys
 import traceback
+import warnings
+from collections.abc import Sequence
 from types import ModuleType
+from typing import NoReturn
 
 import harts
 import harts.commands
@@ -49,6 +56,42 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line naming the option, value or command
+    (argparse prints its whole usage block above the error, which buries the line that matters),
+    and whose unknown options are reported by the subcommand they were given to."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = _chosen_subparser(self, parsed) or self
+            command.error(_unknown_arguments(command, unknown))
+        return parsed
+
+
+def _chosen_subparser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser | None:
+    """The subcommand's parser ``args`` were parsed by (None before a command was named)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            return action.choices.get(name) if name else None
+    return None
+
+
+def _unknown_arguments(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """``unrecognized arguments: --stpes`` with the closest option the parser has, if one is close."""
+    text = f"unrecognized arguments: {' '.join(unknown)}"
+    options = [s for a in parser._actions for s in a.option_strings]
+    flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
+    close = difflib.get_close_matches(flags[0], options, n=1) if flags else []
+    return text + (f" (did you mean {close[0]}?)" if close else "")
+
+
 def debug_enabled() -> bool:
     """``HARTS_DEBUG=1``: user errors show their traceback too."""
     return os.environ.get("HARTS_DEBUG", "").strip() not in ("", "0", "false", "no")
@@ -63,8 +106,8 @@ def _command_modules() -> dict[str, ModuleType]:
     return mods
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="harts",
         description="Train hybrid-attention LMs on agentic RL rollout trees with prefix sharing.",
         epilog="Errors print 'harts: error: ...' and exit 2 (HARTS_DEBUG=1 shows the traceback).",
@@ -92,7 +135,11 @@ def _prepare_json_output(args: argparse.Namespace) -> None:
 
 
 def _check_environment() -> None:
-    """Settings read from the environment deep inside a step, checked before any work."""
+    """Settings read from the environment deep inside a step, checked before any work (by the
+    modules that read them, which need torch: without it no step runs, and ``harts stats`` /
+    ``harts plan`` still do)."""
+    if importlib.util.find_spec("torch") is None:
+        return
     from harts.errors import UserError
     from harts.ops.attention.tree_mask import flex_backend_setting
     from harts.ops.compiled import dynamic_setting
@@ -133,10 +180,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     default_allocator_settings()
+    _one_line_warnings()
     try:
+        if getattr(args, "config", None):  # --config FILE: its options under the flags given
+            from harts.commands._config import apply_config
+
+            args = apply_config(parser, args, argv)
         _prepare_json_output(args)
         _check_environment()
         return int(args._run(args) or 0)
+    except ModuleNotFoundError as err:
+        if (err.name or "").partition(".")[0] != "torch" or importlib.util.find_spec("torch") is not None:
+            raise
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"harts: error: {torch_missing_line(args.command)}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # output piped into `head` and closed early: not an error of ours
         sys.stderr.close()
@@ -161,6 +220,31 @@ def main(argv: list[str] | None = None) -> int:
         if not (getattr(err, "every_rank", False) and _rank() > 0):
             print(f"harts: error: {err}", file=sys.stderr)
         return 2
+
+
+def _one_line_warnings() -> None:
+    """harts' own warning categories (e.g. ``harts.tree.io.BatchFormatWarning``) print as one
+    ``harts: warning: ...`` line, not as Python's file, line and source line; others as before."""
+    shown = warnings.showwarning
+    if getattr(shown, "harts_one_line", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        if category.__module__.partition(".")[0] != "harts":
+            return shown(message, category, filename, lineno, file, line)
+        print(f"harts: warning: {message}", file=sys.stderr if file is None else file, flush=True)
+
+    show.harts_one_line = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
+
+
+def torch_missing_line(command: str) -> str:
+    """One line for a command that needs torch where it is not installed (harts' own requirements
+    are numpy and tqdm; torch is the ``torch`` extra, installed as the machine needs it)."""
+    return (
+        f"harts {command} needs PyTorch, which is not installed: pip install torch (or pip install -e '.[torch]'), "
+        "adding --index-url https://download.pytorch.org/whl/cpu on a CPU-only Linux machine (README: Install)"
+    )
 
 
 def _rank() -> int:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import harts
 from harts.tree.batch import RolloutBatch
+from harts.tree.compact import compact
 from harts.tree.segments import SegmentForest
 
 
@@ -135,7 +136,7 @@ def compact_batches(draw, max_segments: int = 14):
     b = draw(st.sampled_from([2, 4, 8]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     lengths, parents = random_forest_lists(rng, b, max_segments=max_segments, max_fanout=6, max_trees=3)
-    return harts.compact(batch_from_forest(rng, lengths, parents)), b
+    return compact(batch_from_forest(rng, lengths, parents)), b
 
 
 # ------------------------------------------------------------ token trajectories

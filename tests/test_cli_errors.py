@@ -321,7 +321,7 @@ def test_console_script_exit_codes(tmp_path):
     assert out.returncode == 2
     assert out.stderr == (
         f"harts: error: {bad}: trajectory 0 (line 1): advantages must be a number or a list "
-        "of numbers (one per token), got string 'high'\n"
+        "of numbers (one per predicted token), got string 'high'\n"
     )
 
 

@@ -46,7 +46,7 @@ def test_bench_names_the_kernel_record(
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("kernels (both sides): ")]
     assert lines == [
         "kernels (both sides): linear attention reference; conv reference; attention gather; "
-        "fast paths: all but stacked_qkv, stacked_gates, fla_gate"
+        "fast paths: all but stacked_qkv, stacked_gates, fla_gate; torch.compile glue: off"
     ]
     kernels = json.loads(path.read_text())["kernels"]
     assert kernels["linear_attention"] == "reference" and kernels["attention"] == "gather"

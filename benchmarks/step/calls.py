@@ -34,6 +34,8 @@ import numpy as np
 
 from benchmarks._runner import add_json_argument, parse, parser, run, write_json
 from harts.plan.calls import general_forks, plan_calls, plan_calls_many, takes_lean_path
+from harts.plan.step import plan_step
+from harts.tree.compact import compact
 from harts.tree.segments import SegmentForest, parent_depth, preorder_from_parents
 
 T = TypeVar("T")
@@ -203,9 +205,9 @@ def bench_swe(args: argparse.Namespace) -> tuple[dict, SegmentForest]:
     t0 = time.perf_counter()
     batch = harts.workloads.generate(args.workload, step=args.step, seed=args.seed)
     gen_s = time.perf_counter() - t0
-    cb, compact_s = _best_of(lambda: harts.compact(batch), args.repeat)
+    cb, compact_s = _best_of(lambda: compact(batch), args.repeat)
     whole, whole_s = _best_of(lambda: plan_calls(cb.segment_trees, args.chunk_size), args.repeat)
-    sp = harts.plan_step(cb, dp=args.dp, capacity=args.capacity)
+    sp = plan_step(cb, dp=args.dp, capacity=args.capacity)
     mbs = [sp.compact_microbatch(k) for k in range(sp.num_microbatches)]  # setup, not timed
 
     def plan_one_by_one():

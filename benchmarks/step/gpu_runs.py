@@ -92,12 +92,14 @@ def ling(*flags: str, la: str = "auto", json: bool = True) -> tuple[str, ...]:
 
 
 def qwen(model: str, *flags: str, capacity: int = 65536) -> tuple[str, ...]:
-    """``harts bench`` of a Qwen preset (its own vocabulary), every layer recomputed, ``--attention auto``."""
+    """``harts bench`` of a real model's preset (Qwen's, Nemotron's; its own vocabulary), every layer
+    recomputed, ``--attention auto``."""
     return ("harts.cli", "bench", "--device", "cuda", "--la-backend", "auto", "--dtype", "bfloat16", "--recompute",
             "--capacity", str(capacity), "--attention", "auto", "--model", model, *flags, *JSON)  # fmt: skip
 
 
 Q35, Q9, L8 = "qwen3_5_35b_a3b", "qwen3_5_9b", ("--layers", "8")
+NEMOTRON = "nemotron_3_nano_30b_a3b"
 # fmt: off
 RUNS = (
     Run("cpu_smoke", "the tiny model on the CPU: the runner end to end", ("harts.cli", "bench", "--model", "tiny",
@@ -168,6 +170,12 @@ RUNS = (
         "--device", "cuda", "--rows", "16384", "--lora", "32")),
     Run("layer_memory_q35", "the same for qwen3_5_35b_a3b's layer kinds, rank-32 LoRA", ("benchmarks.modules"
         ".layer_memory", "--model", Q35, "--device", "cuda", "--rows", "16384", "--lora", "32", *JSON), 200),
+    Run("mamba2_la", "Mamba-2's SSD on `medium` step 3's rounds at nemotron_3_nano_30b_a3b's shapes (64 heads, "
+        "state 128, head dim 64): the tree kernel against fla's chunk_simple_gla (target: within 1.15x)",
+        ("benchmarks.ops.la", "--device", "cuda", "--rule", "plain", "--model", NEMOTRON, "--workload", "medium",
+         "--step", "3", "--backends", "tree,plain", "--dtype", "bfloat16", *JSON), 300),
+    Run("nemotron_L8", "`medium` step 3 on nemotron_3_nano_30b_a3b's first 8 layers: 4 Mamba-2, 1 attention, 3 MoE "
+        "(estimated 48.5 GiB)", qwen(NEMOTRON, *L8, *STEP3)),
     Run("qnext_L8", "`medium` step 3 on qwen3_next_80b_a3b's first 8 layers (estimated 94.8 GiB)",
         qwen("qwen3_next_80b_a3b", *L8, *STEP3), card="h200"),
     Run("q35_lora_full", "all 40 layers of qwen3_5_35b_a3b, rank-32 LoRA, 1/8 of `medium` step 3 (estimated 113 GiB)",

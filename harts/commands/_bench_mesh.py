@@ -15,7 +15,6 @@ so a ``--dp`` that disagrees with N / (E C P) is refused, as are the one-device-
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any
 
@@ -67,9 +66,8 @@ def run_mesh(args: argparse.Namespace, world: int, read_steps: Any) -> int:  # n
     import torch
     import torch.distributed as dist
 
-    from harts.commands._inputs import check_output_file, model_spec, recompute_fields
+    from harts.commands._inputs import check_output_file, execution_config, model_spec, recompute_fields
     from harts.experiments.mesh_bench import shard_model
-    from harts.models.execution.config import ExecutionConfig
     from harts.models.flops import peak_tflops
     from harts.parallel.mesh import setup_process_group
 
@@ -77,12 +75,7 @@ def run_mesh(args: argparse.Namespace, world: int, read_steps: Any) -> int:  # n
     check_output_file(args.json_out, "--json", args.overwrite)
     recompute = recompute_fields(args)
     sources, summaries = read_steps(args, config.replicas)
-    execution = ExecutionConfig(
-        **recompute,
-        attention=args.attention,
-        linear_attention_backend=args.la_backend,
-        logprob_positions=args.logprobs,
-    )
+    execution = execution_config(args)
     spec = model_spec(args)
     # every check runs on the model's structure before this rank joins the process group: a
     # layout that does not fit costs one line on each rank, never a rendezvous or a model
@@ -118,11 +111,12 @@ def _checked_structure(
     from harts.commands._inputs import batch_vocab
     from harts.commands._memory import check_memory
     from harts.experiments.mesh_bench import check_mesh_model
+    from harts.parallel.mesh import launch_rank
     from harts.trainer.build import build_model
     from harts.trainer.checks import check_recompute_layers, max_compression
 
-    # before the process group: torchrun's RANK says which rank prints the vocabulary's note
-    vocab, where = batch_vocab(summaries, spec.model, quiet=os.environ.get("RANK", "0") != "0")
+    # before the process group: the launch's rank says which rank prints the vocabulary's note
+    vocab, where = batch_vocab(summaries, spec.model, quiet=launch_rank() != 0)
     model = build_model(spec, vocab, where=where, meta=True)
     check_mesh_model(model, config)
     check_recompute_layers(recompute, model)

@@ -1,6 +1,11 @@
 """Shared command-line inputs and checks.
 
-* option types that name the option in their error (``positive_int``, ``nonneg_int``, ...);
+* the flags of the schema's options (``add_option``: each shared flag's spelling, check, default
+  and help come from ``harts.trainer.options.OPTIONS``; a command states only what differs for
+  it), and on/off switches with their ``--no-X`` (``Switch``);
+* option types that name the option in their error (``positive_int``, ``nonneg_int``, ...) and the
+  configs built from the parsed flags (``execution_config``, ``lora_config``, ``model_spec``): the
+  schema's (``harts.trainer.options``), which a ``--config`` file's values go through too;
 * a workload preset or batch files as lazy per-step sources; commands read every step once
   before any work starts (``summarize``: trajectory lengths, token ids) and check them
   (``check_capacity``, ``needed_vocab``), so that a problem in step k is reported in seconds,
@@ -35,7 +40,7 @@ from harts.outputs import write_json as write_json
 
 # the model's and the batches' checks live on the trainer floor; commands import them from here too
 from harts.trainer import build
-from harts.trainer.build import BuiltModel, ModelSpec
+from harts.trainer.build import BuiltModel
 from harts.trainer.build import check_device as check_device
 from harts.trainer.build import check_la_backend as check_la_backend
 from harts.trainer.build import checkpoint_errors as checkpoint_errors
@@ -48,363 +53,172 @@ from harts.trainer.checks import check_recompute_layers as check_recompute_layer
 from harts.trainer.checks import max_compression as max_compression
 from harts.trainer.checks import needed_vocab as needed_vocab
 from harts.trainer.checks import summarize as summarize
+
+# the schema (``harts.trainer.options``): a flag and a --config file's key share one check, and the
+# configs are built there from flags and file alike
+from harts.trainer.options import LORA_TARGETS as LORA_TARGETS
+from harts.trainer.options import MODEL_PRESETS as MODEL_PRESETS
+from harts.trainer.options import execution_config as execution_config
+from harts.trainer.options import learning_rate as learning_rate
+from harts.trainer.options import lora_config as lora_config
+from harts.trainer.options import lora_targets as lora_targets
+from harts.trainer.options import model_spec as model_spec
+from harts.trainer.options import nonneg_float as nonneg_float
+from harts.trainer.options import nonneg_int as nonneg_int
+from harts.trainer.options import option_of
+from harts.trainer.options import planner_workers as planner_workers
+from harts.trainer.options import positive_float as positive_float
+from harts.trainer.options import positive_int as positive_int
+from harts.trainer.options import recompute_fields as recompute_fields
+from harts.trainer.options import seed_int as seed_int
+from harts.trainer.options import train_config as train_config
+from harts.trainer.options import workers_int as workers_int
 from harts.tree.dataset import Schedule
 
 if TYPE_CHECKING:  # heavy imports stay after argument parsing
     from harts.models.execution.config import ExecutionConfig
     from harts.models.hybrid_lm import HybridLM
-    from harts.trainer.lora import LoraConfig
     from harts.tree.batch import RolloutBatch
 
 
-# ------------------------------------------------------------------ option types
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+# ------------------------------------------------------------------- arguments
+#: ``add_option``'s "not overridden"
+_SCHEMA: Any = object()
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse names the option in the error)."""
-    v = _int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {text!r}")
-    return v
+class Switch(argparse.BooleanOptionalAction):
+    """argparse's on/off pair (``--recompute`` / ``--no-recompute``), whose ``--no-X`` turns off a
+    switch a ``--config`` file turned on; a switch spelled ``--no-X`` itself (``--no-prepare-ahead``)
+    pairs with ``--X``, which sets it False."""
+
+    def __init__(self, option_strings: list[str], dest: str, default: bool = False, help: str | None = None) -> None:
+        (on,) = option_strings
+        off = "--" + on.removeprefix("--no-") if on.startswith("--no-") else "--no-" + on.removeprefix("--")
+        argparse.Action.__init__(self, [on, off], dest, nargs=0, default=default, help=help)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, option_string == self.option_strings[0])
 
 
-def nonneg_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    v = _int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer (>= 0), got {text!r}")
-    return v
+def add_option(
+    p: argparse.ArgumentParser,
+    dest: str,
+    *,
+    default: Any = _SCHEMA,
+    help: str | None = None,
+    more: str = "",
+    choices: tuple[str, ...] | None = None,
+    type: Callable[[str], Any] | None = None,
+    metavar: str | None = None,
+) -> argparse.Action:
+    """The schema's option ``dest`` (``harts.trainer.options.OPTIONS``) as a flag of ``p``: its
+        spelling, check, choices, default, value name and help are the schema's, so they are written
+        once; a command states only what differs for it (a ``default``, a ``help`` for what the option
+        means to it, ``more`` text after the schema's help, its own ``choices``, a stricter ``type``, a
+    ``metavar``).
+        A switch gets its ``--no-X`` too (``Switch``)."""
+    option = option_of(dest)
+    if option is None:
+        raise KeyError(f"{dest!r} is no option of harts.trainer.options.OPTIONS")
+    text = (help if help is not None else option.help) + more
+    value = option.default if default is _SCHEMA else default
+    if option.switch:
+        return p.add_argument(option.option, dest=dest, action=Switch, default=value, help=text)
+    kwargs: dict[str, Any] = {"dest": dest, "default": value, "help": text}
+    allowed = choices if choices is not None else option.allowed()
+    if allowed is not None:
+        kwargs["choices"] = list(allowed)
+    if type is not None or option.type is not None:
+        kwargs["type"] = type or option.type
+    if (metavar or option.metavar) is not None:
+        kwargs["metavar"] = metavar or option.metavar
+    if option.many:
+        kwargs["nargs"] = "+"
+    return p.add_argument(option.option, **kwargs)
 
 
-def workers_int(text: str) -> int | str:
-    """argparse type: ``auto`` or an integer >= 0 (``--planner-workers``)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    return nonneg_int(text)
+def add_options(p: argparse.ArgumentParser, *dests: str) -> None:
+    """``add_option`` of each of ``dests``, as the schema has them."""
+    for dest in dests:
+        add_option(p, dest)
 
 
 def add_planner_workers_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--planner-workers",
-        type=workers_int,
-        default="auto",
-        metavar="N|auto",
-        help="processes that build the step planner's independent candidates in parallel (the same plan, "
-        "sooner; steps of fewer than 1,000 trajectories are planned in this process anyway); 0 plans in this "
-        "process; auto (default): 4 where at least 6 cores are usable, else 0",
-    )
+    add_option(p, "planner_workers")
 
 
-def planner_workers(value: int | str) -> int:
-    """``--planner-workers``' process count (``auto`` resolved for this machine)."""
-    from harts.plan.step.workers import auto_workers
-
-    return auto_workers() if value == "auto" else int(value)
-
-
-def seed_int(text: str) -> int:
-    """argparse type: a seed, 0 <= seed < 2**32 (numpy's and torch's common range)."""
-    v = nonneg_int(text)
-    if v >= 2**32:
-        raise argparse.ArgumentTypeError(f"must be below 2**32, got {text!r}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return v
-
-
-def learning_rate(text: str) -> float:
-    """argparse type: a learning rate in (0, 1] (``harts.trainer.checks.check_lr``: AdamW moves
-    every weight by about the learning rate per step, so a larger one diverges)."""
-    from harts.trainer.checks import check_lr
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    try:
-        return check_lr(v, "--lr", zero=False)
-    except UserError as err:
-        raise argparse.ArgumentTypeError(str(err).removeprefix("--lr: ")) from None
-
-
-def nonneg_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v >= 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return v
-
-
-# ------------------------------------------------------------------- arguments
 def add_workload_arguments(p: argparse.ArgumentParser, default: str = "tiny", *, data: bool = False) -> None:
     """``--workload``, ``--steps``, ``--seed``; ``data``: also ``--data PATH...`` and ``--epochs``
     (``workload_schedule``), and ``--workload`` then defaults to ``default`` only without ``--data``."""
-    p.add_argument(
-        "--workload",
-        default=None if data else default,
-        metavar="NAME|FILE",
-        help="built-in workload preset (tiny, small, medium, swe) or a batch file (.jsonl/.parquet)"
-        + (f"; default {default} unless --data is given" if data else ""),
-    )
     if data:
-        p.add_argument(
-            "--data",
-            nargs="+",
-            default=None,
-            metavar="PATH",
-            help="batch files to train on, one step each, in the order given: files, directories (their "
-            ".jsonl/.parquet files below, sorted by path) and glob patterns (quoted; sorted matches)",
-        )
-        p.add_argument(
-            "--epochs", type=positive_int, default=1, help="passes over the steps (--data's files or the workload's)"
-        )
-    p.add_argument(
-        "--steps",
-        type=positive_int,
-        default=None,
-        help="steps to run (default: the preset's; 1 for a file, which repeats"
-        + ("; with --data: the first N of the files x epochs)" if data else ")"),
-    )
-    p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
+        add_option(p, "workload", default=None, more=f"; default {default} unless --data is given")
+        add_options(p, "data", "epochs", "steps")
+    else:
+        add_option(p, "workload", default=default)
+        add_option(p, "steps", help="steps to run (default: the preset's; 1 for a file, which repeats)")
+    add_option(p, "seed")
 
 
-#: the names ``--model`` takes for a preset (``harts.models.config.PRESET_NAMES``; this module
-#: imports no torch, so the names are spelled out here and a test keeps the two lists equal)
-MODEL_PRESETS = (
-    "tiny",
-    "ling3_tiny",
-    "qwen3_5_9b",
-    "qwen3_5_27b",
-    "qwen3_5_35b_a3b",
-    "qwen3_next_80b_a3b",
-    "kimi_linear_48b_a3b",
-)
+def add_workload_preset_arguments(p: argparse.ArgumentParser) -> None:
+    """``--workload NAME`` and ``--steps`` of the commands that plan a preset's steps beside batch
+    files given as positional arguments (``harts plan``, ``harts stats``)."""
+    add_option(p, "workload", help="built-in workload preset (tiny, small, medium, swe)", metavar="NAME")
+    add_option(p, "steps", help="steps of the workload (default: all of the preset)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, default_dtype: str = "float32") -> None:
-    p.add_argument(
-        "--model",
-        default="tiny",
-        metavar="PRESET|PATH",
-        help=f"model preset ({', '.join(MODEL_PRESETS)}: the real models' shapes, random init) or a "
-        "transformers checkpoint directory (BailingHybrid / Qwen3-Next / Qwen3.5 / Kimi Linear)",
-    )
-    p.add_argument("--pattern", default=None, help="override a preset's layer pattern, e.g. KKKM")
-    add_layers_argument(p)
-    p.add_argument("--dtype", default=default_dtype, choices=["float32", "float64", "bfloat16"], help="parameter dtype")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
-    add_la_backend_argument(p, default="auto")
-    p.add_argument("--threads", type=nonneg_int, default=1, help="torch intra-op threads on CPU; 0 lets torch choose")
+    add_options(p, "model", "pattern", "layers")
+    add_option(p, "dtype", default=default_dtype)
+    add_options(p, "device", "la_backend", "threads")
 
 
 def add_layers_argument(p: argparse.ArgumentParser) -> None:
     """``--layers N``: a preset's first N decoder layers (``check_model`` checks it against ``--model``)."""
-    p.add_argument(
-        "--layers",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="keep the first N decoder layers of the preset's layer pattern (after --pattern), at its "
-        "real widths, heads and experts, e.g. --model qwen3_next_80b_a3b --layers 4; presets only "
-        "(default: all layers)",
-    )
+    add_option(p, "layers")
 
 
 def add_la_backend_argument(p: argparse.ArgumentParser, default: str) -> None:
     """``--la-backend``: ``ExecutionConfig.linear_attention_backend``, its choices from
     ``harts.ops.registry`` (the old name tree_linked among them)."""
-    from harts.ops.registry import linear_attn_choices
-
-    p.add_argument(
-        "--la-backend",
-        default=default,
-        choices=linear_attn_choices(),
-        help="linear-attention core: torch reference, fla-core split path (CUDA), the one-pass tree kernel (CUDA; "
-        "one call per round), or auto (on CUDA with fla-core: the tree kernel with a compact microbatch's rounds "
-        "linked into one op per layer; reference elsewhere); tree_linked: tree with the rounds linked",
-    )
+    add_option(p, "la_backend", default=default)
 
 
 def add_execution_arguments(p: argparse.ArgumentParser) -> None:
-    """``--recompute`` and ``--attention`` (fields of ``ExecutionConfig``) for model-running commands;
-    the choices from ``harts.ops.registry``."""
-    from harts.ops.registry import ATTENTION_IMPLS
-
-    p.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
-    p.add_argument(
-        "--recompute-skip",
-        type=_names,
-        default=(),
-        metavar="CORES",
-        help="with --recompute: cores not rerun in the backward, their forward kept instead "
-        "(comma-separated: attention, linear_attention, moe; more memory, less time)",
-    )
-    p.add_argument(
-        "--recompute-layers",
-        type=nonneg_int,
-        default=None,
-        metavar="N",
-        help="with --recompute: checkpoint only the first N decoder layers, the others keep their "
-        "activations (default: all layers; more memory, less time)",
-    )
-    p.add_argument(
-        "--moe-keep-gate-up",
-        type=nonneg_int,
-        default=0,
-        metavar="N",
-        help="with --recompute-skip ...,moe: the first N MoE layers keep their routed experts' gate/up "
-        "output for the backward instead of recomputing it (one grouped GEMM fewer per layer; rows x "
-        "top-k x 2 x moe_intermediate half-precision entries more per layer: about 1.07 GB at 65,536 "
-        "rows of ling3_tiny); default 0",
-    )
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=ATTENTION_IMPLS,
-        help="full attention: one call per branch (gather), one FlexAttention call over "
-        "the tree mask (mask), or mask on CUDA / gather on CPU (auto, default)",
-    )
-
-
-def _names(text: str) -> tuple[str, ...]:
-    """argparse type: a comma-separated list of names (checked where they are used)."""
-    return tuple(n.strip() for n in text.split(",") if n.strip())
-
-
-def recompute_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """``recompute``, ``recompute_skip`` and ``recompute_layers`` of ``ExecutionConfig`` from
-    ``--recompute``, ``--recompute-skip``, ``--recompute-layers`` and ``--moe-keep-gate-up``;
-    UserError names a bad core, a skip or layer count without ``--recompute``, or kept gate/up
-    outputs without a kept MoE block."""
-    from harts.models.execution.config import check_recompute_skip
-
-    skip = tuple(getattr(args, "recompute_skip", ()))
-    try:
-        check_recompute_skip(skip, args.recompute)
-    except ValueError as err:
-        raise UserError(f"--recompute-skip: {err}") from None
-    layers = getattr(args, "recompute_layers", None)
-    if layers is not None and not args.recompute:
-        raise UserError(f"--recompute-layers {layers} needs --recompute (without it no layer is checkpointed)")
-    keep = getattr(args, "moe_keep_gate_up", 0)
-    if keep and "moe" not in skip:
-        raise UserError(
-            f"--moe-keep-gate-up {keep} needs --recompute --recompute-skip with moe in it (only a kept MoE "
-            "block's lean routed experts recompute their gate/up output)"
-        )
-    return {"recompute": args.recompute, "recompute_skip": skip, "recompute_layers": layers, "moe_keep_gate_up": keep}
+    """``--recompute`` (and what it keeps) and ``--attention`` (fields of ``ExecutionConfig``) for
+    model-running commands; the choices from ``harts.ops.registry``."""
+    add_options(p, "recompute", "recompute_skip", "recompute_layers", "moe_keep_gate_up", "attention")
 
 
 def add_logprobs_argument(p: argparse.ArgumentParser, *, default: str, why: str) -> None:
     """``--logprobs {actions,all}`` (``ExecutionConfig.logprob_positions``), ``default`` with ``why``."""
-    p.add_argument(
-        "--logprobs",
+    add_option(
+        p,
+        "logprobs",
         default=default,
-        choices=["actions", "all"] if default == "actions" else ["all", "actions"],
-        help="where the LM head runs: only at positions whose target is an action token (actions; "
-        f"the other log-probs are not computed) or at every position (all). Default {default}: {why}",
+        choices=("actions", "all") if default == "actions" else ("all", "actions"),
+        help="where the LM head runs: only at positions whose target is an action token (actions; the other "
+        f"log-probs are not computed) or at every position (all). Default {default}: {why}",
     )
-
-
-#: ``LoraConfig``'s target flags by name (``harts.trainer.lora.LORA_TARGETS``: this module imports
-#: no torch, so the names are spelled out here and a test keeps the two equal)
-LORA_TARGETS = ("attn", "mlp", "unembed")
-
-
-def lora_targets(text: str) -> tuple[str, ...]:
-    """argparse type: a comma-separated list of ``LORA_TARGETS`` names, in their order."""
-    names = _names(text)
-    unknown = [n for n in names if n not in LORA_TARGETS]
-    if unknown or not names:
-        what = f"unknown target {unknown[0]!r}" if unknown else "no target"
-        raise argparse.ArgumentTypeError(f"{what} in {text!r}; the targets, comma-separated: {', '.join(LORA_TARGETS)}")
-    return tuple(t for t in LORA_TARGETS if t in names)
 
 
 def add_lora_arguments(p: argparse.ArgumentParser, *, rank_help: str = "") -> None:
     """``--lora RANK``, ``--lora-alpha`` and ``--lora-targets``: ``harts.trainer.lora.LoraConfig``'s
     rank, alpha and target flags, with its defaults; ``lora_config`` makes the config of them.
     ``rank_help``: what ``--lora`` means to this command, after what it always means."""
-    p.add_argument(
-        "--lora",
-        type=positive_int,
-        default=None,
-        metavar="RANK",
-        help="train rank-RANK LoRA adapters (float32) on every projection of --lora-targets, each routed expert "
-        "its own, with the base weights frozen in --dtype: only the adapters get gradients and AdamW state; "
-        "default: train every weight" + (f". {rank_help}" if rank_help else ""),
-    )
-    p.add_argument(
-        "--lora-alpha",
-        type=positive_float,
-        default=None,
-        metavar="ALPHA",
-        help="with --lora: the adapters' scale is ALPHA / RANK (default 32 at every rank, as Tinker's LoRA)",
-    )
-    p.add_argument(
-        "--lora-targets",
-        type=lora_targets,
-        default=None,
-        metavar="NAMES",
-        help="with --lora: the projections that get adapters, comma-separated: attn (attention and linear "
-        "attention), mlp (dense MLP, shared and routed experts; not the router), unembed (the LM head); default "
-        "all three",
-    )
-
-
-def lora_config(args: argparse.Namespace) -> LoraConfig | None:
-    """The ``LoraConfig`` of ``--lora``, ``--lora-alpha`` and ``--lora-targets`` (its adapters'
-    seed is ``--seed``), None without ``--lora``. UserError naming the flag: ``--lora-alpha`` or
-    ``--lora-targets`` without ``--lora``, or a value ``LoraConfig`` refuses."""
-    from harts.trainer.lora import LoraConfig
-
-    rank = getattr(args, "lora", None)
-    alpha, targets = getattr(args, "lora_alpha", None), getattr(args, "lora_targets", None)
-    if rank is None:
-        for flag, value in (("--lora-alpha", alpha), ("--lora-targets", targets)):
-            if value is not None:
-                raise UserError(f"{flag} sets up LoRA adapters, which --lora RANK turns on: give --lora RANK too")
-        return None
-    fields: dict[str, Any] = {} if alpha is None else {"alpha": alpha}
-    if targets is not None:
-        fields.update({f"train_{t}": t in targets for t in LORA_TARGETS})
-    try:
-        return LoraConfig(rank=rank, seed=getattr(args, "seed", 0), **fields)
-    except UserError as err:
-        raise UserError(f"--lora {rank}: {err}") from None
+    add_option(p, "lora", more=f". {rank_help}" if rank_help else "")
+    add_options(p, "lora_alpha", "lora_targets")
 
 
 def add_output_arguments(p: argparse.ArgumentParser, *, what: str = "the figures") -> None:
     """``--json FILE`` and ``--overwrite`` (every command that writes files has both)."""
-    p.add_argument(
-        "--json",
-        dest="json_out",
-        default=None,
-        metavar="FILE",
-        help=f"also write {what} as JSON to FILE (checked before any work)",
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace existing output files (without it, an existing output is an error)",
-    )
+    add_option(p, "json_out", help=f"also write {what} as JSON to FILE (checked before any work)")
+    add_option(p, "overwrite")
 
 
 # ---------------------------------------------------------------------- sources
@@ -460,22 +274,6 @@ def workload_schedule(args: argparse.Namespace) -> Schedule:
 
 
 # ------------------------------------------------------------------------ model
-def model_spec(args: argparse.Namespace) -> ModelSpec:
-    """The ``ModelSpec`` of ``--model``, ``--pattern``, ``--layers``, ``--dtype``, ``--device``,
-    ``--la-backend``, ``--attention``, ``--threads`` and ``--seed`` (those a command has)."""
-    return ModelSpec(
-        model=args.model,
-        pattern=getattr(args, "pattern", None),
-        layers=getattr(args, "layers", None),
-        dtype=getattr(args, "dtype", None),
-        device=getattr(args, "device", "cpu"),
-        la_backend=getattr(args, "la_backend", "reference"),
-        attention=getattr(args, "attention", "auto"),
-        threads=getattr(args, "threads", 1),
-        seed=getattr(args, "seed", 0),
-    )
-
-
 def check_model(args: argparse.Namespace) -> None:
     """``harts.trainer.build.check_model`` of the command's ``model_spec``."""
     build.check_model(model_spec(args))

@@ -21,11 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from harts.commands._config import add_config_argument
 from harts.commands._inputs import (
     add_execution_arguments,
     add_logprobs_argument,
     add_lora_arguments,
     add_model_arguments,
+    add_option,
     add_output_arguments,
     add_planner_workers_argument,
     add_workload_arguments,
@@ -59,13 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start at this step of a preset (--first-step 5 --steps 1 times step 5 alone); default 0",
     )
     add_model_arguments(p)
-    p.add_argument("--capacity", type=positive_int, default=65_536, help="microbatch capacity T (tokens)")
+    add_option(p, "capacity", help="microbatch capacity T (tokens)")
     add_execution_arguments(p)
     add_logprobs_argument(p, default="all", why="the paper-comparable figure; both sides always use the same setting")
-    p.add_argument(
-        "--dp",
-        type=positive_int,
-        default=None,
+    add_option(
+        p,
+        "dp",
         help="one process: data-parallel replicas the step is planned for (default 1; --replica's share is "
         "timed, nothing is launched); under torchrun: the mesh's data-parallel degree, which must be ranks / "
         "(--ep x --cp x --tp), the default",
@@ -76,23 +77,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="one process: which replica's share of the step to time (0 .. dp-1; default 0)",
     )
-    p.add_argument(
-        "--ep",
-        type=positive_int,
-        default=1,
+    add_option(
+        p,
+        "ep",
         help="under torchrun: expert-parallel degree, ranks each MoE layer's experts are split over",
     )
-    p.add_argument(
-        "--cp",
-        type=positive_int,
-        default=1,
+    add_option(
+        p,
+        "cp",
         help="under torchrun: Ulysses context-parallel degree, ranks that split each microbatch's compact rows "
         "(--capacity is per group of cp x tp ranks); it divides --capacity and the model's heads",
     )
-    p.add_argument(
-        "--tp",
-        type=positive_int,
-        default=1,
+    add_option(
+        p,
+        "tp",
         help="under torchrun: tensor-parallel degree with sequence parallelism, ranks that split the projections "
         "by heads / columns",
     )
@@ -147,6 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_planner_workers_argument(p)
     add_force_argument(p)
     add_output_arguments(p, what="every figure")
+    add_config_argument(p)
 
 
 def _fmt_rate(x: float) -> str:
@@ -167,13 +166,13 @@ def run(args: argparse.Namespace) -> int:
         batch_vocab,
         build_model_and_attention,
         check_recompute_layers,
+        execution_config,
         max_compression,
         model_spec,
         planner_workers,
         write_json,
     )
     from harts.commands._memory import check_memory
-    from harts.models.execution.config import ExecutionConfig
     from harts.models.flops import FlopModel, peak_tflops
     from harts.parallel.mesh import launch_world_size
     from harts.plan.step.workers import shared_workers
@@ -192,12 +191,7 @@ def run(args: argparse.Namespace) -> int:
     # started now, so that spawning them overlaps building the model
     workers = shared_workers(planner_workers(args.planner_workers))
     vocab, where = batch_vocab(summaries, args.model)
-    execution = ExecutionConfig(
-        **recompute,
-        attention=args.attention,
-        linear_attention_backend=args.la_backend,
-        logprob_positions=args.logprobs,
-    )
+    execution = execution_config(args)
     # the step's estimate (harts.models.memory), printed and written beside the measured peaks
     estimate = check_memory(
         model_spec(args),

@@ -59,9 +59,10 @@ def run(args: argparse.Namespace) -> int:
     if path.is_dir():
         raise UserError(f"{path}: is a directory (give a TREE.json or a .jsonl/.parquet batch file)")
     if path.suffix in (".jsonl", ".parquet"):
-        import harts
+        from harts.tree.batch import RolloutBatch
+        from harts.tree.compact import compact
 
-        forest = harts.compact(harts.RolloutBatch.load(str(path))).segment_trees
+        forest = compact(RolloutBatch.load(str(path))).segment_trees
         file_chunk = None
     else:
         from harts.plan.tree_file import load_tree

@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from harts.commands._config import add_config_argument
 from harts.commands._inputs import (
-    MODEL_PRESETS,
     add_execution_arguments,
-    add_la_backend_argument,
-    add_layers_argument,
+    add_option,
+    add_options,
     add_output_arguments,
     nonneg_int,
     recompute_fields,
-    seed_int,
 )
 from harts.commands._memory import add_force_argument
 
@@ -30,35 +29,18 @@ HELP = "Run a batch through the model trajectory-wise and compactly; print agree
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--workload",
-        default="tiny",
-        metavar="NAME|FILE",
-        help="built-in workload preset (tiny, small, ...) or a batch file (.jsonl/.parquet)",
-    )
+    add_option(p, "workload", default="tiny")
     p.add_argument("--step", type=nonneg_int, default=0, help="workload step (built-in presets)")
-    p.add_argument(
-        "--model",
-        default="tiny",
-        metavar="PRESET|PATH",
-        help=f"model preset ({', '.join(MODEL_PRESETS)}) or a transformers checkpoint directory",
-    )
-    p.add_argument("--pattern", default=None, help="override the layer pattern, e.g. KKKM")
-    add_layers_argument(p)
-    p.add_argument("--dtype", default="float64", choices=["float64", "float32"], help="parameter dtype")
+    add_options(p, "model", "pattern", "layers")
+    add_option(p, "dtype", default="float64", choices=("float64", "float32"))
     add_execution_arguments(p)
     p.add_argument("--no-replay", action="store_true", help="the paper's no-replay ablation (compact side)")
-    p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before any work)")
-    add_la_backend_argument(p, default="reference")
-    p.add_argument(
-        "--threads",
-        type=nonneg_int,
-        default=1,
-        help="torch intra-op threads; 1 suits tiny tensors on a shared CPU, 0 lets torch choose",
-    )
+    add_options(p, "seed", "device")
+    add_option(p, "la_backend", default="reference")
+    add_option(p, "threads", help="torch intra-op threads; 1 suits tiny tensors on a shared CPU, 0 lets torch choose")
     add_force_argument(p)
     add_output_arguments(p, what="the results")
+    add_config_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         check_device,
         check_output_file,
         check_recompute_layers,
+        execution_config,
         model_spec,
         summarize,
     )
@@ -105,12 +88,7 @@ def run(args: argparse.Namespace) -> int:
     per_mode = 2 + (next(model.parameters()).device.type != "cuda")
     bar = progress(1 + 2 * per_mode, "compare", "phase")
     bar.set_postfix_str("prepare compact", refresh=False)
-    execution = ExecutionConfig(
-        **recompute,
-        attention=args.attention,
-        no_replay=args.no_replay,
-        linear_attention_backend=args.la_backend,
-    )
+    execution = execution_config(args, no_replay=args.no_replay)
     inputs = model.prepare_compact(batch, execution)
     bar.update()
 

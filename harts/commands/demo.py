@@ -3,8 +3,9 @@
 A tiny hybrid LM (KDA + GDN + MLA + gated attention, MoE FFNs) samples rollout trees on
 ``ToolLookup`` (call the tool with the key asked for, read its output, answer from it; forks
 at turn boundaries, retries after tool errors), then trains on them with GRPO in compact mode.
-Every step prints reward, success, KL to the initial weights, clip fraction, entropy,
-compression (raw / compact tokens), the sampler-vs-trainer log-prob gap, step time and tokens/s;
+Every step prints reward, success, KL to the initial weights, KL from the sampler's log-probs,
+clip fraction, entropy, compression (raw / compact tokens), the sampler-vs-trainer log-prob gap,
+the loss (with a note, once, on why it stays near 0), the gradient norm, step time and tokens/s;
 ``RUN_DIR/metrics.jsonl`` gets the same per step (TensorBoard too with ``--tensorboard``). The
 closing note compares the first and last steps' rewards with chance.
 
@@ -39,6 +40,11 @@ newest checkpoint that loads, or starts the run there when it has none
 
 An existing non-empty RUN_DIR is an error unless ``--overwrite`` (a new run there also drops the
 old run's checkpoints).
+
+``--config FILE`` reads the flags from a TOML file (``harts.commands._config``): the schema's
+sections for the options every command shares (``[execution] mode``, ``[optimizer] lr``,
+``[outputs] run_dir``...) and ``[demo]`` for the demo's own (``tasks = 8``); each step's
+``ExecutionConfig`` is the schema's (``harts.trainer.options.execution_config``).
 """
 
 from __future__ import annotations
@@ -46,13 +52,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from harts.commands._config import add_config_argument
 from harts.commands._inputs import (
+    add_option,
     add_output_arguments,
-    learning_rate,
-    nonneg_float,
     positive_float,
     positive_int,
-    seed_int,
 )
 from harts.commands._memory import add_force_argument
 from harts.commands._runs import Interrupted, Signals, check_run_dir
@@ -70,72 +75,65 @@ COLUMNS = (
     ("reward", "reward", "{:>6.3f}"),
     ("success", "success", "{:>7.3f}"),
     ("kl", "kl", "{:>6.3f}"),
+    ("kl-sampler", "kl_sampler", "{:>10.4f}"),
     ("clip", "clip_frac", "{:>5.3f}"),
     ("entropy", "entropy", "{:>7.3f}"),
     ("compress", "compression", "{:>7.2f}x"),
     ("mismatch", "mismatch", "{:>8.1e}"),
     ("loss", "loss", "{:>7.4f}"),
+    ("grad-norm", "grad_norm", "{:>9.4f}"),
     ("step_s", "step_seconds", "{:>6.2f}"),
     ("tok/s", "tokens_per_second", "{:>6.0f}"),
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--run-dir",
-        default=None,
-        metavar="DIR",
-        help=f"where metrics.jsonl, the checkpoints and the summary go (default {DEFAULT_RUN_DIR})",
+    add_option(
+        p, "run_dir", help=f"where metrics.jsonl, the checkpoints and the summary go (default {DEFAULT_RUN_DIR})"
     )
-    p.add_argument("--steps", type=positive_int, default=60, help="online steps (sample, then train)")
-    p.add_argument(
-        "--mode",
-        default="compact",
-        choices=["compact", "trajectory", "both"],
+    add_option(p, "steps", default=60, help="online steps (sample, then train)")
+    # both: not an execution mode, the demo's two runs side by side
+    add_option(
+        p,
+        "mode",
+        choices=("compact", "trajectory", "both"),
         help="compact (harts), trajectory (the baseline) or both, same seed, side by side",
     )
-    p.add_argument("--seed", type=seed_int, default=0, help="model init, tasks and sampling")
+    add_option(p, "seed", help="model init, tasks and sampling")
     p.add_argument("--tasks", type=positive_int, default=32, help="episodes (rollout trees) per step")
     p.add_argument("--group-size", type=positive_int, default=4, help="first turns sampled per task")
     p.add_argument("--fork-width", type=positive_int, default=2, help="branches at each later turn boundary")
     p.add_argument("--max-leaves", type=positive_int, default=8, help="paths per task at most")
     p.add_argument("--updates", type=positive_int, default=2, help="optimizer updates per step")
-    p.add_argument(
-        "--lr",
-        type=learning_rate,
-        default=3e-3,
-        help="AdamW learning rate, in (0, 1]: AdamW moves every weight by about this much per step, so a larger "
-        "one diverges",
-    )
-    p.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="k3 KL penalty to the initial weights")
+    add_option(p, "lr", default=3e-3)
+    add_option(p, "kl_coef", help="k3 KL penalty to the initial weights")
     p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"], help="model dtype")
-    p.add_argument("--device", default="cpu", help="torch device (sampling and training)")
-    p.add_argument(
-        "--threads",
+    add_option(p, "dtype")
+    add_option(p, "device", help="torch device (sampling and training)")
+    # torch.set_num_threads directly: 0 (torch's choice) is not taken
+    add_option(
+        p,
+        "threads",
         type=positive_int,
-        default=1,
         help="CPU threads for torch (a tiny model gains nothing from more, and on a busy machine "
         "oversubscribed threads make every step many times slower)",
     )
-    p.add_argument("--tensorboard", action="store_true", help="also log to RUN_DIR/tensorboard (if installed)")
-    p.add_argument(
-        "--save-every",
-        type=positive_int,
-        default=None,
-        metavar="N",
+    add_option(p, "tensorboard", help="also log to RUN_DIR/tensorboard (if installed)")
+    add_option(
+        p,
+        "save_every",
         help="also checkpoint every N steps (always: at the end, on Ctrl-C / SIGTERM, when a step fails)",
     )
-    p.add_argument(
-        "--resume",
-        default=None,
-        metavar="RUN_DIR|auto",
+    add_option(
+        p,
+        "resume",
         help="continue the run in RUN_DIR from its latest checkpoint, up to --steps (same flags otherwise); "
         "auto: continue --run-dir from its newest checkpoint that loads (damaged newer ones are passed over), "
         "or start it there when it has none",
     )
     add_force_argument(p)
     add_output_arguments(p, what="the summary")
+    add_config_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,6 +166,7 @@ def _run(args: argparse.Namespace, signals: Signals) -> int:
     resolve_resume(args, subdirs, DEFAULT_RUN_DIR)
     if args.run_dir is None and args.resume is None:
         args.run_dir = DEFAULT_RUN_DIR
+    _refuse_second_run(args, subdirs)
     check_run_dir(args, subdirs)
     root = args.resume or args.run_dir
     check_device(args.device)
@@ -258,6 +257,8 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
     if found is not None:
         left = f"steps {start}..{args.steps - 1} to go" if start < args.steps else "no step left"
         print(f"resumed {run_dir} after step {start - 1}; {left}")
+    if mode == modes_first(args):
+        print(f"harts: note: {FLAT_LOSS_NOTE}", flush=True)
     header = "  ".join(f"{h:>{len(fmt.format(0))}}" for h, _, fmt in COLUMNS)
     print(header, flush=True)
     try:
@@ -295,14 +296,27 @@ def _train(args: argparse.Namespace, mode: str, run_dir: str, signals: Signals) 
     return _summary(args, mode, trainer, env, run_dir, time.perf_counter() - t_start)
 
 
+#: why the demo's loss column hovers near 0 while the policy learns (printed once, above the table)
+FLAT_LOSS_NOTE = (
+    "the loss is GRPO's surrogate near the sampled weights, about -(mean advantage), which is 0 for "
+    "group-normalized advantages: it does not track learning; reward, kl (to the initial weights), kl-sampler "
+    "(from the sampler's log-probs, 0 at each step's first update), entropy and grad-norm do"
+)
+
+
+def modes_first(args: argparse.Namespace) -> str:
+    """The first mode ``args`` runs (the flat-loss note is printed above its table only)."""
+    return "compact" if args.mode == "both" else str(args.mode)
+
+
 def _trainer(args: argparse.Namespace, mode: str, vocab_size: int) -> tuple[Any, Any]:
     """The tiny model (seeded) and its online trainer for ``mode``."""
     import torch
 
+    from harts.commands._inputs import execution_config
     from harts.commands._memory import check_memory
     from harts.envs import ToolLookup
     from harts.models.config import HybridConfig
-    from harts.models.execution.config import ExecutionConfig
     from harts.models.hybrid_lm import HybridLM
     from harts.rollout.collect import RolloutConfig
     from harts.trainer.build import ModelSpec
@@ -324,11 +338,22 @@ def _trainer(args: argparse.Namespace, mode: str, vocab_size: int) -> tuple[Any,
         ),
         # one attention call per branch: the tiny model's head dims (8, 12) are below the
         # minimum (16) of FlexAttention, which the tree-mask path uses on CUDA
-        train=TrainConfig(lr=args.lr, kl_coef=args.kl_coef, execution=ExecutionConfig(mode=mode, attention="gather")),
+        train=TrainConfig(
+            lr=args.lr, kl_coef=args.kl_coef, execution=execution_config(args, mode=mode, attention="gather")
+        ),
         updates=args.updates,
         seed=args.seed,
     )
     return model, OnlineTrainer(model, ToolLookup, cfg)
+
+
+def _refuse_second_run(args: argparse.Namespace, subdirs: tuple[str, ...]) -> None:
+    """``refuse_second_run`` with the flags a demo run is continued with."""
+    from harts.commands._resume import refuse_second_run
+
+    where = "" if args.run_dir == DEFAULT_RUN_DIR else f" --run-dir {args.run_dir}"
+    mode = f" --mode {args.mode}" if args.mode != "compact" else ""
+    refuse_second_run(args, "demo", where + mode, subdirs)
 
 
 def _resume_or_start(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harts.commands._inputs import add_model_arguments, add_output_arguments, nonneg_int, positive_int, seed_int
+from harts.commands._inputs import add_model_arguments, add_option, add_output_arguments, nonneg_int, positive_int
 from harts.commands._memory import add_force_argument
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
@@ -27,15 +27,10 @@ _SETTINGS = {"both": (False, True), "off": (False,), "on": (True,)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--workload",
-        default="small",
-        metavar="NAME|FILE",
-        help="built-in workload preset (tiny, small, medium, swe) or a batch file (.jsonl/.parquet)",
-    )
+    add_option(p, "workload", default="small")
     p.add_argument("--step", type=nonneg_int, default=0, help="workload step (built-in presets)")
-    p.add_argument("--seed", type=seed_int, default=0, help="workload and model-init seed")
-    p.add_argument("--capacity", type=positive_int, default=8192, help="microbatch capacity T (compact tokens)")
+    add_option(p, "seed")
+    add_option(p, "capacity", default=8192, help="microbatch capacity T (compact tokens)")
     p.add_argument(
         "--microbatches",
         type=positive_int,
@@ -58,10 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="both",
         help="full-layer activation recomputation: run without it, with it, or both",
     )
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "gather", "mask"],
+    add_option(
+        p,
+        "attention",
         help="full attention of every path (mask on CUDA / gather on CPU for auto, default)",
     )
     p.add_argument(

@@ -6,11 +6,11 @@ import argparse
 import contextlib
 
 from harts.commands._inputs import (
+    add_option,
     add_output_arguments,
     add_planner_workers_argument,
+    add_workload_preset_arguments,
     positive_float,
-    positive_int,
-    seed_int,
 )
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
@@ -21,15 +21,12 @@ HELP = "Prefix-aware step planning (paper Tables 2-3): compact work, planning ti
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="*", help="RolloutBatch files (.jsonl or .parquet), one step each")
-    p.add_argument("--workload", default=None, help="built-in workload preset (tiny, small, medium, swe)")
-    p.add_argument(
-        "--steps", type=positive_int, default=None, help="steps of the workload (default: all of the preset)"
-    )
-    p.add_argument("--dp", type=positive_int, default=4, help="data-parallel degree D")
-    p.add_argument("--capacity", type=positive_int, default=65536, help="microbatch capacity T in compact tokens")
+    add_workload_preset_arguments(p)
+    add_option(p, "dp", default=4, help="data-parallel degree D")
+    add_option(p, "capacity", help="microbatch capacity T in compact tokens")
     p.add_argument("--baseline", choices=["ortools"], default=None, help="also run this baseline planner")
     p.add_argument("--time-limit", type=positive_float, default=10.0, help="OR-Tools CP-SAT seconds per replica")
-    p.add_argument("--seed", type=seed_int, default=0, help="workload seed (and CP-SAT seed)")
+    add_option(p, "seed", help="workload seed (and CP-SAT seed)")
     add_planner_workers_argument(p)
     add_output_arguments(p, what="every number")
     p.add_argument(

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 
+from harts.commands._config import add_config_argument
 from harts.commands._inputs import (
     MODEL_PRESETS,
     add_execution_arguments,
-    add_la_backend_argument,
-    add_layers_argument,
+    add_option,
+    add_options,
     add_output_arguments,
     positive_float,
     positive_int,
-    seed_int,
 )
 from harts.commands._memory import add_force_argument
 
@@ -39,9 +39,9 @@ HELP = "A Tinker-compatible training server: the tinker SDK trains, samples and 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="tiny",
+    add_option(
+        p,
+        "model",
         metavar="PRESET_OR_DIR",
         help=f"a preset ({', '.join(MODEL_PRESETS)}: the real models' shapes, random init) or a "
         "transformers / harts checkpoint directory",
@@ -50,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model-name",
         default=None,
         help="the name clients pass as base_model (default: the preset name, or the directory's name)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a tokenizer directory (AutoTokenizer files) served with the model: clients' get_tokenizer loads it "
+        "and string stop sequences decode with it (default: the checkpoint directory's own; a preset has none)",
     )
     p.add_argument(
         "--host",
@@ -77,16 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="where checkpoints go (runs/<model_id>/...); client paths never leave it",
     )
-    p.add_argument("--device", default="cpu", help="torch device of the engines")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"], help="model dtype")
-    add_layers_argument(p)
-    add_la_backend_argument(p, default="auto")
+    add_option(p, "device", help="torch device of the engines")
+    add_options(p, "dtype", "layers", "la_backend")
     add_execution_arguments(p)
-    p.add_argument("--seed", type=seed_int, default=0, help="model init (presets), default LoRA seed, sampling seeds")
-    p.add_argument(
-        "--capacity",
-        type=positive_int,
-        default=65_536,
+    add_option(p, "seed", help="model init (presets), default LoRA seed, sampling seeds")
+    add_option(
+        p,
+        "capacity",
         help="engine microbatch capacity in tokens; also the longest datum and prompt + completion",
     )
     p.add_argument(
@@ -109,10 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--poll-seconds", type=positive_float, default=30.0, help="how long one future poll waits before 'try again'"
     )
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    add_option(p, "threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log")
     add_force_argument(p)
     add_output_arguments(p, what="the server's base URL, served model and state directory, once it listens,")
+    add_config_argument(p)
 
 
 def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
@@ -172,11 +177,11 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import os
+    from dataclasses import replace
     from pathlib import Path
 
-    from harts.commands._inputs import recompute_fields
+    from harts.commands._inputs import execution_config
     from harts.commands._memory import check_memory, run_memory_check
-    from harts.models.execution.config import ExecutionConfig
     from harts.serve.config import API_KEY_ENV, ServeConfig
     from harts.serve.sampling import SAMPLER_ENGINES
     from harts.serve.server import serve
@@ -188,14 +193,14 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or ("" if tenants is not None else os.environ.get(API_KEY_ENV, ""))
     if tenants is None and api_key:  # a key without a secret part is one line before any estimate
         check_keys({DEFAULT_TENANT: api_key}, source="--api-key")
-    execution = {**recompute_fields(args), "attention": args.attention, "linear_attention_backend": args.la_backend}
+    execution = execution_config(args)
     # what the server holds at once: the served weights once (every LoRA run trains its adapters
     # over them, harts.trainer.lora.adapted_view), the sampling engines beside them (the base
     # model, exported weights read from disk), and one microbatch at --capacity (the worker runs
     # one request at a time); a run without LoRA is checked when it is asked for
     spec = ModelSpec(model=args.model, layers=args.layers, dtype=args.dtype, device=args.device)
     # the engines' own execution (recomputation sizes the activations), with their fused LM head
-    engine_execution = ExecutionConfig(**execution, fused_logprobs=True)
+    engine_execution = replace(execution, fused_logprobs=True)
     check_memory(
         spec,
         None,
@@ -210,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(
         model=args.model,
         model_name=args.model_name,
+        tokenizer=args.tokenizer,
         api_key=api_key,
         tenants=tenants,
         host=args.host,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from harts.commands._inputs import add_output_arguments, positive_int, seed_int
+from harts.commands._inputs import add_option, add_output_arguments, add_workload_preset_arguments, positive_int
 
 #: every user error here is a harts.errors.UserError (see harts.cli)
 TYPED_ERRORS = True
@@ -14,11 +14,8 @@ HELP = "Print paths, raw/compact tokens, compression, forks and depth for a batc
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", nargs="?", help="a RolloutBatch file (.jsonl or .parquet)")
-    p.add_argument("--workload", default=None, help="built-in workload preset (tiny, small, medium, swe)")
-    p.add_argument(
-        "--steps", type=positive_int, default=None, help="steps of the workload (default: all of the preset)"
-    )
-    p.add_argument("--seed", type=seed_int, default=0, help="workload seed")
+    add_workload_preset_arguments(p)
+    add_option(p, "seed", help="workload seed")
     p.add_argument(
         "--chunk-size",
         type=positive_int,

@@ -65,18 +65,16 @@ import argparse
 import functools
 from typing import TYPE_CHECKING, Any
 
+from harts.commands._config import add_config_argument
 from harts.commands._inputs import (
     add_execution_arguments,
-    add_logprobs_argument,
     add_lora_arguments,
     add_model_arguments,
+    add_option,
+    add_options,
     add_output_arguments,
     add_planner_workers_argument,
     add_workload_arguments,
-    learning_rate,
-    nonneg_float,
-    positive_int,
-    recompute_fields,
 )
 from harts.commands._memory import add_force_argument, train_memory_check
 from harts.commands._runs import Interrupted, Signals, check_run_dir
@@ -91,133 +89,22 @@ HELP = "GRPO training on rollout trees (compact execution; --mode trajectory for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag is the schema's (``harts.trainer.options.OPTIONS``: its spelling, check, default
+    and help), but ``--force``; ``--config FILE`` reads them from a TOML file."""
     add_workload_arguments(p, default="tiny", data=True)
     add_model_arguments(p)
-    p.add_argument(
-        "--mode",
-        default="compact",
-        choices=["compact", "trajectory"],
-        help="compact (harts) or trajectory (the baseline: raw-token microbatches)",
-    )
-    p.add_argument(
-        "--capacity",
-        type=positive_int,
-        default=65_536,
-        help="microbatch capacity T (compact tokens; raw tokens with --mode trajectory)",
-    )
-    p.add_argument(
-        "--lr",
-        type=learning_rate,
-        default=1e-4,
-        help="AdamW learning rate, in (0, 1]: AdamW moves every weight by about this much per step, so a larger "
-        "one diverges",
-    )
-    p.add_argument("--kl-coef", type=nonneg_float, default=0.0, help="KL penalty coefficient (needs ref_logprobs)")
+    add_options(p, "mode", "capacity", "lr", "kl_coef")
     add_lora_arguments(p)
     add_execution_arguments(p)
-    add_logprobs_argument(p, default="actions", why="the GRPO loss and the step logs read no other log-prob")
-    p.add_argument(
-        "--save",
-        default=None,
-        metavar="DIR",
-        help="save the trained weights here, in a directory --model DIR loads (a transformers checkpoint when "
-        "--model was one, else harts' own: config.json + model.safetensors); with --lora the adapters alone "
-        "(adapter_config.json + adapter_model.safetensors: PEFT's layout for a transformers --model, harts' "
-        "own for a preset); also on Ctrl-C / SIGTERM, after the last completed step",
-    )
-    p.add_argument(
-        "--export-hf",
-        default=None,
-        metavar="DIR",
-        help="also save the trained weights as a transformers checkpoint (config.json + safetensors) here, "
-        "whenever --save would; for a --model that is a transformers checkpoint; with --lora the adapters merged "
-        "into the weights (W + alpha / RANK * B A)",
-    )
-    p.add_argument(
-        "--dp", type=positive_int, default=None, help="ranks that hold the same experts (default: ranks / --ep)"
-    )
-    p.add_argument(
-        "--ep", type=positive_int, default=1, help="expert-parallel degree: ranks each MoE layer is split over"
-    )
-    p.add_argument(
-        "--cp",
-        type=positive_int,
-        default=1,
-        help="Ulysses context-parallel degree: ranks that split each microbatch's compact rows (all-to-all "
-        "around every token mixer); it divides --capacity and the model's heads",
-    )
-    p.add_argument(
-        "--tp",
-        type=positive_int,
-        default=1,
-        help="tensor-parallel degree with sequence parallelism: ranks that split the attention, "
-        "linear-attention and MLP projections by heads / columns, and each microbatch's rows between them",
-    )
-    p.add_argument(
-        "--moe-stats",
-        default="microbatch",
-        choices=["microbatch", "step"],
-        help="MoE z/aux-loss statistics: per microbatch (the paper's) or over the whole step "
-        "(independent of microbatching and ranks; one extra no-grad forward per microbatch)",
-    )
-    p.add_argument(
-        "--replicas",
-        type=positive_int,
-        default=None,
-        help="replicas of the step plan, a multiple of ranks / (--cp x --tp) (default: that); the same value "
-        "keeps the plan, and so the step's MoE objective, when a run resumes on another number of ranks",
-    )
-    p.add_argument(
-        "--reduce-every-microbatch",
-        action="store_true",
-        help="reduce-scatter FSDP gradients after each microbatch (less memory, more communication) "
-        "instead of once per step",
-    )
-    p.add_argument(
-        "--no-prepare-ahead",
-        action="store_true",
-        help="prepare each microbatch's host inputs in the training thread right before it runs, not on a "
-        "background thread while the one before it is launched (the same inputs; for debugging)",
-    )
-    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients, optimizer")
-    p.add_argument(
-        "--meta-init",
-        action="store_true",
-        help="build the model on the meta device and initialise it after sharding, also on one process "
-        "(always so on several ranks: no rank holds the whole model)",
-    )
-    _add_run_arguments(p)
+    add_option(p, "logprobs")
+    add_options(p, "save", "export_hf", "dp", "ep", "cp", "tp", "moe_stats", "replicas")
+    add_options(p, "reduce_every_microbatch", "no_prepare_ahead", "cpu_offload", "meta_init")
+    # the run's directory, its checkpoints and the loggers beside its metrics
+    add_options(p, "run_dir", "save_every", "resume", "tensorboard", "wandb")
     add_planner_workers_argument(p)
     add_force_argument(p)
     add_output_arguments(p, what="the step logs")
-
-
-def _add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """``--run-dir``, ``--save-every``, ``--resume`` and the loggers beside the run's metrics."""
-    p.add_argument(
-        "--run-dir",
-        default=None,
-        metavar="DIR",
-        help="the run's directory: DIR/metrics.jsonl gets every step's metrics (harts plot DIR draws them), "
-        "DIR/checkpoints resumable checkpoints (at the end, on interrupt, and every --save-every steps)",
-    )
-    p.add_argument("--save-every", type=positive_int, default=None, metavar="N", help="checkpoint every N steps")
-    p.add_argument(
-        "--resume",
-        default=None,
-        metavar="RUN_DIR|auto",
-        help="continue the run in RUN_DIR from its latest checkpoint (and keep checkpointing there); auto: "
-        "continue --run-dir from its newest checkpoint that loads, or start it there when it has none",
-    )
-    p.add_argument(
-        "--tensorboard", action="store_true", help="also log the metrics to RUN_DIR/tensorboard (needs tensorboard)"
-    )
-    p.add_argument(
-        "--wandb",
-        default=None,
-        metavar="PROJECT",
-        help="also log the metrics to this Weights & Biases project (needs wandb and a run directory)",
-    )
+    add_config_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -253,55 +140,32 @@ def run(args: argparse.Namespace) -> int:
 
 def config(args: argparse.Namespace) -> RunConfig:
     """The run ``args`` asks for; every flag and output path is checked here, before any work."""
-    import os
-
     from harts.commands._inputs import (
         check_output_dir,
         check_output_file,
         lora_config,
         model_spec,
-        planner_workers,
+        train_config,
         workload_schedule,
     )
-    from harts.commands._resume import resolve_resume
-    from harts.models.execution.config import ExecutionConfig
+    from harts.commands._resume import refuse_second_run, resolve_resume
+    from harts.parallel.mesh import launch_rank
     from harts.trainer.run import RunConfig
-    from harts.trainer.step import TrainConfig
 
-    recompute = recompute_fields(args)  # a bad --recompute-skip fails before any work
+    train = train_config(args)  # a bad --recompute-skip fails before any work
     lora = lora_config(args)
     if lora is not None:
         _check_lora(args)
     resolve_resume(args)  # --resume auto: a run to continue, or one to start
+    refuse_second_run(args, "train", f" --run-dir {args.run_dir}")
     run_dir = args.resume or args.run_dir
     check_output_dir(args.save, "--save", args.overwrite)
     _check_export_hf(args)
-    if os.environ.get("RANK", "0") == "0":
+    if launch_rank() == 0:
         check_output_file(args.json_out, "--json", args.overwrite)
     check_run_dir(args)
     _check_loggers(args, run_dir)
     schedule = workload_schedule(args)
-    execution = ExecutionConfig(
-        mode=args.mode,
-        **recompute,
-        attention=args.attention,
-        linear_attention_backend=args.la_backend,
-        # chunked log-probs in both modes: the baseline's plain log_softmax would hold
-        # [positions, V] logits (tens of GiB per microbatch at a 157 k vocabulary)
-        fused_logprobs=True,
-        logprob_positions=args.logprobs,
-    )
-    train = TrainConfig(
-        capacity=args.capacity,
-        execution=execution,
-        lr=args.lr,
-        kl_coef=args.kl_coef,
-        replicas=args.replicas,
-        moe_statistics=args.moe_stats,
-        reduce_every_microbatch=args.reduce_every_microbatch,
-        planner_workers=planner_workers(args.planner_workers) if args.mode == "compact" else 0,
-        prepare_ahead=not args.no_prepare_ahead,
-    )
     identity = {
         "workload": None if schedule.files else args.workload or "tiny",
         "data": schedule.files,
@@ -436,6 +300,8 @@ _COLUMNS: tuple[tuple[str, Any], ...] = (
     ("adv std", lambda l: f"{l.adv_std:.3f}"),
     ("adv!=0", lambda l: f"{l.adv_nonzero:.0%}"),
     ("clip", lambda l: f"{l.clip_frac:.3f}"),
+    ("kl-sampler", lambda l: "-" if l.kl_sampler is None else f"{l.kl_sampler:.4f}"),
+    ("entropy", lambda l: f"{l.entropy:.3f}"),
     ("plan s", lambda l: f"{l.plan_seconds:.3f}"),
     ("prepare s", lambda l: f"{l.prepare_seconds:.3f}"),
     ("train s", lambda l: f"{l.train_seconds:.3f}"),

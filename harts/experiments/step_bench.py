@@ -60,10 +60,10 @@ import harts.models.regions as regions
 from harts.experiments import probes
 from harts.experiments.bench_result import BenchSide, StepBench
 from harts.experiments.counts import microbatch_counts, recurrence_chunk_steps, warmup_microbatches
-from harts.models.config import LAYER_TYPES
 from harts.models.execution.config import ExecutionConfig
 from harts.models.flops import FlopModel
 from harts.models.hybrid_lm import HybridLM
+from harts.models.layers.registry import mixer_specs
 from harts.plan.baselines.trajectory_plan import TrajectoryPlan, plan_trajectory_step
 from harts.plan.step import PlannerWorkers, StepPlan, plan_step
 from harts.plan.step.step_plan import same_step_plan
@@ -232,7 +232,7 @@ def _run_side(model: HybridLM, side: _Side, opts: _Options, *, plan_seconds: flo
     mode, prepared = side.cfg.execution.mode, side.prepared
     counts = [microbatch_counts(sub, x, mode, side.cfg.execution.logprob_positions) for sub, x in prepared]
     # the recurrence's chain only where the model has a linear-attention layer
-    linear = any(LAYER_TYPES[c][0] == "linear" for c in model.config.layer_pattern)
+    linear = any(s.family == "linear" for s in mixer_specs(model.config.layer_pattern))
     chunk = model.config.chunk_size
     chains = [recurrence_chunk_steps(sub, x, mode, chunk) for sub, x in prepared] if linear else []
     warm = 0.0

@@ -1,16 +1,14 @@
 """HybridConfig: the architecture of a hybrid-attention LM, plus presets.
 
 One config describes every layer type harts executes. ``layer_pattern`` holds one letter
-per decoder layer:
+per decoder layer, naming its token mixer (``harts.models.layers.registry``: K KDA, G GDN,
+S Mamba-2, M MLA, A GQA; ``-`` none).
 
-    K  Kimi Delta Attention (KDA, per-channel decay; Kimi Linear / Ling 3.0)
-    G  Gated DeltaNet (GDN, scalar decay; Qwen3-Next)
-    M  Multi-head Latent Attention (DeepSeek-V3 / Ling 3.0 MLA, optional output gate)
-    A  gated GQA/MHA full attention with q/k norm and partial RoPE (Qwen3-Next)
-
-FFN: layers ``< first_k_dense_replace`` (or every layer when ``num_experts == 0``) use a
-dense SwiGLU MLP of ``intermediate_size``; the rest use a no-drop top-k MoE. Field names
-follow transformers where one exists so state-dict adapters stay thin.
+FFN: by default every layer has one: layers ``< first_k_dense_replace`` (or every layer when
+``num_experts == 0``) a dense MLP of ``intermediate_size``, the rest a no-drop top-k MoE.
+``ffn_pattern``, when given, says it per layer instead (``D`` dense, ``E`` MoE, ``-`` none), so
+a decoder layer may be a mixer only, an FFN only, or both (Nemotron-H's layers are one block
+each). Field names follow transformers where one exists so state-dict adapters stay thin.
 
 Presets (``HybridConfig.preset(name, layers=N)``): ``tiny``, ``ling3_tiny`` and the real models
 of ``harts.models.presets`` (Qwen3.5, Qwen3-Next, Kimi Linear); ``layers`` keeps the first N
@@ -29,7 +27,7 @@ from harts.models.presets import MODEL_FIELDS
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HybridConfig", "LAYER_TYPES", "PRESET_NAMES", "preset_key"]
+__all__ = ["HybridConfig", "PRESET_NAMES", "preset_key"]
 
 #: every name ``HybridConfig.preset`` takes
 PRESET_NAMES: tuple[str, ...] = ("tiny", "ling3_tiny", *MODEL_FIELDS)
@@ -44,21 +42,23 @@ def preset_key(name: str) -> str:
     return key
 
 
-#: layer letter -> (family, description)
-LAYER_TYPES = {
-    "K": ("linear", "Kimi Delta Attention"),
-    "G": ("linear", "Gated DeltaNet"),
-    "M": ("full", "Multi-head Latent Attention"),
-    "A": ("full", "gated grouped-query attention"),
-}
+#: the letters of ``layer_pattern``: the mixer registry's (``harts.models.layers.registry.MIXERS``,
+#: which imports the layers, which import this module: the registry's test checks the two agree)
+#: and "-" for no mixer
+LAYER_LETTERS = "KGMAS-"
+#: the FFN letters of ``ffn_pattern``: dense MLP, MoE, none
+FFN_LETTERS = "DE-"
 
 
 @dataclass(kw_only=True)
 class HybridConfig:
     """Hyperparameters of a ``HybridLM``; see the module docstring for the layer letters."""
 
-    #: one letter per decoder layer, from ``LAYER_TYPES``
+    #: one letter per decoder layer: its mixer (``harts.models.layers.registry.MIXERS``) or "-"
     layer_pattern: str = "KGMA"
+    #: one letter per decoder layer, its FFN: "D" dense, "E" MoE, "-" none; "" (the default):
+    #: every layer has one, MoE from ``first_k_dense_replace`` on when ``num_experts`` > 0
+    ffn_pattern: str = ""
     vocab_size: int = 64
     hidden_size: int = 32
     rms_norm_eps: float = 1e-6
@@ -68,6 +68,12 @@ class HybridConfig:
     initializer_range: float = 0.02
     #: parameter dtype name, "float32" or "float64"
     dtype: str = "float32"
+    #: Granite's scalings (1.0: none): the embeddings times ``embedding_multiplier``, each block's
+    #: output times ``residual_multiplier`` before its residual add, the logits divided by
+    #: ``logits_scaling``
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     # ---- linear attention (K and G layers)
     #: linear-attention execution chunk B (a power of two >= 8 in the reference path)
@@ -87,13 +93,26 @@ class HybridConfig:
     kda_safe_gate: bool = False
     kda_lower_bound: float = -5.0
 
+    # ---- Mamba-2 (S layers; the conv width is linear_conv_kernel_dim, the norm eps rms_norm_eps)
+    mamba_num_heads: int = 4
+    mamba_head_dim: int = 8
+    ssm_state_size: int = 8
+    #: groups of B / C (and of the gated norm's channels)
+    mamba_n_groups: int = 2
+    mamba_conv_bias: bool = True
+
     # ---- full attention: A layers (gated GQA)
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 8
-    #: fraction of ``head_dim`` rotated by RoPE in A layers
+    #: fraction of ``head_dim`` rotated by RoPE in A layers; 0: no position encoding (NoPE:
+    #: Nemotron-H, Granite 4.0-H)
     partial_rotary_factor: float = 0.5
     attn_output_gate: bool = True
+    #: RMSNorm of q and k per head (Qwen3-Next); False: none (Nemotron-H)
+    attn_qk_norm: bool = True
+    #: the softmax scale of A layers; None: head_dim ** -0.5 (Granite's ``attention_multiplier``)
+    attn_scale: float | None = None
     rope_theta: float = 10000.0
 
     # ---- full attention: M layers (MLA); heads = num_attention_heads
@@ -114,6 +133,8 @@ class HybridConfig:
     mla_norm_eps: float | None = None
 
     # ---- FFN
+    #: "silu": SwiGLU (gate, up, down); "relu2": relu(up x)^2 through down, no gate (Nemotron-H);
+    #: for the dense MLPs, the routed and the shared experts alike
     hidden_act: str = "silu"
     intermediate_size: int = 64
     #: 0 = every FFN is dense
@@ -147,7 +168,13 @@ class HybridConfig:
         return len(self.layer_pattern)
 
     def is_moe_layer(self, i: int) -> bool:
+        if self.ffn_pattern:
+            return self.ffn_pattern[i] == "E"
         return self.num_experts > 0 and i >= self.first_k_dense_replace
+
+    def has_ffn(self, i: int) -> bool:
+        """Whether decoder layer ``i`` has an FFN block (``ffn_pattern``)."""
+        return not self.ffn_pattern or self.ffn_pattern[i] != "-"
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -224,12 +251,13 @@ class HybridConfig:
 
     def validate(self) -> None:
         self._validate_types()
-        bad = sorted(set(self.layer_pattern) - set(LAYER_TYPES))
+        bad = sorted(set(self.layer_pattern) - set(LAYER_LETTERS))
         if not self.layer_pattern or bad:
             raise UserError(
-                f"layer_pattern {self.layer_pattern!r}: letters must be from {''.join(LAYER_TYPES)}"
+                f"layer_pattern {self.layer_pattern!r}: letters must be from {LAYER_LETTERS}"
                 + (f", got {bad}" if bad else ", got an empty pattern")
             )
+        self._validate_blocks()
         if self.dtype not in ("float32", "float64", "bfloat16"):
             raise UserError(f"dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
         if self.chunk_size < 8 or self.chunk_size & (self.chunk_size - 1):
@@ -247,10 +275,10 @@ class HybridConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         rot = int(self.head_dim * self.partial_rotary_factor)
-        if rot % 2 or not 0 < self.partial_rotary_factor <= 1:
+        if rot % 2 or not 0 <= self.partial_rotary_factor <= 1:
             raise UserError(
                 f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} must give an "
-                "even, positive number of rotary dims"
+                "even number of rotary dims (0: no RoPE)"
             )
         if self.qk_rope_head_dim % 2:
             raise UserError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
@@ -268,8 +296,24 @@ class HybridConfig:
                 )
             if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
                 raise UserError("topk_group groups hold fewer experts than num_experts_per_tok")
-        if self.hidden_act != "silu":
-            raise UserError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+        if self.hidden_act not in ("silu", "relu2"):
+            raise UserError(f"hidden_act must be 'silu' or 'relu2', got {self.hidden_act!r}")
+
+    def _validate_blocks(self) -> None:
+        """``ffn_pattern`` one known letter per layer, every layer with a block, MoE layers only
+        with experts, and Mamba-2's heads in whole groups."""
+        fp, n = self.ffn_pattern, self.num_hidden_layers
+        if fp and (len(fp) != n or set(fp) - set(FFN_LETTERS)):
+            raise UserError(f"ffn_pattern {fp!r}: one letter of {FFN_LETTERS} per layer of layer_pattern ({n} layers)")
+        empty = [i for i in range(n) if self.layer_pattern[i] == "-" and not self.has_ffn(i)]
+        if empty:
+            raise UserError(f"decoder layers {empty} have neither a mixer nor an FFN (layer_pattern / ffn_pattern)")
+        if "E" in fp and not self.num_experts:
+            raise UserError("ffn_pattern has MoE layers ('E') but num_experts is 0")
+        if "S" in self.layer_pattern and self.mamba_num_heads % self.mamba_n_groups:
+            raise UserError(
+                f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of mamba_n_groups ({self.mamba_n_groups})"
+            )
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -366,6 +410,7 @@ class HybridConfig:
         moe = any(self.is_moe_layer(i) for i in range(layers))
         return self.replace(
             layer_pattern=self.layer_pattern[:layers],
+            ffn_pattern=self.ffn_pattern[:layers],
             first_k_dense_replace=min(self.first_k_dense_replace, layers) if moe else 0,
             num_experts=self.num_experts if moe else 0,
         )

@@ -18,9 +18,12 @@ The formula counts useful model work on the rows each side executes, the same wa
   position; harts: each compact row with a prediction, once, however many positions share it).
 * pairs: visible (query, key) pairs of full attention: a row at trajectory position p sees
   p + 1 keys, causally in a trajectory, its ancestors-or-self in a tree. Sum of p + 1 over rows.
-* linear attention (per row and head, chunk B, key dim K, value dim V): in-chunk Q K^T and
-  K K^T (4 B K), the WY factors W and U (2 B K + 2 B V), the intra-chunk output (2 B V), the
-  triangular solve (2/3 B^2) and the three state products Q S, W S, K^T delta (6 K V).
+* linear attention (per row and head, chunk B, key dim K, value dim V), as each mixer's spec
+  counts it (``MixerSpec.core_flops``): the delta rule (KDA, GDN) in-chunk Q K^T and K K^T
+  (4 B K), the WY factors W and U (2 B K + 2 B V), the intra-chunk output (2 B V), the
+  triangular solve (2/3 B^2) and the three state products Q S, W S, K^T delta (6 K V); the
+  plain rule (Mamba-2's SSD) Q K^T (2 B K), the intra-chunk output (2 B V) and the state
+  products Q S, K^T V (4 K V).
 * Recomputation (``--recompute``) re-runs forwards: that work is not counted.
 
 **A frozen base (LoRA).** Training counts only the work the gradients it needs take. A weight
@@ -53,6 +56,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from harts.models.hybrid_lm import HybridLM
+from harts.models.layers.registry import mixer_spec
 
 __all__ = ["FlopModel", "LORA_MFU_FORMULA", "MFU_FORMULA", "PEAK_TFLOPS", "active_matmul_params", "peak_tflops"]
 
@@ -116,15 +120,14 @@ class FlopModel:
         head, head_adapter = _lm_head(model)
         v, d = head.shape
         per_pair = per_la = 0.0
-        b = cfg.chunk_size
         for letter in cfg.layer_pattern:
-            if letter == "M":
-                per_pair += 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-            elif letter == "A":
-                per_pair += 2 * cfg.num_attention_heads * 2 * cfg.head_dim
-            else:  # K or G
-                k, vd, h = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
-                per_la += h * (6 * b * k + 4 * b * vd + 2 / 3 * b * b + 6 * k * vd)
+            spec = mixer_spec(letter)
+            if spec is None:
+                continue
+            # each mixer's core, as its spec counts it (``MixerSpec.core_flops``)
+            pair, row = spec.core_flops(cfg)
+            per_pair += pair
+            per_la += row
         return cls(
             per_row_matmul=2 * active,
             per_logit_row=2.0 * v * d,
@@ -181,7 +184,7 @@ def _active_counts(module: nn.Module, top_k: int) -> tuple[float, float, float]:
         if isinstance(m, (nn.Linear, TopKRouter)):
             weights, share = [_stored(m, "weight")], 1.0
         elif isinstance(m, Experts):
-            weights, share = [_stored(m, "gate_up_proj"), _stored(m, "down_proj")], top_k / m.num_experts
+            weights, share = [_stored(m, n) for n in m.weight_names], top_k / m.num_experts
         else:
             continue
         for weight, extra in weights:

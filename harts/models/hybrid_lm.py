@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import harts.models.regions as regions
-from harts.models.config import LAYER_TYPES, HybridConfig
+from harts.models.config import HybridConfig
 from harts.models.execution.backends import Backends, resolve_backends
 from harts.models.execution.base import RowContext
 from harts.models.execution.config import ExecutionConfig
@@ -58,8 +58,10 @@ from harts.models.execution.inputs import (
     prepare_trajectory,
 )
 from harts.models.init import draw_seed, init_weights
-from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
+from harts.models.layers import MLP, MoE
 from harts.models.layers.norms import RMSNorm, add_rms_norm
+from harts.models.layers.registry import mixer_spec
+from harts.models.layers.spec import MixerSpec
 from harts.models.recompute import kept_routing, run_core
 from harts.plan.calls import CallPlan
 from harts.tree.batch import RolloutBatch
@@ -75,8 +77,6 @@ __all__ = [
     "DecoderLayer",
     "ExecutionConfig",
 ]
-
-_MIXERS = {"K": KimiDeltaAttention, "G": GatedDeltaNet, "M": MultiheadLatentAttention, "A": GatedAttention}
 
 
 @dataclass
@@ -99,39 +99,66 @@ class ModelOutput:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h + mixer(norm h)``, then ``h + ffn(norm h)``."""
+    """Pre-norm blocks: the mixer block ``h + mixer(input_layernorm h)``, then the FFN block
+    ``h + ffn(post_attention_layernorm h)``. Either block may be absent (``layer_pattern`` "-",
+    ``ffn_pattern`` "-"): Nemotron-H's layers are one block each. The mixer is the registry's
+    (``harts.models.layers.registry``), held under its spec's attribute (``linear_attn``,
+    ``self_attn``, ``mamba``); ``mlp`` is None without an FFN."""
 
     def __init__(self, config: HybridConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.letter = config.layer_pattern[layer_idx]
-        mixer = _MIXERS[self.letter](config)
-        if LAYER_TYPES[self.letter][0] == "linear":
-            self.linear_attn = mixer
-        else:
-            self.self_attn = mixer
+        spec = self.spec
+        if spec is not None:
+            setattr(self, spec.attribute, spec.module(config))
         self.is_moe = config.is_moe_layer(layer_idx)
-        self.mlp = MoE(config) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        #: Granite's scale of each block's output before its residual add (1.0: none)
+        self.residual_multiplier = config.residual_multiplier
+        self.mlp: nn.Module | None = None
+        if config.has_ffn(layer_idx):
+            self.mlp = (
+                MoE(config) if self.is_moe else MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            )
         eps, off = config.rms_norm_eps, config.norm_unit_offset
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=off)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=off)
+        if spec is not None:
+            self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=off)
+        if self.mlp is not None:
+            self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=off)
 
     @property
-    def mixer(self) -> nn.Module:
-        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+    def spec(self) -> MixerSpec | None:
+        """The mixer's registry entry (``harts.models.layers.registry``); None without a mixer."""
+        return mixer_spec(self.letter)
+
+    @property
+    def mixer(self) -> nn.Module | None:
+        """The token mixer, None in an FFN-only layer."""
+        spec = self.spec
+        return None if spec is None else getattr(self, spec.attribute)
 
     def forward(self, h_TD: torch.Tensor, ctx: RowContext) -> tuple[torch.Tensor, ...]:
-        """Returns ``(h,)`` for a dense FFN, ``(h, z_loss, aux_loss, counts_E)`` for MoE."""
-        norm = self.post_attention_layernorm  # the residual add and this norm in one pass
-        h_TD, x = add_rms_norm(
-            h_TD, self.mixer(self.input_layernorm(h_TD), ctx), norm.weight, norm.eps, norm.unit_offset
-        )
+        """Returns ``(h,)`` for a dense FFN or none, ``(h, z_loss, aux_loss, counts_E)`` for MoE."""
+        mixer, mlp = self.mixer, self.mlp
+        if mixer is None:
+            x = self.post_attention_layernorm(h_TD)
+        else:
+            out = self._scaled(mixer(self.input_layernorm(h_TD), ctx))
+            if mlp is None:
+                return (h_TD + out,)
+            norm = self.post_attention_layernorm  # the residual add and this norm in one pass
+            h_TD, x = add_rms_norm(h_TD, out, norm.weight, norm.eps, norm.unit_offset)
+        assert mlp is not None  # HybridConfig refuses a layer with neither block
         if not self.is_moe:
-            return (h_TD + self.mlp(x),)
+            return (h_TD + self._scaled(mlp(x)),)
         y, z_loss, aux_loss, counts = run_core(
             ctx, self, "moe", functools.partial(self._moe, ctx=ctx), x, ctx.row_weight
         )
-        return h_TD + y, z_loss, aux_loss, counts
+        return h_TD + self._scaled(y), z_loss, aux_loss, counts
+
+    def _scaled(self, y_TD: torch.Tensor) -> torch.Tensor:
+        """A block's output times ``residual_multiplier`` (untouched at 1.0)."""
+        return y_TD if self.residual_multiplier == 1.0 else y_TD * self.residual_multiplier
 
     def _moe(
         self, x_TD: torch.Tensor, w_T: torch.Tensor, ctx: RowContext
@@ -143,6 +170,7 @@ class DecoderLayer(nn.Module):
         routing = None if kept else kept_routing(ctx, self)
         keep_gate_up = kept and ctx.moe_keep_gate_up
         fast = ctx.backends.fast_paths
+        assert self.mlp is not None  # only MoE layers run this
         return self.mlp(x_TD, w_T, routing=routing, lean=kept, keep_gate_up=keep_gate_up, fast=fast)
 
 
@@ -257,7 +285,10 @@ class HybridLM(nn.Module):
         check_prepared(inputs, cfg)
         check_batch(self.config, inputs.batch)
         ctx, tokens, info = self._context(inputs, cfg)
-        h, moe = self._layers(self.embed_tokens(tokens), ctx, cfg, info)
+        h = self.embed_tokens(tokens)
+        if self.config.embedding_multiplier != 1.0:
+            h = h * self.config.embedding_multiplier
+        h, moe = self._layers(h, ctx, cfg, info)
         logprobs = self._head(self.norm(h), inputs, cfg, info)
         if moe is None:
             return ModelOutput(logprobs=logprobs, info=info)
@@ -351,6 +382,8 @@ class HybridLM(nn.Module):
         info["logit_positions"] = int(head.rows.size)
         # host tensors: the head's index plan lives on the host (no device sync)
         rows, targets = torch.as_tensor(head.rows), torch.as_tensor(head.targets)
+        if self.config.logits_scaling != 1.0:  # logits / s, as (h / s) W^T: the head is linear
+            h_TD = h_TD / self.config.logits_scaling
         h_TD, head_weight = regions.enter("lm_head", h_TD, self.lm_head_weight)
         if cfg.use_fused_logprobs:
             from harts.ops.logprob import mapped_logprobs

@@ -28,7 +28,7 @@ same values as one tensor at a time through ``init_value``, in a fraction of its
 Distributions (the layers' own choices, by module and tensor):
 ``nn.Linear`` / ``nn.Embedding`` weights, the router and the experts: normal(0, initializer_range);
 the depthwise short convolutions: uniform(+-1/sqrt(kernel_size)) (torch's ``Conv1d`` default);
-``A_log``: log(uniform(1, 16)); ``dt_bias`` and norm weights: ones (zeros for zero-centred
+``A_log``: log(uniform(1, 16)); ``dt_bias``, Mamba-2's skip ``D`` and norm weights: ones (zeros for zero-centred
 norms); the router's correction bias (a buffer): zeros.
 """
 
@@ -99,7 +99,7 @@ def _module_specs(prefix: str, module: nn.Module, std: float) -> dict[str, tuple
     """(kind, a, b) of each of ``module``'s own parameters and buffers (not its children's)."""
     from harts.models.layers.kda import ShortConvolution
     from harts.models.layers.moe import Experts, TopKRouter
-    from harts.models.layers.norms import RMSNorm, RMSNormGated
+    from harts.models.layers.norms import GroupRMSNormGated, RMSNorm, RMSNormGated
 
     own = [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
     out: dict[str, tuple[str, float, float]] = {}
@@ -108,7 +108,7 @@ def _module_specs(prefix: str, module: nn.Module, std: float) -> dict[str, tuple
         if (
             isinstance(module, (nn.Linear, nn.Embedding, Experts))
             or (isinstance(module, TopKRouter) and n == "weight")
-            or n in ("gate_up_proj", "down_proj")
+            or n in ("gate_up_proj", "up_proj", "down_proj")
         ):
             spec = ("normal", std, 0.0)
         elif isinstance(module, TopKRouter):  # e_score_correction_bias
@@ -119,7 +119,7 @@ def _module_specs(prefix: str, module: nn.Module, std: float) -> dict[str, tuple
             spec = ("uniform", -bound, bound)
         elif isinstance(module, RMSNorm):
             spec = ("zeros" if module.unit_offset else "ones", 0.0, 0.0)
-        elif isinstance(module, RMSNormGated) or n == "dt_bias":
+        elif isinstance(module, (RMSNormGated, GroupRMSNormGated)) or n in ("dt_bias", "D"):
             spec = ("ones", 0.0, 0.0)
         elif n == "A_log":
             spec = ("log_uniform", 1.0, 16.0)

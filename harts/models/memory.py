@@ -61,8 +61,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harts.models.config import LAYER_TYPES, HybridConfig
+from harts.models.config import HybridConfig
 from harts.models.execution.config import ExecutionConfig, flash_views_run
+from harts.models.layers.registry import mixer_spec
 from harts.ops.logprob.mapped import ROW_CHUNK, chunk_rows, head_budget
 
 __all__ = [
@@ -235,53 +236,39 @@ def estimate_memory(
 
 # ---------------------------------------------------------------------------------- parameters
 def parameter_count(config: HybridConfig) -> int:
-    """Parameters of ``HybridLM(config)``, counted from the config (no model is built)."""
+    """Parameters of ``HybridLM(config)``, counted from the config (no model is built): each
+    mixer's from its spec (``harts.models.layers.registry``), a norm per block."""
     c, d = config, config.hidden_size
     total = c.vocab_size * d * (1 if c.tie_word_embeddings else 2) + d  # embedding, head, final norm
     for i, letter in enumerate(c.layer_pattern):
-        total += 2 * d + _mixer_params(c, letter) + _ffn_params(c, i)
+        spec = mixer_spec(letter)
+        if spec is not None:
+            total += d + spec.parameters(c)
+        if c.has_ffn(i):
+            total += d + _ffn_params(c, i)
     return total
-
-
-def _mixer_params(c: HybridConfig, letter: str) -> int:
-    d, w = c.hidden_size, c.linear_conv_kernel_dim
-    if letter == "K":
-        h, k, v = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        n = d * (2 * h * k + h * v) + w * (2 * h * k + h * v) + d * h + h + h * k + v + h * v * d
-        gates = d * v + v * h * k + d * v + v * h * v if c.kda_low_rank_gates else d * h * k + d * h * v
-        return n + gates
-    if letter == "G":
-        hk, hv, k, v = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        conv = 2 * hk * k + hv * v
-        return w * conv + d * (conv + hv * v) + d * 2 * hv + 2 * hv + v + hv * v * d
-    h = c.num_attention_heads
-    if letter == "M":
-        qk, ql, kvl = c.qk_nope_head_dim + c.qk_rope_head_dim, c.q_lora_rank, c.kv_lora_rank
-        q = d * h * qk if ql is None else d * ql + ql + ql * h * qk
-        kv = d * (kvl + c.qk_rope_head_dim) + kvl + kvl * h * (c.qk_nope_head_dim + c.v_head_dim)
-        gate = (d * (h if c.mla_head_gate else h * c.v_head_dim)) if c.mla_output_gate else 0
-        return q + kv + gate + h * c.v_head_dim * d
-    hd, g = c.head_dim, c.num_key_value_heads
-    return d * h * hd * (2 if c.attn_output_gate else 1) + 2 * d * g * hd + h * hd * d + 2 * hd
 
 
 def _ffn_params(c: HybridConfig, i: int) -> int:
     d = c.hidden_size
     if not c.is_moe_layer(i):
-        return 3 * d * c.intermediate_size
+        return (3 if c.hidden_act == "silu" else 2) * d * c.intermediate_size
     shared_i = c.shared_expert_intermediate_size or c.moe_intermediate_size
-    shared = c.num_shared_experts * 3 * d * shared_i + (d if c.shared_expert_gate and c.num_shared_experts else 0)
-    return c.num_experts * d + c.num_experts * 3 * d * c.moe_intermediate_size + shared
+    mats = 3 if c.hidden_act == "silu" else 2  # relu2: no gate projection
+    shared = c.num_shared_experts * mats * d * shared_i + (d if c.shared_expert_gate and c.num_shared_experts else 0)
+    return c.num_experts * d + c.num_experts * mats * d * c.moe_intermediate_size + shared
 
 
 # --------------------------------------------------------------------------------- activations
 def _layer_row_bytes(c: HybridConfig, i: int, dev: str, e: int) -> int:
-    """Bytes one decoder layer keeps for the backward per row: its two norms, its mixer (the
-    core in the compute dtype, at least float32 on the CPU) and its FFN."""
-    d, letter = c.hidden_size, c.layer_pattern[i]
+    """Bytes one decoder layer keeps for the backward per row: its norms, its mixer (the core in
+    the compute dtype, at least float32 on the CPU; counted by the mixer's spec) and its FFN."""
+    d, spec = c.hidden_size, mixer_spec(c.layer_pattern[i])
     cdt = max(e, 4) if dev == "cpu" else e
-    outside, core = _mixer_row_elements(c, letter, dev)
-    return int((2 * d + 1 + outside + _ffn_row_elements(c, i)) * e + core * cdt)
+    outside, core = spec.row_elements(c, dev) if spec is not None else (0.0, 0.0)
+    norms = d * ((spec is not None) + c.has_ffn(i)) + 1
+    ffn = _ffn_row_elements(c, i) if c.has_ffn(i) else 0
+    return int((norms + outside + ffn) * e + core * cdt)
 
 
 def _checkpointed_row_bytes(c: HybridConfig, i: int, dev: str, e: int, cfg: ExecutionConfig, moe_rank: int) -> int:
@@ -289,12 +276,11 @@ def _checkpointed_row_bytes(c: HybridConfig, i: int, dev: str, e: int, cfg: Exec
     its cores (a skipped attention or linear-attention core its saved tensors, a skipped MoE
     block its output, its routed experts' inputs and routing, and with ``moe_keep_gate_up`` the
     first MoE layers their experts' gate/up output)."""
-    d, letter = c.hidden_size, c.layer_pattern[i]
+    d, spec = c.hidden_size, mixer_spec(c.layer_pattern[i])
     cdt = max(e, 4) if dev == "cpu" else e
     kept = d * e
-    family = "linear_attention" if LAYER_TYPES[letter][0] == "linear" else "attention"
-    if family in cfg.recompute_skip:
-        kept += int(_mixer_row_elements(c, letter, dev)[1] * cdt)
+    if spec is not None and spec.core_region in cfg.recompute_skip:
+        kept += int(spec.row_elements(c, dev)[1] * cdt)
     if "moe" in cfg.recompute_skip and c.is_moe_layer(i):
         k = c.num_experts_per_tok
         kept += (k * d + d + 2 * c.num_experts + 6 * k) * e
@@ -303,44 +289,10 @@ def _checkpointed_row_bytes(c: HybridConfig, i: int, dev: str, e: int, cfg: Exec
     return kept
 
 
-def _mixer_row_elements(c: HybridConfig, letter: str, dev: str) -> tuple[float, float]:
-    """(elements kept per row outside the mixer's core, elements kept inside it), the post-mixer
-    add-and-norm included."""
-    d = c.hidden_size
-    if LAYER_TYPES[letter][0] == "linear":
-        h, k, v, b = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, c.chunk_size
-        states = h * k * (k + v) / b  # the chunk transitions and start states, one per chunk
-        if letter == "K":
-            m = 2 * h * k + h * v
-            outside = 6 * m + 3 * d + 4 * h * k + 4 * h * v + (2 * v if c.kda_low_rank_gates else 0) + 7 * h
-            sub = 16 if b % 16 == 0 else b  # the chunk op's sub-block of per-channel decays
-            ref = 11 * h * k + 4 * h * v + 4 * h * sub * k + 3 * h * (b // sub) * k + 3 * h * b + states + 20
-        else:
-            hk = c.linear_num_key_heads
-            m = 2 * hk * k + h * v
-            outside = 6 * m + (2 * hk * k + 2 * h * v) + 3 * h * k + 4 * h * v + 3 * d + 10 * h
-            ref = 8 * h * k + 5 * h * v + 7 * h * b + states + 30
-        # fla-core keeps q, k, v, g, beta, the in-chunk matrices [B] and the chunk states
-        fla = 3 * h * k + h * v + h + 2 * h * b + h * k * v / b
-        return outside, ref if dev == "cpu" else fla
-    h = c.num_attention_heads
-    if letter == "M":
-        qk, hv = c.qk_nope_head_dim + c.qk_rope_head_dim, h * c.v_head_dim
-        ql = 3 * c.q_lora_rank if c.q_lora_rank is not None else h * qk
-        outside = 3 * d + ql + 3 * hv + 3 * c.kv_lora_rank + 3 * c.qk_rope_head_dim + 3
-        # the CPU kernel pads q, k, v and the output to one head dim
-        width = max(qk, c.v_head_dim) if dev == "cpu" else None
-        core = 4 * h * width + 4 * h if width else 2 * h * qk + 2 * hv + 4 * h
-        return outside, core
-    hd, g = c.head_dim, c.num_key_value_heads
-    outside = (2 if c.attn_output_gate else 1) * h * hd + 3 * d + 4 * h * hd + 2 * g * hd + 3 * h + g + 3
-    return outside, 2 * h * hd + 2 * g * hd + h
-
-
 def _ffn_row_elements(c: HybridConfig, i: int) -> float:
     d = c.hidden_size
-    if not c.is_moe_layer(i):
-        return 4 * c.intermediate_size + d
+    if not c.is_moe_layer(i):  # SwiGLU: gate, up, their product, silu; relu2: up, relu, its square
+        return (4 if c.hidden_act == "silu" else 3) * c.intermediate_size + d
     k, shared_i = c.num_experts_per_tok, c.shared_expert_intermediate_size or c.moe_intermediate_size
     routed = k * d + 5 * k * c.moe_intermediate_size + 6 * k
     return routed + d + 4 * c.num_shared_experts * shared_i + 2 * c.num_experts + 8
@@ -370,14 +322,10 @@ def _view_bytes(
     cdt = max(e, 4) if dev == "cpu" else e
     kept, backward = 0, 0
     for i, letter in enumerate(c.layer_pattern):
-        if LAYER_TYPES[letter][0] == "linear":
+        spec = mixer_spec(letter)
+        if spec is None or spec.family == "linear":
             continue
-        if letter == "M":  # MLA: a K and V per head; the CPU kernel pads both to one head dim
-            qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-            per_row = c.num_attention_heads * (2 * max(qk, v) if dev == "cpu" else qk + v)
-        else:
-            per_row = 2 * c.num_key_value_heads * c.head_dim
-        layer = extra * per_row * cdt
+        layer = extra * spec.view_row_elements(c, dev) * cdt
         keeps = i >= n_ckpt or "attention" in cfg.recompute_skip
         kept += layer if keeps else 0
         # its backward: d(K), d(V) of the views and their concatenation; recomputed views beside

@@ -214,6 +214,98 @@ KIMI_LINEAR_48B_A3B: dict[str, Any] = dict(
 )
 
 
+#: Nemotron 3 Nano 30B-A3B's block layout (``hybrid_override_pattern``: M Mamba-2, E MoE,
+#: * attention): 23 Mamba-2, 23 MoE and 6 attention blocks, one block per decoder layer
+_NEMOTRON_3_NANO_BLOCKS = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
+#: Nemotron 3 Nano 30B-A3B (``harts.integrations.hf.nemotron_h``). From
+#: nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json: hidden 2688, vocab 131072, Mamba-2
+#: 64 heads x 64 with 8 groups of state 128 and a width-4 conv with bias, GQA 32 heads / 2 kv of
+#: 128 without RoPE, 128 relu2 experts (top-6, width 1856) plus one shared expert of 3712, the
+#: sigmoid router with correction bias, normalized top-k scaled by 2.5, layer_norm_epsilon 1e-5,
+#: untied head. ``chunk_size`` is harts' execution chunk, not a checkpoint field
+NEMOTRON_3_NANO_30B_A3B: dict[str, Any] = dict(
+    layer_pattern="".join({"M": "S", "*": "A"}.get(b, "-") for b in _NEMOTRON_3_NANO_BLOCKS),
+    ffn_pattern="".join("E" if b == "E" else "-" for b in _NEMOTRON_3_NANO_BLOCKS),
+    vocab_size=131_072,
+    hidden_size=2688,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    dtype="bfloat16",
+    linear_conv_kernel_dim=4,
+    mamba_num_heads=64,
+    mamba_head_dim=64,
+    ssm_state_size=128,
+    mamba_n_groups=8,
+    mamba_conv_bias=True,
+    num_attention_heads=32,
+    num_key_value_heads=2,
+    head_dim=128,
+    partial_rotary_factor=0.0,
+    attn_output_gate=False,
+    attn_qk_norm=False,
+    hidden_act="relu2",
+    intermediate_size=1856,
+    num_experts=128,
+    num_experts_per_tok=6,
+    moe_intermediate_size=1856,
+    first_k_dense_replace=0,
+    num_shared_experts=1,
+    shared_expert_intermediate_size=3712,
+    shared_expert_gate=False,
+    router_score="sigmoid",
+    router_bias=True,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    n_group=1,
+    topk_group=1,
+)
+
+#: Granite 4.0-H Small (``harts.integrations.hf.granitemoehybrid``): 40 layers, each a Mamba-2
+#: or GQA block and an MoE block with the shared MLP. From ibm-granite/granite-4.0-h-small
+#: config.json: hidden 4096, vocab 100352, 36 Mamba-2 and 4 attention layers, GQA 32 heads /
+#: 8 kv, 72 experts top-10 of width 768 plus the shared MLP of 1536, mamba_expand 2 (8192
+#: channels), mamba_d_state 128, mamba_d_conv 4, tied embeddings. The four attention layers sit
+#: at 5, 15, 25 and 35, and the 8192 channels are 128 heads of 64 in one group, as in the
+#: Granite 4.0-H family's published configs. Only shapes: Granite's scalings (embedding,
+#: residual, attention, logits multipliers) change no shape and come with a loaded checkpoint
+GRANITE_4_0_H_SMALL: dict[str, Any] = dict(
+    layer_pattern="".join("A" if i % 10 == 5 else "S" for i in range(40)),
+    vocab_size=100_352,
+    hidden_size=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    dtype="bfloat16",
+    linear_conv_kernel_dim=4,
+    mamba_num_heads=128,
+    mamba_head_dim=64,
+    ssm_state_size=128,
+    mamba_n_groups=1,
+    mamba_conv_bias=True,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    partial_rotary_factor=0.0,
+    attn_output_gate=False,
+    attn_qk_norm=False,
+    hidden_act="silu",
+    intermediate_size=1536,
+    num_experts=72,
+    num_experts_per_tok=10,
+    moe_intermediate_size=768,
+    first_k_dense_replace=0,
+    num_shared_experts=1,
+    shared_expert_intermediate_size=1536,
+    shared_expert_gate=False,
+    router_score="softmax",
+    router_bias=False,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.0,
+    n_group=1,
+    topk_group=1,
+)
+
+
 #: preset name -> the ``HybridConfig`` fields of that model (``HybridConfig.preset`` takes the
 #: names, with ``tiny`` and ``ling3_tiny``)
 MODEL_FIELDS: dict[str, dict[str, Any]] = {
@@ -222,4 +314,6 @@ MODEL_FIELDS: dict[str, dict[str, Any]] = {
     "qwen3_5_35b_a3b": QWEN3_5_35B_A3B,
     "qwen3_next_80b_a3b": QWEN3_NEXT_80B_A3B,
     "kimi_linear_48b_a3b": KIMI_LINEAR_48B_A3B,
+    "nemotron_3_nano_30b_a3b": NEMOTRON_3_NANO_30B_A3B,
+    "granite_4_0_h_small": GRANITE_4_0_H_SMALL,
 }

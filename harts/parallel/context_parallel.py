@@ -65,6 +65,7 @@ from harts.models.execution.config import ExecutionConfig
 from harts.models.execution.inputs import CompactInputs, HeadInputs, ModelInputs, head_inputs
 from harts.models.hybrid_lm import HybridLM
 from harts.models.layers.moe import MoE
+from harts.models.layers.registry import mixer_specs
 from harts.ops.logprob.mapped import logprob_index
 from harts.ops.row_gather import RowGatherPlan
 from harts.ops.upload import upload
@@ -228,15 +229,18 @@ class UlyssesContext(RowContext):
         k_THK: torch.Tensor,
         v_THV: torch.Tensor,
         g: torch.Tensor,
-        beta_TH: torch.Tensor,
+        beta_TH: torch.Tensor | None,
         *,
+        rule: str = "delta",
         scale: float | None = None,
         qkv_gathered: bool = False,
     ) -> torch.Tensor:
-        """[rows, H, V]: the inner core on all rows for this rank's H / cp heads."""
+        """[rows, H, V]: the inner core (``rule``, beta None for "plain") on all rows for this
+        rank's H / cp heads."""
         assert not qkv_gathered, "la_input_rows is None under row splitting"
-        q, k, v, gg, b = (self._to_heads(t) for t in (q_THK, k_THK, v_THV, g, beta_TH))
-        return self._to_rows(self.inner.linear_attention(q, k, v, gg, b, scale=scale))
+        q, k, v, gg = (self._to_heads(t) for t in (q_THK, k_THK, v_THV, g))
+        b = None if beta_TH is None else self._to_heads(beta_TH)
+        return self._to_rows(self.inner.linear_attention(q, k, v, gg, b, rule=rule, scale=scale))
 
     def attention(self, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGE: torch.Tensor, *, scale: float) -> torch.Tensor:
         """[rows, H, E]: the inner attention on all rows for this rank's H / cp query heads and
@@ -335,27 +339,19 @@ def check_context_parallel(config: HybridConfig, cp: int, tp: int = 1) -> None:
     if cp == 1:
         return
     per = f" per tensor-parallel rank (of --tp {tp})" if tp > 1 else ""
-    need: list[tuple[str, int]] = []
-    letters = set(config.layer_pattern)
-    if letters & {"A", "M"}:
-        need.append(("attention heads (num_attention_heads)", config.num_attention_heads // tp))
-    hk, hv = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
-    kd, vd = config.linear_key_head_dim, config.linear_value_head_dim
-    if letters & {"K", "G"}:
-        need.append(("linear-attention heads (linear_num_value_heads)", hv))
-    if "K" in letters:
-        need.append(("KDA conv channels", 2 * hv * kd + hv * vd))
-    if "G" in letters:
-        need.append(("GDN conv channels", 2 * hk * kd + hv * vd))
-    for what, n in need:
+    need: list[tuple[str, int, str]] = []
+    for spec in mixer_specs(config.layer_pattern):
+        if spec.cp_divisors is None:
+            raise UserError(
+                f"--cp {cp}: context parallelism does not split {spec.description} layers ({spec.letter}) yet"
+            )
+        need += [n for n in spec.cp_divisors(config, tp) if n not in need]
+    for what, n, _ in (x for x in need if x[2] == "divides"):
         if n % cp:
             raise UserError(f"--cp {cp} does not divide the model's {n} {what}{per}")
-    if "A" in letters:
-        g = config.num_key_value_heads // tp
-        if g % cp and cp % g:
-            raise UserError(
-                f"--cp {cp}: the {g} key-value heads (num_key_value_heads){per} must be a multiple or a divisor of {cp}"
-            )
+    for what, n, _ in (x for x in need if x[2] == "divides_or_multiple"):
+        if n % cp and cp % n:
+            raise UserError(f"--cp {cp}: the {n} {what}{per} must be a multiple or a divisor of {cp}")
 
 
 def is_row_split(model: nn.Module) -> bool:

@@ -43,6 +43,7 @@ __all__ = [
     "check_local_devices",
     "init_parallel",
     "launch_mesh",
+    "launch_rank",
     "launch_world_size",
     "setup_process_group",
 ]
@@ -239,6 +240,12 @@ def launch_mesh(
 def launch_world_size() -> int:
     """Ranks in this launch: ``WORLD_SIZE`` set by torchrun (1 without it)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launch_rank() -> int:
+    """This process's rank in the launch: ``RANK`` set by torchrun (0 without it), known before
+    the process group exists, so that one rank alone prints or checks an output path."""
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def setup_process_group(device: str) -> str:

@@ -60,7 +60,9 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from harts.errors import UserError
 from harts.models.config import HybridConfig
 from harts.models.hybrid_lm import DecoderLayer, HybridLM
-from harts.models.layers import MLP, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MoE, MultiheadLatentAttention
+from harts.models.layers import MLP, MoE
+from harts.models.layers.registry import mixer_specs
+from harts.models.layers.spec import MixerSpec
 from harts.parallel.mesh import ParallelState
 
 __all__ = [
@@ -147,7 +149,7 @@ def _scatter_rows(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out.wait() if hasattr(out, "wait") else out
 
 
-def _hook_rows(module: nn.Module, group: dist.ProcessGroup, conv_blocks: tuple[int, int, int] | None = None) -> None:
+def _hook_rows(module: nn.Module, group: dist.ProcessGroup, conv_blocks: tuple[int, ...] | None = None) -> None:
     """Gather ``module``'s first input's rows over tp before it runs (and set its conv channel
     blocks on the row context, its second input), reduce-scatter its output's rows after."""
 
@@ -164,35 +166,23 @@ def _hook_rows(module: nn.Module, group: dist.ProcessGroup, conv_blocks: tuple[i
 
 
 # ---------------------------------------------------------------------------------- the plan
-def _mixer_plan(mixer: nn.Module, tp: int) -> tuple[dict[str, ParallelStyle], tuple[int, int, int] | None]:
+def _mixer_plan(mixer: nn.Module, spec: MixerSpec, tp: int) -> tuple[dict[str, ParallelStyle], tuple[int, ...] | None]:
     """The styles of one token mixer's submodules (relative names; "" is the mixer itself) and
-    its conv channel blocks; sets its head counts to one rank's."""
-    col, row = ShardColumns(), ShardRows()
-    if isinstance(mixer, GatedAttention):
-        mixer.num_heads //= tp
-        mixer.num_kv_heads //= tp
-        return {"q_proj": col, "k_proj": col, "v_proj": col, "o_proj": row}, None
-    if isinstance(mixer, MultiheadLatentAttention):
-        mixer.num_heads //= tp
-        plan: dict[str, ParallelStyle] = {"kv_b_proj": col, "o_proj": row}
-        plan["q_proj" if hasattr(mixer, "q_proj") else "q_b_proj"] = col
-        if mixer.g_proj is not None:
-            plan["g_proj"] = col
-        return plan, None
-    if isinstance(mixer, KimiDeltaAttention):
-        h, k, v = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim
-        mixer.num_heads //= tp
-        plan = {n: col for n in ("q_proj", "k_proj", "v_proj", "b_proj")}
-        plan |= {"f_b_proj": col, "g_b_proj": col} if mixer.low_rank_gates else {"f_proj": col, "g_proj": col}
-        plan |= {"o_proj": row, "": ShardHeadVectors(("A_log", "dt_bias"))}
-        return plan, (h * k, h * k, h * v)
-    if isinstance(mixer, GatedDeltaNet):
-        blocks = (mixer.key_dim, mixer.key_dim, mixer.value_dim)
-        mixer.num_k_heads //= tp
-        mixer.num_v_heads //= tp
-        plan = {"in_proj_qkvz": col, "in_proj_ba": col, "out_proj": row, "": ShardHeadVectors(("A_log", "dt_bias"))}
-        return plan, blocks
-    raise TypeError(f"no tensor-parallel plan for {type(mixer).__name__}")
+    its conv channel blocks, from its spec's declared plan (``MixerSpec.tp_plan``, which sets
+    the mixer's head counts to one rank's)."""
+    assert spec.tp_plan is not None  # check_tensor_parallel refused the others
+    declared, blocks = spec.tp_plan(mixer, tp)
+    styles: dict[str, ParallelStyle] = {}
+    for name, style in declared.items():
+        if style == "columns":
+            styles[name] = ShardColumns()
+        elif style == "rows":
+            styles[name] = ShardRows()
+        else:
+            assert isinstance(style, tuple) and style[0] == "heads", style
+            names = style[1]
+            styles[name] = ShardHeadVectors(names)
+    return styles, blocks
 
 
 _MLP_PLAN: dict[str, ParallelStyle] = {"gate_proj": ShardColumns(), "up_proj": ShardColumns(), "down_proj": ShardRows()}
@@ -206,13 +196,15 @@ def apply_tensor_parallel(model: HybridLM, state: ParallelState) -> None:
     assert mesh is not None
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
-        name = "linear_attn" if hasattr(layer, "linear_attn") else "self_attn"
-        plan, blocks = _mixer_plan(layer.mixer, state.tp)
-        parallelize_module(model, mesh, {f"layers.{i}.{name}{'.' + k if k else ''}": s for k, s in plan.items()})
-        _hook_rows(layer.mixer, group, blocks)
+        mixer, spec = layer.mixer, layer.spec
+        if mixer is not None and spec is not None:
+            plan, blocks = _mixer_plan(mixer, spec, state.tp)
+            name = spec.attribute
+            parallelize_module(model, mesh, {f"layers.{i}.{name}{'.' + k if k else ''}": s for k, s in plan.items()})
+            _hook_rows(mixer, group, blocks)
         mlp = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
-        if isinstance(mlp, MLP):
-            parallelize_module(mlp, mesh, dict(_MLP_PLAN))
+        if isinstance(mlp, MLP):  # a relu2 MLP has no gate projection
+            parallelize_module(mlp, mesh, {n: style for n, style in _MLP_PLAN.items() if hasattr(mlp, n)})
             _hook_rows(mlp, group)
 
 
@@ -231,16 +223,13 @@ def check_tensor_parallel(config: HybridConfig, tp: int) -> None:
     """UserError naming both numbers when ``tp`` does not divide the heads or columns it splits."""
     if tp == 1:
         return
-    letters = set(config.layer_pattern)
     need: list[tuple[str, int]] = []
-    if letters & {"A", "M"}:
-        need.append(("attention heads (num_attention_heads)", config.num_attention_heads))
-    if "A" in letters:
-        need.append(("key-value heads (num_key_value_heads)", config.num_key_value_heads))
-    if letters & {"K", "G"}:
-        need.append(("linear-attention heads (linear_num_value_heads)", config.linear_num_value_heads))
-    if "G" in letters:
-        need.append(("linear-attention key heads (linear_num_key_heads)", config.linear_num_key_heads))
+    for spec in mixer_specs(config.layer_pattern):
+        if spec.tp_plan is None:
+            raise UserError(
+                f"--tp {tp}: tensor parallelism does not split {spec.description} layers ({spec.letter}) yet"
+            )
+        need += [n for n in spec.tp_divisors(config) if n not in need]
     need.append(("MLP columns (intermediate_size)", config.intermediate_size))
     if config.num_experts and config.num_shared_experts:
         per = config.shared_expert_intermediate_size or config.moe_intermediate_size

@@ -11,7 +11,23 @@ Per action token (action_mask), with ratio r = exp(lp - old_lp):
     l    = (pg + kl_coef * kl) * loss_weight
 Reduction: "token_mean" (sum l / sum mask*weight over the batch) or "sequence_mean" (mean over
 trajectories of each trajectory's token mean; trajectories without actions are skipped).
-Without ``old_logprobs`` the ratio is taken against the detached current log-probs (on-policy).
+Without ``old_logprobs``, or with ``on_policy``, the ratio is taken against the detached current
+log-probs: r = 1, so the loss's value is -(weighted mean advantage), fixed by the batch whatever
+the weights (``FLAT_LOSS_NOTE``); only its gradient, -A d lp, carries the signal.
+
+Diagnostics (detached, weighted means over the action entries): ``clip_frac``, ``ratio_mean``,
+``kl_mean`` (the k3 KL to the reference, with ``kl_coef``), ``kl_sampler`` and ``entropy``:
+
+    kl_sampler = r_s - 1 - log r_s,  r_s = exp(lp - old)       (k3 estimator of KL(sampler || policy))
+    entropy    = -lp                                           (sampled-token estimate)
+
+``kl_sampler`` reads the batch's ``old_logprobs`` (the sampler's, also under ``on_policy``; 0
+without them): for tokens drawn from the sampler its mean is an unbiased, non-negative estimate
+of KL(sampler || policy), which grows as training moves the policy off the data. ``entropy`` is
+the mean negative log-prob of the sampled action tokens, the Monte Carlo estimate of the policy's
+entropy for tokens drawn from it (for a sampler's tokens: their cross-entropy under the policy);
+the full-vocabulary entropy would need every action row's logits again, which the log-prob op
+never materializes (``harts.trainer.online.policy_pass`` computes it where one forward is spare).
 
 Every per-token term is computed on the entries with a non-zero action weight only (they are
 index-selected first): the other entries may be NaN (``ExecutionConfig.logprob_positions=
@@ -33,6 +49,7 @@ from harts.ops.upload import upload
 from harts.tree.batch import RolloutBatch
 
 __all__ = [
+    "FLAT_LOSS_NOTE",
     "GRPOOutput",
     "grpo_loss",
     "grpo_normalizer",
@@ -42,11 +59,20 @@ __all__ = [
 ]
 
 
+#: why an on-policy GRPO loss does not move (module docstring), said once by ``harts train``
+FLAT_LOSS_NOTE = (
+    "the loss is GRPO's on-policy surrogate: its ratio is 1, so its value is -(mean advantage) of the batch "
+    "whatever the weights, and only its gradient trains; reward, kl-sampler (KL from the batch's sampler "
+    "log-probs), entropy and grad-norm show the training"
+)
+
+
 @dataclass
 class GRPOOutput:
     loss: torch.Tensor
     #: detached diagnostics as 0-dim tensors on the loss's device, so computing them does not
-    #: wait for the device: clip fraction, mean ratio, mean KL, action tokens
+    #: wait for the device: clip fraction, mean ratio, mean KL to the reference and to the sampler,
+    #: entropy estimate, action tokens (module docstring)
     metric_tensors: dict[str, torch.Tensor]
 
     @property
@@ -111,8 +137,12 @@ def grpo_loss(
     kl_coef: float = 0.0,
     reduction: str = "token_mean",
     normalizer: float | None = None,
+    on_policy: bool = False,
 ) -> GRPOOutput:
     """The clipped policy loss of ``logprobs`` under ``batch``'s metadata (module docstring).
+
+    ``on_policy``: the ratio is taken against the detached ``logprobs`` even where the batch
+    carries ``old_logprobs``, which then feed the ``kl_sampler`` diagnostic only.
 
     ``normalizer`` replaces the reduction's denominator (the batch's summed action weight for
     ``token_mean``, its number of trajectories with actions for ``sequence_mean``) — pass the
@@ -138,7 +168,8 @@ def grpo_loss(
     lp = logprobs.index_select(0, sel_t)
     weight = upload(weight_np[sel], dev, dt)
     adv = meta(batch.advantages)
-    old = lp.detach() if batch.old_logprobs is None else meta(batch.old_logprobs)
+    sampler = None if batch.old_logprobs is None else meta(batch.old_logprobs)
+    old = lp.detach() if sampler is None or on_policy else sampler
     ratio = torch.exp(lp - old)
     hi = clip_eps if clip_eps_high is None else clip_eps_high
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi)
@@ -163,12 +194,21 @@ def grpo_loss(
         loss = (num[has] / den[has]).sum() / count
 
     with torch.no_grad():
+        zero = torch.zeros((), device=dev, dtype=dt)
         w = weight.sum().clamp_min(1e-12)
         was_clipped = ((ratio - clipped).abs() > 0).to(dt)
         metrics = {
             "clip_frac": (was_clipped * weight).sum() / w,
             "ratio_mean": (ratio * weight).sum() / w,
-            "kl_mean": (kl * weight).sum() / w if kl is not None else torch.zeros((), device=dev, dtype=dt),
+            "kl_mean": (kl * weight).sum() / w if kl is not None else zero,
+            "kl_sampler": _k3(lp.detach() - sampler, weight) / w if sampler is not None else zero,
+            "entropy": -(lp.detach() * weight).sum() / w,
             "action_tokens": upload(np.asarray(float(batch.action_mask.sum())), dev, dt),
         }
     return GRPOOutput(loss=loss, metric_tensors=metrics)
+
+
+def _k3(d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum(weight * (exp(d) - 1 - d)): the weighted k3 KL terms of log-ratios ``d`` [A'], each >= 0
+    (``expm1`` keeps the small ones exact)."""
+    return (torch.expm1(d) - d).mul(weight).sum()

@@ -13,7 +13,8 @@ turn, for all live paths of all tasks at once:
 
 Every prompt, agent turn and observation becomes one node of the task's rollout tree; shared
 turns are shared nodes, so the trees branch where the sampler forked and nowhere else. Agent
-turns carry ``action_mask`` and the sampler's log-probs (``old_logprobs``); a leaf carries its
+turns carry ``action_mask`` and the sampler's log-probs (``logprobs``; one value per predicted
+token, so a root's lists are one shorter than its tokens, as in batch files); a leaf carries its
 path's summed reward turned into a group-relative advantage (``group_advantages`` over the
 task's leaves; ``group_id`` = task). ``RolloutBatch.from_tree`` makes the training batch.
 
@@ -33,8 +34,8 @@ import torch
 from harts.envs.base import Environment
 from harts.models.hybrid_lm import HybridLM
 from harts.rl.grpo import group_advantages
-from harts.rollout.decode import Branch, extend, new_branch
-from harts.rollout.sampler import SamplingConfig, generate
+from harts.rollout.decoders import rollout_paths
+from harts.rollout.sampler import SamplingConfig
 from harts.tree.batch import RolloutBatch
 
 __all__ = ["RolloutConfig", "Rollouts", "collect"]
@@ -76,7 +77,8 @@ class Rollouts:
 class _Path:
     task: int
     env: Environment
-    branch: Branch
+    #: the path's decoding state (a handle of ``rollout_paths``)
+    branch: Any
     node: int
     reward: float = 0.0
     turns: int = 0
@@ -89,31 +91,40 @@ def collect(
     cfg: RolloutConfig,
     task_rng: np.random.Generator,
     generator: torch.Generator,
+    *,
+    fast: bool | None = None,
 ) -> Rollouts:
-    """Sample one step's rollout trees (module docstring); deterministic in the two RNGs."""
+    """Sample one step's rollout trees (module docstring); deterministic in the two RNGs.
+    ``fast``: decode with the batched decoder (``harts.rollout.fast``; default: on CUDA) or the
+    reference (``harts.rollout.decode``), the same trees either way."""
     t0 = time.perf_counter()
+    paths = rollout_paths(model, fast)
     nodes: list[dict[str, Any]] = []
 
     def add(parent: int | None, tokens: list[int], logprobs: list[float] | None) -> int:
         action = logprobs is not None
+        values = logprobs if logprobs is not None else [0.0] * len(tokens)
+        first = 1 if parent is None else 0  # nothing predicts a root's first token
         nodes.append(
             {
                 "id": len(nodes),
                 "parent": parent,
                 "tokens": tokens,
-                "action_mask": [action] * len(tokens),
-                "old_logprobs": logprobs if action else [0.0] * len(tokens),
+                "action_mask": [action] * (len(tokens) - first),
+                "logprobs": values[first:],
             }
         )
         return len(nodes) - 1
 
     envs = [make_env() for _ in range(cfg.tasks)]
     prompts = [env.reset(task_rng) for env in envs]
-    roots = extend(model, [new_branch(model)] * cfg.tasks, prompts)
+    roots = paths.prompts(prompts)
     live: list[_Path] = []
     for t, (env, root, prompt) in enumerate(zip(envs, roots, prompts)):
         node = add(None, prompt, None)
-        live += [_Path(t, env if i == 0 else env.clone(), b, node) for i, b in enumerate(root.fork(cfg.group_size))]
+        live += [
+            _Path(t, env if i == 0 else env.clone(), b, node) for i, b in enumerate(paths.fork(root, cfg.group_size))
+        ]
     paths_of = [cfg.group_size] * cfg.tasks
     limits = envs[0].limits
     sampling = SamplingConfig(
@@ -122,7 +133,7 @@ def collect(
     finished: list[_Path] = []
     retries = 0
     while live:
-        branches, turns = generate(model, [p.branch for p in live], sampling, generator)
+        branches, turns = paths.turn([p.branch for p in live], sampling, generator)
         reading: list[tuple[_Path, list[int]]] = []
         for p, branch, turn in zip(live, branches, turns):
             p.branch, p.turns = branch, p.turns + 1
@@ -140,17 +151,18 @@ def collect(
                 reading.append((p, []))
         fed = [(p, obs) for p, obs in reading if obs]
         if fed:
-            for (p, _), b in zip(fed, extend(model, [p.branch for p, _ in fed], [obs for _, obs in fed])):
+            for (p, _), b in zip(fed, paths.extend([p.branch for p, _ in fed], [obs for _, obs in fed])):
                 p.branch = b
         # a turn boundary: fork while the task has room for more paths
         live = []
         for p, _ in reading:
             width = cfg.fork_width if paths_of[p.task] + cfg.fork_width - 1 <= cfg.max_leaves else 1
             paths_of[p.task] += width - 1
-            p.branch, *rest = p.branch.fork(width)
+            p.branch, *rest = paths.fork(p.branch, width)
             live.append(p)
             live += [_Path(p.task, p.env.clone(), b, p.node, p.reward, p.turns, dict(p.info)) for b in rest]
 
+    paths.close([p.branch for p in finished])
     # trajectories are numbered in leaf-node order (RolloutTree); a finished path's node is its leaf
     finished.sort(key=lambda p: p.node)
     rewards = np.array([p.reward for p in finished], dtype=np.float64)

@@ -17,8 +17,8 @@ that context is ``DecodeContext``, whose three row-coupling operations read and 
 caches instead of looking at a tree:
 
     short_conv        causal depthwise conv over [cached inputs, new inputs] of the branch
-    linear_attention  the gated delta rule token by token from the cached state (fla semantics,
-                      as ``harts.ops.linear_attn.naive``)
+    linear_attention  the gated delta rule (or the plain rule: Mamba-2's SSD) token by token
+                      from the cached state (fla semantics, as ``harts.ops.linear_attn.naive``)
     attention         softmax attention of the new queries over [cached, new] keys, causal
 
 A call may give each branch a different number of new tokens (a prompt or an observation is one
@@ -40,7 +40,7 @@ from harts.models.execution.backends import Backends
 from harts.models.execution.base import RowContext
 from harts.models.hybrid_lm import HybridLM
 
-__all__ = ["Branch", "DecodeContext", "LayerCache", "extend", "new_branch"]
+__all__ = ["Branch", "DecodeContext", "LayerCache", "extend", "extend_hidden", "new_branch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,11 +136,13 @@ class DecodeContext(RowContext):
         y = y[self.valid_BN]
         return y if activation is None else F.silu(y)
 
-    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None):  # type: ignore[override]
+    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, rule="delta", scale=None):  # type: ignore[override]
         h, kd, vd = q_THK.shape[1], q_THK.shape[2], v_THV.shape[2]
         scale = kd**-0.5 if scale is None else scale
         dt = torch.promote_types(q_THK.dtype, torch.float32)
-        q, k, v, gg, beta = (self._pad(x.to(dt)) for x in (q_THK, k_THK, v_THV, g, beta_TH))
+        q, k, v, gg = (self._pad(x.to(dt)) for x in (q_THK, k_THK, v_THV, g))
+        # the plain rule (beta None) writes k v^T with no delta correction
+        beta = None if rule == "plain" else self._pad(beta_TH.to(dt))
         zero = q_THK.new_zeros(h, kd, vd, dtype=dt)
         states = [self._cache(b).state_HKV for b in range(len(self.branches))]
         S = torch.stack([zero if s is None else s for s in states])
@@ -148,8 +150,11 @@ class DecodeContext(RowContext):
         for t in range(self.n_max):
             decay = gg[:, t].exp()[..., None, None] if gg.dim() == 3 else gg[:, t].exp()[..., None]
             S_new = decay * S
-            predicted = torch.einsum("bhkv,bhk->bhv", S_new, k[:, t])
-            S_new = S_new + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t], v[:, t] - predicted)
+            if beta is None:
+                S_new = S_new + torch.einsum("bhk,bhv->bhkv", k[:, t], v[:, t])
+            else:
+                predicted = torch.einsum("bhkv,bhk->bhv", S_new, k[:, t])
+                S_new = S_new + torch.einsum("bhk,bhv->bhkv", beta[:, t][..., None] * k[:, t], v[:, t] - predicted)
             outs.append(scale * torch.einsum("bhkv,bhk->bhv", S_new, q[:, t]))
             S = torch.where(self.valid_BN[:, t, None, None, None], S_new, S)
         for b in range(len(self.branches)):
@@ -192,6 +197,18 @@ def extend(model: HybridLM, branches: Sequence[Branch], tokens: Sequence[Sequenc
     Every branch must get at least one token. Returns new branches with updated caches,
     ``length`` and ``logits`` [V] (after its last token, in the model's compute dtype).
     """
+    return extend_hidden(model, branches, tokens)[0]
+
+
+@torch.no_grad()
+def extend_hidden(
+    model: HybridLM, branches: Sequence[Branch], tokens: Sequence[Sequence[int]]
+) -> tuple[list[Branch], list[torch.Tensor]]:
+    """``extend``, and each branch's final hidden states (after the last norm, divided by the
+    model's ``logits_scaling``) at every token it was fed, ``[n_b, D]``: ``F.linear(h,
+    model.lm_head_weight)`` of row t is the next-token logits after its t-th fed token, for
+    callers that need more than the last row's (the top-k log-probs of a prompt) and compute
+    them a few rows at a time."""
     if len(branches) != len(tokens):
         raise ValueError(f"{len(branches)} branches but {len(tokens)} token lists")
     feeds = [list(b.pending) + [int(t) for t in toks] for b, toks in zip(branches, tokens)]
@@ -202,13 +219,18 @@ def extend(model: HybridLM, branches: Sequence[Branch], tokens: Sequence[Sequenc
     ctx = DecodeContext(branches, [len(f) for f in feeds], device, model.backends())
     flat = torch.as_tensor([t for f in feeds for t in f], dtype=torch.int64, device=device)
     h = model.embed_tokens(flat)
+    if model.config.embedding_multiplier != 1.0:  # Granite's scalings, as HybridLM.forward
+        h = h * model.config.embedding_multiplier
     for i, layer in enumerate(model.layers):
         ctx.layer = i
         h = layer(h, ctx)[0]
+    h_TD = model.norm(h)
+    if model.config.logits_scaling != 1.0:  # logits / s, as (h / s) W^T: the head is linear
+        h_TD = h_TD / model.config.logits_scaling
     last = torch.cumsum(ctx.counts, 0) - 1
-    h = model.norm(h[last.to(device)])
-    logits = F.linear(h, model.lm_head_weight)
-    return [
+    logits = F.linear(h_TD[last.to(device)], model.lm_head_weight)
+    out = [
         Branch(layers=tuple(ctx.caches[b]), length=br.length + len(feeds[b]), logits=logits[b])
         for b, br in enumerate(branches)
     ]
+    return out, list(h_TD.split(ctx.counts.tolist()))

@@ -135,7 +135,7 @@ def batch_from_messages(
             skip = len(header) - len(before) if ids[: len(header)] == header else 0
             mask = [False] * skip + [True] * (len(span) - skip)
         if p < 0:
-            mask[0] = False  # nothing predicts a first token
+            mask = mask[1:]  # nothing predicts a first token: one entry per predicted token
         parent_id = None if p < 0 else messages[p]["id"]
         nodes.append({"id": m["id"], "parent": parent_id, "tokens": span, "action_mask": mask})
 

@@ -12,7 +12,11 @@ takes its time there while the event loop goes on answering everyone else (``/he
 clients' polls). A ``WireError`` becomes its status with ``{"detail": message}``; any other error
 is a 500 with a one-line message while the traceback goes to the server log, and the server keeps
 serving. Routes are under ``/api/v1`` as the SDK calls them; ``cancel_future`` is the SDK's
-cancel of an abandoned sampling future (``client/dynamic_config`` turns it on).
+cancel of an abandoned sampling future (``client/dynamic_config`` turns it on). A route the server
+does not serve is a 404 naming it (``Service.unserved``, which gives a training client's sequence
+number back), never a 405 or a hang. The signed URLs of ``get_external_weights_urls`` (under
+``/api/v1/download/``) are the one thing answered without a key: each carries its own signature
+(``harts.serve.access``); their files, and checkpoint archives, stream from disk.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import tarfile
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from harts.errors import UserError
@@ -42,6 +49,8 @@ Handler = Callable[[Request], Awaitable[Any]]
 
 #: the ASGI scope entry holding the tenant of the request's key (set by ``_Guard``)
 TENANT = "harts.tenant"
+#: where the signed URLs of ``get_external_weights_urls`` point: fetched without a key
+DOWNLOAD = "/api/v1/download/"
 
 
 class _Guard:
@@ -58,6 +67,9 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        if scope["method"] in ("GET", "HEAD") and scope["path"].startswith(DOWNLOAD):
+            await self.app(scope, receive, send)  # a signed URL: the route checks its signature
+            return
         tenant = self.keys.tenant(headers.get("x-api-key", b""))
         if tenant is None:
             detail = "missing or wrong API key: send the server's key in the X-API-Key header"
@@ -105,6 +117,29 @@ async def _body(request: Request, limit: int, timeout: float, what: str = "--max
         chunks.append(chunk)
 
 
+def tar_stream(top: str, files: dict[str, Path], chunk: int = 1 << 20) -> Iterator[bytes]:
+    """A POSIX tar of ``files`` (path in the archive under ``top/`` -> file on disk), produced a
+    piece at a time: headers from ``tarfile``, each file read in ``chunk``-byte pieces, so a
+    checkpoint of any size streams in constant memory. A file that changes size while it is
+    read (a concurrent overwrite) ends the stream with an error rather than a corrupt member."""
+    for name, path in files.items():
+        with open(path, "rb") as f:
+            info = tarfile.TarInfo(f"{top}/{name}")
+            stat = os.fstat(f.fileno())
+            info.size, info.mtime, info.mode = stat.st_size, int(stat.st_mtime), 0o644
+            yield info.tobuf(format=tarfile.PAX_FORMAT)
+            left = info.size
+            while left > 0:
+                piece = f.read(min(chunk, left))
+                if not piece:
+                    raise OSError(f"{path} shrank while it was archived")
+                left -= len(piece)
+                yield piece
+            if info.size % tarfile.BLOCKSIZE:
+                yield bytes(tarfile.BLOCKSIZE - info.size % tarfile.BLOCKSIZE)
+    yield bytes(2 * tarfile.BLOCKSIZE)
+
+
 def _answer(result: Any) -> Response:
     if isinstance(result, Response):
         return result
@@ -147,21 +182,7 @@ def build_app(service: Service) -> FastAPI:
     app = FastAPI(title="harts serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, keys=Keys(config.keys), max_bytes=config.max_request_bytes)
 
-    def route(method: str, path: str, fn: Handler) -> None:
-        async def endpoint(request: Request) -> Response:
-            try:
-                return _answer(await fn(request))
-            except WireError as err:
-                close = {"connection": "close"} if err.status in _CLOSING else None
-                return JSONResponse({"detail": str(err)}, status_code=err.status, headers=close)
-            except UserError as err:
-                return JSONResponse({"detail": str(err)}, status_code=400)
-            except Exception as err:  # a bug of ours: one line to the client, the traceback to the log
-                log.error("%s %s failed:\n%s", method, request.url.path, traceback.format_exc())
-                line = (str(err).strip().splitlines() or [""])[0]
-                return JSONResponse({"detail": f"internal error: {type(err).__name__}: {line}"}, status_code=500)
-
-        app.add_api_route(f"/api/v1/{path}", endpoint, methods=[method], include_in_schema=False)
+    route = _router(app)
 
     async def body(request: Request) -> bytes:
         return await _body(request, config.max_request_bytes, config.body_timeout)
@@ -231,12 +252,99 @@ def build_app(service: Service) -> FastAPI:
     route("POST", "cancel_future", post(service.cancel_future))
     route("GET", "training_runs", paged(service.training_runs))
     route("GET", "training_runs/{model_id}", path_arg(service.training_run, "model_id"))
+    route("GET", "checkpoints", paged(service.user_checkpoints))
+    route("POST", "weights_info", post(service.weights_info))
+    route("POST", "save_weights_external", post(service.save_weights_external))
+    _weights_out_routes(route, service, json_body)
+    # after the checkpoint routes above: a DELETE of ``<checkpoint>/publish`` (unpublish) would
+    # otherwise match the delete route with ``<kind>/<name>/publish`` as the checkpoint id
     route("GET", "training_runs/{model_id}/checkpoints", path_arg(service.list_checkpoints, "model_id"))
     route(
         "DELETE",
         "training_runs/{model_id}/checkpoints/{checkpoint_id:path}",
         path_arg(service.delete_checkpoint, "model_id", "checkpoint_id"),
     )
-    route("GET", "checkpoints", paged(service.user_checkpoints))
-    route("POST", "weights_info", post(service.weights_info))
+
+    async def unserved(request: Request) -> Any:
+        data = await json_body(request)
+        path = request.path_params["rest"]
+        return await run_in_threadpool(service.unserved, _tenant(request), request.method, path, data)
+
+    # after every route it serves: the rest is refused, its sequence number freed (Service.unserved)
+    for method in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"):
+        route(method, "{rest:path}", unserved)
     return app
+
+
+def _router(app: FastAPI) -> Callable[[str, str, Handler], None]:
+    """``route(method, path, handler)``: ``handler``'s answer under ``/api/v1/<path>``; a
+    ``WireError`` its status (closing the connection where ``_CLOSING`` says), a ``UserError`` a
+    400, any other exception a 500 with one line (the traceback to the log)."""
+
+    def route(method: str, path: str, fn: Handler) -> None:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return _answer(await fn(request))
+            except WireError as err:
+                close = {"connection": "close"} if err.status in _CLOSING else None
+                return JSONResponse({"detail": str(err)}, status_code=err.status, headers=close)
+            except UserError as err:
+                return JSONResponse({"detail": str(err)}, status_code=400)
+            except Exception as err:  # a bug of ours: one line to the client, the traceback to the log
+                log.error("%s %s failed:\n%s", method, request.url.path, traceback.format_exc())
+                line = (str(err).strip().splitlines() or [""])[0]
+                return JSONResponse({"detail": f"internal error: {type(err).__name__}: {line}"}, status_code=500)
+
+        app.add_api_route(f"/api/v1/{path}", endpoint, methods=[method], include_in_schema=False)
+
+    return route
+
+
+def _weights_out_routes(
+    route: Callable[[str, str, Handler], None], service: Service, json_body: Callable[[Request], Any]
+) -> None:
+    """The routes that get weights out and set who may: signed download URLs, the archive,
+    publish / unpublish and TTL (``service.access``)."""
+    checkpoint = "training_runs/{model_id}/checkpoints/{kind}/{name}"
+
+    def checkpoint_id(request: Request) -> tuple[str, str]:
+        p = request.path_params
+        return p["model_id"], f"{p['kind']}/{p['name']}"
+
+    def of_checkpoint(fn: Callable[[str, str, str], Any]) -> Handler:
+        async def handler(request: Request) -> Any:
+            return await run_in_threadpool(fn, _tenant(request), *checkpoint_id(request))
+
+        return handler
+
+    async def urls(request: Request) -> Any:
+        base = str(request.base_url)
+        return await run_in_threadpool(
+            service.access.external_weights_urls, _tenant(request), *checkpoint_id(request), base
+        )
+
+    async def ttl(request: Request) -> Any:
+        data = await json_body(request)
+        return await run_in_threadpool(service.access.set_ttl, _tenant(request), *checkpoint_id(request), data)
+
+    async def download(request: Request) -> Any:
+        q = request.query_params
+        route = "download/" + request.path_params["route"]
+        path = await run_in_threadpool(service.access.download, route, q.get("expires"), q.get("signature"))
+        # streamed from the file in chunks, never read whole
+        return FileResponse(path, media_type="application/octet-stream")
+
+    async def archive(request: Request) -> Any:
+        top, files = await run_in_threadpool(service.access.archive, _tenant(request), *checkpoint_id(request))
+        headers = {"content-disposition": f'attachment; filename="{top}.tar"'}
+        return StreamingResponse(
+            iterate_in_threadpool(tar_stream(top, files)), media_type="application/x-tar", headers=headers
+        )
+
+    route("GET", f"{checkpoint}/external_weights_urls", urls)
+    route("POST", f"{checkpoint}/publish", of_checkpoint(service.access.publish))
+    route("DELETE", f"{checkpoint}/publish", of_checkpoint(service.access.unpublish))
+    route("PUT", f"{checkpoint}/ttl", ttl)
+    route("GET", f"{checkpoint}/archive", archive)
+    route("GET", "download/{route:path}", download)
+    route("HEAD", "download/{route:path}", download)

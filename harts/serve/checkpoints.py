@@ -5,10 +5,12 @@ Layout (``<model_id>`` is Tinker's ``<session_id>:train:<n>``)::
     <state_dir>/runs/<model_id>/run.json                   base model, LoRA config, metadata
     <state_dir>/runs/<model_id>/weights/<name>/            Engine.save_state (weights, optimizer, RNG)
     <state_dir>/runs/<model_id>/sampler_weights/<name>/    Engine.save_weights_for_sampler (HF, LoRA merged)
-    <state_dir>/runs/<model_id>/meta/<kind>/<name>.json    when it was saved, its size, user metadata
+    <state_dir>/runs/<model_id>/external_weights/<name>/   the same, saved for download (``save_weights_external``)
+    <state_dir>/runs/<model_id>/meta/<kind>/<name>.json    when it was saved, its size, user metadata,
+                                                           published or not, when it expires
 
-``tinker://<model_id>/weights/<name>`` and ``tinker://<model_id>/sampler_weights/<name>``
-name the two kinds of checkpoint. A client's path becomes a directory only through
+``tinker://<model_id>/weights/<name>``, ``tinker://<model_id>/sampler_weights/<name>`` and
+``tinker://<model_id>/external_weights/<name>`` name the three kinds of checkpoint. A client's path becomes a directory only through
 ``CheckpointDir.path``, which resolves it and refuses anything outside ``runs/``.
 
 The server may be killed at any instant and must find every checkpoint whole afterwards. A
@@ -130,6 +132,8 @@ def _meta_problem(meta: Any) -> str | None:
         return "has a user_metadata that is not an object of strings"
     if meta.get("expires_at") is not None and not _valid_time(meta["expires_at"]):
         return "has an expires_at that is not an ISO time"
+    if not isinstance(meta.get("public", False), bool):
+        return "has a public that is not true or false"
     return None
 
 
@@ -314,9 +318,8 @@ class CheckpointDir:
             "user_metadata": user_metadata,
             "expires_at": (saved + timedelta(seconds=ttl_seconds)).isoformat() if ttl_seconds else None,
         }
-        mdir = self.run_dir(tp.model_id) / "meta" / tp.kind
-        mdir.mkdir(parents=True, exist_ok=True)
-        _write_json(mdir / f"{tp.name}.json", meta)
+        self._meta_file(tp).parent.mkdir(parents=True, exist_ok=True)
+        _write_json(self._meta_file(tp), meta)
 
     def delete(self, tp: TinkerPath) -> None:
         """Remove checkpoint ``tp`` and its metadata (a missing one is a 404). The checkpoint
@@ -327,8 +330,57 @@ class CheckpointDir:
             raise WireError(f"checkpoint {tp} does not exist", 404)
         trash = _temp_beside(p)
         os.replace(p, trash)
-        (self.run_dir(tp.model_id) / "meta" / tp.kind / f"{tp.name}.json").unlink(missing_ok=True)
+        self._meta_file(tp).unlink(missing_ok=True)
         remove_path(trash)
+
+    def _meta_file(self, tp: TinkerPath) -> Path:
+        return self.run_dir(tp.model_id) / "meta" / tp.kind / f"{tp.name}.json"
+
+    def metadata(self, tp: TinkerPath) -> dict[str, Any]:
+        """Checkpoint ``tp``'s metadata (empty when it has none or it is unreadable)."""
+        return self._meta(self._meta_file(tp))
+
+    def update(self, tp: TinkerPath, **changes: Any) -> None:  # noqa: ANN401
+        """Set fields of checkpoint ``tp``'s metadata (``public``, ``expires_at``), written aside and
+        renamed into place; a checkpoint without metadata gets it, timed by its folder. The caller
+        holds the lock that orders updates and deletions of checkpoints."""
+        p = self.path(tp)
+        if not self.exists(tp):
+            raise WireError(f"checkpoint {tp} does not exist", 404)
+        meta = self.metadata(tp)
+        if "time" not in meta:
+            meta["time"] = datetime.fromtimestamp(p.stat().st_mtime, timezone.utc).isoformat()
+        meta.update(changes)
+        f = self._meta_file(tp)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(f, meta)
+
+    def expired(self, at: datetime) -> list[TinkerPath]:
+        """Every checkpoint whose ``expires_at`` is ``at`` or earlier."""
+        out = []
+        for model_id in self.run_ids():
+            for c in self.listing(model_id):
+                if c["expires_at"] is not None and datetime.fromisoformat(c["expires_at"]) <= at:
+                    kind, name = c["checkpoint_id"].split("/")
+                    out.append(TinkerPath(model_id, kind, name))
+        return out
+
+    def files(self, tp: TinkerPath) -> dict[str, Path]:
+        """The regular files of checkpoint ``tp`` by their path under its folder (``/``-separated),
+        sorted; symlinks are skipped (what they point to is not the server's)."""
+        root = self.path(tp)
+        if not root.is_dir():  # in the instant a replacement has it aside, the old one is read
+            root = moved_aside(root)
+        if not root.is_dir():
+            raise WireError(f"checkpoint {tp} does not exist", 404)
+        found = {}
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            for f in filenames:
+                full = Path(dirpath) / f
+                if not full.is_symlink() and full.is_file():
+                    found[full.relative_to(root).as_posix()] = full
+        return dict(sorted(found.items()))
 
     def listing(self, model_id: str) -> list[dict[str, Any]]:
         """Tinker ``Checkpoint`` records of a run, oldest first. A checkpoint whose metadata is
@@ -363,6 +415,7 @@ class CheckpointDir:
                         "size_bytes": meta.get("size_bytes"),
                         "user_metadata": meta.get("user_metadata"),
                         "expires_at": meta.get("expires_at"),
+                        "public": meta.get("public", False),
                     }
                 )
         return sorted(out, key=lambda c: c["time"])

@@ -5,15 +5,25 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from harts.errors import UserError
 from harts.serve.tenants import DEFAULT_TENANT, check_keys
+
+if TYPE_CHECKING:
+    from harts.models.execution.config import ExecutionConfig
 
 __all__ = ["API_KEY_ENV", "ServeConfig"]
 
 #: the environment variable ``harts serve`` reads the API key from when ``--api-key`` is not given
 API_KEY_ENV = "HARTS_SERVE_API_KEY"
+
+
+def _execution() -> ExecutionConfig:
+    """An ``ExecutionConfig`` (imported when one is made: this module stays light for ``--help``)."""
+    from harts.models.execution.config import ExecutionConfig
+
+    return ExecutionConfig()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,6 +34,9 @@ class ServeConfig:
     model: str
     #: the name clients pass as ``base_model``; None: the preset's name or the directory's name
     model_name: str | None = None
+    #: a tokenizer directory served with the model (``get_info``'s ``tokenizer_id``, string stop
+    #: sequences); None: the checkpoint directory's own tokenizer, if it has one
+    tokenizer: str | None = None
     #: the one tenant's key (``default``) when ``tenants`` is None: every request carries a key in
     #: ``X-API-Key``; ``harts.serve.tenants`` says what a key must be
     api_key: str = ""
@@ -38,13 +51,14 @@ class ServeConfig:
     dtype: str = "float32"
     #: a preset's first N decoder layers (None: all)
     layers: int | None = None
-    #: ``ExecutionConfig`` fields of every engine (recompute, attention, linear_attention_backend, ...)
-    execution: dict[str, Any] = field(default_factory=dict)
+    #: how every engine executes (recompute, attention, linear-attention backend, ...): the same
+    #: record ``harts train`` builds from the same options (``harts.trainer.options.execution_config``)
+    execution: ExecutionConfig = field(default_factory=_execution)
     seed: int = 0
     #: tokens per engine microbatch; also the longest datum / prompt + completion served
     capacity: int = 65536
     #: training runs (LoRA engines) held in memory at once
-    max_models: int = 4
+    max_models: int = 8
     #: largest request body (after decompression), bytes
     max_request_bytes: int = 256 << 20
     #: largest ``num_samples`` of one sampling request
@@ -76,6 +90,10 @@ class ServeConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
+        from harts.models.execution.config import ExecutionConfig
+
+        if not isinstance(self.execution, ExecutionConfig):  # e.g. a dict of its fields
+            raise UserError(f"execution: expected an ExecutionConfig, got {type(self.execution).__name__}")
         if self.tenants is not None:
             if self.api_key:
                 raise UserError("--api-key: give --api-key (one tenant) or --keys-file (several), not both")
@@ -98,6 +116,12 @@ class ServeConfig:
             raise UserError(
                 f"--session-timeout: {self.session_timeout}; at least 30 seconds (the tinker SDK heartbeats every 10 s)"
             )
+        if self.tokenizer is not None:
+            from harts.serve.tokenizer import load_tokenizer
+
+            if ":" in os.path.abspath(self.tokenizer):
+                raise UserError(f"--tokenizer {self.tokenizer}: the tinker SDK cuts a tokenizer id at ':'; move it")
+            load_tokenizer(self.tokenizer)  # a missing or broken directory is one line before the model loads
         self.state_dir = Path(self.state_dir)
         if self.state_dir.exists() and not self.state_dir.is_dir():
             raise UserError(f"--state-dir: {self.state_dir} exists and is not a directory")

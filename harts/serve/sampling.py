@@ -2,9 +2,15 @@
 
 A request's prompt runs once through the model (``extend``); the branch is forked
 ``num_samples`` times, sharing the prompt's caches, and every fork decodes with ``generate``
-(temperature, top-p, max tokens, stop tokens), so a group of samples costs one prompt. Each
-sampled token carries its log-prob under the distribution it was drawn from; at temperature 1
-and top-p 1 that is the model's own log-prob, which a ``forward`` of the same tokens reproduces.
+(temperature, 0 for greedy; top-k; top-p; max tokens; stop tokens, and stop strings matched on
+the text the served tokenizer decodes, ``harts.serve.tokenizer``), so a group of samples costs one
+prompt. Each sampled token carries its log-prob under the distribution it was drawn from; at
+temperature 1 without top-k or top-p that is the model's own log-prob, which a ``forward`` of the
+same tokens reproduces. A stop string ends a sample at the token that completes it, kept in the
+sample (as a stop token is), with stop reason ``stop``; EOS stops a sample unless ``stop`` is
+``[]``. Top-k log-probs (``topk_prompt_logprobs``, ``topk_sample_logprobs``) are the model's own
+distribution's k most likely tokens, from the same prompt pass and decoding steps: the prompt's
+first position (no context) and those before ``prompt_logprobs_last_n`` carry the SDK's sentinel.
 The worker runs a request in slices of decoding steps (``SampleRun``), so other runs' steps go
 between them; a request's tokens (prompt + ``num_samples`` x ``max_tokens``) are bounded by
 ``--max-sample-tokens`` before it is queued.
@@ -17,8 +23,9 @@ sampling client of the base model, or of a checkpoint that is on disk but not in
 restart, or once its snapshot was dropped for newer ones), samples a model loaded for sampling
 only (``SamplerEngines``).
 
-This is a reference sampler for a CPU-sized model and for tests: a real deployment samples with
-an inference engine (vLLM, SGLang) loaded from the ``save_weights_for_sampler`` export.
+On CUDA the prompt and the decoding steps run on the batched decoder (``harts.rollout.fast``:
+chunked prefill, fused recurrent steps, slot caches the forks share, sampling on the device);
+elsewhere on the reference decoder, with the same answers (``tests/serve/test_sampling_fast.py``).
 """
 
 from __future__ import annotations
@@ -35,16 +42,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from harts.rollout.decode import extend, new_branch
-from harts.rollout.sampler import Decoding, SamplingConfig
+from harts.errors import UserError
+from harts.rollout.decode import extend_hidden, new_branch
+from harts.rollout.fast import FastDecoder, FastDecoding, fast_decoding_applies
+from harts.rollout.sampler import Decoding, Detokenize, SamplingConfig, topk_logprobs
 from harts.serve.futures import Done
+from harts.serve.tokenizer import detokenizer
 from harts.serve.wire import PROTO_MEDIA_TYPE, WireError, encode_sample_response, finite, prompt_tokens
 from harts.serve.worker import Later, Step
 
 if TYPE_CHECKING:
+    from harts.models.hybrid_lm import HybridLM
     from harts.trainer.engine import Engine
 
 __all__ = [
+    "MAX_TOPK_LOGPROBS",
     "SAMPLER_ENGINES",
     "SLICE_SECONDS",
     "SampleJob",
@@ -155,6 +167,17 @@ class SampleJob:
     #: return the prompt's log-probs (``[NaN, lp_1, ...]``), only the last N when set
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None
+    #: return the model's k most likely tokens at every prompt position (0: none)
+    topk_prompt_logprobs: int = 0
+    #: the served tokenizer's decoding, when the request has stop strings
+    detokenize: Detokenize | None = None
+
+
+#: the most top-k log-probs one request may ask for per position (each costs 8 bytes per
+#: position in the answer)
+MAX_TOPK_LOGPROBS = 128
+#: prompt rows whose logits one step of the prompt's top-k holds at once
+PROMPT_ROWS = 256
 
 
 #: how long one turn of a sampling job decodes before the worker lets the other lanes take theirs
@@ -172,14 +195,24 @@ class SampleRun:
     sampled weights in and back out, so whatever other lanes run in between sees its own
     weights; the caches of the prompt and of every sample stay here, and the decoding is
     ``generate``'s (``Decoding``), so the tokens and log-probs are the same however the work is
-    sliced."""
+    sliced. ``on_done`` is told every sample's token count once they have all stopped (the
+    server's log of sampled sequences, ``harts.serve.provenance``)."""
 
-    def __init__(self, job: SampleJob, weights: Weights, *, slice_seconds: float = SLICE_SECONDS) -> None:
+    def __init__(
+        self,
+        job: SampleJob,
+        weights: Weights,
+        *,
+        slice_seconds: float = SLICE_SECONDS,
+        on_done: Callable[[list[int]], None] | None = None,
+    ) -> None:
         self.job = job
         self.weights = weights
         self.slice_seconds = slice_seconds
+        self.on_done = on_done
         self._generator = torch.Generator().manual_seed(job.seed)
-        self._decoding: Decoding | None = None
+        self._decoding: Decoding | FastDecoding | None = None
+        self._prompt_topk: tuple[np.ndarray, np.ndarray] | None = None
 
     def step(self) -> Step:
         """One slice: the result once every sample has stopped, else ``Later(self.step)``."""
@@ -190,19 +223,60 @@ class SampleRun:
             # a slice outlasts its swap tenfold (a run without LoRA swaps every weight)
             deadline = time.monotonic() + max(self.slice_seconds, 10 * (time.monotonic() - started))
             if self._decoding is None:
-                branch = extend(model, [new_branch(model)], [self.job.prompt])[0]
-                self._decoding = Decoding(branch.fork(self.job.num_samples), self.job.config)
+                self._decoding = self._start(model)
             decoding = self._decoding
             while not decoding.done:  # one step at least, however short the slice
-                decoding.step(model, self._generator)
+                if isinstance(decoding, FastDecoding):
+                    decoding.decoder.model = model
+                    decoding.step(self._generator)
+                else:
+                    decoding.step(model, self._generator)
                 if time.monotonic() >= deadline:
                     break
             if not decoding.done:
                 return Later(self.step)
             prompt_lp = _prompt_logprobs(engine, self.job) if self.job.prompt_logprobs else None
-        stop = set(self.job.config.stop_tokens)
-        sequences = [(t.tokens, t.logprobs, bool(t.tokens) and t.tokens[-1] in stop) for t in decoding.turns]
-        return Done(encode_sample_response(sequences, prompt_lp), PROTO_MEDIA_TYPE)
+        sequences = [(t.tokens, t.logprobs, t.stopped) for t in decoding.turns]
+        if self.on_done is not None:
+            self.on_done([len(t.tokens) for t in decoding.turns])
+        sample_topk = None
+        if self.job.config.topk_logprobs:
+            sample_topk = [(np.array(t.topk_ids), np.array(t.topk_logprobs)) for t in decoding.turns]
+        body = encode_sample_response(sequences, prompt_lp, sample_topk=sample_topk, prompt_topk=self._prompt_topk)
+        return Done(body, PROTO_MEDIA_TYPE)
+
+    def _start(self, model: HybridLM) -> Decoding | FastDecoding:
+        """The prompt run once and forked into ``num_samples`` decodings: by the batched decoder
+        (``harts.rollout.fast``, sampling on the device) on CUDA, by the reference elsewhere."""
+        job = self.job
+        if not fast_decoding_applies(model):
+            (branch,), (hidden_TD,) = extend_hidden(model, [new_branch(model)], [job.prompt])
+            self._prompt_topk_from(model, hidden_TD)
+            return Decoding(branch.fork(job.num_samples), job.config, job.detokenize)
+        decoder = FastDecoder(model)
+        (seq,) = decoder.open()
+        hidden = decoder.extend([seq], [job.prompt], hidden=bool(job.topk_prompt_logprobs))
+        if hidden is not None:
+            self._prompt_topk_from(model, hidden[0])
+        self._generator = torch.Generator(decoder.device).manual_seed(job.seed)
+        return FastDecoding(decoder, decoder.fork(seq, job.num_samples), job.config, job.detokenize)
+
+    def _prompt_topk_from(self, model: HybridLM, hidden_TD: torch.Tensor) -> None:
+        """With ``topk_prompt_logprobs``, the prompt's top-k from its pass's final hidden states
+        ``hidden_TD`` (position i from the logits after token i - 1; rows without any: id -1)."""
+        k, prompt = self.job.topk_prompt_logprobs, self.job.prompt
+        if not k:
+            return
+        ids = np.full((len(prompt), k), -1, dtype=np.int64)
+        lps = np.zeros((len(prompt), k))
+        first = 1 if self.job.prompt_logprobs_last_n is None else len(prompt) - self.job.prompt_logprobs_last_n
+        # the lm head over a few rows at a time: a long prompt's [T, V] logits are never held at once
+        for start in range(first, len(prompt), PROMPT_ROWS):
+            stop = min(start + PROMPT_ROWS, len(prompt))
+            logits = torch.nn.functional.linear(hidden_TD[start - 1 : stop - 1], model.lm_head_weight)
+            top_ids, top_lps = topk_logprobs(logits, k)
+            ids[start:stop], lps[start:stop] = top_ids.numpy(), top_lps.numpy()
+        self._prompt_topk = (ids, lps)
 
 
 def _prompt_logprobs(engine: Engine, job: SampleJob) -> np.ndarray:
@@ -223,23 +297,33 @@ def sample_job(
     max_samples: int,
     default_seed: int,
     max_sample_tokens: int | None = None,
+    tokenizer: str | None = None,
 ) -> SampleJob:
     """A ``SampleJob`` from tinker's validated ``SampleRequest``; every unsupported option refused by
-    name (``WireError``). ``eos_tokens`` stop a sample when the request names no ``stop``;
-    ``max_sample_tokens`` bounds the prompt plus ``num_samples`` x ``max_tokens``."""
+    name (``WireError``). ``eos_tokens`` stop a sample unless the request's ``stop`` is ``[]``;
+    ``max_sample_tokens`` bounds the prompt plus ``num_samples`` x ``max_tokens``; ``tokenizer``:
+    the served tokenizer's directory, which string stop sequences need."""
     if not 1 <= req.num_samples <= max_samples:
         raise WireError(f"num_samples: {req.num_samples}; between 1 and {max_samples} (--max-samples)")
+    limit = min(MAX_TOPK_LOGPROBS, vocab_size)
     for name, value in (
         ("topk_prompt_logprobs", req.topk_prompt_logprobs),
         ("topk_sample_logprobs", req.topk_sample_logprobs),
-        ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
     ):
-        if value:
-            raise WireError(f"{name}: {value}; harts serve returns no top-k or alternative tokens (use 0)")
+        if not 0 <= value <= limit:
+            raise WireError(f"{name}: {value}; between 0 and {limit} (the vocabulary, or {MAX_TOPK_LOGPROBS})")
+    if req.prompt_alt_tokens_k:
+        raise WireError(
+            f"prompt_alt_tokens_k: {req.prompt_alt_tokens_k}; harts serve draws no alternative tokens (use 0)"
+        )
     if req.target_prompt_logprobs is not None:
         raise WireError("target_prompt_logprobs: not supported by harts serve")
     if req.record_stability_info:
-        raise WireError("record_stability_info: not supported by harts serve (it serves no stable_reinforce)")
+        raise WireError(
+            "record_stability_info: Tinker does not define the stability information, which only stable_reinforce "
+            "reads, and harts serves no stable_reinforce; sample without it (every sequence still gets a sequence_id "
+            "for a datum's provenance)"
+        )
     prompt = prompt_tokens(req.prompt.chunks, "prompt", vocab_size)
     if not prompt:
         raise WireError("prompt: empty (sampling needs at least one prompt token)")
@@ -258,38 +342,68 @@ def sample_job(
             f"{p.max_tokens} = {budget} tokens; this server samples at most {max_sample_tokens} tokens per "
             "request (--max-sample-tokens): ask for fewer samples or fewer tokens, or split the request"
         )
-    if not finite(float(p.temperature), "sampling_params.temperature") > 0:
-        raise WireError(f"sampling_params.temperature: {p.temperature}; must be > 0 (harts samples, no greedy)")
+    if not finite(float(p.temperature), "sampling_params.temperature") >= 0:
+        raise WireError(f"sampling_params.temperature: {p.temperature}; must be >= 0 (0: greedy)")
     if not 0 < finite(float(p.top_p), "sampling_params.top_p") <= 1:
         raise WireError(f"sampling_params.top_p: {p.top_p}; must be in (0, 1]")
-    if p.top_k not in (-1, 0) and p.top_k < vocab_size:
-        raise WireError(f"sampling_params.top_k: {p.top_k}; harts serve samples with top_k = -1 only")
+    if p.top_k < -1:
+        raise WireError(f"sampling_params.top_k: {p.top_k}; -1 (or 0) for no limit, else at least 1")
     last_n = req.prompt_logprobs_last_n
     if last_n is not None and not (req.prompt_logprobs and 1 <= last_n < len(prompt)):
         raise WireError(f"prompt_logprobs_last_n: {last_n}; needs prompt_logprobs and 1 <= N < len(prompt)")
     seed = int(p.seed) if p.seed is not None else default_seed
+    stop_tokens, stop_strings = _stop(p.stop, eos_tokens, vocab_size)
+    detokenize = _detokenizer(tokenizer) if stop_strings else None
     return SampleJob(
         prompt=prompt,
         num_samples=req.num_samples,
         config=SamplingConfig(
             temperature=float(p.temperature),
             top_p=float(p.top_p),
+            top_k=int(p.top_k) if 1 <= p.top_k < vocab_size else None,
             max_tokens=int(p.max_tokens),
-            stop_tokens=_stop_tokens(p.stop, eos_tokens, vocab_size),
+            stop_tokens=stop_tokens,
+            stop_strings=stop_strings,
+            topk_logprobs=int(req.topk_sample_logprobs),
         ),
         seed=seed,
         prompt_logprobs=bool(req.prompt_logprobs),
         prompt_logprobs_last_n=last_n,
+        topk_prompt_logprobs=int(req.topk_prompt_logprobs),
+        detokenize=detokenize,
     )
 
 
-def _stop_tokens(stop: Any, eos_tokens: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
+def _detokenizer(tokenizer: str | None) -> Detokenize:
+    """The served tokenizer's decoding, which string stop sequences are matched on."""
+    if tokenizer is None:
+        raise WireError(
+            "sampling_params.stop: string stop sequences need the served tokenizer, and this server has none "
+            "(serve a checkpoint directory with tokenizer files, or pass --tokenizer DIR); pass token ids"
+        )
+    try:
+        return detokenizer(tokenizer)
+    except UserError as err:
+        raise WireError(f"sampling_params.stop: {err}") from None
+
+
+def _stop(stop: Any, eos_tokens: tuple[int, ...], vocab_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(stop tokens, stop strings) of ``sampling_params.stop``: None stops at EOS only, ``[]`` at
+    nothing, token ids or strings at those and at EOS (the SDK's ``SamplingParams.stop``)."""
     if stop is None:
-        return eos_tokens
-    if isinstance(stop, str) or any(isinstance(s, str) for s in stop):
-        raise WireError("sampling_params.stop: string stop sequences are not supported; pass token ids")
-    out = tuple(int(s) for s in stop)
+        return eos_tokens, ()
+    items = [stop] if isinstance(stop, str) else list(stop)
+    strings = tuple(s for s in items if isinstance(s, str))
+    if strings:
+        if len(strings) != len(items):
+            raise WireError("sampling_params.stop: token ids and strings mixed; pass one kind")
+        if any(not s for s in strings):
+            raise WireError("sampling_params.stop: an empty string (it would stop before any token)")
+        return eos_tokens, strings
+    if not items:
+        return (), ()
+    out = tuple(int(s) for s in items)
     bad = [s for s in out if not 0 <= s < vocab_size]
     if bad:
         raise WireError(f"sampling_params.stop: token {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    return out
+    return tuple(dict.fromkeys(out + eos_tokens)), ()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from harts.errors import UserError
 from harts.serve.config import ServeConfig
 from harts.serve.service import ModelInfo, Service
+from harts.serve.tokenizer import TOKENIZER_FILES
 
 if TYPE_CHECKING:
     from harts.models.hybrid_lm import HybridLM
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["exposure_warning", "make_service", "model_info", "serve"]
 
 log = logging.getLogger("harts.serve")
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _eos_tokens(directory: Path) -> tuple[int, ...]:
@@ -77,17 +76,11 @@ def exposure_warning(host: str) -> str | None:
 
 def check_execution(config: ServeConfig, model: HybridLM) -> None:
     """The execution settings can run the model on the device (``UserError`` naming the option)."""
-    from harts.models.execution.config import ExecutionConfig
     from harts.trainer.build import check_la_backend
     from harts.trainer.checks import check_recompute_layers
 
-    backend = config.execution.get("linear_attention_backend", "reference")
-    check_la_backend(backend, config.device, model.config.chunk_size, config.model)
+    check_la_backend(config.execution.linear_attention_backend, config.device, model.config.chunk_size, config.model)
     check_recompute_layers(config.execution, model)
-    try:
-        ExecutionConfig(**config.execution)
-    except ValueError as err:
-        raise UserError(f"execution options: {err}") from None
 
 
 def model_info(config: ServeConfig) -> ModelInfo:
@@ -99,19 +92,48 @@ def model_info(config: ServeConfig) -> ModelInfo:
     except (ValueError, OSError, KeyError) as err:  # UserError is a ValueError
         raise UserError(f"--model {config.model!r}: {err}") from None
     check_execution(config, model)
+    vocab = model.config.vocab_size
+    if config.tokenizer is not None:
+        return _named_tokenizer(config, vocab)
     if not os.path.isdir(config.model):
-        return ModelInfo(vocab_size=model.config.vocab_size, arch="harts", tokenizer_id=None, eos_tokens=())
+        return ModelInfo(vocab_size=vocab, arch="harts", tokenizer_id=None, eos_tokens=())
     directory = Path(config.model)
-    try:
-        arch = str(json.loads((directory / "config.json").read_text()).get("model_type", "harts"))
-    except (OSError, ValueError, AttributeError):
-        arch = "harts"
-    has_tokenizer = any((directory / f).is_file() for f in _TOKENIZER_FILES)
+    has_tokenizer = any((directory / f).is_file() for f in TOKENIZER_FILES)
     return ModelInfo(
-        vocab_size=model.config.vocab_size,
-        arch=arch,
+        vocab_size=vocab,
+        arch=_arch(directory),
         tokenizer_id=str(directory.resolve()) if has_tokenizer else None,
         eos_tokens=_eos_tokens(directory),
+    )
+
+
+def _arch(directory: Path) -> str:
+    """transformers' ``model_type`` of a checkpoint directory (``harts`` when it names none)."""
+    try:
+        return str(json.loads((directory / "config.json").read_text()).get("model_type", "harts"))
+    except (OSError, ValueError, AttributeError):
+        return "harts"
+
+
+def _named_tokenizer(config: ServeConfig, vocab: int) -> ModelInfo:
+    """``ModelInfo`` with the ``--tokenizer`` directory: its ids must fit the model's vocabulary;
+    EOS from the model directory's generation config, else the tokenizer directory's, else the
+    tokenizer's own EOS token."""
+    from harts.serve.tokenizer import load_tokenizer, tokenizer_eos
+
+    assert config.tokenizer is not None
+    tokenizer = load_tokenizer(config.tokenizer)
+    if len(tokenizer) > vocab:
+        raise UserError(
+            f"--tokenizer {config.tokenizer}: its {len(tokenizer)} tokens do not fit the model's vocabulary of {vocab}"
+        )
+    model_dir = Path(config.model) if os.path.isdir(config.model) else None
+    eos = (_eos_tokens(model_dir) if model_dir else ()) or _eos_tokens(Path(config.tokenizer))
+    return ModelInfo(
+        vocab_size=vocab,
+        arch=_arch(model_dir) if model_dir else "harts",
+        tokenizer_id=str(Path(config.tokenizer).resolve()),
+        eos_tokens=eos or tokenizer_eos(tokenizer),
     )
 
 
@@ -135,7 +157,6 @@ def make_service(
     shared: list[HybridLM] = []
 
     def make_engine(lora: LoraConfig | None, spec: str | None) -> Engine:
-        from harts.models.execution.config import ExecutionConfig
         from harts.trainer.engine import Engine
 
         if lora is not None and spec is None:
@@ -145,9 +166,7 @@ def make_service(
                         config.model, layers=config.layers, dtype=config.dtype, device=config.device, seed=config.seed
                     )
                 )
-            return Engine.over_base(
-                shared[0], lora, capacity=config.capacity, execution=ExecutionConfig(**config.execution)
-            )
+            return Engine.over_base(shared[0], lora, capacity=config.capacity, execution=config.execution)
         return Engine.from_spec(
             spec or config.model,
             layers=None if spec else config.layers,
@@ -156,7 +175,7 @@ def make_service(
             lora=lora,
             seed=config.seed,
             capacity=config.capacity,
-            execution=ExecutionConfig(**config.execution),
+            execution=config.execution,
         )
 
     return Service(config, info, make_engine, check_run_memory=check_run_memory)

@@ -16,7 +16,10 @@ sampling client ``<session>:sample:<n>`` for the client's own counters ``n`` (th
 run id of ``create_training_client_from_state`` itself, so the scheme is fixed).
 
 ``close()`` of a ServiceClient finishes its session; the server then lets go of that session's
-engines (what they wrote under ``--state-dir`` stays).
+engines (what they wrote under ``--state-dir`` stays). ``--max-models`` counts the runs of live
+sessions: a session silent for ``--session-timeout`` is finished by the reaper, or at once when a
+new run needs its slot. Publishing, TTLs and downloads of checkpoints are ``self.access``'s
+(``harts.serve.access``); a call the server does not serve is refused by ``unserved``.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from tinker import types
 from harts.errors import UserError
 from harts.rl.losses import check_loss
 from harts.serve import training
+from harts.serve.access import CheckpointAccess, check_ttl
 from harts.serve.checkpoints import CheckpointDir, now
 from harts.serve.config import ServeConfig
 from harts.serve.futures import Done, Failed, FutureStore
+from harts.serve.provenance import SequenceLog
 from harts.serve.sampling import SamplerEngines, SampleRun, Snapshots, sample_job, take_snapshot
 from harts.serve.training import TrainingRun, json_done
 from harts.serve.wire import (
@@ -141,13 +146,16 @@ class Service:
         self.checkpoints = CheckpointDir(config.state_dir)
         self.snapshots = Snapshots(config.max_snapshots)
         self.sampler_engines = SamplerEngines()
+        #: every sampled sequence by its sequence_id, for the provenance of training datums
+        self.sequences = SequenceLog()
         self._lock = threading.RLock()
         self._sessions: dict[str, _Session] = {}
         self._runs: dict[str, TrainingRun] = {}
         self._samplers: dict[str, _Sampler] = {}
         self._seeds = np.random.default_rng(config.seed)
-        #: deletes of checkpoints one at a time (two of one checkpoint at once: one 404, not a race)
-        self._deleting = threading.Lock()
+        #: publishing, TTLs and downloads; its lock orders deletions too (two of one checkpoint at
+        #: once: one 404, not a race)
+        self.access = CheckpointAccess(self.checkpoints, self._owns, config.keys)
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="harts-serve-sessions", daemon=True)
         self._reaper.start()
@@ -257,8 +265,9 @@ class Service:
         while not self._closed.wait(max(1.0, self.config.session_timeout / 4)):
             try:
                 self.expire_idle_sessions()
+                self.access.expire()
             except Exception:  # a bug of ours: logged, and the server keeps serving
-                log.exception("expiring idle sessions failed")
+                log.exception("expiring idle sessions or checkpoints failed")
 
     def get_session(self, tenant: str, session_id: str) -> dict[str, Any]:
         s = self._own_session(tenant, session_id)
@@ -339,12 +348,20 @@ class Service:
     ) -> TrainingRun:
         model_id = f"{session.session_id}:train:{model_seq_id}"
         with self._lock:
+            full = model_id not in self._runs and len(self._runs) >= self.config.max_models
+        if full:
+            # only live runs count: a session silent past --session-timeout is finished now, not
+            # at the reaper's next round
+            self.expire_idle_sessions()
+        with self._lock:
             if model_id in self._runs:
                 return self._runs[model_id]
             if len(self._runs) >= self.config.max_models:
                 raise WireError(
-                    f"model_seq_id: the server holds {len(self._runs)} training runs (--max-models "
-                    f"{self.config.max_models}); close() a ServiceClient to release its runs (a silent session releases them after --session-timeout), or restart with more"
+                    f"model_seq_id: the server holds {len(self._runs)} training runs of live sessions (--max-models "
+                    f"{self.config.max_models}); close() a ServiceClient to release its runs (a session without a "
+                    f"request or heartbeat for --session-timeout {self.config.session_timeout:g} s releases them), "
+                    "or restart with more"
                 )
             run = TrainingRun(
                 model_id, session.session_id, base_model, lora, now(), user_metadata, tenant=session.tenant
@@ -468,6 +485,8 @@ class Service:
             except UserError as err:
                 raise WireError(f"forward_backward_input.loss_fn_config: {err}") from None
             trajs = trajectories(msg, vocab_size=self.info.vocab_size, max_tokens=self.config.capacity)
+            lengths = [len(t["tokens"]) - 1 for t in trajs]
+            self.sequences.check(msg, lengths, tenant=tenant, session_id=run.session_id)
         except WireError as err:
             raise self._refuse(run.model_id, seq, err) from None
         forward_only = msg.forward_only
@@ -496,6 +515,7 @@ class Service:
     def save_weights(self, tenant: str, body: bytes) -> dict[str, Any]:
         req, run, seq = self._ordered_request(tenant, body, types.SaveWeightsRequest, "save_weights")
         try:
+            check_ttl(req.ttl_seconds)
             name = check_name(req.path or f"state-{uuid.uuid4().hex[:8]}", "path")
             tp = TinkerPath(run.model_id, "weights", name)
             if not req.overwrite and self.checkpoints.exists(tp):
@@ -521,6 +541,7 @@ class Service:
             tenant, body, types.SaveWeightsForSamplerRequest, "save_weights_for_sampler"
         )
         try:
+            check_ttl(req.ttl_seconds)
             tp, sampler_id = self._sampler_target(run, req)
         except WireError as err:
             raise self._refuse(run.model_id, seq, err) from None
@@ -563,12 +584,40 @@ class Service:
             raise WireError("path: give a checkpoint name, or sampling_session_seq_id for an unnamed snapshot")
         return None, f"{run.session_id}:sample:{req.sampling_session_seq_id}"
 
+    def save_weights_external(self, tenant: str, body: bytes) -> dict[str, Any]:
+        """``save_weights_external``: the weights as ``save_weights_for_sampler`` writes them
+        (transformers' layout, adapters merged), as ``tinker://<run>/external_weights/<name>``,
+        for ``get_external_weights_urls`` and ``tinker checkpoint download`` to fetch."""
+        req, run, seq = self._ordered_request(tenant, body, types.SaveWeightsExternalRequest, "save_weights_external")
+        try:
+            check_ttl(req.ttl_seconds)
+            if req.age_encryption_recipients:
+                raise WireError(
+                    "age_encryption_recipients: harts serve does not encrypt exports; leave it out (the files are "
+                    "served to the run's tenant only, over the server's connection)"
+                )
+            tp = TinkerPath(run.model_id, "external_weights", check_name(req.path, "path"))
+        except WireError as err:
+            raise self._refuse(run.model_id, seq, err) from None
+
+        def work() -> Done:
+            self.checkpoints.write_run(run.model_id, run.record())
+            engine = run.live_engine()
+            self.checkpoints.save(tp, engine.save_weights_for_sampler, overwrite=True, ttl_seconds=req.ttl_seconds)
+            size = self.checkpoints.metadata(tp).get("size_bytes")
+            return json_done(
+                types.SaveWeightsExternalResponseInternal(path=str(tp), size_bytes=size, type="save_weights_external")
+            )
+
+        job = self._queue("SaveWeightsExternal", work, tenant=tenant, key=run.model_id, seq_id=seq)
+        return self._future(job, run.model_id)
+
     def _saved_state(self, tenant: str, path: str) -> tuple[TinkerPath, dict[str, Any]]:
         """(the training checkpoint ``path`` names, its run's record); 404 when it is not on disk
         or not ``tenant``'s."""
         tp = parse_tinker_path(path, "path", kinds=("weights",))
         source = self.checkpoints.read_run(tp.model_id)
-        if source is None or not self._owns(tenant, tp.model_id, source) or not self.checkpoints.exists(tp):
+        if source is None or not self.access.readable(tenant, tp, source) or not self.checkpoints.exists(tp):
             raise WireError(f"path: no checkpoint {tp} on this server", 404)
         return tp, source
 
@@ -672,7 +721,7 @@ class Service:
         tp = parse_tinker_path(model_path, "model_path")
         source = self.checkpoints.read_run(tp.model_id)
         in_memory = self.snapshots.get(str(tp)) is not None
-        if not (source is not None and self._owns(tenant, tp.model_id, source)) or not (
+        if not (source is not None and self.access.readable(tenant, tp, source)) or not (
             in_memory or self.checkpoints.exists(tp)
         ):
             raise WireError(f"model_path: no checkpoint {tp} on this server", 404)
@@ -709,13 +758,25 @@ class Service:
             max_samples=self.config.max_samples,
             default_seed=self._seed(),
             max_sample_tokens=self.config.max_sample_tokens,
+            tokenizer=self.info.tokenizer_id,
         )
-        sampling = SampleRun(job, lambda: self._sampling_weights(sampler))
+        # the sequences' ids, made before the job runs: it tells the log how long each sample came out
+        prefix = uuid.uuid4().hex
+        ids = [f"{prefix}:{i}" for i in range(job.num_samples)]
+        self.sequences.record(
+            ids,
+            tenant=tenant,
+            session_id=sampler.session_id,
+            prompt_length=len(job.prompt),
+            max_tokens=job.config.max_tokens,
+        )
+        sampling = SampleRun(
+            job, lambda: self._sampling_weights(sampler), on_done=lambda lengths: self.sequences.sampled(ids, lengths)
+        )
         # its turns are those of the run whose weights it samples (after that run's save), else its own
         lane = sampler.model_id or (sampler.path.model_id if sampler.path is not None else None)
         lane = lane or f"sampler:{tenant}:{sampler.sampler_id}"
         request_id = self._queue("Sample", sampling.step, tenant=tenant, lane=lane, owner=sampler.session_id or None)
-        ids = [f"{request_id}:{i}" for i in range(job.num_samples)]
         return self._future(request_id, sample_sequence_ids=ids)
 
     def _seed(self) -> int:
@@ -758,7 +819,7 @@ class Service:
                 )
             return self.sampler_engines.get("base", lambda: self.make_engine(None, None)), None
         directory = str(self.checkpoints.path(tp))
-        if tp.kind == "sampler_weights":
+        if tp.kind != "weights":  # sampler_weights, external_weights: the HF export, adapters merged
             return self.sampler_engines.get(directory, lambda: self.make_engine(None, directory)), None
         source = self.checkpoints.read_run(tp.model_id) or {}
 
@@ -854,9 +915,26 @@ class Service:
         tp = parse_tinker_path(f"tinker://{model_id}/{checkpoint_id}", "checkpoint_id")
         if not self._owns(tenant, tp.model_id):
             raise WireError(f"checkpoint {tp} does not exist", 404)
-        with self._deleting:
+        with self.access.lock:
             self.checkpoints.delete(tp)
         return {}
+
+    def unserved(self, tenant: str, method: str, path: str, body: bytes) -> None:
+        """Refuse a call this server does not serve, as a 404 naming it. A training client's call
+        names its run and sequence number, and the SDK has used that number already: it is
+        skipped, so the client's later requests run."""
+        err = WireError(
+            f"{method} /api/v1/{path}: harts serve does not serve this call (docs/SERVE.md lists those it does)", 404
+        )
+        try:
+            data = json.loads(body) if body else None
+        except (ValueError, RecursionError):
+            data = None
+        if isinstance(data, dict):
+            model_id, seq_id = data.get("model_id"), data.get("seq_id")
+            if isinstance(model_id, str) and type(seq_id) is int and self._holds(tenant, model_id):
+                raise self._refuse(model_id, seq_id, err)
+        raise err
 
     def weights_info(self, tenant: str, body: bytes) -> dict[str, Any]:
         data = json_body(body, "weights_info")
@@ -865,7 +943,7 @@ class Service:
             raise WireError("tinker_path: required (a tinker:// path)")
         tp = parse_tinker_path(path, "tinker_path")
         record = self.checkpoints.read_run(tp.model_id)
-        if record is None or not self._owns(tenant, tp.model_id, record) or not self.checkpoints.exists(tp):
+        if record is None or not self.access.readable(tenant, tp, record) or not self.checkpoints.exists(tp):
             raise WireError(f"tinker_path: no checkpoint {tp} on this server", 404)
         lora = record.get("lora")
         return types.WeightsInfoResponse(

@@ -26,7 +26,6 @@ import hmac
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from harts.errors import UserError
@@ -78,30 +77,12 @@ def check_keys(tenants: Mapping[str, str], *, source: str) -> None:
         owner[key] = name
 
 
-def _toml(source: str) -> ModuleType:
-    """The standard library's TOML reader (Python 3.11+), else tomli, the package it came from."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[import-not-found, no-redef]
-        except ModuleNotFoundError:
-            raise UserError(f"{source}: reading TOML needs Python 3.11+ or the tomli package") from None
-    return tomllib
-
-
 def load_keys_file(path: str | Path) -> dict[str, str]:
     """Tenant name -> key from a keys file (module docstring), checked (``check_keys``)."""
+    from harts.trainer.options import read_toml
+
     source = f"--keys-file {path}"
-    toml = _toml(source)
-    try:
-        with open(path, "rb") as f:
-            data = toml.load(f)
-    except OSError as err:
-        raise UserError(f"{source}: cannot read it ({err.strerror or err})") from None
-    except ValueError as err:  # TOMLDecodeError, or bytes that are not UTF-8
-        line = (str(err).strip().splitlines() or [""])[0]
-        raise UserError(f"{source}: not valid TOML ({line})") from None
+    data = read_toml(str(path), source)
     extra = sorted(set(data) - {"tenants"})
     if extra:
         raise UserError(f"{source}: unknown top-level entry {extra[0]!r}; the file holds only {_KEYS_FILE_SHAPE}")

@@ -98,8 +98,9 @@ def forward_backward(
     *,
     forward_only: bool,
 ) -> Done:
-    """``forward`` / ``forward_backward`` of one request: per-datum ``logprobs`` (and, for
-    cross_entropy, ``elementwise_loss`` = -weights * logprobs), the loss as ``loss:sum``."""
+    """``forward`` / ``forward_backward`` of one request: per-datum ``logprobs`` [T] or [T, K] (and,
+    for cross_entropy, ``elementwise_loss`` = -weights * logprobs of the same shape), the loss as
+    ``loss:sum``."""
     start = time.perf_counter()
     if forward_only:
         logprobs = engine.forward(trajs)
@@ -111,12 +112,18 @@ def forward_backward(
     metrics["harts/engine_seconds:sum"] = time.perf_counter() - start
     outputs: dict[str, list[np.ndarray]] = {"logprobs": logprobs}
     if loss_fn == "cross_entropy":
-        outputs["elementwise_loss"] = [
-            -np.asarray(t["weights"], dtype=np.float64) * lp if "weights" in t else -lp
-            for t, lp in zip(trajs, logprobs)
-        ]
+        outputs["elementwise_loss"] = [-_weights_like(t, lp) * lp for t, lp in zip(trajs, logprobs)]
     body = encode_forward_backward_output(outputs, metrics, len(trajs))
     return Done(body, PROTO_MEDIA_TYPE)
+
+
+def _weights_like(traj: dict[str, Any], lp: np.ndarray) -> np.ndarray:
+    """A trajectory's ``weights`` (1 where it has none) in the shape of its log-probs: weights [T]
+    beside top-k log-probs [T, K] weigh every column of a position alike."""
+    if "weights" not in traj:
+        return np.ones_like(lp)
+    w = np.asarray(traj["weights"], dtype=np.float64)
+    return np.broadcast_to(w[:, None] if w.ndim < lp.ndim else w, lp.shape)
 
 
 def _loss_only(
@@ -126,10 +133,12 @@ def _loss_only(
     import torch
 
     from harts.rl.losses import check_loss, tinker_loss
-    from harts.trainer.engine import trajectories_to_batch
+    from harts.rl.targets import expand_columns
+    from harts.trainer.engine import COLUMN_FIELDS, trajectories_to_batch
 
-    batch = trajectories_to_batch(trajs, vocab_size=engine.model.config.vocab_size)
-    lp = torch.from_numpy(np.concatenate(logprobs))
+    copies, columns = expand_columns(trajs, COLUMN_FIELDS)
+    batch = trajectories_to_batch(copies, vocab_size=engine.model.config.vocab_size)
+    lp = torch.from_numpy(np.concatenate(columns.unfold(logprobs)))
     loss, _ = tinker_loss(lp, batch, loss_fn, check_loss(loss_fn, cfg))
     return float(loss)
 
@@ -158,7 +167,8 @@ def optim_step(engine: Engine, params: Any) -> dict[str, float]:
         weight_decay=params.weight_decay,
         grad_clip=params.grad_clip_norm,
     )
-    return {"grad_norm": out.grad_norm, "learning_rate": out.lr, "step": float(out.step)}
+    # not "step": the cookbook's loops merge these metrics into their own, keyed by their step
+    return {"grad_norm": out.grad_norm, "learning_rate": out.lr, "optimizer_step": float(out.step)}
 
 
 def reset_optimizer(engine: Engine) -> None:

@@ -8,19 +8,21 @@ is parsed with that message class. Responses the SDK reads as protobuf
 SDK's pydantic response types dumped to JSON.
 
 A datum maps to one harts trajectory. Tinker sends ``model_input`` = tokens[:-1] and
-``loss_fn_inputs["target_tokens"]`` = tokens[1:]; harts computes next-token log-probs only, so
-the targets must be the input shifted by one wherever they carry loss (a non-zero ``weights``
-entry for cross_entropy; a non-zero ``advantages`` entry, and weight where given, for the policy
-losses, which take an optional ``weights`` too, as a mask). Positions
-without loss may hold anything (tinker-cookbook pads prompt targets with 0); their returned
-log-prob is that of the actual next token. The trajectory is ``model_input`` plus the last
-target, with ``weights`` / ``advantages`` / ``logprobs`` of length len(tokens) - 1.
+``loss_fn_inputs["target_tokens"]``: the token scored at each position, usually tokens[1:] but any
+token of the vocabulary (tinker-cookbook pads prompt targets with 0); the returned log-prob of a
+position is that of its target. ``target_tokens`` [T, K] scores K tokens per position (top-k
+distillation), with ``weights`` (and any other per-position input) [T] or [T, K], dense or sparse
+CSR (absent entries 0), and log-probs [T, K] back. The policy losses take an optional ``weights``
+too, as a mask. The trajectory is ``model_input`` plus one more token (the last target), with
+``targets`` where they are not the next input tokens, and ``weights`` / ``advantages`` /
+``logprobs`` / ``sequence_ratio_mask`` of T entries (``harts.trainer.engine``).
 
 Every refusal is a ``WireError`` (a ``UserError``) whose message starts with the field it is
 about, e.g. ``forward_backward_input.data[3].loss_fn_inputs.target_tokens: ...``, and which
 carries the HTTP status to answer with (400 unless said otherwise).
 
-Shapes: T = len(model_input) = len(target_tokens) per datum (the trajectory has T + 1 tokens).
+Shapes: T = len(model_input) = len(target_tokens) per datum (the trajectory has T + 1 tokens),
+K top-k columns (at most ``MAX_TARGET_COLUMNS``).
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from typing import Any, TypeVar
 import numpy as np
 import pydantic
 from tinker.proto import tinker_public_pb2 as pb
+from tinker.types.topk_logprobs import MASK_LOGPROB
 
 from harts.errors import UserError
 
 __all__ = [
     "CHECKPOINT_KINDS",
     "LOSS_INPUTS",
+    "MAX_TARGET_COLUMNS",
     "MAX_JSON_DEPTH",
     "PROTO_MEDIA_TYPE",
     "TinkerPath",
@@ -72,10 +76,20 @@ LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "importance_sampling": (("target_tokens", "logprobs", "advantages"), ("weights",)),
     "ppo": (("target_tokens", "logprobs", "advantages"), ("weights",)),
     "cispo": (("target_tokens", "logprobs", "advantages"), ("weights",)),
+    "dro": (("target_tokens", "logprobs", "advantages"), ("weights",)),
+    "gspo": (("target_tokens", "logprobs", "advantages"), ("weights", "sequence_ratio_mask")),
 }
+#: Tinker's losses harts refuses, and why
+UNSERVED_LOSSES = {
+    "stable_reinforce": "Tinker documents its inputs (record_stability_info at sampling, sequence_ids in "
+    "the datum's provenance, loss_fn_config kl_coeff) but not its objective or what the stability information "
+    "is, so harts cannot compute it; importance_sampling, ppo, cispo, dro and gspo take the sampler's logprobs",
+}
+#: top-k columns per target position at most (tinker-cookbook distills K = 20)
+MAX_TARGET_COLUMNS = 128
 
 #: path segment of each checkpoint kind in a tinker path, and its Tinker checkpoint type
-CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}")
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,199}")
@@ -321,6 +335,10 @@ def loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
 
 def check_loss_fn(loss_fn: str) -> str:
     """``loss_fn`` if harts serves it."""
+    if loss_fn in UNSERVED_LOSSES:
+        raise WireError(
+            f"forward_backward_input.loss_fn: {loss_fn!r} is not served by harts: {UNSERVED_LOSSES[loss_fn]}"
+        )
     if loss_fn not in LOSS_INPUTS:
         raise WireError(
             f"forward_backward_input.loss_fn: {loss_fn!r} is not served by harts; "
@@ -360,29 +378,26 @@ def _trajectory(d: pb.Datum, field: str, loss_fn: str, vocab_size: int, max_toke
             if name in required:
                 raise WireError(f"{field}.loss_fn_inputs.{name}: missing (loss_fn {loss_fn!r} needs it)")
             continue
-        arrays[name] = _vector(
+        arrays[name] = _tensor(
             d.loss_fn_inputs[name], f"{field}.loss_fn_inputs.{name}", t, integer=name == "target_tokens"
         )
     targets = arrays.pop("target_tokens").astype(np.int64)
-    bad = np.flatnonzero((targets < 0) | (targets >= vocab_size))
+    bad = np.argwhere((targets < 0) | (targets >= vocab_size))
     if bad.size:
+        where = tuple(int(i) for i in bad[0])
         raise WireError(
-            f"{field}.loss_fn_inputs.target_tokens: token {int(targets[bad[0]])} at position {int(bad[0])} "
-            f"is outside the vocabulary [0, {vocab_size})"
+            f"{field}.loss_fn_inputs.target_tokens: token {int(targets[where])} at position "
+            f"{where[0] if len(where) == 1 else list(where)} is outside the vocabulary [0, {vocab_size})"
         )
-    carrying = arrays["weights"] != 0 if "weights" in arrays else None
-    if loss_fn != "cross_entropy":
-        carrying = arrays["advantages"] != 0 if carrying is None else carrying & (arrays["advantages"] != 0)
-    shifted = targets[:-1] == inputs[1:]
-    wrong = ~shifted if carrying is None else ~shifted & carrying[:-1]
-    if wrong.any():
-        j = int(np.flatnonzero(wrong)[0])
-        raise WireError(
-            f"{field}.loss_fn_inputs.target_tokens: position {j} is {int(targets[j])} but model_input[{j + 1}] is "
-            f"{int(inputs[j + 1])}; harts computes next-token log-probs only, so every target that carries loss "
-            "must be the next input token"
-        )
-    traj: dict[str, Any] = {"tokens": inputs.tolist() + [int(targets[-1])]}
+    for name, arr in arrays.items():
+        if arr.ndim == 2 and arr.shape != targets.shape:
+            raise WireError(
+                f"{field}.loss_fn_inputs.{name}: shape {list(arr.shape)}; a 2-D input takes target_tokens' shape "
+                f"{list(targets.shape)}"
+            )
+    traj: dict[str, Any] = {"tokens": inputs.tolist() + [int(targets.reshape(t, -1)[-1, 0])]}
+    if targets.ndim == 2 or np.any(targets[:-1] != inputs[1:]):
+        traj["targets"] = targets
     traj.update(arrays)
     return traj
 
@@ -409,34 +424,65 @@ def _chunk_tokens(chunks: Sequence[pb.Chunk], field: str, vocab_size: int) -> np
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
-def _vector(msg: pb.Tensor, field: str, length: int, *, integer: bool) -> np.ndarray:
-    """A 1-D tensor of ``length`` numbers from its protobuf (dense or sparse CSR)."""
+def _tensor(msg: pb.Tensor, field: str, length: int, *, integer: bool) -> np.ndarray:
+    """A per-position tensor [length] or [length, K] from its protobuf (dense, or sparse CSR with
+    absent entries 0), K <= ``MAX_TARGET_COLUMNS``; integers for ``integer``, else finite floats."""
     np_dtype = _DTYPES.get(msg.dtype)
     if np_dtype is None:
         raise WireError(f"{field}: dtype {pb.DType.Name(msg.dtype)} is not supported (float32 or int64)")
     shape = list(msg.shape) or None
+    if shape is not None and (len(shape) not in (1, 2) or shape[0] != length):
+        raise WireError(f"{field}: shape {shape}; expected [{length}] or [{length}, K] (one row per target position)")
+    if shape is not None and len(shape) == 2 and not 1 <= shape[1] <= MAX_TARGET_COLUMNS:
+        raise WireError(f"{field}: shape {shape}; K must be in [1, {MAX_TARGET_COLUMNS}] columns")
     if msg.HasField("sparse_csr"):
-        raise WireError(f"{field}: sparse tensors are not supported here (send a dense 1-D tensor)")
-    raw = msg.dense
-    itemsize = np.dtype(np_dtype).itemsize
-    if len(raw) % itemsize:
-        raise WireError(f"{field}: {len(raw)} bytes is not a whole number of {np.dtype(np_dtype).name} values")
-    arr = np.frombuffer(raw, dtype=np_dtype)
-    if shape is not None and (len(shape) != 1 or shape[0] != arr.size):
-        raise WireError(f"{field}: shape {shape}; expected [{length}] (one value per target position)")
-    if arr.size != length:
-        raise WireError(f"{field}: {arr.size} values; expected {length}, one per model_input token")
+        if shape is None or len(shape) != 2:
+            raise WireError(f"{field}: a sparse tensor needs its 2-D shape [{length}, K]")
+        arr = _csr(msg.sparse_csr, field, np_dtype, shape[0], shape[1])
+    else:
+        arr = _buffer(msg.dense, field, np_dtype)
+        if arr.size != length * (shape[1] if shape is not None and len(shape) == 2 else 1):
+            raise WireError(
+                f"{field}: {arr.size} values; expected {length} per column, one per model_input token"
+                + (f" (shape {shape})" if shape is not None else "")
+            )
+        if shape is not None and len(shape) == 2:
+            arr = arr.reshape(shape)
     if integer:
-        if arr.dtype.kind == "f":
-            if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
-                raise WireError(f"{field}: token ids must be integers")
+        if arr.dtype.kind == "f" and (not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr))):
+            raise WireError(f"{field}: token ids must be integers")
         return arr.astype(np.int64)
     if arr.dtype.kind != "f":
         arr = arr.astype(np.float32)
     if not np.all(np.isfinite(arr)):
-        j = int(np.flatnonzero(~np.isfinite(arr))[0])
-        raise WireError(f"{field}: value {float(arr[j])} at position {j} is not finite")
+        j = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+        raise WireError(f"{field}: value {float(arr[j])} at position {j[0] if len(j) == 1 else list(j)} is not finite")
     return arr.copy()
+
+
+def _buffer(raw: bytes, field: str, np_dtype: Any) -> np.ndarray:
+    """``raw`` bytes as a 1-D array of ``np_dtype``; ``WireError`` for a partial value."""
+    itemsize = np.dtype(np_dtype).itemsize
+    if len(raw) % itemsize:
+        raise WireError(f"{field}: {len(raw)} bytes is not a whole number of {np.dtype(np_dtype).name} values")
+    return np.frombuffer(raw, dtype=np_dtype)
+
+
+def _csr(csr: pb.SparseCsr, field: str, np_dtype: Any, rows: int, cols: int) -> np.ndarray:
+    """The dense [rows, cols] array of a sparse CSR tensor (absent entries 0), its indices checked."""
+    values = _buffer(csr.values, f"{field}.sparse_csr.values", np_dtype)
+    crow = _buffer(csr.crow_indices, f"{field}.sparse_csr.crow_indices", np.int64)
+    col = _buffer(csr.col_indices, f"{field}.sparse_csr.col_indices", np.int64)
+    if crow.size != rows + 1 or crow[0] != 0 or np.any(np.diff(crow) < 0) or crow[-1] != values.size:
+        raise WireError(
+            f"{field}.sparse_csr.crow_indices: expected {rows + 1} non-decreasing row pointers from 0 to the "
+            f"{values.size} values"
+        )
+    if col.size != values.size or np.any((col < 0) | (col >= cols)):
+        raise WireError(f"{field}.sparse_csr.col_indices: expected {values.size} column indices in [0, {cols})")
+    out = np.zeros((rows, cols), dtype=values.dtype)
+    out[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    return out
 
 
 # ------------------------------------------------------------------ sampling in
@@ -456,10 +502,14 @@ def prompt_tokens(chunks: Sequence[Any], field: str, vocab_size: int) -> list[in
 
 # ------------------------------------------------------------------ results out
 def _batched(arrays: Sequence[np.ndarray]) -> pb.BatchedTensor:
+    """One field of datums whose arrays share their trailing shape (``[T_j]`` or ``[T_j, K]``)."""
     flat = [np.ascontiguousarray(a, dtype=np.float32).reshape(-1) for a in arrays]
     sizes = np.array([0] + [a.nbytes for a in flat], dtype=np.int64)
     data = b"".join(a.tobytes() for a in flat)
-    return pb.BatchedTensor(data=data, offsets=np.cumsum(sizes).tobytes(), dtype=pb.DTYPE_FLOAT32)
+    trailing = list(np.shape(arrays[0])[1:]) if arrays else []
+    return pb.BatchedTensor(
+        data=data, offsets=np.cumsum(sizes).tobytes(), dtype=pb.DTYPE_FLOAT32, trailing_shape=trailing
+    )
 
 
 def encode_forward_backward_output(
@@ -468,29 +518,60 @@ def encode_forward_backward_output(
     """``ForwardBackwardOutput`` protobuf: one float32 array per datum and field, plus metrics.
 
     Metric names carry Tinker's reduction suffix (``loss:sum``): the SDK combines chunked
-    requests by it."""
-    record = pb.ArrayRecord(num_datums=num_datums)
-    for name, arrays in outputs.items():
-        record.fields[name].CopyFrom(_batched(arrays))
-    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+    requests by it. A record holds datums of one trailing shape per field (a BatchedTensor has
+    one), so each run of consecutive datums with the same shapes (top-k datums of one K, or the
+    1-D ones) is its own record, in order, as the SDK reads ragged outputs."""
+    shapes = [tuple(np.shape(arrays[i])[1:] for arrays in outputs.values()) for i in range(num_datums)]
+    records, start = [], 0
+    for i in range(1, num_datums + 1):
+        if i == num_datums or shapes[i] != shapes[start]:
+            record = pb.ArrayRecord(num_datums=i - start)
+            for name, arrays in outputs.items():
+                record.fields[name].CopyFrom(_batched(arrays[start:i]))
+            records.append(record)
+            start = i
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=records)
     for k, v in metrics.items():
         msg.metrics[k] = float(v)
     return msg.SerializeToString()
 
 
+def _topk(ids: np.ndarray, logprobs: np.ndarray) -> pb.TopkLogprobs:
+    """The SDK's ``TopkLogprobs`` of ``[n, k]`` ids and log-probs; a row of ids -1 (no
+    log-probs there) gets the SDK's sentinel (id 0, ``MASK_LOGPROB``)."""
+    empty = ids < 0
+    n, k = ids.shape if ids.ndim == 2 else (len(ids), 0)
+    return pb.TopkLogprobs(
+        token_ids=np.where(empty, 0, ids).astype(np.int32).tobytes(),
+        logprobs=np.where(empty, MASK_LOGPROB, logprobs).astype(np.float32).tobytes(),
+        k=k,
+        length=n,
+    )
+
+
 def encode_sample_response(
-    sequences: Sequence[tuple[Sequence[int], Sequence[float], bool]], prompt_logprobs: np.ndarray | None
+    sequences: Sequence[tuple[Sequence[int], Sequence[float], bool]],
+    prompt_logprobs: np.ndarray | None,
+    *,
+    sample_topk: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    prompt_topk: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> bytes:
-    """``SampleResponse`` protobuf; each sequence is (tokens, logprobs, stopped at a stop token)."""
+    """``SampleResponse`` protobuf; each sequence is (tokens, logprobs, stopped at a stop token or
+    string). ``sample_topk``: per sequence, its ``[n_tokens, k]`` top-k ids and log-probs;
+    ``prompt_topk``: the prompt's ``[len(prompt), k]`` (ids -1 where there are none)."""
     msg = pb.SampleResponse()
-    for tokens, logprobs, stopped in sequences:
-        msg.sequences.add(
+    for s, (tokens, logprobs, stopped) in enumerate(sequences):
+        seq = msg.sequences.add(
             stop_reason=pb.STOP_REASON_STOP if stopped else pb.STOP_REASON_LENGTH,
             tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
             logprobs=np.asarray(logprobs, dtype=np.float32).tobytes(),
         )
+        if sample_topk is not None:
+            seq.topk_sampled_logprobs.CopyFrom(_topk(*sample_topk[s]))
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if prompt_topk is not None:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(*prompt_topk))
     return msg.SerializeToString()
 
 

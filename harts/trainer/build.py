@@ -85,11 +85,44 @@ def check_model(spec: ModelSpec) -> None:
     overrides: dict[str, Any] = {"layer_pattern": spec.pattern} if spec.pattern else {}
     try:
         key = preset_key(spec.model)
+    except ValueError:
+        raise UserError(model_not_found(spec.model)) from None
+    try:
         config = HybridConfig.preset(key, **overrides)
     except ValueError as err:
         raise UserError(f"--model {spec.model!r}: {err} (or give a checkpoint directory)") from None
     if layers is not None:
         config.first_layers(layers, name=f"--model {key}", option="--layers")
+
+
+def model_not_found(name: str) -> str:
+    """The line for a ``--model`` that is neither a preset nor a directory: a Hub id (``org/name``)
+    gets the download into a local directory (harts reads checkpoints from disk only), a path the
+    directory it should be, anything else the presets."""
+    import re
+
+    from harts.models.config import PRESET_NAMES, preset_key
+
+    tail = name.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        twin = f"; --model {preset_key(tail)} is its preset (its shapes, random weights)"
+    except ValueError:
+        twin = f"; or a preset: {', '.join(PRESET_NAMES)}"
+    path = Path(name).expanduser()
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) and not path.parent.is_dir():
+        local = os.path.join("checkpoints", tail)
+        return (
+            f"--model {name}: no such directory, and harts does not download from the Hugging Face Hub: download "
+            f"it first (hf download {name} --local-dir {local}), then pass --model {local}{twin}"
+        )
+    if os.sep in name or name.startswith(("~", ".")):
+        what = "is a file, not" if path.is_file() else "no such directory: give"
+        return (
+            f"--model {name}: {what} a transformers checkpoint directory (config.json and *.safetensors; a Hub "
+            f"model is downloaded with: hf download ORG/NAME --local-dir DIR){twin}"
+        )
+    known = ", ".join(PRESET_NAMES)
+    return f"--model {name!r}: unknown model preset {name!r}; known: {known} (or give a checkpoint directory)"
 
 
 def check_device(spec: str) -> None:
@@ -326,20 +359,18 @@ def build_model_and_attention(
 
 def flex_backends(config: HybridConfig, execution: ExecutionConfig, device: torch.device) -> dict[str, str]:
     """Which FlexAttention backend ("flash" / "triton") each full-attention layer kind of a model
-    with ``config`` runs under ``execution`` on ``device``: {"M": ..., "A": ...}; empty where the mask path does not run (the CPU,
-    ``--attention gather``). The same choice both sides of a bench make; FLASH's probe runs here
-    once per head shape, not inside the first step."""
-    from harts.models.execution.config import attention_head_dim_range, flash_views_run
-    from harts.ops.attention.tree_mask import flex_backend
+    with ``config`` runs under ``execution`` on ``device``: {"M": ..., "A": ...}; empty where the
+    mask path does not run (the CPU, ``--attention gather``). The kernel record's choice
+    (``harts.models.execution.backends.resolve_backends``, its one owner), made here before the
+    first step so that FLASH's probe runs once per head shape, not inside it; a bad choice
+    (``--attention mask`` outside FlexAttention's head dims, FLASH asked for and unusable) is a
+    ``UserError``."""
+    from harts.models.execution.backends import resolve_backends
 
-    dims = config.attention_head_dims
-    if not dims or device.type != "cuda":
+    if not config.attention_head_dims or device.type != "cuda":
         return {}
     try:
-        dtype = config.torch_dtype()
-        views = flash_views_run(dims, device, dtype)
-        if execution.resolved_attention(device.type, *attention_head_dim_range(dims), flash_views=views) != "mask":
-            return {}
-        return {k: flex_backend(device, dtype, qk, v, gqa=gqa) for k, (qk, v, gqa) in dims.items()}
-    except (ValueError, RuntimeError) as exc:  # --attention mask below its head dim; FLASH asked for, unusable
+        record = resolve_backends(execution, config, device, config.torch_dtype())
+    except (ValueError, RuntimeError) as exc:
         raise UserError(str(exc)) from exc
+    return {choice.kind: choice.backend for choice in record.flex}

@@ -14,12 +14,14 @@ Module level imports only the standard library (the command line's ``--help`` st
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from harts.errors import CapacityError, UserError
 
 if TYPE_CHECKING:
+    from harts.models.execution.config import ExecutionConfig
     from harts.tree.batch import RolloutBatch
 
 #: the largest learning rate taken. AdamW moves every weight by about the learning rate at each
@@ -100,15 +102,15 @@ def max_compression(summaries: list[StepSummary]) -> float:
 def check_capacity(
     summaries: list[StepSummary], capacity: int, dp: int = 1, *, dp_name: str = "data-parallel ranks"
 ) -> None:
-    """Every trajectory of every step fits ``--capacity`` and every step has >= ``dp`` trajectories."""
+    """Every trajectory of every step fits ``--capacity`` (the rule's owner:
+    ``harts.plan.step.step_plan.capacity_error``) and every step has >= ``dp`` trajectories."""
+    from harts.plan.step.step_plan import capacity_error
+
     fits = max(s.longest_len for s in summaries)
     for s in summaries:
         if s.longest_len > capacity:
-            raise CapacityError(
-                f"{s.where()}: trajectory {s.longest} has {s.longest_len:,} tokens, more than --capacity "
-                f"{capacity:,} (a trajectory is never split across microbatches); the smallest capacity "
-                f"that fits every step is --capacity {fits}"
-            )
+            where = f"{s.where()}: "
+            raise capacity_error(s.longest, s.longest_len, capacity, where=where, option="--capacity", fits=fits)
     for s in summaries:
         if s.trajectories < dp:
             raise UserError(
@@ -197,10 +199,12 @@ def vocab_note(model: str, vocab: int) -> str | None:
     return f"--model {model}: its vocabulary of {own:,} grown to {vocab:,} to fit the batch's tokens"
 
 
-def check_recompute_layers(fields: dict[str, Any], model: Any) -> None:
-    """UserError unless ``--recompute-layers`` (``fields`` from ``recompute_fields``) is at most
-    ``model``'s number of decoder layers, and ``--moe-keep-gate-up`` at most its MoE layers,
-    naming both."""
+def check_recompute_layers(fields: Mapping[str, Any] | ExecutionConfig, model: Any) -> None:
+    """UserError unless ``--recompute-layers`` (``fields`` from ``recompute_fields``, or the
+    ``ExecutionConfig`` made of them) is at most ``model``'s number of decoder layers, and
+    ``--moe-keep-gate-up`` at most its MoE layers, naming both."""
+    if not isinstance(fields, Mapping):
+        fields = {"recompute_layers": fields.recompute_layers, "moe_keep_gate_up": fields.moe_keep_gate_up}
     layers, have = fields.get("recompute_layers"), model.config.num_hidden_layers
     if layers is not None and layers > have:
         raise UserError(f"--recompute-layers {layers}: the model has {have} decoder layers (use 0 .. {have})")

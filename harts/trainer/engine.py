@@ -6,8 +6,11 @@
     engine.save_state("ckpt/step1"); engine.save_weights_for_sampler("ckpt/sampler1")
 
 A trajectory is a dict: ``tokens`` (ints, length n) and, optionally, per-target arrays of length
-n - 1 (entry t describes target ``tokens[t + 1]``): ``weights``, ``advantages`` and ``logprobs``
-(the sampler's). The engine finds the prefixes the trajectories share (``harts.tree.compact``),
+n - 1 (entry t describes the target predicted from ``tokens[:t + 1]``): ``weights``,
+``advantages``, ``logprobs`` (the sampler's), ``sequence_ratio_mask`` (gspo) and ``targets``, the
+token each log-prob is taken of (default ``tokens[t + 1]``; any token of the vocabulary). Targets
+of shape [n - 1, K] score K tokens per position (top-k distillation), with any other field [n - 1]
+or [n - 1, K]; their log-probs come back [n - 1, K] (``harts.rl.targets``). The engine finds the prefixes the trajectories share (``harts.tree.compact``),
 plans microbatches of at most ``capacity`` compact tokens (``harts.plan.step``), runs each once
 through the model, and hands back one log-prob array per trajectory, for ``tokens[1:]``, in the
 caller's order. Shared prefixes are computed once; trajectories that share nothing run as they
@@ -68,6 +71,7 @@ from harts.parallel.mesh import ParallelConfig, ParallelState
 from harts.parallel.parallelize import clip_grad_norm, is_parallelized
 from harts.parallel.tensor_parallel import tensor_parallel_parameters
 from harts.rl.losses import LOSSES, check_loss, tinker_loss
+from harts.rl.targets import ColumnFold, expand_columns
 from harts.trainer.checks import check_lr, check_weight_decay
 from harts.trainer.state import load_optimizer, read_state, restore_rng, write_state
 from harts.trainer.step import (
@@ -81,9 +85,11 @@ from harts.trainer.step import (
 from harts.tree.batch import RolloutBatch
 
 __all__ = [
+    "COLUMN_FIELDS",
     "CustomLoss",
     "Engine",
     "ForwardBackwardOutput",
+    "LOSS_INPUT_FIELDS",
     "OptimStepOutput",
     "TRAJECTORY_FIELDS",
     "trajectories_to_batch",
@@ -91,6 +97,10 @@ __all__ = [
 
 #: the optional per-target fields of a trajectory, and the RolloutBatch field each one fills
 TRAJECTORY_FIELDS = {"weights": "loss_weights", "advantages": "advantages", "logprobs": "old_logprobs"}
+#: the optional per-target loss inputs of a trajectory (``RolloutBatch.loss_inputs``)
+LOSS_INPUT_FIELDS = ("sequence_ratio_mask",)
+#: the per-target fields that may have K columns beside 2-D ``targets`` (``harts.rl.targets``)
+COLUMN_FIELDS = ("targets", *TRAJECTORY_FIELDS, *LOSS_INPUT_FIELDS)
 
 #: Tinker's forward_backward_custom: per-trajectory log-prob tensors [n_j - 1] and the
 #: trajectories -> the loss, or (loss, metrics)
@@ -147,10 +157,10 @@ def _shown(value: Any) -> str:
 def _tokens(traj: Any, j: int, vocab_size: int) -> np.ndarray:
     if not isinstance(traj, Mapping):
         raise UserError(f"trajectory {j}: expected a dict with 'tokens', got {type(traj).__name__}")
-    unknown = sorted(set(traj) - {"tokens", *TRAJECTORY_FIELDS})
+    unknown = sorted(set(traj) - {"tokens", *COLUMN_FIELDS})
     if unknown:
         raise UserError(
-            f"trajectory {j}: unknown field {unknown[0]!r}; a trajectory has tokens, {sorted(TRAJECTORY_FIELDS)}"
+            f"trajectory {j}: unknown field {unknown[0]!r}; a trajectory has tokens, {sorted(COLUMN_FIELDS[1:])}"
         )
     if "tokens" not in traj:
         raise UserError(f"trajectory {j}: has no 'tokens'")
@@ -198,6 +208,7 @@ def trajectories_to_batch(
                 flat[offsets[j] + 1 : offsets[j + 1]] = _per_target(t[name], int(lengths[j]), j, name)
         fields[target] = flat
     advantages = fields["advantages"]
+    inputs = {name: _flat_field(trajectories, name, lengths, offsets) for name in LOSS_INPUT_FIELDS}
     return RolloutBatch(
         tokens=np.concatenate(parts),
         offsets=offsets,
@@ -206,7 +217,46 @@ def trajectories_to_batch(
         old_logprobs=fields["old_logprobs"],
         loss_weights=fields["loss_weights"],
         vocab_size=vocab_size,
+        targets=_targets(trajectories, parts, offsets, vocab_size),
+        loss_inputs={k: v for k, v in inputs.items() if v is not None} or None,
     )
+
+
+def _flat_field(
+    trajectories: Sequence[Mapping[str, Any]], name: str, lengths: np.ndarray, offsets: np.ndarray
+) -> np.ndarray | None:
+    """Per-target field ``name`` as a per-token array [S] (0 where a trajectory lacks it), None if
+    no trajectory has it."""
+    if not any(t.get(name) is not None for t in trajectories):
+        return None
+    flat = np.zeros(int(offsets[-1]))
+    for j, t in enumerate(trajectories):
+        if t.get(name) is not None:
+            flat[offsets[j] + 1 : offsets[j + 1]] = _per_target(t[name], int(lengths[j]), j, name)
+    return flat
+
+
+def _targets(
+    trajectories: Sequence[Mapping[str, Any]], parts: list[np.ndarray], offsets: np.ndarray, vocab_size: int
+) -> np.ndarray | None:
+    """``RolloutBatch.targets`` [S]: each trajectory's ``targets`` at positions 1..n-1 (its own
+    tokens where it has none), None if no trajectory has any. ``UserError`` naming a target
+    that is not an integer token id of the vocabulary."""
+    if not any(t.get("targets") is not None for t in trajectories):
+        return None
+    flat = np.concatenate(parts)
+    for j, t in enumerate(trajectories):
+        if t.get("targets") is None:
+            continue
+        arr = _per_target(t["targets"], parts[j].size, j, "targets")
+        bad = np.flatnonzero((arr != np.round(arr)) | (arr < 0) | (arr >= vocab_size))
+        if bad.size:
+            raise UserError(
+                f"trajectory {j}: targets[{int(bad[0])}] is {arr[bad[0]]}, not a token id of the vocabulary "
+                f"[0, {vocab_size})"
+            )
+        flat[offsets[j] + 1 : offsets[j + 1]] = arr.astype(np.int64)
+    return flat
 
 
 def _split(flat: np.ndarray, batch: RolloutBatch) -> list[np.ndarray]:
@@ -465,12 +515,25 @@ class Engine:
 
     # ------------------------------------------------------------------ calls
     def forward(self, trajectories: Sequence[Mapping[str, Any]] | RolloutBatch) -> list[np.ndarray]:
-        """Log-probs of ``tokens[1:]`` per trajectory (float64 [n_j - 1], caller's order), no grad."""
+        """Log-probs of each trajectory's targets (``tokens[1:]`` by default; float64 [n_j - 1], or
+        [n_j - 1, K] for K-column targets; caller's order), no grad."""
+        trajectories, columns = self._columns(trajectories)
         batch = self._batch(trajectories)
         planned = self._plan(batch)
         on_logprobs, result = self._collector(batch, planned)
         forward_step(self.model, planned, self.train_config, on_logprobs, parallel=self._parallel)
-        return _split(result(), batch)
+        return columns.fold(_split(result(), batch))
+
+    @staticmethod
+    def _columns(
+        trajectories: Sequence[Mapping[str, Any]] | RolloutBatch,
+    ) -> tuple[Sequence[Mapping[str, Any]] | RolloutBatch, ColumnFold]:
+        """K-column trajectories as K copies each (``harts.rl.targets``) and the fold back."""
+        if isinstance(trajectories, RolloutBatch) or isinstance(trajectories, (str, bytes)):
+            return trajectories, ColumnFold(())
+        if not isinstance(trajectories, Sequence):
+            return trajectories, ColumnFold(())
+        return expand_columns(trajectories, COLUMN_FIELDS)
 
     def forward_backward(
         self,
@@ -480,12 +543,15 @@ class Engine:
     ) -> ForwardBackwardOutput:
         """Loss ``loss`` of ``trajectories`` and its gradients, accumulated into ``.grad`` until
         ``optim_step`` (module docstring). ``loss``: ``cross_entropy``, ``importance_sampling``,
-        ``ppo``, ``cispo`` (``harts.rl.losses``) or a ``CustomLoss``; ``loss_config`` the loss's
-        options (``clip_low_threshold`` / ``clip_high_threshold`` for ppo and cispo)."""
+        ``ppo``, ``cispo``, ``gspo``, ``dro`` (``harts.rl.losses``) or a ``CustomLoss``;
+        ``loss_config`` the loss's options (``clip_low_threshold`` / ``clip_high_threshold`` for
+        ppo, cispo and gspo, ``beta`` for dro). Log-probs come back [n_j - 1] per trajectory, or
+        [n_j - 1, K] for K-column targets."""
         if callable(loss):
             if loss_config:
                 raise UserError("loss_config applies to the built-in losses, not to a callable loss")
             return self._custom(trajectories, loss)
+        trajectories, columns = self._columns(trajectories)
         if not isinstance(loss, str):
             raise UserError(f"loss must be a name or a callable, got {type(loss).__name__}")
         config = check_loss(loss, loss_config)
@@ -498,7 +564,8 @@ class Engine:
         def objective(lp: torch.Tensor, sub: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             return tinker_loss(lp, sub, loss, config)
 
-        return self._run(batch, objective)
+        out = self._run(batch, objective)
+        return dataclasses.replace(out, logprobs=columns.fold(out.logprobs)) if columns.expanded else out
 
     def _run(
         self,
@@ -528,8 +595,8 @@ class Engine:
             self._counts = acc.expert_counts if self._counts is None else self._counts + acc.expert_counts
         d = acc.diagnostics
         metrics = {"loss:sum": acc.loss, "target_tokens:sum": d["target_tokens"], "weight:sum": d["weight"]}
-        if "ratio" in d:
-            metrics["ratio:mean"] = d["ratio"] / max(d["weight"], 1e-12)
+        if "ratio" in d and d["weight"] > 0:
+            metrics["ratio:mean"] = d["ratio"] / d["weight"]
         if "clipped" in d:
             metrics["clip_fraction:mean"] = d["clipped"] / max(d["target_tokens"], 1.0)
         if acc.expert_counts is not None:
@@ -573,10 +640,12 @@ class Engine:
         """Tinker's forward_backward_custom (module docstring)."""
         if isinstance(trajectories, RolloutBatch):
             raise UserError("a callable loss takes trajectories as a list of dicts, not a RolloutBatch")
+        given = list(trajectories)
+        trajectories, columns = self._columns(trajectories)
         batch = self._batch(trajectories)
         dtype = torch.float64 if self.model.config.dtype == "float64" else torch.float32
-        lps = [torch.tensor(a, dtype=dtype, requires_grad=True) for a in self.forward(batch)]
-        out = fn(lps, list(trajectories))
+        lps = [torch.tensor(a, dtype=dtype, requires_grad=True) for a in columns.fold(self.forward(batch))]
+        out = fn(lps, given)
         value, user_metrics = out if isinstance(out, tuple) else (out, {})
         if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
             raise UserError(
@@ -585,10 +654,12 @@ class Engine:
         self._check_finite({"the loss": float(value.detach())})
         grads = torch.autograd.grad(value, lps, allow_unused=True)
         g = np.concatenate(
-            [
-                np.zeros(lp.numel()) if gr is None else gr.detach().to(torch.float64).numpy()
-                for lp, gr in zip(lps, grads)
-            ]
+            columns.unfold(
+                [
+                    np.zeros(lp.shape) if gr is None else gr.detach().to(torch.float64).numpy()
+                    for lp, gr in zip(lps, grads)
+                ]
+            )
         )
         # the linear loss sum(g * lp) is cross_entropy with weights -g: the same parameter gradient
         weights = np.zeros(batch.num_tokens)

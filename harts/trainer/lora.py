@@ -9,13 +9,25 @@ selects, every base tensor frozen, and the two ways out (merged full weights, or
 
 **Exact in every execution mode, by construction.** Each adapted weight is a
 ``torch.nn.utils.parametrize`` parametrization of the stored tensor: wherever a layer reads
-``module.weight`` (its ``nn.Linear`` call, KDA's stacked q / k / v and gate GEMMs, the MoE grouped
-GEMMs and their lean backward, the per-expert loop, the LM head's ``lm_head_weight``) it gets
-``W + scale * B @ A``, computed from the same tensors by the same op. Compact and trajectory-wise
-execution therefore run on identical weights, and checkpoint's recomputation recomputes the
-adapted weight inside the layer (no copy of it is kept between forward and backward then).
-Without recomputation each adapted weight, like any GEMM operand, is kept for its backward: one
-adapted copy of every adapted weight, beside its frozen base tensor, while the step's graph lives.
+``module.weight`` (KDA's stacked q / k / v and gate GEMMs, the MoE grouped GEMMs and their lean
+backward, the per-expert loop, the LM head's ``lm_head_weight``) it gets ``W + scale * B @ A``,
+computed from the same tensors by the same op. Compact and trajectory-wise execution therefore
+run on identical weights, and checkpoint's recomputation recomputes the adapted weight inside
+the layer (no copy of it is kept between forward and backward then).
+
+**An adapted ``nn.Linear`` called as a module computes in activation form**,
+``x W^T + bias + scale * (x A^T) B^T``, the way PEFT's ``LoraLayer`` does: the frozen ``W``
+needs no weight gradient, so its backward is the input gradient alone (``2 T in out`` FLOPs
+instead of twice that) plus the adapter's rank-r GEMMs, and no merged ``[out, in]`` copy is
+made per call. Through the merged weight the backward would form the full ``[out, in]`` weight
+gradient ``dY^T X`` for every adapted projection on every row, only to reduce it to ``dA`` and
+``dB``: the work a frozen base exists to skip. The two forms differ only by rounding (the
+merged form rounds ``W + scale B A`` to the weight's dtype first; the activation form keeps the
+adapter's contribution at the activations' precision, as PEFT and vLLM compute it). Weights
+read outside the module's own call keep the merged form above, with two exceptions the
+layers handle themselves: routed experts on the grouped path (``Experts._project``, for ranks
+a multiple of 8, which the grouped GEMM's alignment takes) run in activation form too, and the
+lean MoE backward under ``recompute_skip=("moe",)`` and KDA's stacked GEMMs merge.
 
 **Which stored tensors get an adapter** (one ``A``, one ``B`` per stored tensor; a fused tensor
 gets one rank-r adapter over all its rows, where Tinker's exports show one adapter per part of
@@ -77,6 +89,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -169,6 +182,20 @@ class LoraDelta(nn.Module):
             return torch.baddbmm(weight, b, a, alpha=self.scale)
         return torch.addmm(weight, b, a, alpha=self.scale)
 
+    def activations(self, x_TI: torch.Tensor) -> torch.Tensor:
+        """``scale * (x A^T) B^T`` [T, out] for ``x`` [T, in] (any leading dims), in ``x``'s dtype:
+        the adapter's term of an adapted ``nn.Linear`` in activation form (module docstring)."""
+        a, b = self.lora_A.to(x_TI.dtype), self.lora_B.to(x_TI.dtype)
+        return F.linear(F.linear(x_TI, a) * self.scale, b)
+
+
+def _adapted_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` of a module whose ``weight`` carries a ``LoraDelta``, in activation
+    form: the frozen base weight (the parametrization's ``original``, not the merged value) and
+    the adapter's rank-r term (module docstring). Bound to the module instance by ``apply_lora``."""
+    plist: Any = self.parametrizations["weight"]  # type: ignore[index]
+    return F.linear(x, plist.original, self.bias) + plist[0].activations(x)
+
 
 class _TiedHead(nn.Module):
     """The LM head of a model with tied embeddings, adapted: ``weight`` is ``E + scale * B @ A``
@@ -195,12 +222,14 @@ def lora_targets(model: HybridLM, cfg: LoraConfig) -> list[tuple[str, nn.Module,
     out: list[tuple[str, nn.Module, str]] = []
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
-        if cfg.train_attn:
-            prefix = f"layers.{i}.{'linear_attn' if hasattr(layer, 'linear_attn') else 'self_attn'}"
-            out += [(f"{prefix}.{n}.weight", m, "weight") for n, m in _linears(layer.mixer)]
-        if not cfg.train_mlp:
-            continue
+        mixer, spec = layer.mixer, layer.spec
+        if cfg.train_attn and mixer is not None and spec is not None:
+            # the mixer's LoRA targets, as its spec declares them (``MixerSpec.lora_targets``)
+            prefix = f"layers.{i}.{spec.attribute}"
+            out += [(f"{prefix}.{n}.weight", m, "weight") for n, m in spec.lora_targets(mixer)]
         mlp = layer.mlp
+        if not cfg.train_mlp or mlp is None:
+            continue
         if isinstance(mlp, MLP):
             out += [(f"layers.{i}.mlp.{n}.weight", m, "weight") for n, m in _linears(mlp)]
             continue
@@ -210,7 +239,7 @@ def lora_targets(model: HybridLM, cfg: LoraConfig) -> list[tuple[str, nn.Module,
                 f"LoRA: layers.{i}.mlp.experts is {type(mlp.experts).__name__}, not harts' Experts "
                 "(expert parallelism applied?); apply LoRA to the whole model before parallelizing it"
             )
-        out += [(f"layers.{i}.mlp.experts.{n}", mlp.experts, n) for n in ("gate_up_proj", "down_proj")]
+        out += [(f"layers.{i}.mlp.experts.{n}", mlp.experts, n) for n in mlp.experts.weight_names]
         if mlp.shared_experts is not None:
             out += [(f"layers.{i}.mlp.shared_experts.{n}.weight", m, "weight") for n, m in _linears(mlp.shared_experts)]
     if cfg.train_unembed:
@@ -282,6 +311,9 @@ def apply_lora(model: HybridLM, cfg: LoraConfig) -> list[torch.nn.Parameter]:
             model.lm_head = _TiedHead(model.embed_tokens, adapter)  # type: ignore[assignment]
         else:
             parametrize.register_parametrization(module, attr, adapter)
+            if isinstance(module, nn.Linear) and attr == "weight":
+                # the instance's own forward: deepcopy rebinds it to the copy (adapted_view)
+                module.forward = _adapted_linear_forward.__get__(module)  # type: ignore[method-assign]
         params += [adapter.lora_A, adapter.lora_B]
     setattr(model, _CONFIG_ATTR, cfg)
     return params

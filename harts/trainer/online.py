@@ -210,6 +210,8 @@ class OnlineTrainer:
             "success": float(np.mean([bool(i.get("success")) for i in ro.infos])),
             "kl": kl,
             "clip_frac": sum(log.clip_frac * log.action_tokens for log in logs) / acts,
+            # from the sampler's log-probs to the policy each update starts from (0 at the first)
+            "kl_sampler": sum((log.kl_sampler or 0.0) * log.action_tokens for log in logs) / acts,
             "entropy": entropy,
             "compression": batch.num_tokens / prefix_index(batch).num_compact_tokens,
             "loss": float(np.mean([log.loss for log in logs])),

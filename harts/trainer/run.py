@@ -62,6 +62,7 @@ from harts.parallel.build import materialize, moe_experts
 from harts.parallel.mesh import ParallelConfig, ParallelState, init_parallel, launch_mesh, setup_process_group
 from harts.parallel.parallelize import parallelize
 from harts.plan.step.workers import shared_workers
+from harts.rl.grpo import FLAT_LOSS_NOTE
 from harts.rl.metrics import MetricsWriter, truncate_metrics
 from harts.trainer.build import ModelSpec, build_model, build_model_and_attention, check_device
 from harts.trainer.checkpoints import RunCheckpoints
@@ -80,7 +81,16 @@ from harts.trainer.step import StepLog, StepPrefetcher, TrainConfig, train_step
 from harts.tree.batch import RolloutBatch
 from harts.tree.dataset import Schedule
 
-__all__ = ["CAPACITY_ADVICE", "KEEP_TOKENS", "RunConfig", "RunHooks", "RunResult", "run_settings", "run_training"]
+__all__ = [
+    "CAPACITY_ADVICE",
+    "KEEP_TOKENS",
+    "RunConfig",
+    "RunHooks",
+    "RunResult",
+    "run_settings",
+    "run_training",
+    "step_line",
+]
 
 #: batches read by the checks before step 0 are kept for training up to this many tokens in all
 #: (above it, a step's batch is read again when it runs; a file is read once either way)
@@ -216,6 +226,7 @@ class _Run:
         #: True from the moment a step starts changing the weights until it has returned its log
         self.in_update = False
         self.warned_zero_advantages = False
+        self.noted_flat_loss = False
         self.num_parameters = 0
 
     # ------------------------------------------------------------------ phases
@@ -485,12 +496,10 @@ class _Run:
                 "advantages?); this warning is shown once",
                 file=sys.stderr,
             )
-        tqdm.write(
-            f"step {i}: loss {log.loss:+.5f}  grad-norm {log.grad_norm:.4f}  "
-            f"{log.microbatches} microbatches  {log.train_seconds:.2f} s  "
-            f"{log.tokens_per_second:,.0f} tok/s/rank",
-            file=sys.stdout,
-        )
+        if not self.noted_flat_loss and self.train_cfg.on_policy:
+            self.noted_flat_loss = True
+            tqdm.write(f"harts: note: {FLAT_LOSS_NOTE}", file=sys.stdout)
+        tqdm.write(f"step {i}: {step_line(log)}", file=sys.stdout)
         sys.stdout.flush()
 
     def _metrics_writer(self, start: int) -> MetricsWriter | None:
@@ -564,6 +573,19 @@ class _Run:
             self.hooks.finish(self.result(failed={"step": failed_step, "error": f"{type(err).__name__}: {err}"}))
         except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
             print(f"harts: could not keep them either: {save_err}", file=sys.stderr, flush=True)
+
+
+def step_line(log: StepLog) -> str:
+    """A step's line on stdout: the loss beside what moves while it stays flat (the batch's reward
+    where it has rewards, the KL from its sampler log-probs where it has them, the entropy
+    estimate, the clip fraction, the gradient norm), then the step's work and speed."""
+    reward = f"reward {log.reward_mean:.4f}  " if log.reward_mean is not None else ""
+    kl = f"kl-sampler {log.kl_sampler:.4g}  " if log.kl_sampler is not None else ""
+    return (
+        f"loss {log.loss:+.5f}  grad-norm {log.grad_norm:.4f}  {reward}{kl}entropy {log.entropy:.4f}  "
+        f"clip {log.clip_frac:.3f}  {log.microbatches} microbatches  {log.train_seconds:.2f} s  "
+        f"{log.tokens_per_second:,.0f} tok/s/rank"
+    )
 
 
 def config_digest(config: Any) -> str:  # noqa: ANN401 - a HybridConfig

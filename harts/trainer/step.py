@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harts.errors import CapacityError, DivergenceError, UserError
+from harts.errors import DivergenceError, UserError
 from harts.models.execution.config import ExecutionConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.models.layers.moe import MoE
@@ -111,7 +111,9 @@ class TrainConfig:
     reduction: str = "token_mean"
     #: aux-loss-free expert-bias update rate (0 disables)
     expert_bias_rate: float = 1e-3
-    #: drop the batch's old/ref log-probs and train on-policy (synthetic workloads carry random ones)
+    #: train on-policy: the ratio against the detached log-probs and no reference KL (synthetic
+    #: workloads carry random old / ref log-probs); the batch's old log-probs, the sampler's, feed
+    #: the KL-to-sampler diagnostic only
     on_policy: bool = True
     #: MoE load-balancing statistics (z / aux loss): "microbatch" (the paper's default: each
     #: microbatch's own router statistics, weighted by its share of the step's tokens; the step's
@@ -183,6 +185,10 @@ class StepLog:
     clip_frac: float = 0.0
     kl: float = 0.0
     action_tokens: int = 0
+    #: mean k3 KL from the sampler's log-probs (the batch's old log-probs; None without them) and
+    #: the policy's entropy estimate at the action tokens (``harts.rl.grpo``), before the update
+    kl_sampler: float | None = None
+    entropy: float = 0.0
     #: the batch's advantages over its action tokens: mean, std, fraction that are non-zero
     adv_mean: float = 0.0
     adv_std: float = 0.0
@@ -219,6 +225,7 @@ class StepLog:
             "tokens_per_second": self.tokens_per_second,
             "moe_objective": self.moe_objective,
             "kl": self.kl,
+            "entropy": self.entropy,
             "clip_frac": self.clip_frac,
             "action_tokens": self.action_tokens,
             "adv_mean": self.adv_mean,
@@ -228,6 +235,8 @@ class StepLog:
         if self.reward_mean is not None:
             record["reward"] = self.reward_mean
             record["reward_std"] = self.reward_std
+        if self.kl_sampler is not None:
+            record["kl_sampler"] = self.kl_sampler
         return record
 
 
@@ -271,7 +280,8 @@ class _Accumulated:
     replay_rows: int
     plan_seconds: float
     prepare_seconds: float
-    #: clip_frac, kl, action_tokens summed over microbatches (fractions weighted by action tokens)
+    #: clip_frac, kl, kl_sampler, entropy, action_tokens summed over microbatches (means weighted
+    #: by action tokens)
     diagnostics: dict[str, float] = field(default_factory=dict)
     #: tokens the step's microbatches compute (``StepLog.compact_tokens``), over all replicas
     work_tokens: int = 0
@@ -282,6 +292,10 @@ class _Accumulated:
 Objective = Callable[[torch.Tensor, RolloutBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+#: the step's diagnostics (``StepLog`` field) <- the policy loss's metric each sums
+_DIAGNOSTICS = {"clip_frac": "clip_frac", "kl": "kl_mean", "kl_sampler": "kl_sampler", "entropy": "entropy"}
+
+
 def grpo_objective(batch: RolloutBatch, cfg: TrainConfig) -> Objective:
     """``train``'s objective for a step on ``batch``: GRPO under ``cfg`` normalized by the whole
     step's denominator, with the clip fraction and KL weighted by each microbatch's action tokens
@@ -290,26 +304,30 @@ def grpo_objective(batch: RolloutBatch, cfg: TrainConfig) -> Objective:
     normalizer = grpo_normalizer(batch, cfg.reduction)
 
     def objective(logprobs: torch.Tensor, sub: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        pg = grpo_loss(logprobs, sub, clip_eps=cfg.clip_eps, kl_coef=kl, reduction=cfg.reduction, normalizer=normalizer)
+        pg = grpo_loss(
+            logprobs,
+            sub,
+            clip_eps=cfg.clip_eps,
+            kl_coef=kl,
+            reduction=cfg.reduction,
+            normalizer=normalizer,
+            on_policy=cfg.on_policy,
+        )
         m = pg.metric_tensors
         acts = m["action_tokens"]
-        return pg.loss, {"clip_frac": m["clip_frac"] * acts, "kl": m["kl_mean"] * acts, "action_tokens": acts}
+        sums = {name: m[key] * acts for name, key in _DIAGNOSTICS.items()}
+        return pg.loss, {**sums, "action_tokens": acts}
 
     return objective
 
 
 def check_capacity(batch: RolloutBatch, capacity: int, *, step: int | None = None) -> None:
     """Every trajectory of ``batch`` fits ``capacity``; else ``CapacityError`` naming the longest
-    trajectory and the smallest capacity that fits (a trajectory is never split)."""
-    lengths = batch.lengths
-    j = int(lengths.argmax())
-    if int(lengths[j]) > capacity:
-        at = f"step {step}: " if step is not None else ""
-        raise CapacityError(
-            f"{at}trajectory {j} has {int(lengths[j]):,} tokens, more than capacity={capacity:,} "
-            f"(a trajectory is never split across microbatches); capacity={int(lengths[j])} is the "
-            "smallest that fits this batch"
-        )
+    trajectory and the smallest capacity that fits (the rule's owner:
+    ``harts.plan.step.step_plan.check_capacity``)."""
+    from harts.plan.step.step_plan import check_capacity as check_fits
+
+    check_fits(batch.lengths, capacity, where="" if step is None else f"step {step}: ")
 
 
 def _set_step_statistics(model: HybridLM, stats: tuple[torch.Tensor, float] | None) -> None:
@@ -343,7 +361,7 @@ class PlannedStep:
 
     #: the batch given to ``plan_training_step``
     source: RolloutBatch
-    #: the batch trained on (``cfg.on_policy``: without old / reference log-probs)
+    #: the batch trained on (``cfg.on_policy``: without reference log-probs)
     batch: RolloutBatch
     plan: StepPlan | TrajectoryPlan
     #: seconds the planning took (wherever it ran)
@@ -355,8 +373,8 @@ def plan_training_step(batch: RolloutBatch, cfg: TrainConfig, world: int = 1) ->
     ``world``) replicas: harts' step plan in compact mode, raw-token packing trajectory-wise.
     Raises ``CapacityError`` naming the longest trajectory."""
     source = batch
-    if cfg.on_policy:
-        batch = replace(batch, old_logprobs=None, ref_logprobs=None)
+    if cfg.on_policy:  # the old log-probs stay for the KL-to-sampler diagnostic (TrainConfig.on_policy)
+        batch = replace(batch, ref_logprobs=None)
     check_capacity(batch, cfg.capacity)
     t0 = time.perf_counter()
     # harts plans compact tokens; the trajectory-wise baseline packs raw tokens at the capacity
@@ -798,6 +816,8 @@ def train_step(
         clip_frac=acc.diagnostics.get("clip_frac", 0.0) / max(acts, 1.0),
         kl=acc.diagnostics.get("kl", 0.0) / max(acts, 1.0),
         action_tokens=int(acts),
+        kl_sampler=None if batch.old_logprobs is None else acc.diagnostics.get("kl_sampler", 0.0) / max(acts, 1.0),
+        entropy=acc.diagnostics.get("entropy", 0.0) / max(acts, 1.0),
         adv_mean=float(adv.mean()) if adv.size else 0.0,
         adv_std=float(adv.std()) if adv.size else 0.0,
         adv_nonzero=float(np.count_nonzero(adv) / adv.size) if adv.size else 0.0,

@@ -20,6 +20,12 @@ Shapes (S = total tokens, N = trajectories):
     tree_ids      int64   [N] | None
     rewards       float64 [N] | None   per-trajectory scalar reward (reported; the loss uses
                                        advantages)
+    targets       int64   [S] | None   the token whose log-prob entry t of a trajectory takes
+                                       (entry 0 of each trajectory is ignored); None: the
+                                       token itself, i.e. the next input token (Tinker's
+                                       datums may score any token at a position)
+    loss_inputs   {name: float64 [S]} | None   further per-token inputs of a loss
+                                       (Tinker's ``sequence_ratio_mask``), entry 0 ignored
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class RolloutBatch:
     tree_ids: np.ndarray | None = None
     rewards: np.ndarray | None = None
     vocab_size: int | None = None
+    targets: np.ndarray | None = None
+    loss_inputs: dict[str, np.ndarray] | None = None
     #: The explicit rollout trees this batch was built from, if any. Compaction uses it
     #: to build the trie without token comparisons.
     tree: RolloutTree | None = field(default=None, repr=False)
@@ -105,8 +113,9 @@ class RolloutBatch:
         return keep
 
     def next_token_targets(self) -> np.ndarray:
-        """int64 [S - N]: for every predicting position, the token it predicts (original order)."""
-        return self.tokens[self._predicted()]
+        """int64 [S - N]: for every predicting position, the token whose log-prob it takes
+        (original order): the next token, or ``targets`` where the batch has them."""
+        return (self.tokens if self.targets is None else self.targets)[self._predicted()]
 
     def action_logprob_entries(self) -> np.ndarray:
         """int64 [A]: the entries of ``logprobs`` [S - N] whose target token is an action
@@ -235,6 +244,8 @@ class RolloutBatch:
             tree_ids=take_ids(self.tree_ids),
             rewards=take_ids(self.rewards),
             vocab_size=self.vocab_size,
+            targets=take(self.targets),
+            loss_inputs=None if self.loss_inputs is None else {k: v[gather] for k, v in self.loss_inputs.items()},
         )
 
     def __repr__(self) -> str:
@@ -330,8 +341,10 @@ def _validate(b: RolloutBatch) -> None:
                 f"trajectory {j}, position {t}: token id {int(b.tokens[big[0]])} is out of vocabulary "
                 f"(vocab_size={b.vocab_size})"
             )
+    _validate_targets(b)
     named = [("action_mask", b.action_mask), ("advantages", b.advantages)]
     named += [(f, getattr(b, f)) for f in PER_TOKEN_FIELDS if getattr(b, f) is not None]
+    named += [(f"loss_inputs.{k}", v) for k, v in (b.loss_inputs or {}).items()]
     for name, arr in named:
         if arr.shape != (s,):
             raise BatchValidationError(f"{name}: expected {s} per-token values, got shape {arr.shape}")
@@ -356,3 +369,18 @@ def _validate(b: RolloutBatch) -> None:
         bad = np.flatnonzero(~np.isfinite(b.rewards))
         if bad.size:
             raise BatchValidationError(f"rewards: trajectory {int(bad[0])} has {b.rewards[bad[0]]} (must be finite)")
+
+
+def _validate_targets(b: RolloutBatch) -> None:
+    """``targets``: int64 [S], each a token id of the vocabulary."""
+    if b.targets is None:
+        return
+    if b.targets.dtype != np.int64 or b.targets.shape != b.tokens.shape:
+        raise BatchValidationError(
+            f"targets: expected int64 [{b.tokens.size}], got {b.targets.dtype} {b.targets.shape}"
+        )
+    top = b.vocab_size if b.vocab_size is not None else np.iinfo(np.int64).max
+    bad = np.flatnonzero((b.targets < 0) | (b.targets >= top))
+    if bad.size:
+        j, t = _traj_of(b, int(bad[0]))
+        raise BatchValidationError(f"targets: trajectory {j}, position {t}: {int(b.targets[bad[0]])} is no token id")

@@ -1,30 +1,38 @@
 """RolloutBatch files: JSON Lines and Parquet, with one schema and one validator.
 
-One record per trajectory, in batch order:
+One record per trajectory, in batch order. A list beside ``tokens`` has one entry per predicted
+token, ``len(tokens) - 1`` of them: entry t describes ``tokens[t + 1]``, predicted from
+``tokens[:t + 1]`` (the first token is never predicted) -- the convention of ``harts.Engine``'s
+trajectories and of Tinker's datums (``loss_fn_inputs``: ``advantages``, ``logprobs``):
 
 =============  ==========================  ==========================================
 field          type                        meaning
 =============  ==========================  ==========================================
 tokens         list[int]    (required)     token ids, non-empty, 0 <= id < vocab_size
-advantages     float | list[float] (req.)  per trajectory or per token (finite); write 0
-                                           explicitly for no learning signal
-action_mask    list[bool]   (optional)     per token; default: all but the first
-old_logprobs   list[float]  (optional)     per token, <= 0 (entry 0 ignored)
-ref_logprobs   list[float]  (optional)     per token, <= 0 (entry 0 ignored)
-loss_weights   list[float]  (optional)     per token, >= 0
+advantages     float | list[float] (req.)  per trajectory or per predicted token
+                                           (finite); write 0 for no learning signal
+action_mask    list[bool]   (optional)     per predicted token; default: all
+logprobs       list[float]  (optional)     the sampler's, per predicted token, <= 0
+ref_logprobs   list[float]  (optional)     per predicted token, <= 0
+loss_weights   list[float]  (optional)     per predicted token, >= 0
 group_id       int          (optional)     e.g. the GRPO group / task
 tree_id        int          (optional)     rollout tree the trajectory came from
 reward         float        (optional)     the trajectory's scalar reward (finite); training
                                            reports its statistics, the loss uses advantages
 =============  ==========================  ==========================================
 
+The older form is still read, with one ``BatchFormatWarning`` (a ``FutureWarning``) per file:
+lists of ``len(tokens)`` entries, one per token (entry 0, the first token's, unused), and
+``old_logprobs`` for ``logprobs``. The length tells the two forms apart, record by record.
+
 JSONL may start with a header line ``{"format": "harts.rollout_batch", "version": 1,
 "vocab_size": V}`` (the first non-blank line only); Parquet keeps the same keys in the schema
 metadata (where keys of other tools, e.g. pandas', are left alone). Only version 1 exists. Optional fields are all-or-nothing across trajectories (a file
-where only some trajectories carry ``old_logprobs`` is rejected, naming the first one without);
+where only some trajectories carry ``logprobs`` is rejected, naming the first one without);
 ``null`` (a Parquet null) means the field is absent. ``advantages`` may be a number in one record
-and a list in another. ``save`` writes per-token advantages, so ``load(save(b))`` reproduces ``b``
-exactly.
+and a list in another. ``save`` writes the predicted-token form (advantages as one number per
+trajectory where each trajectory's are all equal), so ``load(save(b))`` reproduces every entry
+of ``b`` that is read: a first token's entries are never read, and come back as 0 (False).
 
 Both formats are read into the same Python records and checked by one validator
 (``_check_record``), so a rule and its message are the same for both: every error is a
@@ -40,6 +48,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -94,16 +103,28 @@ class BatchArrays(Protocol):
     def num_trajectories(self) -> int: ...
 
 
-__all__ = ["load_batch", "save_batch", "FORMAT", "VERSION", "LOGPROB_TOLERANCE"]
+__all__ = ["BatchFormatWarning", "load_batch", "save_batch", "FORMAT", "VERSION", "LOGPROB_TOLERANCE"]
 
 FORMAT = "harts.rollout_batch"
 VERSION = 1
 #: largest log-prob accepted in a file (a log-probability is <= 0; this absorbs rounding)
 LOGPROB_TOLERANCE = 1e-4
-_OPTIONAL_LISTS = ("action_mask", *PER_TOKEN_FIELDS)
+#: a batch's per-token field -> its name in files, where it differs (Tinker's datums and the
+#: Engine call the sampler's log-probs ``logprobs``)
+_FILE_NAMES = {"old_logprobs": "logprobs"}
+#: the older file name of a field, still read (``BatchFormatWarning``)
+_OLD_NAMES = {"old_logprobs": "logprobs"}
+_OPTIONAL_LISTS = ("action_mask", *(_FILE_NAMES.get(f, f) for f in PER_TOKEN_FIELDS))
 _OPTIONAL_IDS = ("group_id", "tree_id")
 _OPTIONAL_SCALARS = ("reward",)
-_KNOWN = ("tokens", "advantages", *_OPTIONAL_LISTS, *_OPTIONAL_IDS, *_OPTIONAL_SCALARS)
+_KNOWN = ("tokens", "advantages", *_OPTIONAL_LISTS, *_OLD_NAMES, *_OPTIONAL_IDS, *_OPTIONAL_SCALARS)
+
+
+class BatchFormatWarning(FutureWarning):
+    """A batch file in the older form (module docstring): read as before, to be rewritten in
+    the predicted-token form (``RolloutBatch.load(path).save(path)`` does it)."""
+
+
 _HEADER_KEYS = ("format", "version", "vocab_size")
 _INT64_MAX = (1 << 63) - 1
 
@@ -136,11 +157,32 @@ def load_batch(path: str | Path, *, build: Callable[..., B], vocab_size: int | N
         unit = "line" if kind == "jsonl" else "row"
         if vocab_size is None:
             vocab_size = meta.get("vocab_size")
-        return _from_records(records, vocab_size, unit, build)
+        old_forms: set[str] = set()
+        batch = _from_records(records, vocab_size, unit, build, old_forms)
     except BatchValidationError as err:
         raise BatchValidationError(f"{path}: {err}") from None
     except OSError as err:
         raise BatchValidationError(f"{path}: cannot read the batch file ({err.strerror or err})") from None
+    if old_forms:
+        warnings.warn(_old_form_line(path, old_forms), BatchFormatWarning, stacklevel=3)
+    return batch
+
+
+def _old_form_line(path: Path, old_forms: set[str]) -> str:
+    """The one line of ``BatchFormatWarning`` for ``path``: what it spells the older way
+    (``old_forms``: ``name:OLD`` for a field's older name, else a field with a list per token)."""
+    what = []
+    renamed = sorted(f.removeprefix("name:") for f in old_forms if f.startswith("name:"))
+    if renamed:
+        what.append(", ".join(f"{old!r} for {_OLD_NAMES[old]!r}" for old in renamed))
+    per_token = sorted(f for f in old_forms if not f.startswith("name:"))
+    if per_token:
+        what.append(f"one value per token in {', '.join(per_token)}")
+    return (
+        f"{path}: the older batch-file form ({'; '.join(what)}) is deprecated; write one value per predicted "
+        "token (len(tokens) - 1) and 'logprobs', as harts.Engine and Tinker's datums take them "
+        "(RolloutBatch.load(path).save(path) rewrites the file)"
+    )
 
 
 def save_batch(batch: BatchArrays, path: str | Path) -> None:
@@ -163,18 +205,24 @@ def save_batch(batch: BatchArrays, path: str | Path) -> None:
 
 
 def _to_records(batch: BatchArrays) -> list[dict[str, Any]]:
+    """One record per trajectory in the predicted-token form (module docstring); advantages as
+    one number per trajectory when every trajectory's are all equal (a Parquet column holds
+    one type)."""
+    spans = [(int(batch.offsets[j]), int(batch.offsets[j + 1])) for j in range(batch.num_trajectories)]
+    adv = batch.advantages
+    scalar = all(np.all(adv[a + 1 : b] == adv[a]) for a, b in spans)
     out = []
-    for j in range(batch.num_trajectories):
-        sl = slice(int(batch.offsets[j]), int(batch.offsets[j + 1]))
+    for j, (a, b) in enumerate(spans):
+        pred = slice(a + 1, b)
         rec: dict[str, Any] = {
-            "tokens": batch.tokens[sl].tolist(),
-            "action_mask": batch.action_mask[sl].tolist(),
-            "advantages": batch.advantages[sl].tolist(),
+            "tokens": batch.tokens[a:b].tolist(),
+            "action_mask": batch.action_mask[pred].tolist(),
+            "advantages": float(adv[a]) if scalar else adv[pred].tolist(),
         }
         for name in PER_TOKEN_FIELDS:
             arr = getattr(batch, name)
             if arr is not None:
-                rec[name] = arr[sl].tolist()
+                rec[_FILE_NAMES.get(name, name)] = arr[pred].tolist()
         if batch.group_ids is not None:
             rec["group_id"] = int(batch.group_ids[j])
         if batch.tree_ids is not None:
@@ -334,14 +382,38 @@ def _typed_list(value: Any, n: int | None, field: str, kind: str) -> np.ndarray:
     return arr
 
 
-def _check_record(rec: Any) -> dict[str, Any]:
-    """One trajectory's record as arrays; raises naming the field (the caller adds the location)."""
+def _aligned(value: Any, n: int, field: str, kind: str) -> tuple[np.ndarray, int]:
+    """A list of one value per predicted token (``n - 1``) as a per-token array [n] whose entry 0
+    (the first token's) is 0 / False, or the older list of one per token [n] as it is; also the
+    file position of entry 1: 1 for the older form, 0 for the predicted-token form."""
+    if isinstance(value, list) and len(value) == n:
+        return _typed_list(value, n, field, kind), 1
+    if isinstance(value, list) and len(value) != n - 1:
+        raise BatchValidationError(
+            f"{field} has {len(value)} values for {n} tokens (one per predicted token: len(tokens) - 1 = {n - 1})"
+        )
+    arr = _typed_list(value, None, field, kind)
+    return np.concatenate([np.zeros(1, dtype=arr.dtype), arr]), 0
+
+
+def _check_record(rec: Any, old_forms: set[str]) -> dict[str, Any]:
+    """One trajectory's record as per-token arrays; raises naming the field (the caller adds the
+    location). The fields it spells the older way go into ``old_forms``."""
     if not isinstance(rec, dict):
         raise BatchValidationError(f"expected an object with 'tokens' and 'advantages', got {_describe(rec)}")
     unknown = sorted(k for k in rec if k not in _KNOWN)
     if unknown:
         raise BatchValidationError(f"unknown field(s) {unknown}; known: {list(_KNOWN)}")
     rec = {k: v for k, v in rec.items() if v is not None}  # null = absent (Parquet nulls)
+    #: a field's name as this record spells it
+    spelled: dict[str, str] = {}
+    for old, name in _OLD_NAMES.items():
+        if old in rec and name in rec:
+            raise BatchValidationError(f"has both {name!r} and its older name {old!r}; keep {name!r}")
+        if old in rec:
+            old_forms.add(f"name:{old}")
+            spelled[name] = old
+            rec[name] = rec.pop(old)
     if "tokens" not in rec:
         raise BatchValidationError("missing required field 'tokens'")
     tokens = _typed_list(rec["tokens"], None, "tokens", "int")
@@ -354,37 +426,47 @@ def _check_record(rec: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": tokens}
     if "advantages" not in rec:
         raise BatchValidationError(
-            "missing required field 'advantages' (a number, or one per token; write 0 for no learning signal)"
+            "missing required field 'advantages' (a number, or one per predicted token; write 0 for no learning signal)"
         )
     adv = rec["advantages"]
     if isinstance(adv, list):
-        out["advantages"] = _typed_list(adv, n, "advantages", "number")
+        out["advantages"], first = _aligned(adv, n, "advantages", "number")
+        if first:
+            old_forms.add("advantages")
     elif _is_number(adv):
         if isinstance(adv, int) and abs(adv) > 1e308 or not math.isfinite(float(adv)):
             raise BatchValidationError(f"advantages is {adv} (must be a finite number)")
         out["advantages"] = np.full(n, float(adv))
     else:
         raise BatchValidationError(
-            f"advantages must be a number or a list of numbers (one per token), got {_describe(adv)}"
+            f"advantages must be a number or a list of numbers (one per predicted token), got {_describe(adv)}"
         )
     if "action_mask" in rec:
-        out["action_mask"] = _typed_list(rec["action_mask"], n, "action_mask", "bool")
-    for name in PER_TOKEN_FIELDS:
+        out["action_mask"], first = _aligned(rec["action_mask"], n, "action_mask", "bool")
+        if first:
+            old_forms.add("action_mask")
+    for batch_name in PER_TOKEN_FIELDS:
+        name = _FILE_NAMES.get(batch_name, batch_name)
         if name not in rec:
             continue
-        arr = _typed_list(rec[name], n, name, "number")
+        shown = spelled.get(name, name)
+        arr, first = _aligned(rec[name], n, shown, "number")
+        if first:
+            old_forms.add(name)
         if name == "loss_weights":
             bad = np.flatnonzero(arr < 0)
             if bad.size:
                 t = int(bad[0])
-                raise BatchValidationError(f"loss_weights, position {t} is {float(arr[t])!r} (weights must be >= 0)")
+                raise BatchValidationError(
+                    f"loss_weights, position {t - 1 + first} is {float(arr[t])!r} (weights must be >= 0)"
+                )
         else:
             bad = np.flatnonzero(arr[1:] > LOGPROB_TOLERANCE) + 1
             if bad.size:
                 t = int(bad[0])
                 raise BatchValidationError(
-                    f"{name}, position {t} is {float(arr[t])!r}: a log-probability is <= 0 (was a probability "
-                    "or a negated log-prob written?)"
+                    f"{shown}, position {t - 1 + first} is {float(arr[t])!r}: a log-probability is <= 0 (was a "
+                    "probability or a negated log-prob written?)"
                 )
         out[name] = arr
     for name in _OPTIONAL_IDS:
@@ -401,7 +483,9 @@ def _check_record(rec: Any) -> dict[str, Any]:
     return out
 
 
-def _from_records(records: list[tuple[int, Any]], vocab_size: int | None, unit: str, build: Callable[..., B]) -> B:
+def _from_records(
+    records: list[tuple[int, Any]], vocab_size: int | None, unit: str, build: Callable[..., B], old_forms: set[str]
+) -> B:
     if not records:
         raise BatchValidationError("the file holds no trajectories")
 
@@ -411,7 +495,7 @@ def _from_records(records: list[tuple[int, Any]], vocab_size: int | None, unit: 
     checked = []
     for j, (_, rec) in enumerate(records):
         try:
-            checked.append(_check_record(rec))
+            checked.append(_check_record(rec, old_forms))
         except BatchValidationError as err:
             raise BatchValidationError(f"{where(j)}: {err}") from None
     kwargs: dict[str, Any] = {}
@@ -425,7 +509,9 @@ def _from_records(records: list[tuple[int, Any]], vocab_size: int | None, unit: 
             raise BatchValidationError(
                 f"{where(j)}: has no '{name}' but {where(k)} does (optional fields are all-or-nothing)"
             )
-        key = {"group_id": "group_ids", "tree_id": "tree_ids", "reward": "rewards"}.get(name, name)
+        key = {"group_id": "group_ids", "tree_id": "tree_ids", "reward": "rewards", "logprobs": "old_logprobs"}.get(
+            name, name
+        )
         kwargs[key] = [r[name] for r in checked]
     try:
         return build(

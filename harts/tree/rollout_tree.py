@@ -4,9 +4,15 @@ Every root-to-leaf path is one trajectory; trajectories are numbered by the orde
 which their leaf nodes appear in the input. A node is a dict::
 
     {"id": "n3", "parent": "n1" | None, "tokens": [..],          # required, non-empty span
-     "action_mask": [..], "old_logprobs": [..], "ref_logprobs": [..],
-     "loss_weights": [..], "advantages": [..],                   # optional, one per token
+     "action_mask": [..], "logprobs": [..], "ref_logprobs": [..],
+     "loss_weights": [..], "advantages": [..],                   # optional, per predicted token
      "advantage": 0.5, "group_id": 7, "reward": 1.0}             # optional, leaves only
+
+A node's lists hold one value per predicted token, as batch files (``harts.tree.io``),
+``harts.Engine`` and Tinker's datums do: a root's first token is predicted by nothing, so a
+root's lists have ``len(tokens) - 1`` entries and every other node's ``len(tokens)``; the
+sampler's log-probs are ``logprobs``. The older form -- a root's lists one per token (entry 0
+unused) and ``old_logprobs`` -- is still read, with one ``BatchFormatWarning`` per tree.
 
 Per-token metadata on a shared node describes its tokens for every trajectory that passes
 through it; per-trajectory advantages (the GRPO case) sit on leaves as ``advantage``, and
@@ -21,6 +27,7 @@ Shapes (Nn = nodes, N = leaves = trajectories):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +35,20 @@ from typing import Any
 import numpy as np
 
 from harts.errors import BatchValidationError
-from harts.tree.schema import PER_TOKEN_FIELDS
+from harts.tree.io import BatchFormatWarning
 
 __all__ = ["RolloutTree"]
 
-_NODE_TOKEN_FIELDS = ("action_mask", "advantages", *PER_TOKEN_FIELDS)
+#: a node's lists by their name on nodes -> the ``RolloutBatch`` field they fill
+_NODE_TOKEN_FIELDS = {
+    "action_mask": "action_mask",
+    "advantages": "advantages",
+    "logprobs": "old_logprobs",
+    "ref_logprobs": "ref_logprobs",
+    "loss_weights": "loss_weights",
+}
+#: the older name of a node field, still read (``BatchFormatWarning``)
+_OLD_NAMES = {"old_logprobs": "logprobs"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,7 +62,8 @@ class RolloutTree:
     leaves: np.ndarray
     root_of: np.ndarray
     roots: np.ndarray
-    #: per-token node metadata (flat over node tokens), None where no node gave it
+    #: per-token node metadata by node field name (flat over node tokens; a root's first
+    #: token's entry 0 / False), None where no node gave it
     token_meta: dict[str, np.ndarray | None]
     leaf_advantage: np.ndarray | None
     leaf_group: np.ndarray | None
@@ -99,38 +116,12 @@ class RolloutTree:
         np.cumsum(lengths, out=offsets[1:])
         tokens = np.concatenate(spans)
 
-        token_meta: dict[str, np.ndarray | None] = {}
-        for name in _NODE_TOKEN_FIELDS:
-            if not any(name in n for n in nodes):
-                token_meta[name] = None
-                continue
-            dtype = bool if name == "action_mask" else np.float64
-            flat = np.zeros(tokens.size, dtype=dtype)
-            if name == "action_mask":
-                # nodes without a mask: every token is an action except a root's first
-                flat[:] = True
-                flat[offsets[:-1][parent < 0]] = False
-            for i, node in enumerate(nodes):
-                if name not in node:
-                    continue
-                arr = np.asarray(node[name], dtype=dtype)
-                if arr.shape != (lengths[i],):
-                    raise BatchValidationError(
-                        f"node {node['id']!r}: {name} has {arr.size} values for {lengths[i]} tokens"
-                    )
-                if dtype is np.float64 and not np.all(np.isfinite(arr)):
-                    bad = int(np.flatnonzero(~np.isfinite(arr))[0])
-                    raise BatchValidationError(f"node {node['id']!r}: {name}[{bad}] is {arr[bad]} (must be finite)")
-                flat[offsets[i] : offsets[i + 1]] = arr
-            token_meta[name] = flat
+        old_forms: set[str] = set()
+        nodes = [_current_names(node, old_forms) for node in nodes]
+        token_meta = {name: _node_lists(nodes, name, offsets, parent, old_forms) for name in _NODE_TOKEN_FIELDS}
+        if old_forms:
+            warnings.warn(_old_form_line(old_forms), BatchFormatWarning, stacklevel=3)
 
-        if token_meta["action_mask"] is not None:
-            for r in np.flatnonzero(parent < 0).tolist():
-                if "action_mask" in nodes[r] and token_meta["action_mask"][offsets[r]]:
-                    raise BatchValidationError(
-                        f"node {nodes[r]['id']!r}: action_mask marks the root's first token as an "
-                        "action, but nothing predicts a first token (it has no log-prob)"
-                    )
         has_child = np.zeros(nn, dtype=bool)
         has_child[parent[parent >= 0]] = True
         leaves = np.flatnonzero(~has_child)
@@ -231,13 +222,88 @@ class RolloutTree:
             offsets=offsets,
             action_mask=mask,
             advantages=adv,
-            old_logprobs=meta("old_logprobs"),
+            old_logprobs=meta("logprobs"),
             ref_logprobs=meta("ref_logprobs"),
             loss_weights=meta("loss_weights"),
             group_ids=self.leaf_group,
             tree_ids=root_rank[self.root_of[self.leaves]],
             rewards=self.leaf_reward,
         )
+
+
+def _current_names(node: dict[str, Any], old_forms: set[str]) -> dict[str, Any]:
+    """``node`` with its fields' older names (``_OLD_NAMES``) replaced, each noted in ``old_forms``."""
+    if not any(old in node for old in _OLD_NAMES):
+        return node
+    node = dict(node)
+    for old, name in _OLD_NAMES.items():
+        if old not in node:
+            continue
+        if name in node:
+            raise BatchValidationError(f"node {node.get('id')!r}: has both {name!r} and its older name {old!r}")
+        old_forms.add(f"name:{old}")
+        node[name] = node.pop(old)
+    return node
+
+
+def _node_lists(
+    nodes: Sequence[dict[str, Any]], name: str, offsets: np.ndarray, parent: np.ndarray, old_forms: set[str]
+) -> np.ndarray | None:
+    """Field ``name`` of every node, flat over the nodes' tokens (float64 or bool [T]); None when
+    no node gives it. A node without it contributes 0 (an action mask: True, but a root's first
+    token False). A root's list has one entry per predicted token (``len(tokens) - 1``) or, in
+    the older form noted in ``old_forms``, one per token."""
+    if not any(name in n for n in nodes):
+        return None
+    dtype: type = bool if name == "action_mask" else np.float64
+    flat: np.ndarray = np.zeros(int(offsets[-1]), dtype=dtype)
+    if name == "action_mask":
+        flat[:] = True
+        flat[offsets[:-1][parent < 0]] = False
+    for i, node in enumerate(nodes):
+        if name not in node:
+            continue
+        arr: np.ndarray = np.asarray(node[name], dtype=dtype)
+        n = int(offsets[i + 1] - offsets[i])
+        root = bool(parent[i] < 0)
+        start = int(offsets[i])
+        if root and arr.shape == (n - 1,):
+            start += 1  # the predicted-token form: the root's first token has no entry
+        elif arr.shape != (n,):
+            want = f"{n - 1} (one per predicted token: a root's first token is not predicted)" if root else f"{n}"
+            raise BatchValidationError(
+                f"node {node['id']!r}: {name} has {arr.size} values for {n} tokens; expected {want}"
+            )
+        elif root:
+            old_forms.add(name)
+            if name == "action_mask" and arr[0]:
+                raise BatchValidationError(
+                    f"node {node['id']!r}: action_mask marks the root's first token as an action, but nothing "
+                    "predicts a first token (it has no log-prob)"
+                )
+        if dtype is np.float64 and not np.all(np.isfinite(arr)):
+            bad = int(np.flatnonzero(~np.isfinite(arr))[0])
+            raise BatchValidationError(f"node {node['id']!r}: {name}[{bad}] is {arr[bad]} (must be finite)")
+        flat[start : int(offsets[i + 1])] = arr
+        if root and name != "action_mask":
+            flat[int(offsets[i])] = 0.0  # never read: nothing predicts a first token
+    return flat
+
+
+def _old_form_line(old_forms: set[str]) -> str:
+    """The one line of ``BatchFormatWarning`` for a tree given in the older form (``old_forms``:
+    ``name:OLD`` for a field's older name, else a field whose root lists are one per token)."""
+    what = [
+        f"{old!r} for {_OLD_NAMES[old]!r}" for old in sorted(f.removeprefix("name:") for f in old_forms if ":" in f)
+    ]
+    per_token = sorted(f for f in old_forms if ":" not in f)
+    if per_token:
+        what.append(f"a root's {', '.join(per_token)} one per token")
+    return (
+        f"rollout-tree nodes in the older form ({'; '.join(what)}) are deprecated; give a root's lists one value "
+        "per predicted token (len(tokens) - 1) and the sampler's log-probs as 'logprobs', as batch files, "
+        "harts.Engine and Tinker's datums take them"
+    )
 
 
 def _roots_or_cycle(parent: np.ndarray, ids: list[Any]) -> np.ndarray:

@@ -337,7 +337,8 @@ class _Builder:
             self._chain(prompt, s.header_tokens + plen, self._turns(budget), task, depth=0)
         self._distinct_sibling_starts()
         nodes = [
-            {"id": i, "parent": None if p < 0 else p, "tokens": t, "action_mask": m}
+            # a root's lists skip its first token, which nothing predicts
+            {"id": i, "parent": None if p < 0 else p, "tokens": t, "action_mask": m if p >= 0 else m[1:]}
             for i, (t, m, p) in enumerate(zip(self.node_tokens, self.node_mask, self.node_parent))
         ]
         tree = RolloutTree.from_nodes(nodes)

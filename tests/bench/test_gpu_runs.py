@@ -69,6 +69,7 @@ def test_the_rows_the_results_cite_and_the_new_ones_are_there() -> None:
     cited += " fla_gate0_keep20 fla_gate1_keep20 plan_swe profile profile_swe profile_la_tree profile_la_linked tune"
     cited += " medium_tuned qkv_norm_test qkv_norm sweep kernel_tests q35_L8 q35_L8_profile q9_L8 q35_L8_gdn_kda"
     new = " q35_L8_gdn_native qnext_L8 q35_lora_full q9_lora_full q9_full_ft q9_long_131k q9_long_131k_tree gpu_tests"
+    new += " layer_memory_q9 layer_memory_q35 mamba2_la nemotron_L8"
     assert set((cited + new + " cpu_smoke").split()) == set(BY_NAME) and len(BY_NAME) == len(RUNS)
     assert all(n in (gpu_runs.__doc__ or "") for n in cited.split())
     full = {n: commands(BY_NAME[n], "o")[0][-1] for n in ("q35_lora_full", "q9_lora_full", "q9_full_ft")}

@@ -7,6 +7,7 @@ import torch
 
 import harts
 from harts.experiments.step_bench import bench_step
+from harts.tree.compact import compact
 from harts.tree.workloads import generate
 
 
@@ -15,7 +16,7 @@ def test_bench_step_counts():
     model = harts.HybridLM(harts.HybridConfig.tiny(vocab_size=256, layer_pattern="KM"))
     batch = generate("tiny", step=1)
     r = bench_step(model, batch, capacity=100_000, warmup=False)
-    cb = harts.compact(batch)
+    cb = compact(batch)
     assert r.baseline.rows == batch.num_tokens
     assert r.harts.microbatches == 1 and r.harts.rows == cb.num_compact_tokens
     assert abs(r.compression - cb.compression) < 1e-12

@@ -179,6 +179,71 @@ def qwen3_5_moe_config(tie_word_embeddings: bool = False, **kw: Any) -> Any:
     )
 
 
+def nemotron_h_config(**kw: Any) -> Any:
+    """Nemotron 3 Nano's layout at toy size: Mamba-2 and MoE layers around one attention layer
+    (``hybrid_override_pattern``: M Mamba-2, E MoE, * attention, - MLP)."""
+    import transformers
+
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        hybrid_override_pattern="MEM*EM-",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=8,
+        intermediate_size=48,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=24,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        layer_norm_epsilon=1e-5,
+    )
+    base.update(kw)
+    return transformers.NemotronHConfig(**base)
+
+
+def granitemoehybrid_config(**kw: Any) -> Any:
+    """Granite 4.0-H's layout at toy size: Mamba-2 layers around one NoPE attention layer, MoE
+    plus the shared MLP on every layer, every scaling away from 1."""
+    import transformers
+
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        layer_types=["mamba", "mamba", "attention", "mamba"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=16,
+        shared_intermediate_size=24,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+        position_embedding_type="nope",
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.3,
+        logits_scaling=2.5,
+        rms_norm_eps=1e-5,
+    )
+    base.update(kw)
+    return transformers.GraniteMoeHybridConfig(**base)
+
+
 CONFIGS = {
     "bailing_hybrid": bailing_config,
     "qwen3_next": qwen3_next_config,
@@ -187,6 +252,8 @@ CONFIGS = {
     "qwen3_5_moe_text": qwen3_5_moe_text_config,
     "qwen3_5": qwen3_5_config,
     "qwen3_5_moe": qwen3_5_moe_config,
+    "nemotron_h": nemotron_h_config,
+    "granitemoehybrid": granitemoehybrid_config,
 }
 
 #: vision-language model types: built as the full VL model (vision tower included)
@@ -240,8 +307,8 @@ def harts_trajectory_logits(model: Any, batch: RolloutBatch) -> torch.Tensor:
             model(batch, mode="trajectory")
     finally:
         hook.remove()
-    with torch.no_grad():
-        return cap["h"] @ model.lm_head_weight.T
+    with torch.no_grad():  # the head divides by Granite's logits_scaling (1.0 elsewhere)
+        return cap["h"] @ model.lm_head_weight.T / model.config.logits_scaling
 
 
 def hf_logits(hf_model: Any, traj: list[int]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Qwen3.5 beyond the shared HF tests: compact == trajectory-wise in float64 with every gradient,
-the VL checkpoints (language model taken, vision tower left out, Hub layout with fused experts and
-an MTP head), text positions under mrope, the text-only export, and bad checkpoints as one-line
-errors.
+the VL checkpoints (language model taken, vision tower left out of the model and written back on
+export, Hub layout with fused experts and an MTP head), text positions under mrope, the text-only
+export, and bad checkpoints as one-line errors.
 
 Parity with transformers' forward for the text and VL model types is in ``test_hf_logits``; the
 state-dict round trip and ``save_pretrained`` checkpoints of the text types in ``test_hf_checkpoints``.
@@ -85,7 +85,7 @@ def test_vl_model_gives_its_language_model_and_exports_text_only(model_type, tie
     trajs = trajectories([6, 2 * B + 1], seed=3)
     assert max_rel_logit_diff(hf, model, trajs) <= 1e-4
 
-    save_hf_checkpoint(model, str(tmp_path))
+    save_hf_checkpoint(model, str(tmp_path), hf_config=model.hf_source["config"])  # the language model alone
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["model_type"] == text_type and written["tie_word_embeddings"] is tied
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
@@ -121,7 +121,11 @@ def test_vl_checkpoint_loads_and_converts(layout, tmp_path, capsys):
     direct = from_hf(hf, chunk_size=B)
     a, b = model.state_dict(), direct.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the same source, but where the vision tower is kept: the directory, or the model's tensors
+    vision, direct_vision = model.hf_source.pop("vision"), direct.hf_source.pop("vision")
     assert model.hf_source == direct.hf_source
+    assert vision["checkpoint"] == str(tmp_path) and vision["config"] == direct_vision["config"]
+    assert sorted(direct_vision["tensors"]) == sorted(k for k in hf.state_dict() if k.startswith("model.visual."))
 
     rep = inspect_checkpoint(str(tmp_path))
     assert rep.all_mapped and rep.model_type == "qwen3_5_moe" and rep.layer_pattern == "GAGA"
@@ -132,6 +136,50 @@ def test_vl_checkpoint_loads_and_converts(layout, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Qwen3_5MoeForConditionalGeneration" in out and "all mapped     yes" in out
     assert "MoE 4 experts top-2" in out and f"{rep.num_parameters:,}" in out
+
+
+def _vl_export_matches(hf, out, trajs) -> None:
+    """``out`` is a VL checkpoint transformers loads: the vision tower bit for bit ``hf``'s, and the
+    language model's logits ``hf``'s (harts' weights were not trained)."""
+    from transformers import AutoModelForImageTextToText
+
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == hf.config.model_type
+    assert written["architectures"] == [type(hf).__name__]
+    loaded = AutoModelForImageTextToText.from_pretrained(str(out)).eval()
+    loaded.config._attn_implementation = loaded.config.text_config._attn_implementation = "eager"
+    assert type(loaded) is type(hf)
+    theirs, ours = hf.state_dict(), loaded.state_dict()
+    visual = [k for k in theirs if k.startswith("model.visual.")]
+    assert visual and all(torch.equal(ours[k], theirs[k]) for k in visual)
+    for t in trajs:
+        a, b = hf_logits(loaded, t), hf_logits(hf, t)
+        assert float((a - b).abs().max() / b.abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type,tied", [("qwen3_5", True), ("qwen3_5_moe", False)])
+def test_vl_model_saves_with_its_vision_tower(model_type, tied, tmp_path):
+    hf = make_hf_model(model_type, seed=31, tie_word_embeddings=tied)
+    model = from_hf(hf, chunk_size=B)
+    save_hf_checkpoint(model, str(tmp_path / "out"))
+    _vl_export_matches(hf, tmp_path / "out", trajectories([6, 2 * B + 1], seed=5))
+
+
+def test_vl_checkpoint_saves_with_its_vision_tower_read_back_from_disk(tmp_path, capsys):
+    import shutil
+
+    hf = make_hf_model("qwen3_5", seed=37)
+    hf.save_pretrained(tmp_path / "src")
+    model = from_pretrained(str(tmp_path / "src"), chunk_size=B)
+    save_hf_checkpoint(model, str(tmp_path / "out"))
+    _vl_export_matches(hf, tmp_path / "out", trajectories([7], seed=6))
+    again = from_pretrained(str(tmp_path / "out"), chunk_size=B).state_dict()
+    assert all(torch.equal(t, again[k]) for k, t in model.state_dict().items())
+    # the tower is read from the source at save time: gone, the save refuses in one line
+    shutil.rmtree(tmp_path / "src")
+    with pytest.raises(UserError, match=r"cannot save the vision tower \(it is read from .*src, the checkpoint"):
+        save_hf_checkpoint(model, str(tmp_path / "again"))
+    assert not (tmp_path / "again").exists()
 
 
 @pytest.mark.parametrize(

@@ -148,12 +148,12 @@ def test_describe_names_every_choice_on_one_line() -> None:
     assert "\n" not in line
     assert line == (
         "linear attention reference; conv reference; attention gather; "
-        "fast paths: all but stacked_qkv, stacked_gates, fla_gate"
+        "fast paths: all but stacked_qkv, stacked_gates, fla_gate; torch.compile glue: off"
     )
     linked = Backends(linear_attention="tree", link_rounds=True, conv="fla", fast_paths=frozenset(FAST_PATHS))
     assert linked.describe().startswith("linear attention tree (rounds linked); conv fla;")
-    assert linked.describe().endswith("fast paths: all")
-    assert Backends(fast_paths=frozenset()).describe().endswith("fast paths: none")
+    assert linked.describe().endswith("fast paths: all; torch.compile glue: off")
+    assert Backends(fast_paths=frozenset()).describe().endswith("fast paths: none; torch.compile glue: off")
     assert Backends().to_dict() == {
         "linear_attention": "reference",
         "link_rounds": False,
@@ -162,6 +162,8 @@ def test_describe_names_every_choice_on_one_line() -> None:
         "flash_views": False,
         "flex": {},
         "fast_paths": ["fused_qkv_norm", "silu_in_split", *FAST_PATHS[5:]],
+        "gdn": None,
+        "compile": False,
     }
     views = Backends(attention="gather", flash_views=True)
     assert "attention gather (FlashAttention-2 varlen views);" in views.describe()

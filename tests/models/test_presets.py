@@ -101,6 +101,7 @@ def test_layer_patterns_and_moe_layers() -> None:
 
 def test_every_name_is_a_preset() -> None:
     names = ("qwen3_5_9b", "qwen3_5_27b", "qwen3_5_35b_a3b", "qwen3_next_80b_a3b", "kimi_linear_48b_a3b")
+    names += ("nemotron_3_nano_30b_a3b", "granite_4_0_h_small")
     assert set(PRESET_NAMES) == {"tiny", "ling3_tiny", *names}
     for name in PRESET_NAMES:
         depth = HybridConfig.preset(name).num_hidden_layers

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 import harts
 from harts.plan.calls import CallPlan, mandatory_replay, plan_calls, ranges_to_indices
 from harts.plan.tree_file import parse_tree
+from harts.tree.compact import compact
 from harts.tree.segments import SegmentForest, parent_depth, preorder_from_parents
 from tests.plan.helpers import brute_force_calls, check_plan, eq15, lean_only, naive_depth, plan_units_only
 from tests.plan.oracle import plan_oracle
@@ -329,9 +330,9 @@ def test_compact_batch_forest():
         for _ in range(6):
             cut = int(rng.integers(1, 250))
             trajs.append(np.concatenate([[100 + t], base[:cut], rng.integers(0, 4, int(rng.integers(1, 80)))]))
-    cb = harts.compact(harts.RolloutBatch.from_trajectories(trajs))
+    cb = compact(harts.RolloutBatch.from_trajectories(trajs))
     for b in (4, 16, 64):
-        plan = harts.plan_calls(cb.segment_trees, b)
+        plan = plan_calls(cb.segment_trees, b)
         check_plan(plan)
         assert_same_plan(plan, plan_oracle(cb.segment_trees, b))
         assert_same_plan(plan, plan_units_only(cb.segment_trees, b))
@@ -389,9 +390,7 @@ def test_plan_calls_many_equals_planning_each_forest():
             lengths, parents = random_forest_lists(rng, b, max_segments=int(rng.integers(1, 14)))
             forests.append(SegmentForest.from_parents(lengths, parents)[0])
         batch = harts.workloads.generate("small", step=0)
-        forests += [
-            harts.compact(batch.select(list(range(k, batch.num_trajectories, 5)))).segment_trees for k in range(5)
-        ]
+        forests += [compact(batch.select(list(range(k, batch.num_trajectories, 5)))).segment_trees for k in range(5)]
         many = plan_calls_many(forests, b)
         assert len(many) == len(forests)
         for forest, got in zip(forests, many):

@@ -9,11 +9,12 @@ from hypothesis import strategies as st
 
 import harts
 from harts.plan.calls import plan_calls
-from harts.plan.layout import build_layout
+from harts.plan.layout import Layout, build_layout
+from harts.tree.compact import CompactBatch, compact
 from tests.strategies import batch_from_forest, compact_batches, spine_forest
 
 
-def true_ancestors(cb: harts.CompactBatch, c: int) -> list[int]:
+def true_ancestors(cb: CompactBatch, c: int) -> list[int]:
     """Compact rows of c's ancestors, root first (by walking CompactBatch.parent)."""
     out = []
     c = int(cb.parent[c])
@@ -23,7 +24,7 @@ def true_ancestors(cb: harts.CompactBatch, c: int) -> list[int]:
     return out[::-1]
 
 
-def check_layout(cb: harts.CompactBatch, lay: harts.Layout, b: int, pad_to: int, no_replay: bool) -> None:
+def check_layout(cb: CompactBatch, lay: Layout, b: int, pad_to: int, no_replay: bool) -> None:
     p = lay.num_rows
     c = cb.num_compact_tokens
     p2c = lay.phys_to_compact
@@ -147,7 +148,7 @@ def test_layout_on_spine_forests(seed):
     ranges (view a), replay rows and parent rows cross several sequences."""
     rng = np.random.default_rng(100 + seed)
     b = int(rng.choice([2, 3, 4]))
-    cb = harts.compact(batch_from_forest(rng, *spine_forest(rng, b, max_spine=15)))
+    cb = compact(batch_from_forest(rng, *spine_forest(rng, b, max_spine=15)))
     plan = plan_calls(cb.segment_trees, b)
     for pad_to, no_replay in ((1, False), (4, False), (1, True), (3, True)):
         check_layout(cb, build_layout(cb, plan, pad_to=pad_to, no_replay=no_replay), b, pad_to, no_replay)
@@ -158,7 +159,7 @@ def test_multiple_trees_share_rounds():
     # three trees, each forking once across a chunk boundary (B = 4): 2 calls, 3 + 3 sequences
     lengths = [6, 3, 3] * 3
     parents = [-1, 0, 0, -1, 3, 3, -1, 6, 6]
-    cb = harts.compact(batch_from_forest(rng, lengths, parents))
+    cb = compact(batch_from_forest(rng, lengths, parents))
     assert cb.segment_trees.num_trees == 3
     plan = plan_calls(cb.segment_trees, 4)
     lay = build_layout(cb, plan)
@@ -173,7 +174,7 @@ def test_multiple_trees_share_rounds():
 def test_figure_style_replay_rows():
     """A fork at p = B + 3 (B = 8): the side branch replays rows at positions 8, 9, 10."""
     trajs = [list(range(1, 12)) + [20, 21], list(range(1, 12)) + [30, 31, 32]]
-    cb = harts.compact(harts.RolloutBatch.from_trajectories(trajs))
+    cb = compact(harts.RolloutBatch.from_trajectories(trajs))
     plan = plan_calls(cb.segment_trees, 8)
     lay = build_layout(cb, plan, pad_to=4)
     assert lay.num_calls == 2
@@ -190,8 +191,8 @@ def test_figure_style_replay_rows():
 
 
 def test_layout_rejects_foreign_plan_and_bad_padding():
-    a = harts.compact(harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 4]]))
-    b = harts.compact(harts.RolloutBatch.from_trajectories([[1, 2, 3, 5], [1, 2, 4]]))
+    a = compact(harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 4]]))
+    b = compact(harts.RolloutBatch.from_trajectories([[1, 2, 3, 5], [1, 2, 4]]))
     with pytest.raises(ValueError, match="different segment forest"):
         build_layout(b, plan_calls(a.segment_trees, 4))
     with pytest.raises(ValueError, match="pad_to"):

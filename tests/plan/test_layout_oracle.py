@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 import harts
 from harts.plan.calls import plan_calls, ranges_to_indices
 from harts.plan.layout import _merge_runs, _ranges, _runs, build_layout
+from harts.plan.step import plan_step
+from harts.tree.compact import CompactBatch, compact
 from tests.plan.layout_oracle import build_layout_oracle
 from tests.strategies import batch_from_forest, compact_batches, spine_forest, trajectory_lists
 
@@ -39,7 +41,7 @@ def assert_same(a: object, b: object, where: str) -> None:
             assert type(x) is type(y) and x == y, f"{at}: {x!r} != {y!r}"
 
 
-def check_all(cb: harts.CompactBatch, b: int, cases=PADS_AND_SCHEDULES) -> None:
+def check_all(cb: CompactBatch, b: int, cases=PADS_AND_SCHEDULES) -> None:
     plan = plan_calls(cb.segment_trees, b)
     for pad_to, no_replay in cases:
         new = build_layout(cb, plan, pad_to=pad_to, no_replay=no_replay)
@@ -49,7 +51,7 @@ def check_all(cb: harts.CompactBatch, b: int, cases=PADS_AND_SCHEDULES) -> None:
 
 def test_compares_every_field():
     """The comparison itself can fail: one changed value, dtype or round is caught."""
-    cb = harts.compact(harts.RolloutBatch.from_trajectories([[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2]]))
+    cb = compact(harts.RolloutBatch.from_trajectories([[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2]]))
     plan = plan_calls(cb.segment_trees, 2)
     lay = build_layout(cb, plan, pad_to=2)
     bad_value = dataclasses.replace(lay, semantic_to_phys=lay.semantic_to_phys[::-1].copy())
@@ -73,7 +75,7 @@ def test_equals_oracle_on_random_forests(cbb, pad_to, no_replay):
 @settings(max_examples=40, deadline=None)
 def test_equals_oracle_on_token_tries(trajs, b):
     """Tiny alphabets: prefixes, duplicates and one-token segments everywhere."""
-    check_all(harts.compact(harts.RolloutBatch.from_trajectories(trajs)), b)
+    check_all(compact(harts.RolloutBatch.from_trajectories(trajs)), b)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -81,7 +83,7 @@ def test_equals_oracle_on_spine_forests(seed):
     """Deep sequence trees: ancestor ranges and trajectories cross many sequences."""
     rng = np.random.default_rng(300 + seed)
     b = int(rng.choice([2, 3, 4]))
-    check_all(harts.compact(batch_from_forest(rng, *spine_forest(rng, b, max_spine=30))), b)
+    check_all(compact(batch_from_forest(rng, *spine_forest(rng, b, max_spine=30))), b)
 
 
 def test_equals_oracle_on_a_deep_caterpillar():
@@ -90,13 +92,13 @@ def test_equals_oracle_on_a_deep_caterpillar():
     n = 300
     lengths = [3] + [1, 2] * n
     parents = [-1] + [x for i in range(n) for x in (2 * i, 2 * i)]
-    check_all(harts.compact(batch_from_forest(rng, lengths, parents)), 2)
+    check_all(compact(batch_from_forest(rng, lengths, parents)), 2)
 
 
 @pytest.mark.parametrize("name,capacity", [("tiny", 256), ("small", 4096)])
 def test_equals_oracle_on_workload_microbatches(name, capacity):
-    cb = harts.compact(harts.workloads.generate(name, step=0, seed=0))
-    sp = harts.plan_step(cb, dp=2, capacity=capacity)
+    cb = compact(harts.workloads.generate(name, step=0, seed=0))
+    sp = plan_step(cb, dp=2, capacity=capacity)
     assert sp.num_microbatches >= 2
     for k in range(sp.num_microbatches):
         check_all(sp.compact_microbatch(k), 64, [(1, False), (64, True)] if k % 2 else [(1, True), (16, False)])

@@ -11,6 +11,7 @@ import harts
 from harts.cli import main
 from harts.plan.calls import plan_calls
 from harts.plan.tree_file import forest_to_tree, load_tree, parse_tree
+from harts.tree.compact import compact
 from tests.plan.test_calls import FIGURE6
 
 
@@ -163,6 +164,6 @@ def test_cli_rollout_batch_file(tmp_path, capsys):
     batch.save(str(path))
     code, out, _ = run_cli(capsys, path, "--json", "--chunk-size", "2")
     assert code == 0
-    expect = plan_calls(harts.compact(batch).segment_trees, 2).summary()
+    expect = plan_calls(compact(batch).segment_trees, 2).summary()
     assert json.loads(out) == expect
     assert expect["calls"] >= 2

@@ -44,16 +44,18 @@ def test_sampled_tree_logprobs_equal_training_forward_float64(mode: str) -> None
     for b, o in zip(kids, obs):
         grand += extend(model, [b], [o])[0].fork(2)
     grand, second = generate(model, grand, SamplingConfig(max_tokens=9, stop_tokens=(5,)), gen)
-    nodes = [{"id": "p", "parent": None, "tokens": prompt, "action_mask": [False] * len(prompt)}]
+    # one value per predicted token: the root's lists are one shorter than its tokens
+    nodes = [{"id": "p", "parent": None, "tokens": prompt, "action_mask": [False] * (len(prompt) - 1)}]
+    nodes[0]["logprobs"] = [0.0] * (len(prompt) - 1)
     for i, (turn, o) in enumerate(zip(first, obs)):
-        nodes.append({"id": f"a{i}", "parent": "p", "tokens": turn.tokens, "old_logprobs": turn.logprobs})
+        nodes.append({"id": f"a{i}", "parent": "p", "tokens": turn.tokens, "logprobs": turn.logprobs})
         nodes.append({"id": f"o{i}", "parent": f"a{i}", "tokens": o, "action_mask": [False] * len(o)})
         for j in range(2):
             t = second[2 * i + j]
-            nodes.append({"id": f"b{i}{j}", "parent": f"o{i}", "tokens": t.tokens, "old_logprobs": t.logprobs})
+            nodes.append({"id": f"b{i}{j}", "parent": f"o{i}", "tokens": t.tokens, "logprobs": t.logprobs})
     for n in nodes:
         n.setdefault("action_mask", [True] * len(n["tokens"]))
-        n.setdefault("old_logprobs", [0.0] * len(n["tokens"]))
+        n.setdefault("logprobs", [0.0] * len(n["tokens"]))
     batch = RolloutBatch.from_tree(nodes)
     assert batch.num_trajectories == 6 and batch.lengths.max() > 3 * model.config.chunk_size
     assert _gap(model, batch, mode) < 1e-9

@@ -278,12 +278,7 @@ def test_malformed_datums_get_4xx_naming_the_field_and_the_client_carries_on(ser
     tc = new_client(service)
     good = sft_batch()
     shifted = datum([1, 2, 3, 4, 5], 1)
-    bad_target = types.Datum(
-        model_input=shifted.model_input,
-        loss_fn_inputs={"target_tokens": [2, 3, 9, 5], "weights": [1.0, 1.0, 1.0, 1.0]},
-    )
     cases = [
-        ([bad_target], "cross_entropy", "data[0].loss_fn_inputs.target_tokens"),
         ([datum([1, 2, 3, 99], 1)], "cross_entropy", "data[0].loss_fn_inputs.target_tokens"),
         ([datum([1, 99, 3, 4], 1)], "cross_entropy", "data[0].model_input"),
         (
@@ -301,7 +296,7 @@ def test_malformed_datums_get_4xx_naming_the_field_and_the_client_carries_on(ser
             "data[0].loss_fn_inputs.advantages",
         ),
         ([shifted], "importance_sampling", "data[0].loss_fn_inputs.logprobs"),
-        ([shifted], "dro", "loss_fn"),
+        ([shifted], "stable_reinforce", "loss_fn"),
         ([datum(list(range(8)) * 80, 1)], "cross_entropy", "data[0].model_input"),
     ]
     for data, loss, field in cases:
@@ -362,7 +357,7 @@ def test_divergence_is_a_user_error_and_the_run_keeps_its_weights(service):
     again = logprobs(reloaded.forward(good, "cross_entropy").result())
     assert all(np.isfinite(a).all() and np.array_equal(a, b) for a, b in zip(again, before))
     tc.forward_backward(good, "cross_entropy").result()
-    assert tc.optim_step(ADAM).result().metrics["step"] == 2.0
+    assert tc.optim_step(ADAM).result().metrics["optimizer_step"] == 2.0
 
 
 def test_malformed_requests_get_4xx_and_the_server_stays_up(service, server):
@@ -374,11 +369,15 @@ def test_malformed_requests_get_4xx_and_the_server_stays_up(service, server):
     for kwargs, field in (
         ({"num_samples": 0, "sampling_params": types.SamplingParams(max_tokens=2)}, "num_samples"),
         ({"num_samples": 1, "sampling_params": types.SamplingParams()}, "sampling_params.max_tokens"),
-        ({"num_samples": 1, "sampling_params": types.SamplingParams(max_tokens=2, temperature=0)}, "temperature"),
+        ({"num_samples": 1, "sampling_params": types.SamplingParams(max_tokens=2, temperature=-1)}, "temperature"),
         ({"num_samples": 1, "sampling_params": types.SamplingParams(max_tokens=2, stop=["x"])}, "sampling_params.stop"),
         ({"num_samples": 1, "sampling_params": types.SamplingParams(max_tokens=CAPACITY)}, "max_tokens"),
         (
-            {"num_samples": 1, "sampling_params": types.SamplingParams(max_tokens=2), "topk_sample_logprobs": 3},
+            {
+                "num_samples": 1,
+                "sampling_params": types.SamplingParams(max_tokens=2),
+                "topk_sample_logprobs": VOCAB + 1,
+            },
             "topk_sample_logprobs",
         ),
     ):
@@ -485,7 +484,7 @@ def test_resent_and_out_of_order_requests_apply_once_in_order(server):
     fb = server.post("forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"}).json()
     assert server.post("optim_step", json=optim).json()["request_id"] == first
     step = result(first)
-    assert isinstance(step, dict) and step["metrics"]["step"] == 1.0 and step["metrics"]["grad_norm"] > 0
+    assert isinstance(step, dict) and step["metrics"]["optimizer_step"] == 1.0 and step["metrics"]["grad_norm"] > 0
     assert isinstance(result(fb["request_id"]), bytes)
     # the result stays retrievable: a client that lost the answer asks again and gets the same
     assert result(first) == step
@@ -495,7 +494,7 @@ def test_resent_and_out_of_order_requests_apply_once_in_order(server):
     load = {"model_id": model_id, "seq_id": 4, "path": "tinker://x/weights/..", "optimizer": False}
     assert server.post("load_weights", json=load).status_code == 400
     fifth = server.post("optim_step", json={**optim, "seq_id": 5}).json()["request_id"]
-    assert result(fifth)["metrics"]["step"] == 2.0  # type: ignore[index]
+    assert result(fifth)["metrics"]["optimizer_step"] == 2.0  # type: ignore[index]
 
 
 def test_heartbeat_and_finish(server):

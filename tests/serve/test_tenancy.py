@@ -165,6 +165,12 @@ def _attacks(a: Alice, bob_session: str) -> list[tuple[str, str, dict[str, Any] 
         ("DELETE", f"training_runs/{run}/checkpoints/weights/a-state", None),
         ("DELETE", f"training_runs/{run}/checkpoints/sampler_weights/a-snap", None),
         ("POST", "weights_info", {"tinker_path": a.state_path}),
+        ("POST", "save_weights_external", {"model_id": run, "seq_id": 99, "path": "a-export"}),
+        ("POST", f"training_runs/{run}/checkpoints/weights/a-state/publish", None),
+        ("DELETE", f"training_runs/{run}/checkpoints/weights/a-state/publish", None),
+        ("PUT", f"training_runs/{run}/checkpoints/weights/a-state/ttl", {"ttl_seconds": 7200}),
+        ("GET", f"training_runs/{run}/checkpoints/weights/a-state/archive", None),
+        ("GET", f"training_runs/{run}/checkpoints/external_weights/a-export/external_weights_urls", None),
     ]
 
 
@@ -217,6 +223,9 @@ def test_a_malformed_request_on_anothers_run_does_not_use_its_sequence_number(se
     bad = {"model_id": alice.raw_model_id, "seq_id": 1, "adam_params": {"learning_rate": "x"}}
     r = _post(server, BOB, "optim_step", bad)
     assert r.status_code in (400, 404), r.text
+    # nor a call the server does not serve
+    r = _post(server, BOB, "a_call_of_a_newer_sdk", {"model_id": alice.raw_model_id, "seq_id": 1})
+    assert r.status_code == 404, r.text
     fb = _ok(_send(server, ALICE, "POST", "forward_backward", _fb_body(alice.raw_model_id, 1)))
     assert isinstance(_result(server, ALICE, fb["request_id"]), bytes)  # a ForwardBackwardOutput, not an error
 

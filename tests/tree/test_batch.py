@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import harts
 from harts import BatchValidationError, RolloutBatch
+from harts.tree.compact import compact
 
 
 def test_from_trajectories_layout_and_defaults():
@@ -85,7 +85,8 @@ def node(nid, parent, tokens, **kw):
         ([node("r", None, [1]), node("a", "b", [2]), node("b", "a", [3])], "is on a parent cycle"),
         ([node("r", "r", [1])], "node 'r' is on a parent cycle"),
         ([node("r", None, [1]), node("a", "r", [])], "node 'a' has an empty token span"),
-        ([node("r", None, [1, 2], old_logprobs=[0.0])], "node 'r': old_logprobs has 1 values for 2 tokens"),
+        ([node("r", None, [1, 2], logprobs=[0.0, 0.0, 0.0])], "node 'r': logprobs has 3 values for 2 tokens"),
+        ([node("r", None, [1]), node("a", "r", [2, 3], logprobs=[0.0])], "node 'a': logprobs has 1 values for 2"),
         ([node("r", None, [1, 2], loss_weights=[1.0, float("nan")])], r"node 'r': loss_weights\[1\] is nan"),
         ([node("r", None, [1]), node("a", "r", [2], advantage=float("inf"))], "node 'a': advantage is inf"),
         (
@@ -109,9 +110,9 @@ def test_tree_out_of_vocab_is_named():
 
 def test_tree_paths_become_trajectories_in_leaf_order():
     nodes = [
-        node("r", None, [1, 2], action_mask=[False, False]),
+        node("r", None, [1, 2], action_mask=[False]),
         node("x", "r", [3], advantage=1.0, group_id=4),
-        node("y", "r", [5, 6], advantage=-1.0, group_id=4, old_logprobs=[-0.1, -0.2]),
+        node("y", "r", [5, 6], advantage=-1.0, group_id=4, logprobs=[-0.1, -0.2]),
         node("s", None, [9]),
     ]
     b = RolloutBatch.from_tree(nodes)
@@ -119,7 +120,7 @@ def test_tree_paths_become_trajectories_in_leaf_order():
     assert b.advantages.tolist() == [1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0, 0.0]
     assert b.tree_ids.tolist() == [0, 0, 1]
     assert b.group_ids.tolist() == [4, 4, -1]
-    # nodes that carry no old_logprobs get zeros; the metadata is present for all
+    # nodes that carry no logprobs get zeros; the metadata is present for all
     assert b.old_logprobs.tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, -0.1, -0.2, 0.0]
     assert b.action_mask.tolist() == [False, False, True, False, False, True, True, False]
 
@@ -133,6 +134,6 @@ def test_select_rejects_bad_indices():
 def test_repr_and_public_api():
     b = RolloutBatch.from_trajectories([[1, 2]], vocab_size=10)
     assert "trajectories=1" in repr(b)
-    cb = harts.compact(b)
+    cb = compact(b)
     assert "compression" in repr(cb)
     assert np.array_equal(cb.traj_offsets, [0, 2])

@@ -9,12 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import harts
-from harts.tree.compact import _compact_sorted
+from harts.tree.compact import CompactBatch, _compact_sorted, compact, prefix_index
+from harts.tree.lcp import LCPIndex
 from tests.strategies import rollout_trees, trajectory_lists
 from tests.tree.naive_trie import naive_compact, naive_work
 
 
-def check_against_naive(trajs: list[list[int]], cb: harts.CompactBatch) -> None:
+def check_against_naive(trajs: list[list[int]], cb: CompactBatch) -> None:
     ref = naive_compact(trajs)
     assert cb.num_compact_tokens == len(ref["tokens"])
     assert cb.num_semantic_tokens == sum(map(len, trajs))
@@ -38,12 +39,12 @@ def check_against_naive(trajs: list[list[int]], cb: harts.CompactBatch) -> None:
 @given(trajectory_lists())
 def test_compaction_matches_naive_trie(trajs):
     batch = harts.RolloutBatch.from_trajectories(trajs)
-    check_against_naive(trajs, harts.compact(batch))
+    check_against_naive(trajs, compact(batch))
 
 
 @given(trajectory_lists(max_traj=6, alphabet=4))
 def test_lcp_index_matches_trie_recount(trajs):
-    cb = harts.compact(harts.RolloutBatch.from_trajectories(trajs))
+    cb = compact(harts.RolloutBatch.from_trajectories(trajs))
     idx = cb.lcp_index
     sorted_trajs = [trajs[j] for j in idx.order]
     assert sorted_trajs == sorted(trajs)
@@ -61,7 +62,7 @@ def test_lcp_index_matches_trie_recount(trajs):
 
 def test_vectorized_work_and_range_min():
     trajs = [[1, 2, 3], [1, 2, 4], [1, 5], [2], [2, 3, 3, 3]]
-    idx = harts.compact(harts.RolloutBatch.from_trajectories(trajs)).lcp_index
+    idx = compact(harts.RolloutBatch.from_trajectories(trajs)).lcp_index
     lo = np.array([0, 1, 0, 2])
     hi = np.array([5, 3, 2, 5])
     np.testing.assert_array_equal(idx.work(lo, hi), [idx.work(int(a), int(b)) for a, b in zip(lo, hi)])
@@ -73,14 +74,14 @@ def test_vectorized_work_and_range_min():
 def test_shared_prefix_across_trees_shares_rows():
     # different tree ids, identical prefixes: rows are shared anyway (actual tokens decide)
     batch = harts.RolloutBatch.from_trajectories([[7, 8, 9], [7, 8, 1]], tree_ids=[0, 1])
-    cb = harts.compact(batch)
+    cb = compact(batch)
     assert cb.num_compact_tokens == 4
     assert cb.segment_trees.num_trees == 1
 
 
 def test_identical_and_single_token_trajectories():
     trajs = [[5], [5], [5, 6], [4]]
-    cb = harts.compact(harts.RolloutBatch.from_trajectories(trajs))
+    cb = compact(harts.RolloutBatch.from_trajectories(trajs))
     check_against_naive(trajs, cb)
     assert cb.multiplicity.tolist() == [1, 3, 1]  # rows: 4, 5, 6 (preorder by token)
 
@@ -88,7 +89,7 @@ def test_identical_and_single_token_trajectories():
 @given(rollout_trees())
 def test_tree_input_equals_token_trie(nodes):
     batch = harts.RolloutBatch.from_tree(nodes)
-    cb = harts.compact(batch)
+    cb = compact(batch)
     trajs = [t.tolist() for t in batch.trajectories()]
     check_against_naive(trajs, cb)
     ref = _compact_sorted(batch)
@@ -109,20 +110,20 @@ def test_tree_input_takes_the_tree_path_without_token_sort(monkeypatch):
         raise AssertionError("tree input must not sort token sequences")
 
     monkeypatch.setattr(mod, "lexicographic_order", boom)
-    cb = harts.compact(batch)
+    cb = compact(batch)
     assert cb.num_compact_tokens == 6
     assert cb.segment_trees.num_segments == 3
 
 
 def test_workload_tree_path_equals_sorted_path():
     batch = harts.workloads.generate("small", step=1, seed=3)
-    a = harts.compact(batch)
+    a = compact(batch)
     b = _compact_sorted(batch)
     for name in ("tokens", "semantic_to_compact", "multiplicity", "parent", "position", "row_segment"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
 
 
-def assert_same_compaction(a: harts.CompactBatch, b: harts.CompactBatch) -> None:
+def assert_same_compaction(a: CompactBatch, b: CompactBatch) -> None:
     for k in ("tokens", "semantic_to_compact", "multiplicity", "parent", "position", "row_segment"):
         np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=k)
     for k in ("start", "end", "parent", "row", "tree", "child_ptr", "child_idx", "roots"):
@@ -139,20 +140,20 @@ def test_select_equals_compacting_the_selection(trajs, data):
     batch = harts.RolloutBatch.from_trajectories(trajs)
     n = batch.num_trajectories
     idx = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=2 * n))
-    assert_same_compaction(harts.compact(batch).select(idx), harts.compact(batch.select(idx)))
+    assert_same_compaction(compact(batch).select(idx), compact(batch.select(idx)))
 
 
 def test_select_on_workload_trees():
     rng = np.random.default_rng(3)
     for name in ("tiny", "small"):
         batch = harts.workloads.generate(name, step=1)  # built from rollout trees (tree path)
-        cb = harts.compact(batch)
+        cb = compact(batch)
         for _ in range(10):
             idx = rng.choice(batch.num_trajectories, int(rng.integers(1, batch.num_trajectories + 1)), replace=False)
-            assert_same_compaction(cb.select(idx), harts.compact(batch.select(idx)))
+            assert_same_compaction(cb.select(idx), compact(batch.select(idx)))
 
 
-def assert_same_lcp_index(a: harts.LCPIndex, b: harts.LCPIndex) -> None:
+def assert_same_lcp_index(a: LCPIndex, b: LCPIndex) -> None:
     for k in ("order", "rank", "sorted_len", "adj_lcp"):
         np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=k)
 
@@ -162,21 +163,21 @@ def test_prefix_index_of_a_tree_is_the_compactions(nodes, data):
     """prefix_index of an explicit tree (from its nodes: no trie, no token comparisons) has the
     compaction's LCP index, and its slices are the compactions of the slices."""
     batch = harts.RolloutBatch.from_tree(nodes)
-    index, cb = harts.prefix_index(batch), harts.compact(batch)
+    index, cb = prefix_index(batch), compact(batch)
     assert_same_lcp_index(index.lcp_index, cb.lcp_index)
     assert index.num_compact_tokens == cb.num_compact_tokens and index.num_trajectories == cb.num_trajectories
     n = batch.num_trajectories
     idx = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=2 * n))
-    assert_same_compaction(index.select(idx), harts.compact(batch.select(idx)))
+    assert_same_compaction(index.select(idx), compact(batch.select(idx)))
 
 
 @given(trajectory_lists())
 def test_prefix_index_of_trajectories_is_the_compactions(trajs):
     batch = harts.RolloutBatch.from_trajectories(trajs)
-    assert_same_lcp_index(harts.prefix_index(batch).lcp_index, harts.compact(batch).lcp_index)
+    assert_same_lcp_index(prefix_index(batch).lcp_index, compact(batch).lcp_index)
 
 
 def test_prefix_index_of_workload_trees() -> None:
     for name in ("tiny", "small"):
         batch = harts.workloads.generate(name, step=1)  # canonical trees: the node path
-        assert_same_lcp_index(harts.prefix_index(batch).lcp_index, _compact_sorted(batch).lcp_index)
+        assert_same_lcp_index(prefix_index(batch).lcp_index, _compact_sorted(batch).lcp_index)

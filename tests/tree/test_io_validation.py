@@ -52,12 +52,12 @@ SAME = [
     (
         "string-advantages",
         [{"tokens": [1, 2], "advantages": "high"}, {"tokens": [1], "advantages": "low"}],
-        "FILE: trajectory 0 (row 0): advantages must be a number or a list of numbers (one per token), got string 'high'",
+        "FILE: trajectory 0 (row 0): advantages must be a number or a list of numbers (one per predicted token), got string 'high'",
     ),
     (
         "bool-advantages",
         [{"tokens": [1, 2], "advantages": True}],
-        "FILE: trajectory 0 (row 0): advantages must be a number or a list of numbers (one per token), got boolean true",
+        "FILE: trajectory 0 (row 0): advantages must be a number or a list of numbers (one per predicted token), got boolean true",
     ),
     (
         "no-advantages",
@@ -70,9 +70,19 @@ SAME = [
         "FILE: trajectory 0 (row 0): loss_weights, position 2 is -0.25 (weights must be >= 0)",
     ),
     (
-        "positive-old-logprobs",
+        "positive-logprobs",
+        [dict(GOOD, logprobs=[-1.0, 0.7])],
+        "FILE: trajectory 0 (row 0): logprobs, position 1 is 0.7: a log-probability is <= 0",
+    ),
+    (
+        "positive-old-logprobs-older-form",
         [dict(GOOD, old_logprobs=[0.0, -1.0, 0.7])],
         "FILE: trajectory 0 (row 0): old_logprobs, position 2 is 0.7: a log-probability is <= 0",
+    ),
+    (
+        "negative-loss-weights-per-predicted-token",
+        [dict(GOOD, loss_weights=[0.5, -0.25])],
+        "FILE: trajectory 0 (row 0): loss_weights, position 1 is -0.25 (weights must be >= 0)",
     ),
     (
         "nan-advantage",
@@ -86,8 +96,9 @@ SAME = [
     ),
     (
         "short-mask",
-        [dict(GOOD, action_mask=[False, True])],
-        "FILE: trajectory 0 (row 0): action_mask has 2 values for 3 tokens",
+        [dict(GOOD, action_mask=[True])],
+        "FILE: trajectory 0 (row 0): action_mask has 1 values for 3 tokens (one per predicted token: "
+        "len(tokens) - 1 = 2)",
     ),
     (
         "partial-group-id",
@@ -114,7 +125,7 @@ def test_jsonl_and_parquet_give_the_same_error(tmp_path, records, expected):
 def test_scalar_and_per_token_advantages_mix_by_record(tmp_path):
     p = write_jsonl(
         tmp_path / "b.jsonl",
-        [{"tokens": [1, 2], "advantages": 0.5}, {"tokens": [1, 3, 4], "advantages": [0.0, 1.0, -1.0]}],
+        [{"tokens": [1, 2], "advantages": 0.5}, {"tokens": [1, 3, 4], "advantages": [1.0, -1.0]}],
     )
     b = RolloutBatch.load(p)
     assert b.advantages.tolist() == [0.5, 0.5, 0.0, 1.0, -1.0]
@@ -122,9 +133,12 @@ def test_scalar_and_per_token_advantages_mix_by_record(tmp_path):
 
 def test_mixed_advantages_error_names_the_right_line(tmp_path):
     p = write_jsonl(
-        tmp_path / "b.jsonl", [{"tokens": [1, 2], "advantages": 0.5}, {"tokens": [1, 3, 4], "advantages": [0.0, 1.0]}]
+        tmp_path / "b.jsonl", [{"tokens": [1, 2], "advantages": 0.5}, {"tokens": [1, 3, 4], "advantages": [1.0]}]
     )
-    assert error_of(p) == f"{p}: trajectory 1 (line 2): advantages has 2 values for 3 tokens"
+    assert error_of(p) == (
+        f"{p}: trajectory 1 (line 2): advantages has 1 values for 3 tokens (one per predicted token: "
+        "len(tokens) - 1 = 2)"
+    )
 
 
 @pytest.mark.parametrize(

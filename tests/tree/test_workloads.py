@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import harts
+from harts.tree.compact import compact
 from harts.tree.stats import batch_stats
 from harts.tree.workloads import PRESETS, generate
 
@@ -23,7 +23,7 @@ def test_presets_are_valid_and_tree_shaped(name):
     spec = PRESETS[name]
     for step in range(spec.steps):
         batch = generate(name, step=step)
-        cb = harts.compact(batch)
+        cb = compact(batch)
         st = batch_stats(cb, spec.chunk_size)
         assert st.compression > 1.5
         assert st.max_path <= spec.max_path_tokens
@@ -43,7 +43,7 @@ def test_presets_are_valid_and_tree_shaped(name):
 
 def test_swe_shape_on_few_tasks():
     batch = generate("swe", step=0, tasks=(3, 3))
-    cb = harts.compact(batch)
+    cb = compact(batch)
     st = batch_stats(cb, 64)
     assert st.max_path <= PRESETS["swe"].max_path_tokens
     assert st.max_segment > 10_000 and st.short_segments > 0
@@ -53,7 +53,7 @@ def test_swe_shape_on_few_tasks():
 def test_forks_land_on_and_beside_chunk_boundaries():
     residues = set()
     for step in range(4):
-        cb = harts.compact(generate("medium", step=step, tasks=(2, 2)))
+        cb = compact(generate("medium", step=step, tasks=(2, 2)))
         f = cb.segment_trees
         residues |= set((f.end[f.num_children >= 2] % 64).tolist())
     assert {63, 0, 1} <= residues
@@ -70,6 +70,6 @@ def test_late_forks_raise_prefix_sharing():
         uniform = generate("medium", step=step)
         late = generate("medium", step=step, late_forks=3.0)
         assert np.unique(late.tree_ids).size == np.unique(uniform.tree_ids).size
-        ratio_u = uniform.num_tokens / harts.compact(uniform).num_compact_tokens
-        ratio_l = late.num_tokens / harts.compact(late).num_compact_tokens
+        ratio_u = uniform.num_tokens / compact(uniform).num_compact_tokens
+        ratio_l = late.num_tokens / compact(late).num_compact_tokens
         assert ratio_l > ratio_u

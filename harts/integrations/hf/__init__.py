@@ -1,7 +1,7 @@
 """Hugging Face transformers integration (the ``harts[hf]`` extra: transformers, safetensors).
 
 One adapter module per architecture (``bailing_hybrid``, ``qwen3_next``, ``kimi_linear``,
-``qwen3_5``) maps the transformers config to a ``HybridConfig`` (naming every unsupported
+``qwen3_5``, ``nemotron_h``, ``granitemoehybrid``) maps the transformers config to a ``HybridConfig`` (naming every unsupported
 option) and the state dict names/layouts both ways; ``api`` holds the entry points re-exported
 here.
 """

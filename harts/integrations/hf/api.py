@@ -44,11 +44,20 @@ __all__ = [
 
 def _adapters() -> dict[str, HFAdapter]:
     from harts.integrations.hf.bailing_hybrid import BailingHybridAdapter
+    from harts.integrations.hf.granitemoehybrid import GraniteMoeHybridAdapter
     from harts.integrations.hf.kimi_linear import KimiLinearAdapter
+    from harts.integrations.hf.nemotron_h import NemotronHAdapter
     from harts.integrations.hf.qwen3_5 import QWEN3_5_ADAPTERS
     from harts.integrations.hf.qwen3_next import Qwen3NextAdapter
 
-    adapters = (BailingHybridAdapter(), Qwen3NextAdapter(), KimiLinearAdapter(), *QWEN3_5_ADAPTERS)
+    adapters = (
+        BailingHybridAdapter(),
+        Qwen3NextAdapter(),
+        KimiLinearAdapter(),
+        *QWEN3_5_ADAPTERS,
+        NemotronHAdapter(),
+        GraniteMoeHybridAdapter(),
+    )
     return {a.model_type: a for a in adapters}
 
 
@@ -59,6 +68,22 @@ def adapter_for(model_type: str) -> HFAdapter:
     if model_type not in ADAPTERS:
         raise UserError(f"unsupported model_type {model_type!r}; harts converts {', '.join(sorted(ADAPTERS))}")
     return ADAPTERS[model_type]
+
+
+#: how transformers' ``save_pretrained`` writes the floats JSON has no literal for
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_floats(value: Any) -> Any:  # noqa: ANN401 - any JSON value
+    """``value`` with transformers' tagged floats (``{"__float__": "Infinity"}``, Nemotron-H's
+    ``time_step_limit``) decoded, as its ``from_pretrained`` decodes them."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[value["__float__"]]
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
 
 
 def hf_config_from_dict(config: dict[str, Any], where: str = "config.json") -> Any:
@@ -76,7 +101,7 @@ def hf_config_from_dict(config: dict[str, Any], where: str = "config.json") -> A
     if missing:
         raise UserError(f"{where}: missing field(s) {', '.join(missing)} ({adapter.architecture} needs them)")
     try:
-        return CONFIG_MAPPING[model_type].from_dict(dict(config))
+        return CONFIG_MAPPING[model_type].from_dict(_special_floats(dict(config)))
     except Exception as err:  # transformers' strict validation raises its own exception types
         raise UserError(f"{where}: {' '.join(str(err).split())}") from None
 
@@ -141,8 +166,16 @@ def from_hf(hf_model: Any, *, device: str | torch.device | None = None, **overri
     if missing or unused:
         raise _unmapped_error(adapter.architecture, missing, unused)
     model = _build(cfg, sd, device)
-    model.hf_source = adapter.hf_source(hf_cfg)
+    model.hf_source = _keep_vision(adapter, adapter.hf_source(hf_cfg), hf_model=hf_model)
     return model
+
+
+def _keep_vision(adapter: HFAdapter, source: dict[str, Any], **where: Any) -> dict[str, Any]:
+    """``source`` with where a VL model's vision tower is, for the export to write it back
+    (``Qwen3_5Adapter.keep_vision``); other architectures have none."""
+    from harts.integrations.hf.qwen3_5 import Qwen3_5Adapter
+
+    return adapter.keep_vision(source, **where) if isinstance(adapter, Qwen3_5Adapter) else source
 
 
 def shape_mismatches(adapter: HFAdapter, cfg: HybridConfig, sources: dict[str, Source]) -> list[str]:
@@ -227,7 +260,7 @@ def pretrained_config(path: str, **overrides: Any) -> tuple[HybridConfig, dict[s
                 raise UserError(f"dtype {disk}: harts models run in float32, float64 or bfloat16; pass dtype=...")
             overrides["dtype"] = _DISK_DTYPES[disk]
     cfg = adapter.config_from_hf(hf_cfg, **overrides)
-    return cfg, adapter.hf_source(hf_cfg)
+    return cfg, _keep_vision(adapter, adapter.hf_source(hf_cfg), checkpoint=path)
 
 
 def read_pretrained(path: str, **overrides: Any) -> tuple[HybridConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -246,7 +279,7 @@ def read_pretrained(path: str, **overrides: Any) -> tuple[HybridConfig, dict[str
     dtype = cfg.torch_dtype()
     for k in list(sd):  # one at a time: each original is freed as its converted copy replaces it
         sd[k] = sd[k].to(dtype)
-    return cfg, sd, adapter.hf_source(hf_cfg)
+    return cfg, sd, _keep_vision(adapter, adapter.hf_source(hf_cfg), checkpoint=path)
 
 
 def from_pretrained(path: str, *, device: str | torch.device | None = None, **overrides: Any) -> Any:
@@ -298,7 +331,9 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
 def save_hf_checkpoint(
     model: Any, path: str, *, hf_config: dict[str, Any] | None = None, max_shard_size: int | None = None
 ) -> list[str]:
-    """Write ``config.json`` + safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
+    """Write ``config.json`` + safetensors that ``AutoModelForCausalLM.from_pretrained`` loads
+    (a model of a Qwen3.5 VL checkpoint: the VL checkpoint, its vision tower written back
+    unchanged; ``hf_config`` given: the language model alone, as that config says).
 
     Tensors use transformers' module names (which transformers loads as they are).
     ``max_shard_size`` in bytes splits the weights into shards with an index.
@@ -313,6 +348,7 @@ def save_hf_checkpoint(
     import torch.distributed as dist
 
     from harts.integrations.hf.checkpoint import write_safetensors
+    from harts.integrations.hf.qwen3_5 import Qwen3_5Adapter
 
     source = getattr(model, "hf_source", None)
     config = dict(hf_config or (source or {}).get("config") or {})
@@ -326,6 +362,11 @@ def save_hf_checkpoint(
         return []
     config["architectures"] = [adapter.architecture]
     config["dtype"] = model.config.dtype
+    vision = (source or {}).get("vision") if hf_config is None else None
+    if vision is not None:  # a VL model's language model: its vision tower goes back beside it
+        vl = adapter_for(vision["model_type"])
+        assert isinstance(vl, Qwen3_5Adapter), "only Qwen3.5's VL models carry a vision tower"
+        config, sd = vl.vl_checkpoint(config, sd, vision)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2, sort_keys=True, default=str)

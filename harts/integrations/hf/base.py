@@ -130,7 +130,7 @@ class HFAdapter:
     architecture: str = ""
     #: regex renames from on-disk (Hub) names to canonical module names, applied in order
     checkpoint_renames: list[tuple[str, str]] = field(default_factory=list)
-    #: on-disk expert weight names: (gate, up, down) leaf names
+    #: on-disk expert weight names: (gate, up, down) leaf names; gate "" for ungated experts
     expert_names: tuple[tuple[str, str, str], ...] = (("gate_proj", "up_proj", "down_proj"),)
 
     # ------------------------------------------------------------------ to implement

@@ -10,6 +10,7 @@ turns the on-disk NAMES (and shapes) into canonical module tensors, each a ``Sou
     cat0     q/k/v conv weights concatenated on dim 0 -> [3C, 1, w]
     gate_up  per-expert (gate, up) [I, D] pairs -> stacked [E, 2I, D] (gate rows first)
     down     per-expert down [D, I] -> stacked [E, D, I]
+    stack    per-expert up [I, D] of ungated experts (Nemotron-H) -> stacked [E, I, D]
 
 so a checkpoint can be checked (``harts convert``) without reading tensor data.
 """
@@ -40,7 +41,7 @@ _CONV = re.compile(r"^(?P<prefix>.*)\.(?P<which>[qkv])_conv1d\.weight$")
 class Source:
     """How one canonical tensor is assembled from on-disk tensors."""
 
-    kind: str  # "single" | "cat0" | "gate_up" | "down"
+    kind: str  # "single" | "cat0" | "gate_up" | "down" | "stack"
     names: list[str]
     shape: tuple[int, ...]
 
@@ -151,7 +152,7 @@ def plan_sources(
     experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     leaf_role = {}
     for gate, up, down in adapter.expert_names:
-        leaf_role.update({gate: "gate", up: "up", down: "down"})
+        leaf_role.update({up: "up", down: "down"} | ({gate: "gate"} if gate else {}))
     for disk, shape in names_shapes.items():
         canon = adapter.canonical_name(disk)
         if adapter.is_extra_layer(canon, num_layers):
@@ -173,16 +174,24 @@ def plan_sources(
         names = [parts[w] for w in "qkv"]
         shp = [names_shapes[n] for n in names]
         sources[f"{prefix}.conv1d.weight"] = Source("cat0", names, (sum(s[0] for s in shp), *shp[0][1:]))
+    # gated experts (gate, up, down) unless the adapter names no gate leaf (Nemotron-H: up, down)
+    roles = {"gate", "up", "down"} if any(g for g, _, _ in adapter.expert_names) else {"up", "down"}
     for prefix, per in experts.items():
         E = len(per)
-        if sorted(per) != list(range(E)) or any(set(r) != {"gate", "up", "down"} for r in per.values()):
+        if sorted(per) != list(range(E)) or any(set(r) != roles for r in per.values()):
             problems.extend(n for r in per.values() for n in r.values())
             continue
-        gu = [per[e][r] for e in range(E) for r in ("gate", "up")]
         dn = [per[e]["down"] for e in range(E)]
-        gs, ds = names_shapes[gu[0]], names_shapes[dn[0]]
-        sources[f"{prefix}.gate_up_proj"] = Source("gate_up", gu, (E, 2 * gs[0], gs[1]))
+        ds = names_shapes[dn[0]]
         sources[f"{prefix}.down_proj"] = Source("down", dn, (E, ds[0], ds[1]))
+        if "gate" not in roles:
+            ups = [per[e]["up"] for e in range(E)]
+            us = names_shapes[ups[0]]
+            sources[f"{prefix}.up_proj"] = Source("stack", ups, (E, us[0], us[1]))
+            continue
+        gu = [per[e][r] for e in range(E) for r in ("gate", "up")]
+        gs = names_shapes[gu[0]]
+        sources[f"{prefix}.gate_up_proj"] = Source("gate_up", gu, (E, 2 * gs[0], gs[1]))
     return sources, sorted(ignored), sorted(problems)
 
 
@@ -194,7 +203,7 @@ def materialize(src: Source, raw: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat(ts, dim=0)
     if src.kind == "gate_up":
         return torch.stack([torch.cat(ts[i : i + 2], dim=0) for i in range(0, len(ts), 2)])
-    if src.kind == "down":
+    if src.kind in ("down", "stack"):
         return torch.stack(ts)
     raise ValueError(f"unknown source kind {src.kind!r}")
 

@@ -24,22 +24,27 @@ Semantics honoured (transformers ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe``
          is what harts computes (positions from 0 within each trajectory).
 
 A VL checkpoint's config nests the language model in ``text_config`` and its tensors carry a
-``model.language_model.`` prefix; harts takes the language model, leaves the vision tower
-(``model.visual.*``) out with one line on stderr, and ignores the multi-token-prediction head
-(``mtp.*``). lm_head is tied as the VL model ties it (its top-level ``tie_word_embeddings``). The
-model exports as the text-only causal LM (``qwen3_5_text`` / ``qwen3_5_moe_text``), which
-transformers loads without a vision tower.
+``model.language_model.`` prefix; harts trains the language model, leaves the vision tower
+(``model.visual.*``) out of the model with one line on stderr, and ignores the multi-token-prediction
+head (``mtp.*``). lm_head is tied as the VL model ties it (its top-level ``tie_word_embeddings``).
+The vision tower is kept for export: ``hf_source["vision"]`` holds the VL config and the tower's
+tensors (``from_hf``: the transformers model's own) or the checkpoint directory to read them from
+at save time (``from_pretrained``), and ``save_hf_checkpoint`` writes the VL checkpoint back: the
+trained language model beside the untouched vision tower (``vl_checkpoint``). A tower that can no
+longer be read is a one-line ``UserError`` naming the directory, not a checkpoint without it.
 
 Shapes: ``D`` hidden, ``Hk``/``Hv`` key/value heads, ``K``/``V`` their dims, ``r = Hv / Hk``.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
 import torch
 
+from harts.errors import UserError
 from harts.integrations.hf.base import HFAdapter, Problems, TensorGroup, UnsupportedConfigError, ident
 from harts.integrations.hf.qwen3_next import gdn_gqa_fields
 from harts.models.config import HybridConfig
@@ -145,11 +150,73 @@ class Qwen3_5Adapter(HFAdapter):
         return int(self.text_config(hf_config).num_hidden_layers)
 
     def hf_source(self, hf_config: Any) -> dict[str, Any]:
-        """The text-only causal LM's config: what ``save_hf_checkpoint`` writes back."""
+        """The text-only causal LM's config, and for a VL model ``vision``: its model type and
+        config, to which ``keep_vision`` adds where the tower's tensors are (module docstring)."""
         text = self.text_config(hf_config).to_dict()
         text["model_type"] = self.text_model_type
         text["tie_word_embeddings"] = self.tie_word_embeddings(hf_config)
-        return {"model_type": self.text_model_type, "config": text}
+        source: dict[str, Any] = {"model_type": self.text_model_type, "config": text}
+        if self.vision:
+            source["vision"] = {"model_type": self.model_type, "config": hf_config.to_dict()}
+        return source
+
+    def keep_vision(
+        self, source: dict[str, Any], *, hf_model: Any = None, checkpoint: str | None = None
+    ) -> dict[str, Any]:
+        """``source`` (``hf_source``) with where its vision tower is: the tensors of ``hf_model``
+        (shared, not copied) or the ``checkpoint`` directory to read them from when saving."""
+        vision = source.get("vision")
+        if vision is None:
+            return source
+        if hf_model is not None:
+            state = hf_model.state_dict()
+            vision["tensors"] = {k: v.detach() for k, v in state.items() if k.startswith(_VISION_PREFIX)}
+        else:
+            vision["checkpoint"] = checkpoint
+        return source
+
+    def vision_tensors(self, vision: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The vision tower's tensors under their on-disk names, as loaded; UserError naming the
+        source checkpoint when it no longer holds them."""
+        if "tensors" in vision:
+            return dict(vision["tensors"])
+        from harts.integrations.hf.checkpoint import open_checkpoint
+
+        path = vision.get("checkpoint")
+        why = "the model keeps no copy of it"
+        if path is not None:
+            try:
+                ck = open_checkpoint(path)
+                names = sorted(n for n in ck.files if n.startswith(_VISION_PREFIX))
+                if names:
+                    return ck.read(names)
+                why = f"{path} holds no {_VISION_PREFIX}* tensors any more"
+            except UserError as err:
+                why = f"it is read from {path}, the checkpoint the model was loaded from: {err}"
+        raise UserError(
+            f"{self.architecture}: cannot save the vision tower ({why}); restore that checkpoint, or save the "
+            f"language model alone with save_hf_checkpoint(model, path, hf_config=model.hf_source['config'])"
+        )
+
+    def vl_checkpoint(
+        self, text_config: dict[str, Any], tensors: dict[str, torch.Tensor], vision: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The VL checkpoint of a language model saved as ``text_config`` + ``tensors`` (the text-only
+        causal LM's names): the VL config with that ``text_config``, the language model under
+        ``model.language_model.`` (lm_head as it is) and the untouched vision tower."""
+        config = copy.deepcopy(vision["config"])
+        text = {k: v for k, v in text_config.items() if k != "architectures"}
+        config["text_config"] = text
+        config["model_type"] = self.model_type
+        config["architectures"] = [self.architecture]
+        config["tie_word_embeddings"] = bool(text.get("tie_word_embeddings", False))
+        config["dtype"] = text.get("dtype", config.get("dtype"))
+        out = {
+            ("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+            for k, v in tensors.items()
+        }
+        out.update(self.vision_tensors(vision))
+        return config, out
 
     def config_from_hf(self, hf_config: Any, **overrides: Any) -> HybridConfig:
         c = self.text_config(hf_config)
@@ -245,7 +312,7 @@ class Qwen3_5Adapter(HFAdapter):
         if vision:
             print(
                 f"harts: {self.architecture}: the vision tower ({len(vision)} tensors, {_VISION_PREFIX}*) is left "
-                "out; harts loads the language model",
+                "out; harts loads the language model (saving writes the tower back unchanged)",
                 file=sys.stderr,
             )
 

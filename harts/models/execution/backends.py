@@ -9,6 +9,10 @@ it, once per (model, device), into a frozen ``Backends`` that names what actuall
     attention         "gather" or "mask" (``ExecutionConfig.resolved_attention``)
     flex              on the CUDA mask path: FlexAttention's backend per full-attention layer kind
     fast_paths        the layers' fast paths in use (``harts.ops.registry.FAST_PATHS``)
+    gdn               GDN layers on the one-pass tree operator: the KDA kernels or fla-core's GDN
+                      kernels (``HARTS_GDN_NATIVE=1``: ``harts.ops.linear_attn.tree_kernel``)
+    compile           the layer glue compiled by ``torch.compile`` (CUDA, unless ``HARTS_COMPILE=0``:
+                      ``harts.ops.compiled``)
 
 ``HybridLM.backends`` caches it per model; the row contexts carry it (``RowContext.backends``)
 and the layers read their fast paths from it, so both execution modes of one forward make the
@@ -16,7 +20,9 @@ same choices: the short conv follows the resolved linear-attention operator, nev
 "auto" (which on CUDA at a chunk size fla-core does not run is the reference, not fla-core).
 ``harts bench`` prints ``describe()`` in its run header. The environment overrides it reads, each here and nowhere else
 (``docs/ENVIRONMENT.md``): ``HARTS_KDA_SILU_IN_SPLIT`` and ``HARTS_KDA_FLA_GATE``, the defaults of
-two fast paths; ``HARTS_FLEX_BACKEND`` through ``harts.ops.attention.tree_mask.flex_backend``.
+two fast paths; ``HARTS_FLEX_BACKEND`` through ``harts.ops.attention.tree_mask.flex_backend``;
+``HARTS_GDN_NATIVE`` through ``tree_kernel.gdn_native_asked``; ``HARTS_COMPILE`` through
+``harts.ops.compiled.compile_enabled``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from harts.models.execution.config import ExecutionConfig, attention_head_dim_range, flash_views_run
-from harts.ops.compiled import env_switch
+from harts.ops.compiled import compile_enabled, env_switch
 from harts.ops.registry import FAST_PATHS
 
 if TYPE_CHECKING:
@@ -38,6 +44,9 @@ __all__ = ["Backends", "FlexChoice", "default_fast_paths", "resolve_backends"]
 #: the fast paths that run only where they pay: on CUDA (on the CPU the separate GEMMs are the
 #: reference the CPU figures were measured with)
 _CUDA_ONLY = frozenset({"stacked_qkv", "stacked_gates"})
+#: GDN's layer letter (``harts.models.layers.gdn.SPEC.letter``: the layers import this module, so
+#: it is spelled here, as ``HybridConfig``'s letters are; a test holds the two equal)
+GDN_LETTER = "G"
 #: fast paths with an environment override of their default: on unless set to 0/false/no/off
 _ENV_SWITCHES = {"silu_in_split": "HARTS_KDA_SILU_IN_SPLIT", "fla_gate": "HARTS_KDA_FLA_GATE"}
 
@@ -81,6 +90,15 @@ class Backends:
     #: the layers' fast paths in use (each keeps its reference; a kernel that cannot run the
     #: tensors it gets still falls back to it)
     fast_paths: frozenset[str] = frozenset(FAST_PATHS) - _CUDA_ONLY - {"fla_gate"}
+    #: GDN layers on the one-pass tree operator: "kda" (the KDA kernels with the decay broadcast,
+    #: the default) or "gdn" (``HARTS_GDN_NATIVE=1``: fla-core's GDN kernels, each head shape
+    #: checked against the KDA kernels at its first call and kept on them where the two differ;
+    #: ``tree_kernel.gdn_kernels()`` tells after a run); "" where no GDN layer runs on it
+    gdn: str = ""
+    #: the layers' element-wise glue runs compiled by ``torch.compile`` (``harts.ops.compiled``:
+    #: CUDA tensors, unless ``HARTS_COMPILE=0``; the LM head's fused passes are compiled on CUDA
+    #: either way)
+    compile: bool = False
 
     def fast(self, path: str) -> bool:
         """Whether fast path ``path`` (a name of ``FAST_PATHS``) is in use."""
@@ -97,9 +115,13 @@ class Backends:
         return None
 
     def describe(self) -> str:
-        """One line naming each choice, e.g. ``linear attention tree (rounds linked); conv fla;
-        attention mask (FlexAttention M flash); fast paths: all``."""
-        linked = " (rounds linked)" if self.link_rounds else ""
+        """One line naming each choice, e.g. ``linear attention tree (rounds linked, GDN on the
+        KDA kernels); conv fla; attention mask (FlexAttention M flash); fast paths: all;
+        torch.compile glue: on``."""
+        notes = ["rounds linked"] if self.link_rounds else []
+        if self.gdn:
+            notes.append(_GDN_NOTES[self.gdn])
+        linked = f" ({', '.join(notes)})" if notes else ""
         flex = ", ".join(f"{c.kind} {c.backend}" for c in self.flex)
         off = [p for p in FAST_PATHS if p not in self.fast_paths]
         fast = "all" if not off else "none" if len(off) == len(FAST_PATHS) else f"all but {', '.join(off)}"
@@ -107,7 +129,7 @@ class Backends:
             f"linear attention {self.linear_attention}{linked}; conv {self.conv}; "
             f"attention {self.attention}{f' (FlexAttention {flex})' if flex else ''}"
             f"{' (FlashAttention-2 varlen views)' if self.flash_views and self.attention == 'gather' else ''}; "
-            f"fast paths: {fast}"
+            f"fast paths: {fast}; torch.compile glue: {'on' if self.compile else 'off'}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,7 +142,13 @@ class Backends:
             "flash_views": self.flash_views and self.attention == "gather",
             "flex": {c.kind: c.backend for c in self.flex},
             "fast_paths": [p for p in FAST_PATHS if p in self.fast_paths],
+            "gdn": self.gdn or None,
+            "compile": self.compile,
         }
+
+
+#: ``Backends.gdn`` as ``describe`` says it
+_GDN_NOTES = {"kda": "GDN on the KDA kernels", "gdn": "GDN on fla-core's GDN kernels, checked per head shape"}
 
 
 def default_fast_paths(device: torch.device) -> frozenset[str]:
@@ -175,7 +203,18 @@ def resolve_backends(
         flash_views=views,
         flex=_flex_choices(dims, device, dtype) if attention == "mask" and device.type == "cuda" else (),
         fast_paths=_runnable(fast, device),
+        gdn=_gdn_kernels(config, linear),
+        compile=device.type == "cuda" and compile_enabled(),
     )
+
+
+def _gdn_kernels(config: HybridConfig, linear: str) -> str:
+    """``Backends.gdn`` of a model with ``config`` on linear-attention operator ``linear``."""
+    if linear != "tree" or GDN_LETTER not in config.layer_pattern:
+        return ""
+    from harts.ops.linear_attn.tree_kernel import gdn_native_asked
+
+    return "gdn" if gdn_native_asked() else "kda"
 
 
 def _flex_choices(dims: dict[str, tuple[int, int, bool]], device: torch.device, dtype: torch.dtype) -> tuple:

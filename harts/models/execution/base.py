@@ -5,7 +5,8 @@ and writes ``T`` rows (semantic positions in trajectory mode, physical rows in c
 mode) and delegates the three operations that couple rows to its context:
 
     short_conv         causal depthwise conv over each row's true predecessors
-    linear_attention   the chunkwise delta-rule core (KDA / GDN)
+    linear_attention   the chunkwise linear-attention core: the delta rule (KDA / GDN) or the
+                       plain decayed recurrence (Mamba-2's SSD), ``rule``
     attention          causal softmax attention (full-attention layers)
 
 It also carries the kernel record (``backends``: which implementation of every choice runs,
@@ -85,13 +86,19 @@ class RowContext:
         k_THK: torch.Tensor,
         v_THV: torch.Tensor,
         g: torch.Tensor,
-        beta_TH: torch.Tensor,
+        beta_TH: torch.Tensor | None,
         *,
+        rule: str = "delta",
         scale: float | None = None,
         qkv_gathered: bool = False,
     ) -> torch.Tensor:
-        """[T, H, V] output rows. ``qkv_gathered``: q / k / v are already ``la_input_rows``'s
-        rows (g and beta are not)."""
+        """[T, H, V] output rows of the linear-attention core over this context's rows.
+
+        q / k [T, H, K] (grouped keys expanded to the heads), v [T, H, V], g [T, H, K]
+        per-channel or [T, H] scalar log-decay (<= 0). ``rule``: "delta" (beta [T, H] the write
+        strength: KDA, GDN) or "plain" (beta None: S = exp(g_t) S + k_t v_t^T, Mamba-2's SSD);
+        ``harts.ops.linear_attn.utils`` gives both recurrences. ``qkv_gathered``: q / k / v are
+        already ``la_input_rows``'s rows (g and beta are not)."""
         raise NotImplementedError
 
     def attention(self, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGE: torch.Tensor, *, scale: float) -> torch.Tensor:

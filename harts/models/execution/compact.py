@@ -161,17 +161,22 @@ class CompactContext(RowContext):
     def la_input_rows(self) -> RowGatherPlan:  # every round's input rows (replayed ones again)
         return self._la_gather
 
-    def _la_inputs(self, q_THK, k_THK, v_THV, g, beta_TH, qkv_gathered: bool) -> list[torch.Tensor]:  # noqa: ANN001
-        """Every round's input rows of the five inputs (q / k / v as given when already gathered)."""
+    def _la_inputs(self, q_THK, k_THK, v_THV, g, beta_TH, qkv_gathered: bool) -> list[torch.Tensor | None]:  # noqa: ANN001
+        """Every round's input rows of the five inputs (q / k / v as given when already gathered;
+        beta None for the plain rule)."""
         qkv = (
             [q_THK, k_THK, v_THV] if qkv_gathered else [gather_rows(t, self._la_gather) for t in (q_THK, k_THK, v_THV)]
         )
-        return [*qkv, gather_rows(g, self._la_gather), gather_rows(beta_TH, self._la_gather)]
+        beta = None if beta_TH is None else gather_rows(beta_TH, self._la_gather)
+        return [*qkv, gather_rows(g, self._la_gather), beta]
 
-    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None, qkv_gathered=False):  # type: ignore[override]
+    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, rule="delta", scale=None, qkv_gathered=False):  # type: ignore[override]
+        from harts.ops.linear_attn.utils import check_rule
+
+        check_rule(rule, beta_TH)
         h, kd, vd = q_THK.shape[1], q_THK.shape[2], v_THV.shape[2]
         inputs = self._la_inputs(q_THK, k_THK, v_THV, g, beta_TH, qkv_gathered)
-        linked = self._linked_plan() if self._link_rounds else None
+        linked = self._linked_plan() if self._link_rounds and self._links_rule(rule, q_THK, v_THV, g) else None
         if linked is not None:
             from harts.ops.linear_attn.tree_kernel import linked_tree_linear_attn
 
@@ -181,6 +186,7 @@ class CompactContext(RowContext):
                 plan=linked,
                 chunk_size=self.chunk_size,
                 scale=scale,
+                rule=rule,
             )
             o = o if self._out_pos_all is None else gather_rows(o, self._out_pos_all)
             return o if self.outputs_in_order else self._scatter_outputs(o, h, vd)
@@ -189,7 +195,7 @@ class CompactContext(RowContext):
         # every round's input rows in one gather per input (harts.ops.row_gather: one
         # deterministic backward instead of a [P, ...] zero fill, scatter and add per round)
         sizes = [r.num_la_rows for r in self.rounds]
-        q_r, k_r, v_r, g_r, b_r = (torch.split(t, sizes) for t in inputs)
+        q_r, k_r, v_r, g_r, b_r = (torch.split(t, sizes) if t is not None else [None] * len(sizes) for t in inputs)
         for i, r in enumerate(self.rounds):
             init = None
             if (r.init_state >= 0).any():
@@ -206,6 +212,7 @@ class CompactContext(RowContext):
                 chunk_size=self.chunk_size,
                 state_requests=r.requests,
                 scale=scale,
+                rule=rule,
             )
             for j, sid in enumerate(r.request_ids.tolist()):
                 states[sid] = req[j]
@@ -213,6 +220,17 @@ class CompactContext(RowContext):
         if self.outputs_in_order:
             return torch.cat(out_vals) if out_vals else v_THV.new_zeros(0, h, vd)
         return self._scatter_outputs(torch.cat(out_vals), h, vd)
+
+    @staticmethod
+    def _links_rule(rule: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> bool:
+        """Whether linked rounds run ``rule`` on these inputs: the delta rule always, the plain
+        one where the tree kernel runs it (``plain_on_tree``; else the rounds stay apart and the
+        per-round operator picks its path)."""
+        if rule == "delta":
+            return True
+        from harts.ops.linear_attn.tree_kernel import plain_on_tree
+
+        return plain_on_tree(q, v, g)
 
     def _scatter_outputs(self, o: torch.Tensor, h: int, vd: int) -> torch.Tensor:
         """The rounds' outputs ``o`` [sum of outputs, H, V], in round order, at their physical rows."""

@@ -70,10 +70,18 @@ class TrajectoryContext(RowContext):
         # host boundaries: checking them costs the device no synchronization
         return causal_conv1d_varlen(x_TD, weight_DW, self.cu_seqlens_host, bias=bias_D, activation=activation)
 
-    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, scale=None, qkv_gathered=False):  # type: ignore[override]
+    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, rule="delta", scale=None, qkv_gathered=False):  # type: ignore[override]
         # la_input_rows is None here: q / k / v are never handed over gathered
         o, _, _ = self.la_op(
-            q_THK, k_THK, v_THV, g, beta_TH, cu_seqlens=self.cu_seqlens_host, chunk_size=self.chunk_size, scale=scale
+            q_THK,
+            k_THK,
+            v_THV,
+            g,
+            beta_TH,
+            cu_seqlens=self.cu_seqlens_host,
+            chunk_size=self.chunk_size,
+            scale=scale,
+            rule=rule,
         )
         return o
 

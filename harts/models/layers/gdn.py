@@ -19,12 +19,19 @@ from torch import nn
 
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
-from harts.models.layers.kda import ShortConvolution
+from harts.models.layers.kda import ShortConvolution, delta_rule_flops, linear_heads_divisor
 from harts.models.layers.norms import RMSNormGated
+from harts.models.layers.spec import (
+    MixerSpec,
+    TensorParallelPlan,
+    all_linears,
+    chunk_state_elements,
+    fla_core_row_elements,
+)
 from harts.models.recompute import run_core
 from harts.ops.qkv_norm import split_l2norm_qkv, split_l2norm_qkv_reference
 
-__all__ = ["GatedDeltaNet"]
+__all__ = ["SPEC", "GatedDeltaNet"]
 
 
 class GatedDeltaNet(nn.Module):
@@ -71,3 +78,69 @@ class GatedDeltaNet(nn.Module):
         o = run_core(ctx, self, "linear_attention", ctx.linear_attention, q, kk, vv, g, beta, **kw)
         o = self.norm(o, z.reshape(t, hv, v))
         return self.out_proj(o.reshape(t, hv * v))
+
+
+# ---------------------------------------------------------------------------------- the spec
+def _parameters(c: HybridConfig) -> int:
+    d, w = c.hidden_size, c.linear_conv_kernel_dim
+    hk, hv, k, v = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    conv = 2 * hk * k + hv * v
+    return w * conv + d * (conv + hv * v) + d * 2 * hv + 2 * hv + v + hv * v * d
+
+
+def _row_elements(c: HybridConfig, dev: str) -> tuple[float, float]:
+    d, h, k, v, b = (
+        c.hidden_size,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+        c.chunk_size,
+    )
+    hk = c.linear_num_key_heads
+    m = 2 * hk * k + h * v
+    outside = 6 * m + (2 * hk * k + 2 * h * v) + 3 * h * k + 4 * h * v + 3 * d + 10 * h
+    if dev != "cpu":
+        return outside, fla_core_row_elements(h, k, v, b)
+    return outside, 8 * h * k + 5 * h * v + 7 * h * b + chunk_state_elements(h, k, v, b) + 30
+
+
+def _tp_plan(mixer: nn.Module, tp: int) -> TensorParallelPlan:
+    assert isinstance(mixer, GatedDeltaNet)
+    blocks = (mixer.key_dim, mixer.key_dim, mixer.value_dim)
+    mixer.num_k_heads //= tp
+    mixer.num_v_heads //= tp
+    plan = {"in_proj_qkvz": "columns", "in_proj_ba": "columns", "out_proj": "rows", "": ("heads", ("A_log", "dt_bias"))}
+    return plan, blocks  # type: ignore[return-value]
+
+
+def _tp_divisors(c: HybridConfig) -> list[tuple[str, int]]:
+    key_heads = ("linear-attention key heads (linear_num_key_heads)", c.linear_num_key_heads)
+    return [*linear_heads_divisor(c), key_heads]
+
+
+def _cp_divisors(c: HybridConfig, tp: int) -> list[tuple[str, int, str]]:
+    hk, hv = c.linear_num_key_heads // tp, c.linear_num_value_heads // tp
+    kd, vd = c.linear_key_head_dim, c.linear_value_head_dim
+    return [
+        ("linear-attention heads (linear_num_value_heads)", hv, "divides"),
+        ("GDN conv channels", 2 * hk * kd + hv * vd, "divides"),
+    ]
+
+
+SPEC = MixerSpec(
+    letter="G",
+    family="linear",
+    description="Gated DeltaNet",
+    module=GatedDeltaNet,
+    attribute="linear_attn",
+    core_region="linear_attention",
+    parameters=_parameters,
+    row_elements=_row_elements,
+    view_row_elements=lambda c, dev: 0,
+    core_flops=delta_rule_flops,
+    attention_dims=lambda c: None,
+    tp_plan=_tp_plan,
+    tp_divisors=_tp_divisors,
+    cp_divisors=_cp_divisors,
+    lora_targets=all_linears,
+)

@@ -31,11 +31,18 @@ from torch import nn
 from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNormGated
+from harts.models.layers.spec import (
+    MixerSpec,
+    TensorParallelPlan,
+    all_linears,
+    chunk_state_elements,
+    fla_core_row_elements,
+)
 from harts.models.recompute import run_core
 from harts.ops.compiled import cuda_compiled
 from harts.ops.qkv_norm import split_l2norm_qkv, split_l2norm_qkv_reference
 
-__all__ = ["KimiDeltaAttention", "ShortConvolution", "fla_gate_applies", "silu_in_split"]
+__all__ = ["SPEC", "KimiDeltaAttention", "ShortConvolution", "fla_gate_applies", "silu_in_split"]
 
 
 @cuda_compiled
@@ -53,12 +60,14 @@ def kda_log_decay(
 
 
 class ShortConvolution(nn.Module):
-    """Holds a depthwise causal conv weight ``[dim, 1, w]`` (the layout of nn.Conv1d / fla)."""
+    """Holds a depthwise causal conv weight ``[dim, 1, w]`` (the layout of nn.Conv1d / fla) and,
+    with ``bias`` (Mamba-2), its bias ``[dim]``; ``bias`` None without one."""
 
-    def __init__(self, dim: int, kernel_size: int) -> None:
+    def __init__(self, dim: int, kernel_size: int, *, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, 1, kernel_size))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     @property
     def weight_DW(self) -> torch.Tensor:
@@ -190,3 +199,81 @@ def silu_in_split() -> bool:
     from harts.models.execution.backends import default_fast_paths
 
     return "silu_in_split" in default_fast_paths(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------- the spec
+def _parameters(c: HybridConfig) -> int:
+    d, w = c.hidden_size, c.linear_conv_kernel_dim
+    h, k, v = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    n = d * (2 * h * k + h * v) + w * (2 * h * k + h * v) + d * h + h + h * k + v + h * v * d
+    gates = d * v + v * h * k + d * v + v * h * v if c.kda_low_rank_gates else d * h * k + d * h * v
+    return n + gates
+
+
+def _row_elements(c: HybridConfig, dev: str) -> tuple[float, float]:
+    d, h, k, v, b = (
+        c.hidden_size,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+        c.chunk_size,
+    )
+    m = 2 * h * k + h * v
+    outside = 6 * m + 3 * d + 4 * h * k + 4 * h * v + (2 * v if c.kda_low_rank_gates else 0) + 7 * h
+    if dev != "cpu":
+        return outside, fla_core_row_elements(h, k, v, b)
+    sub = 16 if b % 16 == 0 else b  # the chunk op's sub-block of per-channel decays
+    states = chunk_state_elements(h, k, v, b)
+    return outside, 11 * h * k + 4 * h * v + 4 * h * sub * k + 3 * h * (b // sub) * k + 3 * h * b + states + 20
+
+
+def delta_rule_flops(c: HybridConfig) -> tuple[float, float]:
+    """Per row and head, chunk B: in-chunk Q K^T and K K^T (4 B K), the WY factors (2 B K + 2 B V),
+    the intra-chunk output (2 B V), the triangular solve (2/3 B^2), three state products (6 K V)."""
+    b, k, v, h = c.chunk_size, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_value_heads
+    return 0.0, h * (6 * b * k + 4 * b * v + 2 / 3 * b * b + 6 * k * v)
+
+
+def _tp_plan(mixer: nn.Module, tp: int) -> TensorParallelPlan:
+    assert isinstance(mixer, KimiDeltaAttention)
+    h, k, v = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim
+    mixer.num_heads //= tp
+    plan: dict[str, str | tuple[str, tuple[str, ...]]] = {
+        n: "columns" for n in ("q_proj", "k_proj", "v_proj", "b_proj")
+    }
+    gates = ("f_b_proj", "g_b_proj") if mixer.low_rank_gates else ("f_proj", "g_proj")
+    plan |= {n: "columns" for n in gates}
+    plan |= {"o_proj": "rows", "": ("heads", ("A_log", "dt_bias"))}
+    return plan, (h * k, h * k, h * v)
+
+
+def linear_heads_divisor(c: HybridConfig) -> list[tuple[str, int]]:
+    """What tensor parallelism splits in KDA and GDN alike: the value heads."""
+    return [("linear-attention heads (linear_num_value_heads)", c.linear_num_value_heads)]
+
+
+def _cp_divisors(c: HybridConfig, tp: int) -> list[tuple[str, int, str]]:
+    hv, kd, vd = c.linear_num_value_heads // tp, c.linear_key_head_dim, c.linear_value_head_dim
+    return [
+        ("linear-attention heads (linear_num_value_heads)", hv, "divides"),
+        ("KDA conv channels", 2 * hv * kd + hv * vd, "divides"),
+    ]
+
+
+SPEC = MixerSpec(
+    letter="K",
+    family="linear",
+    description="Kimi Delta Attention",
+    module=KimiDeltaAttention,
+    attribute="linear_attn",
+    core_region="linear_attention",
+    parameters=_parameters,
+    row_elements=_row_elements,
+    view_row_elements=lambda c, dev: 0,
+    core_flops=delta_rule_flops,
+    attention_dims=lambda c: None,
+    tp_plan=_tp_plan,
+    tp_divisors=linear_heads_divisor,
+    cp_divisors=_cp_divisors,
+    lora_targets=all_linears,
+)

@@ -22,9 +22,10 @@ from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.norms import RMSNorm
 from harts.models.layers.rope import apply_rope, mla_key_value
+from harts.models.layers.spec import MixerSpec, TensorParallelPlan, all_linears
 from harts.models.recompute import run_core
 
-__all__ = ["MultiheadLatentAttention"]
+__all__ = ["SPEC", "MultiheadLatentAttention", "attention_heads_cp", "attention_heads_divisor"]
 
 
 class MultiheadLatentAttention(nn.Module):
@@ -81,3 +82,74 @@ class MultiheadLatentAttention(nn.Module):
         elif self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x_TD))
         return self.o_proj(o)
+
+
+# ---------------------------------------------------------------------------------- the spec
+def _parameters(c: HybridConfig) -> int:
+    d, h = c.hidden_size, c.num_attention_heads
+    qk, ql, kvl = c.qk_nope_head_dim + c.qk_rope_head_dim, c.q_lora_rank, c.kv_lora_rank
+    q = d * h * qk if ql is None else d * ql + ql + ql * h * qk
+    kv = d * (kvl + c.qk_rope_head_dim) + kvl + kvl * h * (c.qk_nope_head_dim + c.v_head_dim)
+    gate = (d * (h if c.mla_head_gate else h * c.v_head_dim)) if c.mla_output_gate else 0
+    return q + kv + gate + h * c.v_head_dim * d
+
+
+def _row_elements(c: HybridConfig, dev: str) -> tuple[float, float]:
+    d, h = c.hidden_size, c.num_attention_heads
+    qk, hv = c.qk_nope_head_dim + c.qk_rope_head_dim, h * c.v_head_dim
+    ql = 3 * c.q_lora_rank if c.q_lora_rank is not None else h * qk
+    outside = 3 * d + ql + 3 * hv + 3 * c.kv_lora_rank + 3 * c.qk_rope_head_dim + 3
+    # the CPU kernel pads q, k, v and the output to one head dim
+    width = max(qk, c.v_head_dim) if dev == "cpu" else None
+    core = 4 * h * width + 4 * h if width else 2 * h * qk + 2 * hv + 4 * h
+    return outside, core
+
+
+def _view_row_elements(c: HybridConfig, dev: str) -> int:
+    """A K and V per head; the CPU kernel pads both to one head dim."""
+    qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    return c.num_attention_heads * (2 * max(qk, v) if dev == "cpu" else qk + v)
+
+
+def _core_flops(c: HybridConfig) -> tuple[float, float]:
+    """QK^T and PV per visible pair: 2 H (d_qk + d_v)."""
+    return 2 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim), 0.0
+
+
+def _tp_plan(mixer: nn.Module, tp: int) -> TensorParallelPlan:
+    assert isinstance(mixer, MultiheadLatentAttention)
+    mixer.num_heads //= tp
+    plan: dict[str, str | tuple[str, tuple[str, ...]]] = {"kv_b_proj": "columns", "o_proj": "rows"}
+    plan["q_proj" if hasattr(mixer, "q_proj") else "q_b_proj"] = "columns"
+    if mixer.g_proj is not None:
+        plan["g_proj"] = "columns"
+    return plan, None
+
+
+def attention_heads_divisor(c: HybridConfig) -> list[tuple[str, int]]:
+    """What tensor parallelism splits in every full-attention mixer: the query heads."""
+    return [("attention heads (num_attention_heads)", c.num_attention_heads)]
+
+
+def attention_heads_cp(c: HybridConfig, tp: int) -> list[tuple[str, int, str]]:
+    """What context parallelism splits in every full-attention mixer: one tp rank's query heads."""
+    return [("attention heads (num_attention_heads)", c.num_attention_heads // tp, "divides")]
+
+
+SPEC = MixerSpec(
+    letter="M",
+    family="full",
+    description="Multi-head Latent Attention",
+    module=MultiheadLatentAttention,
+    attribute="self_attn",
+    core_region="attention",
+    parameters=_parameters,
+    row_elements=_row_elements,
+    view_row_elements=_view_row_elements,
+    core_flops=_core_flops,
+    attention_dims=lambda c: (c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, False),
+    tp_plan=_tp_plan,
+    tp_divisors=attention_heads_divisor,
+    cp_divisors=attention_heads_cp,
+    lora_targets=all_linears,
+)

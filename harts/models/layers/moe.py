@@ -188,7 +188,7 @@ class _HalfRouterLogits(torch.autograd.Function):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored as 3-D tensors (transformers' layout).
+    """E SwiGLU (or relu2, Nemotron-H's) experts stored as 3-D tensors (transformers' layout).
 
     Two implementations of the same function (``impl``):
 
@@ -213,9 +213,20 @@ class Experts(nn.Module):
         super().__init__()
         e, d, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts = e
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d).normal_(std=config.initializer_range))
+        #: "silu" (SwiGLU: ``gate_up_proj`` [E, 2I, D]) or "relu2" (Nemotron-H: ``up_proj`` [E, I, D],
+        #: ``down(relu(up x)^2)``, no gate)
+        self.activation = config.hidden_act
+        if self.activation == "silu":
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d).normal_(std=config.initializer_range))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(e, i, d).normal_(std=config.initializer_range))
         self.down_proj = nn.Parameter(torch.empty(e, d, i).normal_(std=config.initializer_range))
         self.impl = impl
+
+    @property
+    def weight_names(self) -> tuple[str, str]:
+        """The names of the two stacked weights: (``gate_up_proj`` or ``up_proj``, ``down_proj``)."""
+        return ("gate_up_proj" if self.activation == "silu" else "up_proj", "down_proj")
 
     @property
     def impl(self) -> str:
@@ -293,31 +304,72 @@ class Experts(nn.Module):
             return torch.zeros_like(x_TD)
         d = self.dispatch(topk_idx) if dispatch is None else dispatch
         order, offs, src, back = d.order, d.offs, d.src, d.back
-        if lean:
+        if self.activation == "relu2":  # no lean variant: its inputs and activations are kept
+            xs = _RowsToPairs.apply(x_TD, src, back, k)
+            w_pairs = _Permute.apply(topk_w.reshape(-1), order, back) if permute_gather else topk_w.reshape(-1)[order]
+            up = self._project("up_proj", xs, offs)
+            act = F.relu(up).square() * w_pairs[:, None].to(up.dtype)
+            return _PairsToRows.apply(self._project("down_proj", act, offs), src, back, k)
+        if lean:  # adapted experts too, merged: the lean backward keeps only the block's inputs
             w1, w2 = self.gate_up_proj.to(x_TD.dtype), self.down_proj.to(x_TD.dtype)
             return _LeanRoutedExperts.apply(x_TD, topk_w, w1, w2, d, k, keep_gate_up)
         xs = _RowsToPairs.apply(x_TD, src, back, k)  # [T*K, D]
-        gate_up = _GroupedLinear.apply(xs, self.gate_up_proj.to(xs.dtype), offs)
+        gate_up = self._project("gate_up_proj", xs, offs)
         # the combine weight scales the I-wide activation before the (linear) down projection,
         # not its D-wide output: one fused pass instead of a separate [T*K, D] product
         w_pairs = _Permute.apply(topk_w.reshape(-1), order, back) if permute_gather else topk_w.reshape(-1)[order]
         act = weighted_swiglu(gate_up, w_pairs)
-        h = _GroupedLinear.apply(act, self.down_proj.to(xs.dtype), offs)
+        h = self._project("down_proj", act, offs)
         # back to (row, slot) order, then sum the K slots of each row
         return _PairsToRows.apply(h, src, back, k)
+
+    def _project(self, name: str, x_PK: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """``x @ w[e]^T`` [P, N] per expert group (``offs``) for the stacked weight ``name``
+        [E, N, K]. A weight carrying a low-rank parametrization (``_low_rank``: LoRA's) runs in
+        activation form, ``x W[e]^T + scale (x A[e]^T) B[e]^T`` on the frozen base ``W``: its
+        backward makes no [E, N, K] weight gradient of the base, which the merged weight
+        ``W + scale B A`` would (``harts.trainer.lora``)."""
+        low = _low_rank(self, name)
+        if low is None:
+            return _GroupedLinear.apply(x_PK, getattr(self, name).to(x_PK.dtype), offs)
+        base, a_ERK, b_ENR, scale = low
+        xa = _GroupedLinear.apply(x_PK, a_ERK.to(x_PK.dtype), offs) * scale
+        return _GroupedLinear.apply(x_PK, base.to(x_PK.dtype), offs) + _GroupedLinear.apply(
+            xa, b_ENR.to(x_PK.dtype), offs
+        )
 
     def _forward_loop(self, x_TD: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         rows, outs = [], []
         hit = torch.unique(topk_idx).tolist()
         for e in hit:
             tok, slot = torch.nonzero(topk_idx == e, as_tuple=True)
-            gate, up = F.linear(x_TD[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.linear(swiglu(gate, up), self.down_proj[e])
+            if self.activation == "relu2":
+                h = F.linear(F.relu(F.linear(x_TD[tok], self.up_proj[e])).square(), self.down_proj[e])
+            else:
+                gate, up = F.linear(x_TD[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+                h = F.linear(swiglu(gate, up), self.down_proj[e])
             outs.append(h * topk_w[tok, slot, None].to(h.dtype))
             rows.append(tok)
         if not outs:
             return torch.zeros_like(x_TD)
         return torch.zeros_like(x_TD).index_add(0, torch.cat(rows), torch.cat(outs))
+
+
+def _low_rank(module: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+    """(base [E, N, K], A [E, r, K], B [E, N, r], scale) of ``module.<name>`` when it is a
+    parametrization whose one step is low-rank (an object with ``lora_A``, ``lora_B`` and
+    ``scale``: ``harts.trainer.lora.LoraDelta``) of a rank the grouped GEMM takes (a multiple of
+    8: its rows of r half-precision values must be 16-byte aligned); None otherwise (a plain
+    weight, or the merged form). Duck-typed: the model layers do not import the trainer."""
+    plists = getattr(module, "parametrizations", None)
+    if plists is None or name not in plists:
+        return None
+    plist = plists[name]
+    step = plist[0] if len(plist) == 1 else None
+    a, b = getattr(step, "lora_A", None), getattr(step, "lora_B", None)
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != 3 or a.shape[1] % 8:
+        return None
+    return plist.original, a, b, float(step.scale)  # type: ignore[union-attr]
 
 
 @cuda_compiled(rows=(0, 1))
@@ -535,7 +587,9 @@ class MoE(nn.Module):
         self.score = config.router_score
         if config.num_shared_experts:
             per = config.shared_expert_intermediate_size or config.moe_intermediate_size
-            self.shared_experts: MLP | None = MLP(config.hidden_size, per * config.num_shared_experts)
+            self.shared_experts: MLP | None = MLP(
+                config.hidden_size, per * config.num_shared_experts, config.hidden_act
+            )
         else:
             self.shared_experts = None
         self.shared_expert_gate = (

@@ -15,7 +15,16 @@ from torch import nn
 from harts.ops.compiled import cuda_compiled
 from harts.ops.qkv_norm import l2norm  # the l2 norm lives beside its fused split kernel
 
-__all__ = ["RMSNorm", "RMSNormGated", "add_rms_norm", "l2norm", "rms_norm", "rms_norm_gated"]
+__all__ = [
+    "GroupRMSNormGated",
+    "RMSNorm",
+    "RMSNormGated",
+    "add_rms_norm",
+    "group_rms_norm_gated",
+    "l2norm",
+    "rms_norm",
+    "rms_norm_gated",
+]
 
 
 @cuda_compiled
@@ -55,6 +64,21 @@ def rms_norm_gated(
     return (h * g).to(x.dtype)
 
 
+@cuda_compiled(rows=(0, 1))
+def group_rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float
+) -> torch.Tensor:
+    """``rmsnorm(x * silu(gate)) * weight`` with the statistics taken over each of ``groups`` equal
+    channel groups of the last dim (Mamba-2's gated norm: gate before norm), in at least float32;
+    the weight multiplies the result in ``x``'s dtype, as transformers' ``NemotronHRMSNormGated``.
+    x, gate: [T, I], weight: [I]."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(work) * F.silu(gate.to(work))
+    hg = h.reshape(*h.shape[:-1], groups, -1)
+    hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + eps)
+    return hg.reshape(h.shape).to(x.dtype) * weight
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` (``* (1 + weight)`` with ``unit_offset``, Qwen3-Next's zero-centred form).
 
@@ -90,3 +114,19 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return rms_norm_gated(x, gate, self.weight, self.eps, self.activation)
+
+
+class GroupRMSNormGated(nn.Module):
+    """Gate-then-norm over ``groups`` channel groups: ``rmsnorm_g(x * silu(gate)) * weight`` (Mamba-2,
+    ``norm_before_gate=False``; ``group_rms_norm_gated``)."""
+
+    def __init__(self, dim: int, groups: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if dim % groups:
+            raise ValueError(f"GroupRMSNormGated: {groups} groups do not divide {dim} channels")
+        self.groups = groups
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return group_rms_norm_gated(x, gate, self.weight, self.groups, self.eps)

@@ -1,4 +1,5 @@
-"""Gated delta-rule linear attention (KDA per-channel decay, GDN scalar decay) on packed sequences.
+"""Chunkwise linear attention on packed sequences: the gated delta rule (KDA per-channel decay, GDN
+scalar decay) and the plain decayed recurrence (``rule="plain"``: Mamba-2's SSD), one contract.
 
 `chunk_linear_attn` is the chunkwise reference with boundary-state export, `naive_recurrent_linear_attn`
 the token-by-token oracle, and `fla_chunk_linear_attn` the CUDA fast path over fla-core.

@@ -1,4 +1,5 @@
-"""Chunkwise gated delta rule (KDA / GDN) over packed varlen sequences, with boundary-state export.
+"""Chunkwise linear attention (delta rule: KDA / GDN; plain rule: SSD / GLA) over packed varlen
+sequences, with boundary-state export.
 
 This is the reference chunk operator of the paper's contract (Eq. 16): packed sequences with
 per-sequence initial states, final states, and the states after requested position counts, all
@@ -14,13 +15,15 @@ so exp(G_t - G_s) <= 1 for s <= t; a = decayed state before token t's write):
     delta = U - W S0 with W = (I + M)^-1 diag(beta) (K * e^G),  U = (I + M)^-1 diag(beta) V
     O = scale * ((Q * e^G) S0 + A delta),   A_ts = sum_c q_t[c] k_s[c] e^{G_t[c] - G_s[c]}, s <= t
     S_B = e^{G_B} * S0 + (K * e^{G_B - G})^T delta = P S0 + R   (P, R formed for all chunks at once)
+The plain rule (no beta) writes k_t v_t^T unchanged: delta = V, W = 0 (no triangular solve), and
+the chunk transition is the diagonal S_B = e^{G_B} * S0 + (K * e^{G_B - G})^T V.
 The state after r < B tokens of a chunk uses the same formula truncated to its first r tokens;
 that is how a non-chunk-aligned request (the no_replay ablation) is exported exactly.
 
 Each sequence's chunk grid starts at its own first row and every chunk only reads its own rows
 and its own start state, so a sequence's result never depends on the others packed beside it.
 The tail of the last chunk of a sequence is padded with q = k = v = g = beta = 0, which leaves
-the state untouched.
+the state untouched (under either rule).
 
 Shapes: T packed rows, H heads, K key dim, V value dim, N sequences, R requests, B chunk size,
 n chunks of all sequences (after padding), a = sequences still running at one chunk index.
@@ -43,22 +46,23 @@ def chunk_linear_attn(
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor | None,
     *,
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
     state_requests: torch.Tensor | None = None,
     scale: float | None = None,
+    rule: str = "delta",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunkwise gated delta rule on packed sequences, exporting requested states.
+    """Chunkwise linear attention on packed sequences, exporting requested states.
 
     Args:
         q: [T, H, K] queries.
         k: [T, H, K] keys (callers normalise them; the op does not).
         v: [T, H, V] values.
-        g: [T, H, K] per-channel log-decay (KDA) or [T, H] scalar log-decay (GDN), <= 0.
-        beta: [T, H] write strengths in (0, 1).
+        g: [T, H, K] per-channel log-decay (KDA, GLA) or [T, H] scalar log-decay (GDN, SSD), <= 0.
+        beta: [T, H] write strengths in (0, 1) (rule "delta"); None (rule "plain").
         cu_seqlens: int [N + 1] boundaries of the packed sequences; each sequence's chunk grid
             starts at its first row.
         initial_state: [N, H, K, V] per-sequence initial states; None means zeros.
@@ -67,6 +71,7 @@ def chunk_linear_attn(
             `count` positions of that sequence (0 <= count <= its length). count a multiple of B
             is the normal case (a chunk-boundary state); any other count is exact as well.
         scale: query scale; default K ** -0.5.
+        rule: "delta" or "plain" (``harts.ops.linear_attn.utils``).
 
     Returns:
         o: [T, H, V] outputs (dtype of v); final_state: [N, H, K, V]; requested: [R, H, K, V]
@@ -74,7 +79,7 @@ def chunk_linear_attn(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive; got {chunk_size}")
-    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_requests, scale)
+    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_requests, scale, rule)
     B, N = chunk_size, spec.num_seqs
     dt, dev = spec.compute_dtype, q.device
     plan = _ChunkTable(spec, B, dev)
@@ -84,7 +89,7 @@ def chunk_linear_attn(
         x = torch.cat([x.to(dt), x.new_zeros((1, *x.shape[1:]), dtype=dt)])
         return x[plan.src].movedim(2, 1)  # [n, B, H, ...] -> [n, H, B, ...]
 
-    q_c, k_c, v_c, g_c, b_c = (chunked(x) for x in (q, k, v, g, beta))
+    q_c, k_c, v_c, g_c = (chunked(x) for x in (q, k, v, g))
     q_c = q_c * spec.scale
     G = g_c.cumsum(2)
     # Bring a scalar decay to the [.., K] layout of the per-channel one by broadcasting.
@@ -92,16 +97,23 @@ def chunk_linear_attn(
     G_end = Gk[:, :, -1:]  # [n, H, 1, K or 1]
 
     kk, A = _decayed_scores(k_c, q_c, k_c, G)  # [n, H, B, B] each
-    M = b_c[..., None] * kk
-    eye = torch.eye(B, dtype=dt, device=dev)
-    rhs = b_c[..., None] * torch.cat([k_c * Gk.exp(), v_c], dim=-1)
-    WU = torch.linalg.solve_triangular(eye + M, rhs, upper=False, unitriangular=True)
-    W, U = WU.split([spec.K, spec.V], dim=-1)
     Q_g = q_c * Gk.exp()
     K_end_t = (k_c * (G_end - Gk).exp()).transpose(-1, -2)  # [n, H, K, B]
-    # Chunk transition S_end = P S0 + R (P = diag(e^{G_B}) - K_end^T W, R = K_end^T U), formed for
-    # all chunks at once so that the sequential loop is one small matmul per chunk index.
-    P = torch.diag_embed(G_end.exp()[:, :, 0].expand(-1, -1, spec.K)) - K_end_t @ W
+    # Chunk transition S_end = P S0 + R (delta: P = diag(e^{G_B}) - K_end^T W, R = K_end^T U;
+    # plain: P = diag(e^{G_B}), applied as a product, R = K_end^T V), formed for all chunks at
+    # once so that the sequential loop is one small product per chunk index.
+    W: torch.Tensor | None = None
+    if beta is None:
+        U = v_c
+        P = G_end.exp().transpose(-1, -2)  # [n, H, K or 1, 1]
+    else:
+        b_c = chunked(beta)
+        M = b_c[..., None] * kk
+        eye = torch.eye(B, dtype=dt, device=dev)
+        rhs = b_c[..., None] * torch.cat([k_c * Gk.exp(), v_c], dim=-1)
+        WU = torch.linalg.solve_triangular(eye + M, rhs, upper=False, unitriangular=True)
+        W, U = WU.split([spec.K, spec.V], dim=-1)
+        P = torch.diag_embed(G_end.exp()[:, :, 0].expand(-1, -1, spec.K)) - K_end_t @ W
     R = K_end_t @ U
 
     if initial_state is None:
@@ -120,12 +132,12 @@ def chunk_linear_attn(
             finals.append(S[a:])
             S = S[:a]
         starts.append(S)
-        S = P_j @ S + R_j
+        S = (P_j * S if W is None else P_j @ S) + R_j
     finals.append(S)
     final_sorted = torch.cat(finals[::-1])
     S0 = torch.cat(starts) if starts else S.new_zeros(0, spec.H, spec.K, spec.V)  # [n, H, K, V]
 
-    delta = U - W @ S0
+    delta = U if W is None else U - W @ S0
     o_flat = (Q_g @ S0 + A @ delta).movedim(1, 2).reshape(-1, spec.H, spec.V)
     o = o_flat[plan.row_index]
 

@@ -1,7 +1,8 @@
 """Backend choice for the linear-attention core: the torch reference, fla-core, or harts' tree kernel.
 
 All implement one contract (``chunk_linear_attn``'s signature: packed sequences, initial
-states, requested boundary states, all differentiable), so executors pick by name (the names:
+states, requested boundary states, all differentiable; the delta rule or, ``rule="plain"``, the
+plain recurrence of Mamba-2's SSD), so executors pick by name (the names:
 ``harts.ops.registry.LINEAR_ATTN_BACKENDS``):
 
     "reference"  ``chunk_linear_attn`` (any device; the numerics every test checks)
@@ -9,7 +10,9 @@ states, requested boundary states, all differentiable), so executors pick by nam
                  states by splitting sequences at requested chunk boundaries
     "tree"       ``tree_chunk_linear_attn`` (CUDA + fla-core + Triton): one packed call per
                  round, requested states exported and their gradients injected by harts' own
-                 state scans (``tree_scan``); GDN trains through it too, on Hopper as well. The
+                 state scans (``tree_scan``); GDN and the plain rule (fla's simple_gla
+                 kernels; a per-channel plain decay takes the "fla" path) train through it
+                 too, on Hopper as well. The
                  compact executor can link a microbatch's rounds into one op per layer
                  (``ExecutionConfig.link_rounds``, ``linked_tree_linear_attn``: fla's
                  chunk-parallel kernels once, the scans per round, the backward's recomputed scan

@@ -1,7 +1,9 @@
 """CUDA fast path of `chunk_linear_attn` over fla-core's Triton kernels (imported lazily).
 
-Same contract as `harts.ops.linear_attn.chunk.chunk_linear_attn`. fla's `chunk_kda` /
-`chunk_gated_delta_rule` return outputs and final states only: the chunk-boundary states they
+Same contract as `harts.ops.linear_attn.chunk.chunk_linear_attn`. The kernels per rule and decay:
+delta rule `chunk_kda` (per-channel) / `chunk_gated_delta_rule` (scalar); plain rule
+`chunk_gla` (per-channel) / `chunk_simple_gla` (scalar: Mamba-2's SSD). fla's chunk ops return
+outputs and final states only: the chunk-boundary states they
 compute inside a call can be neither returned with a gradient nor receive one (their backward
 takes a gradient for the final state only, see design/GPU.md). Boundary states are therefore
 exported by **splitting at chunk boundaries**:
@@ -18,9 +20,10 @@ exported by **splitting at chunk boundaries**:
 
 Calls per invocation: 1 + (most cuts in one sequence) + (1 if any non-aligned request).
 
-Guards: tensors must be on CUDA; chunk_size must be one fla supports (KDA: 32 or 64; GDN: 64).
-GDN's backward in fla-core 0.6.0 refuses to run on Hopper with Triton in [3.4, 3.7.1) (fla
-issue #640); when a GDN call needs gradients on such a setup this path falls back to the
+Guards: tensors must be on CUDA; chunk_size must be one fla supports (KDA: 32 or 64; GDN and
+the plain rule: 64). The scalar-decay backwards (GDN's and simple_gla's, both through fla's
+gated chunk_bwd_dqkwg) in fla-core 0.6.0 refuse to run on Hopper with Triton in [3.4, 3.7.1)
+(fla issue #640); when such a call needs gradients on such a setup this path falls back to the
 reference operator (with a one-time warning) instead of failing in backward.
 
 Shapes: T packed rows, H heads, K key dim, V value dim, N sequences, R requests, B chunk size.
@@ -39,7 +42,7 @@ from harts.ops.upload import upload
 
 __all__ = ["fla_chunk_linear_attn", "fla_available"]
 
-_warned_gdn_fallback = False
+_warned_scalar_fallback = False
 
 
 def fla_available() -> bool:
@@ -60,7 +63,9 @@ def _import_fla() -> None:
     if "fla" not in __import__("sys").modules:
         configure_fla_cache()
     import fla.ops.gated_delta_rule  # noqa: F401
+    import fla.ops.gla  # noqa: F401
     import fla.ops.kda  # noqa: F401
+    import fla.ops.simple_gla  # noqa: F401
 
 
 def fla_chunk_linear_attn(
@@ -68,52 +73,52 @@ def fla_chunk_linear_attn(
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor | None,
     *,
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
     state_requests: torch.Tensor | None = None,
     scale: float | None = None,
+    rule: str = "delta",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fla-core backed gated delta rule with boundary-state export (see the module docstring).
+    """fla-core backed linear attention with boundary-state export (see the module docstring).
 
     Args:
         q: [T, H, K] queries (CUDA; bf16, fp16 or fp32).
         k: [T, H, K] keys.
         v: [T, H, V] values.
-        g: [T, H, K] per-channel log-decay (KDA, `chunk_kda`) or [T, H] scalar (GDN,
-            `chunk_gated_delta_rule`).
-        beta: [T, H] write strengths in (0, 1).
+        g: [T, H, K] per-channel log-decay (KDA `chunk_kda`, GLA `chunk_gla`) or [T, H] scalar
+            (GDN `chunk_gated_delta_rule`, SSD `chunk_simple_gla`).
+        beta: [T, H] write strengths in (0, 1) (rule "delta"); None (rule "plain").
         cu_seqlens: int [N + 1] packed sequence boundaries.
         initial_state: [N, H, K, V] per-sequence initial states; None means zeros.
-        chunk_size: B; KDA accepts 32 or 64, GDN 64.
+        chunk_size: B; KDA accepts 32 or 64, GDN and the plain rule 64.
         state_requests: int [R, 2] rows (sequence, position count) to export.
         scale: query scale; default K ** -0.5.
+        rule: "delta" or "plain" (``harts.ops.linear_attn.utils``).
 
     Returns:
         o: [T, H, V] (dtype of v); final_state: [N, H, K, V] float32; requested: [R, H, K, V] float32.
     """
-    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_requests, scale)
+    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_requests, scale, rule)
     if not q.is_cuda:
         raise ValueError("fla_chunk_linear_attn needs CUDA tensors; use chunk_linear_attn on CPU")
-    allowed = (64,) if spec.scalar_decay else (32, 64)
+    allowed = (32, 64) if rule == "delta" and not spec.scalar_decay else (64,)
     if chunk_size not in allowed:
-        raise ValueError(
-            f"fla supports chunk_size in {allowed} for {'GDN' if spec.scalar_decay else 'KDA'}; got {chunk_size}"
-        )
+        raise ValueError(f"fla supports chunk_size in {allowed} for {_kernel_name(spec)}; got {chunk_size}")
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
     )
     if spec.scalar_decay and needs_grad and _gdn_backward_broken():
-        global _warned_gdn_fallback
-        if not _warned_gdn_fallback:
+        global _warned_scalar_fallback
+        if not _warned_scalar_fallback:
             warnings.warn(
-                "fla-core's GDN backward is disabled on Hopper with this Triton (fla #640); "
-                "falling back to the reference chunk_linear_attn for GDN calls that need gradients",
+                "fla-core's scalar-decay backward (GDN, simple_gla) is disabled on Hopper with this Triton "
+                "(fla #640); falling back to the reference chunk_linear_attn for such calls that need gradients",
                 stacklevel=2,
             )
-            _warned_gdn_fallback = True
+            _warned_scalar_fallback = True
         return chunk_linear_attn(
             q,
             k,
@@ -125,8 +130,24 @@ def fla_chunk_linear_attn(
             chunk_size=chunk_size,
             state_requests=state_requests,
             scale=scale,
+            rule=rule,
         )
+    return fla_split_linear_attn(q, k, v, g, beta, spec, initial_state, chunk_size)
 
+
+def fla_split_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor | None,
+    spec: LinearAttnSpec,
+    initial_state: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fla_chunk_linear_attn`` after its checks (``spec``: the checked inputs): the sequences
+    split at requested states, one fla call per piece index (the module docstring). Needs no
+    CUDA of its own: Triton's interpreter runs it on CPU tensors (the tests)."""
     B, N, dev = chunk_size, spec.num_seqs, q.device
     h0 = (
         initial_state.float()
@@ -179,12 +200,19 @@ def fla_chunk_linear_attn(
     return o.to(v.dtype), final, req
 
 
+def _kernel_name(spec: LinearAttnSpec) -> str:
+    """The fla op a call of ``spec`` runs (for messages)."""
+    if spec.rule == "plain":
+        return "the plain rule (simple_gla)" if spec.scalar_decay else "the plain rule (GLA)"
+    return "GDN" if spec.scalar_decay else "KDA"
+
+
 def _fla_call(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor | None,
     spans: list[tuple[int, int]],
     h0: torch.Tensor,
     spec: LinearAttnSpec,
@@ -197,8 +225,17 @@ def _fla_call(
     rows_np = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans])
     cu_np = np.concatenate([[0], np.cumsum([b - a for a, b in spans])]).astype(np.int64)
     rows, cu = upload(rows_np, dev), upload(cu_np, dev)
-    args = [x[rows].unsqueeze(0).contiguous() for x in (q, k, v, g, beta)]
-    if spec.scalar_decay:
+    args = [x[rows].unsqueeze(0).contiguous() for x in (q, k, v, g, *(() if beta is None else (beta,)))]
+    kw = dict(scale=spec.scale, initial_state=h0.contiguous(), output_final_state=True, cu_seqlens=cu)
+    if spec.rule == "plain" and spec.scalar_decay:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        o, ht = chunk_simple_gla(*args, **kw, cu_seqlens_cpu=torch.as_tensor(cu_np), chunk_size=chunk_size)
+    elif spec.rule == "plain":
+        from fla.ops.gla import chunk_gla
+
+        o, ht = chunk_gla(*args, **kw, cu_seqlens_cpu=torch.as_tensor(cu_np))
+    elif spec.scalar_decay:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         o, ht = chunk_gated_delta_rule(

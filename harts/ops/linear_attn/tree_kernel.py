@@ -1,4 +1,5 @@
-"""One-pass tree linear attention on CUDA: boundary states out, their gradients in (KDA and GDN).
+"""One-pass tree linear attention on CUDA: boundary states out, their gradients in (KDA, GDN and
+the plain rule of Mamba-2's SSD).
 
 Same contract as ``chunk_linear_attn`` (packed varlen rounds, one initial state per sequence,
 requested states after chunk-aligned position counts, everything differentiable), built from
@@ -30,6 +31,15 @@ So a round runs as one packed call whatever it exports, with no split and no sec
   every gradient; where it differs, GDN runs through the KDA kernels. It is a switch, not the
   default, until a GPU run has timed it against the KDA kernels on the Qwen presets
   (``benchmarks/step/gpu_runs.py``: ``q35_L8_gdn_kda``, ``q35_L8_gdn_native``).
+* The plain rule (``rule="plain"``: no beta, S = exp(g) S + k v^T, scalar decay g [T, H]) runs
+  fla-core's simple_gla kernels around the same scans (``_PLAIN``): chunk_local_cumsum and
+  chunk_fwd_o forward; chunk_bwd_dv_local and fla's dqkwg kernel without its delta-rule part
+  backward (harts launches it, as for GDN); the scans run without w (``tree_scan``: u = v). It
+  has no intra-chunk solve, so it is the lightest of the three. ``plain_on_tree`` checks it once
+  per shape against the reference operator on CUDA (fla #640 again: the same dqkwg kernel), and
+  where that differs plain calls run the reference operator. A per-channel plain decay (GLA) is
+  not a tree-kernel path: it runs fla's ``chunk_gla`` behind the split path
+  (``fla_chunk_linear_attn``), and the compact executor does not link its rounds.
 * Requests must be chunk-aligned (count % B == 0), or a sequence's full length, or 0: what
   replay plans produce. A non-aligned request (the ``no_replay`` ablation) is served by the
   split path (``fla_chunk_linear_attn``) instead.
@@ -55,7 +65,15 @@ from harts.ops.kernel_check import kernel_passes, own_autograd
 from harts.ops.linear_attn.utils import check_linear_attn_inputs
 from harts.ops.upload import upload
 
-__all__ = ["StateIO", "gdn_kernels", "gdn_native", "gdn_native_asked", "plan_state_io", "tree_chunk_linear_attn"]
+__all__ = [
+    "StateIO",
+    "gdn_kernels",
+    "gdn_native",
+    "gdn_native_asked",
+    "plain_on_tree",
+    "plan_state_io",
+    "tree_chunk_linear_attn",
+]
 
 
 @dataclass(frozen=True)
@@ -321,6 +339,40 @@ def _gdn_bwd_tail(q, k, v, v_new, w, gc, beta, A, h, do, dh, dv2, dAqk, scale: f
     return [dq, dk, dv, dg, db]
 
 
+# ------------------------------------------------ the plain rule (SSD): fla's simple_gla kernels
+
+
+def _plain_fwd_intra(q, k, v, g, beta, scale: float, cu, ci, B: int):  # noqa: ANN001, ANN202
+    """The plain rule's chunk-local forward: only the cumulated log2 decay gc [1, T, H] (no w, no
+    triangular solve: u is v itself, and the scans take the raw keys)."""
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    gc = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
+    return gc, None, v, k, None, None
+
+
+def _plain_bwd_head(q, k, v, gc, beta, Aqk, A, h0, do, scale: float, cu, ci, co, nt: int, B: int):  # noqa: ANN001, ANN202
+    """The plain rule's backward up to the state-gradient scan: the states rescanned from ``h0``,
+    fla's intra-chunk dv (``chunk_bwd_dv_local``, simple_gla's); the raw q and k for the scan."""
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+    h, _ = _rescan(k, None, v, gc, h0, cu, co, nt, B)
+    dv = chunk_bwd_dv_local(q=q, k=k, do=do, g=gc, scale=scale, cu_seqlens=cu, chunk_size=B, chunk_indices=ci)
+    return None, q, k, h, v, None, dv
+
+
+def _plain_bwd_tail(q, k, v, v_new, w, gc, beta, A, h, do, dh, dv2, dAqk, scale: float, cu, chunks, co, B: int):  # noqa: ANN001, ANN202
+    """The plain rule's backward after the scan, on the chunks ``chunks`` (``_gdn_bwd_tail``'s
+    contract): dq, dk, dg from fla's dqkwg kernel without its delta-rule part (no w), dv the
+    scan's dv2 (the intra-chunk part plus the state's), no dbeta."""
+    from fla.ops.utils import chunk_local_cumsum
+
+    dq, dk, _, dg = _gdn_dqkwg(q, k, v, None, gc, h, None, do, dh, scale, cu, chunks, B)
+    dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, cu_seqlens=cu, chunk_indices=chunks)
+    return [dq, dk, dv2, dg, None]
+
+
 def _gdn_dqkwg(q, k, v_new, w, gc, h, dv2, do, dh, scale: float, cu, chunks, B: int):  # noqa: ANN001, ANN202
     """fla's ``chunk_bwd_kernel_dqkwg`` with a decay, launched here: fla's own wrapper refuses
     it on Hopper with Triton in [3.4, 3.7.1) (fla #640), where harts checks the result instead
@@ -337,7 +389,7 @@ def _gdn_dqkwg(q, k, v_new, w, gc, h, dv2, do, dh, scale: float, cu, chunks, B: 
     if check_shared_mem("hopper", k.device.index):
         tiling = 128
     elif check_shared_mem("ampere", k.device.index):
-        tiling = 128 if all(x.element_size() == 2 for x in (q, k, v_new, do, h, dh, w, dv2)) else 64
+        tiling = 128 if all(x.element_size() == 2 for x in (q, k, v_new, do, h, dh, w, dv2) if x is not None) else 64
     elif check_shared_mem("ada", k.device.index):
         tiling = 64
     else:
@@ -348,7 +400,7 @@ def _gdn_dqkwg(q, k, v_new, w, gc, h, dv2, do, dh, scale: float, cu, chunks, B: 
     dq = q.new_empty(1, T, HV, K)
     dk = k.new_empty(1, T, HV, K)
     dg = torch.empty(NK, *gc.shape, dtype=torch.float32, device=gc.device)
-    dw = torch.empty_like(w)
+    dw = torch.empty_like(w) if w is not None else None  # None: the plain rule (no delta-rule part)
     chunk_bwd_kernel_dqkwg[(NK * NT, HV)](
         q=q,
         k=k,
@@ -392,6 +444,7 @@ class _Kernels:
 
 _KDA = _Kernels(_fwd_intra, _fwd_output, _bwd_head, _bwd_tail)
 _GDN = _Kernels(_gdn_fwd_intra, _gdn_fwd_output, _gdn_bwd_head, _gdn_bwd_tail)
+_PLAIN = _Kernels(_plain_fwd_intra, _gdn_fwd_output, _plain_bwd_head, _plain_bwd_tail)
 
 #: per (device, dtype, H, K, V): whether fla's GDN kernels matched the KDA kernels' result
 _gdn_checked: dict[tuple, bool] = {}
@@ -438,6 +491,42 @@ def gdn_native(q: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+#: per (device, dtype, H, K, V): whether the plain rule's tree kernels matched the reference op
+_plain_checked: dict[tuple, bool] = {}
+
+
+def plain_on_tree(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether the plain rule runs on the tree kernel (``_PLAIN``: fla-core's simple_gla kernels
+    around harts' scans) for inputs like ``q`` [T, H, K], ``v`` [T, H, V], ``g``: a scalar decay
+    [T, H] only (a per-channel one, GLA, takes fla's ``chunk_gla`` through the split path), and
+    on CUDA once checked per (device, dtype, H, K, V) against the reference operator on one
+    packed problem (``_CHECK_LENGTHS``): output, states and every gradient. harts launches fla's
+    dqkwg kernel itself, which fla's wrapper refuses on Hopper with Triton in [3.4, 3.7.1) (fla
+    #640); where the check differs, plain calls run the reference operator (with one warning)."""
+    if g.dim() != 2:
+        return False
+    if not q.is_cuda:  # Triton's interpreter (tests): nothing to check against here
+        return True
+    from harts.ops.linear_attn.fla import _import_fla
+
+    _import_fla()  # fla's Triton configs pinned before the check's first kernel
+    H, K, V = q.shape[-2], q.shape[-1], v.shape[-1]
+
+    def run(kernels: _Kernels | None) -> list[torch.Tensor]:
+        return _check_problem(kernels, q.device, q.dtype, H, K, V, rule="plain")
+
+    return kernel_passes(
+        _plain_checked,
+        (str(q.device), q.dtype, H, K, V),
+        lambda: run(None),
+        lambda: run(_PLAIN),
+        lambda got, want: _check_close(got, want, q.dtype),
+        name="plain-rule tree (fla-core's simple_gla kernels)",
+        differs="its output or a gradient differed from the reference operator's (fla #640)",
+        fallback="the plain rule runs the reference operator",
+    )
+
+
 def gdn_kernels() -> str:
     """Which kernels GDN's tree calls ran on in this process, for a report: "gdn" (fla-core's
     GDN kernels, every checked shape), "kda" (the KDA kernels with the decay broadcast: the
@@ -447,7 +536,7 @@ def gdn_kernels() -> str:
 
 
 def _check_problem(
-    kernels: _Kernels,
+    kernels: _Kernels | None,
     device: torch.device,
     dtype: torch.dtype,
     H: int,
@@ -455,10 +544,12 @@ def _check_problem(
     V: int,
     lengths: tuple[int, ...] = _CHECK_LENGTHS,
     requests: tuple[tuple[int, int], ...] = _CHECK_REQUESTS,
+    rule: str = "delta",
 ) -> list[torch.Tensor]:
-    """``gdn_native``'s problem (``lengths``, ``requests``) through ``kernels``: [o, final,
-    requested, dq, dk, dv, dg, dbeta, dh0] in float32 (the KDA kernels' dg summed over the key
-    channels)."""
+    """``gdn_native``'s and ``plain_on_tree``'s problem (``lengths``, ``requests``) under ``rule``
+    through ``kernels``, or None: the reference operator (``chunk_linear_attn``): [o, final,
+    requested, dq, dk, dv, dg, dbeta, dh0] in float32 (no dbeta under the plain rule; the KDA
+    kernels' dg summed over the key channels)."""
     B = 64
     gen = torch.Generator().manual_seed(0)
     T, N = sum(lengths), len(lengths)
@@ -472,15 +563,34 @@ def _check_problem(
     beta, h0 = torch.sigmoid(rand(1, T, H)), rand(N, H, K, V) * 0.1
     grads = [rand(1, T, H, V), rand(N, H, K, V), rand(len(requests), H, K, V)]
     with own_autograd():  # the first call may sit in a checkpoint's forward or recomputation
-        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v, g, beta)]
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v, g, beta)[: 4 if rule == "plain" else 5]]
         h0d = h0.to(device).requires_grad_()
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-        meta = _device_meta(starts, list(lengths), list(requests), B, device)
-        gk = leaves[3] if kernels is _GDN else leaves[3][..., None].expand(1, T, H, K).contiguous()
-        o, final, exported = _TreeKDA.apply(*leaves[:3], gk, leaves[4], h0d, meta, K**-0.5, B, kernels)
-        requested = torch.cat([exported, final, h0d])[meta.source]
+        b = leaves[4] if rule == "delta" else None
+        if kernels is None:
+            from harts.ops.linear_attn.chunk import chunk_linear_attn
+
+            q0, k0, v0, g0 = (t[0] for t in leaves[:4])
+            o, final, requested = chunk_linear_attn(
+                q0,
+                k0,
+                v0,
+                g0,
+                None if b is None else b[0],
+                cu_seqlens=torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
+                initial_state=h0d,
+                chunk_size=B,
+                state_requests=torch.as_tensor(requests, dtype=torch.int64),
+                rule=rule,
+            )
+            o = o[None]
+        else:
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+            meta = _device_meta(starts, list(lengths), list(requests), B, device)
+            gk = leaves[3][..., None].expand(1, T, H, K).contiguous() if kernels is _KDA else leaves[3]
+            o, final, exported = _TreeKDA.apply(*leaves[:3], gk, b, h0d, meta, K**-0.5, B, kernels)
+            requested = torch.cat([exported, final, h0d])[meta.source]
         outs = [o, final, requested]
-        loss = sum((x.float() * gr.to(device)).sum() for x, gr in zip(outs, grads))
+        loss = torch.stack([(x.float() * gr.to(device)).sum() for x, gr in zip(outs, grads)]).sum()
         d = torch.autograd.grad(loss, [*leaves, h0d])
     return [t.detach().float() for t in (*outs, *d)]
 
@@ -563,7 +673,7 @@ class _TreeKDA(torch.autograd.Function):
             dk.to(k.dtype),
             dv.to(v.dtype),
             dg.to(ctx.g_dtype),
-            db.to(beta.dtype),
+            None if beta is None else db.to(beta.dtype),  # the plain rule has no beta
             dh0 if ctx.has_h0 else None,
             None,
             None,
@@ -573,11 +683,14 @@ class _TreeKDA(torch.autograd.Function):
 
 
 def _decay_and_kernels(
-    g: torch.Tensor, q: torch.Tensor, v: torch.Tensor, scalar: bool
+    g: torch.Tensor, q: torch.Tensor, v: torch.Tensor, scalar: bool, rule: str = "delta"
 ) -> tuple[torch.Tensor, _Kernels]:
-    """The decay as the kernels take it and the kernels: KDA's g [T, H, K] as it is; GDN's g
-    [T, H] as it is on fla's GDN kernels (``gdn_native``), else broadcast over the key channels
-    for the KDA kernels."""
+    """The decay as the kernels take it and the kernels: the plain rule's g [T, H] as it is on
+    fla's simple_gla kernels (``_PLAIN``; callers check ``plain_on_tree`` first); KDA's g [T, H,
+    K] as it is; GDN's g [T, H] as it is on fla's GDN kernels (``gdn_native``), else broadcast
+    over the key channels for the KDA kernels."""
+    if rule == "plain":
+        return g, _PLAIN
     if not scalar:
         return g, _KDA
     if gdn_native(q, v):
@@ -590,44 +703,50 @@ def tree_chunk_linear_attn(
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor | None,
     *,
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
     state_requests: torch.Tensor | None = None,
     scale: float | None = None,
+    rule: str = "delta",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One-pass gated delta rule with boundary-state export (module docstring).
+    """One-pass linear attention with boundary-state export (module docstring).
 
     Args:
-        q, k: [T, H, K] (CUDA); v: [T, H, V]; g: [T, H, K] (KDA) or [T, H] (GDN) log-decay;
-        beta: [T, H]; cu_seqlens: int [N + 1]; initial_state: [N, H, K, V] or None;
-        chunk_size: B (fla's KDA kernels: 64); state_requests: int [R, 2] (sequence, count).
+        q, k: [T, H, K] (CUDA); v: [T, H, V]; g: [T, H, K] (KDA) or [T, H] (GDN, SSD) log-decay;
+        beta: [T, H] (rule "delta") or None (rule "plain"); cu_seqlens: int [N + 1];
+        initial_state: [N, H, K, V] or None; chunk_size: B (fla's KDA kernels: 64);
+        state_requests: int [R, 2] (sequence, count).
 
     Returns:
         o [T, H, V] (dtype of v), final_state [N, H, K, V] float32, requested [R, H, K, V] float32.
     """
-    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_requests, scale)
+    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_requests, scale, rule)
     if not q.is_cuda:
         raise ValueError("tree_chunk_linear_attn needs CUDA tensors; use chunk_linear_attn on CPU")
     if chunk_size != 64:
         raise ValueError(f"the tree kernel runs fla's KDA intra-chunk kernels at chunk_size 64; got {chunk_size}")
-    if any(c % chunk_size and c not in (0, spec.lengths[s]) for s, c in spec.requests):
+    args = (q, k, v, g, beta)
+    kw = dict(
+        cu_seqlens=cu_seqlens,
+        initial_state=initial_state,
+        chunk_size=chunk_size,
+        state_requests=state_requests,
+        scale=scale,
+        rule=rule,
+    )
+    if rule == "plain" and spec.scalar_decay and not plain_on_tree(q, v, g):
+        from harts.ops.linear_attn.chunk import chunk_linear_attn
+
+        return chunk_linear_attn(*args, **kw)  # type: ignore[arg-type]
+    if (rule == "plain" and not spec.scalar_decay) or any(
+        c % chunk_size and c not in (0, spec.lengths[s]) for s, c in spec.requests
+    ):
         from harts.ops.linear_attn.fla import fla_chunk_linear_attn
 
-        return fla_chunk_linear_attn(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            cu_seqlens=cu_seqlens,
-            initial_state=initial_state,
-            chunk_size=chunk_size,
-            state_requests=state_requests,
-            scale=scale,
-        )
+        return fla_chunk_linear_attn(*args, **kw)  # type: ignore[arg-type]
     from harts.ops.linear_attn.fla import _import_fla
 
     _import_fla()
@@ -637,14 +756,14 @@ def tree_chunk_linear_attn(
         req = initial[[s for s, _ in spec.requests]] if spec.requests else initial.new_zeros(0, H, K, V)
         return v.new_zeros(0, H, V), initial, req
     meta = _device_meta(spec.starts, spec.lengths, spec.requests, chunk_size, q.device)
-    gk, kernels = _decay_and_kernels(g, q, v, spec.scalar_decay)
+    gk, kernels = _decay_and_kernels(g, q, v, spec.scalar_decay, rule)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     o, final, exported = _TreeKDA.apply(
         q.unsqueeze(0).contiguous(),
         k.unsqueeze(0).contiguous(),
         v.unsqueeze(0).contiguous(),
         gk.unsqueeze(0).contiguous(),
-        beta.unsqueeze(0).contiguous(),
+        None if beta is None else beta.unsqueeze(0).contiguous(),
         h0,
         meta,
         spec.scale,
@@ -807,6 +926,11 @@ def _linked_device(plan: LinkedPlan, device: torch.device) -> _LinkedDevice:
     return meta
 
 
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` in ``dtype``; None (the plain rule's beta gradient) stays None."""
+    return None if t is None or dtype is None else t.to(dtype)
+
+
 class _LinkedKDA(torch.autograd.Function):
     """KDA chunk op over all rounds of a LinkedPlan, [1, T, H, *]: fla-core's chunk-parallel
     kernels once over every row, the state scans once per round forward (each round's initial
@@ -837,7 +961,7 @@ class _LinkedKDA(torch.autograd.Function):
         gc, w, u, kg, Aqk, Akk = kernels.fwd_intra(q, k, v, g, beta, scale, cu, ci, B)
         pool = q.new_zeros(plan.pool_size, H, K, V, dtype=torch.float32)
         h = kg.new_empty(1, nt, H, K, V)
-        v_new = torch.empty_like(u)
+        v_new = torch.empty_like(u) if w is not None else u  # the plain rule's v_new is v
         for a, b in zip(plan.round_starts[:-1].tolist(), plan.round_starts[1:].tolist()):
             tree_scan_fwd(
                 kg,
@@ -852,7 +976,7 @@ class _LinkedKDA(torch.autograd.Function):
                 export_index=meta.export_index,
                 num_exported=e,
                 output_final_state=True,
-                out=(h, v_new, pool[e + a : e + b], pool[:e]),
+                out=(h, v_new if w is not None else None, pool[e + a : e + b], pool[:e]),
             )
         o = kernels.fwd_output(q, k, v_new, gc, Aqk, h, scale, cu, ci, B)
         ctx.save_for_backward(q, k, v, gc, beta, Aqk, Akk, pool)
@@ -910,13 +1034,14 @@ class _LinkedKDA(torch.autograd.Function):
                 q, k, v, v_new, w, gc, beta, Akk, hs, do, dhs, dv2, dAqk, scale, cu, ci[lo:hi], co, B
             )
 
-        dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype)
+        # the plain rule has no beta, and no gradient for it
+        dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, None if beta is None else beta.dtype)
         for a, b in reversed(bounds[1:]):
             scan(a, b)
         nt0 = int(plan.io.chunk_offsets[bounds[0][1]])  # the first round's chunks
         if not (OVERLAP_FIRST_ROUND and q.is_cuda and 0 < nt0 < nt):
             scan(*bounds[0])
-            return (*(t.to(d) for t, d in zip(tail(0, nt), dtypes)), None, None, None, None)
+            return (*(_cast(t, d) for t, d in zip(tail(0, nt), dtypes)), None, None, None, None)
         # the first round's scan (often one long shared prefix: the GPU mostly idle) on a
         # high-priority stream, beside the later rounds' chunk-parallel tail, which needs only
         # their own dh / dv2 (written above); then the first round's tail
@@ -931,6 +1056,9 @@ class _LinkedKDA(torch.autograd.Function):
         out = []
         for d in dtypes:  # each gradient's two halves into one tensor of its input's dtype
             a_, b_ = first.pop(0), rest.pop(0)
+            if d is None:  # the plain rule's beta
+                out.append(None)
+                continue
             m = torch.empty(a_.shape, dtype=d, device=a_.device)
             m[:, :t0].copy_(a_[:, :t0])
             m[:, t0:].copy_(b_[:, t0:])
@@ -944,27 +1072,32 @@ def linked_tree_linear_attn(
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor | None,
     *,
     plan: LinkedPlan,
     chunk_size: int = 64,
     scale: float | None = None,
+    rule: str = "delta",
 ) -> torch.Tensor:
     """Every round of ``plan`` in one op (``_LinkedKDA``): the rounds' outputs, packed as the plan
     packs their sequences.
 
     Args:
-        q, k: [T, H, K] (CUDA); v: [T, H, V]; g: [T, H, K] (KDA) or [T, H] (GDN) log-decay;
-        beta: [T, H]; T = ``plan.num_rows``. chunk_size: 64 (fla's KDA kernels).
+        q, k: [T, H, K] (CUDA); v: [T, H, V]; g: [T, H, K] (KDA) or [T, H] (GDN, SSD) log-decay;
+        beta: [T, H] (rule "delta") or None (rule "plain": ``plain_on_tree`` must hold, which
+        the compact executor checks before linking); T = ``plan.num_rows``. chunk_size: 64
+        (fla's KDA kernels).
 
     Returns:
         o [T, H, V] (dtype of v). Equal to running the rounds one ``tree_chunk_linear_attn`` call
         each with the states handed over, up to the order of float additions.
     """
     cu_host = torch.as_tensor(np.concatenate([[0], np.cumsum(plan.lengths)]), dtype=torch.int64)
-    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_host, None, None, scale)
+    spec = check_linear_attn_inputs(q, k, v, g, beta, cu_host, None, None, scale, rule)
     if not q.is_cuda:
         raise ValueError("linked_tree_linear_attn needs CUDA tensors; run the rounds through chunk_linear_attn on CPU")
+    if rule == "plain" and not spec.scalar_decay:
+        raise ValueError("linked rounds run the plain rule with a scalar decay g [T, H] only (plain_on_tree)")
     if chunk_size != 64:
         raise ValueError(f"the tree kernel runs fla's KDA intra-chunk kernels at chunk_size 64; got {chunk_size}")
     from harts.ops.linear_attn.fla import _import_fla
@@ -973,13 +1106,13 @@ def linked_tree_linear_attn(
     if spec.T == 0:
         return v.new_zeros(0, spec.H, spec.V)
     meta = _linked_device(plan, q.device)
-    gk, kernels = _decay_and_kernels(g, q, v, spec.scalar_decay)
+    gk, kernels = _decay_and_kernels(g, q, v, spec.scalar_decay, rule)
     o = _LinkedKDA.apply(
         q.unsqueeze(0).contiguous(),
         k.unsqueeze(0).contiguous(),
         v.unsqueeze(0).contiguous(),
         gk.unsqueeze(0).contiguous(),
-        beta.unsqueeze(0).contiguous(),
+        None if beta is None else beta.unsqueeze(0).contiguous(),
         meta,
         spec.scale,
         chunk_size,

@@ -1,4 +1,4 @@
-"""Triton state scans of the chunkwise gated delta rule with boundary-state export and injection.
+"""Triton state scans of chunkwise linear attention with boundary-state export and injection.
 
 The chunkwise delta rule (fla's KDA form, keys and decays already prepared per chunk) carries
 one state S [K, V] per sequence and head across its chunks of B rows:
@@ -12,6 +12,9 @@ one state S [K, V] per sequence and head across its chunks of B rows:
         dv2_c     = dv_c + kg_c dS                        [B, V]
         dS       <- diag(exp2(gk_last_c)) dS + scale qg_c^T do_c - w_c^T dv2_c
     dS after chunk 0 is the gradient of the initial state.
+
+The plain rule (Mamba-2's SSD, no delta-rule correction) is the same scans with w = 0 and u = v:
+pass ``w=None`` and the scans neither read w nor write v_new (it is v itself).
 
 fla-core runs the same two scans but returns only the final state and accepts a gradient
 only for it. These kernels add what a tree round needs (paper §3.3-§3.4):
@@ -129,6 +132,7 @@ def _tree_scan_fwd_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     EXPORT: tl.constexpr,
     SCALAR_G: tl.constexpr,
+    DELTA: tl.constexpr,
 ):
     i_nh, i_h, bos, T, n_chunks, first_chunk, o_k, o_v, m_v, state_off, m_state = _program(
         cu_seqlens, chunk_offsets, H, K, V, BT, BV
@@ -150,10 +154,13 @@ def _tree_scan_fwd_kernel(
                 tl.store(exported + (slot * H + i_h) * K * V + state_off, b_s, mask=m_state)
         m_tk = m_t[:, None] & (o_k[None, :] < K)
         m_tv = m_t[:, None] & m_v[None, :]
-        b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_u = tl.load(u + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_s.to(b_w.dtype))
-        tl.store(v_new + (rows[:, None] * H + i_h) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+        if DELTA:
+            b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_s.to(b_w.dtype))
+            tl.store(v_new + (rows[:, None] * H + i_h) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+        else:  # plain rule: the state takes v as it is
+            b_vn = b_u.to(tl.float32)
         last = bos + tl.minimum((i_t + 1) * BT, T) - 1
         b_kg = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         if SCALAR_G:  # k is the raw keys: decay each row to the chunk's end here
@@ -194,6 +201,7 @@ def _tree_scan_bwd_kernel(
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
     INJECT: tl.constexpr,
     SCALAR_G: tl.constexpr,
+    DELTA: tl.constexpr,
 ):
     i_nh, i_h, bos, T, n_chunks, first_chunk, o_k, o_v, m_v, state_off, m_state = _program(
         cu_seqlens, chunk_offsets, H, K, V, BT, BV
@@ -225,12 +233,19 @@ def _tree_scan_bwd_kernel(
         b_dv2 = b_dv.to(tl.float32) + tl.dot(b_kg, b_ds.to(b_kg.dtype))
         tl.store(dv2 + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv2.to(dv2.dtype.element_ty), mask=m_tv)
         b_do = tl.load(do + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_qg = tl.load(qg + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         # each branch reads its own decay (no name crosses from one compile-time branch to the
         # other); the per-channel one keeps its sum in the order it always had, so the KDA
         # scans' results are bit for bit what they were before the scalar mode existed
-        if SCALAR_G:  # qg is the raw queries: each row decays from the chunk's start here
+        if not DELTA:  # plain rule (scalar decay): no delta-rule correction term
+            b_gs = tl.load(gk + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+            b_qg = (b_qg.to(tl.float32) * tl.exp2(b_gs)[:, None]).to(b_qg.dtype)
+            b_ds = (
+                b_ds * tl.exp2(tl.load(gk + last * H + i_h).to(tl.float32))
+                + tl.dot(tl.trans(b_qg), b_do.to(b_qg.dtype)) * scale
+            )
+        elif SCALAR_G:  # qg is the raw queries: each row decays from the chunk's start here
+            b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
             b_gs = tl.load(gk + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
             b_qg = (b_qg.to(tl.float32) * tl.exp2(b_gs)[:, None]).to(b_qg.dtype)
             b_ds = (
@@ -239,6 +254,7 @@ def _tree_scan_bwd_kernel(
                 - tl.dot(tl.trans(b_w), b_dv2.to(b_w.dtype))
             )
         else:
+            b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
             b_gk = tl.load(gk + (last * H + i_h) * K + o_k).to(tl.float32)
             b_ds = (
                 b_ds * tl.exp2(b_gk)[:, None]
@@ -264,9 +280,17 @@ def _check(K: int) -> None:
         raise ValueError(f"tree scans need a power-of-two key dim in [16, 256]; got K={K}")
 
 
+def _delta(w: torch.Tensor | None, scalar: bool) -> bool:
+    """Whether the scans run the delta rule (``w`` given) or the plain one (``w`` None), which
+    they run with a scalar decay only (the plain rule's tree path is Mamba-2's SSD)."""
+    if w is None and not scalar:
+        raise ValueError("tree scans run the plain rule (w=None) with a scalar decay gk [1, T, H] only")
+    return w is not None
+
+
 def tree_scan_fwd(
     kg: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | None,
     u: torch.Tensor,
     gk: torch.Tensor,
     *,
@@ -279,20 +303,22 @@ def tree_scan_fwd(
     num_exported: int,
     output_final_state: bool = True,
     config: ScanConfig | None = None,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward state scan (module docstring).
 
     Args:
         kg, w: [1, T, H, K]; u: [1, T, H, V]; gk: [1, T, H, K] chunk-cumulated log2 decay, or
-            [1, T, H] (scalar decay: ``kg`` the raw keys, module docstring).
+            [1, T, H] (scalar decay: ``kg`` the raw keys, module docstring). ``w`` None: the
+            plain rule (u = v; scalar decay only), whose v_new is ``u`` itself.
         cu_seqlens: int [N + 1] (device); chunk_offsets: int [N + 1] first chunk of each sequence.
         num_chunks: NT, chunks of all sequences; chunk_size: B.
         initial_state: [N, H, K, V] float32 or None (zeros).
         export_index: int32 [NT] export slot per chunk (-1: none) or None; num_exported: E.
         config: launch configuration (None: ``ScanConfig()``).
-        out: (h, v_new, final, exported) to write into instead of new tensors (final: None
-            unless ``output_final_state``; exported: None without exports). The scan writes
+        out: (h, v_new, final, exported) to write into instead of new tensors (v_new: None
+            under the plain rule; final: None unless ``output_final_state``; exported: None
+            without exports). The scan writes
             only its own sequences' rows, chunks and states: a call over a slice of a larger
             packing (``cu_seqlens`` and ``chunk_offsets`` sliced; global chunk indices and export
             slots) fills its part of the whole's buffers (``linked_tree_linear_attn``).
@@ -304,15 +330,19 @@ def tree_scan_fwd(
     _, T, H, K = kg.shape
     V = u.shape[-1]
     _check(K)
+    delta = _delta(w, _scalar_decay(gk, kg))
     N = cu_seqlens.numel() - 1
+    v_new: torch.Tensor | None
     if out is not None:
         h, v_new, final, exported_out = out
         exported = exported_out if exported_out is not None else kg.new_empty(0, H, K, V, dtype=torch.float32)
     else:
         h = kg.new_empty(1, num_chunks, H, K, V)
-        v_new = torch.empty_like(u)
+        v_new = torch.empty_like(u) if delta else None
         final = kg.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
         exported = kg.new_empty(max(num_exported, 0), H, K, V, dtype=torch.float32)
+    if not delta:
+        v_new = None
     bv, warps, stages = _launch(config, kg, K, backward=False)
     grid = (triton.cdiv(V, bv), N * H)
     _tree_scan_fwd_kernel[grid](
@@ -337,16 +367,17 @@ def tree_scan_fwd(
         STORE_FINAL_STATE=final is not None,
         EXPORT=export_index is not None and num_exported > 0,
         SCALAR_G=_scalar_decay(gk, kg),
+        DELTA=delta,
         num_warps=warps,
         num_stages=stages,
     )
-    return h, v_new, final, exported
+    return h, u if v_new is None else v_new, final, exported
 
 
 def tree_scan_bwd(
     qg: torch.Tensor,
     kg: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | None,
     gk: torch.Tensor,
     do: torch.Tensor,
     dv: torch.Tensor,
@@ -368,7 +399,8 @@ def tree_scan_bwd(
     Args:
         qg, kg, w: [1, T, H, K]; gk: [1, T, H, K], or [1, T, H] (scalar decay: ``qg`` and
             ``kg`` the raw queries and keys, module docstring); do, dv: [1, T, H, V] (dv: the
-            gradient of v_new from the output side).
+            gradient of v_new from the output side). ``w`` None: the plain rule (scalar decay
+            only), whose dv2 is the whole gradient of v.
         dht: [N, H, K, V] final-state gradients or None; inject: [E, H, K, V] float32 and
             inject_index: int32 [NT] (slot whose gradient joins at the end of each chunk; -1
             none), or None.
@@ -383,6 +415,7 @@ def tree_scan_bwd(
     _, T, H, K = qg.shape
     V = do.shape[-1]
     _check(K)
+    delta = _delta(w, _scalar_decay(gk, kg))
     N = cu_seqlens.numel() - 1
     dh, dv2 = out if out is not None else (qg.new_empty(1, num_chunks, H, K, V), torch.empty_like(dv))
     dh0 = qg.new_empty(N, H, K, V, dtype=torch.float32) if want_initial_state_grad else None
@@ -414,6 +447,7 @@ def tree_scan_bwd(
         STORE_INITIAL_STATE_GRADIENT=want_initial_state_grad,
         INJECT=use_inject,
         SCALAR_G=_scalar_decay(gk, kg),
+        DELTA=delta,
         num_warps=warps,
         num_stages=stages,
     )

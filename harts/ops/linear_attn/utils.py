@@ -1,10 +1,15 @@
-"""Input checks shared by every linear-attention implementation (naive, chunk, fla).
+"""Input checks shared by every linear-attention implementation (naive, chunk, fla, tree).
+
+Two update rules share one contract (``RULES``), per sequence and head, state S [K, V]:
+    "delta"  S = exp(g_t) S;  S = S + beta_t k_t (v_t - S^T k_t)^T    (KDA, GDN)
+    "plain"  S = exp(g_t) S;  S = S + k_t v_t^T                      (Mamba-2's SSD, GLA)
+and o_t = scale * S^T q_t for both. "plain" takes no beta (None).
 
 Shapes: T packed rows, H heads, K key dim, V value dim, N sequences, R state requests.
     q_THK, k_THK   query / key
     v_THV          value
-    g              [T, H, K] per-channel log-decay (KDA) or [T, H] scalar log-decay (GDN)
-    beta_TH        delta-rule write strength in (0, 1)
+    g              [T, H, K] per-channel log-decay (KDA, GLA) or [T, H] scalar log-decay (GDN, SSD)
+    beta_TH        delta-rule write strength in (0, 1); None for the plain rule
     cu_seqlens     int64 [N + 1] packed sequence boundaries
     initial_state  [N, H, K, V] or None (zeros)
     state_requests int64 [R, 2]: (sequence index, position count within that sequence)
@@ -16,7 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LinearAttnSpec", "check_linear_attn_inputs"]
+__all__ = ["RULES", "LinearAttnSpec", "check_linear_attn_inputs", "check_rule"]
+
+#: the linear-attention update rules (module docstring)
+RULES = ("delta", "plain")
 
 
 # ``cu_seqlens`` and ``state_requests`` are read on the host (``tolist``): pass them as CPU tensors
@@ -32,6 +40,7 @@ class LinearAttnSpec:
     K: int
     V: int
     scalar_decay: bool
+    rule: str
     starts: list[int]
     lengths: list[int]
     requests: list[tuple[int, int]]
@@ -48,13 +57,17 @@ def check_linear_attn_inputs(
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor | None,
     state_requests: torch.Tensor | None,
     scale: float | None,
+    rule: str = "delta",
 ) -> LinearAttnSpec:
-    """Validate shapes and indices; raise ValueError naming the offending argument."""
+    """Validate shapes and indices; raise ValueError naming the offending argument.
+
+    ``beta`` is [T, H] for ``rule="delta"`` and None for ``rule="plain"`` (``check_rule``)."""
+    check_rule(rule, beta)
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [T, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     T, H, K = q.shape
@@ -67,10 +80,10 @@ def check_linear_attn_inputs(
         scalar_decay = True
     else:
         raise ValueError(f"g must be [T, H, K]=({T}, {H}, {K}) (KDA) or [T, H]=({T}, {H}) (GDN); got {tuple(g.shape)}")
-    if beta.shape != (T, H):
+    if beta is not None and beta.shape != (T, H):
         raise ValueError(f"beta must be [T, H]=({T}, {H}); got {tuple(beta.shape)}")
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if x.device != q.device:
+        if x is not None and x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
     if not q.is_floating_point():
         raise ValueError(f"q must be a floating tensor; got {q.dtype}")
@@ -115,9 +128,21 @@ def check_linear_attn_inputs(
         K=K,
         V=V,
         scalar_decay=scalar_decay,
+        rule=rule,
         starts=cu[:-1],
         lengths=lengths,
         requests=requests,
         scale=K**-0.5 if scale is None else float(scale),
         compute_dtype=compute_dtype,
     )
+
+
+def check_rule(rule: str, beta: torch.Tensor | None) -> None:
+    """ValueError unless ``rule`` is one of ``RULES`` and ``beta`` fits it (a tensor for
+    "delta", None for "plain": the plain rule has no write strength)."""
+    if rule not in RULES:
+        raise ValueError(f"linear-attention rule must be one of {', '.join(map(repr, RULES))}; got {rule!r}")
+    if rule == "delta" and beta is None:
+        raise ValueError("the delta rule needs beta [T, H]; pass rule='plain' for the recurrence without it")
+    if rule == "plain" and beta is not None:
+        raise ValueError("the plain rule takes no beta (pass None); beta is the delta rule's write strength")

@@ -15,12 +15,21 @@ from typing import Any
 
 import numpy as np
 
+from harts.errors import CapacityError
 from harts.plan.calls import CallPlan, plan_calls, plan_calls_many
 from harts.plan.step.objective import PrefixCost, imbalance
 from harts.plan.step.schedule import build_schedule
 from harts.tree.compact import CompactBatch, PrefixIndex
 
-__all__ = ["StepPlan", "check_inputs", "plan_from_owner", "same_step_plan", "to_step_plan"]
+__all__ = [
+    "StepPlan",
+    "capacity_error",
+    "check_capacity",
+    "check_inputs",
+    "plan_from_owner",
+    "same_step_plan",
+    "to_step_plan",
+]
 
 
 @dataclass(kw_only=True)
@@ -112,7 +121,8 @@ class StepPlan:
 def check_dp_capacity(lengths: np.ndarray, dp: int, capacity: int, unit: str) -> None:
     """Clear errors for D, T (counted in ``unit`` tokens) and trajectory ``lengths`` [N] that no
     step plan can take: non-positive or fractional D or T, fewer trajectories than replicas, a
-    trajectory longer than T (the harts planner's and the trajectory baseline's shared checks)."""
+    trajectory longer than T (``check_capacity``; the harts planner's and the trajectory
+    baseline's shared checks)."""
     if int(dp) != dp or dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp!r}")
     if int(capacity) != capacity or capacity < 1:
@@ -120,13 +130,39 @@ def check_dp_capacity(lengths: np.ndarray, dp: int, capacity: int, unit: str) ->
     n = len(lengths)
     if dp > n:
         raise ValueError(f"dp={dp} exceeds the number of trajectories ({n}): every replica needs a microbatch")
-    too_long = np.flatnonzero(lengths > capacity)
-    if too_long.size:
-        j = int(too_long[0])
-        raise ValueError(
-            f"trajectory {j} has {int(lengths[j])} tokens, more than capacity={capacity} "
-            f"({too_long.size} trajectories are too long); a trajectory is never split"
-        )
+    check_capacity(lengths, capacity)
+
+
+def check_capacity(
+    lengths: np.ndarray, capacity: int, *, where: str = "", option: str = "capacity", fits: int | None = None
+) -> None:
+    """The capacity rule, its one owner: a trajectory is never split across microbatches, so
+    each of ``lengths`` [N] must be at most ``capacity`` tokens; else ``capacity_error`` of the
+    longest."""
+    j = int(np.argmax(lengths)) if len(lengths) else 0
+    if len(lengths) and int(lengths[j]) > capacity:
+        raise capacity_error(j, int(lengths[j]), capacity, where=where, option=option, fits=fits)
+
+
+def capacity_error(
+    trajectory: int, tokens: int, capacity: int, *, where: str = "", option: str = "capacity", fits: int | None = None
+) -> CapacityError:
+    """The error of trajectory ``trajectory`` of ``tokens`` tokens over ``capacity``, naming the
+    smallest capacity that fits: ``fits`` where the caller checks several steps (the largest of
+    their longest trajectories), else ``tokens``.
+
+    ``option`` spells the setting the way its user gave it: ``"capacity"`` (a field,
+    ``capacity=512``) or a flag (``"--capacity"``: ``--capacity 512``); ``where`` prefixes the
+    message with the step it is about."""
+
+    def said(n: int, sep: str = "") -> str:
+        return f"{option} {n:{sep}}" if option.startswith("-") else f"{option}={n:{sep}}"
+
+    scope = "every step" if fits is not None else "this batch"
+    return CapacityError(
+        f"{where}trajectory {trajectory} has {tokens:,} tokens, more than {said(capacity, ',')} (a trajectory is "
+        f"never split across microbatches); the smallest capacity that fits {scope} is {said(fits or tokens)}"
+    )
 
 
 def check_inputs(index: PrefixIndex, dp: int, capacity: int) -> None:

@@ -17,6 +17,7 @@ from harts.plan.step import planner as planner_module
 from harts.plan.step.step_plan import same_step_plan
 from harts.plan.step.workers import completed, run_inline, shared_workers
 from harts.trainer.step import TrainConfig
+from harts.tree.compact import prefix_index
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def _cases():
 @pytest.mark.parametrize("workload,step,dp,capacity,n0", list(_cases()))
 def test_workers_make_the_serial_plan(workers, workload: str, step: int, dp: int, capacity: int, n0: int) -> None:
     batch = harts.workloads.generate(workload, step=step, seed=3)
-    index = harts.prefix_index(batch)
+    index = prefix_index(batch)
     alone = plan_step(index, dp=dp, capacity=capacity, n0=n0)
     both = plan_step(index, dp=dp, capacity=capacity, n0=n0, workers=workers)
     assert same_step_plan(alone, both)
@@ -54,7 +55,7 @@ def test_workers_make_the_serial_plan(workers, workload: str, step: int, dp: int
 def test_the_winners_polish_comes_from_a_worker(workers, monkeypatch, workload, step, dp, capacity, n0) -> None:
     # the polish of whichever candidate wins was started in a worker before the winner was known
     batch = harts.workloads.generate(workload, step=step, seed=3)
-    index = harts.prefix_index(batch)
+    index = prefix_index(batch)
     inline = []
     real = planner_module._polish
     monkeypatch.setattr(planner_module, "_polish", lambda *a: inline.append(1) or real(*a))
@@ -67,7 +68,7 @@ def test_the_winners_polish_comes_from_a_worker(workers, monkeypatch, workload, 
 def test_workers_with_more_polished_candidates(workers, monkeypatch) -> None:
     # candidates beyond the winner are polished on demand, in this process: still the same plan
     batch = harts.workloads.generate("medium", step=1, seed=0)
-    index = harts.prefix_index(batch)
+    index = prefix_index(batch)
     monkeypatch.setattr(planner_module, "BALANCE_CANDIDATES", 3)
     assert same_step_plan(
         plan_step(index, dp=4, capacity=32768), plan_step(index, dp=4, capacity=32768, workers=workers)
@@ -80,7 +81,7 @@ def _die() -> None:
 
 def test_a_dead_worker_falls_back_to_this_process() -> None:
     batch = harts.workloads.generate("small", step=0, seed=1)
-    index = harts.prefix_index(batch)
+    index = prefix_index(batch)
     alone = plan_step(index, dp=2, capacity=4096)
     with PlannerWorkers(1, min_paths=0) as w:
         w.wait_ready()
@@ -102,7 +103,7 @@ def test_a_dead_worker_falls_back_to_this_process() -> None:
 
 def test_small_steps_plan_in_this_process(workers) -> None:
     batch = harts.workloads.generate("small", step=0, seed=1)
-    index = harts.prefix_index(batch)
+    index = prefix_index(batch)
     few = PlannerWorkers(1, min_paths=batch.num_trajectories + 1)
     try:
         assert few.used_for(batch.num_trajectories + 1) and not few.used_for(batch.num_trajectories)
@@ -257,7 +258,7 @@ def test_workers_on_random_forests(_close_pool) -> None:
         batch = batch_from_forest(rng, lengths, parents)
         if batch.num_trajectories < dp:
             return
-        index = harts.prefix_index(batch)
+        index = prefix_index(batch)
         longest = int(batch.lengths.max())
         total = int(index.lcp_index.total_work())
         capacity = max(longest, int(slack * total / max(dp, 1) / 2))

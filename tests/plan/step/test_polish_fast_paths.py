@@ -9,12 +9,13 @@ import pytest
 import harts
 from harts.plan.step import balance, swap
 from harts.plan.step.objective import PrefixCost
+from harts.tree.compact import prefix_index
 
 
 @pytest.fixture(scope="module")
 def cost() -> PrefixCost:
     batch = harts.workloads.generate("medium", step=0, seed=2)
-    return PrefixCost(harts.prefix_index(batch).lcp_index)
+    return PrefixCost(prefix_index(batch).lcp_index)
 
 
 def _members(cost: PrefixCost, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

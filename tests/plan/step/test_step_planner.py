@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harts
+from harts.plan.step import StepPlan, plan_step
 from harts.plan.step.balance import _lowest_distinct
 from harts.plan.step.exact import exact_partitions, partition_cost
 from harts.plan.step.greedy import Grouping, align_to_dp, greedy_plans, processing_orders
@@ -18,6 +19,7 @@ from harts.plan.step.objective import PrefixCost
 from harts.plan.step.refine import refine_boundaries
 from harts.plan.step.repair import sparse_repair
 from harts.plan.step.schedule import build_schedule
+from harts.tree.compact import CompactBatch, compact, prefix_index
 from tests.strategies import random_forest_batch
 
 
@@ -26,11 +28,11 @@ def trie_count(trajs: list[np.ndarray]) -> int:
     return len({tuple(t[: i + 1].tolist()) for t in trajs for i in range(len(t))})
 
 
-def sorted_trajs(cb: harts.CompactBatch) -> list[np.ndarray]:
+def sorted_trajs(cb: CompactBatch) -> list[np.ndarray]:
     return [cb.batch.trajectory(int(j)) for j in cb.lcp_index.order]
 
 
-def check_plan(plan: harts.StepPlan, batch: harts.RolloutBatch, dp: int, capacity: int) -> None:
+def check_plan(plan: StepPlan, batch: harts.RolloutBatch, dp: int, capacity: int) -> None:
     n = batch.num_trajectories
     k = plan.num_microbatches
     members = [j for mb in plan.microbatches for j in mb]
@@ -57,7 +59,7 @@ def test_harts_plans_are_feasible(seed: int, dp: int, slack: float, paths: int) 
     batch = random_forest_batch(rng, trees=int(rng.integers(1, 5)), paths=paths, shared_root=int(rng.integers(0, 3)))
     capacity = int(batch.lengths.max() * slack)
     try:
-        plan = harts.plan_step(batch, dp=dp, capacity=capacity)
+        plan = plan_step(batch, dp=dp, capacity=capacity)
     except ValueError as err:
         assert "dp=" in str(err) or "capacity" in str(err)
         return
@@ -71,7 +73,7 @@ def test_large_mode_plans_are_feasible(seed: int, dp: int) -> None:
     rng = np.random.default_rng(seed)
     batch = random_forest_batch(rng, trees=4, paths=60, shared_root=2)
     capacity = int(batch.lengths.max() * 2)
-    plan = harts.plan_step(batch, dp=dp, capacity=capacity, n0=10, q_max=4)
+    plan = plan_step(batch, dp=dp, capacity=capacity, n0=10, q_max=4)
     check_plan(plan, batch, dp, capacity)
 
 
@@ -80,7 +82,7 @@ def test_large_mode_plans_are_feasible(seed: int, dp: int) -> None:
 def test_interval_work_and_insertion_cost_match_trie(seed: int) -> None:
     rng = np.random.default_rng(seed)
     batch = random_forest_batch(rng, trees=3, paths=12, vocab=3)
-    cb = harts.compact(batch)
+    cb = compact(batch)
     cost = PrefixCost(cb.lcp_index)
     trajs = sorted_trajs(cb)
     n = len(trajs)
@@ -109,7 +111,7 @@ def test_lockstep_greedy_equals_one_plan_at_a_time(seed: int) -> None:
     policy at a time through ``Grouping.insert`` alone (which computes it itself)."""
     rng = np.random.default_rng(seed)
     batch = random_forest_batch(rng, trees=int(rng.integers(1, 5)), paths=30, shared_root=int(rng.integers(0, 3)))
-    cost = PrefixCost(harts.prefix_index(batch).lcp_index)
+    cost = PrefixCost(prefix_index(batch).lcp_index)
     capacity = int(batch.lengths.max() * rng.uniform(1.0, 3.0))
     policies = ("best_fit", "max_shared")
     for order in processing_orders(cost).values():
@@ -127,7 +129,7 @@ def test_lockstep_greedy_equals_one_plan_at_a_time(seed: int) -> None:
 def test_lcp_ascending_and_lowest_distinct(seed: int) -> None:
     rng = np.random.default_rng(seed)
     batch = random_forest_batch(rng, trees=3, paths=20, vocab=3)
-    cost = PrefixCost(harts.prefix_index(batch).lcp_index)
+    cost = PrefixCost(prefix_index(batch).lcp_index)
     i = rng.integers(0, cost.n - 1, size=50)
     j = i + 1 + (rng.integers(0, cost.n, size=50) % (cost.n - 1 - i))
     assert np.array_equal(cost.lcp_ascending(i, j), cost.lcp(i, j))
@@ -156,7 +158,7 @@ def brute_force(cost: PrefixCost, capacity: int, k: int) -> tuple[int, int] | No
 def test_exact_dp_equals_brute_force(seed: int, slack: float) -> None:
     rng = np.random.default_rng(seed)
     batch = random_forest_batch(rng, trees=3, paths=int(rng.integers(2, 10)), vocab=3)
-    cost = PrefixCost(harts.compact(batch).lcp_index)
+    cost = PrefixCost(compact(batch).lcp_index)
     capacity = int(cost.length.max() * slack)
     ks = list(range(1, cost.n + 1))
     got = exact_partitions(cost, capacity, ks)
@@ -173,7 +175,7 @@ def test_exact_dp_equals_brute_force(seed: int, slack: float) -> None:
 def test_local_search_preserves_feasibility_and_never_worsens(seed: int) -> None:
     rng = np.random.default_rng(seed)
     batch = random_forest_batch(rng, trees=3, paths=30, vocab=3, shared_root=1)
-    cost = PrefixCost(harts.compact(batch).lcp_index)
+    cost = PrefixCost(compact(batch).lcp_index)
     capacity = int(cost.length.max() * 2)
     p0 = natural_partition(cost, capacity)
     w0 = cost.interval_work(p0[:-1], p0[1:])
@@ -209,16 +211,16 @@ def test_schedule_sorted_blocks_heavier_to_lighter() -> None:
 def test_errors_name_the_problem() -> None:
     batch = harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 4, 5, 6, 7], [9]])
     with pytest.raises(ValueError, match="trajectory 1 has 6 tokens"):
-        harts.plan_step(batch, dp=1, capacity=5)
+        plan_step(batch, dp=1, capacity=5)
     with pytest.raises(ValueError, match="dp=4 exceeds the number of trajectories"):
-        harts.plan_step(batch, dp=4, capacity=100)
+        plan_step(batch, dp=4, capacity=100)
     disjoint = harts.RolloutBatch.from_trajectories([[1] * 6, [2] * 6, [3] * 6])
     with pytest.raises(ValueError, match="capacity=6 is too small"):
-        harts.plan_step(disjoint, dp=2, capacity=6)
+        plan_step(disjoint, dp=2, capacity=6)
     with pytest.raises(TypeError, match="method"):  # the OR-Tools baseline is ortools_step
-        harts.plan_step(batch, dp=1, capacity=100, method="magic")
+        plan_step(batch, dp=1, capacity=100, method="magic")
     with pytest.raises(ValueError, match="dp must be a positive"):
-        harts.plan_step(batch, dp=0, capacity=100)
+        plan_step(batch, dp=0, capacity=100)
 
 
 def test_ortools_baseline_is_feasible() -> None:
@@ -231,7 +233,7 @@ def test_ortools_baseline_is_feasible() -> None:
     for dp in (1, 2):
         plan = ortools_step(batch, dp=dp, capacity=capacity, time_limit=2.0)
         check_plan(plan, batch, dp, capacity)
-        harts_plan = harts.plan_step(batch, dp=dp, capacity=capacity)
+        harts_plan = plan_step(batch, dp=dp, capacity=capacity)
         assert harts_plan.method == "harts" and plan.method == "ortools"
 
 
@@ -263,7 +265,7 @@ def test_plan_from_a_batch_its_prefix_index_or_its_compaction_is_the_same() -> N
     """plan_step reads only the LCP index: a batch (prefix index built from its tree), its
     PrefixIndex and its CompactBatch give the same plan, and its microbatches compact alike."""
     batch = harts.workloads.generate("small", step=1)
-    plans = [harts.plan_step(x, dp=2, capacity=8192) for x in (batch, harts.prefix_index(batch), harts.compact(batch))]
+    plans = [plan_step(x, dp=2, capacity=8192) for x in (batch, prefix_index(batch), compact(batch))]
     for p in plans[1:]:
         assert (p.microbatches, p.replica, p.slot, p.work, p.objective) == (
             plans[0].microbatches,
@@ -272,16 +274,16 @@ def test_plan_from_a_batch_its_prefix_index_or_its_compaction_is_the_same() -> N
             plans[0].work,
             plans[0].objective,
         )
-    a, b = plans[0].compact_microbatch(0), harts.compact(batch.select(plans[0].microbatches[0]))
+    a, b = plans[0].compact_microbatch(0), compact(batch.select(plans[0].microbatches[0]))
     np.testing.assert_array_equal(a.semantic_to_compact, b.semantic_to_compact)
     np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
 def test_workload_step_plan() -> None:
     batch = harts.workloads.generate("small", step=0, seed=0)
-    cb = harts.compact(batch)
+    cb = compact(batch)
     capacity = int(max(batch.lengths.max(), cb.num_compact_tokens // 6))
-    plan = harts.plan_step(cb, dp=2, capacity=capacity)
+    plan = plan_step(cb, dp=2, capacity=capacity)
     check_plan(plan, batch, 2, capacity)
 
 
@@ -301,7 +303,7 @@ def test_deep_repair_and_balance_keep_feasibility_and_never_worsen_j(seed: int, 
 
     rng = np.random.default_rng(seed)
     batch = random_forest_batch(rng, trees=4, paths=40, vocab=3, shared_root=2)
-    cb = harts.compact(batch)
+    cb = compact(batch)
     cost = PrefixCost(cb.lcp_index)
     k = 3 * dp
     owner = rng.integers(0, k, cost.n)
@@ -325,10 +327,10 @@ def test_deep_repair_and_balance_keep_feasibility_and_never_worsen_j(seed: int, 
 
 def test_paper_pipeline_reachable_and_extensions_never_worse() -> None:
     batch = harts.workloads.generate("small", step=0, seed=0)
-    cb = harts.compact(batch)
+    cb = compact(batch)
     capacity = int(max(batch.lengths.max(), cb.num_compact_tokens // 6))
-    paper = harts.plan_step(cb, dp=2, capacity=capacity, n0=10, extensions=False)
-    full = harts.plan_step(cb, dp=2, capacity=capacity, n0=10)
+    paper = plan_step(cb, dp=2, capacity=capacity, n0=10, extensions=False)
+    full = plan_step(cb, dp=2, capacity=capacity, n0=10)
     check_plan(paper, batch, 2, capacity)
     check_plan(full, batch, 2, capacity)
     assert not any(s in paper.info["winner"] for s in ("+deep", "+balance", "+swap"))
@@ -342,7 +344,7 @@ def test_slot_swaps_and_tail_repack_keep_feasibility_and_never_worsen_j(seed: in
 
     rng = np.random.default_rng(seed)
     batch = random_forest_batch(rng, trees=5, paths=40, vocab=3, shared_root=int(rng.integers(0, 3)))
-    cb = harts.compact(batch)
+    cb = compact(batch)
     cost = PrefixCost(cb.lcp_index)
     k = 3 * dp
     owner = rng.integers(0, k, cost.n)
@@ -367,11 +369,11 @@ def test_polishing_more_candidates_never_worsens_j(monkeypatch) -> None:
     from harts.plan.step import planner
 
     batch = harts.workloads.generate("small", step=1, seed=0)
-    cb = harts.compact(batch)
+    cb = compact(batch)
     capacity = int(max(batch.lengths.max(), cb.num_compact_tokens // 10))
-    one = harts.plan_step(cb, dp=2, capacity=capacity)
+    one = plan_step(cb, dp=2, capacity=capacity)
     monkeypatch.setattr(planner, "BALANCE_CANDIDATES", 3)
-    three = harts.plan_step(cb, dp=2, capacity=capacity)
+    three = plan_step(cb, dp=2, capacity=capacity)
     check_plan(three, batch, 2, capacity)
     assert three.objective <= one.objective
 
@@ -381,14 +383,14 @@ def test_step_plan_hands_out_compact_slices_and_call_plans() -> None:
     from tests.tree.test_compact import assert_same_compaction
 
     batch = harts.workloads.generate("small", step=0)
-    plan = harts.plan_step(batch, dp=2, capacity=4096)
+    plan = plan_step(batch, dp=2, capacity=4096)
     seen = []
     for d in range(2):
         ks = plan.for_replica(d)
         assert [plan.slot[k] for k in ks] == sorted(plan.slot[k] for k in ks)
         assert all(plan.replica[k] == d for k in ks)
         for k, (cb, call_plan) in zip(ks, plan.prepare_replica(d, 16)):
-            assert_same_compaction(cb, harts.compact(batch.select(plan.microbatches[k])))
+            assert_same_compaction(cb, compact(batch.select(plan.microbatches[k])))
             want = plan_calls(cb.segment_trees, 16)
             assert call_plan.num_calls == want.num_calls
             np.testing.assert_array_equal(call_plan.seq_segments, want.seq_segments)
