@@ -25,19 +25,21 @@ from __future__ import annotations
 import argparse
 
 from harts.errors import UserError
-from harts.trainer.options import Option, option_of, read_toml, table_values
+from harts.trainer.options import Option, option_of, read_toml, sections_of, table_values
 
 __all__ = ["add_config_argument", "apply_config", "command_options"]
 
 
 def add_config_argument(p: argparse.ArgumentParser) -> None:
-    """``--config FILE``, for the commands that take a file (train, bench, compare, serve, demo)."""
+    """``--config FILE``, for the commands that take a file (train, bench, compare, serve, demo),
+    added after every other flag of ``p``: its help names the tables of those flags, the ones a
+    file for this command may hold (a table of another command's flags is an error)."""
+    tables = ", ".join(f"[{s}]" for s in sections_of(command_options(p, p.prog.split()[-1])))
     p.add_argument(
         "--config",
         default=None,
         metavar="FILE",
-        help="read options from a TOML file: tables [model], [lora], [execution], [step], [parallel], "
-        "[optimizer], [data], [outputs] and this command's own, keys named as the flags (--la-backend: "
+        help=f"read options from a TOML file: tables {tables}, keys named as the flags (--la-backend: "
         "la_backend); flags given here override the file (docs/CONFIG.md)",
     )
 

@@ -47,7 +47,7 @@ def add_force_argument(p: argparse.ArgumentParser) -> None:
         "--force",
         action="store_true",
         help="run even when the estimated peak memory (parameters, gradients, optimizer state, "
-        "activations at --capacity, logits) exceeds what the device has free; checked before any work",
+        "one microbatch's activations and logits) exceeds what the device has free; checked before any work",
     )
 
 

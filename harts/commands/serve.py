@@ -25,7 +25,6 @@ from harts.commands._inputs import (
     MODEL_PRESETS,
     add_execution_arguments,
     add_option,
-    add_options,
     add_output_arguments,
     positive_float,
     positive_int,
@@ -85,7 +84,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where checkpoints go (runs/<model_id>/...); client paths never leave it",
     )
     add_option(p, "device", help="torch device of the engines")
-    add_options(p, "dtype", "layers", "la_backend")
+    add_option(p, "dtype")
+    add_option(
+        p,
+        "layers",
+        help="keep the first N decoder layers of a preset's layer pattern, at its real widths, heads and experts; "
+        "presets only (default: all layers)",
+    )
+    add_option(p, "la_backend")
     add_execution_arguments(p)
     add_option(p, "seed", help="model init (presets), default LoRA seed, sampling seeds")
     add_option(

@@ -1,7 +1,7 @@
 """Integrations with other libraries; each lives in its own subpackage with optional dependencies.
 
 ``harts.integrations.hf``: load transformers hybrid models (BailingHybrid / Ling 3.0,
-Qwen3-Next, Kimi Linear) into ``HybridLM`` and save them back. Importing this package does not
+Qwen3-Next, Qwen3.5, Kimi Linear, Nemotron-H, Granite 4.0-H) into ``HybridLM`` and save them back. Importing this package does not
 import transformers; the entry points below load it on first use.
 """
 

@@ -3,8 +3,9 @@
 ``load_model("tiny")`` builds ``HybridLM(HybridConfig.preset("tiny"))`` with a seeded init
 (``layers=N``: the preset's first N decoder layers, ``harts.models.presets``);
 ``load_model("/path/to/checkpoint")`` loads a local transformers checkpoint directory
-(BailingHybrid / Qwen3-Next / Kimi Linear; ``harts.integrations.hf``) or harts' own weights
-directory (``harts.integrations.native``, written for models no transformers class describes).
+(BailingHybrid / Qwen3-Next / Qwen3.5 / Kimi Linear / Nemotron-H / Granite 4.0-H;
+``harts.integrations.hf``) or harts' own weights directory (``harts.integrations.native``,
+written for models no transformers class describes).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ a decoder layer may be a mixer only, an FFN only, or both (Nemotron-H's layers a
 each). Field names follow transformers where one exists so state-dict adapters stay thin.
 
 Presets (``HybridConfig.preset(name, layers=N)``): ``tiny``, ``ling3_tiny`` and the real models
-of ``harts.models.presets`` (Qwen3.5, Qwen3-Next, Kimi Linear); ``layers`` keeps the first N
-decoder layers of the real layer pattern (``first_layers``).
+of ``harts.models.presets`` (Qwen3.5, Qwen3-Next, Kimi Linear, Nemotron 3 Nano, Granite 4.0-H);
+``layers`` keeps the first N decoder layers of the real layer pattern (``first_layers``).
 """
 
 from __future__ import annotations

@@ -343,7 +343,8 @@ def check_context_parallel(config: HybridConfig, cp: int, tp: int = 1) -> None:
     for spec in mixer_specs(config.layer_pattern):
         if spec.cp_divisors is None:
             raise UserError(
-                f"--cp {cp}: context parallelism does not split {spec.description} layers ({spec.letter}) yet"
+                f"--cp {cp}: context parallelism does not split {spec.description} layers ({spec.letter}), which "
+                "this model has; use --cp 1"
             )
         need += [n for n in spec.cp_divisors(config, tp) if n not in need]
     for what, n, _ in (x for x in need if x[2] == "divides"):

@@ -227,7 +227,8 @@ def check_tensor_parallel(config: HybridConfig, tp: int) -> None:
     for spec in mixer_specs(config.layer_pattern):
         if spec.tp_plan is None:
             raise UserError(
-                f"--tp {tp}: tensor parallelism does not split {spec.description} layers ({spec.letter}) yet"
+                f"--tp {tp}: tensor parallelism does not split {spec.description} layers ({spec.letter}), which "
+                "this model has; use --tp 1"
             )
         need += [n for n in spec.tp_divisors(config) if n not in need]
     need.append(("MLP columns (intermediate_size)", config.intermediate_size))

@@ -100,7 +100,11 @@ class FastContext(RowContext):
         out[self.valid_BN] = x_T
         return out
 
-    def short_conv(self, x_TD, weight_DW, bias_D, activation):  # type: ignore[override]
+    def short_conv(
+        self, x_TD: torch.Tensor, weight_DW: torch.Tensor, bias_D: torch.Tensor | None, activation: str | None
+    ) -> torch.Tensor:
+        """[T, C] conv outputs of the new rows, each sequence's conv state [W - 1, C] read from its
+        slot and replaced by its last W - 1 inputs, so the next call continues where this one ended."""
         c, w = weight_DW.shape
         conv = self.cache.tensor(self.layer, "conv", (w - 1, c), x_TD.dtype)
         if not self.is_step:
@@ -140,7 +144,22 @@ class FastContext(RowContext):
             y = causal_conv1d_varlen(packed, weight_DW, cu_host, bias=bias_D, activation=activation)
         return y[new_idx]
 
-    def linear_attention(self, q_THK, k_THK, v_THV, g, beta_TH, *, rule="delta", scale=None, qkv_gathered=False):  # type: ignore[override]
+    def linear_attention(
+        self,
+        q_THK: torch.Tensor,
+        k_THK: torch.Tensor,
+        v_THV: torch.Tensor,
+        g: torch.Tensor,
+        beta_TH: torch.Tensor | None,
+        *,
+        rule: str = "delta",
+        scale: float | None = None,
+        qkv_gathered: bool = False,
+    ) -> torch.Tensor:
+        """[T, H, V] outputs of the new rows, each sequence starting from its slot's state
+        [H, K, V] and leaving its last state there (``RowContext.linear_attention`` gives the
+        inputs' shapes): one recurrent step per sequence at a decoding step, the chunked operator
+        over the packed rows at prefill."""
         h, kd, vd = q_THK.shape[1], q_THK.shape[2], v_THV.shape[2]
         scale = kd**-0.5 if scale is None else scale
         state = self.cache.tensor(self.layer, "state", (h, kd, vd), torch.promote_types(q_THK.dtype, torch.float32))
@@ -158,7 +177,10 @@ class FastContext(RowContext):
         state[self.ids_B] = S.to(state.dtype)
         return o.to(v_THV.dtype)
 
-    def attention(self, q_THD, k_TGD, v_TGE, *, scale):  # type: ignore[override]
+    def attention(self, q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGE: torch.Tensor, *, scale: float) -> torch.Tensor:
+        """[T, H, E] outputs of the new rows: their keys / values [T, G, D / E] written to their KV
+        slots, each query reading its sequence's cached keys up to its own position (fresh
+        prompts: causal among their own rows, nothing cached)."""
         k_cache = self.cache.tensor(self.layer, "k", k_TGD.shape[1:], k_TGD.dtype)
         v_cache = self.cache.tensor(self.layer, "v", v_TGE.shape[1:], v_TGE.dtype)
         k_cache[self.slots_T] = k_TGD
@@ -168,7 +190,7 @@ class FastContext(RowContext):
 
             cu = self.cu_host.to(q_THD.device)
             return varlen_causal_attention(
-                q_THD, k_TGD, v_TGE, cu_seqlens=cu, scale=scale, cu_seqlens_host=self.cu_host
+                q_THD, k_TGD, v_TGE, cu_seqlens=cu, scale=scale, cu_seqlens_host=self.cu_host.numpy()
             )
         table_BM = self.cache.table_NL[self.ids_B, : self.key_len]
         mask_BNM = torch.arange(self.key_len, device=q_THD.device)[None, None, :] <= self.limit_BN[..., None]

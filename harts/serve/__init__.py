@@ -9,8 +9,12 @@ it as to Tinker, with the SDK's own wire types on both ends. Modules, outside in
     worker       the one thread that runs engine work: runs take turns, each client's requests in order
     futures      request records, resolved exactly once, polled by retrieve_future
     training     a training run and its forward_backward / optim_step / checkpoint work
-    sampling     sampling with harts' sampler (prompt state forked per sample), weight snapshots
+    sampling     sampling (the batched decoder on CUDA, the reference elsewhere; the prompt's
+                 state forked per sample), weight snapshots
+    provenance   the sequences sampling returned, by sequence id, and datums checked against them
+    tokenizer    the served tokenizer (--tokenizer) and the decoding of stop strings
     checkpoints  the state directory: tinker:// paths -> directories that cannot escape it
+    access       checkpoints out: publish / unpublish / TTL, signed download URLs, archives
     wire         tinker's request types and protobufs <-> harts trajectories and results
     config       ServeConfig
     server       model facts, the engine factory, uvicorn

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,7 @@ __all__ = [
     "positive_int",
     "read_toml",
     "recompute_fields",
+    "sections_of",
     "seed_int",
     "table_values",
     "train_config",
@@ -199,6 +200,7 @@ class Option:
         return self.flag or "--" + self.dest.replace("_", "-")
 
     def allowed(self) -> tuple[str, ...] | None:
+        """The allowed values now (a callable ``choices`` is asked at each call), or None: any."""
         return self.choices() if callable(self.choices) else self.choices
 
 
@@ -252,7 +254,7 @@ OPTIONS: tuple[Option, ...] = (
         default="tiny",
         metavar="PRESET|PATH",
         help=f"model preset ({', '.join(MODEL_PRESETS)}: the real models' shapes, random init) or a transformers "
-        "checkpoint directory (BailingHybrid / Qwen3-Next / Qwen3.5 / Kimi Linear)",
+        "checkpoint directory (BailingHybrid / Qwen3-Next / Qwen3.5 / Kimi Linear / Nemotron-H / Granite 4.0-H)",
     ),
     Option("model", "pattern", "pattern", help="override a preset's layer pattern, e.g. KKKM"),
     Option(
@@ -640,14 +642,20 @@ def read_toml(path: str, source: str | None = None) -> dict[str, Any]:
     return data
 
 
+def sections_of(options: Iterable[tuple[str, str]]) -> list[str]:
+    """The tables of ``options``' (section, key) pairs, in the schema's order (``SECTIONS``) and a
+    command's own last: the order errors and ``--config``'s help list them in."""
+    order = {s: i for i, s in enumerate(SECTIONS)}
+    return sorted(dict.fromkeys(s for s, _ in options), key=lambda s: order.get(s, len(order)))
+
+
 def table_values(
     data: Mapping[str, Any], source: str, options: Mapping[tuple[str, str], Option], owner: str
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """``data``'s tables checked against ``options`` ((section, key) -> option, what ``owner``
     takes): argparse destination -> value, and destination -> ``source: section.key``. The first
     unknown section, unknown key or bad value is one ``UserError`` naming it."""
-    order = {s: i for i, s in enumerate(SECTIONS)}
-    sections = sorted(dict.fromkeys(s for s, _ in options), key=lambda s: order.get(s, len(order)))
+    sections = sections_of(options)
     values: dict[str, Any] = {}
     where: dict[str, str] = {}
     for section, table in data.items():
@@ -687,9 +695,11 @@ class Values:
         return cls(vars(args), getattr(args, "_config_sources", {}))
 
     def get(self, dest: str, default: Any = None) -> Any:  # noqa: ANN401 - any option's value
+        """The value of destination ``dest``, ``default`` where this command has no such option."""
         return self.values.get(dest, default)
 
     def has(self, dest: str) -> bool:
+        """Whether this command has option ``dest`` (a config is built from the options it has)."""
         return dest in self.values
 
     def name(self, dest: str) -> str:
@@ -861,15 +871,19 @@ class RunOptions:
         return Values(self.values, self.sources)
 
     def execution_config(self, **fixed: Any) -> ExecutionConfig:
+        """``[execution]``'s ``ExecutionConfig`` (``execution_config``), ``fixed`` fields set as given."""
         return execution_config(self._values, **fixed)
 
     def lora_config(self) -> LoraConfig | None:
+        """``[lora]``'s ``LoraConfig``, None without a rank (``lora_config``)."""
         return lora_config(self._values)
 
     def model_spec(self) -> ModelSpec:
+        """``[model]``'s ``ModelSpec``, with the execution's kernels (``model_spec``)."""
         return model_spec(self._values)
 
     def train_config(self, **fixed: Any) -> TrainConfig:
+        """The ``TrainConfig`` of ``[step]``, ``[optimizer]`` and ``[execution]`` (``train_config``)."""
         return train_config(self._values, **fixed)
 
     def parallel_config(self) -> ParallelConfig:

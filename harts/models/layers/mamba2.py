@@ -56,6 +56,9 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(h * p, d, bias=False)
 
     def forward(self, x_TD: torch.Tensor, ctx: RowContext) -> torch.Tensor:
+        """[T, D] -> [T, D]: the module docstring's steps over ``ctx``'s rows, whose conv and
+        recurrence run on each row's own predecessors (a compact tree, a trajectory or a decode
+        step alike)."""
         t = x_TD.shape[0]
         h, p, n, g = self.num_heads, self.head_dim, self.state_size, self.n_groups
         z, xbc, dt = torch.split(self.in_proj(x_TD), [h * p, self.conv_dim, h], dim=-1)
@@ -132,8 +135,9 @@ SPEC = MixerSpec(
     view_row_elements=lambda c, dev: 0,
     core_flops=_core_flops,
     attention_dims=lambda c: None,
-    # in_proj's [z | x B C | dt] rows are not one block per head: no tensor- or context-parallel
-    # plan yet (check_tensor_parallel / check_context_parallel name the layer kind)
+    # in_proj's [z | x B C | dt] rows are not one block per head, so no column split gives each
+    # rank whole heads: no tensor- or context-parallel plan (check_tensor_parallel /
+    # check_context_parallel refuse the layer kind by name)
     tp_plan=None,
     tp_divisors=lambda c: [],
     cp_divisors=None,

@@ -71,7 +71,8 @@ class MixerSpec:
 
 
 def all_linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every ``nn.Linear`` of ``module`` by relative name: the LoRA targets of every mixer so far."""
+    """Every ``nn.Linear`` of ``module`` by relative name: the LoRA targets of every mixer
+    (each adapts all of its projections)."""
     from torch import nn
 
     return [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]

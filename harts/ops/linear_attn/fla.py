@@ -23,8 +23,8 @@ Calls per invocation: 1 + (most cuts in one sequence) + (1 if any non-aligned re
 Guards: tensors must be on CUDA; chunk_size must be one fla supports (KDA: 32 or 64; GDN and
 the plain rule: 64). The scalar-decay backwards (GDN's and simple_gla's, both through fla's
 gated chunk_bwd_dqkwg) in fla-core 0.6.0 refuse to run on Hopper with Triton in [3.4, 3.7.1)
-(fla issue #640); when such a call needs gradients on such a setup this path falls back to the
-reference operator (with a one-time warning) instead of failing in backward.
+(fla-org/flash-linear-attention#640); when such a call needs gradients on such a setup this path
+falls back to the reference operator (with a one-time warning) instead of failing in backward.
 
 Shapes: T packed rows, H heads, K key dim, V value dim, N sequences, R requests, B chunk size.
 """
