@@ -214,6 +214,11 @@ class DecodeBatch:
             raise ValueError("a decoding joins the batch of its own decoder")
         self.jobs.append((decoding, generator))
 
+    def remove(self, decoding: FastDecoding) -> None:
+        """``decoding`` leaves before it is done (its request was dropped); its sequences stay
+        open in the decoder (the caller closes them)."""
+        self.jobs = [(d, g) for d, g in self.jobs if d is not decoding]
+
     def step(self) -> list[FastDecoding]:
         """One decoding step of every request; returns those that finished (and left)."""
         need = [n for d, _ in self.jobs for n in d.needs_run()]

@@ -26,6 +26,9 @@ only (``SamplerEngines``).
 On CUDA the prompt and the decoding steps run on the batched decoder (``harts.rollout.fast``:
 chunked prefill, fused recurrent steps, slot caches the forks share, sampling on the device);
 elsewhere on the reference decoder, with the same answers (``tests/serve/test_sampling_fast.py``).
+There, concurrent requests of the same weights decode together in one batch (``SampleBatches``,
+``SampleRun``): a request joins at the next step and leaves when done, each answering what it
+answers alone.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,7 +47,7 @@ import torch
 
 from harts.errors import UserError
 from harts.rollout.decode import extend_hidden, new_branch
-from harts.rollout.fast import FastDecoder, FastDecoding, fast_decoding_applies
+from harts.rollout.fast import DecodeBatch, FastDecoder, FastDecoding, fast_decoding_applies
 from harts.rollout.sampler import Decoding, Detokenize, SamplingConfig, topk_logprobs
 from harts.serve.futures import Done
 from harts.serve.tokenizer import detokenizer
@@ -59,9 +62,11 @@ __all__ = [
     "MAX_TOPK_LOGPROBS",
     "SAMPLER_ENGINES",
     "SLICE_SECONDS",
+    "SampleBatches",
     "SampleJob",
     "SampleRun",
     "SamplerEngines",
+    "SharedBatch",
     "Snapshot",
     "Snapshots",
     "sample_job",
@@ -188,6 +193,70 @@ SLICE_SECONDS = 0.05
 Weights = Callable[[], "tuple[Engine, dict[str, torch.Tensor] | None]"]
 
 
+class SharedBatch:
+    """The requests that sample one weights source on the batched decoder: one ``FastDecoder``,
+    one ``DecodeBatch`` over all their samples, and the ``SampleRun`` of each decoding."""
+
+    def __init__(self, key: Hashable, decoder: FastDecoder) -> None:
+        self.key = key
+        self.decoder = decoder
+        self.batch = DecodeBatch(decoder)
+        #: id of a member's ``FastDecoding`` -> its run
+        self.runs: dict[int, SampleRun] = {}
+        #: why the batch cannot go on (a step raised half-way through); None while it can
+        self.failed: str | None = None
+
+    def join(self, run: SampleRun, decoding: FastDecoding, generator: torch.Generator) -> None:
+        """``decoding`` (its prompt run, forked) decodes from the next step on."""
+        self.batch.add(decoding, generator)
+        self.runs[id(decoding)] = run
+
+    def step(self) -> list[SampleRun]:
+        """One decoding step of every member: the runs that finished, their sequences closed."""
+        finished = []
+        for decoding in self.batch.step():
+            finished.append(self.runs.pop(id(decoding)))
+            self.decoder.close(decoding.ids)
+        return finished
+
+    def leave(self, decoding: FastDecoding) -> None:
+        """``decoding`` stops before it is done: out of the batch, its sequences closed."""
+        if self.runs.pop(id(decoding), None) is None:
+            return
+        self.batch.remove(decoding)
+        if self.failed is None:
+            self.decoder.close(decoding.ids)
+
+
+class SampleBatches:
+    """The ``SharedBatch`` of each weights source (``SampleRun``'s ``weights_key``): requests on
+    the batched decoder that sample the same weights decode together, requests on different
+    weights never do. A batch is dropped with its last member, and its caches with it. Used by
+    the worker thread only."""
+
+    def __init__(self) -> None:
+        self._items: dict[Hashable, SharedBatch] = {}
+
+    def sizes(self) -> dict[Hashable, tuple[int, int]]:
+        """Per weights source with a batch: (requests decoding, sequences open in its decoder)."""
+        return {k: (len(b.runs), int(b.decoder.cache.live.sum())) for k, b in self._items.items()}
+
+    def get(self, key: Hashable, model: HybridLM) -> SharedBatch:
+        """The batch of ``key`` (a new one if it has none), decoding with ``model`` this slice."""
+        shared = self._items.get(key)
+        if shared is None:
+            shared = self._items[key] = SharedBatch(key, FastDecoder(model))
+        shared.decoder.model = model
+        return shared
+
+    def release(self, shared: SharedBatch, failed: str | None = None) -> None:
+        """Forget ``shared`` once it has no members, or at once when it ``failed`` (why)."""
+        if failed is not None:
+            shared.failed = failed
+        if (failed is not None or not shared.runs) and self._items.get(shared.key) is shared:
+            del self._items[shared.key]
+
+
 class SampleRun:
     """One sampling request as the worker runs it, in slices (``harts.serve.worker.Later``): the
     prompt in the first, then decoding steps until ``slice_seconds`` have passed (or ten times
@@ -196,7 +265,18 @@ class SampleRun:
     weights; the caches of the prompt and of every sample stay here, and the decoding is
     ``generate``'s (``Decoding``), so the tokens and log-probs are the same however the work is
     sliced. ``on_done`` is told every sample's token count once they have all stopped (the
-    server's log of sampled sequences, ``harts.serve.provenance``)."""
+    server's log of sampled sequences, ``harts.serve.provenance``).
+
+    With ``batches``, on the batched decoder, requests of the same ``weights_key`` (the source
+    of their weights: a snapshot, a checkpoint, the base model) decode together (continuous
+    batching): a request's first slice runs its prompt and joins its source's ``SharedBatch``,
+    and every slice of any member steps all members' samples in one forward per step. Each
+    request samples with its own generator, so its tokens and log-probs are those it samples
+    alone (``tests/serve/test_sampling_batched.py``). Its slices rotate with its lane's other
+    requests (``Later.rotate``), so they join too; one another's slice finished is handed to
+    ``settle`` (the server resolves it at once), else answered at its next turn; a request the
+    worker drops leaves the batch (``leave``). ``fast`` forces the batched decoder (True) or the
+    reference (False); None: ``fast_decoding_applies``."""
 
     def __init__(
         self,
@@ -205,23 +285,36 @@ class SampleRun:
         *,
         slice_seconds: float = SLICE_SECONDS,
         on_done: Callable[[list[int]], None] | None = None,
+        batches: SampleBatches | None = None,
+        weights_key: Hashable = None,
+        fast: bool | None = None,
     ) -> None:
         self.job = job
         self.weights = weights
         self.slice_seconds = slice_seconds
         self.on_done = on_done
+        self.batches, self.weights_key, self.fast = batches, weights_key, fast
+        #: set by the server once the job is queued: resolves it when another's slice finished it
+        self.settle: Callable[[Done], object] | None = None
         self._generator = torch.Generator().manual_seed(job.seed)
         self._decoding: Decoding | FastDecoding | None = None
         self._prompt_topk: tuple[np.ndarray, np.ndarray] | None = None
+        self._prompt_lp: np.ndarray | None = None
+        self._shared: SharedBatch | None = None
+        self._result: Done | None = None
 
     def step(self) -> Step:
         """One slice: the result once every sample has stopped, else ``Later(self.step)``."""
+        if self._result is not None:  # finished by another request's slice of the shared batch
+            return self._result
         engine, tensors = self.weights()
         model = engine.model
         started = time.monotonic()
         with swapped(model, tensors):
             # a slice outlasts its swap tenfold (a run without LoRA swaps every weight)
             deadline = time.monotonic() + max(self.slice_seconds, 10 * (time.monotonic() - started))
+            if self.batches is not None and self._is_fast(model):
+                return self._shared_slice(engine, model, deadline)
             if self._decoding is None:
                 self._decoding = self._start(model)
             decoding = self._decoding
@@ -235,21 +328,96 @@ class SampleRun:
                     break
             if not decoding.done:
                 return Later(self.step)
-            prompt_lp = _prompt_logprobs(engine, self.job) if self.job.prompt_logprobs else None
-        sequences = [(t.tokens, t.logprobs, t.stopped) for t in decoding.turns]
+            self._prompt_lp = _prompt_logprobs(engine, self.job) if self.job.prompt_logprobs else None
+        return self._answer()
+
+    def leave(self) -> None:
+        """Take this request's samples out of its shared batch (the worker dropped it: cancelled,
+        or its session ended); nothing once it has finished."""
+        shared, self._shared = self._shared, None
+        if shared is None or not isinstance(self._decoding, FastDecoding):
+            return
+        shared.leave(self._decoding)
+        assert self.batches is not None
+        self.batches.release(shared)
+
+    def _is_fast(self, model: HybridLM) -> bool:
+        return fast_decoding_applies(model) if self.fast is None else self.fast
+
+    def _shared_slice(self, engine: Engine, model: HybridLM, deadline: float) -> Step:
+        """A slice on the shared batch of ``weights_key``: join it (first slice), then step all
+        its members until this request has finished or ``deadline`` passed."""
+        assert self.batches is not None
+        if self._decoding is None:
+            self._join(engine, model)
+        shared = self._shared
+        if shared is None:  # it left the batch: finished (its answer failed) or dropped
+            raise RuntimeError("this request's samples left their batch without an answer")
+        if shared.failed is not None:
+            raise RuntimeError(f"the batch this request decoded in failed: {shared.failed}")
+        # the same weights, though the engine holding them may have been loaded again
+        shared.decoder.model = model
+        while True:  # one step at least, however short the slice
+            try:
+                finished = shared.step()
+            except Exception as err:  # half a step ran: no member can go on
+                self.batches.release(shared, failed=f"{type(err).__name__}: {err}")
+                raise
+            for run in finished:
+                run._shared = None
+                run._result = run._answer()
+                if run is not self and run.settle is not None:
+                    run.settle(run._result)
+            if self._result is not None:
+                self.batches.release(shared)
+                return self._result
+            if time.monotonic() >= deadline:
+                return Later(self.step, drop=self.leave, rotate=True)
+
+    def _join(self, engine: Engine, model: HybridLM) -> None:
+        """Run the prompt on the shared decoder of ``weights_key``, fork it ``num_samples`` times
+        and join the batch (the prompt's log-probs and top-k now, with the same weights)."""
+        assert self.batches is not None
+        job = self.job
+        self._prompt_lp = _prompt_logprobs(engine, job) if job.prompt_logprobs else None
+        shared = self.batches.get(self.weights_key, model)
+        decoder = shared.decoder
+        (seq,) = decoder.open()
+        try:
+            hidden = decoder.extend([seq], [job.prompt], hidden=bool(job.topk_prompt_logprobs))
+            ids = decoder.fork(seq, job.num_samples)
+        except Exception:
+            decoder.close([seq])
+            self.batches.release(shared)
+            raise
+        decoder.close([seq])  # the forks hold its slots
+        if hidden is not None:
+            self._prompt_topk_from(model, hidden[0])
+        self._generator = torch.Generator(decoder.device).manual_seed(job.seed)
+        self._decoding = FastDecoding(decoder, ids, job.config, job.detokenize)
+        shared.join(self, self._decoding, self._generator)
+        self._shared = shared
+
+    def _answer(self) -> Done:
+        """The response of the finished decoding (``on_done`` told every sample's length)."""
+        assert self._decoding is not None
+        turns = self._decoding.turns
         if self.on_done is not None:
-            self.on_done([len(t.tokens) for t in decoding.turns])
+            self.on_done([len(t.tokens) for t in turns])
+        sequences = [(t.tokens, t.logprobs, t.stopped) for t in turns]
         sample_topk = None
         if self.job.config.topk_logprobs:
-            sample_topk = [(np.array(t.topk_ids), np.array(t.topk_logprobs)) for t in decoding.turns]
-        body = encode_sample_response(sequences, prompt_lp, sample_topk=sample_topk, prompt_topk=self._prompt_topk)
+            sample_topk = [(np.array(t.topk_ids), np.array(t.topk_logprobs)) for t in turns]
+        body = encode_sample_response(
+            sequences, self._prompt_lp, sample_topk=sample_topk, prompt_topk=self._prompt_topk
+        )
         return Done(body, PROTO_MEDIA_TYPE)
 
     def _start(self, model: HybridLM) -> Decoding | FastDecoding:
         """The prompt run once and forked into ``num_samples`` decodings: by the batched decoder
         (``harts.rollout.fast``, sampling on the device) on CUDA, by the reference elsewhere."""
         job = self.job
-        if not fast_decoding_applies(model):
+        if not self._is_fast(model):
             (branch,), (hidden_TD,) = extend_hidden(model, [new_branch(model)], [job.prompt])
             self._prompt_topk_from(model, hidden_TD)
             return Decoding(branch.fork(job.num_samples), job.config, job.detokenize)

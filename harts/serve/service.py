@@ -46,7 +46,7 @@ from harts.serve.checkpoints import CheckpointDir, now
 from harts.serve.config import ServeConfig
 from harts.serve.futures import Done, Failed, FutureStore
 from harts.serve.provenance import SequenceLog
-from harts.serve.sampling import SamplerEngines, SampleRun, Snapshots, sample_job, take_snapshot
+from harts.serve.sampling import SampleBatches, SamplerEngines, SampleRun, Snapshots, sample_job, take_snapshot
 from harts.serve.training import TrainingRun, json_done
 from harts.serve.wire import (
     TinkerPath,
@@ -146,6 +146,8 @@ class Service:
         self.checkpoints = CheckpointDir(config.state_dir)
         self.snapshots = Snapshots(config.max_snapshots)
         self.sampler_engines = SamplerEngines()
+        #: the batched decoder's shared batches, one per weights source (worker thread only)
+        self.sample_batches = SampleBatches()
         #: every sampled sequence by its sequence_id, for the provenance of training datums
         self.sequences = SequenceLog()
         self._lock = threading.RLock()
@@ -771,12 +773,19 @@ class Service:
             max_tokens=job.config.max_tokens,
         )
         sampling = SampleRun(
-            job, lambda: self._sampling_weights(sampler), on_done=lambda lengths: self.sequences.sampled(ids, lengths)
+            job,
+            lambda: self._sampling_weights(sampler),
+            on_done=lambda lengths: self.sequences.sampled(ids, lengths),
+            batches=self.sample_batches,
+            # what _sampling_weights reads: requests of one source sample the same weights
+            weights_key=(sampler.snapshot, None if sampler.path is None else str(sampler.path)),
         )
         # its turns are those of the run whose weights it samples (after that run's save), else its own
         lane = sampler.model_id or (sampler.path.model_id if sampler.path is not None else None)
         lane = lane or f"sampler:{tenant}:{sampler.sampler_id}"
         request_id = self._queue("Sample", sampling.step, tenant=tenant, lane=lane, owner=sampler.session_id or None)
+        # finished by another request's slice of a shared batch: answered at once
+        sampling.settle = lambda done: self.worker.settle(request_id, done)
         return self._future(request_id, sample_sequence_ids=ids)
 
     def _seed(self) -> int:

@@ -24,12 +24,18 @@ sequence order. A long job may run in slices:
 its ``run`` returns ``Later`` with the rest of the work, which goes back to the front of its
 lane (ahead of the lane's later jobs, so the order within the lane holds) while the other lanes
 take their turns. Sampling does this between decoding steps (``harts.serve.sampling``), so a
-sample of many long sequences holds the worker for one slice at a time.
+sample of many long sequences holds the worker for one slice at a time. A slice of sampling
+requests that decode together in one shared batch says so (``Later.rotate``): its rest goes to
+the back of its lane instead, so the lane's other requests get turns (and join the batch) too,
+and a request that another's slice finished is taken out of its lane and resolved at once
+(``settle``).
 
 Dropped before they run (their futures fail with the reason, nobody waits on the work): a
 released model's queued jobs (``forget``), the jobs of an owner that is gone, e.g. a finished
 session (``drop_owner``), and a request its client cancelled (``cancel``; a running sliced job
-stops after its current slice).
+stops after its current slice). A dropped job that had run a slice lets go of what it shares
+with other jobs (``Later.drop``: its sequences in a shared batch) on the worker thread, before
+the next turn.
 
 A request the server refuses before it is queued (a malformed datum, an oversized batch)
 still used its sequence number on the client, so the handler calls ``skip`` to let the jobs
@@ -64,6 +70,12 @@ class Later:
     """A slice of a job ended with work left: ``run`` does the next slice (module docstring)."""
 
     run: Callable[[], Step]
+    #: called on the worker thread if the job is dropped before it finishes (cancelled, owner
+    #: gone): frees what the job holds in state shared with other jobs
+    drop: Callable[[], None] | None = None
+    #: True: the rest waits behind the lane's other jobs (it shares its work with them, which
+    #: they join on their turns); False: it goes ahead of them. Only unordered jobs rotate.
+    rotate: bool = False
 
 
 #: what one turn of a job gives: its result, or the rest of its work
@@ -85,6 +97,8 @@ class Job:
     #: who it runs for (a session id): the client it takes turns as, and ``drop_owner`` drops the
     #: queued jobs of one that is gone; None: its lane is a client of its own
     owner: str | None = None
+    #: its last slice's ``Later.drop``, run if the job is dropped before it finishes
+    drop: Callable[[], None] | None = None
 
     @property
     def turn_lane(self) -> str:
@@ -159,6 +173,8 @@ class Worker:
         self._running: Job | None = None
         #: why the running job is dropped after its slice (cancelled, owner gone), by request id
         self._stop_running: str | None = None
+        #: dropped jobs' ``drop``s, run on the worker thread before its next turn
+        self._cleanups: list[Callable[[], None]] = []
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="harts-serve-worker", daemon=True)
         self._thread.start()
@@ -251,20 +267,38 @@ class Worker:
         self._fail(dropped, reason)
         return bool(dropped) or running
 
-    def _drop_locked(self, match: Callable[[Job], bool], reason: str) -> list[Job]:
-        """Take the queued jobs that ``match`` out of their lanes; mark the running one."""
-        dropped = []
+    def settle(self, request_id: str, outcome: Outcome) -> bool:
+        """Resolve the queued job ``request_id`` with ``outcome`` and take it out of its lane: its
+        work was finished by another job's turn (a sampling request decoded in a shared batch).
+        False when it is not queued (dropped meanwhile, or the running one)."""
+        with self._cond:
+            taken = self._take_locked(lambda j: j.request_id == request_id)
+        if taken:
+            self._futures.resolve(request_id, outcome)
+        return bool(taken)
+
+    def _take_locked(self, match: Callable[[Job], bool]) -> list[Job]:
+        """Take the queued jobs that ``match`` out of their lanes."""
+        taken = []
         for name in list(self._lanes):
             lane = self._lanes[name]
             keep = deque(j for j in lane if not match(j))
-            dropped += [j for j in lane if match(j)]
+            taken += [j for j in lane if match(j)]
             if keep:
                 self._lanes[name] = keep
             else:
                 del self._lanes[name]
                 self._turns.idle(name)
+        return taken
+
+    def _drop_locked(self, match: Callable[[Job], bool], reason: str) -> list[Job]:
+        """Take the queued jobs that ``match`` out of their lanes (their ``drop``s to run next);
+        mark the running one."""
+        dropped = self._take_locked(match)
+        self._cleanups += [j.drop for j in dropped if j.drop is not None]
         if self._running is not None and match(self._running):
             self._stop_running = reason
+        self._cond.notify_all()
         return dropped
 
     def _fail(self, jobs: list[Job], reason: str) -> None:
@@ -281,7 +315,7 @@ class Worker:
     def idle(self) -> bool:
         """Nothing running and nothing ready to run."""
         with self._cond:
-            return self._running is None and not self._lanes
+            return self._running is None and not self._lanes and not self._cleanups
 
     def stop(self) -> None:
         """Let the running slice finish, then end the thread (queued jobs stay unresolved)."""
@@ -307,27 +341,37 @@ class Worker:
         while True:
             with self._cond:
                 self._running = None
-                while not self._lanes and not self._stopped:
+                while not self._lanes and not self._cleanups and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
                     return
-                job = self._running = self._next_locked()
+                cleanups, self._cleanups = self._cleanups, []
+                job = self._running = None if cleanups else self._next_locked()
                 self._stop_running = None
+            if job is None:
+                for drop in cleanups:
+                    _cleanup(drop)
+                continue
             started = time.monotonic()
             step = _step(job)
             with self._cond:
                 self._turns.used(job.turn_lane, job.client, time.monotonic() - started)
                 stop, self._stop_running = self._stop_running, None
                 if isinstance(step, Later) and stop is None:
-                    job.run = step.run
-                    # ahead of its lane's later jobs; the lane takes its next turn after the others
-                    self._enqueue_locked(job, front=True)
+                    job.run, job.drop = step.run, step.drop
+                    # ahead of its lane's later jobs (behind them when it rotates); the lane takes
+                    # its next turn after the others
+                    self._enqueue_locked(job, front=not step.rotate or job.key is not None)
                     self._lanes.move_to_end(job.turn_lane)
                     continue
             if isinstance(step, Later):
                 self._fail([job], stop or "dropped")
-            else:
-                self._futures.resolve(job.request_id, step)
+                if step.drop is not None:
+                    _cleanup(step.drop)
+                continue
+            if isinstance(step, Failed) and job.drop is not None:  # it holds no more shared state
+                _cleanup(job.drop)
+            self._futures.resolve(job.request_id, step)
 
 
 def _step(job: Job) -> Step | Outcome:
@@ -339,6 +383,14 @@ def _step(job: Job) -> Step | Outcome:
         log.error("%s %s failed:\n%s", job.kind, job.request_id, traceback.format_exc())
         text = str(err).strip().splitlines()
         return Failed(f"{job.kind}: {type(err).__name__}: {text[0] if text else ''} (see the server log)", "server")
+
+
+def _cleanup(drop: Callable[[], None]) -> None:
+    """Run a dropped job's ``drop``; a failure is logged, and the worker carries on."""
+    try:
+        drop()
+    except Exception:
+        log.error("dropping a job's shared state failed:\n%s", traceback.format_exc())
 
 
 def _nothing() -> Done:
