@@ -15,25 +15,23 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MODEL_FIELDS"]
+__all__ = ["MODEL_FIELDS", "SOFTMAX_ROUTER"]
 
 #: Qwen3-Next / Qwen3.5 semantics that no config.json field spells (transformers
 #: ``modeling_qwen3_next``, ``modeling_qwen3_5``): RMSNorm weights are zero-centred
 #: (``1 + weight``), and the GQA output is gated by ``sigmoid`` of a second query half
 _QWEN_SEMANTICS: dict[str, Any] = dict(norm_unit_offset=True, attn_output_gate=True, hidden_act="silu")
 
+#: the router fields of a plain softmax top-k (Qwen3-Next, Qwen3.5, Granite 4.0-H): no correction
+#: bias, no expert groups, the routed output not rescaled
+SOFTMAX_ROUTER: dict[str, Any] = dict(
+    router_score="softmax", router_bias=False, routed_scaling_factor=1.0, n_group=1, topk_group=1
+)
+
 #: the Qwen MoE router (``modeling_qwen3_next`` / ``modeling_qwen3_5_moe``): a softmax with no
 #: correction bias and no expert groups, the routed output not rescaled, and one shared expert
 #: scaled by sigmoid(shared_expert_gate x)
-_QWEN_ROUTER: dict[str, Any] = dict(
-    router_score="softmax",
-    router_bias=False,
-    routed_scaling_factor=1.0,
-    n_group=1,
-    topk_group=1,
-    num_shared_experts=1,
-    shared_expert_gate=True,
-)
+_QWEN_ROUTER: dict[str, Any] = dict(**SOFTMAX_ROUTER, num_shared_experts=1, shared_expert_gate=True)
 
 #: a dense Qwen3.5: one SwiGLU FFN per layer, no experts
 _QWEN_DENSE: dict[str, Any] = dict(num_experts=0, first_k_dense_replace=0, num_shared_experts=0)
@@ -297,12 +295,8 @@ GRANITE_4_0_H_SMALL: dict[str, Any] = dict(
     num_shared_experts=1,
     shared_expert_intermediate_size=1536,
     shared_expert_gate=False,
-    router_score="softmax",
-    router_bias=False,
     norm_topk_prob=True,
-    routed_scaling_factor=1.0,
-    n_group=1,
-    topk_group=1,
+    **SOFTMAX_ROUTER,
 )
 
 

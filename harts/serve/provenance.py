@@ -154,7 +154,7 @@ class SequenceLog:
         if seq is None or seq.tenant != tenant:
             raise WireError(
                 f"{field}.sequence_id: unknown sequence {arm.sequence_id!r}; name a sequence_id a sampling "
-                "request of this session returned (this server keeps them in memory, for a day after their last use)"
+                "request of the same client session returned (kept in memory, for a day after their last use)"
             )
         if seq.session_id != session_id:
             raise WireError(

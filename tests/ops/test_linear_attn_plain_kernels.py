@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.ops._triton import check_here_or_interpreted
-from tests.ops.test_tree_kernel_interpreted import _device, _interpreter_single_config, _rel
+from tests.ops.test_tree_kernel_interpreted import _device, _interpreter_single_config, _rel, tails_on_chunk_subsets
 
 pytest.importorskip("fla", reason="needs fla-core (pip install harts[gpu])")
 
@@ -214,43 +214,14 @@ def check_plain_tail_on_chunk_subsets() -> None:
     whole call's gradients (h and dh sliced, fla's kernels addressing them by program id)."""
     _interpreter_single_config()
     import harts.ops.linear_attn.tree_kernel as tk
-    from harts.ops.linear_attn.tree_scan import tree_scan_bwd
 
     dev, lengths, B, scale = _device(), [130, 64, 70], 64, 16**-0.5
     q, k, v, g = (t.float().to(dev)[None].contiguous() for t in _inputs(sum(lengths), seed=5))
-    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(6)).to(dev)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
     meta = tk._device_meta(starts, lengths, [], B, dev)
-    cu, ci, co, nt = meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets, meta.io.num_chunks
-    gc, w, u, _, _, A = tk._PLAIN.fwd_intra(q, k, v, g, None, scale, cu, ci, B)
+    _, w, u, _, _, _ = tk._PLAIN.fwd_intra(q, k, v, g, None, scale, meta.cu_seqlens, meta.chunk_indices, B)
     assert w is None and u is v
-    w, qg, kg, h, v_new, dAqk, dv = tk._PLAIN.bwd_head(q, k, v, gc, None, None, A, None, do, scale, cu, ci, co, nt, B)
-    dh, _, dv2 = tree_scan_bwd(
-        qg,
-        kg,
-        w,
-        gc,
-        do,
-        dv,
-        scale=scale,
-        cu_seqlens=cu,
-        chunk_offsets=co,
-        num_chunks=nt,
-        chunk_size=B,
-        dht=None,
-        inject=None,
-        inject_index=None,
-        want_initial_state_grad=False,
-    )
-
-    def tail(lo: int, hi: int) -> list[torch.Tensor]:
-        return tk._PLAIN.bwd_tail(
-            q, k, v, v_new, w, gc, None, A, h[:, lo:hi], do, dh[:, lo:hi], dv2, dAqk, scale, cu, ci[lo:hi], co, B
-        )
-
-    whole = tail(0, nt)
-    m, t0 = int(meta.io.chunk_offsets[1]), lengths[0]  # the first sequence's chunks and rows
-    first, rest = tail(0, m), tail(m, nt)
+    first, rest, whole, t0 = tails_on_chunk_subsets(tk._PLAIN, q, k, v, g, None, lengths, B, scale)
     assert whole[4] is None and first[4] is None  # no beta, no dbeta
     for name, a, b, c in zip(["dq", "dk", "dv", "dg"], first[:4], rest[:4], whole[:4], strict=True):
         assert torch.equal(a[:, :t0], c[:, :t0]), name

@@ -152,22 +152,20 @@ def check_linked_gdn() -> None:
         assert _rel(a, b) < 1e-4, f"{name}: relative error {_rel(a, b):.2e}"
 
 
-def check_gdn_tail_on_chunk_subsets() -> None:
-    """The GDN backward's tail run on two chunk ranges (as the linked op's first round runs
-    beside the later rounds on the GPU: h and dh sliced, fla's kernels addressing them by
-    program id) gives, on each range's rows, exactly the whole call's gradients."""
-    _interpreter_single_config()
+def tails_on_chunk_subsets(kernels, q, k, v, g, beta, lengths: list[int], B: int, scale: float):  # noqa: ANN001, ANN201
+    """The backward's tail of ``kernels`` (a tree-kernel set: ``_GDN``, ``_PLAIN``) on the first
+    sequence's chunks, on the rest, and on all of them, over one packed problem of ``lengths``;
+    with the first sequence's row count: (first, rest, whole, t0)."""
     import harts.ops.linear_attn.tree_kernel as tk
     from harts.ops.linear_attn.tree_scan import tree_scan_bwd
 
-    dev, lengths, B, scale = _device(), [130, 64, 70], 64, 16**-0.5
-    q, k, v, g, beta = (t.float().to(dev)[None].contiguous() for t in _inputs(sum(lengths), seed=5))
+    dev = q.device
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(6)).to(dev)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
     meta = tk._device_meta(starts, lengths, [], B, dev)
     cu, ci, co, nt = meta.cu_seqlens, meta.chunk_indices, meta.chunk_offsets, meta.io.num_chunks
-    gc, w, u, _, _, A = tk._GDN.fwd_intra(q, k, v, g, beta, scale, cu, ci, B)
-    w, qg, kg, h, v_new, dAqk, dv = tk._GDN.bwd_head(q, k, v, gc, beta, None, A, None, do, scale, cu, ci, co, nt, B)
+    gc, w, u, _, _, A = kernels.fwd_intra(q, k, v, g, beta, scale, cu, ci, B)
+    w, qg, kg, h, v_new, dAqk, dv = kernels.bwd_head(q, k, v, gc, beta, None, A, None, do, scale, cu, ci, co, nt, B)
     dh, _, dv2 = tree_scan_bwd(
         qg,
         kg,
@@ -187,13 +185,24 @@ def check_gdn_tail_on_chunk_subsets() -> None:
     )
 
     def tail(lo: int, hi: int) -> list[torch.Tensor]:
-        return tk._GDN.bwd_tail(
+        return kernels.bwd_tail(
             q, k, v, v_new, w, gc, beta, A, h[:, lo:hi], do, dh[:, lo:hi], dv2, dAqk, scale, cu, ci[lo:hi], co, B
         )
 
-    whole = tail(0, nt)
-    m, t0 = int(meta.io.chunk_offsets[1]), lengths[0]  # the first sequence's chunks and rows
-    first, rest = tail(0, m), tail(m, nt)
+    m = int(meta.io.chunk_offsets[1])  # the first sequence's chunks
+    return tail(0, m), tail(m, nt), tail(0, nt), lengths[0]
+
+
+def check_gdn_tail_on_chunk_subsets() -> None:
+    """The GDN backward's tail run on two chunk ranges (as the linked op's first round runs
+    beside the later rounds on the GPU: h and dh sliced, fla's kernels addressing them by
+    program id) gives, on each range's rows, exactly the whole call's gradients."""
+    _interpreter_single_config()
+    import harts.ops.linear_attn.tree_kernel as tk
+
+    dev, lengths, B, scale = _device(), [130, 64, 70], 64, 16**-0.5
+    q, k, v, g, beta = (t.float().to(dev)[None].contiguous() for t in _inputs(sum(lengths), seed=5))
+    first, rest, whole, t0 = tails_on_chunk_subsets(tk._GDN, q, k, v, g, beta, lengths, B, scale)
     for name, a, b, c in zip(["dq", "dk", "dv", "dg", "dbeta"], first, rest, whole, strict=True):
         assert torch.equal(a[:, :t0], c[:, :t0]), name
         assert torch.equal(b[:, t0:], c[:, t0:]), name

@@ -27,6 +27,7 @@ from harts.integrations.hf.bailing_hybrid import rope_theta_of
 from harts.integrations.hf.base import HFAdapter, Problems, TensorGroup, UnsupportedConfigError, ident
 from harts.integrations.hf.nemotron_h import check_dt_limit
 from harts.models.config import HybridConfig
+from harts.models.presets import SOFTMAX_ROUTER
 
 __all__ = ["GraniteMoeHybridAdapter"]
 
@@ -126,12 +127,8 @@ class GraniteMoeHybridAdapter(HFAdapter):
             num_experts_per_tok=int(c.num_experts_per_tok),
             moe_intermediate_size=int(c.intermediate_size),
             first_k_dense_replace=0,
-            router_score="softmax",
-            router_bias=False,
+            **SOFTMAX_ROUTER,
             norm_topk_prob=True,
-            routed_scaling_factor=1.0,
-            n_group=1,
-            topk_group=1,
             num_shared_experts=1,
             shared_expert_intermediate_size=shared,
             shared_expert_gate=False,

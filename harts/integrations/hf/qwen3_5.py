@@ -48,6 +48,7 @@ from harts.errors import UserError
 from harts.integrations.hf.base import HFAdapter, Problems, TensorGroup, UnsupportedConfigError, ident
 from harts.integrations.hf.qwen3_next import gdn_gqa_fields
 from harts.models.config import HybridConfig
+from harts.models.presets import SOFTMAX_ROUTER
 
 __all__ = ["Qwen3_5Adapter", "QWEN3_5_ADAPTERS", "gdn_projection_group"]
 
@@ -254,12 +255,8 @@ class Qwen3_5Adapter(HFAdapter):
             num_experts_per_tok=int(c.num_experts_per_tok),
             moe_intermediate_size=int(c.moe_intermediate_size),
             first_k_dense_replace=0,
-            router_score="softmax",
-            router_bias=False,
+            **SOFTMAX_ROUTER,
             norm_topk_prob=True,
-            routed_scaling_factor=1.0,
-            n_group=1,
-            topk_group=1,
             num_shared_experts=1,
             shared_expert_intermediate_size=shared,
             shared_expert_gate=True,

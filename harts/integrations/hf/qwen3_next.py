@@ -24,6 +24,7 @@ from typing import Any
 from harts.integrations.hf.bailing_hybrid import check_common, rope_theta_of
 from harts.integrations.hf.base import HFAdapter, Problems, TensorGroup, dense_prefix, ident
 from harts.models.config import HybridConfig
+from harts.models.presets import SOFTMAX_ROUTER
 
 __all__ = ["Qwen3NextAdapter", "gdn_gqa_fields"]
 
@@ -87,12 +88,8 @@ class Qwen3NextAdapter(HFAdapter):
             intermediate_size=int(c.intermediate_size),
             num_experts=num_experts,
             first_k_dense_replace=first_dense if num_experts else 0,
-            router_score="softmax",
-            router_bias=False,
+            **SOFTMAX_ROUTER,
             norm_topk_prob=bool(c.norm_topk_prob),
-            routed_scaling_factor=1.0,
-            n_group=1,
-            topk_group=1,
             num_shared_experts=1 if shared else 0,
             shared_expert_intermediate_size=shared or None,
             shared_expert_gate=bool(shared),
