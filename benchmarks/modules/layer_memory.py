@@ -2,14 +2,14 @@
 
     python -m benchmarks.modules.layer_memory --model qwen3_5_9b --device cuda --rows 16384 [--lora 32] [--json FILE]
 
-For every distinct layer kind of a preset (its mixer letter, with a dense or an MoE FFN), a one-layer model of the
-preset's shapes (vocabulary cut to ``--vocab``: the head is not what is measured) runs one forward over ``--rows``
-tokens (one trajectory, trajectory mode, no recomputation) under ``torch.autograd.graph.saved_tensors_hooks``. Each
-saved tensor is attributed to the decoder layer whose forward is running (module hooks) and counted once per
-storage; the layer's bytes / rows is what it keeps per row, the figure ``estimate_memory``'s ``activations`` and
-``backward`` terms are built from (``layer_row_bytes``: the same count, estimated). ``--lora RANK`` freezes the base
-and adapts every projection the Engine covers, as ``harts bench --lora`` runs: frozen weights need no saved input,
-the adapters keep theirs.
+For every distinct layer kind of a preset (its mixer letter, with a dense, an MoE or no FFN), a one-layer model of
+the preset's shapes (vocabulary cut to ``--vocab``: the head is not what is measured) runs one forward over
+``--rows`` tokens (one trajectory, trajectory mode, no recomputation) under
+``torch.autograd.graph.saved_tensors_hooks``. Each saved tensor is attributed to the decoder layer whose forward is
+running (module hooks) and counted once per storage, if it is still held when the backward starts; the layer's bytes
+/ rows is what it keeps per row, the figure ``estimate_memory``'s ``activations`` and ``backward`` terms are built
+from (``layer_row_bytes``: the same count, estimated). ``--lora RANK`` freezes the base and adapts every projection
+the Engine covers, as ``harts bench --lora`` runs: frozen weights need no saved input, the adapters keep theirs.
 
 The measured and estimated bytes print side by side with their ratio, per layer kind, and go to ``--json``. On the
 CPU it measures the reference kernels (the counts the estimate was written from); on CUDA fla-core's and
@@ -24,18 +24,35 @@ from benchmarks._runner import add_device_argument, add_json_argument, device_of
 from harts.errors import UserError
 
 
-def _kinds(config: Any) -> list[tuple[str, bool, int]]:  # noqa: ANN401
-    """(letter, moe, first layer index) of each distinct layer kind, in layer order."""
-    seen: dict[tuple[str, bool], int] = {}
+def _ffn_letter(config: Any, i: int) -> str:  # noqa: ANN401
+    """Layer ``i``'s FFN block as an ``ffn_pattern`` letter: ``E`` MoE, ``D`` dense, ``-`` none."""
+    return "E" if config.is_moe_layer(i) else "D" if config.has_ffn(i) else "-"
+
+
+def _kinds(config: Any) -> list[tuple[str, str, int]]:  # noqa: ANN401
+    """(mixer letter, FFN letter, first layer index) of each distinct layer kind, in layer order."""
+    seen: dict[tuple[str, str], int] = {}
     for i, letter in enumerate(config.layer_pattern):
-        seen.setdefault((letter, config.is_moe_layer(i)), i)
-    return [(letter, moe, i) for (letter, moe), i in seen.items()]
+        seen.setdefault((letter, _ffn_letter(config, i)), i)
+    return [(letter, ffn, i) for (letter, ffn), i in seen.items()]
+
+
+def one_layer(config: Any, letter: str, ffn: str) -> Any:  # noqa: ANN401
+    """A one-layer ``HybridConfig`` of ``config``'s shapes: mixer ``letter`` with FFN ``ffn``."""
+    return config.replace(
+        layer_pattern=letter,
+        ffn_pattern=ffn if config.ffn_pattern else "",
+        first_k_dense_replace=0,
+        num_experts=config.num_experts if ffn == "E" else 0,
+    )
 
 
 def saved_bytes(config: Any, rows: int, device: Any, lora: int) -> int:  # noqa: ANN401
     """Bytes of the distinct storages the one decoder layer of ``config`` (a one-layer
     ``HybridConfig``) saves for its backward over one trajectory of ``rows`` tokens, its
     parameters left out (module docstring)."""
+    import weakref
+
     import numpy as np
     import torch
 
@@ -55,7 +72,10 @@ def saved_bytes(config: Any, rows: int, device: Any, lora: int) -> int:  # noqa:
     execution = ExecutionConfig(mode="trajectory", fused_logprobs=True, recompute=False)
     layer = model.layers[0]
     inside: list[bool] = [False]
-    storages: dict[int, int] = {}
+    # (storage pointer, bytes, the saved tensor held weakly): a tensor saved by an op whose output
+    # is dropped before the backward (a branch the layer computes but never uses) dies with that
+    # output's graph, and is not kept memory
+    saved: list[tuple[int, int, weakref.ref[torch.Tensor]]] = []
     # a weight saved for the input gradient is counted under ``parameters``, not per row
     weights = {q.untyped_storage().data_ptr() for q in model.parameters()}
 
@@ -63,7 +83,7 @@ def saved_bytes(config: Any, rows: int, device: Any, lora: int) -> int:  # noqa:
         if inside[0] and t.device.type == device.type:
             s = t.untyped_storage()
             if s.data_ptr() not in weights:
-                storages[s.data_ptr()] = s.nbytes()
+                saved.append((s.data_ptr(), s.nbytes(), weakref.ref(t)))
         return t
 
     def enter(*_: Any) -> None:  # noqa: ANN401
@@ -77,6 +97,7 @@ def saved_bytes(config: Any, rows: int, device: Any, lora: int) -> int:  # noqa:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(batch, execution)
         loss = out.logprobs.sum()
+        storages = {ptr: nbytes for ptr, nbytes, ref in saved if ref() is not None}
         loss.backward()
     finally:
         for h in hooks:
@@ -131,14 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}: saved bytes per row of one decoder layer, {args.rows:,} rows, {args.dtype} on {device}"
           f"{f', LoRA rank {args.lora} on a frozen base' if args.lora else ''}")  # fmt: skip
     print(f"{'layer':<10} {'measured B/row':>15} {'estimated B/row':>16} {'est/meas':>9}")
-    for letter, moe, index in _kinds(full):
-        one = full.replace(
-            layer_pattern=letter,
-            first_k_dense_replace=0,
-            num_experts=full.num_experts if moe else 0,
-        )
-        r = measure_layer(one, args.rows, device, args.lora)
-        name = f"{letter}+{'moe' if moe else 'mlp'}"
+    for letter, ffn, index in _kinds(full):
+        r = measure_layer(one_layer(full, letter, ffn), args.rows, device, args.lora)
+        name = "+".join(part for part in (letter.strip("-"), {"E": "moe", "D": "mlp", "-": ""}[ffn]) if part)
         r.update(layer=name, first_index=index)
         rows.append(r)
         print(f"{name:<10} {r['measured_bytes_per_row']:>15,.0f} {r['estimated_bytes_per_row']:>16,.0f} "

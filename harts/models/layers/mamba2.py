@@ -27,7 +27,7 @@ from harts.models.config import HybridConfig
 from harts.models.execution.base import RowContext
 from harts.models.layers.kda import ShortConvolution
 from harts.models.layers.norms import GroupRMSNormGated
-from harts.models.layers.spec import MixerSpec, all_linears, chunk_state_elements, fla_core_row_elements
+from harts.models.layers.spec import MixerSpec, all_linears, fla_core_row_elements
 from harts.models.recompute import run_core
 
 __all__ = ["SPEC", "Mamba2Mixer"]
@@ -99,8 +99,17 @@ def _parameters(c: HybridConfig) -> int:
 
 
 def _row_elements(c: HybridConfig, dev: str) -> tuple[float, float]:
-    """The in_proj output, the conv's input and output, q / k repeated to the heads, v, dt and the
-    decay, the skip, the gated norm's input, gate and output, the add-and-norm after it."""
+    """Elements one Mamba-2 layer keeps per row for its backward: (in the model's dtype, in the
+    core's dtype).
+
+    CUDA: the in_proj output, the conv's input and output, q / k repeated to the heads, v, dt and
+    the decay, the skip, the gated norm's input, gate and output, the add-and-norm after it; the
+    core is fla-core's. CPU (the eager reference, written from what ``saved_tensors_hooks`` sees
+    there: ``benchmarks/modules/layer_memory.py``): the reference conv's W + 2 copies of its input
+    and its output, dt's softplus, the skip, the out_proj input and the add-and-norm in the
+    model's dtype; in float32 the reference core (chunked q, k and their decays, the in-chunk
+    scores with their decays, K_end and v, the chunk start states of the loop and of the output
+    product, the output's A and v) and the gated norm, which works in float32 there."""
     d, h, p, n, g, b = (
         c.hidden_size,
         c.mamba_num_heads,
@@ -110,10 +119,12 @@ def _row_elements(c: HybridConfig, dev: str) -> tuple[float, float]:
         c.chunk_size,
     )
     conv = h * p + 2 * g * n
+    if dev == "cpu":
+        outside = (c.linear_conv_kernel_dim + 3) * conv + 2 * h * p + 4 * h + 3 * d
+        core = 6 * h * n + 4 * h * b + 2 * h * p + 2 * h + 2 * h * n * p / b
+        return outside, core + 5 * h * p + g
     outside = (h * p + conv + h) + 2 * conv + 2 * h * n + h * p + 4 * h + 2 * h * p + 3 * h * p + 3 * d
-    if dev != "cpu":
-        return outside, fla_core_row_elements(h, n, p, b)
-    return outside, 4 * h * n + 3 * h * p + 3 * h * b + chunk_state_elements(h, n, p, b)
+    return outside, fla_core_row_elements(h, n, p, b)
 
 
 def _core_flops(c: HybridConfig) -> tuple[float, float]:
