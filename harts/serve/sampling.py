@@ -11,6 +11,9 @@ sample (as a stop token is), with stop reason ``stop``; EOS stops a sample unles
 ``[]``. Top-k log-probs (``topk_prompt_logprobs``, ``topk_sample_logprobs``) are the model's own
 distribution's k most likely tokens, from the same prompt pass and decoding steps: the prompt's
 first position (no context) and those before ``prompt_logprobs_last_n`` carry the SDK's sentinel.
+The same prompt pass answers ``target_prompt_logprobs`` (the model's log-probs of the ids asked
+for at each prompt position, dense or sparse as asked) and ``prompt_alt_tokens_k`` (k draws per
+position at the request's temperature, with the model's log-probs).
 The worker runs a request in slices of decoding steps (``SampleRun``), so other runs' steps go
 between them; a request's tokens (prompt + ``num_samples`` x ``max_tokens``) are bounded by
 ``--max-sample-tokens`` before it is queued.
@@ -51,7 +54,14 @@ from harts.rollout.fast import DecodeBatch, FastDecoder, FastDecoding, fast_deco
 from harts.rollout.sampler import Decoding, Detokenize, SamplingConfig, topk_logprobs
 from harts.serve.futures import Done
 from harts.serve.tokenizer import detokenizer
-from harts.serve.wire import PROTO_MEDIA_TYPE, WireError, encode_sample_response, finite, prompt_tokens
+from harts.serve.wire import (
+    PROTO_MEDIA_TYPE,
+    WireError,
+    encode_sample_response,
+    finite,
+    prompt_target_ids,
+    prompt_tokens,
+)
 from harts.serve.worker import Later, Step
 
 if TYPE_CHECKING:
@@ -174,6 +184,19 @@ class SampleJob:
     prompt_logprobs_last_n: int | None = None
     #: return the model's k most likely tokens at every prompt position (0: none)
     topk_prompt_logprobs: int = 0
+    #: ``target_prompt_logprobs``: [len(prompt) - 1, K] ids whose log-probs to return (-1: none),
+    #: and the sparse request's (row pointers, column indices) to answer in its layout
+    prompt_targets: np.ndarray | None = None
+    prompt_targets_layout: tuple[np.ndarray, np.ndarray] | None = None
+    #: ``prompt_alt_tokens_k``: draws per prompt position after the first (0: none)
+    prompt_alt_tokens_k: int = 0
+
+    @property
+    def prompt_hidden(self) -> bool:
+        """Whether the prompt pass keeps its final hidden states (a per-position prompt output
+        beyond the plain log-probs was asked for)."""
+        return bool(self.topk_prompt_logprobs or self.prompt_targets is not None or self.prompt_alt_tokens_k)
+
     #: the served tokenizer's decoding, when the request has stop strings
     detokenize: Detokenize | None = None
 
@@ -299,6 +322,8 @@ class SampleRun:
         self._generator = torch.Generator().manual_seed(job.seed)
         self._decoding: Decoding | FastDecoding | None = None
         self._prompt_topk: tuple[np.ndarray, np.ndarray] | None = None
+        self._prompt_targets: np.ndarray | None = None
+        self._prompt_alt: tuple[np.ndarray, np.ndarray] | None = None
         self._prompt_lp: np.ndarray | None = None
         self._shared: SharedBatch | None = None
         self._result: Done | None = None
@@ -384,7 +409,7 @@ class SampleRun:
         decoder = shared.decoder
         (seq,) = decoder.open()
         try:
-            hidden = decoder.extend([seq], [job.prompt], hidden=bool(job.topk_prompt_logprobs))
+            hidden = decoder.extend([seq], [job.prompt], hidden=job.prompt_hidden)
             ids = decoder.fork(seq, job.num_samples)
         except Exception:
             decoder.close([seq])
@@ -392,7 +417,7 @@ class SampleRun:
             raise
         decoder.close([seq])  # the forks hold its slots
         if hidden is not None:
-            self._prompt_topk_from(model, hidden[0])
+            self._prompt_outputs_from(model, hidden[0])
         self._generator = torch.Generator(decoder.device).manual_seed(job.seed)
         self._decoding = FastDecoding(decoder, ids, job.config, job.detokenize)
         shared.join(self, self._decoding, self._generator)
@@ -409,7 +434,13 @@ class SampleRun:
         if self.job.config.topk_logprobs:
             sample_topk = [(np.array(t.topk_ids), np.array(t.topk_logprobs)) for t in turns]
         body = encode_sample_response(
-            sequences, self._prompt_lp, sample_topk=sample_topk, prompt_topk=self._prompt_topk
+            sequences,
+            self._prompt_lp,
+            sample_topk=sample_topk,
+            prompt_topk=self._prompt_topk,
+            prompt_targets=self._prompt_targets,
+            prompt_targets_layout=self.job.prompt_targets_layout,
+            prompt_alt=self._prompt_alt,
         )
         return Done(body, PROTO_MEDIA_TYPE)
 
@@ -419,32 +450,65 @@ class SampleRun:
         job = self.job
         if not self._is_fast(model):
             (branch,), (hidden_TD,) = extend_hidden(model, [new_branch(model)], [job.prompt])
-            self._prompt_topk_from(model, hidden_TD)
+            self._prompt_outputs_from(model, hidden_TD)
             return Decoding(branch.fork(job.num_samples), job.config, job.detokenize)
         decoder = FastDecoder(model)
         (seq,) = decoder.open()
-        hidden = decoder.extend([seq], [job.prompt], hidden=bool(job.topk_prompt_logprobs))
+        hidden = decoder.extend([seq], [job.prompt], hidden=job.prompt_hidden)
         if hidden is not None:
-            self._prompt_topk_from(model, hidden[0])
+            self._prompt_outputs_from(model, hidden[0])
         self._generator = torch.Generator(decoder.device).manual_seed(job.seed)
         return FastDecoding(decoder, decoder.fork(seq, job.num_samples), job.config, job.detokenize)
 
-    def _prompt_topk_from(self, model: HybridLM, hidden_TD: torch.Tensor) -> None:
-        """With ``topk_prompt_logprobs``, the prompt's top-k from its pass's final hidden states
-        ``hidden_TD`` (position i from the logits after token i - 1; rows without any: id -1)."""
-        k, prompt = self.job.topk_prompt_logprobs, self.job.prompt
-        if not k:
+    @torch.no_grad()
+    def _prompt_outputs_from(self, model: HybridLM, hidden_TD: torch.Tensor) -> None:
+        """The prompt's per-position outputs from its pass's final hidden states ``hidden_TD``
+        (position i from the logits after token i - 1), a few rows of logits at a time:
+        ``topk_prompt_logprobs`` (rows without any: id -1), ``target_prompt_logprobs``' log-probs
+        (0.0 where nothing was asked) and ``prompt_alt_tokens_k``'s draws, at the request's
+        temperature (greedy at 0: the argmax k times) from a generator of their own seeded with the
+        request's seed, so the samples are the same with or without them; each with the model's
+        own log-prob."""
+        job, prompt = self.job, self.job.prompt
+        k, targets, alt_k = job.topk_prompt_logprobs, job.prompt_targets, job.prompt_alt_tokens_k
+        if not job.prompt_hidden:
             return
-        ids = np.full((len(prompt), k), -1, dtype=np.int64)
-        lps = np.zeros((len(prompt), k))
-        first = 1 if self.job.prompt_logprobs_last_n is None else len(prompt) - self.job.prompt_logprobs_last_n
-        # the lm head over a few rows at a time: a long prompt's [T, V] logits are never held at once
-        for start in range(first, len(prompt), PROMPT_ROWS):
-            stop = min(start + PROMPT_ROWS, len(prompt))
+        n = len(prompt)
+        first_topk = 1 if job.prompt_logprobs_last_n is None else n - job.prompt_logprobs_last_n
+        top_ids = np.full((n, k), -1, dtype=np.int64)
+        top_lps = np.zeros((n, k))
+        target_lps = None if targets is None else np.zeros(targets.shape)
+        alt_ids = np.zeros((n - 1, alt_k), dtype=np.int64)
+        alt_lps = np.zeros((n - 1, alt_k))
+        generator = torch.Generator(hidden_TD.device).manual_seed(job.seed) if alt_k else None
+        temperature = job.config.temperature
+        # a long prompt's [T, V] logits are never held at once
+        for start in range(1, n, PROMPT_ROWS):
+            stop = min(start + PROMPT_ROWS, n)
             logits = torch.nn.functional.linear(hidden_TD[start - 1 : stop - 1], model.lm_head_weight)
-            top_ids, top_lps = topk_logprobs(logits, k)
-            ids[start:stop], lps[start:stop] = top_ids.numpy(), top_lps.numpy()
-        self._prompt_topk = (ids, lps)
+            if k and stop > first_topk:
+                lo = max(start, first_topk)
+                ids, lps = topk_logprobs(logits[lo - start :], k)
+                top_ids[lo:stop], top_lps[lo:stop] = ids.numpy(), lps.numpy()
+            if targets is None and not alt_k:
+                continue
+            logp = torch.log_softmax(logits.to(torch.float64 if logits.device.type == "cpu" else torch.float32), -1)
+            if targets is not None and target_lps is not None:
+                want = torch.as_tensor(targets[start - 1 : stop - 1], device=logp.device)
+                got = logp.gather(1, want.clamp(min=0)).where(want >= 0, 0.0)
+                target_lps[start - 1 : stop - 1] = got.cpu().numpy()
+            if alt_k:
+                if temperature == 0:
+                    draws = logits.argmax(-1, keepdim=True).expand(-1, alt_k)
+                else:
+                    probs = torch.softmax(logits.to(logp.dtype) / temperature, -1)
+                    draws = torch.multinomial(probs, alt_k, replacement=True, generator=generator)
+                alt_ids[start - 1 : stop - 1] = draws.cpu().numpy()
+                alt_lps[start - 1 : stop - 1] = logp.gather(1, draws).cpu().numpy()
+        if k:
+            self._prompt_topk = (top_ids, top_lps)
+        self._prompt_targets = target_lps
+        self._prompt_alt = (alt_ids, alt_lps) if alt_k else None
 
 
 def _prompt_logprobs(engine: Engine, job: SampleJob) -> np.ndarray:
@@ -480,12 +544,11 @@ def sample_job(
     ):
         if not 0 <= value <= limit:
             raise WireError(f"{name}: {value}; between 0 and {limit} (the vocabulary, or {MAX_TOPK_LOGPROBS})")
-    if req.prompt_alt_tokens_k:
+    if not 0 <= req.prompt_alt_tokens_k <= limit:
         raise WireError(
-            f"prompt_alt_tokens_k: {req.prompt_alt_tokens_k}; harts serve draws no alternative tokens (use 0)"
+            f"prompt_alt_tokens_k: {req.prompt_alt_tokens_k}; between 0 and {limit} (the vocabulary, or "
+            f"{MAX_TOPK_LOGPROBS})"
         )
-    if req.target_prompt_logprobs is not None:
-        raise WireError("target_prompt_logprobs: not supported by harts serve")
     if req.record_stability_info:
         raise WireError(
             "record_stability_info: Tinker does not define the stability information, which only stable_reinforce "
@@ -516,6 +579,9 @@ def sample_job(
         raise WireError(f"sampling_params.top_p: {p.top_p}; must be in (0, 1]")
     if p.top_k < -1:
         raise WireError(f"sampling_params.top_k: {p.top_k}; -1 (or 0) for no limit, else at least 1")
+    targets, layout = None, None
+    if req.target_prompt_logprobs is not None:
+        targets, layout = prompt_target_ids(req.target_prompt_logprobs, len(prompt) - 1, vocab_size, MAX_TOPK_LOGPROBS)
     last_n = req.prompt_logprobs_last_n
     if last_n is not None and not (req.prompt_logprobs and 1 <= last_n < len(prompt)):
         raise WireError(f"prompt_logprobs_last_n: {last_n}; needs prompt_logprobs and 1 <= N < len(prompt)")
@@ -538,6 +604,9 @@ def sample_job(
         prompt_logprobs=bool(req.prompt_logprobs),
         prompt_logprobs_last_n=last_n,
         topk_prompt_logprobs=int(req.topk_prompt_logprobs),
+        prompt_targets=targets,
+        prompt_targets_layout=layout,
+        prompt_alt_tokens_k=int(req.prompt_alt_tokens_k),
         detokenize=detokenize,
     )
 

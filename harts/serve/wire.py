@@ -63,6 +63,7 @@ __all__ = [
     "finite",
     "is_model_id",
     "loss_config",
+    "prompt_target_ids",
     "prompt_tokens",
     "trajectories",
     "validate_json",
@@ -500,6 +501,49 @@ def prompt_tokens(chunks: Sequence[Any], field: str, vocab_size: int) -> list[in
     return tokens
 
 
+def prompt_target_ids(
+    td: Any, rows: int, vocab_size: int, max_columns: int
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """The ``[rows, K]`` int64 token ids of a sample request's ``target_prompt_logprobs`` (SDK
+    ``TensorData``, dense or sparse CSR), ``-1`` where a cell requests nothing (a ``-1`` cell, or a
+    cell a sparse tensor leaves out), and the sparse tensor's (row pointers, column indices) to
+    answer in the same layout (``None`` when dense); ``rows`` is ``len(prompt) - 1``. A
+    ``WireError`` naming the field for a non-integer dtype, a shape other than ``[rows, K]`` with
+    1 <= K <= ``max_columns``, or an id outside ``[-1, vocab_size)``."""
+    field = "target_prompt_logprobs"
+    if td.dtype != "int64":
+        raise WireError(f"{field}: dtype {td.dtype}; token ids are int64")
+    shape = list(td.shape or [])
+    if len(shape) != 2 or shape[0] != rows or not 1 <= shape[1] <= max_columns:
+        raise WireError(
+            f"{field}: shape {shape}; expected [len(prompt) - 1, K] = [{rows}, K] with 1 <= K <= {max_columns}"
+        )
+    data = np.asarray(td.data, dtype=np.int64)
+    layout: tuple[np.ndarray, np.ndarray] | None = None
+    if td.sparse_crow_indices is not None or td.sparse_col_indices is not None:
+        crow = np.asarray(td.sparse_crow_indices or [], dtype=np.int64)
+        col = np.asarray(td.sparse_col_indices or [], dtype=np.int64)
+        if crow.size != rows + 1 or crow[0] != 0 or np.any(np.diff(crow) < 0) or crow[-1] != data.size:
+            raise WireError(
+                f"{field}.sparse_crow_indices: expected {rows + 1} non-decreasing row pointers from 0 to the "
+                f"{data.size} values"
+            )
+        if col.size != data.size or np.any((col < 0) | (col >= shape[1])):
+            raise WireError(f"{field}.sparse_col_indices: expected {data.size} column indices in [0, {shape[1]})")
+        ids = np.full(shape, -1, dtype=np.int64)
+        ids[np.repeat(np.arange(rows), np.diff(crow)), col] = data
+        layout = (crow, col)
+    elif data.size != rows * shape[1]:
+        raise WireError(f"{field}: {data.size} values; shape {shape} holds {rows * shape[1]}")
+    else:
+        ids = data.reshape(shape)
+    bad = np.argwhere((ids < -1) | (ids >= vocab_size))
+    if bad.size:
+        i, j = (int(x) for x in bad[0])
+        raise WireError(f"{field}: id {int(ids[i, j])} at [{i}, {j}] is outside [-1, {vocab_size}) (-1: no request)")
+    return ids, layout
+
+
 # ------------------------------------------------------------------ results out
 def _batched(arrays: Sequence[np.ndarray]) -> pb.BatchedTensor:
     """One field of datums whose arrays share their trailing shape (``[T_j]`` or ``[T_j, K]``)."""
@@ -555,10 +599,16 @@ def encode_sample_response(
     *,
     sample_topk: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
     prompt_topk: tuple[np.ndarray, np.ndarray] | None = None,
+    prompt_targets: np.ndarray | None = None,
+    prompt_targets_layout: tuple[np.ndarray, np.ndarray] | None = None,
+    prompt_alt: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> bytes:
     """``SampleResponse`` protobuf; each sequence is (tokens, logprobs, stopped at a stop token or
     string). ``sample_topk``: per sequence, its ``[n_tokens, k]`` top-k ids and log-probs;
-    ``prompt_topk``: the prompt's ``[len(prompt), k]`` (ids -1 where there are none)."""
+    ``prompt_topk``: the prompt's ``[len(prompt), k]`` (ids -1 where there are none);
+    ``prompt_targets``: the ``[len(prompt) - 1, K]`` log-probs of ``target_prompt_logprobs``' ids,
+    sparse CSR with ``prompt_targets_layout``'s (row pointers, column indices) when the request was;
+    ``prompt_alt``: the ``[len(prompt) - 1, k]`` ids and log-probs of ``prompt_alt_tokens_k``."""
     msg = pb.SampleResponse()
     for s, (tokens, logprobs, stopped) in enumerate(sequences):
         seq = msg.sequences.add(
@@ -572,7 +622,30 @@ def encode_sample_response(
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
     if prompt_topk is not None:
         msg.topk_prompt_logprobs.CopyFrom(_topk(*prompt_topk))
+    if prompt_targets is not None:
+        msg.target_prompt_logprobs.CopyFrom(_dense_or_csr(prompt_targets, prompt_targets_layout))
+    if prompt_alt is not None:
+        msg.prompt_alt_tokens.tokens.CopyFrom(_dense_or_csr(prompt_alt[0].astype(np.int64), None))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(_dense_or_csr(prompt_alt[1], None))
     return msg.SerializeToString()
+
+
+def _dense_or_csr(arr: np.ndarray, layout: tuple[np.ndarray, np.ndarray] | None) -> pb.Tensor:
+    """A 2-D int64 or float32 array as the SDK's ``Tensor``: dense, or sparse CSR holding only the
+    cells of ``layout`` (row pointers, column indices)."""
+    integer = arr.dtype.kind in "iu"
+    arr = arr.astype(np.int64 if integer else np.float32)
+    dtype = pb.DTYPE_INT64 if integer else pb.DTYPE_FLOAT32
+    if layout is None:
+        return pb.Tensor(dense=np.ascontiguousarray(arr).tobytes(), dtype=dtype, shape=list(arr.shape))
+    crow, col = layout
+    rows = np.repeat(np.arange(arr.shape[0]), np.diff(crow))
+    csr = pb.SparseCsr(
+        values=np.ascontiguousarray(arr[rows, col]).tobytes(),
+        crow_indices=crow.astype(np.int64).tobytes(),
+        col_indices=col.astype(np.int64).tobytes(),
+    )
+    return pb.Tensor(sparse_csr=csr, dtype=dtype, shape=list(arr.shape))
 
 
 def finite(x: float, field: str) -> float:

@@ -1,5 +1,6 @@
 """Sampling options through the real tinker SDK against ``harts serve --model tiny --tokenizer DIR``
-in float64: greedy, ``top_k``, string stop sequences and top-k prompt / sample log-probs, each
+in float64: greedy, ``top_k``, string stop sequences, top-k prompt / sample log-probs, the
+log-probs of named prompt targets and alternative prompt tokens, each
 checked against its definition over the trainer's own forward (the log-prob of every vocabulary
 token at a position, from ``TrainingClient.forward``); and the served tokenizer reaching the
 SDK's ``get_tokenizer`` with the Hub offline.
@@ -148,6 +149,56 @@ def test_topk_prompt_logprobs_are_the_trainers(trained):
     assert last.topk_prompt_logprobs[-2:] == rows[-2:]
 
 
+def test_target_prompt_logprobs_are_the_trainers_dense_and_sparse(trained):
+    tc, sampler = trained
+    prompt, params = types.ModelInput.from_ints(PROMPT), types.SamplingParams(max_tokens=1)
+    dist = distributions(tc, [PROMPT[:i] for i in range(1, len(PROMPT))])  # row i-1: position i
+    ids = np.array([[PROMPT[i + 1], (7 * i) % VOCAB, -1] for i in range(len(PROMPT) - 1)], dtype=np.int64)
+    ids[2] = [-1, -1, VOCAB - 1]
+    want = np.where(ids >= 0, np.take_along_axis(dist, np.maximum(ids, 0), axis=1), 0.0)
+
+    res = sampler.sample(prompt, 1, params, target_prompt_logprobs=types.TensorData.from_numpy(ids)).result()
+    got = res.target_prompt_logprobs
+    assert got is not None and got.sparse_crow_indices is None and got.shape == list(ids.shape)
+    np.testing.assert_allclose(got.to_numpy(), want, rtol=RTOL, atol=0)
+
+    import torch
+
+    # sparse: only the listed cells ask (pad -1 leaves the -1 cells out); the answer keeps the layout
+    sparse = types.TensorData.from_torch_sparse(torch.from_numpy(ids), pad_value=-1)
+    res = sampler.sample(prompt, 1, params, target_prompt_logprobs=sparse).result()
+    got = res.target_prompt_logprobs
+    assert got.sparse_crow_indices == sparse.sparse_crow_indices
+    assert got.sparse_col_indices == sparse.sparse_col_indices
+    np.testing.assert_allclose(got.to_numpy(), want, rtol=RTOL, atol=0)
+
+
+def test_prompt_alt_tokens_are_draws_with_the_trainers_logprobs(trained):
+    tc, sampler = trained
+    prompt, k = types.ModelInput.from_ints(PROMPT), 4
+    dist = distributions(tc, [PROMPT[:i] for i in range(1, len(PROMPT))])
+
+    greedy = types.SamplingParams(max_tokens=2, temperature=0, stop=[])
+    alt = sampler.sample(prompt, 1, greedy, prompt_alt_tokens_k=k).result().prompt_alt_tokens
+    assert alt is not None
+    tokens, lps = alt.tokens.to_numpy(), alt.logprobs.to_numpy()
+    assert tokens.shape == lps.shape == (len(PROMPT) - 1, k)
+    assert (tokens == dist.argmax(axis=1)[:, None]).all()  # greedy: the argmax, k times
+    np.testing.assert_allclose(lps, np.take_along_axis(dist, tokens, axis=1), rtol=RTOL, atol=0)
+
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, stop=[], seed=5)
+    plain = sampler.sample(prompt, 2, params).result()
+    with_alt = sampler.sample(prompt, 2, params, prompt_alt_tokens_k=k).result()
+    again = sampler.sample(prompt, 2, params, prompt_alt_tokens_k=k).result()
+    # the draws have their own generator: the samples are those of the request without them
+    assert [s.tokens for s in with_alt.sequences] == [s.tokens for s in plain.sequences]
+    tokens = with_alt.prompt_alt_tokens.tokens.to_numpy()
+    assert (tokens == again.prompt_alt_tokens.tokens.to_numpy()).all()  # the seed fixes them
+    assert ((tokens >= 0) & (tokens < VOCAB)).all() and len(np.unique(tokens)) > 1
+    lps = with_alt.prompt_alt_tokens.logprobs.to_numpy()
+    np.testing.assert_allclose(lps, np.take_along_axis(dist, tokens, axis=1), rtol=RTOL, atol=0)
+
+
 def test_string_stops_end_at_the_completing_token_across_token_boundaries(trained, tokenizer_dir):
     from transformers import AutoTokenizer
 
@@ -189,10 +240,34 @@ def test_refused_options_name_their_field(trained):
         ({"sampling_params": types.SamplingParams(max_tokens=2, stop=[""])}, "sampling_params.stop"),
         ({"sampling_params": types.SamplingParams(max_tokens=2), "topk_sample_logprobs": VOCAB + 1}, "topk_sample"),
         ({"sampling_params": types.SamplingParams(max_tokens=2), "topk_prompt_logprobs": -1}, "topk_prompt"),
+        ({"sampling_params": types.SamplingParams(max_tokens=2), "prompt_alt_tokens_k": VOCAB + 1}, "prompt_alt"),
     ):
         with pytest.raises(tinker.APIStatusError) as excinfo:
             sampler.sample(prompt, 1, **kwargs).result()
         assert excinfo.value.status_code == 400 and field in str(excinfo.value), (field, excinfo.value)
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        (types.TensorData(data=[1, 2, 3, 4, 5, 6], dtype="int64", shape=[3, 2]), "shape [3, 2]"),
+        (types.TensorData(data=[1] * 129, dtype="int64", shape=[1, 129]), "1 <= K <= 128"),
+        (types.TensorData(data=[1, VOCAB], dtype="int64", shape=[1, 2]), f"id {VOCAB} at [0, 1]"),
+        (types.TensorData(data=[1, -2], dtype="int64", shape=[1, 2]), "id -2 at [0, 1]"),
+        (
+            types.TensorData(data=[1], dtype="int64", shape=[1, 2], sparse_crow_indices=[0, 2], sparse_col_indices=[0]),
+            "sparse_crow_indices",
+        ),
+    ],
+)
+def test_a_bad_target_prompt_logprobs_names_the_field(trained, target, says):
+    _, sampler = trained
+    with pytest.raises(tinker.APIStatusError) as excinfo:
+        sampler.sample(
+            types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=1), target_prompt_logprobs=target
+        ).result()
+    assert excinfo.value.status_code == 400
+    assert "target_prompt_logprobs" in str(excinfo.value) and says in str(excinfo.value), excinfo.value
 
 
 def test_get_tokenizer_loads_the_served_directory_offline(trained, tokenizer_dir, monkeypatch):
