@@ -94,12 +94,17 @@ def test_relu2_mlp_has_no_gate_and_is_counted() -> None:
     torch.testing.assert_close(mlp(x), want.T, rtol=1e-12, atol=1e-12)
 
 
-def test_parallel_checks_name_a_mixer_without_a_plan() -> None:
+def test_parallel_checks_name_a_mixer_without_a_plan_and_split_mamba2_rows() -> None:
     from harts.parallel.context_parallel import check_context_parallel
     from harts.parallel.tensor_parallel import check_tensor_parallel
 
     cfg = harts.HybridConfig.tiny(layer_pattern="SA", num_experts=0, first_k_dense_replace=0)
     with pytest.raises(UserError, match=r"--tp 2: tensor parallelism does not split Mamba-2 SSD layers \(S\)"):
         check_tensor_parallel(cfg, 2)
-    with pytest.raises(UserError, match=r"--cp 2: context parallelism does not split Mamba-2 SSD layers \(S\)"):
-        check_context_parallel(cfg, 2)
+    check_context_parallel(cfg, 2)  # rows, not weights: the conv's channels and the SSD's heads split
+    mamba = harts.HybridConfig.tiny(layer_pattern="S", num_experts=0, first_k_dense_replace=0)
+    with pytest.raises(UserError, match=r"--cp 8 does not divide the model's 4 Mamba-2 heads"):
+        check_context_parallel(mamba, 8)
+    odd = mamba.replace(mamba_head_dim=5, mamba_n_groups=1, ssm_state_size=1)  # 4 x 5 + 2 x 1 channels
+    with pytest.raises(UserError, match=r"--cp 4 does not divide the model's 22 Mamba-2 conv channels"):
+        check_context_parallel(odd, 4)

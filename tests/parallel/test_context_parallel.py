@@ -2,7 +2,8 @@
 
 float64, adversarial rollout trees (forks at, next to and inside linear-attention chunks,
 chains of state handoffs; ``tests/models/_trees.py``), a model with every mixer (KDA, GDN,
-MLA, gated GQA with fewer key-value heads than some CP degrees) and MoE layers. Per-token
+MLA, gated GQA with fewer key-value heads than some CP degrees) and MoE layers, and a
+Nemotron-H-shaped one (Mamba-2, attention, relu2 MLP and MoE layers). Per-token
 log-probs of every microbatch, the step's loss and MoE objective, the expert counts and every
 parameter gradient (gathered from the shards) must equal the one-process step's to 1e-10
 relative, alone and composed with FSDP2 data parallelism and expert parallelism.
@@ -43,6 +44,24 @@ def _model(moe: bool = True) -> HybridLM:
     return HybridLM(cfg, seed=3)
 
 
+def _nemotron(moe: bool = True) -> HybridLM:
+    # Nemotron-H's layout: Mamba-2, attention, relu2 MLP and MoE each a layer of its own; 4 SSD
+    # heads in 2 groups and 64 conv channels (CP4 splits both), 4 query / 2 key-value heads
+    cfg = HybridConfig.tiny(
+        dtype="float64",
+        vocab_size=256,
+        layer_pattern="S-S-A-S",
+        ffn_pattern="-E-D-D-" if moe else "-D-D-D-",
+        hidden_act="relu2",
+        first_k_dense_replace=0,
+        **({} if moe else {"num_experts": 0}),
+    )
+    return HybridLM(cfg, seed=3)
+
+
+MODELS = {"every mixer": _model, "nemotron": _nemotron}
+
+
 def _batch():
     return mixed_batch(8, vocab=256, seed=5)
 
@@ -79,11 +98,20 @@ def _step(model: HybridLM, replicas: int, state=None, recompute: bool = False, *
     }
 
 
-def _parallel(dp: int, ep: int, cp: int, moe: bool, recompute: bool, tp: int = 1, opts: dict | None = None) -> dict:
+def _parallel(
+    dp: int,
+    ep: int,
+    cp: int,
+    moe: bool,
+    recompute: bool,
+    tp: int = 1,
+    opts: dict | None = None,
+    family: str = "every mixer",
+) -> dict:
     import torch.distributed as dist
 
     state = init_parallel(ParallelConfig(dp=dp, ep=ep, cp=cp, tp=tp), "cpu", 4 if moe else 0)
-    model = parallelize(_model(moe), state)
+    model = parallelize(MODELS[family](moe), state)
     got = _step(model, dp * ep, state, recompute, **(opts or {}))
     from harts.parallel.tensor_parallel import tensor_parallel_parameters
 
@@ -176,6 +204,22 @@ def test_more_ranks_than_devices_is_refused_before_anything_is_built():
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(UserError, match=rf"{have + 1} ranks on this host .* this host has {have}"):
         check_local_devices(have + 1)
+
+
+@pytest.mark.parametrize(
+    "dp, ep, cp, recompute",
+    [
+        pytest.param(1, 1, 2, False, id="CP2"),
+        pytest.param(1, 1, 4, False, id="CP4"),
+        pytest.param(1, 2, 2, True, id="EP2xCP2-recompute", marks=pytest.mark.slow),
+    ],
+)
+def test_mamba2_hybrids_under_context_parallelism_equal_one_process(tmp_path, dp, ep, cp, recompute):
+    """Nemotron-H's layers (Mamba-2 only, attention only, MLP only, MoE only): the conv's
+    channels (with its bias) and the SSD's heads split over the group, the gated group norm on
+    the local rows."""
+    got = spawn(dp * ep * cp, _parallel, dp, ep, cp, True, recompute, 1, None, "nemotron", tmp=str(tmp_path))
+    _check(got, _step(_nemotron(True), dp * ep, recompute=recompute), True)
 
 
 def test_cp_degree_must_divide_heads_and_channels():

@@ -134,6 +134,16 @@ def _core_flops(c: HybridConfig) -> tuple[float, float]:
     return 0.0, h * (2 * b * n + 2 * b * p + 4 * n * p)
 
 
+def _cp_divisors(c: HybridConfig, tp: int) -> list[tuple[str, int, str]]:
+    """The SSD's heads (q / k repeated from the groups to the heads first) and the conv's x, B, C
+    channels; ``tp`` is 1 (no tensor-parallel plan)."""
+    h = c.mamba_num_heads
+    return [
+        ("Mamba-2 heads (mamba_num_heads)", h, "divides"),
+        ("Mamba-2 conv channels", h * c.mamba_head_dim + 2 * c.mamba_n_groups * c.ssm_state_size, "divides"),
+    ]
+
+
 SPEC = MixerSpec(
     letter="S",
     family="linear",
@@ -147,10 +157,11 @@ SPEC = MixerSpec(
     core_flops=_core_flops,
     attention_dims=lambda c: None,
     # in_proj's [z | x B C | dt] rows are not one block per head, so no column split gives each
-    # rank whole heads: no tensor- or context-parallel plan (check_tensor_parallel /
-    # check_context_parallel refuse the layer kind by name)
+    # rank whole heads: no tensor-parallel plan (check_tensor_parallel refuses the layer kind by
+    # name). Context parallelism splits rows, not weights: the conv by channels and the SSD by
+    # heads, as for GDN
     tp_plan=None,
     tp_divisors=lambda c: [],
-    cp_divisors=None,
+    cp_divisors=_cp_divisors,
     lora_targets=all_linears,
 )
