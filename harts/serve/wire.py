@@ -518,6 +518,13 @@ def prompt_target_ids(
         raise WireError(
             f"{field}: shape {shape}; expected [len(prompt) - 1, K] = [{rows}, K] with 1 <= K <= {max_columns}"
         )
+    # ids outside [-1, vocab_size) are refused below; here a fraction, or an integer too large for
+    # int64, before numpy would truncate or overflow it
+    for j, x in enumerate(td.data):
+        if not (isinstance(x, int) or (isinstance(x, float) and x.is_integer())) or abs(x) >= 2**62:
+            raise WireError(
+                f"{field}: value {x!r} at flat index {j} is not a token id (an integer in [-1, {vocab_size}))"
+            )
     data = np.asarray(td.data, dtype=np.int64)
     layout: tuple[np.ndarray, np.ndarray] | None = None
     if td.sparse_crow_indices is not None or td.sparse_col_indices is not None:
