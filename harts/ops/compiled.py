@@ -39,7 +39,7 @@ static (``mark_static``). One graph serves every row count; each distinct featur
 layout gets its own specialised graph (a handful per function). ``HARTS_COMPILE_DYNAMIC=all``
 restores ``dynamic=True`` (every size symbolic) for comparison.
 
-If compiling fails on this torch / device, the function runs eagerly from then on, with a
+If compiling fails on this torch / device, the function runs eagerly from then on, with a one-line
 warning that says why (training goes on, at the eager speed). That catches failures in the
 forward only: a backward graph that fails to compile fails in ``loss.backward()``.
 
@@ -53,6 +53,7 @@ initial type fp32 but is re-assigned to fp64"), where the fallback above cannot 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 from collections.abc import Callable
@@ -70,11 +71,33 @@ __all__ = [
     "dynamic_setting",
     "env_opt_in",
     "env_switch",
+    "failure_summary",
     "mark_row_dynamic",
     "run_row_bounded",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: the most characters of a failure a fallback warning quotes
+SUMMARY_CHARS = 300
+
+
+def failure_summary(exc: BaseException) -> str:
+    """One line for a warning about a fallback: ``Type: first line`` of ``exc`` and of each
+    exception it was raised from (``__cause__``, a compiler wrapper's ``inner_exception``), at
+    most ``SUMMARY_CHARS``. A compiler's failure quotes its whole command line and output,
+    hundreds of lines; that text goes to the ``harts`` logger at DEBUG level instead."""
+    logging.getLogger("harts").debug("the whole failure behind a fallback: %r", exc)
+    parts: list[str] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        first = next((line.strip() for line in str(cur).splitlines() if line.strip()), "")
+        parts.append(f"{type(cur).__name__}: {first}" if first else type(cur).__name__)
+        cur = cur.__cause__ or getattr(cur, "inner_exception", None)
+    text = " <- ".join(parts)
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 3] + "..."
 
 
 #: floating-point dtypes that ``cuda_compiled`` compiles for (float64 runs eagerly: module
@@ -219,7 +242,7 @@ def cuda_compiled(
         except (torch.OutOfMemoryError, RowMismatchError):
             raise
         except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, say why
-            warnings.warn(f"compiling {fn.__name__} failed ({exc!r}); running it eagerly", stacklevel=2)
+            warnings.warn(f"compiling {fn.__name__} failed ({failure_summary(exc)}); running it eagerly", stacklevel=2)
             compiled[0] = fn
             return fn(*args, **kwargs)
 

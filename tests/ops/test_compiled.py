@@ -384,3 +384,58 @@ def test_dynamic_setting_names_a_bad_value(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("HARTS_COMPILE_DYNAMIC", "some")
     with pytest.raises(ValueError, match="'some'"):
         dynamic_setting()
+
+
+def test_a_compiler_failure_is_one_line_with_its_chain_and_the_whole_text_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A compiler's failure quotes its command and output (hundreds of lines): the fallback
+    warning names each exception of the chain by its first line, within ``SUMMARY_CHARS``; the
+    whole text goes to the ``harts`` logger at DEBUG."""
+    import logging
+
+    from harts.ops.compiled import SUMMARY_CHARS, failure_summary
+
+    class CppCompileError(RuntimeError):
+        pass
+
+    class BackendCompilerFailed(RuntimeError):
+        def __init__(self, inner: BaseException) -> None:
+            super().__init__("backend='inductor' raised:\n" + str(inner))
+            self.inner_exception = inner
+
+    output = "C++ compile error\n\nCommand:\ng++ x.cpp -L/a path/torch/lib\n" + "warning: noise\n" * 500
+    output += "/usr/bin/ld: cannot find path/torch/lib: No such file or directory"
+    with caplog.at_level(logging.DEBUG, logger="harts"):
+        line = failure_summary(BackendCompilerFailed(CppCompileError(output)))
+    assert "\n" not in line and len(line) <= SUMMARY_CHARS
+    assert line == "BackendCompilerFailed: backend='inductor' raised: <- CppCompileError: C++ compile error"
+    assert "cannot find path/torch/lib" in caplog.text  # the whole failure, for whoever asks
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError as err:
+            raise ValueError("x" * 1000) from err
+    except ValueError as chained:
+        long = failure_summary(chained)
+    assert len(long) == SUMMARY_CHARS and long.endswith("...") and long.startswith("ValueError: xxx")
+    assert failure_summary(RuntimeError()) == "RuntimeError"
+
+
+def test_the_block_mask_builder_falls_back_with_a_one_line_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import harts.ops.attention.tree_mask as tree_mask
+
+    def broken(kv_block: int = 128):  # noqa: ANN202
+        def run(pre: torch.Tensor, end: torch.Tensor) -> None:
+            raise RuntimeError("C++ compile error\n" + "noise\n" * 200)
+
+        return run
+
+    monkeypatch.setattr(tree_mask, "_compiled_block_mask", broken)
+    pre, end = torch.tensor([0, 1, 2, 3]), torch.tensor([4, 2, 3, 4])
+    with pytest.warns(UserWarning) as record:
+        mask = tree_mask.tree_block_mask(pre, end)
+    (warning,) = [w for w in record if "block-mask builder failed" in str(w.message)]
+    text = str(warning.message)
+    assert "\n" not in text and len(text) < 400 and "(RuntimeError: C++ compile error)" in text
+    assert mask is not None

@@ -56,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from harts.ops.attention.core import attend, check_qkv
 from harts.ops.attention.flex_tiles import HOPPER_SHARED_MEMORY, flex_tiles
 from harts.ops.attention.host_block_mask import host_block_mask
+from harts.ops.compiled import failure_summary
 from harts.ops.registry import FLEX_BACKENDS
 
 __all__ = [
@@ -212,7 +213,8 @@ def _host_block_mask_or_none(  # noqa: ANN202
         import warnings
 
         warnings.warn(
-            f"building the FlexAttention BlockMask on the host failed ({exc!r}); building it on the device",
+            f"building the FlexAttention BlockMask on the host failed ({failure_summary(exc)}); building it on the "
+            "device",
             stacklevel=3,
         )
         return None
@@ -257,7 +259,10 @@ def tree_block_mask(tree_pre: torch.Tensor, tree_end: torch.Tensor, kv_block: in
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, say why
         import warnings
 
-        warnings.warn(f"compiled FlexAttention block-mask builder failed ({exc!r}); building it eagerly", stacklevel=2)
+        warnings.warn(
+            f"compiled FlexAttention block-mask builder failed ({failure_summary(exc)}); building it eagerly",
+            stacklevel=2,
+        )
         return _build_block_mask(tree_pre, tree_end, kv_block)
 
 
