@@ -24,7 +24,13 @@ import pytest
 import torch
 
 from tests.ops._triton import check_here_or_interpreted
-from tests.ops.test_tree_kernel_interpreted import _device, _interpreter_single_config, _rel, tails_on_chunk_subsets
+from tests.ops.test_tree_kernel_interpreted import (
+    _device,
+    _interpreter_single_config,
+    _rel,
+    linked_rounds,
+    tails_on_chunk_subsets,
+)
 
 pytest.importorskip("fla", reason="needs fla-core (pip install harts[gpu])")
 
@@ -162,48 +168,10 @@ def check_tree_op_plain() -> None:
 
 
 def check_linked_plain() -> None:
-    """Two linked rounds (the second starts from the first's exported and final states) as one
-    op on ``_PLAIN`` against the reference run round by round with the states handed over."""
-    _interpreter_single_config()
+    """``linked_rounds`` on ``_PLAIN``."""
     import harts.ops.linear_attn.tree_kernel as tk
-    from harts.ops.linear_attn.chunk import chunk_linear_attn
 
-    rounds = [([130, 64], [-1, -1], [(0, 64), (0, 128), (1, 64)], [0, 1, 2]), ([70, 65, 1], [0, 1, 2], [], [])]
-    dev = _device()
-    x64 = _inputs(sum(sum(r[0]) for r in rounds), seed=3)
-    ref = [t.clone().requires_grad_() for t in x64]
-    outs, states, at = [], {}, 0
-    for lengths, init, req, ids in rounds:
-        n = sum(lengths)
-        part = [t[at : at + n] for t in ref]
-        at += n
-        h0 = torch.stack([states[s] if s >= 0 else torch.zeros(2, 16, 16, dtype=torch.float64) for s in init])
-        o, _, got = chunk_linear_attn(
-            *part,
-            None,
-            cu_seqlens=torch.tensor([0, *np.cumsum(lengths)]),
-            initial_state=h0,
-            chunk_size=64,
-            state_requests=torch.tensor(req, dtype=torch.int64).reshape(-1, 2),
-            rule="plain",
-        )
-        states.update({s: got[j] for j, s in enumerate(ids)})
-        outs.append(o)
-    o_r = torch.cat(outs)
-    plan = tk.plan_linked_rounds(
-        [
-            (np.concatenate([[0], np.cumsum(a)]), np.asarray(b), np.asarray(c).reshape(-1, 2), np.asarray(d))
-            for a, b, c, d in rounds
-        ],
-        64,
-    )
-    assert plan is not None
-    meta = tk._linked_device(plan, dev)
-    leaves = [t.float().to(dev).requires_grad_() for t in x64]
-    o = tk._LinkedKDA.apply(*(t[None].contiguous() for t in leaves), None, meta, 16**-0.5, 64, tk._PLAIN)[0]
-    w = torch.randn(o_r.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    g_ref = torch.autograd.grad((o_r * w).sum(), ref)
-    g_out = torch.autograd.grad((o.double() * w.to(dev)).sum(), leaves)
+    o, g_out, o_r, g_ref = linked_rounds(tk._PLAIN, _inputs(330, seed=3), rule="plain")
     for name, a, b in zip(["o", "dq", "dk", "dv", "dg"], [o, *g_out], [o_r, *g_ref], strict=True):
         assert b.abs().max() > 0, name
         assert _rel(a, b) < TOL, f"{name}: relative error {_rel(a, b):.2e}"

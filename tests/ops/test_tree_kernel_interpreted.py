@@ -107,16 +107,18 @@ def check_tree_op_gdn() -> None:
         assert _rel(a, b) < 1e-4, f"{name}: relative error {_rel(a, b):.2e}"
 
 
-def check_linked_gdn() -> None:
+def linked_rounds(kernels, x64: list[torch.Tensor], rule: str = "delta"):  # noqa: ANN001, ANN201
     """Two linked rounds (the second starts from the first's exported and final states) as one
-    op on ``_GDN`` against the reference run round by round with the states handed over."""
+    op on ``kernels`` and the reference run round by round with the states handed over, over
+    the float64 inputs ``x64`` (q, k, v, g and, for the delta rule, beta; 330 rows, 2 heads of
+    16): (the op's output, its input gradients, the reference's output, its gradients)."""
     _interpreter_single_config()
     import harts.ops.linear_attn.tree_kernel as tk
     from harts.ops.linear_attn.chunk import chunk_linear_attn
 
+    no_beta = [None] if rule == "plain" else []
     rounds = [([130, 64], [-1, -1], [(0, 64), (0, 128), (1, 64)], [0, 1, 2]), ([70, 65, 1], [0, 1, 2], [], [])]
     dev = _device()
-    x64 = _inputs(sum(sum(r[0]) for r in rounds), seed=3)
     ref = [t.clone().requires_grad_() for t in x64]
     outs, states, at = [], {}, 0
     for lengths, init, req, ids in rounds:
@@ -126,10 +128,12 @@ def check_linked_gdn() -> None:
         h0 = torch.stack([states[s] if s >= 0 else torch.zeros(2, 16, 16, dtype=torch.float64) for s in init])
         o, _, got = chunk_linear_attn(
             *part,
+            *no_beta,
             cu_seqlens=torch.tensor([0, *np.cumsum(lengths)]),
             initial_state=h0,
             chunk_size=64,
             state_requests=torch.tensor(req, dtype=torch.int64).reshape(-1, 2),
+            rule=rule,
         )
         states.update({s: got[j] for j, s in enumerate(ids)})
         outs.append(o)
@@ -144,10 +148,18 @@ def check_linked_gdn() -> None:
     assert plan is not None
     meta = tk._linked_device(plan, dev)
     leaves = [t.float().to(dev).requires_grad_() for t in x64]
-    o = tk._LinkedKDA.apply(*(t[None].contiguous() for t in leaves), meta, 16**-0.5, 64, tk._GDN)[0]
+    o = tk._LinkedKDA.apply(*(t[None].contiguous() for t in leaves), *no_beta, meta, 16**-0.5, 64, kernels)[0]
     w = torch.randn(o_r.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     g_ref = torch.autograd.grad((o_r * w).sum(), ref)
     g_out = torch.autograd.grad((o.double() * w.to(dev)).sum(), leaves)
+    return o, g_out, o_r, g_ref
+
+
+def check_linked_gdn() -> None:
+    """``linked_rounds`` on ``_GDN``."""
+    import harts.ops.linear_attn.tree_kernel as tk
+
+    o, g_out, o_r, g_ref = linked_rounds(tk._GDN, _inputs(330, seed=3))
     for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], [o, *g_out], [o_r, *g_ref], strict=True):
         assert _rel(a, b) < 1e-4, f"{name}: relative error {_rel(a, b):.2e}"
 

@@ -15,8 +15,8 @@ from harts.models.config import HybridConfig
 from harts.models.hybrid_lm import HybridLM
 from harts.rl.grpo import per_logprob
 from harts.rollout.decode import extend, new_branch
-from harts.rollout.sampler import SamplingConfig, generate
 from harts.tree.batch import RolloutBatch
+from tests.rollout.test_sampler import sampled_tree
 
 HYBRID = dict(
     dtype="float64",
@@ -56,33 +56,6 @@ def _model(name: str) -> HybridLM:
     return model
 
 
-def _tree(model: HybridLM) -> RolloutBatch:
-    """A prompt of 11 tokens, 3 sampled turns, an observation each, 2 sampled turns per
-    observation: paths of more than 3 chunks, forks mid-chunk, old_logprobs the sampler's."""
-    gen = torch.Generator().manual_seed(3)
-    prompt = list(range(1, 12))
-    (root,) = extend(model, [new_branch(model)], [prompt])
-    kids, first = generate(model, root.fork(3), SamplingConfig(max_tokens=6), gen)
-    obs = [[20, 21, 22, 23, 24], [25], [26, 27, 28]]
-    grand = []
-    for b, o in zip(kids, obs):
-        grand += extend(model, [b], [o])[0].fork(2)
-    grand, second = generate(model, grand, SamplingConfig(max_tokens=9), gen)
-    # a root's lists: one value per predicted token (its first token is predicted by nothing)
-    n = len(prompt) - 1
-    nodes = [{"id": "p", "parent": None, "tokens": prompt, "action_mask": [False] * n, "logprobs": [0.0] * n}]
-    for i, (turn, o) in enumerate(zip(first, obs)):
-        nodes.append({"id": f"a{i}", "parent": "p", "tokens": turn.tokens, "logprobs": turn.logprobs})
-        nodes.append({"id": f"o{i}", "parent": f"a{i}", "tokens": o, "action_mask": [False] * len(o)})
-        for j in range(2):
-            t = second[2 * i + j]
-            nodes.append({"id": f"b{i}{j}", "parent": f"o{i}", "tokens": t.tokens, "logprobs": t.logprobs})
-    for node in nodes:
-        node.setdefault("action_mask", [True] * len(node["tokens"]))
-        node.setdefault("logprobs", [0.0] * len(node["tokens"]))
-    return RolloutBatch.from_tree(nodes)
-
-
 def _gap(model: HybridLM, batch: RolloutBatch, mode: str) -> float:
     """Largest |training log-prob - sampler log-prob| over the action tokens."""
     with torch.no_grad():
@@ -95,7 +68,7 @@ def _gap(model: HybridLM, batch: RolloutBatch, mode: str) -> float:
 def test_sampled_logprobs_equal_the_training_forward(name: str) -> None:
     model = _model(name)
     assert "S" in model.config.layer_pattern
-    batch = _tree(model)
+    batch = sampled_tree(model)
     assert batch.num_trajectories == 6 and batch.lengths.max() > 3 * model.config.chunk_size
     for mode in ("compact", "trajectory"):
         assert _gap(model, batch, mode) < 1e-9, mode
@@ -105,7 +78,7 @@ def test_the_check_sees_a_wrong_ssd_skip() -> None:
     """The same check fails once the decoder and the forward differ (the D skip changed after
     sampling), so the equality above is not vacuous."""
     model = _model("nemotron_h")
-    batch = _tree(model)
+    batch = sampled_tree(model)
     with torch.no_grad():
         model.layers[0].mamba.D.add_(1e-3)
     assert _gap(model, batch, "compact") > 1e-7

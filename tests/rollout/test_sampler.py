@@ -30,11 +30,10 @@ def _gap(model: HybridLM, batch: RolloutBatch, mode: str) -> float:
     return float(np.abs(lp[act] - per_logprob(batch, batch.old_logprobs)[act]).max())
 
 
-@pytest.mark.parametrize("mode", ["compact", "trajectory"])
-def test_sampled_tree_logprobs_equal_training_forward_float64(mode: str) -> None:
-    """A hand-grown tree whose paths cross several linear-attention chunks (chunk 8) and forks
-    inside a chunk: every sampled token's log-prob equals the training forward's to 1e-9."""
-    model = _model(vocab=32)
+def sampled_tree(model: HybridLM, stop_tokens: tuple[int, ...] = ()) -> RolloutBatch:
+    """A hand-grown tree: a prompt of 11 tokens, 3 sampled turns, an observation each, 2 sampled
+    turns per observation (``stop_tokens`` ending those); paths that cross several
+    linear-attention chunks at chunk 8, forks inside a chunk, old log-probs the sampler's."""
     gen = torch.Generator().manual_seed(3)
     prompt = list(range(1, 12))
     (root,) = extend(model, [new_branch(model)], [prompt])
@@ -43,7 +42,7 @@ def test_sampled_tree_logprobs_equal_training_forward_float64(mode: str) -> None
     grand = []
     for b, o in zip(kids, obs):
         grand += extend(model, [b], [o])[0].fork(2)
-    grand, second = generate(model, grand, SamplingConfig(max_tokens=9, stop_tokens=(5,)), gen)
+    grand, second = generate(model, grand, SamplingConfig(max_tokens=9, stop_tokens=stop_tokens), gen)
     # one value per predicted token: the root's lists are one shorter than its tokens
     nodes = [{"id": "p", "parent": None, "tokens": prompt, "action_mask": [False] * (len(prompt) - 1)}]
     nodes[0]["logprobs"] = [0.0] * (len(prompt) - 1)
@@ -56,7 +55,14 @@ def test_sampled_tree_logprobs_equal_training_forward_float64(mode: str) -> None
     for n in nodes:
         n.setdefault("action_mask", [True] * len(n["tokens"]))
         n.setdefault("logprobs", [0.0] * len(n["tokens"]))
-    batch = RolloutBatch.from_tree(nodes)
+    return RolloutBatch.from_tree(nodes)
+
+
+@pytest.mark.parametrize("mode", ["compact", "trajectory"])
+def test_sampled_tree_logprobs_equal_training_forward_float64(mode: str) -> None:
+    """``sampled_tree``: every sampled token's log-prob equals the training forward's to 1e-9."""
+    model = _model(vocab=32)
+    batch = sampled_tree(model, stop_tokens=(5,))
     assert batch.num_trajectories == 6 and batch.lengths.max() > 3 * model.config.chunk_size
     assert _gap(model, batch, mode) < 1e-9
 
